@@ -1,0 +1,1 @@
+"""raggedspec conformance suite: spec examples, reference properties, reference-vs-port."""
