@@ -1,0 +1,304 @@
+"""SingleCache / KvCache / NormalCache (cache-and-draft.md §3).
+
+Expected values come from the spec's examples or from brute-force oracles written here
+(a dict of absolute position -> last written value, and the spec's growth formula)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.cache import (
+    CACHE_GROW_SIZE,
+    WINDOW_COMPACTION,
+    KvCache,
+    NormalCache,
+    SingleCache,
+    window_target_first_cached,
+)
+from reference.errors import CacheRefusal
+
+
+def cols(values, d=1):
+    """A [1, 1, n, d] block whose column j holds values[j] (in every feature)."""
+    v = np.asarray(values, dtype=np.float64)
+    return np.repeat(v[None, None, :, None], d, axis=3)
+
+
+def live_values(sc):
+    return list(sc.current_data()[0, 0, :, 0])
+
+
+# --- §3 examples -------------------------------------------------------------------------
+
+def test_capacity_16_current_16_append_1_grows_to_528():
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(16)))
+    assert (sc.capacity_seq_len, sc.current_seq_len) == (16, 16)
+    sc.append(cols([99]))
+    assert sc.capacity_seq_len == 528
+    assert sc.data.shape[2] == 528
+    assert live_values(sc) == list(range(16)) + [99]  # old buffer copied to column 0
+
+
+def test_window_target_first_cached_example():
+    assert window_target_first_cached(300, 144) == 128
+
+
+@pytest.mark.parametrize("length,retain,expected", [
+    (0, 144, 0), (143, 144, 0), (271, 144, 0), (272, 144, 128), (400, 8, 384), (136, 8, 128), (135, 8, 0),
+])
+def test_window_target_first_cached_by_hand(length, retain, expected):
+    # over = sat(len - retain); result = over - over % 128, worked by hand.
+    assert window_target_first_cached(length, retain) == expected
+
+
+@given(st.integers(0, 5000), st.integers(0, 700))
+def test_window_target_keeps_at_least_retain_and_is_128_aligned(length, retain):
+    got = window_target_first_cached(length, retain)
+    # brute force: the largest multiple of 128 not above sat(len - retain)
+    oracle = max(m for m in range(0, max(length - retain, 0) + 1, WINDOW_COMPACTION))
+    assert got == oracle
+    assert got % 128 == 0 and length - got >= min(length, retain)
+
+
+# --- try_set_len / set_len ----------------------------------------------------------------
+
+def test_try_set_len_refuses_past_the_capacity():
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(5)))
+    with pytest.raises(CacheRefusal, match="exceeds current capacity") as e:
+        sc.try_set_len(17)
+    assert "17" in str(e.value) and "16" in str(e.value)
+    assert sc.current_seq_len == 5
+    sc.try_set_len(16)  # exactly the capacity is fine
+
+
+def test_try_set_len_refuses_below_the_retained_window():
+    sc = windowed_filled(retain=8, n=300)
+    assert sc.first_cached == 256
+    with pytest.raises(CacheRefusal, match="below this slot's retained window") as e:
+        sc.set_len(255)
+    assert "255" in str(e.value) and "256" in str(e.value)
+    assert sc.current_seq_len == 300
+    sc.set_len(256)  # the base itself is fine
+    assert sc.physical == 0
+
+
+def test_set_len_grows_back_into_stale_capacity():
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(100, 110)))
+    buf = sc.data
+    sc.set_len(4)
+    assert live_values(sc) == [100, 101, 102, 103]
+    sc.set_len(10)  # touches no tensor: the stale columns come back
+    assert sc.data is buf
+    assert live_values(sc) == list(range(100, 110))
+    sc.set_len(16)  # up to the capacity, zeros never written
+    assert live_values(sc) == list(range(100, 110)) + [0] * 6
+
+
+def test_reset_keeps_capacity_and_drops_data():
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(20)))
+    sc.reset()
+    assert (sc.current_seq_len, sc.first_cached, sc.data, sc.capacity_seq_len) == (0, 0, None, 528)
+
+
+# --- append: preallocation, layout, growth --------------------------------------------------
+
+def test_preallocation_is_reused_while_the_layout_matches():
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(3), d=2))
+    buf = sc.data
+    sc.set_len(0)
+    sc.append(cols([7], d=2))
+    assert sc.data is buf
+    assert live_values(sc) == [7]
+
+
+def test_preallocation_is_rebuilt_while_empty_when_the_layout_changes():
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(3), d=2))
+    sc.set_len(0)
+    sc.append(cols([7], d=3))
+    assert sc.data.shape == (1, 1, 16, 3)
+    assert live_values(sc) == [7]
+    sc.set_len(0)
+    sc.append(cols([8], d=3).astype(np.float32))
+    assert sc.data.dtype == np.float32
+
+
+@pytest.mark.parametrize("other", [cols([1], d=3), cols([1], d=2).astype(np.float32), np.zeros((2, 1, 1, 2))])
+def test_a_layout_change_mid_sequence_is_refused(other):
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
+    sc.append(cols(range(3), d=2))
+    with pytest.raises(CacheRefusal, match="layout changed mid-sequence"):
+        sc.append(other)
+    assert sc.current_seq_len == 3 and sc.data.shape == (1, 1, 16, 2)
+
+
+@pytest.mark.parametrize("cap,first,second,expected", [
+    (512, 512, 1, 1024),    # shortfall 1 -> one block
+    (512, 0, 1100, 1536),   # shortfall 588 -> two blocks, not 1100
+    (16, 10, 7, 528),       # shortfall 1
+    (16, 0, 529, 1040),     # shortfall 513 -> two blocks
+])
+def test_append_grows_by_whole_512_blocks(cap, first, second, expected):
+    sc = SingleCache(max_seq_len=4096, capacity_seq_len=cap)
+    sc.append(cols(range(first)))
+    sc.append(cols(range(1000, 1000 + second)))
+    assert sc.capacity_seq_len == expected
+    assert expected == cap + -(-(first + second - cap) // CACHE_GROW_SIZE) * 512
+    assert live_values(sc) == list(range(first)) + list(range(1000, 1000 + second))
+
+
+def test_growth_above_max_seq_len_is_refused():
+    sc = SingleCache(max_seq_len=1000, capacity_seq_len=512)
+    sc.append(cols(range(500)))
+    with pytest.raises(CacheRefusal, match="above max_seq_len") as e:
+        sc.append(cols(range(13)))
+    assert "1024" in str(e.value) and "1000" in str(e.value)
+    assert (sc.current_seq_len, sc.capacity_seq_len) == (500, 512)
+
+
+# --- windowed store (retain 8) ------------------------------------------------------------
+
+def windowed_filled(retain, n):
+    sc = SingleCache(max_seq_len=100_000, capacity_seq_len=512, retain_window=retain)
+    for p in range(n):
+        sc.append(cols([p]))
+    return sc
+
+
+def test_windowed_store_retain_8_keeps_the_right_tail_and_base():
+    retain = 8
+    sc = SingleCache(max_seq_len=100_000, capacity_seq_len=512, retain_window=retain)
+    expected_base = 0
+    narrowed = 0
+    for p in range(700):
+        before = sc.current_seq_len
+        sc.append(cols([p]))
+        # the spec's order: eviction target from the length BEFORE this write
+        over = max(before - retain, 0)
+        target = over - over % 128
+        if target > expected_base:
+            expected_base = target
+            narrowed += 1
+            assert sc.capacity_seq_len == retain + 128
+        assert sc.first_cached == expected_base
+        assert sc.current_seq_len == p + 1
+        assert sc.physical >= min(sc.current_seq_len, retain)       # never fewer than retain rows
+        assert live_values(sc) == list(range(sc.first_cached, p + 1))  # written at physical, not current
+    assert narrowed >= 4 and sc.first_cached > 0  # the fixture crossed the threshold (D12)
+
+
+def test_windowed_store_evicts_before_a_large_write():
+    sc = windowed_filled(retain=8, n=140)
+    assert sc.first_cached == 128
+    sc.append(cols(range(140, 440)))  # 300 at once: evict (to wtfc(140,8)=128), then grow
+    assert sc.first_cached == 128
+    assert live_values(sc) == list(range(128, 440))
+    assert sc.capacity_seq_len == 136 + 512
+
+
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=25), st.integers(1, 40))
+def test_windowed_store_matches_a_brute_force_window(sizes, retain):
+    sc = SingleCache(max_seq_len=100_000, capacity_seq_len=16, retain_window=retain)
+    base, n = 0, 0
+    for s in sizes:
+        over = max(n - retain, 0)
+        base = max(base, over - over % 128)
+        sc.append(cols(range(n, n + s)))
+        n += s
+        assert sc.first_cached == base
+        assert live_values(sc) == list(range(base, n))
+        assert sc.physical >= min(n, retain)
+
+
+# --- brute-force oracle for plain slots --------------------------------------------------
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(0, 700)),
+    st.tuples(st.just("set_len"), st.integers(0, 1600)),
+    st.tuples(st.just("reset"), st.just(0)),
+), min_size=1, max_size=12)
+
+
+@given(ops, st.sampled_from([16, 512]))
+def test_plain_slot_matches_a_brute_force_oracle(program, cap0):
+    sc = SingleCache(max_seq_len=2048, capacity_seq_len=cap0)
+    written: dict[int, float] = {}
+    cap, cur, counter = cap0, 0, 0
+    for op, arg in program:
+        if op == "append":
+            vals = list(range(counter, counter + arg))
+            counter += arg
+            need = cur + arg
+            grown = cap if need <= cap else cap + -(-(need - cap) // 512) * 512
+            if grown > 2048:
+                with pytest.raises(CacheRefusal, match="above max_seq_len"):
+                    sc.append(cols(vals))
+                continue
+            sc.append(cols(vals))
+            cap = grown
+            for j, v in enumerate(vals):
+                written[cur + j] = v
+            cur += arg
+        elif op == "set_len":
+            if arg > cap:
+                with pytest.raises(CacheRefusal, match="exceeds current capacity"):
+                    sc.set_len(arg)
+                continue
+            sc.set_len(arg)
+            cur = arg
+        else:
+            sc.reset()
+            cur, written = 0, {}
+        assert (sc.current_seq_len, sc.capacity_seq_len) == (cur, cap)
+        if sc.data is not None:
+            assert live_values(sc) == [written.get(p, 0) for p in range(cur)]
+
+
+# --- KvCache / NormalCache -----------------------------------------------------------------
+
+def test_kv_cache_appends_and_sets_both_halves_and_reads_k():
+    kv = KvCache.new_normal(4096, capacity=16)
+    kv.append(cols(range(5)), cols(range(100, 105)))
+    assert kv.current_seq_len == 5 == kv.v.current_seq_len
+    kv.set_len(3)
+    assert (kv.k.current_seq_len, kv.v.current_seq_len) == (3, 3)
+    with pytest.raises(CacheRefusal, match="exceeds current capacity"):
+        kv.set_len(17)
+    assert (kv.k.current_seq_len, kv.v.current_seq_len) == (3, 3)
+    kv.k.current_seq_len = 7  # length is read from k
+    assert kv.current_seq_len == 7
+    assert kv.supports_per_sequence_len(False) and kv.kind == "Normal"
+
+
+def test_kv_cache_set_len_is_all_or_nothing():
+    kv = KvCache.new_normal(4096, capacity=16)
+    kv.append(cols(range(5)), cols(range(5)))
+    kv.v.capacity_seq_len = 4  # only v would refuse
+    with pytest.raises(CacheRefusal):
+        kv.set_len(5)
+    assert kv.k.current_seq_len == 5
+
+
+def test_new_plain_builds_n_normal_slots_of_capacity_512():
+    nc = NormalCache.new_plain(3, 4096)
+    assert len(nc.slots) == 3
+    assert all(s.kind == "Normal" and s.k.capacity_seq_len == 512 and s.v.capacity_seq_len == 512
+               and s.k.max_seq_len == 4096 for s in nc.slots)
+    nc.slots[0].append(cols(range(4)), cols(range(4)))
+    assert nc.current_seq_len == 4  # layer 0's length
+    assert NormalCache.new_plain(0, 10).current_seq_len == 0
+
+
+def test_clone_is_deep():
+    nc = NormalCache.new_plain(1, 4096)
+    nc.slots[0].append(cols(range(4)), cols(range(4)))
+    cp = nc.clone()
+    cp.slots[0].k.data[0, 0, 0, 0] = 77
+    cp.slots[0].set_len(1)
+    assert nc.slots[0].k.data[0, 0, 0, 0] == 0 and nc.current_seq_len == 4
