@@ -8,6 +8,7 @@ masks-and-scheduling.md §2, §11).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from reference.errors import DispatchRefusal, require
 
@@ -43,3 +44,214 @@ def uniform_seqlen_offset(offsets: Sequence[int]) -> int | None:
         return None
     first = int(offsets[0])
     return first if all(int(o) == first for o in offsets) else None
+
+
+# --- §6 hidden-state capture -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaptureOffsets:
+    """Absolute position of column 0 of a captured `[B,T,hidden]` block: one shared element,
+    or one per row (cache-and-draft.md §6.1).
+
+    Invariant: a one-element vector describes *every* row (and every batch width); a longer
+    one describes exactly its own width. Empty is representable (describes only b == 0,
+    and no row), but `resolve_capture_offsets` never builds it.
+    """
+
+    values: tuple[int, ...]
+
+    def __init__(self, values: Sequence[int]) -> None:
+        vals = tuple(int(v) for v in values)
+        require(all(v >= 0 for v in vals), f"capture offsets {list(vals)} must be >= 0")
+        object.__setattr__(self, "values", vals)
+
+    def row(self, r: int) -> int | None:
+        """Row r's offset: `values[0]` for any r when there is one element (r >= B
+        included); otherwise `values[r]`, None when out of range."""
+        require(r >= 0, f"row {r} must be >= 0")
+        if len(self.values) == 1:
+            return self.values[0]
+        return self.values[r] if r < len(self.values) else None
+
+    def describes(self, b: int) -> bool:
+        """True iff the vector covers a batch of b rows: length 1 or exactly b."""
+        return len(self.values) == 1 or len(self.values) == b
+
+
+def resolve_capture_offsets(offsets: Sequence[int]) -> CaptureOffsets:
+    """The capture's offsets in their scalar form whenever possible (§6.2): empty -> `[0]`;
+    every element equal to the first -> `[first]`; otherwise the vector verbatim. A uniform
+    batch therefore never builds the per-row vector, and `row(r)` is the old
+    `first().unwrap_or(0)`. Refuses nothing."""
+    vals = [int(o) for o in offsets]
+    if not vals:
+        return CaptureOffsets([0])
+    if all(v == vals[0] for v in vals):
+        return CaptureOffsets([vals[0]])
+    return CaptureOffsets(vals)
+
+
+class MtpHiddenCapture:
+    """The target's pre-norm hidden-state capture slot (§6.3).
+
+    Invariant: nothing is stored while disarmed; a store *overwrites* the slot with
+    `(resolve_capture_offsets(offsets), h)`; `take` returns the slot and leaves it empty.
+    `arm()` models `mtp_decode_kit()` handing out the kit. Refuses nothing.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self._slot: tuple[CaptureOffsets, object] | None = None
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def store(self, start: int, h) -> None:
+        """`store_rows([start], h)`."""
+        self.store_rows([start], h)
+
+    def store_rows(self, offsets: Sequence[int], h) -> None:
+        """No-op while disarmed; else overwrite the slot."""
+        if self.armed:
+            self._slot = (resolve_capture_offsets(offsets), h)
+
+    def take(self) -> tuple[CaptureOffsets, object] | None:
+        """The slot's content (None when empty); the slot is cleared."""
+        slot, self._slot = self._slot, None
+        return slot
+
+    def clear(self) -> None:
+        self._slot = None
+
+
+# --- §8.2 per-row cache lengths -----------------------------------------------------------
+
+
+def resolve_row_cache_lens(enabled: bool, cache_len: int, lead_pad: Sequence[int]) -> list[int] | None:
+    """Each row's own committed-KV length `C - lead_i`, or None for the scalar dispatch
+    (cache-and-draft.md §8.2).
+
+    None when `not enabled` or every lead is 0 (empty counts as all-zero). Refuses (in this
+    order) a lead wider than C ("wider than" ... "disagree") and a batch in which no lead is
+    0 ("every row carries a dead prefix", nobody at the "shared end column"): a left-aligned
+    cohort always has its widest row at column C.
+    """
+    require(cache_len >= 0, f"cache_len {cache_len} must be >= 0")
+    leads = [int(l) for l in lead_pad]
+    require(all(l >= 0 for l in leads), f"lead_pad {leads} must be >= 0")
+    if not enabled or all(l == 0 for l in leads):
+        return None
+    wide = [(i, l) for i, l in enumerate(leads) if l > cache_len]
+    if wide:
+        i, l = wide[0]
+        raise DispatchRefusal(
+            f"row {i}'s lead pad {l} is wider than the batched cache_len {cache_len}: "
+            f"lead_pad {leads} and the cache disagree")
+    if min(leads) != 0:
+        raise DispatchRefusal(
+            f"every row carries a dead prefix (lead_pad {leads}, cache_len {cache_len}): "
+            f"no row ends at the shared end column, so this is not a left-aligned cohort")
+    return [cache_len - l for l in leads]
+
+
+# --- §9 draft groups -----------------------------------------------------------------------
+
+
+def resolve_ragged_chain_starts(starts: Sequence[int]) -> list[int] | None:
+    """The per-row chain starts of a draft group, or None for the scalar chain (§9.4):
+    None when empty or all equal, else the whole slice. Refuses nothing."""
+    vals = [int(s) for s in starts]
+    if not vals or all(v == vals[0] for v in vals):
+        return None
+    return vals
+
+
+def resolve_draft_leads(enabled: bool, starts: Sequence[int]) -> list[int] | None:
+    """Draft-group left-alignment leads `max(starts) - start_i`, or None for the uniform
+    `batch_draft_caches` path (§9.5).
+
+    None when `not enabled` (the same `per_seq_advance` that gates `ragged_row_q0`, the only
+    thing that masks these zero columns), when empty, or when every start equals the max.
+    Refuses nothing.
+    """
+    vals = [int(s) for s in starts]
+    if not enabled or not vals:
+        return None
+    top = max(vals)
+    if all(v == top for v in vals):
+        return None
+    return [top - v for v in vals]
+
+
+def chain_start_of(cache_len: int, u: int) -> int:
+    """`C_i + u - 2 = L - 2`: the absolute position of the pair `(h_{L-2}, tok_{L-1})` whose
+    target hidden seeds the chain (§1, §9.1). Malformed (ValueError) when `C_i + u < 2`,
+    which `plan_step_window` already excludes."""
+    require(cache_len >= 0 and u >= 0, f"cache_len {cache_len} and u {u} must be >= 0")
+    require(cache_len + u >= 2, f"cache_len {cache_len} + u {u} < 2 has no chain start")
+    return cache_len + u - 2
+
+
+def draft_group_key(u: int, cache_len: int, carries_per_row: bool) -> tuple[int, int]:
+    """`(u, 0)` when the chain carries per-row positions, else `(u, chain_start_of(C_i, u))`
+    (§9.1). The flag is load-bearing: the scalar chain runs at one start, so dropping the
+    start from the scalar key would silently starve rows whose seed sits elsewhere."""
+    if carries_per_row:
+        require(u >= 0, f"u {u} must be >= 0")
+        return (u, 0)
+    return (u, chain_start_of(cache_len, u))
+
+
+def draft_groups(uncached: Sequence[int], cache_lens: Sequence[int], may_draft: Sequence[bool],
+                 w: int, per_seq_advance: bool) -> dict[tuple[int, int], list[int]]:
+    """Partition the drafting rows into batched chain groups (§9.1).
+
+    Row i is included iff `u_i < w` and `may_draft[i]`, keyed by
+    `draft_group_key(u_i, cache_lens[i], per_seq_advance)`. Keys ascending, rows ascending.
+    Invariant: per-row keys give at most `w` (= depth + 1) groups at any batch size; scalar
+    keys put only rows with one chain start in a group. Malformed: unequal lengths.
+    """
+    n = len(uncached)
+    require(len(cache_lens) == n and len(may_draft) == n,
+            f"uncached ({n}), cache_lens ({len(cache_lens)}) and may_draft ({len(may_draft)}) "
+            f"must have one entry per row")
+    require(w >= 1, f"window w {w} must be >= 1")
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(n):
+        u = int(uncached[i])
+        if u < w and may_draft[i]:
+            groups.setdefault(draft_group_key(u, int(cache_lens[i]), per_seq_advance), []).append(i)
+    return {k: groups[k] for k in sorted(groups)}
+
+
+# --- §10.1 / masks §12 -----------------------------------------------------------------------
+
+
+def draft_step_end_column(start_pos: Sequence[int], b: int, cached: int) -> int:
+    """The one shared end column of an MTP draft step: `max(start_pos)` (§10.1).
+
+    Refuses (DispatchRefusal): an empty vector ("given no absolute position at all"); a
+    length neither 1 nor b ("{n} absolute position(s) for a batch of {b}"); a draft cache
+    whose length is not `max(start_pos)` ("MTP draft KV desync ... left-aligned").
+    """
+    require(b >= 0 and cached >= 0, f"b {b} and cached {cached} must be >= 0")
+    pos = [int(p) for p in start_pos]
+    if not pos:
+        raise DispatchRefusal(f"the MTP draft step was given no absolute position at all (batch of {b})")
+    if len(pos) != 1 and len(pos) != b:
+        raise DispatchRefusal(f"{len(pos)} absolute position(s) for a batch of {b}: {pos}")
+    end = max(pos)
+    if cached != end:
+        raise DispatchRefusal(
+            f"MTP draft KV desync: cache holds {cached} entries but the step's rows end at "
+            f"absolute position {end} (start_pos {pos}); a ragged group must be left-aligned "
+            f"so every row ends at the cache's end column")
+    return end
+
+
+def ragged_row_q0(offsets: Sequence[int], per_seq_kv: bool) -> list[int] | None:
+    """`Dsv4AttentionConfig::row_q0`: the seqlen offsets when `ARC_MTP_PER_SEQ_KV` is on
+    (latched; `per_seq_kv`), else None (masks §12). A uniform vector is passed through here;
+    `resolve_ragged_rows` filters it back to None. Refuses nothing."""
+    return [int(o) for o in offsets] if per_seq_kv else None

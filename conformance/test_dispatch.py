@@ -1,0 +1,347 @@
+"""Dispatch resolvers: each returns the scalar (pre-change) representation for a uniform
+batch and the per-row form otherwise. Two paths that agree bit-for-bit are told apart only
+by testing the predicate (cache-and-draft.md §6, §8.2, §9, §10.1, §14; masks §2, §11, §12)."""
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.strategies import lead_pads, ragged_lengths, uniform_lengths
+from reference.dispatch import (
+    CaptureOffsets,
+    MtpHiddenCapture,
+    chain_start_of,
+    draft_group_key,
+    draft_groups,
+    draft_step_end_column,
+    ragged_row_q0,
+    resolve_capture_offsets,
+    resolve_draft_leads,
+    resolve_ragged_chain_starts,
+    resolve_ragged_rows,
+    resolve_row_cache_lens,
+    uniform_seqlen_offset,
+)
+from reference.errors import DispatchRefusal
+
+# --- masks §2: resolve_ragged_rows ---------------------------------------------------------
+
+
+def test_resolve_ragged_rows_table():
+    assert resolve_ragged_rows(None, 12, 3) is None
+    assert resolve_ragged_rows([7, 7, 7, 7], 7, 4) is None
+    assert resolve_ragged_rows([12, 10, 7], 12, 3) == [12, 10, 7]
+    with pytest.raises(DispatchRefusal, match="per-row query positions for a batch of") as e:
+        resolve_ragged_rows([6, 4], 6, 3)
+    assert "2" in str(e.value) and "3" in str(e.value)
+    with pytest.raises(DispatchRefusal, match="AHEAD of the batch") as e:
+        resolve_ragged_rows([7, 4, 2], 6, 3)
+    assert "7" in str(e.value)
+    with pytest.raises(DispatchRefusal, match="no row sits at the batch's shared end column") as e:
+        resolve_ragged_rows([5, 4, 2], 6, 3)
+    assert "6" in str(e.value)
+
+
+def test_a_uniform_batch_never_reaches_the_ragged_path():
+    # empty and a uniform vector of the WRONG length are filtered before the width check
+    assert resolve_ragged_rows([], 9, 3) is None
+    assert resolve_ragged_rows([9, 9], 9, 3) is None
+    assert resolve_ragged_rows([9], 9, 1) is None
+
+
+def test_resolve_ragged_rows_check_order():
+    # width is checked before "ahead": a wrong-width vector with a row ahead is a width refusal
+    with pytest.raises(DispatchRefusal, match="for a batch of"):
+        resolve_ragged_rows([9, 4], 6, 3)
+    # "ahead" is checked before "no row at the end"
+    with pytest.raises(DispatchRefusal, match="AHEAD"):
+        resolve_ragged_rows([7, 5, 5], 6, 3)
+    # a row exactly at q0 is not ahead (> not >=)
+    assert resolve_ragged_rows([6, 5, 5], 6, 3) == [6, 5, 5]
+
+
+@given(lengths=ragged_lengths(min_rows=1, max_rows=8))
+def test_resolve_ragged_rows_dispatch_property(lengths):
+    q0 = max(lengths)
+    got = resolve_ragged_rows(lengths, q0, len(lengths))
+    if len(set(lengths)) == 1:
+        assert got is None
+    else:
+        assert got == lengths
+
+
+# --- masks §11: uniform_seqlen_offset --------------------------------------------------------
+
+
+def test_uniform_seqlen_offset_examples():
+    assert uniform_seqlen_offset([]) is None
+    assert uniform_seqlen_offset([7]) == 7
+    assert uniform_seqlen_offset([5, 5, 5]) == 5
+    assert uniform_seqlen_offset([6, 4, 2]) is None
+    assert uniform_seqlen_offset([10, 7]) is None
+    assert uniform_seqlen_offset([0, 0]) == 0
+
+
+# --- §6 capture --------------------------------------------------------------------------------
+
+
+def test_the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_do_not():
+    one = CaptureOffsets([12])
+    assert [one.row(r) for r in range(4)] == [12, 12, 12, 12]
+    assert one.row(99) == 12  # r >= B still answers for a one-element vector
+    assert one.describes(4) and one.describes(1) and one.describes(0)
+    per_row = CaptureOffsets([12, 9, 11])
+    assert per_row.row(0) == 12 and per_row.row(1) == 9 and per_row.row(2) == 11
+    assert per_row.row(3) is None
+    assert per_row.describes(3)
+    assert not per_row.describes(4) and not per_row.describes(2) and not per_row.describes(1)
+    assert resolve_capture_offsets([12, 12, 12, 12]).values == (12,)
+    empty = resolve_capture_offsets([])
+    assert empty.values == (0,) and empty.row(0) == 0
+    assert resolve_capture_offsets([12, 9, 11]).values == (12, 9, 11)
+    # a vector that agrees except for one row is kept whole
+    assert resolve_capture_offsets([12, 12, 11]).values == (12, 12, 11)
+
+
+def test_mtp_hidden_capture_stores_only_while_armed_and_take_clears():
+    cap = MtpHiddenCapture()
+    h = np.arange(6.0).reshape(1, 2, 3)
+    cap.store(5, h)
+    assert not cap.armed and cap.take() is None
+    cap.arm()
+    assert cap.armed
+    cap.store(5, h)
+    offsets, got = cap.take()
+    assert offsets == CaptureOffsets([5]) and got is h
+    assert cap.take() is None  # take clears
+    cap.store_rows([10, 8, 5], h)
+    h2 = np.zeros((3, 1, 3))
+    cap.store_rows([7, 7, 7], h2)  # overwrites, and collapses a uniform vector
+    offsets, got = cap.take()
+    assert offsets.values == (7,) and got is h2
+    cap.store_rows([10, 8, 5], h)
+    offsets, _ = cap.take()
+    assert [offsets.row(r) for r in range(3)] == [10, 8, 5]
+    cap.store(3, h)
+    cap.clear()
+    assert cap.take() is None
+
+
+# --- §8.2 per-row cache lengths ----------------------------------------------------------------
+
+
+def test_a_uniform_batch_never_reaches_the_per_row_step_arithmetic():
+    assert resolve_row_cache_lens(True, 40, [0, 0, 0, 0]) is None
+    assert resolve_row_cache_lens(True, 40, []) is None
+
+
+def test_the_per_row_step_arithmetic_is_opt_in():
+    assert resolve_row_cache_lens(False, 40, [0, 7, 0, 3]) is None
+    assert resolve_row_cache_lens(True, 40, [0, 7, 0, 3]) == [40, 33, 40, 37]
+
+
+def test_a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name():
+    with pytest.raises(DispatchRefusal) as e:
+        resolve_row_cache_lens(True, 10, [0, 12])
+    assert "wider than" in str(e.value) and "disagree" in str(e.value)
+    assert "12" in str(e.value) and "10" in str(e.value)
+    with pytest.raises(DispatchRefusal) as e:
+        resolve_row_cache_lens(True, 10, [2, 3])
+    assert "every row" in str(e.value) and "end column" in str(e.value)
+    # the width refusal comes first even when no lead is 0
+    with pytest.raises(DispatchRefusal, match="wider than"):
+        resolve_row_cache_lens(True, 10, [2, 11])
+    # a lead of exactly C is not wider than C
+    assert resolve_row_cache_lens(True, 10, [0, 10]) == [10, 0]
+
+
+@given(leads=lead_pads(min_rows=1, max_rows=8, max_lead=20), extra=st.integers(0, 30))
+def test_resolve_row_cache_lens_dispatch_property(leads, extra):
+    c = max(leads) + extra
+    got = resolve_row_cache_lens(True, c, leads)
+    if all(l == 0 for l in leads):
+        assert got is None
+    else:
+        assert got == [c - l for l in leads]
+    assert resolve_row_cache_lens(False, c, leads) is None
+
+
+# --- §9 draft groups ------------------------------------------------------------------------------
+
+
+def test_a_uniform_draft_group_never_reaches_the_ragged_chain_path():
+    assert resolve_ragged_chain_starts([40, 40, 40]) is None
+    assert resolve_ragged_chain_starts([40]) is None
+    assert resolve_ragged_chain_starts([]) is None
+    assert resolve_ragged_chain_starts([40, 33, 40]) == [40, 33, 40]  # the whole slice
+
+
+def test_the_draft_leads_are_the_distance_to_the_groups_widest_row():
+    assert resolve_draft_leads(True, [40, 33, 37, 40]) == [0, 7, 3, 0]
+    assert resolve_draft_leads(True, [40, 40, 40]) is None
+    assert resolve_draft_leads(False, [40, 33]) is None
+    assert resolve_draft_leads(True, []) is None
+    assert resolve_draft_leads(True, [7, 4, 6]) == [0, 3, 1]  # §9.7 / §17.3 group
+    assert resolve_draft_leads(True, [11, 9]) == [0, 2]  # §16 PerSequence example
+
+
+def test_the_group_key_and_the_per_row_chain_start_are_the_same_expression():
+    for c in (2, 3, 40, 4096):
+        for u in range(1, 5):
+            assert draft_group_key(u, c, False) == (u, chain_start_of(c, u))
+            assert chain_start_of(c, u) == c + u - 2  # = L - 2 with L = C + u
+            assert draft_group_key(u, c, True) == (u, 0)
+
+
+def test_chain_start_of_needs_a_pair_to_seed_from():
+    assert chain_start_of(0, 2) == 0 and chain_start_of(1, 1) == 0
+    with pytest.raises(ValueError):
+        chain_start_of(0, 1)
+
+
+def test_the_draft_group_partition_stops_collapsing_once_the_rows_carry_their_own_positions():
+    mixed = [1, 2, 1, 3, 2, 1, 4, 1]
+    w = 5
+    shared = [40] * 8
+    yes = [True] * 8
+    for flag in (False, True):
+        groups = draft_groups(mixed, shared, yes, w, flag)
+        assert len(groups) == 4
+        assert sorted(i for rows in groups.values() for i in rows) == list(range(8))
+    own = [40, 33, 37, 31, 39, 35, 30, 38]
+    assert len(draft_groups([1] * 8, own, yes, w, False)) == 8
+    assert draft_groups([1] * 8, own, yes, w, True) == {(1, 0): list(range(8))}
+    assert len(draft_groups(mixed, own, yes, w, False)) == 8
+    per_row = draft_groups(mixed, own, yes, w, True)
+    assert per_row == {(1, 0): [0, 2, 5, 7], (2, 0): [1, 4], (3, 0): [3], (4, 0): [6]}
+
+
+def test_a_sequence_that_may_not_draft_is_in_no_draft_group():
+    assert draft_groups([1, 1, 1], [10, 10, 10], [True, True, True], 3, False) == {(1, 9): [0, 1, 2]}
+    assert draft_groups([1, 1, 1], [10, 10, 10], [True, False, True], 3, False) == {(1, 9): [0, 2]}
+    assert draft_groups([1, 1, 1], [10, 10, 10], [False, False, False], 3, False) == {}
+    assert draft_groups([3], [10], [True], 3, False) == {}  # u == w has no draft slot
+
+
+def test_the_worked_examples_group_their_rows():
+    # §16 cohort example: C=10, u=[1,2] -> (1,9)=[A], (2,10)=[B]
+    assert draft_groups([1, 2], [10, 10], [True, True], 4, False) == {(1, 9): [0], (2, 10): [1]}
+    # §16 PerSequence example: own lengths [12,10], u=[1,1] -> one group, starts [11,9]
+    assert draft_groups([1, 1], [12, 10], [True, True], 4, True) == {(1, 0): [0, 1]}
+    assert [chain_start_of(c, 1) for c in (12, 10)] == [11, 9]
+
+
+def test_draft_group_keys_and_rows_are_ascending():
+    groups = draft_groups([3, 1, 2, 1], [10, 10, 10, 10], [True] * 4, 4, True)
+    assert list(groups) == [(1, 0), (2, 0), (3, 0)]
+    assert groups[(1, 0)] == [1, 3]
+
+
+@given(data=st.data())
+def test_per_row_keys_never_exceed_depth_plus_one_groups(data):
+    depth = data.draw(st.integers(0, 8))
+    w = depth + 1
+    b = data.draw(st.integers(1, 256))
+    rng = random.Random(data.draw(st.integers(0, 2**32)))  # wide rows drawn cheaply
+    u = [rng.randint(1, w) for _ in range(b)]
+    lens = [rng.randint(0, 5000) for _ in range(b)]
+    may = [rng.random() < 0.8 for _ in range(b)]
+    groups = draft_groups(u, lens, may, w, True)
+    assert len(groups) <= depth + 1
+    members = sorted(i for rows in groups.values() for i in rows)
+    assert members == [i for i in range(b) if u[i] < w and may[i]]  # brute-force membership
+    for (key_u, key_c), rows in groups.items():
+        assert key_c == 0 and all(u[i] == key_u for i in rows) and rows == sorted(rows)
+
+
+@given(data=st.data())
+def test_scalar_keys_put_one_chain_start_in_each_group(data):
+    w = data.draw(st.integers(1, 9))
+    b = data.draw(st.integers(1, 64))
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    u = [rng.randint(1, w) for _ in range(b)]
+    lens = [rng.randint(1, 60) for _ in range(b)]
+    may = [rng.random() < 0.8 for _ in range(b)]
+    groups = draft_groups(u, lens, may, w, False)
+    members = sorted(i for rows in groups.values() for i in rows)
+    assert members == [i for i in range(b) if u[i] < w and may[i]]
+    for (key_u, key_start), rows in groups.items():
+        assert {lens[i] + u[i] - 2 for i in rows} == {key_start}
+        assert {u[i] for i in rows} == {key_u}
+        assert all(key_start == chain_start_of(lens[i], u[i]) for i in rows)
+
+
+# --- §10.1 / masks §12 ------------------------------------------------------------------------------
+
+
+def test_the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_layout():
+    assert draft_step_end_column([7], 1, 7) == 7
+    assert draft_step_end_column([7], 4, 7) == 7
+    assert draft_step_end_column([7, 4, 6], 3, 7) == 7
+    assert draft_step_end_column([4, 7, 6], 3, 7) == 7  # the maximum, not row 0
+    with pytest.raises(DispatchRefusal) as e:
+        draft_step_end_column([7], 1, 6)
+    msg = str(e.value)
+    assert "desync" in msg and "6" in msg and "7" in msg and "left-aligned" in msg
+    with pytest.raises(DispatchRefusal, match="desync") as e:
+        draft_step_end_column([7, 4, 6], 3, 6)
+    with pytest.raises(DispatchRefusal, match="desync"):
+        draft_step_end_column([7, 4, 6], 3, 4)  # min is refused too
+    with pytest.raises(DispatchRefusal, match="desync"):
+        draft_step_end_column([7, 9], 2, 7)
+    with pytest.raises(DispatchRefusal, match=r"2 absolute position\(s\) for a batch of 3"):
+        draft_step_end_column([7, 4], 3, 7)
+    with pytest.raises(DispatchRefusal, match=r"4 absolute position\(s\) for a batch of 3"):
+        draft_step_end_column([7, 7, 7, 7], 3, 7)
+    with pytest.raises(DispatchRefusal, match="given no absolute position at all"):
+        draft_step_end_column([], 1, 0)
+
+
+def test_a_stale_start_on_an_empty_draft_cache_is_a_desync():
+    # masks §22 smoke test: a stale start of 137 on an empty cache -> "desync"
+    with pytest.raises(DispatchRefusal, match="desync"):
+        draft_step_end_column([137], 1, 0)
+
+
+def test_ragged_row_q0_is_opt_in():
+    assert ragged_row_q0([10, 8, 5], False) is None
+    assert ragged_row_q0([10, 8, 5], True) == [10, 8, 5]
+    # a uniform vector passes through; attention's resolve_ragged_rows filters it back to None
+    assert ragged_row_q0([9, 9], True) == [9, 9]
+    assert resolve_ragged_rows(ragged_row_q0([9, 9], True), 9, 2) is None
+
+
+# --- §14: every resolver returns the scalar form for a uniform batch -------------------------------
+
+
+@given(lengths=uniform_lengths(min_rows=1, max_rows=16, min_len=2, max_len=500))
+def test_every_resolver_returns_the_scalar_form_for_a_uniform_batch(lengths):
+    b, v = len(lengths), lengths[0]
+    cap = resolve_capture_offsets(lengths)
+    assert cap.values == (v,) and all(cap.row(r) == v for r in range(b + 2))
+    assert resolve_ragged_chain_starts(lengths) is None
+    assert resolve_draft_leads(True, lengths) is None
+    assert resolve_row_cache_lens(True, v, [0] * b) is None
+    assert resolve_ragged_rows(lengths, v, b) is None
+    assert uniform_seqlen_offset(lengths) == v
+    assert draft_step_end_column(lengths, b, v) == v
+    assert len(draft_groups([1] * b, lengths, [True] * b, 4, False)) == 1
+
+
+@given(lengths=ragged_lengths(min_rows=2, max_rows=16, min_len=2, max_len=500, force_ragged=True))
+def test_every_resolver_returns_the_per_row_form_for_a_ragged_batch(lengths):
+    b, top = len(lengths), max(lengths)
+    cap = resolve_capture_offsets(lengths)
+    assert cap.values == tuple(lengths) and [cap.row(r) for r in range(b)] == lengths
+    assert cap.row(b) is None
+    assert resolve_ragged_chain_starts(lengths) == lengths
+    leads = [top - n for n in lengths]
+    assert resolve_draft_leads(True, lengths) == leads
+    assert resolve_draft_leads(False, lengths) is None
+    assert resolve_row_cache_lens(True, top, leads) == lengths
+    assert resolve_ragged_rows(lengths, top, b) == lengths
+    assert uniform_seqlen_offset(lengths) is None
+    assert draft_step_end_column(lengths, b, top) == top
