@@ -1,0 +1,235 @@
+"""Scenarios (reference/scenario.py) and acceptance models / token oracles
+(reference/acceptance.py): loading, overrides, validation messages, and the integer,
+batch-independent acceptance randomness the simulator relies on."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.acceptance import (AllAccept, AllReject, FileStream, Geometric, Heterogeneous, ModelOracle,
+                                  Profile, key_hash, threshold)
+from reference.scenario import Request, ScenarioError, load_scenario, parse_acceptance
+from reference.step import verify_proposed
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_defaults_load_and_round_trip_through_to_dict():
+    sc = load_scenario()
+    assert sc.batch == 8 and sc.depth == 3 and sc.w == 4
+    assert (sc.advance, sc.world, sc.admission, sc.strip) == ("cohort", "W0", "refuse", "eager")
+    assert sc.per_seq_kv is False and sc.xs_per_seq is False and sc.max_draft_kv_seqs == 64
+    assert load_scenario(sc.to_dict()) == sc
+    assert load_scenario(json.loads(json.dumps(sc.to_dict()))) == sc
+
+
+def test_toml_and_json_files_load_the_same_scenario(tmp_path):
+    toml = tmp_path / "s.toml"
+    toml.write_text('batch = 3\ndepth = 2\nprompt_len = [4, 9]\nacceptance = "profile:0.74,0.54,0.41"\n'
+                    '[model]\nvocab = 32\n')
+    js = tmp_path / "s.json"
+    js.write_text(json.dumps({"batch": 3, "depth": 2, "prompt_len": [4, 9], "model": {"vocab": 32},
+                              "acceptance": {"model": "profile", "p": [0.74, 0.54, 0.41]}}))
+    a, b = load_scenario(toml), load_scenario(js)
+    assert a == b
+    assert a.acceptance.p == (0.74, 0.54, 0.41) and a.model == {"vocab": 32}
+    assert all(4 <= r.prompt_len <= 9 for r in a.requests)
+
+
+def test_the_generator_is_seeded_and_staggers_arrivals():
+    a = load_scenario({"batch": 20, "prompt_len": [1, 50], "max_new_tokens": [5, 9], "seed": 7,
+                       "arrival": "staggered", "stagger": 3})
+    b = load_scenario({"batch": 20, "prompt_len": [1, 50], "max_new_tokens": [5, 9], "seed": 7,
+                       "arrival": "staggered", "stagger": 3})
+    c = load_scenario({"batch": 20, "prompt_len": [1, 50], "max_new_tokens": [5, 9], "seed": 8})
+    assert a.requests == b.requests and a.requests != c.requests
+    assert [r.arrival for r in a.requests] == [3 * i for i in range(20)]
+    assert len({r.prompt_len for r in a.requests}) > 5
+
+
+def test_explicit_requests_and_overrides():
+    sc = load_scenario({"requests": [{"prompt_len": 5, "max_new_tokens": 7},
+                                     {"prompt_len": 6, "max_new_tokens": 8, "arrival": 2, "may_draft": False}]},
+                       ["depth=5", "model.vocab=16", 'world="WB"'])
+    assert sc.requests == (Request(5, 7, 0, True), Request(6, 8, 2, False))
+    assert sc.depth == 5 and sc.model == {"vocab": 16} and sc.world == "WB"
+    sc2 = load_scenario(None, {"batch": 2, "acceptance": "geometric:0.5", "acceptance.p": [0.25]})
+    assert sc2.batch == 2 and sc2.acceptance.p == (0.25,)
+
+
+def test_per_sequence_advance_sets_the_flag_it_stands_for():
+    assert load_scenario({"advance": "per-sequence"}).per_seq_kv is True
+    assert load_scenario({"advance": "cohort"}).per_seq_kv is False
+
+
+@pytest.mark.parametrize("data, key, words", [
+    ({"bogus": 1}, "bogus", "unknown key"),
+    ({"batch": 0}, "batch", "1..="),
+    ({"depth": 9}, "depth", "0..=8"),
+    ({"depth": -1}, "depth", "0..=8"),
+    ({"prompt_len": -3}, "prompt_len", ">= 1"),
+    ({"prompt_len": [9, 4]}, "prompt_len", "low <= high"),
+    ({"max_new_tokens": 0}, "max_new_tokens", ">= 1"),
+    ({"max_seq_len": 1}, "max_seq_len", ">= 2"),
+    ({"advance": "ragged"}, "advance", "cohort, per-sequence"),
+    ({"world": "W9"}, "world", "W0, WA, WB"),
+    ({"strip": "sometimes"}, "strip", "eager, lazy, none"),
+    ({"admission": "yes"}, "admission", "refuse, grant"),
+    ({"per_seq_kv": True}, "per_seq_kv", "advance"),
+    ({"xs_per_seq": "1"}, "xs_per_seq", "true or false"),
+    ({"steps": 0}, "steps", "1..="),
+    ({"requests": [{"prompt_len": 4}], "batch": 2}, "batch", "explicit requests list"),
+    ({"requests": [{"prompt_len": 0}]}, "requests[0].prompt_len", "1..="),
+    ({"requests": [{"prompt_len": 4, "colour": 1}]}, "requests[0].colour", "unknown key"),
+    ({"acceptance": "geometric:1.5"}, "acceptance.p", "[0, 1]"),
+    ({"acceptance": "sometimes"}, "acceptance.model", "geometric"),
+    ({"acceptance": {"model": "file"}}, "acceptance.path", "JSON path"),
+    ({"model": {"layers": 3}}, "model.layers", "unknown key"),
+    ({"model": {"vocab": 1}}, "model.vocab", ">= 2"),
+    ({"max_draft_kv_seqs": 0}, "max_draft_kv_seqs", ">= 1"),
+])
+def test_a_bad_scenario_names_the_key_and_the_allowed_range(data, key, words):
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(data)
+    assert f"'{key}'" in str(err.value) and words in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_a_missing_file_is_a_scenario_error(tmp_path):
+    with pytest.raises(ScenarioError, match="does not exist"):
+        load_scenario(tmp_path / "nope.toml")
+
+
+def test_acceptance_shorthands():
+    assert parse_acceptance("all-accept").model == "all-accept"
+    assert parse_acceptance("heterogeneous:0.2,0.9").p == (0.2, 0.9)
+    assert parse_acceptance("file:x.json").path == "x.json"
+    assert parse_acceptance("oracle:conformance.test_scenario:make_oracle").factory.endswith(":make_oracle")
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def brute_run(seed: int, seq: int, pos: int, n: int, thresholds) -> int:
+    """Independent oracle: walk the drafts one by one, stop at the first wrong one."""
+    a = 0
+    for j in range(n):
+        draw = int(key_hash(seed, 0xA11CE, seq, pos + j)[0]) >> 32
+        if draw >= thresholds[j]:
+            break
+        a += 1
+    return a
+
+
+@given(seq=st.integers(0, 500), pos=st.integers(0, 5000), n=st.integers(0, 8), seed=st.integers(0, 99))
+def test_geometric_and_profile_match_a_brute_force_walk(seq, pos, n, seed):
+    g = Geometric(0.6, seed)
+    assert g.accept_one(seq, pos, n) == brute_run(seed, seq, pos, n, [threshold(0.6)] * 8)
+    prof = Profile([0.9, 0.5, 0.3], seed)
+    want = brute_run(seed, seq, pos, n, [threshold(p) for p in (0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3)])
+    assert prof.accept_one(seq, pos, n) == want
+
+
+def test_geometric_has_the_geometric_distribution():
+    rows = 40_000
+    a = Geometric(0.7, 3).accepted(np.arange(rows) % 97, np.arange(rows) * 13, np.full(rows, 3), 0)
+    freq = np.bincount(a, minlength=4) / rows
+    assert np.allclose(freq, [0.3, 0.21, 0.147, 0.343], atol=0.01)
+
+
+def test_the_profile_separates_positions():
+    rows = 40_000
+    a = Profile([0.74, 0.54, 0.41], 1).accepted(np.arange(rows), np.arange(rows), np.full(rows, 3), 0)
+    p0 = (a >= 1).mean()
+    p1 = (a >= 2).sum() / (a >= 1).sum()
+    p2 = (a >= 3).sum() / (a >= 2).sum()
+    assert abs(p0 - 0.74) < 0.01 and abs(p1 - 0.54) < 0.015 and abs(p2 - 0.41) < 0.02
+
+
+def test_heterogeneous_rates_are_per_sequence():
+    h = Heterogeneous([0.05, 0.95], 0)
+    seqs = np.repeat([0, 1], 5000)
+    a = h.accepted(seqs, np.arange(10_000), np.full(10_000, 1), 0)
+    assert a[:5000].mean() < 0.1 and a[5000:].mean() > 0.9
+    r = Heterogeneous([], 0, (0.2, 0.4))
+    t = r.per_sequence_threshold(np.arange(1000))
+    assert t.min() >= threshold(0.2) and t.max() <= threshold(0.4) and len(set(t.tolist())) > 100
+
+
+def test_all_accept_all_reject_and_the_file_stream(tmp_path):
+    n = np.array([0, 1, 3, 8])
+    assert AllAccept().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 1, 3, 8]
+    assert AllReject().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 0, 0, 0]
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"default": [1], "2": [3, 0, 5]}))
+    f = FileStream(path)
+    assert f.accepted([2, 2, 2, 2], [0] * 4, [3, 3, 3, 3], [0, 1, 2, 3]).tolist() == [3, 0, 3, 3]
+    assert f.accepted([7], [0], [3], [9]).tolist() == [1]
+    assert FileStream([2, 0]).accepted([1, 1], [0, 0], [1, 3], [0, 1]).tolist() == [1, 0]
+
+
+@given(seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True), pos=st.integers(0, 4000),
+       n=st.integers(0, 8))
+def test_accepts_do_not_depend_on_batch_mates_or_row_order(seqs, pos, n):
+    """Keyed by (seed, seq, absolute position): a row's count is the same alone, in any
+    batch, at any row."""
+    m = Profile([0.8, 0.6, 0.4], 11)
+    k = len(seqs)
+    batched = m.accepted(seqs, [pos] * k, [n] * k, 0)
+    reversed_ = m.accepted(seqs[::-1], [pos] * k, [n] * k, 0)[::-1]
+    alone = [m.accept_one(s, pos, n) for s in seqs]
+    assert batched.tolist() == alone == reversed_.tolist()
+
+
+@given(seq=st.integers(0, 300), ctx_len=st.integers(1, 300), n=st.integers(0, 8),
+       model=st.sampled_from(["geo", "prof", "all", "none"]))
+def test_the_model_oracle_verifies_to_exactly_the_models_count(seq, ctx_len, n, model):
+    m = {"geo": Geometric(0.6, 5), "prof": Profile([0.9, 0.4], 5), "all": AllAccept(), "none": AllReject()}[model]
+    oracle = ModelOracle(m, 5, 16)
+    ctx = oracle.prompt(seq, ctx_len)
+    drafts = oracle.draft(seq, ctx, n)
+    targets = [oracle.target(seq, ctx + drafts[:j]) for j in range(n)]
+    assert len(drafts) == n and all(0 <= x < 16 for x in drafts + targets + ctx)
+    assert len(verify_proposed(drafts, targets).accepted) == m.accept_one(seq, ctx_len, n)
+    # the committed stream is the true stream whatever was accepted
+    assert targets[:1] == oracle.true_tokens(seq, ctx_len, 1)[: len(targets[:1])]
+
+
+class _ConstantOracle:
+    """A custom token oracle for the factory test: every target is 1; drafts are all 1
+    except the last, which is 2 (so n - 1 of n drafts are accepted)."""
+
+    def prompt(self, seq_id, length):
+        return [1] * length
+
+    def target(self, seq_id, context):
+        return 1
+
+    def draft(self, seq_id, context, n):
+        return [1] * (n - 1) + [2] if n else []
+
+
+def make_oracle(scenario):
+    return _ConstantOracle()
+
+
+def test_a_custom_token_oracle_loads_from_a_factory():
+    from reference.acceptance import build_model, build_oracle
+
+    sc = load_scenario({"acceptance": "oracle:conformance.test_scenario:make_oracle"})
+    model = build_model(sc.acceptance, sc.seed, sc)
+    assert model.needs_tokens
+    assert isinstance(build_oracle(model, 0, 64), _ConstantOracle)
+
+
+def test_the_example_scenarios_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.[tj][os][mo]*"))
+    assert len(files) >= 4
+    for f in files:
+        sc = load_scenario(f)
+        assert sc.batch >= 1 and load_scenario(sc.to_dict()) == sc

@@ -1,0 +1,724 @@
+"""Lengths-only simulator: the engine's per-step decisions on integer lengths alone.
+
+It takes exactly the decisions of the tensor mode (`reference.simulator`), which drives the
+real cache, model and draft-chain functions, but keeps only what decides control flow: per
+sequence its token count, the length, capacity and pending lead of its own target cache, its
+draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
+resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
+per-row rule is a numpy integer expression over the batch's rows; the only Python loops on
+the step path are over draft groups (at most w per step) and scheduler buckets. The trace is
+identical, integer for integer, to the tensor mode's (conformance/test_lengths.py).
+
+Spec flow: masks-and-scheduling.md §15-§20 (scheduler, engine cache instruction), cache-and-
+draft.md §16 (one batched decode step), §7.4 (prompt priming), §9.3 (group loop), §11.2,
+§12, §13, §15, §5.5 (strip policy). Choices where the spec is silent are listed in
+docs/simulator.md and in `reference.simulator`'s docstring (the two modes share them):
+- the prompt forward of a step runs after its completion forward (§20.1 step 3); a prompt
+  step does not clear the draft-KV map (the gate precedes the pre-op, §16 steps 1-2);
+- a step that fails (guard, refused alignment, a capacity refusal, a chain error) fails the
+  requests of that batch ("the requests fail, and the engine survives", §20.1 step 4);
+- the deferral's plain decode feeds one token per row at the row's own position;
+- strip "eager": the per-sequence commit strips then `set_len` (§12.2); "lazy": it sets the
+  padded length `lead + own + committed` and records the lead as pending, stripped by the next
+  `In`; "none" (negative control): it records the padded length `C + committed` as the row's
+  own length (the compounding trap of §9.8 / masks §14).
+
+Run `python -m reference.lengths --bench` for the B = 1024, 10,000-step benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+from reference.acceptance import build_model, build_oracle
+from reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
+from reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, KvCache, NormalCache
+from reference.capability import KvAdvance, KvAdvanceLatch
+from reference.scenario import Scenario, load_scenario, model_config
+from reference.scheduler import COALESCE_PAYBACK_STEPS, BucketTelemetry
+from reference.step import verify_proposed
+from reference.trace import ROW_COLUMNS, Trace
+from reference.xs_rolling import XsRolling
+
+NCOL = len(ROW_COLUMNS)
+ROW_DTYPE = np.int32  # trace rows: lengths fit in 32 bits; halves a long run's memory
+
+# The trace's `error` field names the kind of failure (identical in both modes); the detail
+# text goes to `Trace.messages` in the tensor mode.
+ERR_GUARD_LEFT = "left-aligned guard"
+ERR_GUARD_FOLLOWS = "follows guard"
+ERR_CLONE_IN = "clone_in refused"
+ERR_CAPACITY = "capacity refused"
+ERR_XS_ROLLBACK = "xs rollback refused"
+ERR_CHAIN = "draft chain refused"
+ERR_COMMIT = "per-sequence commit refused"
+
+
+# ----------------------------------------------------------------------------- shared policy
+
+
+def target_cache_skeleton(sc: Scenario) -> NormalCache:
+    """The simulated V4 target cache's slot layout (no tensors): one Normal K/V slot per
+    target layer, then one XsRolling slot per compressed layer. The capability chain
+    (`per_sequence_refusal`) is evaluated on it."""
+    cfg = model_config(sc)
+    slots = [KvCache.new_normal(sc.max_seq_len) for _ in cfg.compress_ratios]
+    slots += [XsRolling(r, max_seq_len=sc.max_seq_len) for r in cfg.compress_ratios if r > 0]
+    return NormalCache(slots)
+
+
+def advance_latch(sc: Scenario) -> tuple[KvAdvanceLatch, KvAdvance]:
+    """The pipeline's `kv_advance()` latch and its decision for this scenario (depth 0 has no
+    MTP pipeline: Cohort, nothing requested)."""
+    latch = KvAdvanceLatch(sc.per_seq_kv and sc.depth > 0, sc.xs_per_seq, sc.admission)
+    return latch, latch.kv_advance(target_cache_skeleton(sc))
+
+
+def ragged_capable(sc: Scenario) -> bool:
+    """`batch_can_be_ragged` of the target cache: Normal slots always, XsRolling slots only
+    with `xs_per_seq` (the WA channel `ragged_decode_supported`)."""
+    cfg = model_config(sc)
+    return sc.xs_per_seq or not any(r > 0 for r in cfg.compress_ratios)
+
+
+def guard_error(kind: str, cache_lens, tok_lens, w: int) -> str:
+    """The text of a failed step whose window check refused (§16 step 4)."""
+    if kind == "left_aligned_guard":
+        return (f"MTP step refused by the left-aligned guard: per-row cache_lens {list(cache_lens)} and "
+                f"token lengths {list(tok_lens)} leave a tail outside [1, {w}]")
+    return (f"MTP step refused by the follows guard: kv_advance is PerSequence but this step did not "
+            f"assemble the batch (cache_lens {list(cache_lens)}, token lengths {list(tok_lens)}, w {w}); "
+            f"the resident batched cache is C + w wide")
+
+
+def grown_capacity(cap, need):
+    """`SingleCache.append`'s growth: capacity after holding `need` columns (whole 512-column
+    blocks); arrays or ints."""
+    short = np.maximum(np.asarray(need) - np.asarray(cap), 0)
+    return np.asarray(cap) + -(-short // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+
+
+def summarize(trace: Trace, telemetry: AcceptanceTelemetry, sched: BucketTelemetry,
+              latch: KvAdvanceLatch, errors: int) -> dict:
+    """The summary object (both modes), from the recorded steps."""
+    committed = decode = 0
+    spreads, pads = [], []
+    for i in range(len(trace)):
+        f = trace.step_fields(i)
+        committed += f["committed"]
+        if f["phase"] == "decode":
+            decode += 1
+            pads.append(f["padding_fraction"])
+            own = trace.row_array(i)[:, 2]
+            if own.size:
+                spreads.append(int(own.max() - own.min()))
+    tps = telemetry.total.tokens_per_step()
+    markers = [telemetry.marker("agg")]
+    sm = sched.sched_bucket_marker()
+    if sm is not None:
+        markers.append(sm)
+    return {"steps": len(trace), "decode_steps": decode, "committed": committed,
+            "tok_per_step": 0.0 if tps is None else tps, "max_spread": max(spreads, default=0),
+            "mean_padding_fraction": (math.fsum(pads) / len(pads)) if pads else 0.0,
+            "refusal": latch.refusal and latch.messages[-1], "errors": errors, "markers": markers}
+
+
+def step_fields(step, phase, advance, instr, running, waiting, buckets, groups, width, pad, committed,
+                tps, bucket, prefill, error) -> dict:
+    return {"step": step, "phase": phase, "advance": advance, "cache_instruction": instr,
+            "running": running, "waiting": waiting, "buckets": buckets, "groups": groups, "width": width,
+            "padding_fraction": pad, "committed": committed, "tok_per_step": tps, "bucket": bucket,
+            "prefill": prefill, "error": error}
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class LengthsEngine:
+    """The lengths-only engine; `run()` returns the Trace. State arrays are indexed by
+    sequence id (the request's index in the scenario)."""
+
+    def __init__(self, sc: Scenario, progress=None) -> None:
+        self.sc = sc
+        self.progress = progress
+        self.w = sc.depth + 1
+        self.mtp = sc.depth > 0
+        self.max = sc.max_seq_len
+        self.model = build_model(sc.acceptance, sc.seed, sc)
+        self.tokens_mode = self.model.needs_tokens
+        cfg = model_config(sc)
+        self.oracle = build_oracle(self.model, sc.seed, cfg.vocab) if self.tokens_mode else None
+        self.has_xs = any(r > 0 for r in cfg.compress_ratios)
+        self.tier_a = cfg.mtp == "heads"  # no MTP block: no seed is ever stashed, so no row drafts (§7.2 step 3)
+        self.latch, kv = advance_latch(sc)
+        self.per_seq = kv is KvAdvance.PER_SEQUENCE
+        self.granted = sc.world == "WB" and self.per_seq
+        self.can = ragged_capable(sc)
+        n = sc.batch
+        req = sc.requests
+        self.P = np.array([r.prompt_len for r in req], dtype=np.int64)
+        self.M = np.array([r.max_new_tokens for r in req], dtype=np.int64)
+        self.arrival = np.array([r.arrival for r in req], dtype=np.int64)
+        self.may = np.array([r.may_draft for r in req], dtype=bool)
+        z = lambda v=0: np.full(n, v, dtype=np.int64)  # noqa: E731
+        self.L, self.stored, self.tcap, self.pending = z(), z(-1), z(PLAIN_CACHE_CAPACITY), z()
+        self.is_prompt = np.ones(n, dtype=bool)
+        self.done = np.zeros(n, dtype=bool)
+        self.urg, self.admitted = z(), np.zeros(n, dtype=bool)
+        self.d_in, self.d_pois = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        self.d_cur, self.d_cap, self.d_filled, self.d_seed, self.d_stamp = z(), z(DRAFT_CACHE_CAPACITY), z(), z(-1), z()
+        self.vk = z()
+        self.toks: dict[int, list[int]] = {}
+        self._pending_tokens: dict[int, tuple[list[int], list[int]]] = {}
+        self.clock = 0
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self.last_completion: list[int] = []
+        self.resident = None  # (ids tuple, C, cap, phys_lead array)
+        self.ragged_supported = False
+        self.floor_count = 0
+        self.sched = BucketTelemetry()
+        self.tel = AcceptanceTelemetry(logging_enabled=False)
+        self.acc = np.zeros(6, dtype=np.int64)  # accepted, proposed, steps, drafted_steps, committed, batch_steps
+        self.acc_at, self.reach_at = np.zeros(POSITION_CAP, np.int64), np.zeros(POSITION_CAP, np.int64)
+        self.by_batch: dict[int, np.ndarray] = {}
+        self.errors = 0
+        self.order = np.argsort(self.arrival, kind="stable")
+        self.next_arrival = 0
+        self.log2 = None
+
+    # ------------------------------------------------------------------ scheduler (§16, §20)
+    def _log2(self, n: np.ndarray) -> np.ndarray:
+        """`math.log2` values (bit-identical to the scheduler's) from a lookup table."""
+        top = int(n.max(initial=1)) + 1
+        if self.log2 is None or self.log2.shape[0] < top:
+            size = max(top, self.max + 2)
+            self.log2 = np.array([0.0] + [math.log2(i) for i in range(1, size)], dtype=np.float64)
+        return self.log2[n]
+
+    def _keys(self, run: np.ndarray) -> np.ndarray:
+        """Scheduler key of each running id, encoded `2 * len + ragged_flag` (tuple order)."""
+        prompt = self.is_prompt[run]
+        klen = np.where(prompt, np.maximum(self.L[run] - 1, 0), self.stored[run])
+        world = self.sc.world
+        if world == "WA" and self.ragged_supported:
+            klen = np.where(prompt, klen, 0)
+        flag = np.zeros(run.shape[0], dtype=np.int64)
+        if world == "WB" and self.granted and (~prompt).any():
+            rl = int(self.stored[run][~prompt].min())
+            klen = np.where(prompt, klen, rl)
+            flag = (~prompt).astype(np.int64)
+        return 2 * klen + flag
+
+    def _key_tuple(self, code: int, any_prompt_imgs=False) -> list:
+        klen, flag = divmod(int(code), 2)
+        key = [klen, False, 0]
+        if self.sc.world == "WB":
+            key.append(bool(flag))
+        return key
+
+    def _schedule(self):
+        """Mirror of `scheduler.schedule` (see conformance/test_lengths.py)."""
+        sc = self.sc
+        running, waiting = self.running, self.waiting
+        if not running and not waiting:
+            return None
+        cap = sc.prefill_max_seqs if sc.world == "WA" else None
+        max_seqs = sc.max_seqs if sc.max_seqs is not None else 1 << 30
+        if running:
+            self.admitted[running] = True
+        held: list[int] = []
+        if not running:
+            discrete = True
+            run = waiting if cap is None else waiting[:cap]
+            held = [] if cap is None else waiting[cap:]
+            run = list(run)
+        else:
+            discrete = not waiting
+            run = list(running)
+            n_new = 0
+            for s in sorted(waiting):
+                new = not self.admitted[s]
+                capped = new and cap is not None and n_new >= cap
+                if len(run) + 1 <= max_seqs and not capped:
+                    run.append(s)
+                    n_new += new
+                else:
+                    held.append(s)
+        run_arr = np.array(run, dtype=np.int64)
+        self.admitted[run_arr] = True
+        keys = self._keys(run_arr)
+        uniq, first_idx, inv = np.unique(keys, return_index=True, return_inverse=True)
+        n_buckets = uniq.shape[0]
+        if sc.world == "WA":
+            pass  # the WA transition log line is not traced
+        if n_buckets <= 1:
+            key = int(uniq[0])
+        else:
+            key = self._select(uniq, inv, run_arr, discrete)
+            if sc.world == "WA" and sc.prefill_floor is not None and not discrete:
+                prompt_codes = uniq[self.is_prompt[run_arr[first_idx]]]
+                if key in set(prompt_codes.tolist()):
+                    self.floor_count = 0
+                elif self.floor_count >= sc.prefill_floor and prompt_codes.size:
+                    self.floor_count = 0
+                    key = int(prompt_codes.min())
+                else:
+                    self.floor_count += 1
+        chosen_mask = keys == key
+        chosen = run_arr[chosen_mask]
+        rest = run_arr[~chosen_mask]
+        self.urg[chosen] = 0
+        self.urg[rest] += 1
+        self.sched.record_bucketing(int(n_buckets), len(run), int(chosen.shape[0]))
+        self.waiting = held + rest.tolist()
+        return chosen, key, int(n_buckets)
+
+    def _select(self, uniq: np.ndarray, inv: np.ndarray, run: np.ndarray, discrete: bool) -> int:
+        """`select_running_bucket` over encoded keys (ties as reference.scheduler breaks them)."""
+        lo = int(uniq[0])
+        if discrete:
+            return lo
+        prio = np.bincount(inv, weights=self.urg[run].astype(np.float64) + self._log2(self.L[run]),
+                           minlength=uniq.shape[0])
+        best = prio.max()
+        greedy = int(uniq[np.flatnonzero(prio == best)[0]])
+        if greedy == lo:
+            return lo
+        lo_len, lo_flag = divmod(lo, 2)
+        lens, flags = np.divmod(uniq, 2)
+        above = lens[(lens > lo_len) & (flags == lo_flag)]
+        if above.size == 0:
+            return greedy
+        sizes = np.bincount(inv, minlength=uniq.shape[0])
+        n_min, total = int(sizes[0]), int(sizes.sum())
+        gap = int(above.min()) - lo_len
+        return lo if (total - n_min) * gap <= n_min * COALESCE_PAYBACK_STEPS else greedy
+
+    # ------------------------------------------------------------------ draft-KV map
+    def _checkout(self, ids: np.ndarray) -> None:
+        """`checkout_draft_kv`: a missing entry becomes a fresh state."""
+        fresh = ids[~self.d_in[ids]]
+        self.d_cur[fresh], self.d_cap[fresh], self.d_filled[fresh] = 0, DRAFT_CACHE_CAPACITY, 0
+        self.d_seed[fresh], self.d_pois[fresh] = -1, False
+        self.d_in[ids] = False
+
+    def _checkin(self, ids: np.ndarray) -> None:
+        """`checkin` in row order, then LRU eviction down to `max_draft_kv_seqs`."""
+        self.d_stamp[ids] = self.clock + 1 + np.arange(ids.shape[0])
+        self.clock += ids.shape[0]
+        self.d_in[ids] = True
+        cap = self.sc.max_draft_kv_seqs
+        if cap is not None:
+            present = np.flatnonzero(self.d_in)
+            if present.shape[0] > cap:
+                order = present[np.argsort(self.d_stamp[present], kind="stable")]
+                self.d_in[order[: present.shape[0] - cap]] = False
+
+    def _extend(self, ids: np.ndarray, off: np.ndarray, t: int) -> None:
+        """`extend_draft_kv_row` for every row (states checked out): poison on False/Err."""
+        if self.tier_a:
+            return  # check 3 returns True before the seed stash (poisoned states stay poisoned)
+        L = self.L[ids]
+        ok = ~self.d_pois[ids] & (off <= self.d_filled[ids])
+        p = L - 2
+        seed_ok = ok & (L >= 2) & (off <= p) & (p < off + t)
+        self.d_seed[ids[seed_ok]] = p[seed_ok]
+        filled = self.d_filled[ids]
+        lo = np.maximum(filled, off)
+        hi = np.minimum(off + t, np.maximum(L - 1, 0))
+        write = ok & (hi > lo)
+        cap = self.d_cap[ids]
+        set_ok = filled <= cap
+        grown = grown_capacity(cap, hi)
+        grow_ok = (hi <= cap) | (grown <= self.max)
+        good = write & set_ok & grow_ok
+        bad = write & ~(set_ok & grow_ok)
+        # set_len(filled) happened before a growth refusal
+        self.d_cur[ids[write & set_ok]] = filled[write & set_ok]
+        self.d_cur[ids[good]] = hi[good]
+        self.d_cap[ids[good]] = grown[good]
+        self.d_filled[ids[good]] = hi[good]
+        self.d_pois[ids[(~ok) | bad]] = True
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> Trace:
+        sc = self.sc
+        trace = Trace("lengths", sc.to_dict())
+        n = sc.batch
+        for t in range(sc.steps):
+            while self.next_arrival < n and self.arrival[self.order[self.next_arrival]] <= t:
+                self.waiting.append(int(self.order[self.next_arrival]))
+                self.L[self.order[self.next_arrival]] = self.P[self.order[self.next_arrival]]
+                self.next_arrival += 1
+            if self.next_arrival >= n and not self.running and not self.waiting:
+                break
+            out = self._schedule()
+            if out is None:
+                trace.add_step(step_fields(t, "idle", self._advance_name(False), None, 0, len(self.waiting), 0, 0,
+                                           0, 0.0, 0, self._tps(), None, [], None), np.zeros((0, NCOL), ROW_DTYPE))
+                self._tick(t)
+                continue
+            chosen, key, n_buckets = out
+            bucket = self._key_tuple(key)
+            comp = chosen[~self.is_prompt[chosen]]
+            prom = chosen[self.is_prompt[chosen]]
+            fields = None
+            rows = np.zeros((0, NCOL), ROW_DTYPE)
+            committed = 0
+            if comp.shape[0]:
+                fields, rows = self._decode(comp)
+                committed += int(rows[:, 8].sum()) if rows.shape[0] else 0
+                self.last_completion = comp.tolist()
+            if prom.shape[0]:
+                prow, perr = self._prompt(prom)
+                committed += int(prow[:, 8].sum())
+                self.last_completion = []
+                if fields is None:
+                    fields = {"phase": "prompt", "advance": self._advance_name(False), "instr": "Reset",
+                              "width": int(self.P[prom[0]]), "pad": 0.0, "groups": 0, "error": perr}
+                    rows = prow
+                elif perr is not None:
+                    fields["error"] = perr if fields["error"] is None else fields["error"] + "; " + perr
+            self.running = chosen[~self.done[chosen]].tolist()
+            trace.add_step(step_fields(t, fields["phase"], fields["advance"], fields["instr"], int(chosen.shape[0]),
+                                       len(self.waiting), n_buckets, fields["groups"], fields["width"],
+                                       fields["pad"], committed, self._tps(), bucket, prom.tolist(),
+                                       fields["error"]), rows)
+            self._tick(t)
+        self._fill_telemetry()
+        trace.finish(summarize(trace, self.tel, self.sched, self.latch, self.errors))
+        return trace
+
+    def _tick(self, t: int) -> None:
+        if self.progress is not None:
+            self.progress(t + 1, self.sc.steps)
+
+    def _advance_name(self, per_seq_step: bool) -> str:
+        return "per-sequence" if per_seq_step else "cohort"
+
+    def _tps(self) -> float:
+        return float(self.acc[4] / self.acc[2]) if self.acc[2] else 0.0
+
+    def _finish(self, ids: np.ndarray) -> None:
+        term = (self.L[ids] - self.P[ids] >= self.M[ids]) | (self.L[ids] >= self.max)
+        self.done[ids[term]] = True
+
+    def _fail(self, ids: np.ndarray, kind: str) -> str:
+        self.done[ids] = True
+        self.d_in[ids] = False
+        self.errors += 1
+        return kind
+
+    # ------------------------------------------------------------------ prompt step (§7.4)
+    def _prompt(self, ids: np.ndarray):
+        b = ids.shape[0]
+        plen = self.P[ids]
+        width = int(plen.max())
+        rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
+        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5] = ids, np.arange(b), plen, width, plen
+        rows[:, 4] = width - plen
+        rows[:, 9:12] = -1
+        cap = int(grown_capacity(PLAIN_CACHE_CAPACITY, width))
+        if width > PLAIN_CACHE_CAPACITY and cap > self.max:
+            return rows, self._fail(ids, ERR_CAPACITY)
+        self.is_prompt[ids] = False
+        self.stored[ids], self.tcap[ids], self.pending[ids] = plen, cap, 0
+        if self.tokens_mode:
+            for i in ids.tolist():
+                ctx = self.oracle.prompt(i, int(self.P[i]))
+                self.toks[i] = ctx + [self.oracle.target(i, ctx)]
+        self.L[ids] = plen + 1
+        rows[:, 8] = 1
+        if self.mtp:
+            self._checkout(ids)
+            self._extend(ids, np.zeros(b, dtype=np.int64), width)
+            self._checkin(ids)
+            rows[:, 12] = np.where(self.d_in[ids], self.d_filled[ids], 0)
+        self._finish(ids)
+        return rows, None
+
+    # ------------------------------------------------------------------ decode step (§16)
+    def _decode(self, ids: np.ndarray):
+        sc, w, b = self.sc, self.w, ids.shape[0]
+        rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
+        rows[:, 0], rows[:, 1] = ids, np.arange(b)
+        rows[:, 9:12] = -1
+        res = {"phase": "decode", "advance": "cohort", "instr": None, "width": 0, "pad": 0.0, "groups": 0,
+               "error": None}
+        changed = ids.tolist() != self.last_completion
+        go_in = changed or (sc.world == "WB" and self.granted)
+        if go_in:
+            res["instr"] = "In"
+            self.stored[ids] -= self.pending[ids]
+            self.tcap[ids] -= self.pending[ids]
+            self.pending[ids] = 0
+            own = self.stored[ids]
+            c = int(own.max())
+            mismatch = bool((own != own[0]).any())
+            self.ragged_supported = self.can
+            if self.per_seq or (mismatch and self.can):
+                lead = c - own
+                padded = np.where(lead > 0, np.maximum(self.tcap[ids], c), self.tcap[ids])
+                refused = (lead > 0) & (padded > self.max)
+                if refused.any():
+                    # PerSequence: front_align_batch's refusal propagates; otherwise
+                    # front_align_would_succeed is false and ensure_uniform refuses
+                    return self._decode_fail(res, rows, ids, ERR_CAPACITY if self.per_seq else ERR_CLONE_IN)
+                self.tcap[ids] = padded
+                self.stored[ids] = c
+            elif mismatch:
+                return self._decode_fail(res, rows, ids, ERR_CLONE_IN)
+            else:
+                lead = np.zeros(b, dtype=np.int64)
+            mtp_lead = lead
+            bc, bcap = c, int(self.tcap[ids].max())
+            assembled = True
+        else:
+            res["instr"] = "Nothing"
+            _, bc, bcap, lead = self.resident
+            mtp_lead = np.zeros(b, dtype=np.int64)
+            assembled = False
+        res["width"] = bc
+        rows[:, 2], rows[:, 3], rows[:, 4] = bc - lead, bc, lead
+        res["pad"] = float(lead.sum() / (b * bc)) if bc else 0.0
+        psa = assembled and self.per_seq and self.mtp
+        res["advance"] = self._advance_name(psa)
+        row_lens = (bc - mtp_lead) if (psa and (mtp_lead > 0).any()) else None
+        cache_lens = row_lens if row_lens is not None else np.full(b, bc, dtype=np.int64)
+        L = self.L[ids]
+        u = np.maximum(L - cache_lens, 0)
+        rows[:, 5] = u
+        ok = bool(((cache_lens + u) >= 2).all() and (u >= 1).all() and (u <= w).all())
+        if not ok:
+            if row_lens is not None:
+                return self._decode_fail(res, rows, ids, ERR_GUARD_LEFT)
+            if self.per_seq and self.mtp:
+                return self._decode_fail(res, rows, ids, ERR_GUARD_FOLLOWS)
+            return self._defer(res, rows, ids, bc, bcap, lead)
+        budget = np.maximum(self.max - L, 0)
+        drafts = np.zeros(b, dtype=np.int64)
+        if self.mtp:
+            self._checkout(ids)
+            if not self._draft(ids, u, cache_lens, budget, psa, drafts, rows, res):
+                return self._decode_fail(res, rows, ids, ERR_CHAIN)
+        need = bc + w
+        grown = int(grown_capacity(bcap, need))
+        if (need > bcap and grown > self.max) or (self.has_xs and (bc - lead + w > self.max).any()):
+            return self._decode_fail(res, rows, ids, ERR_CAPACITY)
+        bcap = grown
+        # accept (§11.2)
+        a = self._accept(ids, L, drafts)
+        a = np.where(a + 1 > budget, np.maximum(budget - 1, 0), a)
+        rem = self.M[ids] - (L - self.P[ids])
+        e = np.minimum(a, rem) + ((rem > a) & (budget > a))
+        if self.tokens_mode:
+            for r, i in enumerate(ids.tolist()):
+                prop, targets = self._pending_tokens.pop(i)
+                k = min(int(a[r]), int(e[r]))
+                self.toks[i] += prop[:k] + ([targets[int(a[r])]] if e[r] > k else [])
+        self.L[ids] = L + e
+        rows[:, 6], rows[:, 7], rows[:, 8] = drafts, a, e
+        # advance (§12)
+        if not psa:
+            keep = int((u + a).min())
+            n_drop = max(w - keep, 0)
+            if n_drop > 0 and self.has_xs and (lead > 0).any():
+                return self._decode_fail(res, rows, ids, ERR_XS_ROLLBACK)
+            bc_after = bc + w - n_drop
+        else:
+            committed = np.minimum(u + a, w)
+            bc_after = bc + w
+        # extend draft KVs (§16 step 10), account (§15)
+        if self.mtp:
+            self._extend(ids, cache_lens, w)
+            self._checkin(ids)
+            self._account(b, drafts, a)
+        # post-op Out: clone_out_cache
+        self.stored[ids], self.tcap[ids], self.pending[ids] = bc_after, bcap, lead
+        self.resident = (tuple(ids.tolist()), bc_after, bcap, lead)
+        if psa:
+            strip = self.sc.strip
+            if strip == "eager":
+                self.stored[ids] = cache_lens + committed
+                self.tcap[ids] = bcap - lead
+                self.pending[ids] = 0
+            elif strip == "lazy":
+                self.stored[ids] = lead + cache_lens + committed
+            else:
+                self.stored[ids] = bc + committed
+                self.pending[ids] = 0
+        rows[:, 12] = np.where(self.d_in[ids], self.d_filled[ids], 0) if self.mtp else 0
+        self._finish(ids)
+        return res, rows
+
+    def _decode_fail(self, res, rows, ids, kind):
+        res["error"] = self._fail(ids, kind)
+        rows[:, 6:9] = 0
+        rows[:, 9:12] = -1
+        rows[:, 12] = 0
+        return res, rows
+
+    def _defer(self, res, rows, ids, bc, bcap, lead):
+        """§16 step 4 deferral: clear the whole draft map, one plain decode step."""
+        res["phase"] = "defer"
+        self.d_in[:] = False
+        grown = int(grown_capacity(bcap, bc + 1))
+        if (bc + 1 > bcap and grown > self.max) or (self.has_xs and (bc - lead + 1 > self.max).any()):
+            return self._decode_fail(res, rows, ids, ERR_CAPACITY)
+        if self.tokens_mode:
+            for i in ids.tolist():
+                self.toks[i].append(self.oracle.target(i, self.toks[i]))
+        self.L[ids] += 1
+        rows[:, 8] = 1
+        self.stored[ids], self.tcap[ids], self.pending[ids] = bc + 1, grown, lead
+        self.resident = (tuple(ids.tolist()), bc + 1, grown, lead)
+        self._finish(ids)
+        return res, rows
+
+    def _draft(self, ids, u, cache_lens, budget, psa, drafts, rows, res):
+        """The group drafting loop (§9.3) on lengths: fills `drafts`, the rows' group and
+        chain start; returns False when the chain fails the step (a capacity refusal)."""
+        w = self.w
+        cand = (u < w) & self.may[ids]
+        if not cand.any():
+            return True
+        start = cache_lens + u - 2
+        key2 = np.where(psa, 0, start)
+        gcode = u * (1 << 40) + key2
+        codes = np.unique(gcode[cand])
+        res["groups"] = int(codes.shape[0])
+        elig_all = (cand & (budget > 0) & ~self.d_pois[ids] & (self.d_seed[ids] >= 0)
+                    & (self.d_seed[ids] == start) & (self.d_filled[ids] >= start))
+        for code in codes.tolist():
+            gu = code >> 40
+            n_draft = w - gu
+            members = np.flatnonzero(elig_all & (gcode == code))
+            if members.shape[0] == 0:
+                continue
+            mids = ids[members]
+            st = start[members]
+            top = int(st.max())
+            ragged = psa and bool((st != top).any())
+            if not ragged:
+                cur, cap = self.d_cur[mids], self.d_cap[mids]
+                if members.shape[0] > 1 and ((cur != cur[0]).any() or (cap != cap[0]).any()):
+                    continue
+                if st[0] > cap[0]:
+                    continue
+                bcur, bcap = int(st[0]), int(cap[0])
+            else:
+                if (st > self.d_cur[mids]).any():
+                    continue
+                lead = top - st
+                if (np.where(lead > 0, np.maximum(self.d_cap[mids], top), 0) > self.max).any():
+                    continue
+                bcur = bcap = top
+            for _ in range(n_draft):
+                if bcur + 1 > bcap:
+                    bcap = int(grown_capacity(bcap, bcur + 1))
+                    if bcap > self.max:
+                        return False
+                bcur += 1
+            lead = (top - st) if ragged else np.zeros(members.shape[0], dtype=np.int64)
+            self.d_cur[mids] = bcur - lead
+            self.d_cap[mids] = bcap - lead
+            self.d_filled[mids] = st + 1
+            drafts[members] = n_draft
+            rows[members, 9] = gu
+            rows[members, 10] = code & ((1 << 40) - 1)
+            rows[members, 11] = st
+        return True
+
+    def _accept(self, ids, L, drafts) -> np.ndarray:
+        if not self.tokens_mode:
+            d = drafts > 0
+            a = np.zeros(ids.shape[0], dtype=np.int64)
+            if d.any():
+                a[d] = self.model.accepted(ids[d], L[d], drafts[d], self.vk[ids[d]])
+                self.vk[ids[d]] += 1
+            return a
+        out = np.zeros(ids.shape[0], dtype=np.int64)
+        for r, i in enumerate(ids.tolist()):  # a custom oracle is Python per row, inherently
+            ctx = self.toks[i]
+            prop = self.oracle.draft(i, ctx, int(drafts[r])) if drafts[r] else []
+            targets = [self.oracle.target(i, ctx + prop[:j]) for j in range(len(prop) + 1)]
+            out[r] = len(verify_proposed(prop, targets[: len(prop)]).accepted)
+            self._pending_tokens[i] = (prop, targets)
+        return out
+
+    def _account(self, b: int, d: np.ndarray, a: np.ndarray) -> None:
+        reached = np.where(d == 0, 0, np.minimum(a + 1, d))
+        # position j counts the rows whose count exceeds j: a reversed cumulative histogram
+        acc_at = np.bincount(np.minimum(a, POSITION_CAP), minlength=POSITION_CAP + 1)[::-1].cumsum()[::-1][1:]
+        reach_at = np.bincount(np.minimum(reached, POSITION_CAP), minlength=POSITION_CAP + 1)[::-1].cumsum()[::-1][1:]
+        vals = np.array([a.sum(), d.sum(), b, (d > 0).sum(), (1 + a).sum(), 0], dtype=np.int64)
+        self.acc += vals
+        self.acc[5] += 1
+        self.acc_at += acc_at
+        self.reach_at += reach_at
+        entry = self.by_batch.setdefault(b, np.zeros(6 + 2 * POSITION_CAP, dtype=np.int64))
+        entry[:6] += vals
+        entry[5] += 1
+        entry[6:6 + POSITION_CAP] += acc_at
+        entry[6 + POSITION_CAP:] += reach_at
+
+    def _fill_telemetry(self) -> None:
+        """Build the `AcceptanceTelemetry` the marker reads from the vectorized counters."""
+        def stats(v, acc_at, reach_at) -> MtpAcceptance:
+            return MtpAcceptance(accepted=int(v[0]), proposed=int(v[1]), steps=int(v[2]),
+                                 drafted_steps=int(v[3]), committed=int(v[4]), batch_steps=int(v[5]),
+                                 pos_over_cap=0, accepted_at=[int(x) for x in acc_at],
+                                 reached_at=[int(x) for x in reach_at])
+        self.tel.total = stats(self.acc, self.acc_at, self.reach_at)
+        for b, e in self.by_batch.items():
+            self.tel.by_batch[b] = stats(e[:6], e[6:6 + POSITION_CAP], e[6 + POSITION_CAP:])
+
+
+def run(scenario, progress=None) -> Trace:
+    """Run a scenario (a `Scenario`, dict or path) in lengths-only mode; return its Trace."""
+    sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
+    return LengthsEngine(sc, progress).run()
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def bench(batch: int = 1024, steps: int = 10_000, advance: str = "per-sequence") -> dict:
+    """Time a B-row, `steps`-step lengths-only run (every request long enough to run all
+    steps); returns the timing and the run's summary."""
+    data = {"batch": batch, "prompt_len": 64, "max_new_tokens": 10 * steps, "steps": steps, "depth": 3,
+            "max_seq_len": 1 << 20, "acceptance": "profile:0.74,0.54,0.41", "max_draft_kv_seqs": None,
+            "advance": advance}
+    if advance == "per-sequence":
+        data.update(world="WB", admission="grant", xs_per_seq=True)
+    sc = load_scenario(data)
+    t0, c0 = time.perf_counter(), time.process_time()
+    trace = run(sc)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"batch": batch, "steps": steps, "advance": advance, "seconds": round(elapsed, 3),
+            "cpu_seconds": round(cpu, 3),
+            "summary": {k: trace.summary[k] for k in ("steps", "committed", "tok_per_step", "max_spread")}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m reference.lengths", description=__doc__.splitlines()[0])
+    p.add_argument("--bench", action="store_true", help="time B=1024 x 10,000 steps (both advance rules)")
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10_000)
+    args = p.parse_args(argv)
+    if not args.bench:
+        p.print_help()
+        return 2
+    for adv in ("per-sequence", "cohort"):
+        print(bench(args.batch, args.steps, adv), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The simulator's trace (schema v1, docs/trace.md): a header, one object per engine step with
+one row object per sequence that ran, and a summary; written as JSONL (and CSV), read back by
+`read_trace` (also traces written by other engines, see docs/trace.md).
+
+Rows are held as one int64 array `[B, len(ROW_COLUMNS)]` per step (-1 stands for null in
+`group_u`, `group_start`, `chain_start`), so a long run does not build millions of dicts;
+`steps()` yields the schema's dicts. Determinism: the same scenario and seed give a
+byte-identical file (keys in schema order, ints as ints, floats by Python's repr).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "raggedspec-trace"
+VERSION = 1
+ROW_COLUMNS = ("seq", "row", "own_len", "width", "lead", "u", "drafted", "accepted", "committed",
+               "group_u", "group_start", "chain_start", "filled")
+STEP_KEYS = ("step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
+             "width", "padding_fraction", "committed", "tok_per_step")
+EXTRA_STEP_KEYS = ("prefill", "error")  # schema v1 extensions (added fields, after "rows")
+SUMMARY_KEYS = ("steps", "decode_steps", "committed", "tok_per_step", "max_spread", "mean_padding_fraction",
+                "refusal")
+CSV_COLUMNS = ("step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
+               "padding_fraction", "tok_per_step", "seq", "row", "own_len", "width", "lead", "u", "drafted",
+               "accepted", "committed", "group_u", "group_start", "chain_start", "filled", "bucket")
+_NULLABLE = {"group_u", "group_start", "chain_start"}
+
+
+def row_dict(r: np.ndarray, bucket) -> dict:
+    """One schema row object from an int row `[len(ROW_COLUMNS)]`."""
+    v = [int(x) for x in r]
+    return {"seq": v[0], "row": v[1], "own_len": v[2], "width": v[3], "lead": v[4], "u": v[5],
+            "drafted": v[6], "accepted": v[7], "committed": v[8],
+            "group": None if v[9] < 0 else [v[9], v[10]],
+            "chain_start": None if v[11] < 0 else v[11], "filled": v[12], "bucket": bucket}
+
+
+class Trace:
+    """A run's trace. `header` (type, schema, version, mode, scenario), per step the scalar
+    fields (`STEP_KEYS` + `EXTRA_STEP_KEYS` + `bucket`) and the rows, and `summary` (set by
+    `finish`). `tensors` holds per-step tensor records when the tensor mode ran with
+    `record_tensors=True` (not written to the files)."""
+
+    def __init__(self, mode: str, scenario: dict) -> None:
+        self.header = {"type": "header", "schema": SCHEMA, "version": VERSION, "mode": mode,
+                       "scenario": scenario}
+        self._steps: list[dict] = []
+        self._rows: list = []
+        self.summary: dict | None = None
+        self.tensors: list[dict] = []
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add_step(self, fields: dict, rows) -> None:
+        """Append one step: `fields` has every `STEP_KEYS` key (+ extensions, `bucket`);
+        `rows` is an int array `[B, len(ROW_COLUMNS)]` or a list of row dicts."""
+        self._steps.append(fields)
+        self._rows.append(rows)
+
+    def step_fields(self, i: int) -> dict:
+        return self._steps[i]
+
+    def row_array(self, i: int) -> np.ndarray:
+        """Step i's rows as an int array (-1 for null group/chain start)."""
+        rows = self._rows[i]
+        if isinstance(rows, np.ndarray):
+            return rows
+        out = np.zeros((len(rows), len(ROW_COLUMNS)), dtype=np.int64)
+        for j, r in enumerate(rows):
+            g = r.get("group") or [-1, -1]
+            cs = r.get("chain_start")
+            vals = [r.get(c, 0) for c in ROW_COLUMNS[:9]] + [g[0], g[1], -1 if cs is None else cs, r.get("filled", 0)]
+            out[j] = [0 if x is None else x for x in vals]
+        return out
+
+    def rows(self, i: int) -> list[dict]:
+        rows = self._rows[i]
+        if isinstance(rows, np.ndarray):
+            bucket = self._steps[i].get("bucket")
+            return [row_dict(r, bucket) for r in rows]
+        return rows
+
+    def steps(self) -> Iterator[dict]:
+        """The step objects in schema order (type, STEP_KEYS, rows, extensions)."""
+        for i, f in enumerate(self._steps):
+            d = {"type": "step"}
+            for k in STEP_KEYS:
+                d[k] = f.get(k)
+            d["rows"] = self.rows(i)
+            for k in EXTRA_STEP_KEYS:
+                if k in f:
+                    d[k] = f[k]
+            yield d
+
+    def finish(self, summary: dict) -> None:
+        self.summary = {"type": "summary", **summary}
+
+    def markers(self) -> list[str]:
+        """The `MTP[agg] ...` and `SCHED[agg] ...` lines of the run (the spec's exact formats,
+        from `AcceptanceTelemetry.marker` and `BucketTelemetry.sched_bucket_marker`; SCHED is
+        absent when nothing was ever scheduled)."""
+        return list((self.summary or {}).get("markers", []))
+
+    def lines(self) -> Iterator[str]:
+        """The JSONL lines (without newlines)."""
+        yield json.dumps(self.header)
+        for s in self.steps():
+            yield json.dumps(s)
+        if self.summary is not None:
+            yield json.dumps(self.summary)
+
+
+def write_jsonl(trace: Trace, path) -> None:
+    """Write the trace as JSONL (header, steps, summary), one object per line."""
+    with open(path, "w") as f:
+        for line in trace.lines():
+            f.write(line)
+            f.write("\n")
+
+
+def _csv_cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, list):
+        return ":".join(str(x) for x in v)
+    return str(v)
+
+
+def write_csv(trace: Trace, path) -> None:
+    """Write one CSV line per (step, row) with `CSV_COLUMNS` (empty cell = null; the bucket
+    key joined with ':'). Steps without rows have no line."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(CSV_COLUMNS)
+        for i, fields in enumerate(trace._steps):
+            arr = trace.row_array(i)
+            head = [_csv_cell(fields.get(k)) for k in CSV_COLUMNS[:10]]
+            bucket = _csv_cell(fields.get("bucket"))
+            for r in arr:
+                v = [int(x) for x in r]
+                cells = [str(x) for x in v[:9]] + ["" if x < 0 else str(x) for x in v[9:12]] + [str(v[12])]
+                w.writerow(head + cells + [bucket])
+
+
+def _int_or_none(text: str):
+    return None if text == "" else int(text)
+
+
+def read_trace(path) -> Trace:
+    """Read a JSONL trace (or a CSV one, by the `.csv` suffix) into a `Trace`. Unknown fields
+    are kept; a JSONL file without a header gets mode "unknown"."""
+    path = Path(path)
+    if path.suffix.lower() == ".csv":
+        return _read_csv(path)
+    trace = Trace("unknown", {})
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            obj = json.loads(line)
+            kind = obj.get("type", "step")
+            if kind == "header":
+                trace.header = obj
+            elif kind == "summary":
+                trace.summary = obj
+            elif kind == "step":
+                rows = obj.get("rows", [])
+                fields = {k: v for k, v in obj.items() if k not in ("type", "rows")}
+                if rows and "bucket" in rows[0]:
+                    fields.setdefault("bucket", rows[0]["bucket"])
+                trace.add_step(fields, rows)
+            else:
+                raise ValueError(f"{path}:{n}: unknown object type {kind!r}")
+    return trace
+
+
+def _read_csv(path: Path) -> Trace:
+    trace = Trace("unknown", {})
+    with open(path, newline="") as f:
+        cur_step, fields, rows = None, None, []
+        for rec in csv.DictReader(f):
+            step = int(rec["step"])
+            if step != cur_step:
+                if fields is not None:
+                    trace.add_step(fields, rows)
+                cur_step, rows = step, []
+                fields = {"step": step}
+                for k in CSV_COLUMNS[1:10]:
+                    if k in rec:
+                        v = rec[k]
+                        fields[k] = (None if v == "" else float(v) if k in ("padding_fraction", "tok_per_step")
+                                     else int(v) if k in ("running", "waiting", "buckets", "groups") else v)
+                if rec.get("bucket"):
+                    fields["bucket"] = [int(x) if x.lstrip("-").isdigit() else x for x in rec["bucket"].split(":")]
+            g = (_int_or_none(rec.get("group_u", "")), _int_or_none(rec.get("group_start", "")))
+            row = {k: _int_or_none(rec[k]) for k in ROW_COLUMNS if k in rec and k not in _NULLABLE}
+            row["group"] = None if g[0] is None else [g[0], g[1]]
+            row["chain_start"] = _int_or_none(rec.get("chain_start", ""))
+            row["bucket"] = fields.get("bucket")
+            rows.append(row)
+        if fields is not None:
+            trace.add_step(fields, rows)
+    return trace
