@@ -1,0 +1,280 @@
+"""The `raggedspec` command line: help, exit codes, simulate -> a readable trace, drift ->
+figures and summary.json from a hand-made trace and from a scenario, the progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.test_drift import brute_spread, engine_trace, minimal_engine_lines, section_17_3, write_jsonl
+from raggedspec import cli
+from reference.errors import StepRefusal
+from reference.trace import read_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_module(*args, cwd=None):
+    """`python -m raggedspec ARGS` in a subprocess (stderr is a pipe, not a TTY)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "raggedspec", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=120)
+
+
+SMALL = ["--batch", "4", "--steps", "30", "--set", "max_new_tokens=[20,40]"]
+
+
+# ------------------------------------------------------------------------ help and usage
+
+
+def test_help_works_on_every_command():
+    top = run_module("--help")
+    assert top.returncode == 0
+    assert "simulate" in top.stdout and "drift" in top.stdout and "Exit codes" in top.stdout
+    for command, flags in (("simulate", ["--batch", "--depth", "--advance", "--world", "--admission", "--strip",
+                                         "--acceptance", "--seed", "--steps", "--mode", "--out", "--csv",
+                                         "--quiet", "--set"]),
+                           ("drift", ["--scenario", "--trace", "--out", "--batches", "--label", "--quiet"])):
+        out = run_module(command, "--help")
+        assert out.returncode == 0, out.stderr
+        for flag in flags:
+            assert flag in out.stdout, f"{command} --help does not mention {flag}"
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["simulate", "--depth", "three"], ["drift", "--bogus"]])
+def test_bad_usage_exits_2(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "usage: raggedspec" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--depth", "9"], ["'depth'", "0..=8", "9"]),
+    (["--batch", "0"], ["'batch'", "1..=", "got 0"]),
+    (["--advance", "sideways"], ["'advance'", "cohort", "per-sequence"]),
+    (["--set", "bogus=3"], ["'bogus'", "unknown key"]),
+    (["--set", "max_new_tokens=-4"], ["'max_new_tokens'", ">= 1"]),
+])
+def test_a_bad_scenario_value_exits_2_naming_the_key_and_range(argv, words, tmp_path, capsys):
+    assert cli.main(["simulate", *argv, "--out", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, f"{w!r} not in {err!r}"
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_a_bad_scenario_file_exits_2_from_the_console(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("batch = 4\ndepth = 12\n")
+    out = run_module("simulate", str(bad), "--out", str(tmp_path / "t.jsonl"))
+    assert out.returncode == 2
+    assert "'depth'" in out.stderr and "0..=8" in out.stderr
+    missing = run_module("simulate", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "nope.toml" in missing.stderr
+
+
+def test_a_refusal_raised_by_a_rule_exits_1(monkeypatch, capsys):
+    def refuse(args):
+        raise StepRefusal("MTP step refused by the follows guard: rows [3, 1]")
+
+    monkeypatch.setitem(cli.COMMANDS, "simulate", (cli.add_simulate, refuse))
+    assert cli.main(["simulate"]) == 1
+    err = capsys.readouterr().err
+    assert "StepRefusal" in err and "follows guard" in err
+
+
+# ------------------------------------------------------------------------------ simulate
+
+
+def test_simulate_writes_a_trace_that_read_trace_reads_back(tmp_path, capsys):
+    out = tmp_path / "run" / "t.jsonl"
+    assert cli.main(["simulate", *SMALL, "--out", str(out), "--csv"]) == 0
+    stdout = capsys.readouterr().out.splitlines()
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["type"] == "header" and lines[0]["version"] == 1 and lines[0]["scenario"]["batch"] == 4
+    assert lines[-1]["type"] == "summary"
+    steps = [x for x in lines if x["type"] == "step"]
+    assert 0 < len(steps) <= 30 and lines[-1]["steps"] == len(steps)
+    back = read_trace(out)
+    assert list(back.steps()) == steps
+    from_csv = list(read_trace(out.with_suffix(".csv")).steps())
+    assert [[(r["seq"], r["own_len"], r["accepted"]) for r in s["rows"]] for s in from_csv] == \
+           [[(r["seq"], r["own_len"], r["accepted"]) for r in s["rows"]] for s in steps if s["rows"]]
+    # The markers are printed exactly as the run records them, MTP first.
+    assert stdout == back.markers()
+    assert stdout[0].startswith("MTP[agg] accept_rate=") and stdout[1].startswith("SCHED[agg] calls=")
+
+
+def test_simulate_flags_reach_the_scenario_and_override_the_file(tmp_path, capsys):
+    sc = tmp_path / "s.json"
+    sc.write_text(json.dumps({"batch": 3, "depth": 2, "steps": 12, "max_new_tokens": 30}))
+    out = tmp_path / "t.jsonl"
+    assert cli.main(["simulate", str(sc), "--depth", "5", "--acceptance", "all-accept", "--out", str(out)]) == 0
+    header = json.loads(out.read_text().splitlines()[0])["scenario"]
+    assert header["depth"] == 5 and header["batch"] == 3 and header["acceptance"]["model"] == "all-accept"
+    decode = [s for s in read_trace(out).steps() if s["phase"] == "decode"]
+    # all-accept at depth 5 (w = 6): a u = 1 row drafts 5 and accepts all 5.
+    assert decode and all(r["accepted"] == r["drafted"] for s in decode for r in s["rows"])
+    assert max(r["drafted"] for s in decode for r in s["rows"]) == 5
+
+
+def test_simulate_exits_1_when_a_rule_refuses_a_step_and_still_writes_the_trace(tmp_path, capsys):
+    # The no-strip negative control records padded lengths until the left-aligned guard refuses.
+    out = tmp_path / "t.jsonl"
+    code = cli.main(["simulate", *SMALL, "--advance", "per-sequence", "--xs-per-seq", "--admission", "grant",
+                     "--world", "WB", "--strip", "none", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "refused" in err and "left-aligned guard" in err
+    assert any(s.get("error") for s in read_trace(out).steps())
+
+
+def test_a_refused_per_sequence_request_is_a_warning_naming_the_check(tmp_path, capsys):
+    code = cli.main(["simulate", *SMALL, "--advance", "per-sequence", "--out", str(tmp_path / "t.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "warning" in err and "cannot honour it" in err and "ARC_V4_XS_PER_SEQ" in err
+
+
+# --------------------------------------------------------------------------------- drift
+
+
+def test_drift_plots_a_hand_made_engine_trace_and_a_bare_one_side_by_side(tmp_path, capsys):
+    steps = engine_trace(section_17_3(10, strip=True), accepts=[{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 11)
+    full = write_jsonl(steps, tmp_path / "engine.jsonl")
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps(x) + "\n" for x in minimal_engine_lines()))
+    out = tmp_path / "plots"
+    assert cli.main(["drift", "--trace", str(full), "--trace", str(bare), "--label", "my engine",
+                     "--label", "bare", "--out", str(out)]) == 0
+    for name in ("spread", "padding", "groups_buckets", "per_position"):
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG
+        assert b"<svg" in (out / f"{name}.svg").read_bytes()[:500]
+    assert not (out / "tok_per_step_vs_batch.png").exists()  # a sweep needs a scenario
+    summary = json.loads((out / "summary.json").read_text())
+    mine, plain = summary["runs"]
+    assert mine["label"] == "my engine" and plain["label"] == "bare"
+    assert mine["max_spread"] == max(e[3] for e in brute_spread(steps)) == 3 + 2 * 10
+    assert mine["per_position"]["accepted_beyond"] == [22, 11, 0] and mine["missing"] == []
+    assert plain["max_spread"] == 18 and plain["per_position"] is None
+    assert sorted(summary["files"]) == sorted(str(p) for p in out.iterdir())
+    captured = capsys.readouterr()
+    assert "my engine: max_spread=23" in captured.out
+    assert "not plotted" in captured.err and "`padding_fraction`" in captured.err
+    assert "`rows[].drafted`" in captured.err
+
+
+def test_drift_from_a_scenario_writes_three_runs_and_the_sweep(tmp_path, capsys):
+    sc = tmp_path / "s.toml"
+    sc.write_text('batch = 6\nprompt_len = 24\nmax_new_tokens = 60\nsteps = 40\nworld = "WB"\n'
+                  'acceptance = "geometric:0.7"\n')
+    out = tmp_path / "d"
+    assert cli.main(["drift", "--scenario", str(sc), "--batches", "1,4", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    cohort, strip, none = summary["runs"]
+    assert cohort["max_spread"] == 0                       # every row holds the batched width
+    assert strip["max_spread"] > none["no_strip_control_max_spread"]
+    assert none["no_strip_control_max_spread"] <= 3        # §17.3: at most w - 1 = depth
+    assert strip["max_spread"] > 3                         # the fixture does drift (non-degenerate)
+    sweep = summary["sweep"]
+    assert sweep["batch"] == [1, 4]
+    cohort_tps, per_seq_tps = sweep["tok_per_step"].values()
+    assert cohort_tps[0] == per_seq_tps[0]                 # the two rules agree at batch 1
+    for name in drift_figures():
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG
+
+
+def drift_figures():
+    from reference.drift import FIGURE_NAMES
+    return FIGURE_NAMES
+
+
+def test_drift_with_no_scenario_uses_the_built_in_one(tmp_path):
+    out = tmp_path / "d"
+    assert cli.main(["drift", "--out", str(out), "--steps", "30", "--batches", "none", "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["label"] for r in summary["runs"]] == ["cohort advance", "per-sequence advance, dead prefix stripped",
+                                                    "per-sequence, no strip (negative control)"]
+    assert summary["sweep"] is None and summary["runs"][0]["rows_max"] == 32
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--trace", "missing.jsonl"], ["missing.jsonl", "does not exist"]),
+    (["--batches", "0,2"], ["--batches", ">= 1"]),
+    (["--trace", "{bad}", "--label", "a", "--label", "b"], ["2 --label for 1 --trace"]),
+    (["--trace", "{bad}", "--batch", "3"], ["--scenario runs"]),
+    (["--trace", "{bad}"], ["rows[].own_len", "required"]),
+])
+def test_drift_bad_input_exits_2_and_says_why(argv, words, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0, "rows": [{"seq": 1, "width": 4}]}\n')
+    argv = [a.replace("{bad}", str(bad)) for a in argv]
+    assert cli.main(["drift", *argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, f"{w!r} not in {err!r}"
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_progress_bar_draws_on_a_tty_and_not_otherwise(monkeypatch):
+    stream = io.StringIO()
+    bar = cli.ProgressBar("run", enabled=True, stream=stream, width=10)
+    bar(5, 10)
+    bar(6, 10)  # within 0.1 s of the last draw: skipped
+    bar(10, 10)  # completion always draws
+    bar.close()
+    text = stream.getvalue()
+    assert text == "\rrun [#####.....] 5/10\rrun [##########] 10/10\n"
+    quiet = io.StringIO()
+    off = cli.ProgressBar("run", enabled=False, stream=quiet)
+    off(10, 10)
+    off.close()
+    assert quiet.getvalue() == ""
+    # The CLI enables it only on a TTY and without --quiet.
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert cli.progress_factory(cli.build_parser().parse_args(["drift"]))("x").enabled
+    assert not cli.progress_factory(cli.build_parser().parse_args(["drift", "-q"]))("x").enabled
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert not cli.progress_factory(cli.build_parser().parse_args(["drift"]))("x").enabled
+
+
+def test_a_simulation_on_a_tty_shows_the_bar_on_stderr(tmp_path, monkeypatch, capsys):
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert cli.main(["simulate", *SMALL, "--out", str(tmp_path / "t.jsonl")]) == 0
+    assert re.search(r"\rsimulate \(lengths\) \[[#.]{28}\] \d+/30", tty.getvalue())
+    assert tty.getvalue().count("\n") >= 1
+
+
+# --------------------------------------------------------------------------------- docs
+
+
+def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
+    from reference.scenario import ACCEPTANCE_MODELS, FIELDS, MODEL_KEYS
+
+    text = (ROOT / "docs" / "simulator.md").read_text()
+    for key in FIELDS:
+        assert f"| `{key}` |" in text, f"scenario key {key} is not in the docs' key table"
+    for key in MODEL_KEYS:
+        assert f"`{key}`" in text, f"model key {key} is not documented"
+    for model in ACCEPTANCE_MODELS:
+        assert f"| {model} |" in text, f"acceptance model {model} is not documented"
+    for flag, _key, _kw in cli.SCENARIO_FLAGS:
+        assert f"`{flag}`" in text, f"flag {flag} is not documented"
+    figure = ROOT / "docs" / "img" / "drift-spread.png"
+    assert "(img/drift-spread.png)" in text
+    assert figure.read_bytes()[:8] == PNG and figure.stat().st_size < 300_000

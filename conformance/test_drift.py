@@ -1,0 +1,359 @@
+"""Length-drift diagnostics (reference/drift.py): the plot data are right, and any trace in
+schema v1 can be plotted, including a hand-made one from "another engine".
+
+`engine_trace` below is such an engine: a few lines that write a schema-v1 trace of their own
+(it proves a user's engine trace plots, and it is the oracle's input). Expected values come
+from the spec (§15, §17.3) or from brute-force recomputation over the raw JSON here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference import drift
+from reference.drift import MissingField, TraceData, TraceFormatError
+
+CSV_COLUMNS = ("step,phase,advance,cache_instruction,running,waiting,buckets,groups,padding_fraction,"
+               "tok_per_step,seq,row,own_len,width,lead,u,drafted,accepted,committed,group_u,group_start,"
+               "chain_start,filled,bucket").split(",")
+
+
+# --------------------------------------------------------------------- a hand-made engine
+
+
+def engine_trace(lengths_by_step, accepts=None, depth=3, phases=None, extra_rows=None):
+    """Schema-v1 step objects from per-step own lengths {seq: own_len} (what an engine
+    would log). accepts[t][seq] = (drafted, accepted) when given; committed = accepted + 1."""
+    steps, cum, row_steps = [], 0, 0
+    for t, lens in enumerate(lengths_by_step):
+        width = max(lens.values(), default=0)
+        rows = []
+        for i, (seq, n) in enumerate(sorted(lens.items())):
+            d, a = accepts[t][seq] if accepts else (depth, 0)
+            rows.append({"seq": seq, "row": i, "own_len": n, "width": width, "lead": width - n, "u": 1,
+                         "drafted": d, "accepted": a, "committed": a + 1, "group": [1, 0],
+                         "chain_start": n - 1, "filled": n - 1, "bucket": [0, 0, 0, 1]})
+            rows[-1].update((extra_rows or {}).get(seq, {}))
+        committed = sum(r["committed"] for r in rows)
+        cum += committed
+        row_steps += len(rows)
+        steps.append({"type": "step", "step": t, "phase": (phases or {}).get(t, "decode"),
+                      "advance": "per-sequence", "cache_instruction": "In", "running": len(rows), "waiting": 0,
+                      "buckets": 1, "groups": 1, "width": width,
+                      "padding_fraction": sum(r["lead"] for r in rows) / (len(rows) * width) if rows and width else 0.0,
+                      "committed": committed, "tok_per_step": cum / row_steps if row_steps else 0.0,
+                      "rows": rows})
+    return steps
+
+
+def write_jsonl(steps, path, header=True, summary=None):
+    lines = []
+    if header:
+        lines.append({"type": "header", "schema": "raggedspec-trace", "version": 1, "mode": "lengths",
+                      "scenario": {}})
+    lines += steps
+    if summary:
+        lines.append({"type": "summary"} | summary)
+    Path(path).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def write_csv(steps, path):
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(CSV_COLUMNS)
+        for s in steps:
+            for r in s["rows"]:
+                cells = {**{k: s.get(k) for k in CSV_COLUMNS[:10]}, **r}
+                g = r.get("group")
+                cells["group_u"], cells["group_start"] = (g if g else (None, None))
+                cells["bucket"] = ":".join(map(str, r["bucket"])) if r.get("bucket") else None
+                w.writerow(["" if cells.get(k) is None else cells[k] for k in CSV_COLUMNS])
+    return path
+
+
+def section_17_3(k_steps, strip):
+    """cache-and-draft §17.3: starts [7,4,6], per-step advance [3,1,2], n_draft 3. Stripped:
+    start_i + adv_i*k. Not stripped: the row records the aligned width, live - 3 + adv_i =
+    max(start) + adv_i."""
+    lens = [7, 4, 6]
+    adv = [3, 1, 2]
+    out = []
+    for _ in range(k_steps + 1):
+        out.append({i: n for i, n in enumerate(lens)})
+        lens = [n + a for n, a in zip(lens, adv)] if strip else [max(lens) + a for a in adv]
+    return out
+
+
+# ------------------------------------------------------------------------------ spread
+
+
+def brute_spread(steps):
+    """Independent oracle: per decode step, sorted spreads -> (min, median, max)."""
+    out = []
+    for s in steps:
+        if s.get("phase", "decode") != "decode" or not s["rows"]:
+            continue
+        lens = [r["own_len"] for r in s["rows"]]
+        sp = sorted(n - min(lens) for n in lens)
+        m = len(sp)
+        med = sp[m // 2] if m % 2 else (sp[m // 2 - 1] + sp[m // 2]) / 2
+        out.append((s["step"], sp[0], med, sp[-1]))
+    return out
+
+
+@given(st.lists(st.dictionaries(st.integers(0, 20), st.integers(0, 500), max_size=9), min_size=1, max_size=25),
+       st.sets(st.integers(0, 24), max_size=5))
+def test_spread_band_equals_a_brute_force_recomputation(lengths_by_step, prompt_steps):
+    steps = engine_trace(lengths_by_step, phases={t: "prompt" for t in prompt_steps})
+    band = drift.spread_band(steps)
+    expected = brute_spread(steps)
+    assert [int(x) for x in band.step] == [e[0] for e in expected]
+    assert list(band.lo) == [e[1] for e in expected]
+    assert list(band.mid) == [e[2] for e in expected]
+    assert list(band.hi) == [e[3] for e in expected]
+    assert band.max_spread == max((e[3] for e in expected), default=0)
+    for seq, (xs, ys) in band.rows.items():
+        for x, y in zip(xs, ys):
+            lens = lengths_by_step[x]
+            assert y == lens[seq] - min(lens.values())
+
+
+def test_a_uniform_batch_has_a_zero_width_band():
+    steps = engine_trace([{0: 100 + t, 1: 100 + t, 2: 100 + t} for t in range(30)])
+    band = drift.spread_band(steps)
+    assert len(band.step) == 30
+    assert set(band.lo) == set(band.mid) == set(band.hi) == {0}
+    assert band.max_spread == 0
+
+
+def test_a_constant_spread_gives_flat_lines_and_a_constant_band():
+    steps = engine_trace([{0: 50 + 3 * t, 1: 52 + 3 * t, 2: 55 + 3 * t} for t in range(20)])
+    band = drift.spread_band(steps)
+    assert set(band.hi - band.lo) == {5}
+    assert set(band.mid) == {2}
+    assert {q: set(ys) for q, (_, ys) in band.rows.items()} == {0: {0}, 1: {2}, 2: {5}}
+
+
+def test_the_section_17_3_control_collapses_to_spread_2_and_the_stripped_run_keeps_drifting():
+    stripped = drift.spread_band(engine_trace(section_17_3(12, strip=True)))
+    control = drift.spread_band(engine_trace(section_17_3(12, strip=False)))
+    # §17.3: stripped lengths 7+3k, 4+k, 6+2k -> spread (7+3k) - (4+k) = 3 + 2k; k=12 -> [43,16,30].
+    assert list(stripped.hi) == [3 + 2 * k for k in range(13)]
+    assert stripped.rows[0][1][12] == 43 - 16 and stripped.rows[2][1][12] == 30 - 16
+    # Negative control: [7+3k, 5+3k, 6+3k] from step 1 on, a constant spread of 2.
+    assert list(control.hi[1:]) == [2] * 12
+    assert stripped.max_spread == 27 and control.max_spread == 3
+
+
+def test_only_decode_steps_are_measured_when_the_trace_has_phases():
+    steps = engine_trace([{0: 5, 1: 90}, {0: 10, 1: 12}, {0: 20, 1: 20}], phases={0: "prompt", 2: "idle"})
+    band = drift.spread_band(steps)
+    assert list(band.step) == [1] and band.max_spread == 2
+    for s in steps:
+        del s["phase"]
+    assert list(drift.spread_band(steps).step) == [0, 1, 2]
+
+
+def test_the_row_lines_start_with_the_row_that_drifts_furthest():
+    steps = engine_trace([{0: 10, 1: 10, 2: 10, 3: 10}, {0: 11, 1: 19, 2: 12, 3: 13}, {0: 12, 2: 14, 3: 15}])
+    band = drift.spread_band(steps)
+    assert drift.pick_row_lines(band) == [1, 0, 2]
+
+
+# ---------------------------------------------------------------- per-position acceptance
+
+
+def steps_with_accepts(pairs_per_step):
+    """One row per step with (drafted, accepted)."""
+    return engine_trace([{0: 10 + t} for t in range(len(pairs_per_step))],
+                        accepts=[{0: pa} for pa in pairs_per_step])
+
+
+def test_per_position_acceptance_of_the_spec_marker_example():
+    # cache-and-draft §17.2 per_position_acceptance_is_on_the_marker_and_the_report:
+    # accepts 3,2,1,0 at depth 3 -> accepted_at [3,2,1], reached [4,3,2], p_pos .75,.6667,.5.
+    pp = drift.per_position_acceptance(steps_with_accepts([(3, 3), (3, 2), (3, 1), (3, 0)]))
+    assert pp.accepted_beyond == [3, 2, 1]
+    assert pp.reached_at == [4, 3, 2]
+    assert [round(x, 4) for x in pp.p_pos] == [0.75, 0.6667, 0.5]
+    assert pp.drafted_beyond == [4, 4, 4]
+    assert pp.p == [0.75, 0.5, 0.25]
+
+
+def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
+    # §17.2: 100 steps at depth 3; step_of(3,1) -> accepted_at [100,0,0], reached [100,100,0];
+    # alternating 2/0 -> [50,50,0], [100,50,50], p_pos [0.5, 1, 0].
+    one = drift.per_position_acceptance(steps_with_accepts([(3, 1)] * 100))
+    assert one.accepted_beyond == [100, 0, 0] and one.reached_at == [100, 100, 0]
+    assert one.p_pos == [1.0, 0.0, None]
+    alt = drift.per_position_acceptance(steps_with_accepts([(3, 2), (3, 0)] * 50))
+    assert alt.accepted_beyond == [50, 50, 0] and alt.reached_at == [100, 50, 50]
+    assert alt.p_pos == [0.5, 1.0, 0.0]
+    # The brief's p_j (accepted beyond j / drafted beyond j) does not separate them at j=0.
+    assert one.p[0] == 1.0 and alt.p[0] == 0.5
+
+
+@given(st.lists(st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))),
+                min_size=1, max_size=40))
+def test_per_position_counts_equal_a_brute_force_count(pairs):
+    pp = drift.per_position_acceptance(steps_with_accepts(pairs))
+    depth = max(d for d, _ in pairs)
+    for j in range(depth):
+        assert pp.drafted_beyond[j] == len([1 for d, _ in pairs if j < d])
+        assert pp.accepted_beyond[j] == len([1 for _, a in pairs if j < a])
+        # reached j: every earlier draft was accepted and position j was drafted.
+        assert pp.reached_at[j] == len([1 for d, a in pairs if j < d and a >= j])
+    assert sum(pp.accepted_beyond) == sum(a for _, a in pairs)
+
+
+# ----------------------------------------------------------- tok_per_step and summaries
+
+
+def test_tok_per_step_prefers_the_summary_then_the_steps_then_the_rows():
+    steps = engine_trace([{0: 10, 1: 10}, {0: 12, 1: 11}], accepts=[{0: (3, 3), 1: (3, 0)}, {0: (3, 1), 1: (3, 2)}])
+    # committed = a + 1: (4 + 1 + 2 + 3) / 4 row-steps = 2.5
+    assert drift.tok_per_step(TraceData("t", steps)) == 2.5
+    assert drift.tok_per_step(TraceData("t", steps, summary={"tok_per_step": 1.25})) == 1.25
+    for s in steps:
+        del s["tok_per_step"]
+    assert drift.tok_per_step(TraceData("t", steps)) == 2.5
+    for s in steps:
+        for r in s["rows"]:
+            del r["committed"]
+    with pytest.raises(MissingField, match=r"rows\[\]\.committed"):
+        drift.tok_per_step(TraceData("t", steps))
+
+
+def test_the_summary_reports_the_plotted_values():
+    rng = random.Random(3)
+    lens = []
+    cur = {q: 100 for q in range(6)}
+    for _ in range(40):
+        lens.append(dict(cur))
+        cur = {q: n + rng.randint(1, 4) for q, n in cur.items()}
+    steps = engine_trace(lens)
+    s = drift.summarize(TraceData("run", steps))
+    assert s["max_spread"] == max(e[3] for e in brute_spread(steps))
+    assert s["mean_padding_fraction"] == pytest.approx(
+        sum(sum(max(l.values()) - n for n in l.values()) / (6 * max(l.values())) for l in lens) / 40, abs=1e-6)
+    assert s["groups"] == {"min": 1, "mean": 1.0, "max": 1}
+    assert s["missing"] == []
+    assert s["measured_steps"] == 40 and s["rows_max"] == 6
+
+
+# ------------------------------------------------------------ reading other engines' traces
+
+
+def test_a_jsonl_and_a_csv_trace_read_back_to_the_same_data(tmp_path):
+    steps = engine_trace(section_17_3(6, strip=True), accepts=[{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7)
+    a = drift.read_trace_file(write_jsonl(steps, tmp_path / "t.jsonl", summary={"steps": 7}))
+    b = drift.read_trace_file(write_csv(steps, tmp_path / "t.csv"))
+    assert a.header["schema"] == "raggedspec-trace" and a.summary == {"type": "summary", "steps": 7}
+    assert [s["rows"] for s in a.steps] == [s["rows"] for s in b.steps]
+    assert drift.summarize(a) | {"source": "", "label": ""} == drift.summarize(b) | {"source": "", "label": ""}
+
+
+def minimal_engine_lines(n_steps=10):
+    """What a bare engine might log: only the required fields."""
+    return [{"step": t, "rows": [{"seq": q, "own_len": 10 + t * (q + 1)} for q in range(3)]} for t in range(n_steps)]
+
+
+def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(tmp_path):
+    path = tmp_path / "engine.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in minimal_engine_lines()))
+    s = drift.summarize(drift.read_trace_file(path))
+    assert s["max_spread"] == 18 and s["label"] == "engine" and s["measured_steps"] == 10
+    missing = " ".join(s["missing"])
+    for field in ("padding_fraction", "groups", "buckets", "rows[].committed", "rows[].drafted"):
+        assert f"`{field}`" in missing
+    assert s["mean_padding_fraction"] is None and s["tok_per_step"] is None and s["per_position"] is None
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"step": 0, "rows": [{"seq": 1}]}', "rows[].own_len"),
+    ('{"step": 0, "rows": [{"own_len": 4}]}', "rows[].seq"),
+    ('{"rows": []}', "`step`"),
+    ('{"step": 3}', "`rows`"),
+    ('{"step": 0, "rows": []}', "`rows`"),
+    ('not json', "not a schema-v1 trace"),
+])
+def test_a_trace_without_a_required_field_is_refused_by_name(tmp_path, text, field):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text + "\n")
+    with pytest.raises(TraceFormatError) as err:
+        drift.read_trace_file(path)
+    assert field in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_csv_without_own_len_is_refused_by_name(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("step,seq\n0,1\n")
+    with pytest.raises(TraceFormatError, match="own_len"):
+        drift.read_trace_file(path)
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def test_the_summaries_of_the_three_section_17_3_style_runs():
+    runs = [TraceData("cohort", engine_trace([{0: 10 + t, 1: 10 + t} for t in range(9)])),
+            TraceData("per-sequence, strip", engine_trace(section_17_3(8, strip=True))),
+            TraceData("per-sequence, no strip", engine_trace(section_17_3(8, strip=False)))]
+    runs[2].control = drift.no_strip_control(runs[1].steps)
+    summaries = [drift.summarize(r) for r in runs]
+    assert [s["max_spread"] for s in summaries] == [0, 3 + 2 * 8, 3]
+    assert [s["final_max_spread"] for s in summaries] == [0, 3 + 2 * 8, 2]
+    assert summaries[2]["no_strip_control_max_spread"] == 3
+    assert "no_strip_control_max_spread" not in summaries[1]
+    assert json.loads(json.dumps(summaries)) == summaries  # plain JSON data
+
+
+def test_the_no_strip_control_rebuilds_section_17_3_from_the_stripped_run():
+    control = drift.no_strip_control(engine_trace(section_17_3(12, strip=True)))
+    expected = section_17_3(12, strip=False)
+    assert [{r["seq"]: r["own_len"] for r in s["rows"]} for s in control] == expected
+    # A row that joins later enters at its own length and then moves with the widest row.
+    lens = [{0: 10}, {0: 12, 1: 5}, {0: 13, 1: 9}, {0: 16, 1: 10}]
+    got = [{r["seq"]: r["own_len"] for r in s["rows"]} for s in drift.no_strip_control(engine_trace(lens))]
+    assert got == [{0: 10}, {0: 12, 1: 5}, {0: 13, 1: 16}, {0: 19, 1: 17}]
+
+
+# ------------------------------------------------------------------------- from a scenario
+
+SMALL_W0 = {"batch": 4, "prompt_len": 16, "max_new_tokens": 24, "steps": 20, "world": "W0"}
+
+
+def test_scenario_runs_grant_per_sequence_and_explain_a_world_that_splits_ragged_rows():
+    runs = drift.scenario_runs(SMALL_W0)
+    assert [r.header["scenario"]["advance"] for r in runs] == ["cohort", "per-sequence", "per-sequence"]
+    assert [r.header["scenario"]["strip"] for r in runs] == ["eager", "eager", "none"]
+    assert all(r.header["scenario"]["admission"] == "grant" and r.header["scenario"]["xs_per_seq"] for r in runs)
+    assert not any("world W0" in n for n in runs[0].notes)
+    assert all(any("world W0" in n and "world WB" in n for n in r.notes) for r in runs[1:])
+    assert runs[2].control is not None and runs[0].control is None
+
+
+def test_the_sweep_reports_both_rules_per_batch_and_drives_the_progress_bar():
+    calls = []
+
+    class Bar:
+        def __call__(self, done, total):
+            calls.append((done, total))
+
+        def close(self):
+            calls.append("closed")
+
+    sweep = drift.sweep_tok_per_step(SMALL_W0 | {"world": "WB"}, batches=[1, 3], progress=lambda label: Bar())
+    assert sweep["batch"] == [1, 3]
+    cohort, per_seq = sweep["tok_per_step"].values()
+    assert cohort[0] == per_seq[0]  # the two advance rules are identical at batch 1 (§17.2)
+    assert len(cohort) == len(per_seq) == 2
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4), "closed"]
