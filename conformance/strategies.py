@@ -56,3 +56,72 @@ def lead_pads(draw, min_rows: int = 1, max_rows: int = 6, max_lead: int = 16) ->
     if leads and min(leads) > 0:
         leads[draw(st.integers(0, n - 1))] = 0
     return leads
+
+
+# --- corners for the port's conformance (appended by the torch-port tests) -------------------
+
+GROWTH_BOUNDARIES = (511, 512, 513, 1023, 1024, 1025)
+"""Lengths on either side of the 512-column cache growth steps."""
+
+
+@st.composite
+def corner_lengths(draw, min_rows: int = 1, max_rows: int = 6, max_len: int = 80,
+                   boundaries: bool = True) -> list[int]:
+    """Per-row live lengths reaching the corners: a uniform batch, a single row, one row far
+    behind the rest, or independent draws; with `boundaries`, lengths may sit at the
+    512-column growth steps (`GROWTH_BOUNDARIES`). Lengths are >= 1."""
+    n = draw(st.integers(min_rows, max_rows))
+    value = st.integers(1, max_len)
+    if boundaries:
+        value = st.one_of(value, st.sampled_from(GROWTH_BOUNDARIES))
+    shape = draw(st.sampled_from(["independent", "uniform", "one_behind"]))
+    if shape == "uniform":
+        return [draw(value)] * n
+    lens = draw(st.lists(value, min_size=n, max_size=n))
+    if shape == "one_behind" and n >= 2:
+        top = max(lens)
+        lens = [top] * n
+        lens[draw(st.integers(0, n - 1))] = draw(st.integers(1, max(1, top // 8)))
+    return lens
+
+
+@st.composite
+def accept_steps(draw, min_rows: int = 1, max_rows: int = 8, max_depth: int = 8):
+    """`(uncached, accepted, w)` on the reachable domain (`u_i in [1, w]`,
+    `a_i in [0, w - u_i]`, `w = depth + 1`, depth 1..max_depth), with the all-rejected and
+    all-accepted steps as explicit corners."""
+    depth = draw(st.integers(1, max_depth))
+    w = depth + 1
+    n = draw(st.integers(min_rows, max_rows))
+    u = draw(st.lists(st.integers(1, w), min_size=n, max_size=n))
+    corner = draw(st.sampled_from(["any", "all_rejected", "all_accepted"]))
+    if corner == "all_rejected":
+        a = [0] * n
+    elif corner == "all_accepted":
+        a = [w - x for x in u]
+    else:
+        a = [draw(st.integers(0, w - x)) for x in u]
+    return u, a, w
+
+
+@st.composite
+def verify_blocks(draw, min_rows: int = 1, max_rows: int = 8, max_width: int = 9, vocab: int = 4):
+    """`(proposed, target)`: per-row token lists over a small vocabulary (so matches are
+    common), lengths 0..max_width each, drawn independently (proposed longer, shorter or
+    equal), with all-match rows as a corner."""
+    n = draw(st.integers(min_rows, max_rows))
+    proposed, target = [], []
+    for _ in range(n):
+        p = draw(st.lists(st.integers(0, vocab - 1), max_size=max_width))
+        if draw(st.booleans()):
+            t = p[: draw(st.integers(0, len(p)))] + draw(st.lists(st.integers(0, vocab - 1), max_size=2))
+        else:
+            t = draw(st.lists(st.integers(0, vocab - 1), max_size=max_width))
+        proposed.append(p)
+        target.append(t)
+    return proposed, target
+
+
+def compress_ratios():
+    """The V4 layer kinds: 0 (Standard), 4 (CSA), 128 (HCA)."""
+    return st.sampled_from([0, 4, 128])

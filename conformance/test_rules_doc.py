@@ -75,7 +75,9 @@ def test_every_listed_test_exists():
             if not path.exists():
                 missing.append(f"{rule}: {file} does not exist")
                 continue
-            names = cache.setdefault(path, defined_tests(path))
+            if path not in cache:
+                cache[path] = defined_tests(path)
+            names = cache[path]
             if name.split("::")[-1] not in names:
                 missing.append(f"{rule}: {file}::{name} does not exist")
     assert not missing, "\n".join(missing)

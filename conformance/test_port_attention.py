@@ -1,0 +1,248 @@
+"""Port conformance: attention and dsv4_attention (gpu.attention vs reference.attention),
+and the port's in-place-layout attention against the reference on the front-aligned batch.
+
+Tolerances (gpu.testing): float64 port vs float64 reference within 1e-12 relative to the
+output's max magnitude (matmul/softmax summation order differs between torch and NumPy;
+masked columns contribute exact zeros in both). float32 / bfloat16: `|port - ref64| <=
+2 |naive - ref64| + 4 eps(dtype) max|v|` with `naive` the plain same-dtype attention
+written here (logits, softmax with the sink column and `@ v`, all in the dtype); `ref64`
+is the reference on the same dtype-rounded inputs. Masks are exact. Refusals: raised by
+both or neither, same class and message."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpu.attention as port
+import reference.attention as ref
+from conformance.strategies import corner_lengths, compress_ratios
+from gpu.cache import RaggedKv
+from gpu.testing import (DEVICE, assert_close64, assert_dtype_bound, assert_same_refusal, outcome,
+                         representable, to_port)
+
+LOW = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+def naive_attention(q, k, v, mask, sinks):
+    """Plain same-dtype attention: everything in q.dtype, the sink as an extra logit column
+    dropped after the softmax, GQA by repeat_interleave."""
+    h, hk = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        logits = logits + mask.to(q.dtype)
+    if sinks is not None:
+        col = sinks.to(q.dtype)[None, :, None, None].expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, col], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v
+
+
+@st.composite
+def attention_case(draw, all_masked_rows: bool = True):
+    b, hk, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    t_q, t_k = draw(st.integers(1, 5)), draw(st.integers(0, 40))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    h = hk * group
+    q, k, v = rng.normal(size=(b, h, t_q, 8)), rng.normal(size=(b, hk, t_k, 8)), rng.normal(size=(b, hk, t_k, 6))
+    mask = None
+    if draw(st.booleans()) and t_k:
+        keep = rng.random((b, 1, t_q, t_k)) < draw(st.sampled_from([0.3, 0.8, 1.0]))
+        if not all_masked_rows:
+            keep[..., 0] = True
+        mask = np.where(keep, 0.0, -np.inf)
+    sinks = rng.normal(size=h) * 2 if draw(st.booleans()) else None
+    if not all_masked_rows and t_k == 0 and sinks is None:
+        sinks = np.zeros(h)
+    return q, k, v, mask, sinks
+
+
+def opt(a, dtype=None):
+    return None if a is None else to_port(a, dtype)
+
+
+@given(case=attention_case())
+def test_float64_attention_matches_the_reference(case):
+    q, k, v, mask, sinks = case
+    got = port.attention(to_port(q), to_port(k), to_port(v), opt(mask), opt(sinks))
+    want = ref.attention(q, k, v, mask, sinks)
+    assert_close64(got, want, what="attention")
+    assert torch.isfinite(got).all()  # all-masked rows without a sink give 0, never NaN
+
+
+@LOW
+@given(case=attention_case(all_masked_rows=False))
+def test_low_precision_attention_is_within_twice_the_naive_error(dtype, case):
+    q, k, v, mask, sinks = (None if a is None else representable(a, dtype) for a in case)
+    got = port.attention(to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(mask, dtype), opt(sinks, dtype))
+    assert got.dtype == dtype
+    naive = naive_attention(to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(mask, dtype),
+                            opt(sinks, dtype))
+    want = ref.attention(q, k, v, mask, sinks)
+    scale = float(np.abs(v).max()) if v.size else 1.0
+    assert_dtype_bound(got, naive, want, dtype, scale, "attention")
+
+
+# ----------------------------------------------------------------------------- dsv4
+
+
+@st.composite
+def dsv4_case(draw):
+    """A front-aligned dsv4 batch built here (independently of the port's layout code):
+    rows of own length `n_i` (this step's `t_q` tokens included) ending at the shared
+    column `N = max n_i`, zero dead prefix, start-anchored compressed keys per row (blocks
+    past a row's own count are noise: the mask must kill them). Plus a config, a caller
+    mask, sinks, and variants reaching each refusal."""
+    ratio = draw(compress_ratios())
+    t_q = draw(st.integers(1, 4))
+    max_len = 300 if ratio == 128 else 60
+    own = [n + t_q for n in draw(corner_lengths(1, 4, max_len, boundaries=False))]
+    b, n_max = len(own), max(own)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    k = np.zeros((b, 1, n_max, 8))
+    v = np.zeros((b, 1, n_max, 8))
+    for i, n in enumerate(own):
+        k[i, 0, n_max - n:] = rng.normal(size=(n, 8))
+        v[i, 0, n_max - n:] = rng.normal(size=(n, 8))
+    comp = None
+    if ratio > 1 and n_max // ratio > 0:
+        comp = rng.normal(size=(b, 1, n_max // ratio + draw(st.integers(0, 1)), 8)) * 3
+    h = draw(st.sampled_from([1, 2, 4]))
+    q = rng.normal(size=(b, h, t_q, 8))
+    window = draw(st.sampled_from([0, 1, 3, 8, 128]))
+    row_q0 = draw(st.sampled_from(["own", "own", "none", "uniform", "bad"]))
+    rows = {"own": [n - t_q for n in own], "none": None, "uniform": [n_max - t_q] * b,
+            "bad": [n - t_q + 1 for n in own]}[row_q0]
+    raw_prefix = draw(st.sampled_from([0, 0, 0, 1, 5]))
+    if raw_prefix:  # the first raw_prefix columns are "already dropped"
+        k, v = k[:, :, raw_prefix:], v[:, :, raw_prefix:]
+    q_extra = draw(st.sampled_from([0, 0, 0, n_max + 1]))  # more queries than keys: refused
+    if q_extra:
+        q = rng.normal(size=(b, h, n_max + 1, 8))
+    caller = None
+    if draw(st.booleans()):
+        t_c = 0 if comp is None or ratio <= 1 else comp.shape[2]
+        width = draw(st.sampled_from([n_max, n_max + t_c, n_max + 2]))
+        caller = np.where(rng.random((q.shape[2], width)) < 0.9, 0.0, -np.inf)
+    sinks = rng.normal(size=h) if draw(st.booleans()) else None
+    cfg = ref.Dsv4AttentionConfig(ratio, window, raw_prefix, rows)
+    return q, k, v, comp, caller, cfg, sinks
+
+
+def port_cfg(cfg):
+    rows = None if cfg.row_q0 is None else torch.tensor(cfg.row_q0, device=DEVICE)
+    return port.Dsv4AttentionConfig(cfg.compress_ratio, cfg.sliding_window, cfg.raw_prefix, rows)
+
+
+@given(case=dsv4_case())
+def test_float64_dsv4_attention_matches_the_reference_including_refusals(case):
+    q, k, v, comp, caller, cfg, sinks = case
+    p = outcome(port.dsv4_attention, to_port(q), to_port(k), to_port(v), opt(comp), opt(caller),
+                port_cfg(cfg), opt(sinks))
+    r = outcome(ref.dsv4_attention, q, k, v, comp, caller, cfg, sinks)
+    if assert_same_refusal(p, r, "dsv4_attention"):
+        assert_close64(p[1], r[1], what="dsv4_attention")
+
+
+def naive_dsv4(q, k, v, comp, cfg, sinks):
+    """Same-dtype dsv4: the reference's (exact) masks and narrowing, the naive attention."""
+    t_q = q.shape[2]
+    t_k_full = cfg.raw_prefix + k.shape[2]
+    window = max(cfg.sliding_window, 1)
+    q0 = t_k_full - t_q
+    base, keep = ref.raw_keep_span(t_q, window, t_k_full)
+    t_c = 0 if comp is None or cfg.compress_ratio <= 1 else comp.shape[2]
+    valid = np.concatenate([ref.raw_validity(t_q, q0, base, keep, window),
+                            ref.compressed_validity(t_q, q0, t_c, cfg.compress_ratio)], axis=1)
+    rows = ref.resolve_ragged_rows(cfg.row_q0, q0, q.shape[0])
+    mask = np.where(valid, 0.0, -np.inf)[None, None] if rows is None else \
+        ref.ragged_union_mask(rows, q0, valid, base, keep, cfg.compress_ratio, t_c)
+    rel = base - cfg.raw_prefix
+    kk, vv = k[:, :, rel: rel + keep], v[:, :, rel: rel + keep]
+    if t_c:
+        kk, vv = torch.cat([kk, comp], 2), torch.cat([vv, comp], 2)
+    return naive_attention(q, kk, vv, torch.from_numpy(mask).to(q.device), sinks)
+
+
+@LOW
+@given(case=dsv4_case())
+def test_low_precision_dsv4_attention_is_within_twice_the_naive_error(dtype, case):
+    q, k, v, comp, caller, cfg, sinks = (x if x is None or isinstance(x, ref.Dsv4AttentionConfig)
+                                         else representable(x, dtype) for x in case)
+    r = outcome(ref.dsv4_attention, q, k, v, comp, None, cfg, sinks)
+    p = outcome(port.dsv4_attention, to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(comp, dtype),
+                None, port_cfg(cfg), opt(sinks, dtype))
+    if assert_same_refusal(p, r, "dsv4_attention"):
+        naive = naive_dsv4(to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(comp, dtype), cfg,
+                           opt(sinks, dtype))
+        scale = max(float(np.abs(v).max()), 0.0 if comp is None else float(np.abs(comp).max()), 1e-30)
+        assert_dtype_bound(p[1], naive, r[1], dtype, scale, "dsv4_attention")
+
+
+@given(case=dsv4_case())
+def test_a_uniform_row_q0_never_takes_the_ragged_mask_path(case):
+    q, k, v, comp, _caller, cfg, sinks = case
+    cfg.raw_prefix = 0
+    if q.shape[2] > k.shape[2]:
+        q = q[:, :, : k.shape[2]]
+    t_k_full = k.shape[2]
+    uniform = ref.Dsv4AttentionConfig(cfg.compress_ratio, cfg.sliding_window, 0, [t_k_full - q.shape[2]] * q.shape[0])
+    port.reset_dsv4_mask_stats()
+    port.dsv4_attention(to_port(q), to_port(k), to_port(v), opt(comp), None, port_cfg(uniform), opt(sinks))
+    assert port.dsv4_mask_stats == {"uniform": 1, "ragged": 0}
+
+
+def test_dsv4_refusal_messages_name_the_values():
+    q, k = torch.zeros((1, 1, 5, 4), dtype=torch.float64), torch.zeros((1, 1, 3, 4), dtype=torch.float64)
+    with pytest.raises(port.MaskRefusal, match="5 query rows against only 3 keys"):
+        port.dsv4_attention(q, k, k, None, None, port.Dsv4AttentionConfig(0, 4))
+    q1 = torch.zeros((1, 1, 1, 4), dtype=torch.float64)
+    with pytest.raises(port.MaskRefusal, match="NOT held: raw_prefix 9 > raw_base 8"):
+        port.dsv4_attention(q1, k, k, None, None, port.Dsv4AttentionConfig(0, 4, raw_prefix=9))
+
+
+# ----------------------------------------------------------------------------- in place
+
+
+@given(own=corner_lengths(1, 5, 300, boundaries=False), t_q=st.integers(1, 3), ratio=compress_ratios(),
+       window=st.sampled_from([1, 4, 16, 128]), with_sinks=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_in_place_attention_equals_the_reference_on_the_front_aligned_batch(own, t_q, ratio, window,
+                                                                            with_sinks, seed):
+    """The port's layout never front-aligns: rows sit at column 0 with their own lengths.
+    Its attention (per-row window gather, per-row masks) equals the reference's
+    `dsv4_attention` of the front-aligned batch with `row_q0 = own - t_q`."""
+    rng = np.random.default_rng(seed)
+    own = [n + t_q for n in own]
+    b, n_max = len(own), max(own)
+    cap = n_max + 7
+    k_place = rng.normal(size=(b, 1, cap, 8)) * 5  # slack columns hold noise: never read unmasked
+    v_place = rng.normal(size=(b, 1, cap, 8)) * 5
+    k_front, v_front = np.zeros((b, 1, n_max, 8)), np.zeros((b, 1, n_max, 8))
+    for i, n in enumerate(own):
+        k_front[i, 0, n_max - n:] = k_place[i, 0, :n]
+        v_front[i, 0, n_max - n:] = v_place[i, 0, :n]
+    t_c = n_max // ratio if ratio > 1 else 0
+    comp = rng.normal(size=(b, 1, t_c, 8)) if t_c else None
+    h = 2
+    q = rng.normal(size=(b, h, t_q, 8))
+    sinks = rng.normal(size=h) if with_sinks else None
+    kv = RaggedKv(to_port(k_place), to_port(v_place), torch.tensor(own), max_seq_len=4096)
+    got = port.dsv4_attention_in_place(to_port(q), kv, opt(comp), ratio, window, opt(sinks))
+    cfg = ref.Dsv4AttentionConfig(ratio, window, 0, [n - t_q for n in own])
+    want = ref.dsv4_attention(q, k_front, v_front, comp, None, cfg, sinks)
+    assert_close64(got, want, what="dsv4_attention_in_place")
+
+
+def test_in_place_attention_refuses_a_row_shorter_than_its_queries():
+    kv = RaggedKv(torch.zeros((2, 1, 8, 4), dtype=torch.float64), torch.zeros((2, 1, 8, 4), dtype=torch.float64),
+                  torch.tensor([5, 1]), 4096)
+    with pytest.raises(port.MaskRefusal, match="2 query rows against only 1 keys"):
+        port.dsv4_attention_in_place(torch.zeros((2, 1, 2, 4), dtype=torch.float64), kv, None, 0, 4)

@@ -1,0 +1,135 @@
+"""Port conformance: RoPE (gpu.rope vs reference.rope).
+
+Tolerances: positions are integers (bit-exact). float64 rotations: 1e-12 relative to the
+tensor's max magnitude (`gpu.testing.assert_close64`): the port's cos/sin come from a
+vectorized float64 `torch.cos` where the reference calls scalar libm, which may differ by
+an ulp; the rotation is then ~3 float64 ops. float32 / bfloat16: the DESIGN.md rule
+`|port - ref64| <= 2 |naive - ref64| + 4 eps(dtype) max|x|`, where `naive` (written here)
+is the plain same-precision implementation: angles and cos/sin in float32 (the common
+engine recipe), cast to the dtype, rotation in the dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpu.rope as port
+import reference.rope as ref
+from conformance.strategies import corner_lengths, uniform_lengths
+from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, host,
+                         representable, to_port)
+
+THETA = 10000.0
+
+
+@st.composite
+def rope_case(draw, max_offset: int = 1100):
+    """`(x, offsets, rope_dims)`: x `[B,H,T,D]` float64 from a seeded rng, offsets of
+    length 1 or B (uniform, ragged, at the 512 boundaries), rope_dims even <= D."""
+    offsets = draw(st.one_of(corner_lengths(1, 4, max_offset), uniform_lengths(1, 4, 0, max_offset),
+                             st.lists(st.integers(0, max_offset), min_size=1, max_size=1)))
+    b = len(offsets) if len(offsets) > 1 else draw(st.integers(1, 3))
+    h, t = draw(st.integers(1, 2)), draw(st.integers(1, 5))
+    d = draw(st.sampled_from([2, 4, 6, 8]))
+    rope_dims = draw(st.sampled_from([r for r in (2, 4, 6, 8) if r <= d]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return rng.normal(size=(b, h, t, d)), offsets, rope_dims
+
+
+@given(positions=st.lists(st.integers(0, 5000), max_size=12), rope_dims=st.sampled_from([2, 4, 8, 64]),
+       theta=st.sampled_from([10000.0, 160000.0, 3.0]))
+def test_cos_sin_tables_match_the_reference(positions, rope_dims, theta):
+    cos, sin = port.rope_cos_sin(torch.tensor(positions, dtype=torch.int64, device=DEVICE), rope_dims, theta)
+    want_cos, want_sin = ref.rope_cos_sin(np.asarray(positions, dtype=np.int64), rope_dims, theta)
+    assert_close64(cos, want_cos, what="cos")
+    assert_close64(sin, want_sin, what="sin")
+
+
+@pytest.mark.parametrize("use_table", [False, True])
+@given(case=rope_case(), inverse=st.booleans())
+def test_float64_rope_matches_the_reference(use_table, case, inverse):
+    x, offsets, rope_dims = case
+    table = port.RopeTable(rope_dims, THETA, max(offsets) + x.shape[2], device=DEVICE) if use_table else None
+    got = port.apply_rope(to_port(x), torch.tensor(offsets, device=DEVICE), rope_dims, THETA, inverse, table)
+    assert_close64(got, ref.apply_rope(x, offsets, rope_dims, THETA, inverse), what="apply_rope")
+    # the leading (non-rotated) dims are moved, not computed: bit-exact
+    assert_bit_exact(got[..., : x.shape[3] - rope_dims], x[..., : x.shape[3] - rope_dims])
+
+
+def naive_rope(x: torch.Tensor, offsets: list[int], rope_dims: int, theta: float) -> torch.Tensor:
+    """Plain same-precision RoPE: positions and angles in float32, cos/sin cast to x.dtype,
+    every row rotated with its own positions, arithmetic in x.dtype."""
+    b, _, t, d = x.shape
+    inv = torch.tensor([theta ** (-(2.0 * k) / rope_dims) for k in range(rope_dims // 2)],
+                       dtype=torch.float32, device=x.device)
+    out = x.clone()
+    for i in range(b):
+        off = offsets[i] if len(offsets) == b else offsets[0]
+        ang = (off + torch.arange(t, device=x.device, dtype=torch.float32))[:, None] * inv
+        c, s = torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype)
+        ev, od = x[i, :, :, d - rope_dims::2], x[i, :, :, d - rope_dims + 1::2]
+        out[i, :, :, d - rope_dims::2] = ev * c - od * s
+        out[i, :, :, d - rope_dims + 1::2] = ev * s + od * c
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@given(case=rope_case())
+def test_low_precision_rope_is_within_twice_the_naive_error(dtype, case):
+    x, offsets, rope_dims = case
+    x = representable(x, dtype)
+    got = port.apply_rope(to_port(x, dtype), torch.tensor(offsets, device=DEVICE), rope_dims, THETA)
+    assert got.dtype == dtype
+    naive = naive_rope(to_port(x, dtype), offsets, rope_dims, THETA)
+    want = ref.apply_rope(x, offsets, rope_dims, THETA)
+    assert_dtype_bound(got, naive, want, dtype, float(np.abs(x).max()), "apply_rope")
+
+
+@given(case=rope_case())
+def test_inverse_undoes_the_rotation(case):
+    x, offsets, rope_dims = case
+    t = to_port(x)
+    back = port.apply_rope(port.apply_rope(t, offsets, rope_dims, THETA), offsets, rope_dims, THETA, inverse=True)
+    assert_close64(back, x, what="inverse(rope(x))")
+
+
+@given(lens=uniform_lengths(1, 5, 0, 1100), ragged=corner_lengths(2, 5, 1100))
+def test_a_uniform_batch_never_takes_the_gathered_path(lens, ragged):
+    """The port's dispatch predicate: a uniform offset vector builds the `[1, T]` table
+    (bit-identical to the gathered one, so only the counter can tell)."""
+    x = torch.ones((len(lens), 1, 2, 4), dtype=torch.float64, device=DEVICE)
+    port.reset_rope_path_stats()
+    port.apply_rope(x, torch.tensor(lens, device=DEVICE), 4, THETA)
+    assert port.rope_path_stats == {"uniform": 1, "gathered": 0}
+    y = torch.ones((len(ragged), 1, 2, 4), dtype=torch.float64, device=DEVICE)
+    port.apply_rope(y, torch.tensor(ragged, device=DEVICE), 4, THETA)
+    assert port.rope_path_stats["gathered"] == (0 if len(set(ragged)) == 1 else 1)
+    # and the two shapes agree bit for bit on a uniform batch
+    wide = port.apply_rope(x, torch.tensor(lens, device=DEVICE), 4, THETA)
+    table = port.RopeTable(4, THETA, lens[0] + 2, device=DEVICE)
+    pos = torch.tensor(lens, device=DEVICE)[:, None] + torch.arange(2, device=DEVICE)
+    c, s = table.lookup(pos)
+    assert_bit_exact(port.rotate(x, c[:, None], s[:, None], 4), wide)
+
+
+@given(t_c=st.integers(0, 40), ratio=st.sampled_from([1, 4, 128]), seed=st.integers(0, 2**32 - 1),
+       inverse=st.booleans())
+def test_compressed_key_positions_and_rotation_match_the_reference(t_c, ratio, seed, inverse):
+    positions = port.compressed_key_positions(t_c, ratio, device=DEVICE)
+    assert host(positions).tolist() == ref.compressed_key_positions(t_c, ratio)
+    x = np.random.default_rng(seed).normal(size=(2, 1, t_c, 8))
+    got = port.apply_rope_at_positions(to_port(x), positions, 4, 160000.0, inverse)
+    assert_close64(got, ref.apply_rope_at_positions(x, ref.compressed_key_positions(t_c, ratio), 4, 160000.0,
+                                                    inverse), what="apply_rope_at_positions")
+
+
+def test_bad_offsets_are_malformed_for_both():
+    x = np.zeros((3, 1, 2, 4))
+    for offsets in ([1, 2], [-1]):
+        with pytest.raises(ValueError):
+            ref.apply_rope(x, offsets, 4, THETA)
+        with pytest.raises(ValueError):
+            port.apply_rope(to_port(x), offsets, 4, THETA)

@@ -1,0 +1,44 @@
+"""Small helpers shared by the port: device selection and length-vector coercion."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from reference.errors import require
+
+DEVICE_ENV = "RAGGEDSPEC_DEVICE"
+
+
+def env_device() -> torch.device:
+    """The device named by `RAGGEDSPEC_DEVICE` (default "cpu"): how conformance picks where
+    the port runs, so the same tests run on CUDA unchanged."""
+    return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+
+
+def lengths(x, device: torch.device | str | None = None, name: str = "lengths") -> torch.Tensor:
+    """A 1-D int64 tensor from a tensor, array or sequence of ints (`device` None keeps a
+    tensor where it is, and puts anything else on the CPU). ValueError unless 1-D."""
+    if isinstance(x, torch.Tensor):
+        t = x.to(dtype=torch.int64, device=device if device is not None else x.device)
+    else:
+        t = torch.as_tensor([int(v) for v in x] if isinstance(x, Sequence) else x,
+                            dtype=torch.int64, device=device)
+    require(t.dim() == 1, f"{name} must be a 1-D vector, got shape {list(t.shape)}")
+    return t
+
+
+def as_list(t) -> list[int]:
+    """Host list of ints (for messages and for comparing with the reference)."""
+    if isinstance(t, torch.Tensor):
+        return [int(v) for v in t.tolist()]
+    return [int(v) for v in t]
+
+
+def neg_inf_where(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Booleans -> additive mask in `dtype` (True -> 0, False -> -inf); both values are
+    exact in every float dtype, so masks compare bit-exactly across dtypes."""
+    zero = torch.zeros((), dtype=dtype, device=keep.device)
+    return torch.where(keep, zero, torch.full((), float("-inf"), dtype=dtype, device=keep.device))

@@ -1,0 +1,199 @@
+"""Sink softmax attention and DeepSeek V4's `dsv4_attention` (port of `reference.attention`).
+
+`attention` is the batched dense form an engine runs when it needs an arbitrary additive
+mask: logits `q k^T / sqrt(D) + mask`, a softmax whose denominator also holds a per-head
+sink logit (no value row), then `@ v`. Grouped KV heads are expanded by a broadcast view.
+Half-precision inputs (bfloat16, float16) are computed in float32 and cast back (the
+accumulate-in-float32 convention of fused kernels); float32 and float64 run in their own
+dtype. A query row with every key masked and no sink returns 0, never NaN (as the reference).
+
+`dsv4_attention` follows the reference step for step (same refusals and messages, same
+`dsv4_mask_stats` observability): the union mask is built by broadcast comparison
+(`gpu.masks`), on the uniform path a single `[1,1,t_q,n]` mask, on the ragged path
+`ragged_union_mask` from the per-row query positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gpu._common import neg_inf_where
+from gpu.dispatch import resolve_ragged_rows
+from gpu.masks import compose_caller_mask, compressed_validity, ragged_union_mask, raw_keep_span, raw_validity
+from reference.errors import MaskRefusal, require  # noqa: F401 (MaskRefusal re-exported)
+
+dsv4_mask_stats = {"uniform": 0, "ragged": 0}
+"""Which mask path `dsv4_attention` built (a uniform batch must never reach "ragged")."""
+
+
+def reset_dsv4_mask_stats() -> None:
+    for key in dsv4_mask_stats:
+        dsv4_mask_stats[key] = 0
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B,H,t_q,Dv]` in `q.dtype`: softmax(`q k^T / sqrt(D) + mask`) with the per-head
+    `sinks [H]` as a denominator-only column, `@ v`. `k, v [B,Hk,t_k,*]` with Hk dividing H
+    (query head h reads KV head `h // (H // Hk)`); `mask` additive, broadcastable to
+    `[B,H,t_q,t_k]`, or None. ValueError on bad shapes."""
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must all be rank 4")
+    b, h, t_q, d = q.shape
+    require(k.shape[0] == b and v.shape[0] == b and k.shape[3] == d,
+            f"batch/head-dim mismatch: q {list(q.shape)}, k {list(k.shape)}")
+    require(k.shape[:3] == v.shape[:3], f"k {list(k.shape)} and v {list(v.shape)} must share [B,Hk,t_k]")
+    hk = k.shape[1]
+    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
+    out_dtype, cd = q.dtype, _compute_dtype(q.dtype)
+    qc = q.to(cd).unflatten(1, (hk, h // hk))              # [B, Hk, G, t_q, D]
+    kc, vc = k.to(cd)[:, :, None], v.to(cd)[:, :, None]     # [B, Hk, 1, t_k, *]
+    logits = (qc @ kc.transpose(-1, -2)).flatten(1, 2) * (1.0 / math.sqrt(d))
+    if mask is not None:
+        logits = logits + mask.to(device=logits.device, dtype=cd)
+    if logits.shape[-1]:
+        m = logits.amax(dim=-1, keepdim=True)
+    else:
+        m = torch.full(logits.shape[:-1] + (1,), float("-inf"), dtype=cd, device=q.device)
+    if sinks is not None:
+        require(sinks.shape == (h,), f"sinks shape {list(sinks.shape)} must be [{h}]")
+        sink = sinks.to(device=q.device, dtype=cd)[None, :, None, None]
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=cd, device=q.device))
+    p = torch.exp(logits - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - m)
+    out = (p.unflatten(1, (hk, h // hk)) @ vc).flatten(1, 2)
+    positive = denom > 0
+    out = torch.where(positive, out / torch.where(positive, denom, torch.ones_like(denom)),
+                      torch.zeros((), dtype=cd, device=q.device))
+    return out.to(out_dtype)
+
+
+@dataclass
+class Dsv4AttentionConfig:
+    """As `reference.attention.Dsv4AttentionConfig`; `row_q0` may be a list or an int64
+    tensor."""
+
+    compress_ratio: int
+    sliding_window: int
+    raw_prefix: int = 0
+    row_q0: object = None
+
+
+def is_standard_layer(compress_ratio: int) -> bool:
+    return compress_ratio <= 1
+
+
+def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   compressed_kv: torch.Tensor | None, attention_mask: torch.Tensor | None, cfg,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Union attention `[B,H,t_q,D]` over `[raw window keys ++ compressed keys]`, the
+    reference's steps and refusals: Standard layers drop `compressed_kv`;
+    `t_k_full = raw_prefix + t_k_given`, `window = max(sliding_window, 1)`,
+    `q0 = t_k_full - t_q` (MaskRefusal "query rows against only" when negative);
+    `row_q0` through `resolve_ragged_rows` (DispatchRefusal); `raw_keep_span` and the
+    narrowing (MaskRefusal "are NOT" held when `raw_base < raw_prefix`); validity by
+    broadcast; uniform -> one `[1,1,t_q,n]` mask, ragged -> `ragged_union_mask`; caller
+    mask folded (its MaskRefusals); `attention`. Masks are built in the compute dtype.
+    `cfg` is a `Dsv4AttentionConfig` of this module or of the reference."""
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must all be rank 4")
+    b, h, t_q, d = q.shape
+    require(k.shape == v.shape and k.shape[0] == b and k.shape[1] == 1 and k.shape[3] == d,
+            f"k {list(k.shape)} and v {list(v.shape)} must both be [B={b},1,t_k,D={d}]")
+    require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
+            f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
+    if is_standard_layer(cfg.compress_ratio):
+        compressed_kv = None
+    if compressed_kv is not None:
+        require(compressed_kv.dim() == 4 and tuple(compressed_kv.shape[:2]) == (b, 1)
+                and compressed_kv.shape[3] == d,
+                f"compressed_kv {list(compressed_kv.shape)} must be [B={b},1,t_c,D={d}]")
+    t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
+
+    t_k_full = cfg.raw_prefix + k.shape[2]
+    window = max(cfg.sliding_window, 1)
+    if t_q > t_k_full:
+        raise MaskRefusal(f"{t_q} query rows against only {t_k_full} keys")
+    q0 = t_k_full - t_q
+    rows = resolve_ragged_rows(cfg.row_q0, q0, b)
+
+    raw_base, keep = raw_keep_span(t_q, window, t_k_full)
+    rel_base = raw_base - cfg.raw_prefix
+    if rel_base < 0:
+        raise MaskRefusal(
+            f"raw keys [{raw_base}, {cfg.raw_prefix}) reachable by the window are NOT held: "
+            f"raw_prefix {cfg.raw_prefix} > raw_base {raw_base}")
+    k_raw = k[:, :, rel_base: rel_base + keep]
+    v_raw = v[:, :, rel_base: rel_base + keep]
+
+    dev, cd = q.device, _compute_dtype(q.dtype)
+    valid = torch.cat([raw_validity(t_q, q0, raw_base, keep, window, device=dev),
+                       compressed_validity(t_q, q0, t_c, cfg.compress_ratio, device=dev)], dim=1)
+    if rows is None:
+        dsv4_mask_stats["uniform"] += 1
+        local = neg_inf_where(valid, cd)[None, None]
+    else:
+        dsv4_mask_stats["ragged"] += 1
+        local = ragged_union_mask(rows.to(dev), q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd)
+    mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
+
+    if compressed_kv is not None:
+        k_all = torch.cat([k_raw, compressed_kv.to(k.dtype)], dim=2)
+        v_all = torch.cat([v_raw, compressed_kv.to(v.dtype)], dim=2)
+    else:
+        k_all, v_all = k_raw, v_raw
+    return attention(q, k_all, v_all, mask, sinks)
+
+
+
+def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | None, compress_ratio: int,
+                            sliding_window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`dsv4_attention` over the port's in-place layout (`gpu.cache.RaggedKv`, one KV head),
+    with no front-aligned copy: the raw window is one per-row gather, the masks per-row
+    offsets.
+
+    `q [B,H,t_q,D]` this step's queries; `kv` after this step's append, so row i's queries
+    sit at its own positions `lens[i] - t_q + r`; `compressed_kv [B,1,t_c,D]` start-anchored
+    (row i's block b at index b) or None. Per row: `keep = min(t_q + window - 1, max(lens))`
+    raw columns ending at its own end (`base_i = lens[i] - keep`; columns below 0 are dead),
+    valid iff `qp - window < kp <= qp`; compressed block b valid iff
+    `b < floor((qp + 1) / ratio)`. Equals the reference's `dsv4_attention` of the
+    materialized front-aligned batch with `row_q0 = lens - t_q` (up to float summation
+    order). Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`.
+    Not modelled here: `raw_prefix` (windowed eviction) and a caller mask."""
+    require(q.dim() == 4 and kv.k.shape[1] == 1 and q.shape[0] == kv.batch and q.shape[3] == kv.k.shape[3],
+            f"q {list(q.shape)} against kv {list(kv.k.shape)}: need [B,H,t_q,D] and [B,1,cap,D]")
+    b, _, t_q, d = q.shape
+    dev, cd = q.device, _compute_dtype(q.dtype)
+    lens = kv.lens
+    short = lens < t_q
+    if bool(short.any()):
+        i = int(short.nonzero()[0, 0])
+        raise MaskRefusal(f"{t_q} query rows against only {int(lens[i])} keys")
+    window = max(sliding_window, 1)
+    top = int(lens.max())
+    keep = min(t_q + window - 1, top)
+    cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]         # [B, keep]
+    index = cols.clamp(min=0)[:, None, :, None].expand(b, 1, keep, d)
+    k_raw, v_raw = kv.k.gather(2, index), kv.v.gather(2, index)
+    qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [B, t_q]
+    kp = cols[:, None, :]
+    raw = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
+    if is_standard_layer(compress_ratio) or compressed_kv is None:
+        valid, k_all, v_all = raw, k_raw, v_raw
+    else:
+        comp = compressed_validity(t_q, lens - t_q, compressed_kv.shape[2], compress_ratio)
+        valid = torch.cat([raw, comp], dim=2)
+        k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
+        v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)
+    return attention(q, k_all, v_all, neg_inf_where(valid, cd)[:, None], sinks)

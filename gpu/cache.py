@@ -1,0 +1,208 @@
+"""`RaggedKv`: the port's physical KV layout (the port of `reference.cache`'s K/V slot).
+
+Layout: one K and one V buffer `[B, H, capacity, D]` per layer, plus an int64 vector
+`lens [B]` of each row's OWN length. Row i keeps its KV **in place, start-anchored**: its
+own position p lives at physical column p, for `p < lens[i]`; columns past `lens[i]` are
+slack (stale or zero, never read unmasked). Nothing is ever shifted:
+
+- append writes each row's new tokens at its own offset `lens[i]` (one scatter), so rows of
+  different lengths share one buffer without a front-alignment copy;
+- the reference's front alignment (row i's live run ending at the shared column T, with a
+  `lead_i = T - lens[i]` dead prefix) is only an *index map* here: front-aligned column j of
+  row i is physical column `j - lead_i` (dead when negative). Masks and attention use the
+  per-row offsets directly (`gpu.align`, `gpu.attention_in_place`), and
+  `gpu.align.materialize_front_aligned` builds the reference's tensors, by one gather,
+  for conformance only;
+- rollback (`truncate_by`, cohort) and commit (`set_len`, per-sequence) change `lens` only;
+  the per-sequence commit's dead-prefix strip moves no data (there is no prefix to strip);
+- a row subset (a draft group) is an index vector into the same buffers.
+
+Why: on an H200 at B=128, L=4096, copying the whole cache into front-aligned form took
+~8.9 ms while the attention over it took ~0.5 ms. A per-step front-alignment copy would
+cost ~18x the attention it feeds; in place, a step's data movement is the new tokens'
+K/V only (`B * t * H * D` elements), independent of L.
+
+Capacity follows the reference's growth rule (start at 512, grow by whole 512-column blocks
+when `max(lens) + t` exceeds it, refused above `max_seq_len`), so the same appends are
+refused by both. Not modelled: windowed eviction (`first_cached > 0`, the reference's
+`retain_window`), the compressor (XsRolling) slots, and multi-layer `NormalCache`
+bookkeeping (a port cache is one `RaggedKv` per layer, all sharing `lens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu._common import as_list, lengths
+from reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+from reference.errors import CacheRefusal, require
+
+
+@dataclass
+class RaggedKv:
+    """K/V buffers `[B, H, capacity, D]` (V may have its own last dim) and own lengths
+    `lens [B]`. Invariant: `0 <= lens[i] <= capacity`; row i's position p at column p."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lens: torch.Tensor
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        require(self.k.dim() == 4 and self.v.dim() == 4 and self.k.shape[:3] == self.v.shape[:3],
+                f"k {list(self.k.shape)} and v {list(self.v.shape)} must be [B,H,capacity,*]")
+        self.lens = lengths(self.lens, device=self.k.device, name="lens")
+        require(self.lens.numel() == self.k.shape[0],
+                f"{self.lens.numel()} lengths for {self.k.shape[0]} rows")
+        require(not bool((self.lens < 0).any() or (self.lens > self.capacity).any()),
+                f"lens {as_list(self.lens)} must lie in [0, capacity {self.capacity}]")
+
+    @staticmethod
+    def empty(b: int, heads: int, dim: int, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY,
+              dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
+              v_dim: int | None = None) -> "RaggedKv":
+        """B empty rows of `capacity` zero columns."""
+        k = torch.zeros((b, heads, capacity, dim), dtype=dtype, device=device)
+        v = torch.zeros((b, heads, capacity, dim if v_dim is None else v_dim), dtype=dtype, device=device)
+        return RaggedKv(k, v, torch.zeros(b, dtype=torch.int64, device=device), max_seq_len)
+
+    @staticmethod
+    def from_rows(ks: list[torch.Tensor], vs: list[torch.Tensor], max_seq_len: int,
+                  capacity: int | None = None) -> "RaggedKv":
+        """Rows `ks[i] [H, n_i, D]` (and `vs[i]`) placed at column 0 of one buffer of width
+        `capacity` (default: the smallest `512 + k*512` holding the longest row). A
+        constructor (not a hot path): it loops over the rows once."""
+        require(len(ks) == len(vs) and len(ks) > 0, "from_rows needs as many K rows as V rows, >= 1")
+        n = [int(k.shape[1]) for k in ks]
+        if capacity is None:
+            capacity = PLAIN_CACHE_CAPACITY + max(0, -(-(max(n) - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) \
+                * CACHE_GROW_SIZE
+        require(max(n) <= capacity, f"a row of {max(n)} does not fit capacity {capacity}")
+        h, d, dv = ks[0].shape[0], ks[0].shape[2], vs[0].shape[2]
+        kv = RaggedKv.empty(len(ks), h, d, max_seq_len, capacity, ks[0].dtype, ks[0].device, dv)
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            kv.k[i, :, : n[i]] = k
+            kv.v[i, :, : n[i]] = v
+        kv.lens = torch.as_tensor(n, dtype=torch.int64, device=ks[0].device)
+        return kv
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i's live run `(k [H, lens[i], D], v)` (views)."""
+        n = int(self.lens[i])
+        return self.k[i, :, :n], self.v[i, :, :n]
+
+    def _grow_to(self, needed: int) -> None:
+        """Grow by whole 512-column blocks to hold `needed` columns; CacheRefusal ("kv-cache
+        capacity ... above max_seq_len") as `SingleCache.append`."""
+        if needed <= self.capacity:
+            return
+        shortfall = needed - self.capacity
+        grown = self.capacity + -(-shortfall // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+        if grown > self.max_seq_len:
+            raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}")
+        pad = grown - self.capacity
+        self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
+        self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Write `k_new, v_new [B', H, t, *]` at each row's own offset `lens[i]` (one scatter
+        per buffer) and advance `lens` by t. `rows` (int64 `[B']`, distinct) restricts the
+        append to a subset of rows (a draft group), in place in the shared buffers.
+        Refusals: capacity growth above `max_seq_len` (CacheRefusal), before any write."""
+        idx = torch.arange(self.batch, device=self.k.device) if rows is None \
+            else lengths(rows, device=self.k.device, name="rows")
+        require(k_new.dim() == 4 and v_new.dim() == 4 and k_new.shape[0] == idx.numel()
+                and k_new.shape[:3] == v_new.shape[:3] and k_new.shape[1] == self.k.shape[1]
+                and k_new.shape[3] == self.k.shape[3] and v_new.shape[3] == self.v.shape[3],
+                f"append of k {list(k_new.shape)}, v {list(v_new.shape)} to rows {idx.numel()} of "
+                f"k {list(self.k.shape)}, v {list(self.v.shape)}")
+        t = k_new.shape[2]
+        if t == 0 or idx.numel() == 0:
+            return
+        start = self.lens[idx]
+        self._grow_to(int(start.max()) + t)
+        cols = start[:, None] + torch.arange(t, device=self.k.device)[None, :]      # [B', t]
+        r = idx[:, None].expand(-1, t)
+        # one advanced-index write per buffer: [B', t] (row, column) pairs, all heads at once
+        self.k.permute(0, 2, 1, 3)[r, cols] = k_new.to(self.k.dtype).permute(0, 2, 1, 3)
+        self.v.permute(0, 2, 1, 3)[r, cols] = v_new.to(self.v.dtype).permute(0, 2, 1, 3)
+        self.lens = self.lens.index_add(0, idx, torch.full_like(idx, t))
+
+    def set_len(self, lens) -> None:
+        """Per-row lengths (grow into slack or shrink); no tensor data is touched. Refused
+        (CacheRefusal, first offending row's value named as `SingleCache.try_set_len`
+        names it) past the capacity. ValueError on a wrong count or a negative length."""
+        lens = lengths(lens, device=self.k.device, name="lens")
+        require(lens.numel() == self.batch, f"{lens.numel()} lengths for a batch of {self.batch}")
+        require(not bool((lens < 0).any()), f"set_len lengths {as_list(lens)} must be >= 0")
+        over = lens > self.capacity
+        if bool(over.any()):
+            i = int(over.nonzero()[0, 0])
+            raise CacheRefusal(
+                f"set_len({int(lens[i])}) exceeds current capacity {self.capacity} (first cached 0)")
+        self.lens = lens
+
+    def truncate_by(self, n_drop) -> None:
+        """Cohort rollback (`truncate_cache_by`): every row `sat(lens - n_drop)`; `n_drop`
+        an int or a 0-dim tensor (e.g. `gpu.step.plan_batch_step(...).n_drop`, no host read)."""
+        n = torch.as_tensor(n_drop, dtype=torch.int64, device=self.k.device)
+        require(n.dim() == 0, f"n_drop must be a scalar, got shape {list(n.shape)}")
+        self.lens = (self.lens - n).clamp(min=0)
+
+    def commit_per_sequence(self, cache_lens, committed) -> None:
+        """Per-sequence commit: row i's length becomes `cache_lens[i] + committed[i]` (its
+        own, never the padded width). The reference's dead-prefix strip has nothing to do
+        in this layout. Refusals: those of `set_len`."""
+        c = lengths(cache_lens, device=self.k.device, name="cache_lens")
+        m = lengths(committed, device=self.k.device, name="committed")
+        require(not bool((c < 0).any() or (m < 0).any()), "cache_lens and committed must be >= 0")
+        self.set_len(c + m)
+
+    def clone(self) -> "RaggedKv":
+        return RaggedKv(self.k.clone(), self.v.clone(), self.lens.clone(), self.max_seq_len)
+
+
+def chunk_sizes(n: int, g: int) -> list[int]:
+    """Candle's `Tensor::chunk` sizes (as `reference.align._chunk_sizes`)."""
+    if n < g:
+        return [1] * n
+    size, extra = divmod(n, g)
+    return [size + 1 if i < extra else size for i in range(g)]
+
+
+def split_rows(kv: RaggedKv, g: int) -> list[RaggedKv] | None:
+    """Chunk the rows into g pieces (views, no copy), each keeping its rows' own lengths;
+    None when the piece count is not g (as `split_draft_cache`)."""
+    require(g >= 1, f"split needs g >= 1, got {g}")
+    sizes = chunk_sizes(kv.batch, g)
+    if len(sizes) != g:
+        return None
+    out, start = [], 0
+    for s in sizes:
+        out.append(RaggedKv(kv.k[start: start + s], kv.v[start: start + s], kv.lens[start: start + s],
+                            kv.max_seq_len))
+        start += s
+    return out
+
+
+def concat_rows(parts: list[RaggedKv]) -> RaggedKv:
+    """Stack row sets on dim 0, zero-padding the capacity to the widest (as `concat_kv`);
+    each row keeps its own length (no alignment). `max_seq_len` from the first part."""
+    require(len(parts) > 0, "concat_rows needs at least one part")
+    cap = max(p.capacity for p in parts)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return t if t.shape[2] == cap else torch.nn.functional.pad(t, (0, 0, 0, cap - t.shape[2]))
+
+    return RaggedKv(torch.cat([padded(p.k) for p in parts]), torch.cat([padded(p.v) for p in parts]),
+                    torch.cat([p.lens for p in parts]), parts[0].max_seq_len)

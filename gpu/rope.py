@@ -1,0 +1,136 @@
+"""RoPE by one gathered cos/sin table (port of `reference.rope`).
+
+The port has one kernel shape for every batch: positions `[B or 1, T]` (row i, token t at
+`offsets[i] + t`) index one precomputed `[n_positions, rope_dims/2]` cos/sin table (one
+gather each), and the rotation is a broadcast over heads. The reference's three branches
+(batched, gathered, per-row loop) collapse into this one; the dispatch predicate is kept
+and observable: a uniform batch builds a `[1, T]` table that broadcasts over rows
+("uniform"), a ragged batch a `[B, T]` one ("gathered"); `rope_path_stats` counts which.
+
+Only the last `rope_dims` dims rotate, as interleaved adjacent pairs of that tail; the
+inverse uses the same positions with `-sin`.
+
+Precision: the table is computed in float64 (angle `position * theta**(-2k/rope_dims)`,
+with the inverse frequencies computed as Python floats exactly as the reference does) and
+cast once to the working dtype; the rotation runs in the working dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu._common import lengths
+from gpu.dispatch import uniform_seqlen_offset
+from reference.errors import require
+
+rope_path_stats = {"uniform": 0, "gathered": 0}
+"""Which table shape `apply_rope` built: "uniform" (`[1, T]`, one offset) or "gathered"."""
+
+
+def reset_rope_path_stats() -> None:
+    for key in rope_path_stats:
+        rope_path_stats[key] = 0
+
+
+def _inv_freq(rope_dims: int, theta: float, device) -> torch.Tensor:
+    return torch.tensor([float(theta) ** (-(2.0 * k) / rope_dims) for k in range(rope_dims // 2)],
+                        dtype=torch.float64, device=device)
+
+
+def rope_cos_sin(positions, rope_dims: int, theta: float, dtype: torch.dtype = torch.float64,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(cos, sin)`, each `[*positions.shape, rope_dims // 2]` in `dtype` (computed in
+    float64). ValueError on an odd or non-positive `rope_dims`, `theta <= 0`, a negative
+    position."""
+    require(rope_dims >= 2 and rope_dims % 2 == 0, f"rope_dims {rope_dims} must be even and >= 2")
+    require(theta > 0, f"theta {theta} must be > 0")
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
+    require(positions.numel() == 0 or int(positions.min()) >= 0,
+            f"positions must be >= 0, got min {int(positions.min()) if positions.numel() else None}")
+    angle = positions.to(torch.float64)[..., None] * _inv_freq(rope_dims, theta, positions.device)
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+
+
+class RopeTable:
+    """A precomputed cos/sin table for positions `[0, n_positions)`; `lookup(positions)`
+    is one gather per table. Positions past the table are malformed (ValueError)."""
+
+    def __init__(self, rope_dims: int, theta: float, n_positions: int,
+                 dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> None:
+        require(n_positions >= 0, f"n_positions {n_positions} must be >= 0")
+        self.rope_dims, self.theta, self.n_positions = rope_dims, theta, n_positions
+        self.cos, self.sin = rope_cos_sin(torch.arange(n_positions, device=device), rope_dims, theta,
+                                          dtype, device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` at `positions` (any shape), each `[*shape, rope_dims/2]`."""
+        require(positions.numel() == 0 or int(positions.max()) < self.n_positions,
+                f"position {int(positions.max()) if positions.numel() else None} is past the "
+                f"table's {self.n_positions} positions")
+        flat = positions.reshape(-1)
+        shape = positions.shape + (self.rope_dims // 2,)
+        return (self.cos.index_select(0, flat).reshape(shape),
+                self.sin.index_select(0, flat).reshape(shape))
+
+
+def _check_x(x: torch.Tensor, rope_dims: int) -> None:
+    require(x.dim() == 4, f"x must be [B,H,T,D], got shape {list(x.shape)}")
+    require(rope_dims >= 2 and rope_dims % 2 == 0 and rope_dims <= x.shape[3],
+            f"rope_dims {rope_dims} must be even, >= 2 and <= head dim {x.shape[3]}")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int,
+           inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `rope_dims` dims of `x [..., T, D]` as interleaved pairs; `cos`/`sin`
+    broadcast to `[..., T, rope_dims/2]` (cast to `x.dtype`)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if inverse:
+        sin = -sin
+    d = x.shape[-1]
+    tail = x[..., d - rope_dims:].unflatten(-1, (rope_dims // 2, 2))
+    even, odd = tail[..., 0], tail[..., 1]
+    rot = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([x[..., : d - rope_dims], rot], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: bool = False,
+               table: RopeTable | None = None) -> torch.Tensor:
+    """Rotate `x [B,H,T,D]`: row i, token t at `offsets[i] + t` (`offsets` of length 1 or
+    B). One positions table `[1 or B, T]`, one gather of cos/sin (from `table` when given,
+    else computed for exactly these positions), one broadcast rotation. A uniform vector
+    (`uniform_seqlen_offset`) builds the `[1, T]` table. ValueError for a wrong `offsets`
+    length, a negative offset, a bad `rope_dims`."""
+    _check_x(x, rope_dims)
+    b, _, t, _ = x.shape
+    offsets = lengths(offsets, device=x.device, name="offsets")
+    require(offsets.numel() in (1, b), f"{offsets.numel()} offsets for a batch of {b} (need 1 or B)")
+    require(not bool((offsets < 0).any()), f"offsets {offsets.tolist()} must be >= 0")
+    shared = uniform_seqlen_offset(offsets)
+    if shared is not None:
+        rope_path_stats["uniform"] += 1
+        positions = (shared + torch.arange(t, device=x.device))[None, :]
+    else:
+        rope_path_stats["gathered"] += 1
+        positions = offsets[:, None] + torch.arange(t, device=x.device)[None, :]
+    if table is not None:
+        cos, sin = table.lookup(positions)
+    else:
+        cos, sin = rope_cos_sin(positions, rope_dims, theta, x.dtype, x.device)
+    return rotate(x, cos[:, None], sin[:, None], rope_dims, inverse)
+
+
+def apply_rope_at_positions(x: torch.Tensor, positions, rope_dims: int, theta: float,
+                            inverse: bool = False) -> torch.Tensor:
+    """Rotate `x [B,H,T,D]` with token t at `positions[t]` for every row (compressed
+    keys). ValueError when `len(positions) != T`."""
+    _check_x(x, rope_dims)
+    positions = lengths(positions, device=x.device, name="positions")
+    require(positions.numel() == x.shape[2], f"{positions.numel()} positions for {x.shape[2]} tokens")
+    cos, sin = rope_cos_sin(positions, rope_dims, theta, x.dtype, x.device)
+    return rotate(x, cos, sin, rope_dims, inverse)
+
+
+def compressed_key_positions(t_c: int, ratio: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """`j * ratio` for `j < t_c` (int64): compressed row j sits at the start of its block."""
+    require(t_c >= 0 and ratio >= 1, f"t_c {t_c} must be >= 0 and ratio {ratio} >= 1")
+    return torch.arange(t_c, dtype=torch.int64, device=device) * ratio

@@ -1,0 +1,178 @@
+"""MTP step arithmetic on length vectors (port of `reference.step`).
+
+Every rule is elementwise or one reduction over int64 tensors, so a batch of any size is
+one kernel launch per rule and nothing reads back to the host, except `plan_step_window`'s
+`ok` (a host guard decision, as in the engine). Verify's first mismatch for a whole batch
+is an `argmax` over a mismatch mask (argmax returns the first maximal index on CPU and
+CUDA).
+
+The cache side of the rollback and commit (`truncate_cache_by`, `commit_per_sequence`) is
+`gpu.cache.RaggedKv.truncate_by` / `set_len`: in the port's in-place layout the dead-prefix
+strip of the per-sequence commit moves no data at all.
+
+Not ported (host-only, no tensor side): `mtp_window`, `per_seq_advance`, `window_guard`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu._common import as_list, lengths
+from reference.errors import require
+
+
+def _sat(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(min=0)
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """`uncached` int64 `[B]`; `ok` a host bool (the step's guard branches on it)."""
+
+    uncached: torch.Tensor
+    ok: bool
+
+
+def plan_step_window(cache_lens, tok_lens, w: int) -> StepWindow:
+    """`uncached = sat(tok_lens - cache_lens)`; `ok` iff every row has `C_i + u_i >= 2`
+    and `1 <= u_i <= w` (an empty batch is ok). ValueError on unequal or negative lengths,
+    `w < 1`."""
+    c = lengths(cache_lens, name="cache_lens")
+    t = lengths(tok_lens, device=c.device, name="tok_lens")
+    require(c.numel() == t.numel(), f"{c.numel()} cache_lens for {t.numel()} tok_lens")
+    require(w >= 1, f"window w {w} must be >= 1")
+    require(not bool((c < 0).any() or (t < 0).any()),
+            f"lengths must be >= 0: cache_lens {as_list(c)}, tok_lens {as_list(t)}")
+    u = _sat(t - c)
+    ok = bool(((c + u >= 2) & (u >= 1) & (u <= w)).all())
+    return StepWindow(u, ok)
+
+
+def window_verify_row(u, j) -> torch.Tensor:
+    """`u - 1 + j` elementwise (broadcasting): the verify row of draft slot j."""
+    u = torch.as_tensor(u, dtype=torch.int64)
+    j = torch.as_tensor(j, dtype=torch.int64).to(u.device)
+    require(not bool((u < 1).any() or (j < 0).any()), "u must be >= 1 and j >= 0")
+    return u - 1 + j
+
+
+@dataclass(frozen=True)
+class VerifiedBatch:
+    """Verify of B rows: `accepted [B]` (how many proposals were accepted: the index of the
+    first mismatch where there is one), `rejected [B]` bool (a mismatch was found), and
+    `rejection_token [B]` (the target token at that index; -1 where not rejected). The
+    reference's `rejection` is `(accepted[i], rejection_token[i])` where `rejected[i]`."""
+
+    accepted: torch.Tensor
+    rejected: torch.Tensor
+    rejection_token: torch.Tensor
+
+    @property
+    def commit_len(self) -> torch.Tensor:
+        """`accepted + rejected`: the reference's `len(accepted) + [rejection]`."""
+        return self.accepted + self.rejected.to(torch.int64)
+
+
+def verify_proposed(proposed: torch.Tensor, target: torch.Tensor, n_proposed=None,
+                    n_target=None) -> VerifiedBatch:
+    """Greedy verify of a batch (`reference.step.verify_proposed` per row).
+
+    `proposed [B, P]`, `target [B, Q]` integer tensors; row i has `n_proposed[i]` (default
+    P) and `n_target[i]` (default Q) meaningful entries and scans `n_i = min(n_proposed_i,
+    n_target_i)` positions. First mismatch by `argmax` over the mask
+    `(proposed != target) & (j < n_i)`; with none, `accepted = n_i`. No refusals;
+    ValueError on bad shapes or per-row counts out of range.
+    """
+    require(proposed.dim() == 2 and target.dim() == 2 and proposed.shape[0] == target.shape[0],
+            f"proposed {list(proposed.shape)} and target {list(target.shape)} must be [B, *]")
+    b, p = proposed.shape
+    q = target.shape[1]
+    dev = proposed.device
+    n_p = torch.full((b,), p, dtype=torch.int64, device=dev) if n_proposed is None \
+        else lengths(n_proposed, device=dev, name="n_proposed")
+    n_t = torch.full((b,), q, dtype=torch.int64, device=dev) if n_target is None \
+        else lengths(n_target, device=dev, name="n_target")
+    require(n_p.numel() == b and n_t.numel() == b, f"per-row counts must have {b} entries")
+    require(not bool((n_p < 0).any() or (n_p > p).any() or (n_t < 0).any() or (n_t > q).any()),
+            f"per-row counts out of range: n_proposed {as_list(n_p)} (<= {p}), "
+            f"n_target {as_list(n_t)} (<= {q})")
+    n = torch.minimum(n_p, n_t)
+    none = torch.full((b,), -1, dtype=torch.int64, device=dev)
+    width = min(p, q)
+    if width == 0:
+        return VerifiedBatch(n, torch.zeros((b,), dtype=torch.bool, device=dev), none)
+    cols = torch.arange(width, device=dev)
+    mismatch = (proposed[:, :width] != target[:, :width]) & (cols[None, :] < n[:, None])
+    rejected = mismatch.any(dim=1)
+    first = mismatch.to(torch.uint8).argmax(dim=1)  # the first maximal index
+    token = target[:, :width].gather(1, first[:, None])[:, 0].to(torch.int64)
+    return VerifiedBatch(torch.where(rejected, first, n), rejected, torch.where(rejected, token, none))
+
+
+def token_budget(max_seq_len: int, tok_lens) -> torch.Tensor:
+    """`sat(max_seq_len - L_i)` per row."""
+    t = lengths(tok_lens, name="tok_lens")
+    require(max_seq_len >= 0 and not bool((t < 0).any()), "max_seq_len and L must be >= 0")
+    return _sat(max_seq_len - t)
+
+
+def budget_clamp(accepted, budget) -> torch.Tensor:
+    """Per row: `sat(budget - 1)` where `accepted + 1 > budget`, else `accepted`."""
+    a = lengths(accepted, name="accepted")
+    bud = lengths(budget, device=a.device, name="budget")
+    require(a.numel() == bud.numel(), f"{a.numel()} accepted for {bud.numel()} budgets")
+    require(not bool((a < 0).any() or (bud < 0).any()),
+            f"accepted {as_list(a)} and budget {as_list(bud)} must be >= 0")
+    return torch.where(a + 1 > bud, _sat(bud - 1), a)
+
+
+@dataclass(frozen=True)
+class CohortPlan:
+    """`keep` and `n_drop` are 0-dim int64 tensors (no host read-back), `next_uncached [B]`."""
+
+    keep: torch.Tensor
+    n_drop: torch.Tensor
+    next_uncached: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PerSequencePlan:
+    committed: torch.Tensor
+    dropped: torch.Tensor
+    next_uncached: torch.Tensor
+
+
+def _step_inputs(uncached, accepted, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    u = lengths(uncached, name="uncached")
+    a = lengths(accepted, device=u.device, name="accepted")
+    require(u.numel() == a.numel(), f"{u.numel()} uncached for {a.numel()} accepted")
+    require(w >= 1, f"window w {w} must be >= 1")
+    require(not bool((u < 0).any() or (a < 0).any()),
+            f"uncached {as_list(u)} and accepted {as_list(a)} must be >= 0")
+    return u, a
+
+
+def plan_batch_step(uncached, accepted, w: int) -> CohortPlan:
+    """Cohort: `keep = min(u + a)` (0 if empty), `n_drop = sat(w - keep)`,
+    `next = sat(u + a + 1 - keep)`."""
+    u, a = _step_inputs(uncached, accepted, w)
+    valid = u + a
+    keep = valid.min() if valid.numel() else torch.zeros((), dtype=torch.int64, device=u.device)
+    return CohortPlan(keep, _sat(w - keep), _sat(valid + 1 - keep))
+
+
+def plan_per_sequence_step(uncached, accepted, w: int) -> PerSequencePlan:
+    """PerSequence: `committed = min(u + a, w)`, `dropped = sat(w - committed)`, next 1."""
+    u, a = _step_inputs(uncached, accepted, w)
+    committed = (u + a).clamp(max=w)
+    return PerSequencePlan(committed, _sat(w - committed), torch.ones_like(committed))
+
+
+def n_cache_positions_to_drop(n_proposed, commit_len) -> torch.Tensor:
+    """`sat(n_proposed - commit_len)` per row (the older two-forward rollback)."""
+    n = lengths(n_proposed, name="n_proposed")
+    c = lengths(commit_len, device=n.device, name="commit_len")
+    require(not bool((n < 0).any()), f"n_proposed {as_list(n)} must be >= 0")
+    return _sat(n - c)
