@@ -155,3 +155,14 @@ def test_ragged_row_q0_chain_start_and_group_keys_match_the_reference(offsets, p
             port.draft_group_keys(vec(us), vec(cache_lens), per_seq)
         return
     assert port.draft_group_keys(vec(us), vec(cache_lens), per_seq).tolist() == want
+
+
+def test_negative_positions_are_malformed_for_port_and_reference():
+    """Negative row positions / chain starts are malformed input (ValueError) on both sides."""
+    for port_fn, ref_fn, args in [
+        (port.resolve_ragged_rows, ref.resolve_ragged_rows, ([-1, 5], 5, 2)),
+        (port.resolve_draft_leads, ref.resolve_draft_leads, (True, [-3, 2])),
+    ]:
+        for fn in (port_fn, ref_fn):
+            with pytest.raises(ValueError, match="must be >= 0"):
+                fn(*args)

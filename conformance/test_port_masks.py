@@ -29,7 +29,12 @@ def test_validity_matches_the_reference(t_q, q0, base, keep, window, t_c, ratio)
                      ref.raw_validity(t_q, q0, base, keep, window), "raw_validity")
     assert_bit_exact(port.compressed_validity(t_q, q0, t_c, ratio, device=DEVICE),
                      ref.compressed_validity(t_q, q0, t_c, ratio), "compressed_validity")
-    assert port.raw_keep_span(t_q, window, q0) == ref.raw_keep_span(t_q, window, q0)
+    if t_q == 0:  # malformed for both: no query row reaches any key
+        for keep_span in (port.raw_keep_span, ref.raw_keep_span):
+            with pytest.raises(ValueError, match="t_q 0 must be >= 1"):
+                keep_span(t_q, window, q0)
+    else:
+        assert port.raw_keep_span(t_q, window, q0) == ref.raw_keep_span(t_q, window, q0)
 
 
 @given(rows=corner_lengths(1, 6, 60, boundaries=False), t_q=st.integers(1, 6), t_c=st.integers(0, 10),

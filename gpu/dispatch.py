@@ -33,6 +33,7 @@ def resolve_ragged_rows(rows, q0: int, b: int) -> torch.Tensor | None:
     if rows is None:
         return None
     rows = lengths(rows, name="rows")
+    require(not bool((rows < 0).any()), f"row positions {as_list(rows)} must be >= 0")
     if bool((rows == q0).all()):
         return None
     if rows.numel() != b:
@@ -91,6 +92,7 @@ def resolve_ragged_chain_starts(starts) -> torch.Tensor | None:
 def resolve_draft_leads(enabled: bool, starts) -> torch.Tensor | None:
     """`max(starts) - starts`, or None when `not enabled`, empty, or all equal to the max."""
     starts = lengths(starts, name="starts")
+    require(not bool((starts < 0).any()), f"chain starts {as_list(starts)} must be >= 0")
     if not enabled or starts.numel() == 0:
         return None
     leads = starts.max() - starts

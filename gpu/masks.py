@@ -24,6 +24,7 @@ from reference.errors import MaskRefusal, require
 def raw_keep_span(t_q: int, window: int, t_k_full: int) -> tuple[int, int]:
     """`keep = min(t_q + window - 1, t_k_full)`, `base = t_k_full - keep` (scalar rule)."""
     require(t_q >= 0 and t_k_full >= 0, f"t_q {t_q} and t_k_full {t_k_full} must be >= 0")
+    require(t_q >= 1, f"t_q {t_q} must be >= 1: a forward with no query row reaches no key")
     require(window >= 1, f"window {window} must be >= 1 (dsv4 passes max(sliding_window, 1))")
     keep = min(t_q + window - 1, t_k_full)
     return t_k_full - keep, keep

@@ -20,9 +20,13 @@ def resolve_ragged_rows(rows: Sequence[int] | None, q0: int, b: int) -> list[int
     vector of the wrong length too) -> None; (2) `len(rows) != b` -> refused ("per-row query
     positions for a batch of"); (3) a row `> q0` -> refused ("AHEAD of the batch");
     (4) `max(rows) != q0` -> refused ("no row sits at the batch's shared end column");
-    (5) else the rows.
+    (5) else the rows. Malformed (ValueError, before any refusal): a negative q0, b or row
+    position (absolute positions are usize upstream).
     """
     require(q0 >= 0 and b >= 0, f"q0 {q0} and b {b} must be >= 0")
+    if rows is not None:
+        given = [int(r) for r in rows]
+        require(all(r >= 0 for r in given), f"row positions {given} must be >= 0")
     if rows is None or all(r == q0 for r in rows):
         return None
     rows = [int(r) for r in rows]
@@ -46,6 +50,34 @@ def uniform_seqlen_offset(offsets: Sequence[int]) -> int | None:
     return first if all(int(o) == first for o in offsets) else None
 
 
+def resolve_row_offsets(per_seq: Sequence[int | None], shared: int) -> list[int] | None:
+    """The per-row absolute start offsets of a prompt-style forward, or None for the shared
+    (scalar) offset (masks §1 `seqlen_offsets`, §22 dispatch tests; cache-and-draft §1, §16:
+    the fused MTP verify of a left-aligned ragged cohort sets each row's own start with
+    `set_prefill_toks_at(window, cache_lens[i])` and a shared offset of 0).
+
+    Semantics (the spec names the function but gives no body; chosen = arc's
+    `inputs_processor.rs::resolve_row_offsets` verbatim): `per_seq[i]` is row i's own
+    offset or None. None ("the batch shares one offset": the scalar path, pre-change code
+    verbatim) iff no row carries its own offset, the empty batch included. Otherwise
+    `[per_seq[i] if given else shared]`: a row without its own offset keeps the batch's
+    `shared`, not 0.
+
+    Uniform -> scalar form: a batch in which no row carries an override always returns
+    None. A vector of *overrides* that happen to be equal is deliberately NOT collapsed:
+    the scalar path reads `shared` (0 on the per-row verify route), not the common value,
+    so a collapse would put every row at `shared`. Invariant: the result, when not None,
+    has one entry per row. Refuses nothing; ValueError on a negative `shared` or a negative
+    per-row offset (usize upstream).
+    """
+    require(shared >= 0, f"shared offset {shared} must be >= 0")
+    vals = [None if o is None else int(o) for o in per_seq]
+    require(all(o is None or o >= 0 for o in vals), f"per-row offsets {vals} must be >= 0")
+    if all(o is None for o in vals):
+        return None
+    return [shared if o is None else o for o in vals]
+
+
 # --- §6 hidden-state capture -------------------------------------------------------------
 
 
@@ -55,14 +87,17 @@ class CaptureOffsets:
     or one per row (cache-and-draft.md §6.1).
 
     Invariant: a one-element vector describes *every* row (and every batch width); a longer
-    one describes exactly its own width. Empty is representable (describes only b == 0,
-    and no row), but `resolve_capture_offsets` never builds it.
+    one describes exactly its own width. Malformed (ValueError): an empty vector (nothing
+    builds one: `resolve_capture_offsets` maps no offsets to `[0]`, and a store always
+    passes at least one) and a negative offset.
     """
 
     values: tuple[int, ...]
 
     def __init__(self, values: Sequence[int]) -> None:
         vals = tuple(int(v) for v in values)
+        require(len(vals) >= 1, f"capture offsets {list(vals)} must hold at least one offset "
+                                f"(resolve_capture_offsets maps none to [0])")
         require(all(v >= 0 for v in vals), f"capture offsets {list(vals)} must be >= 0")
         object.__setattr__(self, "values", vals)
 
@@ -173,9 +208,11 @@ def resolve_draft_leads(enabled: bool, starts: Sequence[int]) -> list[int] | Non
 
     None when `not enabled` (the same `per_seq_advance` that gates `ragged_row_q0`, the only
     thing that masks these zero columns), when empty, or when every start equals the max.
-    Refuses nothing.
+    Refuses nothing; ValueError on a negative chain start (absolute positions are usize
+    upstream), checked before the gate so it does not depend on the flag.
     """
     vals = [int(s) for s in starts]
+    require(all(v >= 0 for v in vals), f"chain starts {vals} must be >= 0")
     if not enabled or not vals:
         return None
     top = max(vals)
@@ -196,7 +233,13 @@ def chain_start_of(cache_len: int, u: int) -> int:
 def draft_group_key(u: int, cache_len: int, carries_per_row: bool) -> tuple[int, int]:
     """`(u, 0)` when the chain carries per-row positions, else `(u, chain_start_of(C_i, u))`
     (§9.1). The flag is load-bearing: the scalar chain runs at one start, so dropping the
-    start from the scalar key would silently starve rows whose seed sits elsewhere."""
+    start from the scalar key would silently starve rows whose seed sits elsewhere.
+
+    u = 0 is well-formed here (chosen, stated): `plan_step_window` already makes a u = 0 row
+    not-ok before any group is formed, and the key's expression is defined for it (`(0, 0)`
+    per-row, `(0, chain_start_of(C_i, 0))` scalar, itself ValueError when `C_i < 2`).
+    Callers rely on that: `draft_groups` keys every row with u < w, and the port
+    conformance and zero-boundary tests call the key with u = 0. ValueError on u < 0."""
     if carries_per_row:
         require(u >= 0, f"u {u} must be >= 0")
         return (u, 0)

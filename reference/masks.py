@@ -35,9 +35,11 @@ def raw_keep_span(t_q: int, window: int, t_k_full: int) -> tuple[int, int]:
     queries at the last `t_q` absolute positions (`q0 = t_k_full - t_q`) and validity
     `kp <= qp and kp > qp - window`, the reachable keys are exactly `[base, t_k_full)`, so
     dropping every key before `base` is exact. No refusals; malformed input (negative
-    `t_q`/`t_k_full`, `window < 1`) raises ValueError.
+    `t_q`/`t_k_full`, `window < 1`, and `t_q == 0`: with no query row nothing is reachable,
+    yet the formula would keep `window - 1` keys) raises ValueError.
     """
     require(t_q >= 0 and t_k_full >= 0, f"t_q {t_q} and t_k_full {t_k_full} must be >= 0")
+    require(t_q >= 1, f"t_q {t_q} must be >= 1: a forward with no query row reaches no key")
     require(window >= 1, f"window {window} must be >= 1 (dsv4 passes max(sliding_window, 1))")
     keep = min(t_q + window - 1, t_k_full)
     return t_k_full - keep, keep
