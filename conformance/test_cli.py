@@ -159,6 +159,7 @@ def test_drift_plots_a_hand_made_engine_trace_and_a_bare_one_side_by_side(tmp_pa
         assert b"<svg" in (out / f"{name}.svg").read_bytes()[:500]
     assert not (out / "tok_per_step_vs_batch.png").exists()  # a sweep needs a scenario
     summary = json.loads((out / "summary.json").read_text())
+    assert (summary["schema"], summary["version"]) == ("raggedspec-drift-summary", 1)  # not a trace
     mine, plain = summary["runs"]
     assert mine["label"] == "my engine" and plain["label"] == "bare"
     assert mine["max_spread"] == max(e[3] for e in brute_spread(steps)) == 3 + 2 * 10
@@ -196,13 +197,20 @@ def drift_figures():
     return FIGURE_NAMES
 
 
-def test_drift_with_no_scenario_uses_the_built_in_one(tmp_path):
+def test_drift_with_no_scenario_uses_the_built_in_one(tmp_path, capsys):
     out = tmp_path / "d"
     assert cli.main(["drift", "--out", str(out), "--steps", "30", "--batches", "none", "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [r["label"] for r in summary["runs"]] == ["cohort advance", "per-sequence advance, dead prefix stripped",
                                                     "per-sequence, no strip (negative control)"]
     assert summary["sweep"] is None and summary["runs"][0]["rows_max"] == 32
+    # the printout says which run a refusal ended, and over how few steps its values are
+    lines = capsys.readouterr().out.splitlines()
+    none = summary["runs"][2]
+    assert none["ended_by_refusal"] and none["refused_at_step"] is not None
+    assert lines[2].endswith(f"(refused at step {none['refused_at_step']}: over its {none['measured_steps']} "
+                             "measured steps only)")
+    assert "refused" not in lines[0] + lines[1]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -278,3 +286,136 @@ def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
     figure = ROOT / "docs" / "img" / "drift-spread.png"
     assert "(img/drift-spread.png)" in text
     assert figure.read_bytes()[:8] == PNG and figure.stat().st_size < 300_000
+
+
+# ------------------------------------------------------------------------- review fixes
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: "file:/nonexistent", ["'acceptance.path'", "/nonexistent", "does not exist"]),
+    (lambda d: "file:" + str(write(d / "neg.json", "[1,-2]")), ["'acceptance.path'", "neg.json", "[1, -2]"]),
+    (lambda d: "file:" + str(write(d / "bad.json", "not json")), ["'acceptance.path'", "bad.json", "not valid JSON"]),
+    (lambda d: "oracle:nosuchmod:f", ["'acceptance.factory'", "nosuchmod:f", "cannot import"]),
+    (lambda d: "oracle:os:sep", ["'acceptance.factory'", "os:sep", "not callable"]),
+    (lambda d: "profile:", ["'acceptance'", "profile:", "after the colon"]),
+    (lambda d: "heterogeneous:", ["'acceptance'", "after the colon"]),
+    (lambda d: "profile", ["'acceptance.p'", "profile needs"]),
+    (lambda d: "heterogeneous:0.4", ["'acceptance.p'", "at least two", "[0.4]"]),
+])
+def test_bad_acceptance_configuration_exits_2_naming_the_key_and_value(make, words, tmp_path, capsys):
+    """Never a traceback: a missing or malformed accept file, an oracle factory that does
+    not import or is not callable, and a probability model without its probabilities are
+    refused before anything runs."""
+    out = tmp_path / "t.jsonl"
+    for mode in ("lengths", "tensor"):
+        assert cli.main(["simulate", "--acceptance", make(tmp_path), "--mode", mode, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.startswith("raggedspec simulate: error: scenario key")
+        for w in words:
+            assert w in err, f"{w!r} not in {err!r}"
+        assert not out.exists()
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def console_script(tmp_path):
+    """A launcher exactly like the one pip writes for the `raggedspec` console script: its
+    own folder (not the current one) is first on sys.path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    launcher = bin_dir / "raggedspec"
+    launcher.write_text("import sys\nfrom raggedspec.cli import main\nsys.exit(main())\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def run(*args, cwd):
+        return subprocess.run([sys.executable, str(launcher), *args], capture_output=True, text=True, cwd=cwd,
+                              env=env, timeout=120)
+    return run
+
+
+def docs_oracle_example() -> str:
+    text = (ROOT / "docs" / "simulator.md").read_text()
+    m = re.search(r"```python\n(# my_module\.py\n.*?)```", text, re.S)
+    assert m, "docs/simulator.md has no my_module.py example"
+    return m.group(1)
+
+
+def test_the_documented_oracle_example_runs_from_the_console_script(tmp_path):
+    """docs/simulator.md's `oracle:my_module:make_oracle` with my_module.py in the current
+    folder works from the console script (the folder is put on sys.path for the import), in
+    both modes, and the oracle decides the accepts (the example gets every third position
+    wrong, so no row accepts 3 of 3)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_module.py").write_text(docs_oracle_example())
+    run = console_script(tmp_path)
+    for mode in ("lengths", "tensor"):
+        out = run("simulate", "--acceptance", "oracle:my_module:make_oracle", "--batch", "2", "--steps", "12",
+                  "--mode", mode, "--out", f"t-{mode}.jsonl", cwd=work)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("MTP[agg] accept_rate=")
+    lines = [(work / f"t-{m}.jsonl").read_text().splitlines() for m in ("lengths", "tensor")]
+    assert lines[0][1:] == lines[1][1:]
+    rows = [r for s in read_trace(work / "t-lengths.jsonl").steps() if s["phase"] == "decode" for r in s["rows"]]
+    assert rows and all(r["drafted"] == 3 and r["accepted"] < 3 for r in rows)
+    assert {r["accepted"] for r in rows} >= {0, 2} or {r["accepted"] for r in rows} >= {1, 2}
+
+
+def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path, capsys):
+    for mode in ("lengths", "tensor"):
+        code = cli.main(["simulate", "--acceptance", "oracle:conformance.test_scenario:make_short_drafter",
+                         "--batch", "2", "--steps", "6", "--mode", mode, "--out", str(tmp_path / "t.jsonl")])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err
+        assert "'acceptance.factory'" in err and "exactly 3 token(s) (got 2)" in err
+
+
+def test_the_csv_carries_the_step_fields_with_their_types(tmp_path):
+    """CSV: step-level width, committed, prefill and error are columns; read back, every
+    step with rows equals the JSONL step (ints, floats, bucket booleans, lists, null)."""
+    out = tmp_path / "t.jsonl"
+    argv = ["simulate", "--batch", "5", "--steps", "16", "--set", "prompt_len=[3,9]", "--set", "max_new_tokens=25",
+            "--advance", "per-sequence", "--xs-per-seq", "--admission", "grant", "--world", "WB", "--strip", "none",
+            "--out", str(out), "--csv"]
+    assert cli.main(argv) == 1  # the no-strip control is refused by a rule (exit 1), the trace is written
+    header = out.with_suffix(".csv").read_text().splitlines()[0].split(",")
+    assert header[-4:] == ["step_width", "step_committed", "prefill", "error"]
+    want = [s for s in read_trace(out).steps() if s["rows"]]
+    got = list(read_trace(out.with_suffix(".csv")).steps())
+    assert got == want
+    assert any(s["error"] for s in got) and any(s["prefill"] for s in got)
+    assert all(isinstance(s["rows"][0]["bucket"][3], bool) and isinstance(s["width"], int) for s in got)
+    assert all(s["rows"][0]["bucket"][1] is False for s in got)
+
+
+def test_the_progress_bar_finishes_when_the_run_ends_early(tmp_path, monkeypatch):
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert cli.main(["simulate", "--batch", "2", "--steps", "500", "--set", "max_new_tokens=10",
+                     "--out", str(tmp_path / "t.jsonl")]) == 0
+    text = tty.getvalue()
+    last = text.split("\n")[0].split("\r")[-1]
+    assert re.fullmatch(r"simulate \(lengths\) \[#{28}\] ended at step \d+ of at most 500: no request left to run",
+                        last), last
+    bar = cli.ProgressBar("run", enabled=True, stream=io.StringIO(), width=4)
+    bar(3, 10)
+    bar.close()
+    assert bar.stream.getvalue().endswith("\rrun [####] ended at step 3 of at most 10\n")
+
+
+def test_max_seq_len_arrival_and_no_xs_per_seq_flags(tmp_path, capsys):
+    sc = write(tmp_path / "s.json", json.dumps({"batch": 3, "xs_per_seq": True, "steps": 4}))
+    out = tmp_path / "t.jsonl"
+    assert cli.main(["simulate", str(sc), "--max-seq-len", "1040", "--arrival", "staggered", "--no-xs-per-seq",
+                     "--out", str(out)]) == 0
+    scenario = json.loads(out.read_text().splitlines()[0])["scenario"]
+    assert (scenario["max_seq_len"], scenario["arrival"], scenario["xs_per_seq"]) == (1040, "staggered", False)
+    assert cli.main(["simulate", str(sc), "--out", str(out)]) == 0
+    assert json.loads(out.read_text().splitlines()[0])["scenario"]["xs_per_seq"] is True  # untouched without the flag
+    assert cli.main(["simulate", "--max-seq-len", "1", "--out", str(out)]) == 2
+    assert "'max_seq_len'" in capsys.readouterr().err
+    assert cli.main(["simulate", "--arrival", "sometimes", "--out", str(out)]) == 2
+    assert "all-at-once, staggered" in capsys.readouterr().err

@@ -6,11 +6,12 @@ import functools
 import json
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from reference import lengths, simulator
-from reference.acceptance import Profile
+from reference.acceptance import OracleError, Profile
 from reference.scenario import load_scenario
 
 GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", "world": "WB"}
@@ -46,6 +47,8 @@ scenarios = st.fixed_dictionaries({
     "acceptance": st.sampled_from(["geometric:0.7", "profile:0.9,0.5,0.3", "all-accept", "all-reject",
                                    "heterogeneous:0.1,0.95"]),
     "max_seq_len": st.sampled_from([4096, 40]),
+    "max_seqs": st.sampled_from([None, None, 2, 3]),
+    "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
     "seed": st.integers(0, 50),
 })
 
@@ -295,3 +298,97 @@ def test_a_custom_token_oracle_drives_both_modes_alike():
         assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
         assert all(r["accepted"] == r["drafted"] - 1 for _, r in decode_rows(tr) if r["drafted"])
         assert any(r["drafted"] for _, r in decode_rows(tr))
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_deferred_steps_count_in_the_summarys_spread_and_padding():
+    """A `defer` step runs the plain decode on the batched cache, leads included, so the
+    summary's max_spread and mean_padding_fraction count it (brute force over the trace's
+    decode and defer steps). Non-degenerate: in this WA cohort run every decode step has
+    spread 0 and only the deferred steps carry the leads."""
+    sc = load_scenario(dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=16, world="WA", xs_per_seq=True))
+    for tr in (lengths.run(sc), simulator.run(sc)):
+        steps = list(tr.steps())
+        measured = [s for s in steps if s["phase"] in ("decode", "defer")]
+        spread = lambda s: max(r["own_len"] for r in s["rows"]) - min(r["own_len"] for r in s["rows"])  # noqa: E731
+        assert any(s["phase"] == "defer" and s["padding_fraction"] > 0 for s in measured)
+        assert max(spread(s) for s in steps if s["phase"] == "decode") == 0
+        assert tr.summary["max_spread"] == max(spread(s) for s in measured) > 0
+        assert tr.summary["mean_padding_fraction"] == pytest.approx(
+            sum(s["padding_fraction"] for s in measured) / len(measured), abs=1e-15)
+        assert tr.summary["shattered_steps"] == sum(s["buckets"] > 1 for s in measured)
+
+
+def sequential_admission(new, room, cap):
+    """The loop `scheduler.schedule` runs over the sorted waiting queue (the oracle)."""
+    taken, n_new, n_run = [], 0, 0
+    for is_new in new:
+        capped = is_new and cap is not None and n_new >= cap
+        if n_run + 1 <= room and not capped:
+            taken.append(True)
+            n_run += 1
+            n_new += is_new
+        else:
+            taken.append(False)
+    return taken
+
+
+@given(new=st.lists(st.booleans(), max_size=40), room=st.integers(-3, 45), cap=st.none() | st.integers(1, 10))
+def test_the_vectorized_admission_equals_the_sequential_rule(new, room, cap):
+    got = lengths.admit_waiting(np.array(new, dtype=bool), room, cap)
+    assert got.tolist() == sequential_admission(new, room, cap)
+
+
+def test_the_admission_caps_are_exercised_and_both_modes_agree():
+    """max_seqs and the WA prefill cap hold sequences back (waiting > 0 with room to run
+    them later); lengths and tensor mode agree step for step."""
+    for data in (dict(batch=6, prompt_len=[3, 8], max_new_tokens=12, steps=30, max_seqs=2, arrival="staggered"),
+                 dict(batch=6, prompt_len=[3, 8], max_new_tokens=12, steps=30, world="WA", prefill_max_seqs=1,
+                      xs_per_seq=True, arrival="staggered")):
+        sc = load_scenario(data)
+        tr = lengths.run(sc)
+        assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
+        assert max(s["running"] for s in tr.steps()) <= (data.get("max_seqs") or 6)
+        assert any(s["waiting"] > 0 and s["running"] > 0 for s in tr.steps())
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("make_short_drafter", ["draft(seq_id=", "n=3)", "exactly 3 token(s) (got 2)"]),
+    ("make_out_of_vocab", ["context of 7 tokens)", "returned 64", "[0, vocab = 64)"]),
+    ("make_late_bad_prompt", ["prompt(seq_id=1, length=6)", "exactly 6 token(s) (got 5)"]),
+])
+def test_a_broken_custom_oracle_is_refused_identically_in_both_modes(factory, words):
+    """An oracle that proposes the wrong number of drafts or a token outside the vocab is
+    refused by the one shared check (`acceptance.CheckedOracle`, via `build_oracle`) with the
+    same OracleError in lengths and tensor mode, instead of the two modes diverging (the
+    lengths mode never looks at a token's value; the tensor mode feeds it to the model)."""
+    sc = load_scenario({"batch": 2, "prompt_len": 6, "max_new_tokens": 20, "steps": 8, "arrival": "staggered",
+                        "stagger": 1, "acceptance": f"oracle:conformance.test_scenario:{factory}"})
+    messages = []
+    for mode in (lengths, simulator):
+        with pytest.raises(OracleError) as err:
+            mode.run(sc)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert f"conformance.test_scenario:{factory}" in messages[0] and "'acceptance.factory'" in messages[0]
+    for w in words:
+        assert w in messages[0], f"{w!r} not in {messages[0]!r}"
+
+
+def test_the_lengths_engine_says_why_rows_stop_drafting():
+    """`Trace.draft_stalls` (lengths mode): at B = 2 with per-sequence advance the two rows'
+    draft caches get different capacities on a ragged step, then meet at equal lengths; the
+    uniform group is refused by batch_draft_caches (§9.6: equal length, different capacity)
+    on every later step, so they never draft again."""
+    data = {"batch": 2, "prompt_len": 64, "max_new_tokens": [300, 600], "depth": 3, "acceptance": "geometric:0.7",
+            "max_draft_kv_seqs": None, "steps": 60, **GRANTED}
+    tr = lengths.run(load_scenario(data))
+    decode = [s for s in tr.steps() if s["phase"] == "decode"]
+    last_draft = max(i for i, s in enumerate(decode) if any(r["drafted"] for r in s["rows"]))
+    stalled = decode[last_draft + 1:]
+    assert len(stalled) > 50
+    assert all(len({r["own_len"] for r in s["rows"]}) == 1 and all(r["u"] == 1 for r in s["rows"]) for s in stalled)
+    assert tr.draft_stalls == {lengths.STALL_UNIFORM: 2 * len(stalled), lengths.STALL_RAGGED: 0,
+                               lengths.STALL_INELIGIBLE: 0}

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.acceptance import (AllAccept, AllReject, FileStream, Geometric, Heterogeneous, ModelOracle,
-                                  Profile, key_hash, threshold)
+from reference.acceptance import (AllAccept, AllReject, CheckedOracle, FileStream, Geometric, Heterogeneous,
+                                  ModelOracle, OracleError, Profile, key_hash, threshold)
 from reference.scenario import Request, ScenarioError, load_scenario, parse_acceptance
 from reference.step import verify_proposed
 
@@ -101,6 +101,84 @@ def test_a_bad_scenario_names_the_key_and_the_allowed_range(data, key, words):
 def test_a_missing_file_is_a_scenario_error(tmp_path):
     with pytest.raises(ScenarioError, match="does not exist"):
         load_scenario(tmp_path / "nope.toml")
+
+
+# ------------------------------------------------ acceptance configuration is checked at load time
+
+
+def _accept_file(tmp_path, text, name="acc.json"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("make, key, words", [
+    (lambda d: "file:/nonexistent/accepts.json", "acceptance.path", ["/nonexistent/accepts.json", "does not exist"]),
+    (lambda d: "file:" + str(d), "acceptance.path", ["is not a file"]),
+    (lambda d: "file:" + _accept_file(d, "[1,-2]"), "acceptance.path", ["acc.json", "[1, -2]", ">= 0"]),
+    (lambda d: "file:" + _accept_file(d, "[1, true]"), "acceptance.path", ["[1, True]", "integers"]),
+    (lambda d: "file:" + _accept_file(d, "[]"), "acceptance.path", ["non-empty"]),
+    (lambda d: "file:" + _accept_file(d, "not json"), "acceptance.path", ["acc.json", "not valid JSON"]),
+    (lambda d: "file:" + _accept_file(d, '{"x": [1]}'), "acceptance.path", ["'x'", "sequence id"]),
+    (lambda d: "file:" + _accept_file(d, '{"0": [1], "2": [0]}'), "acceptance.path",
+     ["no \"default\"", "[1]"]),
+    (lambda d: "oracle:nosuchmod_xyz:f", "acceptance.factory", ["nosuchmod_xyz:f", "cannot import"]),
+    (lambda d: "oracle:os:sep", "acceptance.factory", ["os:sep", "not callable"]),
+    (lambda d: "oracle:os:no_such_attr", "acceptance.factory", ["os:no_such_attr", "no attribute"]),
+])
+def test_bad_acceptance_files_and_factories_are_refused_at_load_time(tmp_path, make, key, words):
+    """A missing or malformed accept file and an oracle factory that does not import or is
+    not callable are configuration errors found by load_scenario, naming the key and the
+    bad path or factory (the CLI turns them into exit 2, conformance/test_cli.py)."""
+    with pytest.raises(ScenarioError) as err:
+        load_scenario({"batch": 3, "acceptance": make(tmp_path)})
+    msg = str(err.value)
+    assert f"'{key}'" in msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_every_request(tmp_path):
+    path = _accept_file(tmp_path, '{"0": [1], "1": [0, 2], "2": [3]}')
+    assert load_scenario({"batch": 3, "acceptance": f"file:{path}"}).acceptance.path == path
+    with pytest.raises(ScenarioError, match=r"sequence\(s\) \[3\]"):
+        load_scenario({"batch": 4, "acceptance": f"file:{path}"})
+
+
+@pytest.mark.parametrize("value, key, words", [
+    ("profile:", "acceptance", ["'profile:'", "after the colon"]),
+    ("heterogeneous:", "acceptance", ["after the colon"]),
+    ("geometric:", "acceptance", ["after the colon"]),
+    ("profile", "acceptance.p", ["profile needs 1..=8", "got []"]),
+    ("heterogeneous", "acceptance.p", ["at least two", "got []"]),
+    ("heterogeneous:0.5", "acceptance.p", ["at least two", "geometric", "[0.5]"]),
+    ({"model": "profile"}, "acceptance.p", ["profile needs"]),
+    ({"model": "heterogeneous", "p": [0.2, 0.9], "p_range": [0.1, 0.2]}, "acceptance.p", ["not both"]),
+    ("profile:" + ",".join(["0.5"] * 9), "acceptance.p", ["1..=8"]),
+    ("all-accept:0.5", "acceptance", ["takes no argument"]),
+    ("geometric:0.5,0.6", "acceptance.p", ["exactly one"]),
+])
+def test_a_probability_model_without_its_probabilities_is_refused(value, key, words):
+    """`profile:` or `heterogeneous` with no probabilities no longer silently becomes
+    [0.7]; heterogeneous needs two or more (one would be geometric)."""
+    with pytest.raises(ScenarioError) as err:
+        load_scenario({"acceptance": value})
+    msg = str(err.value)
+    assert f"'{key}'" in msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_bare_geometric_is_the_documented_default_and_tables_round_trip():
+    assert load_scenario({"acceptance": "geometric"}).acceptance.p == (0.7,)
+    for value in ("heterogeneous:0.2,0.9", {"model": "heterogeneous", "p_range": [0.3, 0.9]}, "all-accept",
+                  "profile:0.74,0.54,0.41"):
+        sc = load_scenario({"acceptance": value})
+        assert load_scenario(sc.to_dict()) == sc
+    assert load_scenario({"acceptance": "all-reject"}).to_dict()["acceptance"] == {"model": "all-reject"}
+    # a dotted override reaches into a string form without inventing probabilities
+    sc = load_scenario({"acceptance": {"model": "heterogeneous", "p_range": [0.3, 0.9]}}, ["acceptance.p_range=[0.1,0.2]"])
+    assert sc.acceptance.p_range == (0.1, 0.2) and sc.acceptance.p == ()
 
 
 def test_acceptance_shorthands():
@@ -216,13 +294,101 @@ def make_oracle(scenario):
     return _ConstantOracle()
 
 
+class _ShortDrafter(_ConstantOracle):
+    """Breaks the protocol: proposes one draft fewer than asked."""
+
+    def draft(self, seq_id, context, n):
+        return [1] * (n - 1)
+
+
+class _OutOfVocab(_ConstantOracle):
+    """Breaks the protocol: the target after a 7-token context is token 64 = vocab."""
+
+    def target(self, seq_id, context):
+        return 64 if len(context) >= 7 else 1
+
+
+def make_short_drafter(scenario):
+    return _ShortDrafter()
+
+
+def make_out_of_vocab(scenario):
+    return _OutOfVocab()
+
+
+class _LateBadPrompt(_ConstantOracle):
+    """Breaks the protocol for sequence 1 only: its prompt is one token short. Both modes
+    ask for a request's prompt when it arrives, so both refuse at the same call."""
+
+    def prompt(self, seq_id, length):
+        return [1] * (length - (seq_id == 1))
+
+
+def make_late_bad_prompt(scenario):
+    return _LateBadPrompt()
+
+
+def make_not_an_oracle(scenario):
+    return object()
+
+
+def make_raising(scenario):
+    raise RuntimeError("the oracle's weights are missing")
+
+
+def test_the_checked_oracle_refuses_every_breach_of_the_protocol():
+    """CheckedOracle is the one place both modes check a custom oracle: the number of
+    tokens and each token's range, naming the call and the bad value."""
+    good = CheckedOracle(_ConstantOracle(), vocab=4, name="m:f")
+    assert good.prompt(0, 3) == [1, 1, 1] and good.draft(0, [1], 2) == [1, 2] and good.draft(0, [1], 0) == []
+    assert CheckedOracle(type("O", (_ConstantOracle,), {"target": lambda self, s, c: np.int64(3)})(), 4).target(0, []) == 3
+    cases = [
+        (lambda o: o.draft(2, [1, 1], 3), CheckedOracle(_ShortDrafter(), 64, "m:f"),
+         ["draft(seq_id=2, context of 2 tokens, n=3)", "[1, 1]", "exactly 3"]),
+        (lambda o: o.target(0, [1] * 7), CheckedOracle(_OutOfVocab(), 64, "m:f"),
+         ["target(seq_id=0, context of 7 tokens)", "64", "[0, vocab = 64)"]),
+        (lambda o: o.prompt(1, 4), CheckedOracle(type("P", (_ConstantOracle,), {"prompt": lambda self, s, n: [1] * (n + 1)})(), 64),
+         ["prompt(seq_id=1, length=4)", "exactly 4"]),
+        (lambda o: o.target(0, []), CheckedOracle(type("B", (_ConstantOracle,), {"target": lambda self, s, c: True})(), 64),
+         ["returned True"]),
+        (lambda o: o.draft(0, [], 2), CheckedOracle(type("N", (_ConstantOracle,), {"draft": lambda self, s, c, n: None})(), 64),
+         ["returned None"]),
+        (lambda o: o.draft(0, [], 2), CheckedOracle(type("M", (_ConstantOracle,), {"draft": lambda self, s, c, n: [1, -1]})(), 64),
+         ["[1, -1]"]),
+    ]
+    for call, oracle, words in cases:
+        with pytest.raises(OracleError) as err:
+            call(oracle)
+        msg = str(err.value)
+        assert "'acceptance.factory'" in msg and isinstance(err.value, ScenarioError)
+        for w in words:
+            assert w in msg, f"{w!r} not in {msg!r}"
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("make_not_an_oracle", ["make_not_an_oracle", "no callable prompt, target, draft"]),
+    ("make_raising", ["make_raising", "RuntimeError", "weights are missing"]),
+])
+def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error(factory, words):
+    from reference.acceptance import build_model
+
+    sc = load_scenario({"acceptance": f"oracle:conformance.test_scenario:{factory}"})
+    with pytest.raises(ScenarioError) as err:
+        build_model(sc.acceptance, sc.seed, sc)
+    assert "'acceptance.factory'" in str(err.value)
+    for w in words:
+        assert w in str(err.value)
+
+
 def test_a_custom_token_oracle_loads_from_a_factory():
     from reference.acceptance import build_model, build_oracle
 
     sc = load_scenario({"acceptance": "oracle:conformance.test_scenario:make_oracle"})
     model = build_model(sc.acceptance, sc.seed, sc)
     assert model.needs_tokens
-    assert isinstance(build_oracle(model, 0, 64), _ConstantOracle)
+    oracle = build_oracle(model, 0, 64)
+    assert isinstance(oracle, CheckedOracle) and isinstance(oracle.oracle, _ConstantOracle)
+    assert oracle.draft(0, [1, 1], 3) == [1, 1, 2] and oracle.target(0, [1]) == 1
 
 
 def test_the_example_scenarios_load():

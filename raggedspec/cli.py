@@ -36,17 +36,21 @@ class ProgressBar:
 
     Off (does nothing) when `enabled` is false; the CLI enables it only when stderr is a
     TTY and --quiet is not given. Call it with (done, total); it redraws at most every
-    0.1 s and on completion, and `close()` ends the line."""
+    0.1 s and on completion, and `close()` ends the line. A run that ends before `total`
+    (every request finished or failed early) does not leave a half-drawn bar: `close()`
+    fills it and says where it ended (`note`, by default "ended at step N of at most T")."""
 
     def __init__(self, label: str, enabled: bool, stream=None, width: int = 28):
         self.label, self.enabled, self.width = label, enabled, width
         self.stream = stream if stream is not None else sys.stderr
         self._last = 0.0
         self._drawn = False
+        self._done = self._total = 0
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled or total <= 0:
             return
+        self._done, self._total = done, total
         now = time.monotonic()
         if done < total and now - self._last < 0.1:
             return
@@ -57,8 +61,13 @@ class ProgressBar:
         self.stream.flush()
         self._drawn = True
 
-    def close(self) -> None:
+    def close(self, note: str | None = None) -> None:
+        """End the bar's line. If the last progress was short of the total, first redraw it
+        full with `note` (default: "ended at step DONE of at most TOTAL")."""
         if self._drawn:
+            if self._done < self._total:
+                note = note or f"ended at step {self._done} of at most {self._total}"
+                self.stream.write(f"\r{self.label} [{'#' * self.width}] {note}")
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
@@ -76,14 +85,19 @@ def progress_factory(args) -> Callable[[str], ProgressBar]:
 # with --set KEY=VALUE or in a scenario file (docs/simulator.md lists every key and its range).
 SCENARIO_FLAGS = [
     ("--batch", "batch", dict(type=int, help="number of requests (generated), B >= 1")),
+    ("--arrival", "arrival", dict(help="arrival of the generated requests: all-at-once | staggered "
+                                       "(request i at step i * stagger; --set stagger=N)")),
+    ("--max-seq-len", "max_seq_len", dict(type=int, help="the model's max_seq_len, >= 2 (the token budget "
+                                                         "and cache capacity limit)")),
     ("--depth", "depth", dict(type=int, help="MTP draft depth, 0..8 (window w = depth + 1)")),
     ("--advance", "advance", dict(help="advance rule: cohort | per-sequence (per-sequence is "
                                        "granted only with --xs-per-seq and --admission grant)")),
     ("--world", "world", dict(help="admission world: W0 | WA | WB")),
     ("--admission", "admission", dict(help="ragged admission, capability check 4: refuse | grant")),
     ("--strip", "strip", dict(help="dead-prefix strip: eager | lazy | none (none: the negative control)")),
-    ("--xs-per-seq", "xs_per_seq", dict(action="store_const", const=True,
-                                        help="ARC_V4_XS_PER_SEQ on: XsRolling slots carry their own length")),
+    ("--xs-per-seq", "xs_per_seq", dict(action=argparse.BooleanOptionalAction, default=None,
+                                        help="ARC_V4_XS_PER_SEQ: XsRolling slots carry their own length "
+                                             "(--no-xs-per-seq turns it off over a scenario file)")),
     ("--acceptance", "acceptance", dict(help="acceptance model: geometric:0.7, profile:0.74,0.54,0.41, "
                                              "heterogeneous:0.2,0.9, all-accept, all-reject, file:PATH, "
                                              "oracle:module:callable")),
@@ -152,6 +166,9 @@ def run_simulate(args) -> int:
     bar = progress_factory(args)(f"simulate ({args.mode})")
     try:
         trace = simulate(args.scenario, scenario_overrides(args), mode=args.mode, progress=bar)
+        # shown only when the run stopped before --steps: every request had finished or failed
+        bar.close(f"ended at step {len(trace)} of at most {trace.header['scenario']['steps']}: "
+                  "no request left to run")
     finally:
         bar.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,9 +255,11 @@ def run_drift(args) -> int:
             batches=parse_batches(args.batches), progress=progress_factory(args))
     for run in summary["runs"]:
         tps = run["tok_per_step"]
+        ended = (f" (refused at step {run['refused_at_step']}: over its {run['measured_steps']} measured steps "
+                 "only)") if run.get("ended_by_refusal") else ""
         print(f"{run['label']}: max_spread={run['max_spread']} "
               f"mean_padding_fraction={run['mean_padding_fraction']} "
-              f"tok_per_step={'n/a' if tps is None else f'{tps:.4f}'}")
+              f"tok_per_step={'n/a' if tps is None else f'{tps:.4f}'}{ended}")
         for msg in run["missing"]:
             print(f"  not plotted: {msg}", file=sys.stderr)
     print(f"wrote {len(summary['files'])} files to {args.out}", file=sys.stderr)

@@ -22,7 +22,10 @@ count of earlier verifies that drafted, `0 <= a <= n`):
 - `AllAccept` (a = n), `AllReject` (a = 0).
 - `FileStream(path)`: accept counts read from a JSON file, either a list used by every
   sequence or `{"default": [...], "<seq id>": [...]}`; the sequence's k-th drafting verify
-  takes entry `k mod len`, clamped to n.
+  takes entry `k mod len`, clamped to n. `load_accept_file` reads and checks it (a missing or
+  unreadable file, bad JSON, a negative or non-integer count, a key that is neither "default"
+  nor a sequence id, or a sequence with no list and no default raise `ScenarioError` naming
+  `acceptance.path` and the file).
 
 **Token oracles** (`TokenOracle`, the pluggable interface): `prompt(seq, length)` -> the
 prompt tokens, `target(seq, context) -> token` (what the target's greedy argmax would be
@@ -34,20 +37,35 @@ any acceptance model into a token oracle: sequence s has a "true" token stream
 `draft` proposes the true tokens where the model accepts and a different token at the first
 rejected position. So the committed stream is always the true stream (speculation is
 lossless), and `len(verify_proposed(...).accepted)` equals the model's count.
+
+**A custom oracle** comes from a factory `"module:callable"` (`resolve_factory`): the module
+is imported with the current working directory first on `sys.path` (so `my_module.py` in the
+folder a run starts from is found, also from the `raggedspec` console script), the attribute
+must exist and be callable; `build_model` calls it with the `Scenario` and checks that the
+result has callable `prompt`, `target` and `draft`. Any failure raises `ScenarioError` naming
+`acceptance.factory` and the factory. Both simulator modes then drive the oracle through
+`CheckedOracle` (`build_oracle` wraps every custom oracle): each call's result is checked
+against the protocol (the right number of tokens, each an int in `[0, vocab)`), and a breach
+raises `OracleError` (a `ScenarioError`) naming the call, the sequence and the bad value, so
+the two modes refuse a broken oracle identically instead of diverging.
 """
 
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
 import json
+import os
+import sys
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from reference.errors import require
+from reference.scenario import ScenarioError
 
 U64 = np.uint64
 _C1, _C2, _C3 = U64(0x9E3779B97F4A7C15), U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)
@@ -194,8 +212,11 @@ class FileStream(AcceptanceModel):
         require(isinstance(data, dict) and data, "an accept-count file holds a list or {\"default\": [...], ...}")
         self.lists: dict[str, list[int]] = {}
         for key, vals in data.items():
-            require(isinstance(vals, list) and vals and all(isinstance(v, int) and v >= 0 for v in vals),
-                    f"accept counts for {key!r} must be a non-empty list of integers >= 0")
+            require(isinstance(vals, list) and vals
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals),
+                    f"accept counts for {key!r} must be a non-empty list of integers >= 0, got {vals!r}")
+            require(key == "default" or (isinstance(key, str) and key.isdigit()),
+                    f"accept-count key {key!r} must be \"default\" or a sequence id (a non-negative integer)")
             self.lists[str(key)] = vals
 
     def accepted(self, seq, pos, n, k=0) -> np.ndarray:
@@ -269,15 +290,143 @@ class OracleAcceptance(AcceptanceModel):
 
     needs_tokens = True
 
-    def __init__(self, oracle: TokenOracle) -> None:
-        self.oracle = oracle
+    def __init__(self, oracle: TokenOracle, name: str = "custom oracle") -> None:
+        self.oracle, self.name = oracle, name
 
     def accepted(self, seq, pos, n, k=0) -> np.ndarray:
         raise TypeError("a custom token oracle has no token-free accept count; verify its tokens")
 
 
+def load_accept_file(path, n_seqs: int | None = None) -> FileStream:
+    """The file model's `FileStream` from `path`, checked: the file exists and holds JSON in
+    the file model's form (module docstring). With `n_seqs`, a file without a "default" list
+    must have a list for every sequence id `0 .. n_seqs - 1`. Raises `ScenarioError` naming
+    `acceptance.path`, the file and what is wrong."""
+    where = f"scenario key 'acceptance.path': accept-count file {str(path)!r}"
+    p = Path(path)
+    if not p.is_file():
+        raise ScenarioError(f"{where} does not exist (or is not a file)")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScenarioError(f"{where} cannot be read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(f"{where} is not valid JSON ({exc}); expected a list of accept counts "
+                            "or {\"default\": [...], \"<seq id>\": [...]}") from None
+    try:
+        stream = FileStream(data)
+    except ValueError as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+    if n_seqs is not None and "default" not in stream.lists:
+        missing = [i for i in range(n_seqs) if str(i) not in stream.lists]
+        if missing:
+            raise ScenarioError(f"{where} has no \"default\" list and no list for sequence(s) "
+                                f"{missing[:8]}{' ...' if len(missing) > 8 else ''} (the scenario has "
+                                f"{n_seqs} requests)")
+    return stream
+
+
+@contextmanager
+def _cwd_on_path():
+    """The current working directory first on `sys.path` for the duration (as `python -m`
+    and `python -c` have it; a console script has its own folder there instead)."""
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(cwd)  # the first occurrence: the one inserted above
+        except ValueError:
+            pass
+
+
+def resolve_factory(factory: str):
+    """The callable named by `"module:callable"`, imported with the current working directory
+    first on `sys.path` (module docstring). Raises `ScenarioError` naming `acceptance.factory`
+    and the factory when the form is wrong, the import fails, the attribute is missing or it
+    is not callable."""
+    where = f"scenario key 'acceptance.factory': {factory!r}"
+    mod, _, attr = (factory or "").partition(":")
+    if not mod or not attr:
+        raise ScenarioError(f"{where} must be 'module:callable', e.g. oracle:my_module:make_oracle")
+    try:
+        with _cwd_on_path():
+            module = importlib.import_module(mod)
+    except ImportError as exc:
+        raise ScenarioError(f"{where}: cannot import module {mod!r} ({exc}); the module must be importable "
+                            f"from the current folder {os.getcwd()!r} or from sys.path") from None
+    except Exception as exc:  # the user's module raised while importing
+        raise ScenarioError(f"{where}: importing module {mod!r} raised {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, attr):
+        raise ScenarioError(f"{where}: module {mod!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ScenarioError(f"{where}: {mod}.{attr} is not callable (it is a {type(fn).__name__}: {fn!r}); "
+                            "it must be a function or class taking the Scenario and returning a TokenOracle")
+    return fn
+
+
+ORACLE_METHODS = ("prompt", "target", "draft")
+
+
+class OracleError(ScenarioError):
+    """A custom token oracle broke the `TokenOracle` contract (a bad configuration: the CLI
+    exits 2). The message names `acceptance.factory`, the call and the bad value."""
+
+
+def _token(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+class CheckedOracle:
+    """A custom oracle with every result checked (the one shared place both simulator modes
+    go through, via `build_oracle`): `prompt(seq, length)` must return exactly `length`
+    tokens, `target` one token, `draft(seq, ctx, n)` exactly `n` tokens, each token an int
+    in `[0, vocab)`. Results are returned as lists of Python ints; a breach raises
+    `OracleError`."""
+
+    def __init__(self, oracle, vocab: int, name: str = "custom oracle") -> None:
+        self.oracle, self.vocab, self.name = oracle, int(vocab), name
+
+    def _fail(self, call: str, got, want: str):
+        shown = got if not isinstance(got, list) or len(got) <= 12 else got[:12] + ["..."]
+        raise OracleError(f"scenario key 'acceptance.factory': the oracle from {self.name!r} broke the TokenOracle "
+                          f"contract: {call} returned {shown!r}; {want}, each token an int in "
+                          f"[0, vocab = {self.vocab})")
+
+    def _tokens(self, call: str, got, n: int) -> list[int]:
+        try:
+            toks = list(got)
+        except TypeError:
+            self._fail(call, got, f"it must return a list of exactly {n} token(s)")
+        if len(toks) != n or not all(_token(t) and 0 <= int(t) < self.vocab for t in toks):
+            self._fail(call, toks, f"it must return exactly {n} token(s) (got {len(toks)})")
+        return [int(t) for t in toks]
+
+    def prompt(self, seq_id: int, length: int) -> list[int]:
+        got = self.oracle.prompt(seq_id, length)
+        return self._tokens(f"prompt(seq_id={seq_id}, length={length})", got, length)
+
+    def target(self, seq_id: int, context: Sequence[int]) -> int:
+        got = self.oracle.target(seq_id, context)
+        if not (_token(got) and 0 <= int(got) < self.vocab):
+            self._fail(f"target(seq_id={seq_id}, context of {len(context)} tokens)", got,
+                       "it must return one token")
+        return int(got)
+
+    def draft(self, seq_id: int, context: Sequence[int], n: int) -> list[int]:
+        got = self.oracle.draft(seq_id, context, n)
+        return self._tokens(f"draft(seq_id={seq_id}, context of {len(context)} tokens, n={n})", got, n)
+
+
 def build_model(spec, seed: int, scenario=None) -> AcceptanceModel:
-    """The acceptance model of a scenario's `AcceptanceSpec`."""
+    """The acceptance model of a scenario's `AcceptanceSpec` (the file is read with
+    `load_accept_file`, the factory resolved with `resolve_factory` and called with the
+    scenario; its result must have callable `prompt`, `target` and `draft`, else
+    `ScenarioError`)."""
     m = spec.model
     if m == "geometric":
         return Geometric(spec.p[0], seed)
@@ -290,16 +439,29 @@ def build_model(spec, seed: int, scenario=None) -> AcceptanceModel:
     if m == "all-reject":
         return AllReject()
     if m == "file":
-        return FileStream(spec.path)
+        return load_accept_file(spec.path, None if scenario is None else scenario.batch)
     if m == "oracle":
-        mod, _, attr = spec.factory.partition(":")
-        factory = getattr(importlib.import_module(mod), attr)
-        return OracleAcceptance(factory(scenario))
+        factory = resolve_factory(spec.factory)
+        try:
+            with _cwd_on_path():
+                oracle = factory(scenario)
+        except ScenarioError:
+            raise
+        except Exception as exc:  # the user's factory raised
+            raise ScenarioError(f"scenario key 'acceptance.factory': {spec.factory!r} raised "
+                                f"{type(exc).__name__} when called with the scenario: {exc}") from None
+        lacking = [name for name in ORACLE_METHODS if not callable(getattr(oracle, name, None))]
+        if lacking:
+            raise ScenarioError(f"scenario key 'acceptance.factory': {spec.factory!r} returned {oracle!r}, which "
+                                f"has no callable {', '.join(lacking)}; a TokenOracle needs prompt(seq_id, "
+                                "length), target(seq_id, context) and draft(seq_id, context, n)")
+        return OracleAcceptance(oracle, spec.factory)
     raise ValueError(f"unknown acceptance model {m!r}")
 
 
 def build_oracle(model: AcceptanceModel, seed: int, vocab: int) -> TokenOracle:
-    """The token oracle the simulator drives: the custom one, or `ModelOracle(model)`."""
+    """The token oracle the simulator drives: a custom one wrapped in `CheckedOracle` (so
+    both modes check it in this one place), or `ModelOracle(model)`."""
     if isinstance(model, OracleAcceptance):
-        return model.oracle
+        return CheckedOracle(model.oracle, vocab, model.name)
     return ModelOracle(model, seed, vocab)

@@ -23,6 +23,13 @@ docs/simulator.md and in `reference.simulator`'s docstring (the two modes share 
   `In`; "none" (negative control): it records the padded length `C + committed` as the row's
   own length (the compounding trap of §9.8 / masks §14).
 
+Beyond the shared trace, a lengths run sets `Trace.draft_stalls`: per reason (STALL_*), the
+row-steps in which a row that could draft (u < w, may draft) did not. It is not written to the
+file (the tensor mode does not count it); the drift sweep uses it to explain a stall.
+
+The scheduler mirror is vectorized too: admitting the waiting queue next to the running set
+(`admit_waiting`) is a cumulative-sum expression, not a loop over the waiting list.
+
 Run `python -m reference.lengths --bench` for the B = 1024, 10,000-step benchmark.
 """
 
@@ -57,6 +64,12 @@ ERR_CAPACITY = "capacity refused"
 ERR_XS_ROLLBACK = "xs rollback refused"
 ERR_CHAIN = "draft chain refused"
 ERR_COMMIT = "per-sequence commit refused"
+
+# Why a row that could draft (u < w, may draft) did not, counted per row-step in
+# `LengthsEngine.stalls` (and `Trace.draft_stalls` of a lengths run; not written to the file).
+STALL_UNIFORM = "uniform group refused"    # batch_draft_caches None (§9.6) or its set_len refused
+STALL_RAGGED = "ragged group refused"      # front_align_draft_group refused (§9.7)
+STALL_INELIGIBLE = "no usable draft state"  # budget 0, poisoned, no seed at the chain start (§9.3)
 
 
 # ----------------------------------------------------------------------------- shared policy
@@ -103,17 +116,26 @@ def grown_capacity(cap, need):
     return np.asarray(cap) + -(-short // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
 
 
+LENGTH_PHASES = ("decode", "defer")  # steps run on the batched cache: their rows carry leads
+
+
 def summarize(trace: Trace, telemetry: AcceptanceTelemetry, sched: BucketTelemetry,
               latch: KvAdvanceLatch, errors: int) -> dict:
-    """The summary object (both modes), from the recorded steps."""
-    committed = decode = 0
+    """The summary object (both modes), from the recorded steps. `max_spread` and
+    `mean_padding_fraction` cover every step that ran on the batched cache: decode steps and
+    the window deferral's plain decode (`defer`), which carries the same leads. A step's rows
+    are the scheduled bucket only: `shattered_steps` counts the measured steps whose
+    scheduler formed more than one bucket, whose spread therefore leaves out the rows that
+    waited in the other buckets."""
+    committed = decode = shattered = 0
     spreads, pads = [], []
     for i in range(len(trace)):
         f = trace.step_fields(i)
         committed += f["committed"]
-        if f["phase"] == "decode":
-            decode += 1
+        decode += f["phase"] == "decode"
+        if f["phase"] in LENGTH_PHASES:
             pads.append(f["padding_fraction"])
+            shattered += f["buckets"] > 1
             own = trace.row_array(i)[:, 2]
             if own.size:
                 spreads.append(int(own.max() - own.min()))
@@ -125,7 +147,8 @@ def summarize(trace: Trace, telemetry: AcceptanceTelemetry, sched: BucketTelemet
     return {"steps": len(trace), "decode_steps": decode, "committed": committed,
             "tok_per_step": 0.0 if tps is None else tps, "max_spread": max(spreads, default=0),
             "mean_padding_fraction": (math.fsum(pads) / len(pads)) if pads else 0.0,
-            "refusal": latch.refusal and latch.messages[-1], "errors": errors, "markers": markers}
+            "refusal": latch.refusal and latch.messages[-1], "errors": errors, "markers": markers,
+            "shattered_steps": shattered}
 
 
 def step_fields(step, phase, advance, instr, running, waiting, buckets, groups, width, pad, committed,
@@ -134,6 +157,21 @@ def step_fields(step, phase, advance, instr, running, waiting, buckets, groups, 
             "running": running, "waiting": waiting, "buckets": buckets, "groups": groups, "width": width,
             "padding_fraction": pad, "committed": committed, "tok_per_step": tps, "bucket": bucket,
             "prefill": prefill, "error": error}
+
+
+def admit_waiting(new: np.ndarray, room: int, cap: int | None) -> np.ndarray:
+    """`scheduler.schedule`'s admission of the waiting queue (sorted by id) next to running
+    sequences, vectorized: the sequential rule "admit while the running set has room, but at
+    most `cap` never-admitted (`new`) sequences" admits exactly the first `room` of the
+    candidates, where the candidates are every previously admitted sequence and the first
+    `cap` new ones (room and the new count only grow along the queue, so once a sequence is
+    refused for room every later one is too). Returns the admitted mask.
+    conformance/test_lengths.py checks it against the sequential loop."""
+    new = np.asarray(new, dtype=bool)
+    cand = ~new if cap is not None else np.ones(new.shape, dtype=bool)
+    if cap is not None:
+        cand |= new & (np.cumsum(new) <= cap)
+    return cand & (np.cumsum(cand) <= room)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -188,6 +226,7 @@ class LengthsEngine:
         self.acc_at, self.reach_at = np.zeros(POSITION_CAP, np.int64), np.zeros(POSITION_CAP, np.int64)
         self.by_batch: dict[int, np.ndarray] = {}
         self.errors = 0
+        self.stalls = {STALL_UNIFORM: 0, STALL_RAGGED: 0, STALL_INELIGIBLE: 0}
         self.order = np.argsort(self.arrival, kind="stable")
         self.next_arrival = 0
         self.log2 = None
@@ -240,16 +279,10 @@ class LengthsEngine:
             run = list(run)
         else:
             discrete = not waiting
-            run = list(running)
-            n_new = 0
-            for s in sorted(waiting):
-                new = not self.admitted[s]
-                capped = new and cap is not None and n_new >= cap
-                if len(run) + 1 <= max_seqs and not capped:
-                    run.append(s)
-                    n_new += new
-                else:
-                    held.append(s)
+            wait = np.sort(np.asarray(waiting, dtype=np.int64))
+            take = admit_waiting(~self.admitted[wait], max_seqs - len(running), cap)
+            run = list(running) + wait[take].tolist()
+            held = wait[~take].tolist()
         run_arr = np.array(run, dtype=np.int64)
         self.admitted[run_arr] = True
         keys = self._keys(run_arr)
@@ -353,8 +386,11 @@ class LengthsEngine:
         n = sc.batch
         for t in range(sc.steps):
             while self.next_arrival < n and self.arrival[self.order[self.next_arrival]] <= t:
-                self.waiting.append(int(self.order[self.next_arrival]))
-                self.L[self.order[self.next_arrival]] = self.P[self.order[self.next_arrival]]
+                i = int(self.order[self.next_arrival])
+                self.waiting.append(i)
+                self.L[i] = self.P[i]
+                if self.tokens_mode:  # at arrival, as the tensor mode asks for it
+                    self.toks[i] = self.oracle.prompt(i, int(self.P[i]))
                 self.next_arrival += 1
             if self.next_arrival >= n and not self.running and not self.waiting:
                 break
@@ -393,6 +429,7 @@ class LengthsEngine:
             self._tick(t)
         self._fill_telemetry()
         trace.finish(summarize(trace, self.tel, self.sched, self.latch, self.errors))
+        trace.draft_stalls = dict(self.stalls)
         return trace
 
     def _tick(self, t: int) -> None:
@@ -431,7 +468,7 @@ class LengthsEngine:
         self.stored[ids], self.tcap[ids], self.pending[ids] = plen, cap, 0
         if self.tokens_mode:
             for i in ids.tolist():
-                ctx = self.oracle.prompt(i, int(self.P[i]))
+                ctx = self.toks[i]
                 self.toks[i] = ctx + [self.oracle.target(i, ctx)]
         self.L[ids] = plen + 1
         rows[:, 8] = 1
@@ -595,6 +632,7 @@ class LengthsEngine:
         res["groups"] = int(codes.shape[0])
         elig_all = (cand & (budget > 0) & ~self.d_pois[ids] & (self.d_seed[ids] >= 0)
                     & (self.d_seed[ids] == start) & (self.d_filled[ids] >= start))
+        self.stalls[STALL_INELIGIBLE] += int((cand & ~elig_all).sum())
         for code in codes.tolist():
             gu = code >> 40
             n_draft = w - gu
@@ -608,15 +646,17 @@ class LengthsEngine:
             if not ragged:
                 cur, cap = self.d_cur[mids], self.d_cap[mids]
                 if members.shape[0] > 1 and ((cur != cur[0]).any() or (cap != cap[0]).any()):
+                    self.stalls[STALL_UNIFORM] += members.shape[0]
                     continue
                 if st[0] > cap[0]:
+                    self.stalls[STALL_UNIFORM] += members.shape[0]
                     continue
                 bcur, bcap = int(st[0]), int(cap[0])
             else:
-                if (st > self.d_cur[mids]).any():
-                    continue
                 lead = top - st
-                if (np.where(lead > 0, np.maximum(self.d_cap[mids], top), 0) > self.max).any():
+                if (st > self.d_cur[mids]).any() or \
+                        (np.where(lead > 0, np.maximum(self.d_cap[mids], top), 0) > self.max).any():
+                    self.stalls[STALL_RAGGED] += members.shape[0]
                     continue
                 bcur = bcap = top
             for _ in range(n_draft):

@@ -19,7 +19,11 @@ pipeline actually runs PerSequence (the pipeline that declares ragged admission 
 unspecified upstream, §19.5; this is the chosen rule).
 
 Malformed scenarios raise `ScenarioError` (a ValueError) whose message names the key and its
-allowed range or values.
+allowed range or values. That includes the acceptance model: a probability model without its
+probabilities (`profile:`, a one-value `heterogeneous`) is refused by `parse_acceptance`, and
+`load_scenario` reads and checks the file model's file and resolves the oracle's factory
+(`check_acceptance`), so a bad `acceptance.path` or `acceptance.factory` is refused before
+anything runs.
 """
 
 from __future__ import annotations
@@ -171,7 +175,7 @@ class Scenario:
                 continue
             v = getattr(self, f.name)
             if f.name == "acceptance":
-                v = {k: (list(x) if isinstance(x, tuple) else x) for k, x in asdict(v).items() if x is not None}
+                v = acceptance_table(v)
             elif f.name == "model":
                 v = {k: (list(x) if isinstance(x, tuple) else x) for k, x in v.items()}
             out[f.name] = v
@@ -211,24 +215,40 @@ _MAX_STEPS = 10_000_000
 # ----------------------------------------------------------------------------- parsing
 
 
+PROB_MODELS = ("geometric", "profile", "heterogeneous")
+
+
 def parse_acceptance(value: Any) -> AcceptanceSpec:
     """A string shorthand (`geometric:0.7`, `profile:0.74,0.54,0.41`, `heterogeneous:0.2,0.9`,
-    `all-accept`, `all-reject`, `file:PATH`, `oracle:module:callable`) or a table."""
+    `all-accept`, `all-reject`, `file:PATH`, `oracle:module:callable`) or a table.
+
+    Probabilities are never made up: `profile` needs 1..=8 of them, `heterogeneous` at least
+    two (one per class of sequences, cycled by id; for one probability use `geometric`) or a
+    `p_range` (not both); `geometric` takes exactly one, and a bare `geometric` (no colon, no
+    `p`) is the documented default 0.7. An empty list after the colon (`profile:`) and an
+    argument to a model that takes none (`all-accept:0.5`) are refused. This only parses:
+    `load_scenario` then checks the file and the factory (`check_acceptance`)."""
     key = "acceptance"
     if isinstance(value, AcceptanceSpec):
         return value
     if isinstance(value, str):
-        name, _, arg = value.partition(":")
+        name, colon, arg = value.partition(":")
         table: dict[str, Any] = {"model": name}
-        if name in ("geometric", "profile", "heterogeneous") and arg:
-            try:
-                table["p"] = [float(x) for x in arg.split(",")]
-            except ValueError:
-                _fail(key, "probabilities must be numbers, e.g. geometric:0.7", value)
+        if name in PROB_MODELS:
+            if colon and not arg.strip():
+                _fail(key, f"'{name}:' needs its probabilities after the colon, e.g. "
+                      f"{_EXAMPLE[name]}", value)
+            if arg:
+                try:
+                    table["p"] = [float(x) for x in arg.split(",")]
+                except ValueError:
+                    _fail(key, f"probabilities must be comma-separated numbers, e.g. {_EXAMPLE[name]}", value)
         elif name == "file":
             table["path"] = arg
         elif name == "oracle":
             table["factory"] = arg
+        elif colon and name in ACCEPTANCE_MODELS:
+            _fail(key, f"'{name}' takes no argument", value)
         value = table
     if not isinstance(value, dict):
         _fail(key, "must be a string like geometric:0.7 or a table {model, p, ...}", value)
@@ -237,15 +257,32 @@ def parse_acceptance(value: Any) -> AcceptanceSpec:
         _fail(f"acceptance.{sorted(unknown)[0]}", "unknown key; allowed: model, p, p_range, path, factory",
               value[sorted(unknown)[0]])
     model = _choice("acceptance.model", value.get("model", "geometric"), ACCEPTANCE_MODELS)
-    p = value.get("p", [0.7])
-    if not isinstance(p, (list, tuple)):
+    p = value.get("p")
+    if p is not None and not isinstance(p, (list, tuple)):
         p = [p]
-    probs = tuple(_prob("acceptance.p", x) for x in p)
-    if model in ("geometric",) and len(probs) != 1:
-        _fail("acceptance.p", "geometric takes exactly one probability", list(p))
-    if model in ("profile", "heterogeneous") and len(probs) < 1:
-        _fail("acceptance.p", "needs at least one probability", list(p))
+    p = list(p) if p else []
     p_range = value.get("p_range")
+    if model not in PROB_MODELS:
+        # p is not used by this model; a table's p is ignored rather than refused, because
+        # headers written before this rule carried the default p = [0.7] for every model
+        probs: tuple[float, ...] = ()
+    elif model == "geometric":
+        probs = tuple(_prob("acceptance.p", x) for x in (p or [0.7]))
+        if len(probs) != 1:
+            _fail("acceptance.p", "geometric takes exactly one probability, e.g. geometric:0.7", p)
+    elif model == "profile":
+        probs = tuple(_prob("acceptance.p", x) for x in p)
+        if not 1 <= len(probs) <= 8:
+            _fail("acceptance.p", "profile needs 1..=8 per-position probabilities (one per draft position, the "
+                  "last repeats), e.g. profile:0.74,0.54,0.41", p)
+    else:
+        probs = tuple(_prob("acceptance.p", x) for x in p)
+        if p_range is None and len(probs) < 2:
+            _fail("acceptance.p", "heterogeneous needs at least two probabilities (sequence i gets p[i mod n]; "
+                  "for one probability for every sequence use geometric:p), e.g. heterogeneous:0.2,0.9, or "
+                  "a p_range = [low, high]", p)
+        if p_range is not None and probs:
+            _fail("acceptance.p", "heterogeneous takes either p (a list) or p_range, not both", p)
     if p_range is not None:
         if model != "heterogeneous" or not isinstance(p_range, (list, tuple)) or len(p_range) != 2:
             _fail("acceptance.p_range", "only for heterogeneous: a [low, high] pair of probabilities", p_range)
@@ -260,6 +297,38 @@ def parse_acceptance(value: Any) -> AcceptanceSpec:
         _fail("acceptance.factory", "the oracle model needs 'module:callable'", factory)
     return AcceptanceSpec(model, probs, p_range, path if model == "file" else None,
                           factory if model == "oracle" else None)
+
+
+_EXAMPLE = {"geometric": "geometric:0.7", "profile": "profile:0.74,0.54,0.41",
+            "heterogeneous": "heterogeneous:0.2,0.9"}
+
+
+def acceptance_table(spec: AcceptanceSpec) -> dict:
+    """The table form of an AcceptanceSpec (only the keys its model uses; lists, not
+    tuples): `parse_acceptance(acceptance_table(spec)) == spec`."""
+    out: dict[str, Any] = {"model": spec.model}
+    if spec.p:
+        out["p"] = list(spec.p)
+    if spec.p_range is not None:
+        out["p_range"] = list(spec.p_range)
+    if spec.path is not None:
+        out["path"] = spec.path
+    if spec.factory is not None:
+        out["factory"] = spec.factory
+    return out
+
+
+def check_acceptance(spec: AcceptanceSpec, n_seqs: int) -> None:
+    """What can only be checked outside the parser: the file model's file exists and holds
+    valid accept counts (covering every one of the `n_seqs` sequences when it has no
+    default), and the oracle's factory imports and is callable. Raises ScenarioError naming
+    `acceptance.path` / `acceptance.factory` and the bad value (reference.acceptance)."""
+    from reference.acceptance import load_accept_file, resolve_factory
+
+    if spec.model == "file":
+        load_accept_file(spec.path, n_seqs)
+    elif spec.model == "oracle":
+        resolve_factory(spec.factory)
 
 
 def _parse_override_value(text: str) -> Any:
@@ -295,7 +364,7 @@ def _apply_overrides(data: dict, overrides) -> dict:
             continue
         table = out.get(parts[0])
         if isinstance(table, str) and parts[0] == "acceptance":
-            table = {"model": parse_acceptance(table).model, "p": list(parse_acceptance(table).p)}
+            table = acceptance_table(parse_acceptance(table))
         table = dict(table or {})
         if len(parts) != 2:
             _fail(k, "overrides reach at most one table level (table.key)", v)
@@ -431,6 +500,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
         acceptance=parse_acceptance(data.get("acceptance", "geometric:0.7")),
         model=model, seed=seed, steps=steps, generator=generator)
     model_config(sc)  # validates the model table
+    check_acceptance(sc.acceptance, sc.batch)  # the file exists and parses, the factory resolves
     return sc
 
 

@@ -28,8 +28,14 @@ SUMMARY_KEYS = ("steps", "decode_steps", "committed", "tok_per_step", "max_sprea
                 "refusal")
 CSV_COLUMNS = ("step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
                "padding_fraction", "tok_per_step", "seq", "row", "own_len", "width", "lead", "u", "drafted",
-               "accepted", "committed", "group_u", "group_start", "chain_start", "filled", "bucket")
+               "accepted", "committed", "group_u", "group_start", "chain_start", "filled", "bucket",
+               "step_width", "step_committed", "prefill", "error")
+# CSV column -> step field, for the step-level columns whose names a row column already takes
+# (`width`, `committed` are the row's) or that follow the row columns.
+CSV_STEP_TAIL = {"step_width": "width", "step_committed": "committed", "prefill": "prefill", "error": "error"}
 _NULLABLE = {"group_u", "group_start", "chain_start"}
+_STEP_INTS = ("running", "waiting", "buckets", "groups")
+_STEP_FLOATS = ("padding_fraction", "tok_per_step")
 
 
 def row_dict(r: np.ndarray, bucket) -> dict:
@@ -134,23 +140,35 @@ def _csv_cell(v) -> str:
 
 
 def write_csv(trace: Trace, path) -> None:
-    """Write one CSV line per (step, row) with `CSV_COLUMNS` (empty cell = null; the bucket
-    key joined with ':'). Steps without rows have no line."""
+    """Write one CSV line per (step, row) with `CSV_COLUMNS`: the step's fields (repeated on
+    each of its rows), the row's fields, the bucket key joined with ':', then the step-level
+    `step_width`, `step_committed`, `prefill` (ids joined with ':', empty = none) and `error`.
+    An empty cell is null. Steps without rows have no line."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(CSV_COLUMNS)
         for i, fields in enumerate(trace._steps):
             arr = trace.row_array(i)
             head = [_csv_cell(fields.get(k)) for k in CSV_COLUMNS[:10]]
-            bucket = _csv_cell(fields.get("bucket"))
+            tail = [_csv_cell(fields.get("bucket"))] + [_csv_cell(fields.get(k)) for k in CSV_STEP_TAIL.values()]
             for r in arr:
                 v = [int(x) for x in r]
                 cells = [str(x) for x in v[:9]] + ["" if x < 0 else str(x) for x in v[9:12]] + [str(v[12])]
-                w.writerow(head + cells + [bucket])
+                w.writerow(head + cells + tail)
 
 
 def _int_or_none(text: str):
     return None if text == "" else int(text)
+
+
+def _key_part(text: str):
+    """One ':'-joined part of a bucket key: an int, a bool (`True` / `False`, any case), or
+    the text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
 
 
 def read_trace(path) -> Trace:
@@ -183,6 +201,10 @@ def read_trace(path) -> Trace:
 
 
 def _read_csv(path: Path) -> Trace:
+    """The CSV form back as typed step fields and rows (ints as int, the ratios as float,
+    bucket parts as int / bool, `prefill` as a list of ints, empty cells as null), so a
+    step read from CSV equals the same step read from JSONL. Columns absent from the file
+    (an older or foreign CSV) are absent from the fields."""
     trace = Trace("unknown", {})
     with open(path, newline="") as f:
         cur_step, fields, rows = None, None, []
@@ -196,10 +218,19 @@ def _read_csv(path: Path) -> Trace:
                 for k in CSV_COLUMNS[1:10]:
                     if k in rec:
                         v = rec[k]
-                        fields[k] = (None if v == "" else float(v) if k in ("padding_fraction", "tok_per_step")
-                                     else int(v) if k in ("running", "waiting", "buckets", "groups") else v)
+                        fields[k] = (None if v == "" else float(v) if k in _STEP_FLOATS
+                                     else int(v) if k in _STEP_INTS else v)
+                for col, k in CSV_STEP_TAIL.items():
+                    if col in rec:
+                        v = rec[col]
+                        if k == "prefill":
+                            fields[k] = [int(x) for x in v.split(":")] if v else []
+                        elif k == "error":
+                            fields[k] = v or None
+                        else:
+                            fields[k] = _int_or_none(v)
                 if rec.get("bucket"):
-                    fields["bucket"] = [int(x) if x.lstrip("-").isdigit() else x for x in rec["bucket"].split(":")]
+                    fields["bucket"] = [_key_part(x) for x in rec["bucket"].split(":")]
             g = (_int_or_none(rec.get("group_u", "")), _int_or_none(rec.get("group_start", "")))
             row = {k: _int_or_none(rec[k]) for k in ROW_COLUMNS if k in rec and k not in _NULLABLE}
             row["group"] = None if g[0] is None else [g[0], g[1]]
