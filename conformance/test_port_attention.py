@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import gpu.attention as port
@@ -191,6 +191,7 @@ def test_low_precision_dsv4_attention_is_within_twice_the_naive_error(dtype, cas
 def test_a_uniform_row_q0_never_takes_the_ragged_mask_path(case):
     q, k, v, comp, _caller, cfg, sinks = case
     cfg.raw_prefix = 0
+    assume(k.shape[2] >= 1)  # a forward needs at least one key column for its query rows
     if q.shape[2] > k.shape[2]:
         q = q[:, :, : k.shape[2]]
     t_k_full = k.shape[2]

@@ -11,6 +11,9 @@ Module layout mirrors `reference/` so the two read side by side:
 | gpu.step        | reference.step         | window, verify (first mismatch), clamp, advance   |
 | gpu.cache       | reference.cache        | `RaggedKv`: the in-place per-row KV layout         |
 | gpu.align       | reference.align        | front alignment as per-row offsets; materialize    |
+| gpu.xs_rolling  | reference.xs_rolling   | compressor history as a per-row ring buffer        |
+| gpu.model       | reference.model        | the tiny model's forward on the in-place layout    |
+| gpu.draft       | reference.draft        | the batched draft chain on one shared draft pool   |
 
 Conventions: every function takes `device` / `dtype` where it creates tensors; length
 vectors are int64 tensors; masks are additive (0 / -inf) in the requested float dtype.

@@ -1,0 +1,367 @@
+"""Port conformance: the MTP draft chain and the draft KV's tensor side (gpu.draft vs
+reference.draft; cache-and-draft.md §7.2, §9.3, §9.7, §9.8, §10.2, §17.2).
+
+The port keeps every sequence's draft KV in one pool (`RaggedKv`, a row per sequence, own
+lengths) and addresses a draft group by row indices; the reference batches the group by
+front-aligning copies, then splits and strips them. What is compared:
+
+- token ids (chains, the argmax of every step): equal;
+- each step's pre-norm hidden (`trace`): `assert_close64`, 1e-12 relative (float64; same
+  ops, different summation order, ~1e-15 observed);
+- the draft KV after the chain: the port's pool rows against the reference's row caches
+  after `split_draft_cache` + `drop_dead_prefix`: held lengths exact (`start + n`);
+  positions `[0, start)` (the history, moved input) bit-exact; positions `[start,
+  start + n)` (computed by each side) within 1e-12; V == K; every pool row outside the
+  group untouched (bit-exact, lengths exact);
+- the write-back: `filled = start + 1` and held `start + n` equal the reference group
+  loop's;
+- `extend_draft_kv_rows` (a batch of rows whose `(lo, hi)` differ, one call) against
+  `extend_draft_kv_row` run row by row: filled, seed position and seed vector (moved:
+  bit-exact) equal; the draft KV as above (history bit-exact, written pairs 1e-12).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpu.draft as port
+import gpu.model as port_model_mod
+from gpu.cache import RaggedKv
+from gpu.rope import reset_rope_path_stats, rope_path_stats
+from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_same_refusal, host, outcome, to_port)
+from reference import draft as ref
+from reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
+from reference.cache import KvCache
+from reference.dispatch import CaptureOffsets
+from reference.errors import AlignRefusal, CacheRefusal, DispatchRefusal, StepRefusal
+from reference.model import ModelConfig, TinyModel
+
+MODEL = TinyModel()
+TIER_A = TinyModel(ModelConfig(mtp="heads"))
+PORT = port_model_mod.TinyModel(MODEL, torch.float64, DEVICE)
+PORT_A = port_model_mod.TinyModel(TIER_A, torch.float64, DEVICE)
+H, V, HD = MODEL.cfg.hidden, MODEL.cfg.vocab, MODEL.cfg.head_dim
+
+
+def ref_draft_cache(k: np.ndarray) -> KvCache:
+    """A reference draft cache (capacity 16, growing by 512) holding `k [n, hd]` as K and V."""
+    cache = MODEL.mtp.new_draft_cache()
+    if len(k):
+        cache.append(k[None, None], k[None, None].copy())
+    return cache
+
+
+def pool_of(ks: list[np.ndarray]) -> RaggedKv:
+    """The port pool: row s holds `ks[s]` at columns [0, n_s) (capacity 16 + 512 blocks)."""
+    cap = 16 if max(len(k) for k in ks) <= 16 else 16 + 512 * (-(-(max(len(k) for k in ks) - 16) // 512))
+    return RaggedKv.from_rows([to_port(k[None]) for k in ks], [to_port(k[None]) for k in ks], 4096, cap)
+
+
+def held_k(cache: KvCache) -> np.ndarray:
+    """The held K `[n, hd]` (an unmaterialized cache holds none)."""
+    data = cache.k.current_data()
+    return np.zeros((0, HD)) if data is None else data[0, 0]
+
+
+@st.composite
+def chain_group(draw):
+    """A draft group of G rows (chain starts, speculative tails past them), chain length
+    1..8 (depth up to 8), placed at shuffled rows of a pool with 0..3 other sequences."""
+    g = draw(st.integers(1, 6))
+    shape = draw(st.sampled_from(["independent", "uniform", "one_behind"]))
+    if shape == "uniform":
+        starts = [draw(st.integers(1, 30))] * g
+    else:
+        starts = draw(st.lists(st.integers(1, 30), min_size=g, max_size=g))
+        if shape == "one_behind" and g >= 2:
+            starts = [30] * g
+            starts[draw(st.integers(0, g - 1))] = draw(st.integers(1, 4))
+    tails = draw(st.lists(st.integers(0, 3), min_size=g, max_size=g))
+    others = draw(st.lists(st.integers(0, 30), max_size=3))
+    order = draw(st.permutations(list(range(g + len(others)))))
+    return starts, tails, others, order, draw(st.integers(1, 8)), draw(st.integers(0, 2**32 - 1))
+
+
+@given(case=chain_group())
+def test_the_chain_on_pool_rows_matches_the_reference_group(case):
+    """Reference: `front_align_draft_group`, `propose_chain_batched`, `split_draft_cache`,
+    `drop_dead_prefix`. Port: `align_draft_rows` + `propose_chain_batched` on the pool rows.
+    Same tokens, same hidden per step (1e-12), same draft caches (history bit-exact, the n
+    new entries 1e-12), the other pool rows untouched; the branch taken is the scalar one
+    iff the starts are uniform (`draft_chain_stats`)."""
+    starts, tails, others, order, n, seed = case
+    g = len(starts)
+    rng = np.random.default_rng(seed)
+    group_k = [rng.standard_normal((s + t, HD)) for s, t in zip(starts, tails)]
+    other_k = [rng.standard_normal((m, HD)) for m in others]
+    seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
+
+    caches = [ref_draft_cache(k) for k in group_k]
+    batched = front_align_draft_group(caches, starts)
+    ref_trace: list = []
+    chains = ref.propose_chain_batched(MODEL, seeds, lasts, n, starts, batched, ref_trace)
+    pieces = split_draft_cache(batched, g)
+    for piece, s in zip(pieces, starts):
+        drop_dead_prefix(piece, max(starts) - s)
+
+    slots = [None] * len(order)
+    for j, k in enumerate(group_k + other_k):
+        slots[order[j]] = k
+    rows = torch.tensor(order[:g])
+    pool = pool_of(slots)
+    before = pool.clone()
+    port.align_draft_rows(pool, rows, starts)
+    port.reset_draft_chain_stats()
+    port_trace: list = []
+    got = port.propose_chain_batched(PORT, to_port(seeds), torch.from_numpy(lasts), n, torch.tensor(starts), pool,
+                                     port_trace, rows)
+
+    assert host(got).tolist() == chains
+    ragged = len(set(starts)) > 1
+    assert port.draft_chain_stats == {"scalar": 0 if ragged else n, "per_row": n if ragged else 0}
+    for step in range(n):
+        assert_close64(port_trace[step], ref_trace[step], what=f"step {step} hidden")
+    for r, (s, piece) in enumerate(zip(starts, pieces)):
+        slot = int(rows[r])
+        k_row, v_row = pool.row(slot)
+        assert k_row.shape[1] == s + n == piece.current_seq_len
+        assert_bit_exact(v_row, k_row, "V == K")
+        assert_bit_exact(k_row[0, :s], held_k(piece)[:s], f"row {r}: history")
+        assert_close64(k_row[0, s:], held_k(piece)[s:], what=f"row {r}: drafted entries")
+    for j in range(g, len(order)):
+        slot = order[j]
+        assert int(pool.lens[slot]) == others[j - g]
+        m = others[j - g]
+        assert_bit_exact(pool.k[slot, :, :m], before.k[slot, :, :m], "another sequence's draft KV")
+
+
+def test_a_uniform_group_takes_the_scalar_step_and_a_ragged_group_per_row_positions(monkeypatch):
+    """The branch itself, as the reference's test observes it (spies on the block's two
+    steps, the chain counter, RoPE's table shape): starts [7, 7, 7] -> `forward_step` at
+    7, 8, 9 and no gathered RoPE table; [7, 4, 6] -> `forward_step_rows` at [7,4,6], [8,5,7],
+    [9,6,8], and every row holds its own start + 3 afterwards (the reference: the batched
+    cache is 10 wide)."""
+    calls: dict[str, list] = {"scalar": [], "rows": []}
+    cls = port_model_mod.MtpBlock
+    orig_step, orig_rows = cls.forward_step, cls.forward_step_rows
+    monkeypatch.setattr(cls, "forward_step", lambda self, f, pos, c, rows=None: (
+        calls["scalar"].append(int(pos)), orig_step(self, f, pos, c, rows))[1])
+    monkeypatch.setattr(cls, "forward_step_rows", lambda self, f, pos, c, rows=None: (
+        calls["rows"].append(host(pos).tolist()), orig_rows(self, f, pos, c, rows))[1])
+    rng = np.random.default_rng(0)
+    for starts in ([7, 7, 7], [7, 4, 6]):
+        calls["scalar"].clear(), calls["rows"].clear()
+        pool = pool_of([rng.standard_normal((9, HD)) for _ in range(3)])
+        port.align_draft_rows(pool, torch.arange(3), starts)
+        port.reset_draft_chain_stats()
+        reset_rope_path_stats()
+        port.propose_chain_batched(PORT, torch.ones((3, H), dtype=torch.float64), [1, 2, 3], 3, starts, pool)
+        if starts == [7, 7, 7]:
+            assert calls == {"scalar": [7, 8, 9], "rows": []}
+            assert port.draft_chain_stats == {"scalar": 3, "per_row": 0} and rope_path_stats["gathered"] == 0
+        else:
+            assert calls == {"scalar": [], "rows": [[7, 4, 6], [8, 5, 7], [9, 6, 8]]}
+            assert port.draft_chain_stats == {"scalar": 0, "per_row": 3} and rope_path_stats["uniform"] == 0
+        assert pool.lens.tolist() == [s + 3 for s in starts]
+
+
+def test_chain_refusals_and_empty_cases_match_the_reference():
+    rng = np.random.default_rng(1)
+    ks = [rng.standard_normal((9, HD)) for _ in range(2)]
+    seeds = rng.standard_normal((2, H))
+    cases = [  # (starts, cache given, aligned)
+        ([7], True, False),         # count mismatch: StepRefusal
+        ([7, 7], False, False),     # a block without a draft KV: StepRefusal
+        ([7, 7], True, False),      # not aligned: held 9, max start 7 -> "desync"
+        ([8, 5], True, True),       # fine
+    ]
+    for starts, with_cache, aligned in cases:
+        caches = [ref_draft_cache(k) for k in ks]
+        ref_cache = (front_align_draft_group(caches, starts) if aligned else caches[0]) if with_cache else None
+        if with_cache and not aligned and len(starts) == 2:
+            ref_cache = KvCache.new_normal(4096, 16)
+            ref_cache.append(np.stack([k[None] for k in ks]), np.stack([k[None] for k in ks]))
+        pool = pool_of(ks) if with_cache else None
+        if aligned:
+            port.align_draft_rows(pool, torch.arange(2), starts)
+        r = outcome(ref.propose_chain_batched, MODEL, seeds, [1, 2], 3, starts, ref_cache)
+        p = outcome(port.propose_chain_batched, PORT, to_port(seeds), [1, 2], 3, starts, pool)
+        if assert_same_refusal(p, r, f"chain {starts}"):
+            assert host(p[1]).tolist() == r[1]
+        else:
+            assert r[1] in (StepRefusal, DispatchRefusal)
+    empty = torch.zeros((0, H), dtype=torch.float64)
+    assert host(port.propose_chain_batched(PORT, to_port(seeds), [1, 2], 0, [7], None)).tolist() == \
+        ref.propose_chain_batched(MODEL, seeds, [1, 2], 0, [7], None) == [[], []]
+    assert port.propose_chain_batched(PORT, empty, [], 3, [], None).shape[0] == 0 == \
+        len(ref.propose_chain_batched(MODEL, np.zeros((0, H)), [], 3, [], None))
+
+
+def test_a_tier_a_chain_matches_the_reference_without_any_cache():
+    rng = np.random.default_rng(2)
+    seeds, lasts = rng.standard_normal((3, H)), rng.integers(0, V, 3)
+    ref_trace, port_trace = [], []
+    want = ref.propose_chain_batched(TIER_A, seeds, lasts, 4, [5, 9, 2], None, ref_trace)
+    got = port.propose_chain_batched(PORT_A, to_port(seeds), torch.from_numpy(lasts), 4, [5, 9, 2], None, port_trace)
+    assert host(got).tolist() == want
+    for a, b in zip(port_trace, ref_trace):
+        assert_close64(a, b, what="tier A hidden")
+
+
+@given(held=st.lists(st.integers(1, 20), min_size=1, max_size=5), data=st.data())
+def test_align_draft_rows_refuses_what_front_align_draft_group_refuses(held, data):
+    """Same AlignRefusals (class and message) before anything changes; otherwise the rows'
+    lengths become the starts and their data stays put. Rows hold >= 1 entry: the
+    reference's "unmaterialized buffer" refusal (a never-written candle tensor) has no
+    counterpart in the pool, where an empty row is an ordinary row of length 0 (and no draft
+    group member is ever empty: a member's seed implies a written pair)."""
+    starts = [data.draw(st.integers(0, h + 1)) for h in held]
+    if data.draw(st.booleans()):
+        starts = starts[:-1] if data.draw(st.booleans()) else starts + [0]
+    rng = np.random.default_rng(len(held))
+    ks = [rng.standard_normal((h, HD)) for h in held]
+    pool = pool_of(ks + [rng.standard_normal((3, HD))])
+    before = pool.clone()
+    rows = torch.arange(len(held))
+    r = outcome(front_align_draft_group, [ref_draft_cache(k) for k in ks], starts)
+    p = outcome(port.align_draft_rows, pool, rows, starts)
+    if assert_same_refusal(p, r, "align"):
+        assert pool.lens.tolist() == starts + [3]
+    else:
+        assert r[1] is AlignRefusal and pool.lens.tolist() == before.lens.tolist()
+    assert torch.equal(pool.k, before.k)
+
+
+@st.composite
+def write_back_group(draw):
+    g = draw(st.integers(1, 4))
+    starts = draw(st.lists(st.integers(1, 14), min_size=g, max_size=g))
+    if draw(st.booleans()):
+        starts = [starts[0]] * g
+    tails = draw(st.lists(st.integers(0, 3), min_size=g, max_size=g))
+    return starts, tails, draw(st.integers(1, 4)), draw(st.integers(0, 2**32 - 1))
+
+
+@given(case=write_back_group())
+def test_run_draft_group_writes_back_as_the_reference_group_loop(case):
+    """One group under per-sequence advance, the reference's `group_drafting_loop` (u = 1,
+    w = n + 1, seeds at the chain starts) vs `run_draft_group` on the pool: the same drafts;
+    `filled = start + 1`, held `start + n`, equal draft caches; a uniform group whose
+    members hold different lengths is skipped by both (`batch_draft_caches`)."""
+    starts, tails, n, seed = case
+    g = len(starts)
+    rng = np.random.default_rng(seed)
+    ks = [rng.standard_normal((s + t, HD)) for s, t in zip(starts, tails)]
+    seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
+    states = [ref.DraftKv(cache=ref_draft_cache(k), filled=s, seed=(s, seeds[r]))
+              for r, (k, s) in enumerate(zip(ks, starts))]
+    toks = [[0] * s + [int(lasts[r])] for r, s in enumerate(starts)]
+    warnings: list[str] = []
+    drafts = ref.group_drafting_loop(MODEL, {(1, 0): list(range(g))}, states, toks, [s + 1 for s in starts],
+                                     [99] * g, n + 1, True, warnings)
+    pool = port.DraftPool(pool_of(ks), torch.tensor(starts))
+    got = port.run_draft_group(PORT, pool, torch.arange(g), to_port(seeds), torch.from_numpy(lasts), n, starts, True)
+    if got is None:
+        assert drafts == [[]] * g and len(warnings) == 1
+        assert pool.kv.lens.tolist() == [len(k) for k in ks] and pool.filled.tolist() == starts
+        return
+    assert host(got).tolist() == drafts and warnings == []
+    assert pool.filled.tolist() == [st_.filled for st_ in states] == [s + 1 for s in starts]
+    for r, (st_, s) in enumerate(zip(states, starts)):
+        k_row, _ = pool.kv.row(r)
+        assert k_row.shape[1] == st_.cache.current_seq_len == s + n
+        assert_bit_exact(k_row[0, :s], held_k(st_.cache)[:s], "history")
+        assert_close64(k_row[0, s:], held_k(st_.cache)[s:], what="drafted entries")
+
+
+# --- extend_draft_kv_row, tensor side ------------------------------------------------------------
+
+
+@st.composite
+def extension_batch(draw):
+    """R rows: filled 0..20 with a held tail past it, a capture of width T (shared) at each
+    row's own offset (some past `filled`: misaligned), L committed tokens around the
+    capture's end (some with nothing to write)."""
+    r = draw(st.integers(1, 6))
+    t = draw(st.integers(1, 9))
+    rows = []
+    for _ in range(r):
+        filled = draw(st.integers(0, 20))
+        tail = draw(st.integers(0, 3))
+        off = draw(st.integers(0, filled + draw(st.sampled_from([0, 0, 0, 2]))))
+        big_l = draw(st.integers(0, off + t + 2))
+        rows.append((filled, tail, off, big_l))
+    order = draw(st.permutations(list(range(r + 1))))
+    return t, rows, order, draw(st.integers(0, 2**32 - 1))
+
+
+@given(case=extension_batch())
+def test_extend_draft_kv_rows_is_extend_draft_kv_row_for_every_row_at_once(case):
+    """Reference: `extend_draft_kv_row` row by row. Port: `plan_draft_extension` (vectors)
+    and one `extend_draft_kv_rows` call for all rows (their (lo, hi) differ: masked
+    scatter) at shuffled pool rows. Same verdict (misaligned rows), filled, seed, held
+    lengths; draft KV history bit-exact, written pairs 1e-12; the extra pool row untouched."""
+    t, spec, order, seed = case
+    r_n = len(spec)
+    rng = np.random.default_rng(seed)
+    ks = [rng.standard_normal((f + tail, HD)) for f, tail, _, _ in spec]
+    hidden = rng.standard_normal((r_n, t, H))
+    toks = [rng.integers(0, V, big_l).tolist() for *_, big_l in spec]
+    offs = [off for _, _, off, _ in spec]
+    capture = (CaptureOffsets(offs), hidden)
+    states = [ref.DraftKv(cache=ref_draft_cache(k), filled=f) for k, (f, *_rest) in zip(ks, spec)]
+    verdicts = [ref.extend_draft_kv_row(st_, capture, toks[i], i, r_n, MODEL) for i, st_ in enumerate(states)]
+
+    filled = torch.tensor([f for f, *_ in spec])
+    big_l = torch.tensor([len(x) for x in toks])
+    plan = port.plan_draft_extension(filled, torch.tensor(offs), t, big_l)
+    assert plan.contiguous.tolist() == verdicts
+    for i, st_ in enumerate(states):
+        if bool(plan.has_seed[i]):
+            assert st_.seed is not None and st_.seed[0] == int(big_l[i]) - 2
+            assert_bit_exact(to_port(hidden)[i, int(plan.seed_index[i])], st_.seed[1], "seed")
+        else:
+            assert st_.seed is None
+    slots = [None] * (r_n + 1)
+    for j, k in enumerate(ks + [rng.standard_normal((5, HD))]):
+        slots[order[j]] = k
+    pool = pool_of(slots)
+    before = pool.clone()
+    rows = torch.tensor(order[:r_n])
+    tokens = torch.zeros((r_n, max(1, int(big_l.max()))), dtype=torch.int64)
+    for i, x in enumerate(toks):
+        tokens[i, : len(x)] = torch.tensor(x, dtype=torch.int64)
+    port.extend_draft_kv_rows(PORT.mtp, pool, to_port(hidden), torch.tensor(offs), plan.lo, plan.hi, tokens, rows,
+                              plan.write)
+    new_filled = torch.where(plan.write, plan.hi, filled)
+    assert new_filled.tolist() == [st_.filled for st_ in states]
+    for i, st_ in enumerate(states):
+        k_row, v_row = pool.row(int(rows[i]))
+        assert k_row.shape[1] == st_.cache.current_seq_len
+        assert_bit_exact(v_row, k_row, "V == K")
+        lo = int(plan.lo[i]) if bool(plan.write[i]) else k_row.shape[1]
+        assert_bit_exact(k_row[0, :lo], held_k(st_.cache)[:lo], f"row {i}: history")
+        assert_close64(k_row[0, lo:], held_k(st_.cache)[lo:], what=f"row {i}: written pairs")
+    extra = order[r_n]
+    assert int(pool.lens[extra]) == 5 and torch.equal(pool.k[extra, :, :5], before.k[extra, :, :5])
+
+
+def test_extend_draft_kv_rows_writes_nothing_past_hi_and_refuses_a_truncate_past_capacity():
+    rng = np.random.default_rng(3)
+    pool = pool_of([rng.standard_normal((4, HD)), rng.standard_normal((2, HD))])
+    before = pool.clone()
+    hidden = to_port(rng.standard_normal((2, 6, H)))
+    tokens = torch.arange(16).reshape(2, 8) % V
+    # row 0 writes 1 pair at 4, row 1 writes 4 pairs at 2: one call, a masked scatter
+    port.extend_draft_kv_rows(PORT.mtp, pool, hidden, torch.tensor([4, 2]), torch.tensor([4, 2]), torch.tensor([5, 6]),
+                              tokens)
+    assert pool.lens.tolist() == [5, 6]
+    assert torch.equal(pool.k[0, :, 5:], before.k[0, :, 5:]) and torch.equal(pool.k[1, :, 6:], before.k[1, :, 6:])
+    with pytest.raises(CacheRefusal, match="MTP draft KV truncate to 17 failed"):
+        port.extend_draft_kv_rows(PORT.mtp, pool, hidden, torch.tensor([17, 0]), torch.tensor([17, 0]),
+                                  torch.tensor([18, 0]), torch.zeros((2, 20), dtype=torch.int64))
+    assert pool.lens.tolist() == [5, 6]

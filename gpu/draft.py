@@ -1,0 +1,299 @@
+"""The MTP draft chain and the draft KV's tensor side on the port (port of `reference.draft`).
+
+Layout: the draft KV of every sequence lives in ONE `gpu.cache.RaggedKv` pool
+`[S, 1, capacity, head_dim]` with per-row lengths (row = sequence slot, its own positions
+start-anchored at column 0), plus a `filled [S]` int64 vector (`DraftPool`). A draft group
+is an index vector `rows` into the pool, so nothing is batched, front-aligned, split or
+stripped by copying:
+
+- `align_draft_rows` is `front_align_draft_group` (same AlignRefusals): it sets the group
+  rows' lengths to their chain starts (the speculative tail is dropped by length);
+- `propose_chain_batched` runs one batched MTP step per chain step for the whole group
+  (no loop over rows): the scalar step (`forward_step`, one position, `[1, T]` RoPE table)
+  when `resolve_ragged_chain_starts` says the group is uniform, the per-row step
+  (`forward_step_rows`, `[G, T]` table) otherwise; every row's new entry is written at
+  its own offset; the attention gathers only the group rows' windows;
+- `write_back_draft_rows` is the group loop's write-back: `filled = start + 1`; the held
+  length is already `start + n` (the reference reaches it by `split_draft_cache` +
+  `drop_dead_prefix`);
+- `extend_draft_kv_rows` is `extend_draft_kv_row`'s tensor side for a batch of rows whose
+  `(lo, hi)` differ: one fuse + key projection over `[R, max(hi - lo)]` pairs, one masked
+  scatter at each row's own positions `lo ..`; `plan_draft_extension` is its index
+  arithmetic (checks 8-10 of the reference) on vectors.
+
+The MTP layer's K (== V) is token-local (`kv_norm(attn_norm(fused) @ wkv)` rotated at its
+position), so extending the draft KV needs no attention: the reference runs the layer's
+forward and discards its output; only the appended K/V are kept.
+
+Not ported (host bookkeeping, no tensor side): `DraftKv`/`DraftKvMap` (the map, LRU,
+poisoning, seeds), `group_drafting_loop`'s membership and warnings, `prime_draft_kv`,
+`propose_chain` (a one-row `propose_chain_batched`). Known divergence: a uniform group under
+per-sequence advance takes the reference's `batch_draft_caches`, which refuses members
+whose held lengths or capacities differ (a candle concat artifact); the pool batches any
+group, so `run_draft_group` replicates only the held-length part of that check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu._common import as_list, lengths
+from gpu.cache import RaggedKv
+from gpu.dispatch import resolve_draft_leads, resolve_ragged_chain_starts
+from gpu.rope import rotate
+from reference.errors import AlignRefusal, CacheRefusal, StepRefusal, require
+
+draft_chain_stats = {"scalar": 0, "per_row": 0}
+"""Chain steps taken by `propose_chain_batched`: "scalar" (`forward_step`, one shared
+position) or "per_row" (`forward_step_rows`). A uniform group must never reach "per_row"."""
+
+
+def reset_draft_chain_stats() -> None:
+    for key in draft_chain_stats:
+        draft_chain_stats[key] = 0
+
+
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens `[...]` of `logits [..., V]`: the first maximal index (torch.argmax's
+    documented tie rule on CPU and CUDA, as `reference.draft.argmax_token`)."""
+    require(logits.dim() >= 1 and logits.shape[-1] > 0, f"logits shape {list(logits.shape)} must be [..., V], V >= 1")
+    return logits.argmax(dim=-1)
+
+
+@dataclass
+class DraftPool:
+    """The draft KV of S sequences: `kv` (`RaggedKv [S,1,cap,hd]`, row s's held length
+    `kv.lens[s]`) and `filled [S]` (committed slots `0..filled`). Invariant (as
+    `DraftKv`): `filled <= held` after every write-back."""
+
+    kv: RaggedKv
+    filled: torch.Tensor
+
+    @staticmethod
+    def empty(block, slots: int, capacity: int | None = None) -> "DraftPool":
+        kv = block.new_draft_cache(slots) if capacity is None else block.new_draft_cache(slots, capacity)
+        return DraftPool(kv, torch.zeros(slots, dtype=torch.int64, device=kv.k.device))
+
+
+def align_draft_rows(kv: RaggedKv, rows, starts) -> None:
+    """`front_align_draft_group` on the pool: the group rows `rows` get lengths `starts`
+    (in place, shared buffers; the speculative tail past a start is dropped by length).
+    Refused (AlignRefusal, the reference's messages; draft row r = group index r) before
+    anything changes: "{n} cache(s) for {m} chain start(s)"; no rows; "chain start {s} is
+    past the {held} position(s) draft row {r} holds". ValueError on a negative start or
+    repeated rows."""
+    rows = lengths(rows, device=kv.k.device, name="rows")
+    starts = lengths(starts, device=kv.k.device, name="starts")
+    require(not bool((starts < 0).any()), f"chain starts {as_list(starts)} must be >= 0")
+    if rows.numel() != starts.numel():
+        raise AlignRefusal(f"{rows.numel()} cache(s) for {starts.numel()} chain start(s)")
+    if rows.numel() == 0:
+        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
+    require(torch.unique(rows).numel() == rows.numel(), f"draft rows {as_list(rows)} must be distinct")
+    held = kv.lens[rows]
+    past = starts > held
+    if bool(past.any()):
+        r = int(past.nonzero()[0, 0])
+        raise AlignRefusal(f"chain start {int(starts[r])} is past the {int(held[r])} position(s) draft row {r} holds")
+    kv.lens = kv.lens.index_copy(0, rows, starts)
+
+
+def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int, chain_starts, cache: RaggedKv | None,
+                          trace: list | None = None, rows=None) -> torch.Tensor:
+    """Draft `n` greedy tokens for each of G rows: one batched MTP step per chain step.
+
+    Returns int64 `[G, n]` (row r's chain). `n == 0` or `G == 0` -> `[G, 0]`. Refuses
+    (StepRefusal, the reference's messages) `len(chain_starts) != G` ("chain start(s) for a
+    draft group of") and a block without a cache ("draft KV"). Group row r is `cache` row
+    `rows[r]` (row r when `rows` is None). `ragged = resolve_ragged_chain_starts(starts)`;
+    step i: `fused = fuse(prev, toks)`; None -> `forward_step(fused, starts[0] + i)`, else
+    `forward_step_rows(fused, starts + i)`; `logits = lm_head(norm_out(hidden))`, argmax
+    -> next; `toks := next`, `prev := hidden` (pre-norm). Tier A (no block):
+    `hidden = h_proj(prev) + e_proj(embed(tok))`, `logits = lm_head(hidden)`, no cache.
+    Invariant: on entry every group row holds its own start (else DispatchRefusal
+    "desync"), after step i `start + i + 1`. `trace` receives each step's hidden `[G,H]`."""
+    require(seed_hidden.dim() == 2, f"seed_hidden {tuple(seed_hidden.shape)} must be [G,H]")
+    require(n >= 0, f"chain length {n} must be >= 0")
+    g = seed_hidden.shape[0]
+    dev = model.device
+    if n == 0 or g == 0:
+        return torch.zeros((g, 0), dtype=torch.int64, device=dev)
+    starts = lengths(chain_starts, device=dev, name="chain_starts")
+    if starts.numel() != g:
+        raise StepRefusal(f"{starts.numel()} chain start(s) for a draft group of {g} row(s): {as_list(starts)}")
+    block = model.mtp
+    if block is not None and cache is None:
+        raise StepRefusal(f"the MTP block cannot draft without a draft KV cache (group of {g}, "
+                          f"starts {as_list(starts)})")
+    toks = torch.as_tensor(last_tokens, dtype=torch.int64, device=dev).reshape(-1)
+    require(toks.numel() == g, f"{toks.numel()} last tokens for a draft group of {g}")
+    ragged = resolve_ragged_chain_starts(starts)
+    start_pos = int(starts[0])
+    out = torch.empty((g, n), dtype=torch.int64, device=dev)
+    prev = seed_hidden.to(device=dev, dtype=model.dtype)
+    for i in range(n):
+        if block is None:
+            heads = model.mtp_heads
+            hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
+            logits = hidden @ model.lm_head
+        else:
+            fused = block.fuse(prev[:, None, :], toks[:, None])
+            if ragged is None:
+                draft_chain_stats["scalar"] += 1
+                hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
+            else:
+                draft_chain_stats["per_row"] += 1
+                hidden = block.forward_step_rows(fused, ragged + i, cache, rows)[:, 0]
+            logits = block.logits(hidden)
+        nxt = argmax_tokens(logits)
+        out[:, i] = nxt
+        if trace is not None:
+            trace.append(hidden.clone())
+        toks, prev = nxt, hidden
+    return out
+
+
+def write_back_draft_rows(pool: DraftPool, rows, starts) -> None:
+    """The group loop's write-back: `filled[rows] = starts + 1` (only the chain's first
+    entry, the real context pair, is committed). The rows' held lengths are already
+    `starts + n` (each step appended at the row's own offset): nothing is split or stripped."""
+    rows = lengths(rows, device=pool.filled.device, name="rows")
+    starts = lengths(starts, device=pool.filled.device, name="starts")
+    require(rows.numel() == starts.numel(), f"{rows.numel()} rows for {starts.numel()} starts")
+    pool.filled = pool.filled.index_copy(0, rows, starts + 1)
+
+
+def run_draft_group(model, pool: DraftPool, rows, seed_hidden: torch.Tensor, last_tokens, n: int, starts,
+                    per_seq_advance: bool, trace: list | None = None) -> torch.Tensor | None:
+    """One draft group of the group loop, tensor side: alignment, chain, write-back.
+    `resolve_draft_leads(per_seq_advance, starts)` None (uniform starts, or the flag off)
+    -> every member must hold the same length (the reference's `batch_draft_caches`; None
+    = group skipped) and the rows are set to `starts[0]`; else `align_draft_rows` (its
+    AlignRefusal propagates: the caller warns and skips). Then `propose_chain_batched` on
+    the pool rows (errors propagate) and `write_back_draft_rows`. Returns `[G, n]` or None."""
+    rows = lengths(rows, device=pool.kv.k.device, name="rows")
+    starts = lengths(starts, device=pool.kv.k.device, name="starts")
+    if model.mtp is None:
+        return propose_chain_batched(model, seed_hidden, last_tokens, n, starts, None, trace)
+    leads = resolve_draft_leads(per_seq_advance, starts)
+    if leads is None:
+        held = pool.kv.lens[rows]
+        if bool((held != held[0]).any()):
+            return None
+        if int(starts[0]) > pool.kv.capacity:
+            raise CacheRefusal(f"set_len({int(starts[0])}) exceeds current capacity {pool.kv.capacity} "
+                               f"(first cached 0)")
+        pool.kv.lens = pool.kv.lens.index_copy(0, rows, starts[:1].expand(rows.numel()))
+    else:
+        align_draft_rows(pool.kv, rows, starts)
+    chains = propose_chain_batched(model, seed_hidden, last_tokens, n, starts, pool.kv, trace, rows)
+    write_back_draft_rows(pool, rows, starts)
+    return chains
+
+
+# --- extend_draft_kv_row, tensor side ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftExtensionPlan:
+    """Per row (int64 / bool `[R]`): `contiguous` (`off <= filled`, else the reference
+    returns False), `lo = max(filled, off)`, `hi = min(off + T, sat(L - 1))`, `write`
+    (`contiguous and hi > lo`), `has_seed` (`L >= 2 and off <= L - 2 < off + T`) and
+    `seed_index = L - 2 - off` (the captured column of the new seed, valid where has_seed)."""
+
+    contiguous: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    write: torch.Tensor
+    has_seed: torch.Tensor
+    seed_index: torch.Tensor
+
+
+def plan_draft_extension(filled, off, t: int, big_l) -> DraftExtensionPlan:
+    """Checks 8-10 of `extend_draft_kv_row` for every row at once (elementwise, no host
+    read): `filled`, `off` (the capture's per-row offset), `big_l` (committed tokens) int64
+    `[R]`, `t` the capture's width. ValueError on negative inputs or unequal lengths."""
+    filled = lengths(filled, name="filled")
+    off = lengths(off, device=filled.device, name="off")
+    big_l = lengths(big_l, device=filled.device, name="big_l")
+    require(filled.numel() == off.numel() == big_l.numel(),
+            f"filled ({filled.numel()}), off ({off.numel()}) and L ({big_l.numel()}) must have one entry per row")
+    require(t >= 0 and not bool((filled < 0).any() or (off < 0).any() or (big_l < 0).any()),
+            "filled, off, L and t must be >= 0")
+    contiguous = off <= filled
+    lo = torch.maximum(filled, off)
+    hi = torch.minimum(off + t, (big_l - 1).clamp(min=0))
+    p = big_l - 2
+    has_seed = contiguous & (big_l >= 2) & (off <= p) & (p < off + t)
+    return DraftExtensionPlan(contiguous, lo, hi, contiguous & (hi > lo), has_seed, p - off)
+
+
+def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi, tokens: torch.Tensor,
+                         rows=None, write=None) -> None:
+    """Write the pairs `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` into draft-KV
+    row `rows[r]` (row r when `rows` is None) at positions `lo_r + j`, `j < hi_r - lo_r`,
+    for every row at once; rows with `hi <= lo`, or outside `write` when given (a bool `[R]`,
+    e.g. `plan_draft_extension(...).write`, which also excludes misaligned rows), are untouched.
+
+    `hidden [R, T, H]` the captured pre-norm hidden of the rows (column c = position
+    `off_r + c`), `tokens [R, L_max]` the rows' committed tokens (padded past each row's
+    own L), `off, lo, hi [R]` as `plan_draft_extension` gives them (`lo >= off`,
+    `hi <= off + T`, `hi <= L - 1`). First each writing row's length is set to `lo` (the
+    reference's `set_len(filled)`, `filled == lo` for a contiguous row; CacheRefusal "MTP
+    draft KV truncate to {lo} failed" past the capacity), then one fuse + key projection
+    over `[R, max(hi - lo)]`, one masked scatter (only `j < hi - lo` lands; nothing is
+    written past a row's `hi`), lengths `= hi`. The K is token-local, so no attention runs.
+    Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
+    dev = kv.k.device
+    off = lengths(off, device=dev, name="off")
+    lo = lengths(lo, device=dev, name="lo")
+    hi = lengths(hi, device=dev, name="hi")
+    r_n = lo.numel()
+    idx = torch.arange(r_n, device=dev) if rows is None else lengths(rows, device=dev, name="rows")
+    require(off.numel() == r_n == hi.numel() == idx.numel() and hidden.dim() == 3 and hidden.shape[0] == r_n
+            and tokens.dim() == 2 and tokens.shape[0] == r_n,
+            f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
+            f"({off.numel()}, {r_n}, {hi.numel()}, {idx.numel()}) must all have one entry per row")
+    hidden, tokens = hidden.to(dev), tokens.to(device=dev, dtype=torch.int64)
+    n = (hi - lo).clamp(min=0)
+    if write is not None:
+        write = torch.as_tensor(write, dtype=torch.bool, device=dev).reshape(-1)
+        require(write.numel() == r_n, f"write mask of {write.numel()} for {r_n} rows")
+        n = torch.where(write, n, torch.zeros_like(n))
+    write = n > 0
+    if not bool(write.any()):
+        return
+    t_cap = hidden.shape[1]
+    require(not bool((write & ((lo < off) | (hi > off + t_cap) | (hi + 1 > tokens.shape[1]))).any()),
+            f"extension spans lo {as_list(lo)}, hi {as_list(hi)} lie outside the capture (off {as_list(off)}, "
+            f"T {t_cap}) or the tokens ({tokens.shape[1]})")
+    over = write & (lo > kv.capacity)
+    if bool(over.any()):
+        r = int(over.nonzero()[0, 0])
+        raise CacheRefusal(f"MTP draft KV truncate to {int(lo[r])} failed: set_len({int(lo[r])}) exceeds "
+                           f"current capacity {kv.capacity} (first cached 0)")
+    kv._grow_to(int(hi[write].max()))            # refused (above max_seq_len) before any change
+    kv.lens = kv.lens.index_copy(0, idx[write], lo[write])
+    width = int(n.max())
+    j = torch.arange(width, device=dev)[None, :]
+    valid = j < n[:, None]                                                         # [R, width]
+    src = (lo - off)[:, None] + j
+    h = hidden.gather(1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2]))
+    nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
+    fused = block.fuse(h.to(block.dtype), nxt)
+    layer, cfg = block.layer, block.cfg
+    pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
+    cos, sin = layer.ropes.get(layer.theta, int(pos.max()) + 1).lookup(pos)
+    k = rotate(layer.key(fused)[:, 0], cos, sin, cfg.rope_dims)                    # [R, width, hd]
+    rr = idx[:, None].expand(-1, width)[valid]
+    cc = pos[valid]
+    kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.k.dtype)
+    kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.v.dtype)
+    kv.lens = kv.lens.index_copy(0, idx[write], hi[write])
+
+
+__all__ = ["draft_chain_stats", "reset_draft_chain_stats", "argmax_tokens", "DraftPool", "align_draft_rows",
+           "propose_chain_batched", "write_back_draft_rows", "run_draft_group", "DraftExtensionPlan",
+           "plan_draft_extension", "extend_draft_kv_rows"]

@@ -1,0 +1,373 @@
+"""The tiny V4-like model on the port's in-place KV layout (port of `reference.model`).
+
+The port computes with the reference `TinyModel`'s own weights: `TinyModel(ref_model,
+dtype, device)` converts every numpy array once (float64 -> `dtype`), so a port model and
+its reference compare output for output. What differs is the layout and the batching:
+
+- the target cache is one `gpu.cache.RaggedKv` per layer (all layers share the row
+  lengths): row i keeps its K/V in place, start-anchored, and its own length `lens[i]`
+  IS its RoPE offset. Nothing is front-aligned; a forward appends each row's new K at its
+  own offset (one scatter per layer) and attends with `gpu.attention.dsv4_attention_in_place`
+  (per-row window gather, per-row masks by broadcast);
+- RoPE reads one precomputed cos/sin table per theta (`gpu.rope.RopeTable`, grown on
+  demand) by gather: positions `[1, T]` for a uniform batch, `[B, T]` otherwise;
+- a compressed layer's keys are rebuilt per row from the row's own live run in one go:
+  the first `t_c * ratio` columns of every row are un-rotated (one table gather), averaged
+  by a reshape-mean over complete blocks, rotated at `j * ratio`, and the blocks past a
+  row's own count `lens[i] // ratio` are zeroed by one `where` (masked per row anyway);
+- the MTP block's draft step may address a subset of a pool's rows (`rows`, an index
+  vector into the same buffers): `dsv4_attention_rows` gathers only those rows' window.
+
+No Python loop over rows anywhere on these paths; the only host reads are the shape
+decisions (`max(lens)`, `t_c`) and the uniform-vs-ragged predicates (as in the reference).
+
+Precision: weights and activations live in `dtype`; for bfloat16/float16 the reductions
+(RMS norms, SiLU, the attention softmax) run in float32 and are cast back (the fused-kernel
+convention), matmuls run in `dtype`. In float64 every op is the reference's op.
+
+Not modelled here: `raw_prefix` / windowed eviction (`first_cached > 0`; the reference's
+compressed layer refuses it too), a caller attention mask, the reference's `lead_pad`
+argument (there is no dead prefix in this layout). Computing compressed keys from the whole
+history every step is the reference's semantics, not an engine's (an engine keeps them in
+the compressor slot, `gpu.xs_rolling`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu._common import as_list, lengths, neg_inf_where
+from gpu.attention import attention, dsv4_attention_in_place, is_standard_layer
+from gpu.cache import RaggedKv
+from gpu.dispatch import draft_step_end_column
+from gpu.masks import compressed_validity
+from gpu.rope import RopeTable, apply_rope, rotate
+from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from reference.errors import DispatchRefusal, MaskRefusal, require
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the half dtypes (their reductions accumulate in float32), else `dtype`."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x^2) + eps) * gain` over the last axis (row- and token-local),
+    computed in `compute_dtype(x.dtype)` and returned in `x.dtype`."""
+    cd = compute_dtype(x.dtype)
+    xc = x.to(cd)
+    return (xc / torch.sqrt((xc * xc).mean(dim=-1, keepdim=True) + eps) * gain.to(cd)).to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """`x / (1 + exp(-x))` (the reference's form), in `compute_dtype`."""
+    xc = x.to(compute_dtype(x.dtype))
+    return (xc / (1.0 + torch.exp(-xc))).to(x.dtype)
+
+
+def _tensor(a, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(a, dtype=np.float64))).to(device=device, dtype=dtype)
+
+
+class RopeTables:
+    """One `RopeTable` per theta, in the model's dtype and device, grown (doubling) when
+    a position past its end is asked for: every RoPE of the model is one gather."""
+
+    def __init__(self, rope_dims: int, dtype: torch.dtype, device, n_positions: int = 1024) -> None:
+        self.rope_dims, self.dtype, self.device, self.initial = rope_dims, dtype, device, n_positions
+        self.tables: dict[float, RopeTable] = {}
+
+    def get(self, theta: float, needed: int) -> RopeTable:
+        """The table of `theta` holding at least positions `[0, needed)`."""
+        table = self.tables.get(theta)
+        if table is None or table.n_positions < needed:
+            n = max(self.initial, 1 if table is None else table.n_positions)
+            while n < needed:
+                n *= 2
+            table = RopeTable(self.rope_dims, theta, n, self.dtype, self.device)
+            self.tables[theta] = table
+        return table
+
+
+def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torch.Tensor | None,
+                        compress_ratio: int, sliding_window: int,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`dsv4_attention_in_place` for the rows `rows` (an int64 index vector into `kv`, one
+    per query row) of a shared buffer, or for every row when `rows` is None (then it IS
+    `gpu.attention.dsv4_attention_in_place`). Row r's raw window is gathered from
+    `kv.k[rows[r]]` at its own columns `lens - keep ..` (dead below 0), masked by
+    `qp - window < kp <= qp`; compressed block b valid iff `b < floor((qp + 1) / ratio)`.
+    Only the window columns of the addressed rows are read (no copy of a row's history).
+    Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`."""
+    if rows is None:
+        return dsv4_attention_in_place(q, kv, compressed_kv, compress_ratio, sliding_window, sinks)
+    rows = lengths(rows, device=kv.k.device, name="rows")
+    require(q.dim() == 4 and kv.k.shape[1] == 1 and q.shape[0] == rows.numel() and q.shape[3] == kv.k.shape[3],
+            f"q {list(q.shape)} for rows {rows.numel()} of kv {list(kv.k.shape)}: need [G,H,t_q,D], [B,1,cap,D]")
+    g, _, t_q, d = q.shape
+    dev, cd = q.device, compute_dtype(q.dtype)
+    lens = kv.lens[rows]
+    short = lens < t_q
+    if bool(short.any()):
+        i = int(short.nonzero()[0, 0])
+        raise MaskRefusal(f"{t_q} query rows against only {int(lens[i])} keys")
+    window = max(sliding_window, 1)
+    keep = min(t_q + window - 1, int(lens.max()))
+    cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]          # [G, keep]
+    src = cols.clamp(min=0)
+    k_raw = kv.k.permute(0, 2, 1, 3)[rows[:, None], src].permute(0, 2, 1, 3)         # [G, 1, keep, D]
+    v_raw = kv.v.permute(0, 2, 1, 3)[rows[:, None], src].permute(0, 2, 1, 3)
+    qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [G, t_q]
+    kp = cols[:, None, :]
+    valid = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
+    k_all, v_all = k_raw, v_raw
+    if not is_standard_layer(compress_ratio) and compressed_kv is not None:
+        comp = compressed_validity(t_q, lens - t_q, compressed_kv.shape[2], compress_ratio)
+        valid = torch.cat([valid, comp], dim=2)
+        k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
+        v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)
+    return attention(q, k_all, v_all, neg_inf_where(valid, cd)[:, None], sinks)
+
+
+class DecoderLayer:
+    """Port of `reference.model.DecoderLayer` (same weights, converted once).
+
+    Invariant: row i computes exactly what the reference computes for it alone: its queries
+    and keys at its own positions `lens[i] + t`, its keys appended at its own offset, its
+    attention over its own window (and, for a compressed layer, its own start-anchored
+    blocks). Refusals: those of `RaggedKv.append` (CacheRefusal, growth above
+    `max_seq_len`) and of the attention (MaskRefusal)."""
+
+    WEIGHTS = ("attn_norm", "wq", "q_norm", "wkv", "kv_norm", "wo", "sinks", "mlp_norm", "w_up", "w_down")
+
+    def __init__(self, ref_layer, ropes: RopeTables, dtype: torch.dtype, device) -> None:
+        self.cfg = ref_layer.cfg
+        self.ratio = int(ref_layer.ratio)
+        self.theta = float(ref_layer.theta)
+        self.ropes = ropes
+        for name in self.WEIGHTS:
+            setattr(self, name, _tensor(getattr(ref_layer, name), dtype, device))
+
+    def key(self, x: torch.Tensor) -> torch.Tensor:
+        """The un-rotated KV head `[B,1,T,hd]` of `x [B,T,H]` (row- and token-local)."""
+        eps = self.cfg.eps
+        return rms_norm(rms_norm(x, self.attn_norm, eps) @ self.wkv, self.kv_norm, eps)[:, None]
+
+    def compressed_keys(self, kv: RaggedKv) -> torch.Tensor | None:
+        """Start-anchored compressed keys `[B,1,t_c,hd]` from every row's own live run
+        (columns `[0, lens[i])`), `t_c = max(lens // ratio)`, None when 0. One un-rotation
+        of the first `t_c * ratio` columns at positions `0..` (`theta` of this layer), one
+        reshape-mean per complete block, one rotation at `j * ratio`
+        (`compress_rope_theta`), then blocks `j >= lens[i] // ratio` set to zero (they
+        cover slack, never valid for that row: the mask kills them)."""
+        cfg, r = self.cfg, self.ratio
+        n = torch.div(kv.lens, r, rounding_mode="floor")
+        t_c = int(n.max()) if n.numel() else 0
+        if t_c == 0:
+            return None
+        width = t_c * r
+        dev = kv.k.device
+        cos, sin = self.ropes.get(self.theta, width).lookup(torch.arange(width, device=dev))
+        raw = rotate(kv.k[:, :, :width], cos, sin, cfg.rope_dims, inverse=True)
+        blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)                              # [B,1,t_c,hd]
+        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r)
+        blocks = rotate(blocks, cos, sin, cfg.rope_dims)
+        live = (torch.arange(t_c, device=dev)[None, :] < n[:, None])[:, None, :, None]
+        return torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
+
+    def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None) -> torch.Tensor:
+        """Run the layer on `x [B,T,H]` whose row r sits in `kv` row `rows[r]` (every row
+        of `kv` when `rows` is None): RoPE at `offsets[r] + t` (`offsets` of length 1 or B;
+        default the rows' own lengths, which it must equal: the caller checks), append K
+        (== V) at each row's own offset, attend (`dsv4_attention_rows`), inverse-rotate,
+        project, add, then the MLP. A compressed layer needs `rows` None."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
+        lens = kv.lens if rows is None else kv.lens[lengths(rows, device=kv.k.device, name="rows")]
+        offs = lens if offsets is None else lengths(offsets, device=x.device, name="offsets")
+        table = self.ropes.get(self.theta, int(offs.max()) + t)
+        h = rms_norm(x, self.attn_norm, eps)
+        q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(1, 2), self.q_norm, eps)
+        q = apply_rope(q, offs, cfg.rope_dims, self.theta, table=table)
+        k = apply_rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table)
+        kv.append(k, k, rows=rows)
+        comp = None
+        if self.ratio:
+            require(rows is None, "a compressed layer runs on every row of its cache (rows must be None)")
+            comp = self.compressed_keys(kv)
+        o = dsv4_attention_rows(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
+        o = apply_rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
+        x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ self.wo
+        m = rms_norm(x, self.mlp_norm, eps)
+        return x + silu(m @ self.w_up) @ self.w_down
+
+
+@dataclass
+class MtpHeads:
+    h_proj: torch.Tensor
+    e_proj: torch.Tensor
+
+
+class MtpBlock:
+    """Port of `reference.model.MtpBlock`: `fuse`, one Standard decoder layer over the
+    draft KV (a `RaggedKv`, possibly a pool addressed by `rows`), `logits`.
+
+    Draft-KV invariant (as the reference): a step's rows end at their cache's end, i.e. row
+    r holds exactly `start_pos[r]` entries before the step."""
+
+    def __init__(self, ref_block, heads: MtpHeads, embed: torch.Tensor, lm_head: torch.Tensor,
+                 ropes: RopeTables, dtype: torch.dtype, device) -> None:
+        self.cfg = ref_block.cfg
+        self.heads, self.embed, self.lm_head = heads, embed, lm_head
+        self.hnorm = _tensor(ref_block.hnorm, dtype, device)
+        self.enorm = _tensor(ref_block.enorm, dtype, device)
+        self.norm_out = _tensor(ref_block.norm_out, dtype, device)
+        self.layer = DecoderLayer(ref_block.layer, ropes, dtype, device)
+        self.dtype, self.device = dtype, device
+
+    def new_draft_cache(self, batch: int, capacity: int = DRAFT_CACHE_CAPACITY) -> RaggedKv:
+        """`batch` empty draft-KV rows in one buffer (a pool; the reference makes one
+        capacity-16 cache per sequence)."""
+        return RaggedKv.empty(batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype, self.device)
+
+    def fuse(self, h: torch.Tensor, tokens) -> torch.Tensor:
+        """`h_proj(hnorm(h)) + e_proj(enorm(embed(tokens)))`; `tokens` of shape
+        `h.shape[:-1]`. ValueError on a shape or token mismatch (as the reference)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=h.device)
+        require(h.shape[-1] == self.cfg.hidden and tuple(tokens.shape) == tuple(h.shape[:-1]),
+                f"hidden {tuple(h.shape)} and tokens {tuple(tokens.shape)} disagree (hidden {self.cfg.hidden})")
+        require(tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab),
+                f"tokens must be in [0, {self.cfg.vocab})")
+        eps = self.cfg.eps
+        return (rms_norm(h, self.hnorm, eps) @ self.heads.h_proj
+                + rms_norm(self.embed[tokens], self.enorm, eps) @ self.heads.e_proj)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`lm_head(norm_out(hidden))`."""
+        return rms_norm(hidden, self.norm_out, self.cfg.eps) @ self.lm_head
+
+    def forward_tokens_rows(self, fused: torch.Tensor, start_pos, cache: RaggedKv, rows=None) -> torch.Tensor:
+        """One MTP decoder-layer step on `fused [G,T,H]` (row r in `cache` row `rows[r]`,
+        or row r when `rows` is None) at absolute positions `start_pos[r] + t` (or the one
+        shared `start_pos[0]`); returns the pre-norm hidden `[G,T,H]`, every addressed
+        row `T` entries longer.
+
+        Refusals: `draft_step_end_column(start_pos, G, max(held))` first, exactly as the
+        reference (DispatchRefusal "given no absolute position at all", "{n} absolute
+        position(s) for a batch of {b}", "MTP draft KV desync"); then, port only (the
+        front-aligned layout cannot express it), a row whose own held length is not its
+        own start (DispatchRefusal "MTP draft KV desync: draft row {r} holds {n} entries but
+        its step starts at absolute position {s}"): in this layout a row's length is its
+        write offset, so such a row would be written and rotated at different positions."""
+        require(fused.dim() == 3 and fused.shape[2] == self.cfg.hidden,
+                f"fused {tuple(fused.shape)} must be [G,T,{self.cfg.hidden}]")
+        g = fused.shape[0]
+        pos = lengths(start_pos, device=cache.k.device, name="start_pos")
+        held = cache.lens if rows is None else cache.lens[lengths(rows, device=cache.k.device, name="rows")]
+        require(held.numel() == g, f"{held.numel()} draft rows for a step of {g}")
+        draft_step_end_column(pos, g, int(held.max()) if held.numel() else 0)
+        off = held != pos
+        if bool(off.any()):
+            r = int(off.nonzero()[0, 0])
+            raise DispatchRefusal(
+                f"MTP draft KV desync: draft row {r} holds {int(held[r])} entries but its step starts at "
+                f"absolute position {int(pos[r if pos.numel() > 1 else 0])} (start_pos {as_list(pos)})")
+        return self.layer.forward(fused, cache, offsets=pos, rows=rows)
+
+    def forward_tokens(self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None) -> torch.Tensor:
+        """`forward_tokens_rows(fused, [start])`: every row at one position."""
+        return self.forward_tokens_rows(fused, [int(start)], cache, rows)
+
+    def forward_step(self, fused: torch.Tensor, pos: int, cache: RaggedKv, rows=None) -> torch.Tensor:
+        """The scalar chain step (one shared position: the `[1, T]` RoPE table)."""
+        return self.forward_tokens(fused, pos, cache, rows)
+
+    def forward_step_rows(self, fused: torch.Tensor, positions, cache: RaggedKv, rows=None) -> torch.Tensor:
+        """The ragged chain step (per-row positions: the gathered `[G, T]` RoPE table)."""
+        return self.forward_tokens_rows(fused, positions, cache, rows)
+
+
+@dataclass
+class Forward:
+    """`logits [B,T,V]` and the pre-norm `hidden [B,T,H]` (tensors)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class TinyModel:
+    """Port of `reference.model.TinyModel`, built from a reference model's weights:
+    `TinyModel(ref_model, dtype=torch.float64, device=None)`. `mtp` is the port `MtpBlock`
+    (None for Tier A), `mtp_heads` always exists; embedding and lm_head are shared with
+    the block as in the reference."""
+
+    def __init__(self, ref_model, dtype: torch.dtype = torch.float64, device=None) -> None:
+        self.cfg = ref_model.cfg
+        self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
+        self.ropes = RopeTables(self.cfg.rope_dims, dtype, self.device)
+        self.embed = _tensor(ref_model.embed, dtype, self.device)
+        self.layers = [DecoderLayer(layer, self.ropes, dtype, self.device) for layer in ref_model.layers]
+        self.norm = _tensor(ref_model.norm, dtype, self.device)
+        self.lm_head = _tensor(ref_model.lm_head, dtype, self.device)
+        self.mtp_heads = MtpHeads(_tensor(ref_model.mtp_heads.h_proj, dtype, self.device),
+                                  _tensor(ref_model.mtp_heads.e_proj, dtype, self.device))
+        self.mtp = None if ref_model.mtp is None else MtpBlock(
+            ref_model.mtp, self.mtp_heads, self.embed, self.lm_head, self.ropes, dtype, self.device)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, batch: int, capacity: int = PLAIN_CACHE_CAPACITY) -> list[RaggedKv]:
+        """One empty `RaggedKv [batch, 1, capacity, head_dim]` per target layer."""
+        return [RaggedKv.empty(batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype,
+                               self.device) for _ in self.layers]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`lm_head(norm(hidden))` of the target."""
+        return rms_norm(hidden, self.norm, self.cfg.eps) @ self.lm_head
+
+    def forward(self, tokens, cache: list[RaggedKv], seqlen_offsets=None, capture=None) -> Forward:
+        """Run `tokens [B,T]` through every target layer over the in-place `cache` (layer i
+        uses `cache[i]`; extra entries are ignored); every row's new K/V land at its own
+        offset and every layer's lengths grow by T.
+
+        Layout invariant (ValueError otherwise): every layer's cache has B rows and the
+        same lengths; row i's first query sits at its own position `lens[i]`.
+        `seqlen_offsets` (length 1 or B), when given, must equal those lengths (the
+        reference's "disagrees with the layout"). After the last layer the pre-norm hidden
+        is stored with `capture.store_rows(lens, hidden)` when a capture is given.
+        Refusals: those of the layers (CacheRefusal on growth, MaskRefusal)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
+        require(tokens.dim() == 2 and tokens.numel() > 0, f"tokens {tuple(tokens.shape)} must be [B,T], B, T >= 1")
+        require(int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab,
+                f"tokens must be in [0, {self.cfg.vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        b, _ = tokens.shape
+        require(len(cache) >= self.n_layers, f"cache has {len(cache)} layers for {self.n_layers} layers")
+        lens = cache[0].lens
+        for i, kv in enumerate(cache[: self.n_layers]):
+            require(kv.batch == b and torch.equal(kv.lens, lens),
+                    f"layer {i}'s cache ({kv.batch} rows, lens {as_list(kv.lens)}) disagrees with a batch of "
+                    f"{b} at lens {as_list(lens)}")
+        if seqlen_offsets is not None:
+            offs = lengths(seqlen_offsets, device=lens.device, name="seqlen_offsets")
+            require(offs.numel() in (1, b), f"{offs.numel()} seqlen offsets for a batch of {b}")
+            bad = offs != lens
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"row {i}: seqlen offset {int(offs[i if offs.numel() > 1 else 0])} disagrees "
+                                 f"with the layout (own length {int(lens[i])})")
+        x = self.embed[tokens]
+        for layer, kv in zip(self.layers, cache):
+            x = layer.forward(x, kv)
+        if capture is not None:
+            capture.store_rows(as_list(lens), x.clone())
+        return Forward(self.logits(x), x)
+
+
+__all__ = ["TinyModel", "DecoderLayer", "MtpBlock", "MtpHeads", "Forward", "RopeTables", "rms_norm", "silu",
+           "compute_dtype", "dsv4_attention_rows"]

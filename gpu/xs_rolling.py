@@ -1,0 +1,367 @@
+"""XsRolling on the port: the compressor history of one compressed layer, per-row lengths
+(port of `reference.xs_rolling`; masks-and-scheduling.md §13).
+
+State per batch row i (int64 vectors `tokens [B]`, `base [B]`, as the reference), and the
+physical layout chosen for a GPU:
+
+- `ring [B, W, D]`: a **ring buffer**. Token p of row i lives at column `p mod W`. An append
+  writes each row's new rows at its own `(tokens_i + j) mod W` (one scatter: the last
+  `min(t_new, W)` of them); a rollback moves nothing (only `tokens` changes: the rolled-back
+  tokens' columns become dead and are overwritten by the next append). The reference's
+  end-anchored tail (column c = token `tokens_i - W + c`, zeros below `base_i`) is an index
+  map: `materialize_tail` builds it with one gather, for conformance.
+  Why a ring: the end-anchored tail shifts the whole `[B, W, D]` window on every append and
+  every per-row rollback; the ring touches only the new rows.
+- `comp [B, G, D]`: start-anchored compressed rows, exactly as the reference (row i's valid
+  rows `[0, tokens_i // ratio)`; rows past that are stale, the mask's business). G grows to
+  the largest `g_target` ever planned, as the reference's buffer.
+
+`plan_xs_advance` is the reference's per-row plan on vectors (same numbers; `None` fields
+are -1 where `take == 0`). The reference groups rows with equal `(off, length, take)` into
+one compressor call each; the port makes ONE call for all rows: every row's new blocks
+`g_done .. g_target` are gathered (history rows from the ring, new rows from `x_new`) into
+`[B, max(take), ratio, D]`, averaged, and scattered to `comp` where `j < take_i`. As in the
+reference, block g's value is the plain mean of its own `ratio` rows (the overlap of ratio 4
+is a history *requirement*, checked by the plan's gap refusal, not a different value).
+
+Refusals: the reference's, same classes and messages, first offending row first
+(`plan_xs_advance`: "compressor history gap", "does not fit the window"; `append_rows`:
+"above max_seq_len"; `set_row_lens` / `try_set_len`: past the tokens seen, behind base,
+resume point behind base, `base + W < length`, "non-uniform"). Every refusal happens
+before any state changes.
+
+Precision: the tail is data movement (bit-exact in every dtype); a compressed row is a
+mean (float64: within 1e-12 of the reference; half dtypes average in float32).
+Not ported: `split_rows` / `stack` (batch assembly; `from_reference` converts a reference
+slot, `to_reference` gives one back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu._common import as_list, lengths
+from reference.errors import CacheRefusal, require
+from reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
+from reference.xs_rolling import XsRolling as RefXsRolling
+from reference.xs_rolling import XsRowPlan
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def compress_blocks(x: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Mean over each complete `ratio` block along axis -2 (`[..., T, D] -> [..., T//ratio, D]`),
+    the incomplete trailing block dropped: one reshape-mean."""
+    require(isinstance(x, torch.Tensor) and x.dim() >= 2, f"compress_blocks needs [..., T, D], got {getattr(x, 'shape', None)}")
+    require(ratio >= 1, f"compress ratio {ratio} must be >= 1")
+    g = x.shape[-2] // ratio
+    blocks = x[..., : g * ratio, :].unflatten(-2, (g, ratio))
+    return blocks.to(_compute_dtype(x.dtype)).mean(dim=-2).to(x.dtype)
+
+
+def resumable_from(length, ratio: int, span: int) -> torch.Tensor:
+    """`max(0, length // ratio + 1 - span) * ratio` elementwise (int64)."""
+    length = torch.as_tensor(length, dtype=torch.int64)
+    require(not bool((length < 0).any()), f"length {as_list(length.reshape(-1))} must be >= 0")
+    return (torch.div(length, ratio, rounding_mode="floor") + 1 - span).clamp(min=0) * ratio
+
+
+@dataclass(frozen=True)
+class XsAdvancePlan:
+    """The reference's `XsRowPlan` fields as int64 `[B]` vectors (`need_start`, `off`,
+    `length` are -1 where `take == 0`, the reference's None); `dest = g_done`."""
+
+    tokens_after: torch.Tensor
+    g_done: torch.Tensor
+    g_target: torch.Tensor
+    need_start: torch.Tensor
+    off: torch.Tensor
+    length: torch.Tensor
+    take: torch.Tensor
+    base_after: torch.Tensor
+
+    @property
+    def dest(self) -> torch.Tensor:
+        return self.g_done
+
+    def reference_rows(self) -> list[XsRowPlan]:
+        """The plan as the reference's row objects (host lists; for conformance)."""
+        cols = [as_list(t) for t in (self.tokens_after, self.g_done, self.g_target, self.need_start, self.off,
+                                     self.length, self.take, self.base_after)]
+        out = []
+        for tok2, gd, gt, ns, off, ln, take, b2 in zip(*cols):
+            none = take == 0
+            out.append(XsRowPlan(tok2, gd, gt, None if none else ns, None if none else off, None if none else ln,
+                                 take, b2))
+        return out
+
+
+def plan_xs_advance(tokens, base, window: int, t_new: int, ratio: int, span: int,
+                    margin: int = XS_TAIL_MARGIN_TOKENS) -> XsAdvancePlan:
+    """Plan appending `t_new` rows to every row, all rows at once (the reference's formulas):
+    `tok' = tok + t_new`, `g_done = tok // ratio`, `g_target = tok' // ratio`,
+    `take = g_target - g_done`; with new blocks `need_start = max(0, g_done + 1 - span) *
+    ratio` (CacheRefusal "compressor history gap" below `base`), `off = need_start + W - tok`,
+    `length = g_target * ratio - need_start`; `keep_from = max(base, (max(tok' - margin, 0)
+    // ratio + 1 - span) * ratio)`, `base' = min(keep_from, tok')`, CacheRefusal "does not fit
+    the window" when `tok' - base' > W`. The first offending row is refused (a gap before a
+    window misfit within a row), with the reference's message; a base outside `[0, tokens]`
+    is malformed (ValueError) when its row is the first offending one, as the reference's
+    row loop finds it."""
+    tokens = lengths(tokens, name="tokens")
+    base = lengths(base, device=tokens.device, name="base")
+    require(tokens.numel() == base.numel(), f"{tokens.numel()} token counts but {base.numel()} bases")
+    require(window >= 0 and t_new >= 0 and ratio >= 1 and span >= 1 and margin >= 0,
+            f"window {window}, t_new {t_new}, ratio {ratio}, span {span}, margin {margin} out of range")
+    bad_base = (base < 0) | (base > tokens)
+    tok2 = tokens + t_new
+    g_done = torch.div(tokens, ratio, rounding_mode="floor")
+    g_target = torch.div(tok2, ratio, rounding_mode="floor")
+    take = g_target - g_done
+    new = take > 0
+    need_start = (g_done + 1 - span).clamp(min=0) * ratio
+    gap = new & (need_start < base)
+    keep_from = torch.maximum(base, (torch.div((tok2 - margin).clamp(min=0), ratio, rounding_mode="floor")
+                                     + 1 - span) * ratio)
+    base2 = torch.minimum(keep_from, tok2)
+    misfit = tok2 - base2 > window
+    bad = bad_base | gap | misfit
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        require(not bool(bad_base[i]), f"row {i}: base {int(base[i])} must be in [0, tokens {int(tokens[i])}]")
+        if bool(gap[i]):
+            raise CacheRefusal(
+                f"compressor history gap: row {i} needs token {int(need_start[i])} to complete block "
+                f"{int(g_done[i])} but its history starts at base {int(base[i])} (tokens {int(tokens[i])})")
+        raise CacheRefusal(
+            f"row {i}'s run of {int(tok2[i] - base2[i])} tokens (base {int(base2[i])} .. {int(tok2[i])}) does not "
+            f"fit the window of {window}")
+    none = torch.full_like(tokens, -1)
+    return XsAdvancePlan(tok2, g_done, g_target, torch.where(new, need_start, none),
+                         torch.where(new, need_start + window - tokens, none),
+                         torch.where(new, g_target * ratio - need_start, none), take, base2)
+
+
+class XsRolling:
+    """The port's XsRolling slot (ring-buffer history, see the module docstring).
+    `XsRolling(ratio, span_groups=None, window=None, max_seq_len=4096, batch=1, dim=None,
+    margin=16, device=None)`: the reference's defaults (`span_groups_for(ratio)`,
+    `W = span * ratio + margin`). Buffers are allocated on the first append (dtype and D
+    from it). Invariant: `0 <= base <= tokens <= base + W` per row; the ring holds token p of
+    row i at `p mod W` for every `p` in `[base_i, tokens_i)`."""
+
+    kind = "XsRolling"
+
+    def __init__(self, ratio: int, span_groups: int | None = None, window: int | None = None,
+                 max_seq_len: int = 4096, batch: int = 1, dim: int | None = None,
+                 margin: int = XS_TAIL_MARGIN_TOKENS, device=None) -> None:
+        self.ratio = int(ratio)
+        self.span = span_groups_for(self.ratio) if span_groups is None else int(span_groups)
+        self.window = self.span * self.ratio + margin if window is None else int(window)
+        self.max_seq_len = int(max_seq_len)
+        self.margin = int(margin)
+        require(self.span >= 1 and self.window >= 1 and self.max_seq_len >= 0 and batch >= 0,
+                f"span {self.span}, window {self.window}, max_seq_len {self.max_seq_len}, batch {batch} out of range")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dim = dim
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.base = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.ring: torch.Tensor | None = None
+        self.comp: torch.Tensor | None = None
+
+    # --- conversion (conformance) -------------------------------------------------------
+    @staticmethod
+    def from_reference(ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None) -> "XsRolling":
+        """The port slot holding the reference slot's state: its end-anchored tail scattered
+        into the ring (column c -> `(tokens - W + c) mod W`, one scatter), comp copied."""
+        out = XsRolling(ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device)
+        out.tokens = torch.tensor(ref.tokens, dtype=torch.int64, device=out.device).reshape(-1)
+        out.base = torch.tensor(ref.base, dtype=torch.int64, device=out.device).reshape(-1)
+        if ref.tail is not None:
+            tail = torch.from_numpy(np.ascontiguousarray(ref.tail)).to(device=out.device, dtype=dtype)
+            b, w, d = tail.shape
+            cols = torch.remainder(out.tokens[:, None] - w + torch.arange(w, device=out.device), w)
+            out.ring = torch.zeros_like(tail).scatter(1, cols[:, :, None].expand(b, w, d), tail)
+            out.comp = torch.from_numpy(np.ascontiguousarray(ref.comp)).to(device=out.device, dtype=dtype)
+        return out
+
+    def materialize_tail(self) -> torch.Tensor | None:
+        """The reference's end-anchored tail `[B, W, D]`: column c of row i holds token
+        `p = tokens_i - W + c` when `p >= base_i`, else 0. One gather + one where."""
+        if self.ring is None:
+            return None
+        b, w, d = self.ring.shape
+        p = self.tokens[:, None] - w + torch.arange(w, device=self.ring.device)
+        out = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(b, w, d))
+        live = (p >= self.base[:, None])[:, :, None]
+        return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+    def to_reference(self) -> RefXsRolling:
+        """A reference slot with this state (tail materialized, comp copied; host arrays)."""
+        ref = RefXsRolling(self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin)
+        ref.tokens, ref.base = as_list(self.tokens), as_list(self.base)
+        if self.ring is not None:
+            ref.tail = self.materialize_tail().cpu().to(torch.float64).numpy()
+            ref.comp = self.comp.cpu().to(torch.float64).numpy()
+        return ref
+
+    # --- lengths --------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def current_seq_len(self) -> int:
+        """`max(tokens)` (0 for an empty batch)."""
+        return int(self.tokens.max()) if self.batch else 0
+
+    @property
+    def comp_seq_len(self) -> int:
+        """`max(tokens) // ratio`."""
+        return self.current_seq_len // self.ratio
+
+    def supports_per_sequence_len(self, xs_per_seq: bool = False) -> bool:
+        return bool(xs_per_seq)
+
+    def row_comp(self, i: int) -> torch.Tensor:
+        """Row i's valid compressed rows `[tokens_i // ratio, D]`."""
+        g = int(self.tokens[i]) // self.ratio
+        if self.comp is None:
+            return torch.zeros((g, self.dim or 0), dtype=torch.float64, device=self.device)
+        return self.comp[i, :g]
+
+    def row_history(self, i: int) -> torch.Tensor:
+        """Row i's retained rows, tokens `[base_i, tokens_i)` (gathered from the ring)."""
+        n = int(self.tokens[i] - self.base[i])
+        if self.ring is None:
+            return torch.zeros((n, self.dim or 0), dtype=torch.float64, device=self.device)
+        p = torch.arange(int(self.base[i]), int(self.tokens[i]), device=self.device)
+        return self.ring[i, torch.remainder(p, self.window)]
+
+    # --- append -----------------------------------------------------------------------------
+    def append_rows(self, x_new: torch.Tensor) -> None:
+        """Append `x_new [B, t_new, D]` to every row: `plan_xs_advance` (its refusals), the
+        "above max_seq_len" refusal (first row over), then one gather + mean for every row's
+        new blocks (scattered at `g_done + j`, `j < take_i`), one scatter of the last
+        `min(t_new, W)` rows into the ring, and `tokens`/`base` moved on. Nothing changes on
+        a refusal."""
+        require(isinstance(x_new, torch.Tensor) and x_new.dim() == 3 and x_new.shape[0] == self.batch,
+                f"append_rows needs [B={self.batch}, t_new, D], got {tuple(getattr(x_new, 'shape', ()))}")
+        require(self.ring is None or x_new.shape[2] == self.ring.shape[2],
+                f"hidden width {x_new.shape[2]} differs from the slot's {None if self.ring is None else self.ring.shape[2]}")
+        b, t_new, d = x_new.shape
+        w, r = self.window, self.ratio
+        plan = plan_xs_advance(self.tokens, self.base, w, t_new, r, self.span, self.margin)
+        over = plan.tokens_after > self.max_seq_len
+        if bool(over.any()):
+            i = int(over.nonzero()[0, 0])
+            raise CacheRefusal(f"xs row {i} would hold {int(plan.tokens_after[i])} tokens, above max_seq_len "
+                               f"{self.max_seq_len}")
+        x_new = x_new.to(self.device)
+        g_needed = int(plan.g_target.max()) if b else 0
+        if self.ring is None:
+            self.dim = d
+            self.ring = torch.zeros((b, w, d), dtype=x_new.dtype, device=self.device)
+            self.comp = torch.zeros((b, 0, d), dtype=x_new.dtype, device=self.device)
+        if self.comp.shape[1] < g_needed:
+            self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
+        x_new = x_new.to(self.ring.dtype)
+        take_max = int(plan.take.max()) if b else 0
+        dev = self.device
+        if take_max > 0:
+            j = torch.arange(take_max, device=dev)
+            g = plan.g_done[:, None] + j                                                 # [B, take_max]
+            p = (g[:, :, None] * r + torch.arange(r, device=dev)).reshape(b, -1)        # [B, take_max * r]
+            fresh = p >= self.tokens[:, None]
+            from_new = x_new.gather(1, (p - self.tokens[:, None]).clamp(0, max(t_new - 1, 0))[:, :, None]
+                                    .expand(-1, -1, d))
+            from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
+            rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
+            blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)   # [B, take_max, D]
+            valid = j[None, :] < plan.take[:, None]
+            rr = torch.arange(b, device=dev)[:, None].expand(-1, take_max)
+            self.comp[rr[valid], g[valid]] = blocks[valid]
+        keep = min(t_new, w)
+        if keep:
+            cols = torch.remainder(self.tokens[:, None] + torch.arange(t_new - keep, t_new, device=dev), w)
+            self.ring.scatter_(1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep:])
+        self.tokens = plan.tokens_after
+        self.base = plan.base_after
+
+    # --- length setters -----------------------------------------------------------------------
+    def _rollback_refusal(self, lens: torch.Tensor) -> CacheRefusal | None:
+        """The reference's per-row checks for every row at once; the first offending row's
+        first failing check, with the reference's message."""
+        tok, b = self.tokens, self.base
+        past = lens > tok
+        behind = lens < b
+        resume = resumable_from(lens, self.ratio, self.span)
+        gap = resume < b
+        wide = b + self.window < lens
+        bad = past | behind | gap | wide
+        if not bool(bad.any()):
+            return None
+        i = int(bad.nonzero()[0, 0])
+        n, t, bi = int(lens[i]), int(tok[i]), int(b[i])
+        if bool(past[i]):
+            return CacheRefusal(f"xs row {i}: set length {n} is past the {t} tokens seen")
+        if bool(behind[i]):
+            return CacheRefusal(f"xs row {i}: set length {n} is behind base {bi} (history starts at {bi})")
+        if bool(gap[i]):
+            return CacheRefusal(f"xs row {i}: set length {n} needs resume point {int(resume[i])}, behind base {bi} "
+                                f"(compressor history gap)")
+        return CacheRefusal(f"xs row {i}: base {bi} + window {self.window} < length {n}")
+
+    def set_row_lens(self, lens) -> None:
+        """Per-row rollback to `lens[i]` (the per-sequence commit): the reference's refusals,
+        before any change; then `tokens = lens`. No data moves (the ring keeps every token
+        in `[base, lens)` where it is); `base` and `comp` are kept."""
+        lens = lengths(lens, device=self.device, name="lens")
+        require(lens.numel() == self.batch, f"{lens.numel()} row lengths for a batch of {self.batch}")
+        require(not bool((lens < 0).any()), f"row lengths {as_list(lens)} must be >= 0")
+        refusal = self._rollback_refusal(lens)
+        if refusal is not None:
+            raise refusal
+        self.tokens = lens.clone()
+
+    def try_set_len(self, length: int) -> None:
+        """Check a uniform `set_len(length)`: "non-uniform" rows refused first, then the
+        per-row checks of `set_row_lens`."""
+        require(length >= 0, f"set_len length {length} must be >= 0")
+        if self.batch and bool((self.tokens != self.tokens[0]).any()):
+            raise CacheRefusal(f"xs set_len({length}) refused: non-uniform rows with tokens {as_list(self.tokens)}")
+        refusal = self._rollback_refusal(torch.full_like(self.tokens, int(length)))
+        if refusal is not None:
+            raise refusal
+
+    def set_len(self, length: int) -> None:
+        """Uniform rollback: `try_set_len`, then `set_row_lens([length] * B)`."""
+        self.try_set_len(length)
+        self.set_row_lens(torch.full_like(self.tokens, int(length)))
+
+    def reset(self) -> None:
+        """tokens = base = 0; buffers dropped."""
+        self.tokens = torch.zeros_like(self.tokens)
+        self.base = torch.zeros_like(self.base)
+        self.ring = None
+        self.comp = None
+
+    def clone(self) -> "XsRolling":
+        out = XsRolling(self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin,
+                        self.device)
+        out.tokens, out.base = self.tokens.clone(), self.base.clone()
+        out.ring = None if self.ring is None else self.ring.clone()
+        out.comp = None if self.comp is None else self.comp.clone()
+        return out
+
+    def __repr__(self) -> str:
+        return (f"XsRolling(ratio={self.ratio}, span={self.span}, window={self.window}, "
+                f"tokens={as_list(self.tokens)}, base={as_list(self.base)})")
+
+
+__all__ = ["XsRolling", "XsAdvancePlan", "plan_xs_advance", "compress_blocks", "resumable_from"]
