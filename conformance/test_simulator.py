@@ -308,7 +308,7 @@ def test_batched_rollback_mutation_max_instead_of_min_is_caught(monkeypatch):
         keep = max(valid)  # the mutation: max instead of min
         return step_mod.CohortPlan(keep, max(w - keep, 0), [max(v + 1 - keep, 0) for v in valid])
 
-    monkeypatch.setattr(simulator, "plan_batch_step", max_keep)
+    monkeypatch.setattr(step_mod, "plan_batch_step", max_keep)
     bad = simulator.run(sc)
     us = [r["u"] for s in bad.steps() if s["phase"] in ("decode", "defer") for r in s["rows"]]
     assert min(us) == 0 or any(s["phase"] == "defer" for s in bad.steps())

@@ -269,9 +269,20 @@ def run_drift(args) -> int:
 # ------------------------------------------------------------------------------- parser
 
 # name -> (add its parser, run it). Later: "conformance", "mutation", "bench".
+def add_conformance(sub) -> argparse.ArgumentParser:
+    from conformance.runner import add_parser
+    return add_parser(sub)
+
+
+def run_conformance(args) -> int:
+    from conformance.runner import run
+    return run(args)
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
+    "conformance": (add_conformance, run_conformance),
 }
 
 

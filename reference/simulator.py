@@ -1,40 +1,56 @@
-"""Tensor-mode step simulator: the engine loop driving the real reference functions.
+"""Tensor-mode step simulator: the engine loop driving the tensor-side rules through a backend.
 
-Per engine step (masks-and-scheduling.md §20): arrivals join the waiting queue;
-`scheduler.schedule` picks one bucket (keys per world, coalescing, the WA floor);
-`plan_engine_iteration`-style cache instructions (`In` / `Nothing`, prompts `Reset`); the
-completion forward is one MTP decode step exactly as cache-and-draft.md §16 lays it out:
+The simulator owns the control flow; every tensor-side operation is one method of a backend
+(`reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
+`gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Per engine step
+(masks-and-scheduling.md §20): arrivals join the waiting queue; `scheduler.schedule` picks
+one bucket (keys per world, coalescing, the WA floor); `plan_engine_iteration`-style cache
+instructions (`In` / `Nothing`, prompts `Reset`); the completion forward is one MTP decode
+step exactly as cache-and-draft.md §16 lays it out:
 
-1. pre-op `In`: `align.clone_in_cache_reporting_lead` (strip pending leads, front-align under
-   PerSequence, publish `ragged_decode_supported` to the WA channel), `assembled_here`;
-   `Nothing`: the resident batched cache as is;
-2. `per_seq_advance`, `resolve_row_cache_lens`, `plan_step_window` and the two guards
-   (`step.window_guard`): refuse, or defer (clear the draft map, one plain decode);
-3. budgets, draft-state checkout, `draft_groups`, the group loop
-   (`draft.group_drafting_loop`: `batch_draft_caches` / `front_align_draft_group`,
-   `propose_chain_batched` with per-row or shared positions, `split_draft_cache`,
-   `drop_dead_prefix`);
-4. the verify forward on `model.TinyModel` (`[B, w]` windows, per-row positions `cache_lens`
-   with `row_q0`, or the shared offset C), capturing the pre-norm hidden;
-5. accept (`verify_proposed` on the token oracle's drafts and targets, `budget_clamp`),
-   commit; advance (`plan_batch_step` + `truncate_cache_by`, or `plan_per_sequence_step`);
-   `extend_draft_kvs`; accounting (`record_step`, `record_batch`);
-6. post-op `Out`: `clone_out_cache` (pending leads recorded), and under PerSequence the
-   per-sequence commit per the strip policy (eager: `step.commit_per_sequence`).
+1. pre-op `In`: `backend.clone_in` (= `align.clone_in_cache_reporting_lead`: strip pending
+   leads, front-align under PerSequence, publish `ragged_decode_supported` to the WA
+   channel), `assembled_here`; `Nothing`: the resident batched cache as is;
+2. `per_seq_advance`, `backend.resolve_row_cache_lens`, `backend.plan_step_window` and the
+   two guards (`step.window_guard`): refuse, or defer (clear the draft map, one plain decode);
+3. budgets, draft-state checkout, `backend.draft_groups`, the group loop
+   (`backend.draft_chain` = `draft.group_drafting_loop`: `batch_draft_caches` /
+   `front_align_draft_group`, `propose_chain_batched` with per-row or shared positions,
+   `split_draft_cache`, `drop_dead_prefix`);
+4. the verify forward (`backend.forward` = `TinyModel.forward`: `[B, w]` windows, per-row
+   positions `cache_lens` with `row_q0`, or the shared offset C), capturing the pre-norm
+   hidden;
+5. accept (`backend.verify_accept` on the token oracle's drafts and targets,
+   `backend.budget_clamp`), commit; advance (`backend.plan_batch_step` +
+   `backend.truncate_by`, or `backend.plan_per_sequence_step`); `backend.extend_draft_kvs`;
+   accounting (`record_step`, `record_batch`);
+6. post-op `Out`: `backend.clone_out` (pending leads recorded), and under PerSequence the
+   per-sequence commit per the strip policy (eager: `backend.commit_per_sequence`; lazy /
+   none: `backend.set_lens`).
 Prompt forwards (`Reset`) run the target on the prompt and prime the draft KV
-(`draft.prime_draft_kv`, §7.4). Lengths in the trace are read back off the caches.
+(`backend.prime_draft_kv`, §7.4). Lengths in the trace are read back off the caches.
 
 Control flow never reads a float: drafts and targets come from the token oracle
 (`reference.acceptance`); the MTP block's own argmax chain is run (it fills the draft KV
-tensors) but its tokens are not used. The tiny model's XsRolling slots (one per compressed
-layer, after the K/V slots, as on V4) are fed the verify forward's final hidden rows: a
-stand-in that keeps their per-row token counts, rollback and capability rules exercised (the
-model computes its compressed keys from the raw K cache).
+tensors) but its tokens are not used; every length and decision a backend returns is a host
+integer. So two backends take the same path on the same scenario. The tiny model's XsRolling
+slots (one per compressed layer, after the K/V slots, as on V4) are fed the verify forward's
+final hidden rows (`backend.xs_append`): a stand-in that keeps their per-row token counts,
+rollback and capability rules exercised (the model computes its compressed keys from the raw
+K cache).
 
 Shared choices with the lengths mode are listed in `reference.lengths`' docstring.
-`record_tensors=True` keeps per step the verify forward's inputs and outputs (tokens,
-positions, row_q0, leads, hidden, logits) and a copy of the batched target cache's layer-0 K,
-for a later backend to compare step by step.
+
+`record_tensors=True` fills, for a later comparison of two backends step by step:
+- `trace.tensors`: one record per decode verify forward (`step`, `tokens`, `positions` (the
+  offsets), `row_q0`, `lead`, `hidden`, `logits`, `target_k0` (layer-0 K of the batched
+  cache), as host arrays);
+- `trace.tensor_log`: every forward (phase "prompt", "decode", "defer"): the same plus
+  `ids`, `rope_positions [B,T]`, `masks` (per target layer, the additive union mask of that
+  forward, `backend.union_mask`) and `target` (the batched cache after the forward,
+  `backend.materialize`); and after every scheduled step a record of phase "state": each
+  scheduled sequence's own target cache and its draft state (`filled`, `poisoned`, seed
+  position and hidden, the draft KV materialized).
 """
 
 from __future__ import annotations
@@ -43,23 +59,18 @@ import numpy as np
 
 from reference.acceptance import build_model, build_oracle
 from reference.accounting import AcceptanceTelemetry, from_fused_verify
-from reference.align import clone_in_cache_reporting_lead, clone_out_cache
-from reference.cache import KvCache, NormalCache
+from reference.backend import Backend, load_backend
 from reference.capability import KvAdvance
-from reference.dispatch import (MtpHiddenCapture, chain_start_of, draft_group_key, draft_groups,
-                                ragged_row_q0, resolve_row_cache_lens)
-from reference.draft import DraftKvMap, extend_draft_kvs, group_drafting_loop, prime_draft_kv
+from reference.dispatch import MtpHiddenCapture
+from reference.draft import DraftKv, DraftKvMap
 from reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
 from reference.lengths import (ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
                                ERR_XS_ROLLBACK, NCOL, ROW_DTYPE, advance_latch, guard_error, step_fields, summarize)
-from reference.model import TinyModel
 from reference.scenario import Scenario, load_scenario, model_config
 from reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
                                  engine_cache_instruction, install_admission, schedule)
-from reference.step import (budget_clamp, commit_per_sequence, plan_batch_step, plan_per_sequence_step,
-                            plan_step_window, token_budget, truncate_cache_by, verify_proposed, window_guard)
+from reference.step import window_guard
 from reference.trace import Trace
-from reference.xs_rolling import XsRolling
 
 
 
@@ -71,11 +82,16 @@ class _StepFailed(Exception):
 
 class SizedDraftKvMap(DraftKvMap):
     """`DraftKvMap` with the LRU capacity of the scenario (`max_draft_kv_seqs`; arc: 64;
-    None = unbounded)."""
+    None = unbounded) whose fresh states get their draft KV from the backend."""
 
-    def __init__(self, block, cap: int | None) -> None:
-        super().__init__(block)
-        self.cap = cap
+    def __init__(self, backend: Backend, model, cap: int | None) -> None:
+        super().__init__(getattr(model, "mtp", None))
+        self.backend, self.model, self.cap = backend, model, cap
+
+    def checkout_draft_kv(self, seq_id) -> DraftKv:
+        if seq_id in self.entries:
+            return self.entries.pop(seq_id)
+        return DraftKv(cache=self.backend.new_draft_cache(self.model))
 
     def checkin(self, seq_id, state) -> None:
         self._clock += 1
@@ -87,14 +103,16 @@ class SizedDraftKvMap(DraftKvMap):
 
 
 class TensorEngine:
-    """The tensor-mode engine (module docstring); `run()` returns the Trace."""
+    """The tensor-mode engine (module docstring); `run()` returns the Trace. `backend` is a
+    `Backend` or a name for `load_backend` (default: the NumPy reference)."""
 
-    def __init__(self, sc: Scenario, progress=None, record_tensors: bool = False) -> None:
+    def __init__(self, sc: Scenario, progress=None, record_tensors: bool = False, backend=None) -> None:
         self.sc, self.progress, self.record = sc, progress, record_tensors
+        self.be = load_backend(backend)
         self.w = sc.depth + 1
         self.mtp = sc.depth > 0
         self.cfg = model_config(sc)
-        self.model = TinyModel(self.cfg)
+        self.model = self.be.build_model(self.cfg)
         self.oracle = build_oracle(build_model(sc.acceptance, sc.seed, sc), sc.seed, self.cfg.vocab)
         self.latch, kv = advance_latch(sc)
         self.kv = kv if self.mtp else KvAdvance.COHORT
@@ -103,39 +121,73 @@ class TensorEngine:
                                     prefill_cap=sc.prefill_max_seqs, floor=PrefillFloor(sc.prefill_floor))
         granted = sc.world == "WB" and self.per_seq
         install_admission(self.state, RaggedAdmission.decide(None if granted else "per-sequence advance not granted"))
-        self.dmap = SizedDraftKvMap(self.model.mtp, sc.max_draft_kv_seqs)
+        self.dmap = SizedDraftKvMap(self.be, self.model, sc.max_draft_kv_seqs)
         self.tel = AcceptanceTelemetry(logging_enabled=False)
-        self.caches: dict[int, NormalCache] = {}
+        self.caches: dict = {}
         self.pending: dict[int, int] = {}
         self.toks: dict[int, list[int]] = {}
         self.done: set[int] = set()
-        self.resident = None  # (ids, batched NormalCache, phys leads)
+        self.resident = None  # (ids, batched cache, phys leads)
         self.errors = 0
         self.messages: list[str] = []
+        self.trace: Trace | None = None
 
     # ------------------------------------------------------------------ helpers
-    def new_cache(self, batch: int) -> NormalCache:
+    def new_cache(self, batch: int):
         """The V4-shaped target cache: K/V slots, then one XsRolling slot per compressed layer."""
-        slots = [KvCache.new_normal(self.sc.max_seq_len) for _ in self.cfg.compress_ratios]
-        slots += [XsRolling(r, max_seq_len=self.sc.max_seq_len, batch=batch) for r in self.cfg.compress_ratios if r > 0]
-        return NormalCache(slots)
+        return self.be.new_target_cache(self.cfg, self.sc.max_seq_len, batch)
 
-    def _forward(self, tokens, cache: NormalCache, offsets, row_q0, lead_pad, capture=None):
+    def _forward(self, tokens, cache, offsets, row_q0, lead_pad, capture=None, phase="decode", t=0, ids=()):
         try:
-            fwd = self.model.forward(tokens, cache, offsets, row_q0, lead_pad, capture)
-            for slot in cache.slots:
-                if isinstance(slot, XsRolling):
-                    slot.append_rows(fwd.hidden)
+            fwd = self.be.forward(self.model, tokens, cache, offsets, row_q0, lead_pad, capture)
+            self.be.xs_append(cache, fwd.hidden)
         except Refusal as exc:
             raise _StepFailed(ERR_CAPACITY, str(exc)) from exc
+        if self.record:
+            self._record_forward(phase, t, ids, tokens, cache, offsets, row_q0, lead_pad, fwd)
         return fwd
 
-    def _record(self, cache, entry: dict) -> dict | None:
+    # ------------------------------------------------------------------ recording (record_tensors)
+    def _record_forward(self, phase, t, ids, tokens, cache, offsets, row_q0, lead_pad, fwd) -> None:
+        be, cfg = self.be, self.cfg
+        b, width = tokens.shape
+        after = be.cache_len(cache)
+        masks = []
+        for ratio in cfg.compress_ratios:
+            t_c = 0
+            if ratio > 1:  # compressed keys (start-anchored): max over rows of floor(live / ratio)
+                leads = [0] * b if lead_pad is None else list(lead_pad)
+                t_c = max((after - l) // ratio for l in leads)
+            masks.append(be.to_numpy(be.union_mask(width, after, row_q0, max(cfg.sliding_window, 1),
+                                                   ratio, t_c)))
+        target = be.materialize(cache)
+        rec = {"step": t, "phase": phase, "ids": list(ids), "tokens": np.array(tokens),
+               "positions": list(offsets), "row_q0": None if row_q0 is None else list(row_q0),
+               "lead": [0] * b if lead_pad is None else list(lead_pad),
+               "rope_positions": be.rope_positions(offsets, b, width), "masks": masks,
+               "hidden": be.to_numpy(fwd.hidden), "logits": be.to_numpy(fwd.logits), "target": target,
+               "target_k0": target["kv"][0][0]}
+        self.trace.tensor_log.append(rec)
+        if phase == "decode":
+            self.trace.tensors.append(rec)
+
+    def _record_state(self, t: int, ids) -> None:
+        """End of a scheduled step: each sequence's own cache and draft state."""
         if not self.record:
-            return None
-        slot = cache.slots[0]
-        entry["target_k0"] = None if slot.k.current_data() is None else slot.k.current_data().copy()
-        return entry
+            return
+        be = self.be
+        seqs, drafts = {}, {}
+        for i in ids:
+            if i in self.caches:
+                seqs[i] = {"pending": self.pending.get(i, 0), **be.materialize(self.caches[i])}
+            st = self.dmap.entries.get(i)
+            if st is not None:
+                drafts[i] = {"filled": st.filled, "poisoned": st.poisoned,
+                             "seed_pos": None if st.seed is None else st.seed[0],
+                             "seed": None if st.seed is None else be.to_numpy(st.seed[1]),
+                             "kv": None if st.cache is None else be.materialize(st.cache)}
+        self.trace.tensor_log.append({"step": t, "phase": "state", "ids": list(ids), "seqs": seqs,
+                                      "drafts": drafts})
 
     def _terminal(self, i: int) -> bool:
         r = self.sc.requests[i]
@@ -158,6 +210,8 @@ class TensorEngine:
     def run(self) -> Trace:
         sc = self.sc
         trace = Trace("tensor", sc.to_dict())
+        trace.tensor_log = []
+        self.trace = trace
         order = sorted(range(sc.batch), key=lambda i: (sc.requests[i].arrival, i))
         nxt = 0
         running: list[SeqRecord] = []
@@ -187,7 +241,7 @@ class TensorEngine:
                 fields, rows = self._decode(out.completion, pre.kind == "In", t, trace)
                 committed += int(rows[:, 8].sum())
             if out.prompt:
-                prow, perr = self._prompt(out.prompt)
+                prow, perr = self._prompt(out.prompt, t)
                 self.state.last_completion_ids = []
                 committed += int(prow[:, 8].sum())
                 if fields is None:
@@ -201,6 +255,7 @@ class TensorEngine:
                                        len(out.waiting), out.n_buckets, fields["groups"], fields["width"],
                                        fields["pad"], committed, self._tps(), bucket, list(out.prompt),
                                        fields["error"]), rows)
+            self._record_state(t, list(out.completion) + list(out.prompt))
             running = self._refresh([s for s in out.running if s.id not in self.done])
             waiting = self._refresh(out.waiting)
             self._tick(t)
@@ -213,7 +268,7 @@ class TensorEngine:
         out = []
         for s in recs:
             c = self.caches.get(s.id)
-            out.append(SeqRecord(s.id, len(self.toks[s.id]), None if c is None else c.current_seq_len,
+            out.append(SeqRecord(s.id, len(self.toks[s.id]), None if c is None else self.be.cache_len(c),
                                  c is None))
         return out
 
@@ -226,7 +281,7 @@ class TensorEngine:
         return 0.0 if tps is None else tps
 
     # ------------------------------------------------------------------ prompt (§7.4)
-    def _prompt(self, ids: list[int]):
+    def _prompt(self, ids: list[int], t: int = 0):
         b = len(ids)
         plen = [self.sc.requests[i].prompt_len for i in ids]
         width = max(plen)
@@ -239,10 +294,10 @@ class TensorEngine:
         capture.arm()
         tokens = np.array([self.toks[i] for i in ids], dtype=np.int64)
         try:
-            self._forward(tokens, cache, [0], None, None, capture)
+            self._forward(tokens, cache, [0], None, None, capture, "prompt", t, ids)
         except _StepFailed as exc:
             return rows, self._fail(ids, exc)
-        pieces = clone_out_cache(cache, b)
+        pieces = self.be.clone_out(cache, b)
         for r, i in enumerate(ids):
             self.caches[i] = pieces[r]
             self.pending[i] = 0
@@ -250,7 +305,8 @@ class TensorEngine:
         rows[:, 8] = 1
         if self.mtp:
             states = [self.dmap.checkout_draft_kv(i) for i in ids]
-            prime_draft_kv(states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages)
+            self.be.prime_draft_kv(states, capture.take(), [self.toks[i] for i in ids], b, self.model,
+                                   self.messages)
             for i, st in zip(ids, states):
                 self.dmap.checkin(i, st)
             rows[:, 12] = [self._filled(i) for i in ids]
@@ -277,11 +333,11 @@ class TensorEngine:
         return res, rows
 
     def _decode_inner(self, ids, go_in, rows, res, t, trace):
-        sc, w, b = self.sc, self.w, len(ids)
+        sc, w, b, be = self.sc, self.w, len(ids), self.be
         if go_in:
             try:
-                ci = clone_in_cache_reporting_lead([self.caches[i] for i in ids], [self.pending[i] for i in ids],
-                                                   sc.xs_per_seq, self.per_seq)
+                ci = be.clone_in([self.caches[i] for i in ids], [self.pending[i] for i in ids],
+                                 sc.xs_per_seq, self.per_seq)
             except Refusal as exc:
                 kind = ERR_CAPACITY if self.per_seq and isinstance(exc, CacheRefusal) else ERR_CLONE_IN
                 raise _StepFailed(kind, str(exc)) from exc
@@ -295,7 +351,7 @@ class TensorEngine:
             _, batched, lead = self.resident
             mtp_lead = [0] * b
             assembled = False
-        c = batched.current_seq_len
+        c = be.cache_len(batched)
         res["width"] = c
         la = np.array(lead, dtype=np.int64)
         rows[:, 2], rows[:, 3], rows[:, 4] = c - la, c, la
@@ -303,87 +359,87 @@ class TensorEngine:
         psa = assembled and self.per_seq and self.mtp
         res["advance"] = "per-sequence" if psa else "cohort"
         try:
-            row_lens = resolve_row_cache_lens(psa, c, mtp_lead)
+            row_lens = be.resolve_row_cache_lens(psa, c, mtp_lead)
         except DispatchRefusal as exc:
             raise _StepFailed(ERR_GUARD_LEFT, str(exc)) from exc
         cache_lens = row_lens if row_lens is not None else [c] * b
         tok_lens = [len(self.toks[i]) for i in ids]
-        sw = plan_step_window(cache_lens, tok_lens, w)
-        u = sw.uncached
+        u, ok = be.plan_step_window(cache_lens, tok_lens, w)
         rows[:, 5] = u
-        if not sw.ok:
+        if not ok:
             what = window_guard(row_lens is not None, self.kv)
             if what == "left_aligned_guard":
                 raise _StepFailed(ERR_GUARD_LEFT, guard_error(what, cache_lens, tok_lens, w))
             if what == "follows_guard":
                 raise _StepFailed(ERR_GUARD_FOLLOWS, guard_error(what, cache_lens, tok_lens, w))
-            return self._defer(ids, batched, lead, rows, res)
-        budgets = [token_budget(sc.max_seq_len, n) for n in tok_lens]
+            return self._defer(ids, batched, lead, rows, res, t)
+        budgets = be.token_budget(sc.max_seq_len, tok_lens)
         drafts: list[list[int]] = [[] for _ in range(b)]
         states = None
         if self.mtp:
             states = [self.dmap.checkout_draft_kv(i) for i in ids]
             may = [sc.requests[i].may_draft for i in ids]
-            groups = draft_groups(u, cache_lens, may, w, psa)
+            groups = be.draft_groups(u, cache_lens, may, w, psa)
             res["groups"] = len(groups)
             try:
-                chains = group_drafting_loop(self.model, groups, states, [self.toks[i] for i in ids], cache_lens,
-                                             budgets, w, psa, self.messages)
+                chains = be.draft_chain(self.model, groups, states, [self.toks[i] for i in ids], cache_lens,
+                                        budgets, w, psa, self.messages)
             except Refusal as exc:
                 raise _StepFailed(ERR_CHAIN, str(exc)) from exc
-            for r, i in enumerate(ids):
-                if chains[r]:
-                    drafts[r] = self.oracle.draft(i, self.toks[i], w - u[r])
-                    rows[r, 9:11] = draft_group_key(u[r], cache_lens[r], psa)
-                    rows[r, 11] = chain_start_of(cache_lens[r], u[r])
+            drew = [r for r in range(b) if chains[r]]
+            if drew:
+                keys = be.draft_group_keys([u[r] for r in drew], [cache_lens[r] for r in drew], psa)
+                starts = be.chain_starts([cache_lens[r] for r in drew], [u[r] for r in drew])
+                for r, key, start in zip(drew, keys, starts):
+                    drafts[r] = self.oracle.draft(ids[r], self.toks[ids[r]], w - u[r])
+                    rows[r, 9:11] = key
+                    rows[r, 11] = start
         windows = []
         for r, i in enumerate(ids):
             win = self.toks[i][cache_lens[r]:] + drafts[r]
             windows.append(win + [win[-1]] * (w - len(win)))
         offsets = list(cache_lens) if row_lens is not None else [c]
-        row_q0 = ragged_row_q0(offsets, sc.per_seq_kv)
+        row_q0 = be.ragged_row_q0(offsets, sc.per_seq_kv)
         capture = MtpHiddenCapture()
         capture.arm()
-        fwd = self._forward(np.array(windows, dtype=np.int64), batched, offsets, row_q0,
-                            mtp_lead if row_lens is not None else None, capture)
-        if self.record:
-            trace.tensors.append(self._record(batched, {
-                "step": t, "tokens": np.array(windows), "positions": offsets, "row_q0": row_q0, "lead": list(lead),
-                "hidden": fwd.hidden.copy(), "logits": fwd.logits.copy()}))
-        acc, emitted = [], []
+        self._forward(np.array(windows, dtype=np.int64), batched, offsets, row_q0,
+                      mtp_lead if row_lens is not None else None, capture, "decode", t, ids)
+        proposed, targets = [], []
         for r, i in enumerate(ids):
             ctx, prop = self.toks[i], drafts[r]
-            targets = [self.oracle.target(i, ctx + prop[:j]) for j in range(len(prop) + 1)]
-            a = budget_clamp(len(verify_proposed(prop, targets[: len(prop)]).accepted), budgets[r])
-            req = sc.requests[i]
-            rem = req.max_new_tokens - (len(ctx) - req.prompt_len)
+            proposed.append(prop)
+            targets.append([self.oracle.target(i, ctx + prop[:j]) for j in range(len(prop) + 1)])
+        verified = be.verify_accept(proposed, [tg[: len(p)] for p, tg in zip(proposed, targets)])
+        acc = be.budget_clamp(verified, budgets)
+        emitted = []
+        for r, i in enumerate(ids):
+            prop, a, req = proposed[r], acc[r], sc.requests[i]
+            rem = req.max_new_tokens - (len(self.toks[i]) - req.prompt_len)
             k = min(a, rem)
-            out = prop[:k] + ([targets[a]] if rem > a and budgets[r] > a else [])
-            acc.append(a)
-            emitted.append(out)
+            emitted.append(prop[:k] + ([targets[r][a]] if rem > a and budgets[r] > a else []))
         rows[:, 6] = [len(d) for d in drafts]
         rows[:, 7] = acc
         rows[:, 8] = [len(e) for e in emitted]
         for r, i in enumerate(ids):
             self.toks[i] += emitted[r]
         if not psa:
-            plan = plan_batch_step(u, acc, w)
-            if plan.n_drop > 0:
+            _keep, n_drop, _next = be.plan_batch_step(u, acc, w)
+            if n_drop > 0:
                 try:
-                    truncate_cache_by(batched, plan.n_drop)
+                    be.truncate_by(batched, n_drop)
                 except StepRefusal as exc:
                     raise _StepFailed(ERR_XS_ROLLBACK, str(exc)) from exc
         else:
-            committed = plan_per_sequence_step(u, acc, w).committed
+            committed = be.plan_per_sequence_step(u, acc, w)[0]
         if self.mtp:
-            extend_draft_kvs(states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages)
+            be.extend_draft_kvs(states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages)
             for i, st in zip(ids, states):
                 self.dmap.checkin(i, st)
             stats = [from_fused_verify(len(drafts[r]), acc[r]) for r in range(b)]
             for i, s in zip(ids, stats):
                 self.tel.record_step(i, s)
             self.tel.record_batch(b, stats)
-        pieces = clone_out_cache(batched, b)
+        pieces = be.clone_out(batched, b)
         for r, i in enumerate(ids):
             self.caches[i] = pieces[r]
             self.pending[i] = lead[r]
@@ -401,33 +457,29 @@ class TensorEngine:
         cache = self.caches[i]
         try:
             if self.sc.strip == "eager":
-                commit_per_sequence(cache, lead, own, committed)
+                self.be.commit_per_sequence(cache, lead, own, committed)
                 self.pending[i] = 0
                 return
-            for slot in cache.slots:
-                if isinstance(slot, XsRolling):
-                    slot.set_len(own + committed)
-                elif self.sc.strip == "lazy":
-                    slot.set_len(lead + own + committed)
-                else:
-                    slot.set_len(c + committed)
+            kv_len = lead + own + committed if self.sc.strip == "lazy" else c + committed
+            self.be.set_lens(cache, kv_len, own + committed)
             if self.sc.strip == "none":
                 self.pending[i] = 0
         except Refusal as exc:
             raise _StepFailed(ERR_COMMIT, str(exc)) from exc
 
-    def _defer(self, ids, batched, lead, rows, res):
+    def _defer(self, ids, batched, lead, rows, res, t=0):
         """§16 step 4 deferral: clear the whole draft map, one plain decode step."""
         res["phase"] = "defer"
         self.dmap.clear_draft_kv()
-        c = batched.current_seq_len
+        c = self.be.cache_len(batched)
         offsets = [c - l for l in lead]
         tokens = np.array([[self.toks[i][-1]] for i in ids], dtype=np.int64)
-        self._forward(tokens, batched, offsets, ragged_row_q0(offsets, self.sc.per_seq_kv), lead)
+        self._forward(tokens, batched, offsets, self.be.ragged_row_q0(offsets, self.sc.per_seq_kv), lead,
+                      None, "defer", t, ids)
         for i in ids:
             self.toks[i].append(self.oracle.target(i, self.toks[i]))
         rows[:, 8] = 1
-        pieces = clone_out_cache(batched, len(ids))
+        pieces = self.be.clone_out(batched, len(ids))
         for r, i in enumerate(ids):
             self.caches[i] = pieces[r]
             self.pending[i] = lead[r]
@@ -438,9 +490,10 @@ class TensorEngine:
                 self.done.add(i)
 
 
-def run(scenario, progress=None, record_tensors: bool = False) -> Trace:
-    """Run a scenario (a `Scenario`, dict or path) in tensor mode; return its Trace (with
-    `trace.tensors` filled when `record_tensors`, and `trace.messages` the warnings and
-    failure details)."""
+def run(scenario, progress=None, record_tensors: bool = False, backend=None) -> Trace:
+    """Run a scenario (a `Scenario`, dict or path) in tensor mode on `backend` (a `Backend`,
+    or a `load_backend` name; default the NumPy reference); return its Trace (with
+    `trace.tensors` / `trace.tensor_log` filled when `record_tensors`, and `trace.messages`
+    the warnings and failure details)."""
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
-    return TensorEngine(sc, progress, record_tensors).run()
+    return TensorEngine(sc, progress, record_tensors, backend).run()

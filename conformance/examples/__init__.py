@@ -1,0 +1,1 @@
+"""Example backends for `raggedspec conformance --backend package.module:factory`."""

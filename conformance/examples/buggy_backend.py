@@ -1,0 +1,40 @@
+"""An example "bring your own port" backend with one deliberate bug, for
+docs/conformance.md and `conformance/test_byo_port.py`.
+
+A port implements `reference.backend.Backend` (every method) and is run with
+
+    raggedspec conformance --backend conformance.examples.buggy_backend:BuggyBackend
+
+This one is the NumPy reference with a classic ragged-batch defect: **its masks forget the
+dead prefix**. `union_mask` builds the shared (uniform-path) mask for every row, and the
+verify forward drops `row_q0`, so a front-aligned row attends the zero-filled columns in
+front of its own run. Uniform batches are unaffected (their masks are the same either way),
+which is exactly why no output shows the bug in production: the acceptance rate only drops.
+The suite names it: the union-mask property and the end-to-end comparison fail (the first
+ragged per-sequence step's mask and hidden state), every other rule passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference.backend import NumpyBackend
+
+
+class BuggyBackend(NumpyBackend):
+    """`NumpyBackend` whose masks forget the dead prefix (module docstring)."""
+
+    name = "buggy-example"
+
+    def union_mask(self, t_q, t_k_full, row_q0, window, ratio, t_c):
+        mask = super().union_mask(t_q, t_k_full, None, window, ratio, t_c)  # BUG: row_q0 ignored
+        b = 1 if row_q0 is None or len(set(row_q0)) == 1 else len(row_q0)
+        return np.broadcast_to(mask, (b,) + mask.shape[1:]).copy()
+
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+        return super().forward(model, tokens, cache, offsets, None, lead_pad, capture)  # BUG: the same
+
+
+def factory(device: str = "cpu", dtype: str = "float64") -> BuggyBackend:
+    """What `--backend conformance.examples.buggy_backend:factory` calls."""
+    return BuggyBackend(device, dtype)

@@ -1,0 +1,522 @@
+"""The backend protocol: every tensor-side operation the step simulator uses, one method each;
+and `NumpyBackend`, the reference (each method is the `reference/` function of that rule).
+
+DESIGN.md "Shape": the simulator (`reference.simulator`) owns the control flow (scheduler,
+guards, accept/advance decisions, the trace); a backend owns the tensors. Control flow never
+reads a float, and every length or decision a backend returns is a host integer, so two
+backends run the same scenario down the same path and their states can be compared step by
+step (`conformance/test_end_to_end.py`). A port implements `Backend` (subclass it and
+override every method; see docs/conformance.md "Bring your own port") and returns
+front-aligned NumPy tensors from `materialize`, whatever its own physical layout is.
+
+Object kinds a backend hands out and receives back (opaque to the simulator):
+- *model*: `build_model(cfg)`; equal configs give equal weights (the reference's seeded
+  draw; a port copies the reference's weights, so both backends run the same model);
+- *target cache*: `new_target_cache` (one K/V slot per target layer, then one XsRolling slot
+  per compressed layer); per-sequence caches and the batched cache are the same kind;
+- *K/V slot* (`kv_*`, `front_align`, `strip_dead_prefix`, `concat`, `split`): one layer's
+  K and V; also the draft KV of one sequence (`new_draft_cache`);
+- *tensors* (hidden states, logits, seeds): `to_numpy` turns one into a float64 array;
+- draft states are `reference.draft.DraftKv` records (host ints `filled`, `poisoned`,
+  `seed = (position, hidden)`) whose `cache` and seed hidden are the backend's.
+
+Arguments: lengths, offsets, token ids and leads are host integers (lists or NumPy arrays);
+float inputs (`x`, `q`, `k`, `v`, `fused`, `seed_hidden`, K/V rows) may be host arrays or the
+backend's own tensors (a backend converts what it is given); float outputs are the backend's
+tensors (`to_numpy` reads them).
+
+Refusals: a backend raises the same `reference.errors` classes as the reference, with
+messages naming the same values (the simulator turns them into the trace's error kinds).
+
+Selecting a backend: `load_backend("numpy" | "torch" | "package.module:factory", device,
+dtype)`; the factory is called as `factory(device=..., dtype=...)` and returns a `Backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference import align, dispatch, draft, masks, rope, step
+from reference.attention import Dsv4AttentionConfig, dsv4_attention
+from reference.cache import KvCache, NormalCache, PLAIN_CACHE_CAPACITY, SingleCache
+from reference.errors import require
+from reference.model import Forward, TinyModel
+from reference.xs_rolling import XsRolling
+
+BACKENDS = ("numpy", "torch")
+DTYPES = ("float64", "float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class CloneIn:
+    """What `Backend.clone_in` returns: the batched cache, each row's front-alignment lead
+    (host ints; all 0 for a batch that was not aligned) and `ragged_decode_supported`."""
+
+    batched: object
+    lead_pad: list[int]
+    ragged_decode_supported: bool
+
+
+# Every method of the protocol, in the order of the sections below (the conformance runner
+# checks a backend against this list and names what is missing).
+PROTOCOL = {
+    "construction": ("build_model", "new_target_cache", "new_draft_cache", "cache_len", "to_numpy", "materialize"),
+    "target cache": ("clone_in", "clone_out", "truncate_by", "commit_per_sequence", "set_lens", "xs_append"),
+    "K/V slot": ("kv_from_arrays", "kv_append", "kv_set_len", "kv_len", "front_align", "strip_dead_prefix",
+                 "concat", "split", "front_align_draft_group"),
+    "masks, positions, attention": ("rope_positions", "apply_rope", "union_mask", "dsv4_attention"),
+    "model and draft": ("forward", "mtp_step", "propose_chain", "draft_chain", "extend_draft_kvs",
+                        "prime_draft_kv"),
+    "length vectors": ("resolve_row_cache_lens", "ragged_row_q0", "plan_step_window", "token_budget",
+                       "draft_groups", "draft_group_keys", "chain_starts", "verify_accept", "budget_clamp",
+                       "plan_batch_step", "plan_per_sequence_step"),
+}
+PROTOCOL_METHODS = tuple(m for group in PROTOCOL.values() for m in group)
+
+
+class Backend:
+    """The protocol. Every method raises `NotImplementedError` naming itself until a backend
+    overrides it. Attributes: `name`, `device` ("cpu", "cuda", ...), `dtype` (the float dtype
+    of the backend's tensors: "float64", "float32" or "bfloat16")."""
+
+    name = "abstract"
+    device = "cpu"
+    dtype = "float64"
+
+    def _missing(self, method: str):
+        raise NotImplementedError(f"backend {self.name!r} does not implement {method}")
+
+    # ------------------------------------------------------------------ construction, read-back
+    def build_model(self, cfg):
+        """The tiny model for `cfg` (`reference.model.ModelConfig`), same weights as the
+        reference's `TinyModel(cfg)`."""
+        self._missing("build_model")
+
+    def new_target_cache(self, cfg, max_seq_len: int, batch: int):
+        """An empty target cache of `batch` rows: one K/V slot per layer of `cfg` (capacity
+        512), then one XsRolling slot per compressed layer."""
+        self._missing("new_target_cache")
+
+    def new_draft_cache(self, model):
+        """An empty draft KV (capacity 16) for `model`'s MTP block; None without a block."""
+        self._missing("new_draft_cache")
+
+    def cache_len(self, cache) -> int:
+        """A target cache's `current_seq_len` (layer 0, dead prefix included)."""
+        self._missing("cache_len")
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A backend tensor as a host array (floats as float64)."""
+        self._missing("to_numpy")
+
+    def materialize(self, obj) -> dict:
+        """The reference's view of a target cache or a K/V slot, as host arrays:
+        `{"len", "kv": [(k, v) per K/V slot, front-aligned current data], "xs": [{"tokens",
+        "base", "comp": [per row], "history": [per row]} per XsRolling slot]}` for a target
+        cache, `{"len", "kv": [(k, v)]}` for a K/V slot."""
+        self._missing("materialize")
+
+    # ------------------------------------------------------------------ target cache rules
+    def clone_in(self, caches: list, pending_leads: list[int], xs_per_seq: bool, per_sequence: bool) -> CloneIn:
+        """`clone_in_cache_reporting_lead` (C §5.4): strip pending leads, front-align under
+        PerSequence (the leads are returned: a port may keep them as offsets), stack."""
+        self._missing("clone_in")
+
+    def clone_out(self, batched, b: int) -> list:
+        """`clone_out_cache` (C §5.3): b per-sequence caches, each with the batched length."""
+        self._missing("clone_out")
+
+    def truncate_by(self, cache, n_drop: int) -> None:
+        """`truncate_cache_by` (C §12.3): every slot `sat(len - n_drop)`; StepRefusal."""
+        self._missing("truncate_by")
+
+    def commit_per_sequence(self, cache, lead: int, own: int, committed: int) -> None:
+        """`commit_per_sequence` (C §12.2): strip the dead prefix, `set_len(own + committed)`."""
+        self._missing("commit_per_sequence")
+
+    def set_lens(self, cache, kv_len: int, xs_len: int) -> None:
+        """The lazy / none strip policies (C §5.5): every K/V slot `set_len(kv_len)`, every
+        XsRolling slot `set_len(xs_len)`, in slot order; CacheRefusal."""
+        self._missing("set_lens")
+
+    def xs_append(self, cache, hidden) -> None:
+        """Feed `hidden [B,T,H]` to every XsRolling slot (`append_rows`); CacheRefusal."""
+        self._missing("xs_append")
+
+    # ------------------------------------------------------------------ one K/V slot
+    def kv_from_arrays(self, k: np.ndarray, v: np.ndarray, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY):
+        """A K/V slot holding `k, v [B,H,n,D]` at the shared length n (capacity grown by 512
+        blocks as appending them would)."""
+        self._missing("kv_from_arrays")
+
+    def kv_append(self, kv, k: np.ndarray, v: np.ndarray) -> None:
+        """`SingleCache.append` of both halves at the shared length (C §3); CacheRefusal."""
+        self._missing("kv_append")
+
+    def kv_set_len(self, kv, n: int) -> None:
+        """`KvCache.set_len` (C §3); CacheRefusal past the capacity."""
+        self._missing("kv_set_len")
+
+    def kv_len(self, kv) -> int:
+        """`current_seq_len`."""
+        self._missing("kv_len")
+
+    def front_align(self, kvs: list) -> list[int]:
+        """`front_align_batch` of one-slot sequences (C §4.5): every row padded to
+        `max(len)` in place; the leads (a port: offsets, no data motion)."""
+        self._missing("front_align")
+
+    def strip_dead_prefix(self, kv, lead: int) -> None:
+        """`drop_dead_prefix` (C §4.4); CacheRefusal."""
+        self._missing("strip_dead_prefix")
+
+    def concat(self, kvs: list):
+        """`concat_kv` (C §5.2 step 5): rows stacked, capacity of the widest."""
+        self._missing("concat")
+
+    def split(self, kv, g: int) -> list | None:
+        """`split_draft_cache` (C §9.8): g pieces with the batched length, None if not g."""
+        self._missing("split")
+
+    def front_align_draft_group(self, kvs: list, starts: list[int]):
+        """`front_align_draft_group` (C §9.7); AlignRefusal / CacheRefusal."""
+        self._missing("front_align_draft_group")
+
+    # ------------------------------------------------------------------ masks, positions, attention
+    def rope_positions(self, offsets: Sequence[int], b: int, t: int) -> np.ndarray:
+        """RoPE positions `[B, T]`: row i, token j at `offsets[i] + j` (`offsets` of length
+        1 or B), as host int64."""
+        self._missing("rope_positions")
+
+    def apply_rope(self, x, offsets: Sequence[int], rope_dims: int, theta: float, inverse: bool = False):
+        """`apply_rope` (M §11) on a backend tensor `x [B,H,T,D]`."""
+        self._missing("apply_rope")
+
+    def union_mask(self, t_q: int, t_k_full: int, row_q0, window: int, ratio: int, t_c: int):
+        """The additive mask `dsv4_attention` builds (M §4 steps 5-7, §5) for queries at
+        `q0 = t_k_full - t_q`: `[1,1,t_q,keep+t_c]` on the uniform path, `[B,1,t_q,keep+t_c]`
+        from `ragged_union_mask` when `row_q0` is ragged; DispatchRefusal as
+        `resolve_ragged_rows`."""
+        self._missing("union_mask")
+
+    def dsv4_attention(self, q, k, v, compressed_kv, cfg: Dsv4AttentionConfig, sinks=None):
+        """`dsv4_attention` (M §4) on backend tensors (no caller mask)."""
+        self._missing("dsv4_attention")
+
+    # ------------------------------------------------------------------ model and draft
+    def forward(self, model, tokens: np.ndarray, cache, offsets: Sequence[int], row_q0, lead_pad, capture=None) -> Forward:
+        """The target forward (`TinyModel.forward`): `tokens [B,T]` appended to the batched
+        `cache`; `Forward(logits, hidden)` as backend tensors; the pre-norm hidden stored in
+        `capture` (a `reference.dispatch.MtpHiddenCapture`). Refusals of the append and of
+        `dsv4_attention`."""
+        self._missing("forward")
+
+    def mtp_step(self, model, fused, start_pos: Sequence[int], kv):
+        """One MTP decoder step `forward_tokens_rows` (C §10.1) on `fused [G,T,H]` over the
+        draft K/V slot `kv`; the pre-norm hidden. DispatchRefusal ("desync")."""
+        self._missing("mtp_step")
+
+    def propose_chain(self, model, seed_hidden, last_tokens, n: int, chain_starts: Sequence[int], kv) -> list[list[int]]:
+        """`propose_chain_batched` (C §10.2): n greedy tokens per row, one batched MTP step
+        each (per-row positions for a ragged group)."""
+        self._missing("propose_chain")
+
+    def draft_chain(self, model, groups: dict, states: list, toks: list, cache_lens: list[int],
+                    budgets: list[int], w: int, per_seq_advance: bool, warnings: list | None = None) -> list[list[int]]:
+        """`group_drafting_loop` (C §9.3): one batched chain per draft group, written back."""
+        self._missing("draft_chain")
+
+    def extend_draft_kvs(self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None) -> None:
+        """`extend_draft_kvs` (C §7.2, §16 step 10)."""
+        self._missing("extend_draft_kvs")
+
+    def prime_draft_kv(self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None) -> None:
+        """`prime_draft_kv` (C §7.4)."""
+        self._missing("prime_draft_kv")
+
+    # ------------------------------------------------------------------ length vectors (host ints out)
+    def resolve_row_cache_lens(self, enabled: bool, cache_len: int, lead_pad: list[int]) -> list[int] | None:
+        """`resolve_row_cache_lens` (C §8.2); DispatchRefusal."""
+        self._missing("resolve_row_cache_lens")
+
+    def ragged_row_q0(self, offsets: list[int], per_seq_kv: bool) -> list[int] | None:
+        """`ragged_row_q0` (M §12)."""
+        self._missing("ragged_row_q0")
+
+    def plan_step_window(self, cache_lens: list[int], tok_lens: list[int], w: int) -> tuple[list[int], bool]:
+        """`plan_step_window` (C §8.1): `(uncached, ok)`."""
+        self._missing("plan_step_window")
+
+    def token_budget(self, max_seq_len: int, tok_lens: list[int]) -> list[int]:
+        """`token_budget` per row (C §11.2)."""
+        self._missing("token_budget")
+
+    def draft_groups(self, uncached: list[int], cache_lens: list[int], may_draft: list[bool], w: int,
+                     per_seq_advance: bool) -> dict[tuple[int, int], list[int]]:
+        """`draft_groups` (C §9.1): `{(u, s): [rows]}`, keys ascending, rows ascending."""
+        self._missing("draft_groups")
+
+    def draft_group_keys(self, uncached: list[int], cache_lens: list[int], carries_per_row: bool) -> list[tuple[int, int]]:
+        """`draft_group_key` of every row (C §9.1)."""
+        self._missing("draft_group_keys")
+
+    def chain_starts(self, cache_lens: list[int], uncached: list[int]) -> list[int]:
+        """`chain_start_of` of every row (C §1): `C_i + u_i - 2`."""
+        self._missing("chain_starts")
+
+    def verify_accept(self, proposed: list[list[int]], targets: list[list[int]]) -> list[int]:
+        """Verify's first mismatch per row (C §11.1): how many proposals `verify_proposed`
+        accepts."""
+        self._missing("verify_accept")
+
+    def budget_clamp(self, accepted: list[int], budgets: list[int]) -> list[int]:
+        """`budget_clamp` per row (C §11.2)."""
+        self._missing("budget_clamp")
+
+    def plan_batch_step(self, uncached: list[int], accepted: list[int], w: int) -> tuple[int, int, list[int]]:
+        """Cohort advance (C §12.1): `(keep, n_drop, next_uncached)`."""
+        self._missing("plan_batch_step")
+
+    def plan_per_sequence_step(self, uncached: list[int], accepted: list[int], w: int) -> tuple[list[int], list[int], list[int]]:
+        """Per-sequence advance (C §12.2): `(committed, dropped, next_uncached)`."""
+        self._missing("plan_per_sequence_step")
+
+
+def missing_methods(backend) -> list[str]:
+    """The protocol methods `backend` leaves to the abstract base (not overridden)."""
+    return [m for m in PROTOCOL_METHODS if getattr(type(backend), m, None) is getattr(Backend, m)]
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _slot_view(slot) -> dict:
+    """One slot as the conformance suite compares it."""
+    if isinstance(slot, XsRolling):
+        return {"tokens": list(slot.tokens), "base": list(slot.base),
+                "comp": [slot.row_comp(i) for i in range(slot.batch)],
+                "history": [slot.row_history(i) for i in range(slot.batch)]}
+    k, v = slot.k.current_data(), slot.v.current_data()
+    return {"k": None if k is None else k.copy(), "v": None if v is None else v.copy(),
+            "len": slot.current_seq_len, "capacity": slot.k.capacity_seq_len}
+
+
+class NumpyBackend(Backend):
+    """The reference backend: every method is the `reference/` function of its rule, in
+    float64 NumPy on the host. `device` must be "cpu" and `dtype` "float64"."""
+
+    name = "numpy"
+
+    def __init__(self, device: str = "cpu", dtype: str = "float64") -> None:
+        require(device == "cpu", f"the numpy backend runs on the cpu only, not {device!r}")
+        require(dtype == "float64", f"the numpy backend is float64 only, not {dtype!r}")
+        self.device, self.dtype = device, dtype
+
+    # construction, read-back
+    def build_model(self, cfg):
+        return TinyModel(cfg)
+
+    def new_target_cache(self, cfg, max_seq_len, batch):
+        slots = [KvCache.new_normal(max_seq_len) for _ in cfg.compress_ratios]
+        slots += [XsRolling(r, max_seq_len=max_seq_len, batch=batch) for r in cfg.compress_ratios if r > 0]
+        return NormalCache(slots)
+
+    def new_draft_cache(self, model):
+        return None if model.mtp is None else model.mtp.new_draft_cache()
+
+    def cache_len(self, cache):
+        return cache.current_seq_len
+
+    def to_numpy(self, x):
+        return np.array(x, copy=True)
+
+    def materialize(self, obj):
+        if isinstance(obj, NormalCache):
+            views = [_slot_view(s) for s in obj.slots]
+            return {"len": obj.current_seq_len,
+                    "kv": [(s["k"], s["v"]) for s in views if "k" in s],
+                    "capacity": [s["capacity"] for s in views if "k" in s],
+                    "xs": [s for s in views if "tokens" in s]}
+        s = _slot_view(obj)
+        return {"len": s["len"], "kv": [(s["k"], s["v"])], "capacity": [s["capacity"]], "xs": []}
+
+    # target cache rules
+    def clone_in(self, caches, pending_leads, xs_per_seq, per_sequence):
+        ci = align.clone_in_cache_reporting_lead(caches, pending_leads, xs_per_seq, per_sequence)
+        return CloneIn(ci.batched, [int(x) for x in ci.lead_pad], ci.ragged_decode_supported)
+
+    def clone_out(self, batched, b):
+        return align.clone_out_cache(batched, b)
+
+    def truncate_by(self, cache, n_drop):
+        step.truncate_cache_by(cache, n_drop)
+
+    def commit_per_sequence(self, cache, lead, own, committed):
+        step.commit_per_sequence(cache, lead, own, committed)
+
+    def set_lens(self, cache, kv_len, xs_len):
+        for slot in cache.slots:
+            slot.set_len(xs_len if isinstance(slot, XsRolling) else kv_len)
+
+    def xs_append(self, cache, hidden):
+        for slot in cache.slots:
+            if isinstance(slot, XsRolling):
+                slot.append_rows(hidden)
+
+    # one K/V slot
+    def kv_from_arrays(self, k, v, max_seq_len, capacity=PLAIN_CACHE_CAPACITY):
+        kv = KvCache(SingleCache(max_seq_len, capacity), SingleCache(max_seq_len, capacity))
+        kv.append(np.asarray(k, dtype=np.float64), np.asarray(v, dtype=np.float64))
+        return kv
+
+    def kv_append(self, kv, k, v):
+        kv.append(np.asarray(k, dtype=np.float64), np.asarray(v, dtype=np.float64))
+
+    def kv_set_len(self, kv, n):
+        kv.set_len(n)
+
+    def kv_len(self, kv):
+        return kv.current_seq_len
+
+    def front_align(self, kvs):
+        return align.front_align_batch([NormalCache([kv]) for kv in kvs], xs_per_seq=False)
+
+    def strip_dead_prefix(self, kv, lead):
+        align.drop_dead_prefix(kv, lead)
+
+    def concat(self, kvs):
+        return align.concat_kv(kvs)
+
+    def split(self, kv, g):
+        return align.split_draft_cache(kv, g)
+
+    def front_align_draft_group(self, kvs, starts):
+        return align.front_align_draft_group(kvs, starts)
+
+    # masks, positions, attention
+    def rope_positions(self, offsets, b, t):
+        off = np.asarray([int(o) for o in offsets], dtype=np.int64)
+        require(off.size in (1, b), f"{off.size} offsets for a batch of {b}")
+        return np.broadcast_to(off[:, None] + np.arange(t, dtype=np.int64)[None, :], (b, t)).copy()
+
+    def apply_rope(self, x, offsets, rope_dims, theta, inverse=False):
+        return rope.apply_rope(x, offsets, rope_dims, theta, inverse=inverse)
+
+    def union_mask(self, t_q, t_k_full, row_q0, window, ratio, t_c):
+        # dsv4_attention's steps 3-7 with raw_prefix 0 and no caller mask
+        q0 = t_k_full - t_q
+        b = 1 if row_q0 is None else len(row_q0)
+        rows = dispatch.resolve_ragged_rows(row_q0, q0, b)
+        raw_base, keep = masks.raw_keep_span(t_q, window, t_k_full)
+        valid = np.concatenate([masks.raw_validity(t_q, q0, raw_base, keep, window),
+                                masks.compressed_validity(t_q, q0, t_c, ratio)], axis=1)
+        if rows is None:
+            return np.where(valid, 0.0, -np.inf)[None, None]
+        return masks.ragged_union_mask(rows, q0, valid, raw_base, keep, ratio, t_c)
+
+    def dsv4_attention(self, q, k, v, compressed_kv, cfg, sinks=None):
+        return dsv4_attention(q, k, v, compressed_kv, None, cfg, sinks=sinks)
+
+    # model and draft
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+        return model.forward(tokens, cache, offsets, row_q0, lead_pad, capture)
+
+    def mtp_step(self, model, fused, start_pos, kv):
+        return model.mtp.forward_tokens_rows(fused, start_pos, kv)
+
+    def propose_chain(self, model, seed_hidden, last_tokens, n, chain_starts, kv):
+        return draft.propose_chain_batched(model, seed_hidden, last_tokens, n, chain_starts, kv)
+
+    def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None):
+        return draft.group_drafting_loop(model, groups, states, toks, cache_lens, budgets, w, per_seq_advance,
+                                         warnings)
+
+    def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None):
+        draft.extend_draft_kvs(states, capture, toks, batch, model, warnings)
+
+    def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
+        draft.prime_draft_kv(states, capture, toks, batch, model, warnings)
+
+    # length vectors
+    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
+        return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
+
+    def ragged_row_q0(self, offsets, per_seq_kv):
+        return dispatch.ragged_row_q0(offsets, per_seq_kv)
+
+    def plan_step_window(self, cache_lens, tok_lens, w):
+        sw = step.plan_step_window(cache_lens, tok_lens, w)
+        return list(sw.uncached), sw.ok
+
+    def token_budget(self, max_seq_len, tok_lens):
+        return [step.token_budget(max_seq_len, n) for n in tok_lens]
+
+    def draft_groups(self, uncached, cache_lens, may_draft, w, per_seq_advance):
+        return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
+
+    def draft_group_keys(self, uncached, cache_lens, carries_per_row):
+        return [dispatch.draft_group_key(u, c, carries_per_row) for u, c in zip(uncached, cache_lens)]
+
+    def chain_starts(self, cache_lens, uncached):
+        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached)]
+
+    def verify_accept(self, proposed, targets):
+        return [len(step.verify_proposed(p, t).accepted) for p, t in zip(proposed, targets)]
+
+    def budget_clamp(self, accepted, budgets):
+        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets)]
+
+    def plan_batch_step(self, uncached, accepted, w):
+        plan = step.plan_batch_step(uncached, accepted, w)
+        return plan.keep, plan.n_drop, list(plan.next_uncached)
+
+    def plan_per_sequence_step(self, uncached, accepted, w):
+        plan = step.plan_per_sequence_step(uncached, accepted, w)
+        return list(plan.committed), list(plan.dropped), list(plan.next_uncached)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def load_backend(spec=None, device: str | None = None, dtype: str | None = None) -> Backend:
+    """A backend from its name: None or "numpy" -> `NumpyBackend`; "torch" ->
+    `gpu.backend.TorchBackend(device, dtype)`; "package.module:factory" -> `factory(device=,
+    dtype=)` (a class or a function). A `Backend` instance is returned as is. ValueError
+    (naming the spec) for an unknown name, a module or attribute that does not exist, or a
+    factory that does not return a Backend; the backends' own ValueErrors for an unsupported
+    device or dtype (e.g. "cuda" without CUDA)."""
+    if isinstance(spec, Backend):
+        return spec
+    kwargs = {}
+    if device is not None:
+        kwargs["device"] = device
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if spec is None or spec == "numpy":
+        return NumpyBackend(**kwargs)
+    if spec == "torch":
+        try:
+            from gpu.backend import TorchBackend
+        except ImportError as exc:
+            raise ValueError(f"backend 'torch' needs torch and the gpu package: {exc}") from exc
+        return TorchBackend(**kwargs)
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"unknown backend {spec!r}: expected numpy, torch or package.module:factory")
+    mod_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ValueError(f"backend {spec!r}: cannot import {mod_name!r} ({exc})") from exc
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ValueError(f"backend {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+    backend = factory(**kwargs)
+    if not isinstance(backend, Backend):
+        raise ValueError(f"backend {spec!r}: {attr} returned {type(backend).__name__}, not a "
+                         f"reference.backend.Backend")
+    return backend
