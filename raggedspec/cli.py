@@ -279,10 +279,21 @@ def run_conformance(args) -> int:
     return run(args)
 
 
+def add_bench(sub) -> argparse.ArgumentParser:
+    from gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
+    return add_parser(sub)
+
+
+def run_bench(args) -> int:
+    from gpu.bench import run
+    return run(args)
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
     "conformance": (add_conformance, run_conformance),
+    "bench": (add_bench, run_bench),
 }
 
 

@@ -1,0 +1,256 @@
+"""`raggedspec bench` (gpu/bench.py) in its CPU smoke mode, so the benchmark never rots: every
+strategy that can run on the CPU runs and agrees with the float64 reference, a wrong strategy is
+reported WRONG and not timed, the byte accounting follows its formulas, and the reports are
+written. No timing is asserted beyond "measured and positive" (the smoke makes no claims).
+
+Expected values come from oracles written here: a brute-force NumPy attention, the byte
+formulas recomputed from the recorded lengths, and deliberately wrong strategies (negative
+controls) that the correctness check must reject.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gpu import bench
+
+CPU_STRATEGIES = ("per_row", "padded_sdpa", "flex", "cohort", "port", "inplace_sdpa")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-smoke")
+    rc = bench.main(["--smoke", "--out", str(out), "-q"])
+    return rc, out, json.loads((out / "bench.json").read_text())
+
+
+def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
+    rc, _, res = smoke
+    assert rc == 0
+    assert res["smoke"] is True and res["complete"] is True
+    assert res["precheck"]["failed"] == {}
+    s = res["settings"]
+    assert len(res["rows"]) == len(s["batches"]) * len(s["lengths"]) * len(s["spreads"]) * len(s["windows"])
+    tol = bench.TOLERANCE["float32"]
+    for row in res["rows"]:
+        for name in CPU_STRATEGIES:
+            r = row["strategies"][name]
+            ragged = row["min_len"] < row["L"]
+            want = "lossy" if name == "cohort" and ragged else "ok"
+            assert r["status"] == want, (name, row["w"], row["B"], row["spread"], r)
+            assert r["err"] <= tol and r["ms"] > 0 and r["mask_ms"] > 0, (name, r)
+        # the CuPy slot never reports a number without CUDA: "not run" with its reason
+        cupy = row["strategies"]["cupy"]
+        assert cupy["status"] == "not run" and "ms" not in cupy and cupy["reason"]
+    assert "eager" in res["notes"]["flex"]          # the table says flex was not compiled on the CPU
+
+
+def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
+    _, _, res = smoke
+    lossy = [r for r in res["rows"] if r["min_len"] < r["L"]]
+    exact = [r for r in res["rows"] if r["min_len"] == r["L"]]
+    assert lossy and exact
+    for row in lossy:   # it drops the longer rows' oldest keys: far off the full reference
+        assert row["strategies"]["cohort"]["err_full"] > 0.05
+    for row in exact:   # a uniform batch loses nothing
+        assert row["strategies"]["cohort"]["err_full"] <= bench.TOLERANCE["float32"]
+
+
+def test_smoke_byte_accounting_follows_the_formulas(smoke):
+    _, _, res = smoke
+    s = res["settings"]
+    hk, d, es = s["kv_heads"], s["head_dim"], 4            # float32
+    for row in res["rows"]:
+        lens, b, w = row["lens"], row["B"], row["w"]
+        assert len(lens) == b and max(lens) == row["L"] and min(lens) == row["L"] - (row["spread"] if b > 1 else 0)
+        assert row["live_kv_bytes"] == 2 * sum(lens) * hk * d * es
+        assert row["align_bytes"] == 2 * 2 * b * max(lens) * hk * d * es
+        assert row["append_bytes"] == 2 * b * w * hk * d * es     # the new tokens' K/V only
+        assert row["strip_bytes"] == 0
+        assert row["align_ms"] > 0 and row["append_ms"] > 0
+    bw = [m["GBps"] for m in res["copy_bandwidth"]]
+    assert len(bw) == 2 and min(bw) > 0
+    row = res["rows"][0]
+    assert bench.bound_ms(res, row) == pytest.approx(row["live_kv_bytes"] / (max(bw) * 1e9) * 1e3)
+
+
+def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
+    _, out, res = smoke
+    md = (out / "bench.md").read_text()
+    assert md.startswith("**SMOKE run")
+    table = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(table) == 2 * len(res["rows"])               # the timing table and the data-movement table
+    assert f"not run: {res['not_run']['cupy']}" in md      # the CuPy slot's reason is in the table's notes
+    png = out / "bench.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    copy = tmp_path / "bench.json"
+    copy.write_text((out / "bench.json").read_text())
+    assert bench.main(["--replot", str(copy)]) == 0
+    assert (tmp_path / "bench.md").read_text() == md and (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_negative_control_without_dead_prefix_mask_is_wrong_and_not_timed(tmp_path):
+    rc = bench.main(["--smoke", "--strategies", "padded_sdpa,no_dead_prefix_mask", "--batches", "1,4",
+                     "--lengths", "40", "--spreads", "0,24", "--windows", "2", "--out", str(tmp_path), "-q"])
+    assert rc == 0                                          # negative controls do not fail the run
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert "no_dead_prefix_mask" in res["precheck"]["failed"]
+    for row in res["rows"]:
+        assert row["strategies"]["padded_sdpa"]["status"] == "ok"
+        bad = row["strategies"]["no_dead_prefix_mask"]
+        assert bad["status"] == "WRONG" and "ms" not in bad
+    assert "WRONG" in (tmp_path / "bench.md").read_text()
+
+
+def _case(dtype, w=2, seed=3):
+    lens = bench.make_lens(6, 48, 24, w, seed)
+    return bench.Case(w, lens, hk=2, h=4, d=16, dtype=dtype, device="cpu", seed=seed)
+
+
+class _OffByOne(bench.InplaceSdpa):
+    """Each query also sees the next position (a causal off-by-one)."""
+
+    def prepare(self, case):
+        c = torch.arange(case.T)
+        qpos = (case.lens_t - case.w)[:, None] + case.window_row()[None, :] + 1
+        return (c[None, None, :] <= qpos[:, :, None])[:, None]
+
+
+class _ReadsSlack(bench.InplaceSdpa):
+    """The in-place layout read as if every row were T long (slack columns unmasked)."""
+
+    def prepare(self, case):
+        c = torch.arange(case.T)
+        qpos = case.T - case.w + case.window_row()
+        return (c[None, :] <= qpos[:, None])[None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
+    case = _case(dtype)
+    ref = bench.reference_attention(case)
+    tol = bench.TOLERANCE[str(dtype).removeprefix("torch.")]
+    assert bench.check_strategy(bench.InplaceSdpa(), case, ref, None, tol)["status"] == "ok"   # control
+    for wrong in (_OffByOne(), _ReadsSlack()):
+        res = bench.check_strategy(wrong, case, ref, None, tol)
+        assert res["status"] == "WRONG" and res["err"] > tol, type(wrong).__name__
+
+
+def test_a_strategy_that_disagrees_is_wrong_not_timed_and_fails_the_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench.TOLERANCE, "float32", 0.0)    # nothing float32 can meet
+    rc = bench.main(["--smoke", "--strategies", "per_row,padded_sdpa", "--batches", "2", "--lengths", "40",
+                     "--spreads", "8", "--windows", "2", "--out", str(tmp_path), "-q"])
+    assert rc == 1
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert set(res["precheck"]["failed"]) == {"per_row", "padded_sdpa"}
+    for r in res["rows"][0]["strategies"].values():
+        assert r["status"] == "WRONG" and "ms" not in r
+
+
+def _brute_force(q, k, v, lens, w, keep=None):
+    """Per row, per query head, per window row: a plain softmax over the visible keys (NumPy)."""
+    b, h, _, d = q.shape
+    hk = k.shape[1]
+    out = np.zeros(q.shape)
+    for i in range(b):
+        n = lens[i]
+        lo = 0 if keep is None else n - keep
+        for hh in range(h):
+            kh = hh // (h // hk)
+            for r in range(w):
+                qp = n - w + r
+                ks = [p for p in range(lo, n) if p <= qp]
+                logits = np.array([q[i, hh, r] @ k[i, kh, p] for p in ks]) / math.sqrt(d)
+                p_ = np.exp(logits - logits.max())
+                p_ /= p_.sum()
+                out[i, hh, r] = sum(pp * v[i, kh, p] for pp, p in zip(p_, ks))
+    return out
+
+
+@pytest.mark.parametrize("keep", [None, 10])
+def test_reference_attention_equals_brute_force(keep):
+    case = bench.Case(3, [13, 10, 12], hk=2, h=4, d=8, dtype=torch.float64, device="cpu", seed=5)
+    got = bench.reference_attention(case, keep=keep).numpy()
+    want = _brute_force(case.q.numpy(), case.kv.k.numpy(), case.kv.v.numpy(), case.lens, 3, keep)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_make_lens_rules():
+    lens = bench.make_lens(128, 4096, 64, 4, seed=0)
+    assert lens == bench.make_lens(128, 4096, 64, 4, seed=0)          # seeded
+    assert lens[0] == 4096 and lens[1] == 4096 - 64 and all(4032 <= n <= 4096 for n in lens)
+    assert len(set(lens)) > 10
+    assert bench.make_lens(5, 100, 0, 2, seed=1) == [100] * 5
+    assert bench.make_lens(1, 100, 50, 2, seed=1) == [100]
+    with pytest.raises(ValueError, match="L 10 - spread 9 < window 2"):
+        bench.make_lens(3, 10, 9, 2, seed=0)
+
+
+def test_the_headline_case_runs_first():
+    order = bench.case_order(dict(bench.FULL))
+    assert len(order) == 36 and len(set(order)) == 36
+    assert [(b, L, s) for (_, b, L, s) in order[:2]] == [(128, 4096, 64)] * 2
+    assert sorted(w for (w, *_rest) in order[:2]) == [2, 4]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--strategies", "per_row,bogus"], "unknown ['bogus']"),
+    (["--q-heads", "6", "--kv-heads", "4"], "multiple of --kv-heads 4"),
+    (["--lengths", "10", "--spreads", "9"], "shorter than the window"),
+])
+def test_usage_errors_exit_2(argv, needle, tmp_path, capsys):
+    assert bench.main(["--smoke", "--out", str(tmp_path), *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
+    reason = bench.Cupy().unavailable(torch.device("cpu"))
+    assert isinstance(reason, str) and reason      # on the CPU it never runs
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpu.cupy_kernels" else real(name, *a))
+    assert bench.Cupy().unavailable(torch.device("cuda")) == \
+        "no module gpu.cupy_kernels (the CuPy kernels are not written yet)"
+
+
+def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
+    assert bench.main(["--e2e", "--smoke", "--out", str(tmp_path), "-q"]) == 0
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    runs = {r["advance"]: r for r in res["runs"]}
+    assert set(runs) == {"cohort", "per-sequence"}
+    for r in runs.values():
+        assert r["median_ms"] > 0 and r["decode_steps"] >= 1 and r["max_rows"] == res["settings"]["batch"]
+        for st in r["steps"]:
+            assert st["live_tokens"] <= st["padded_tokens"]
+    # cohort keeps every row at one length: nothing padded
+    assert all(st["live_tokens"] == st["padded_tokens"] for st in runs["cohort"]["steps"])
+    md = (tmp_path / "e2e.md").read_text()
+    assert md.startswith("**SMOKE run") and "| cohort | " in md and "| per-sequence | " in md
+    (tmp_path / "e2e.md").unlink()                       # a run cut short: the table again from the JSON
+    assert bench.main(["--replot", str(tmp_path / "e2e.json")]) == 0
+    assert (tmp_path / "e2e.md").read_text() == md
+
+
+@pytest.mark.parametrize("cupy_ms, per_row_ms, verdict", [
+    (1.05, 40.0, "targets MET"),        # 1.05x the bound, 38x the per-row loop
+    (1.20, 40.0, "targets MISSED"),     # over 1.10x the bound
+    (1.00, 20.0, "targets MISSED"),     # only 20x the per-row loop
+])
+def test_headline_verdict_on_the_issue_targets(cupy_ms, per_row_ms, verdict):
+    # bandwidth 1 GB/s and 1e6 live bytes: the bound is exactly 1 ms
+    result = {"copy_bandwidth": [{"GBps": 1.0}]}
+    row = {"w": 2, "B": 128, "L": 4096, "spread": 64, "live_kv_bytes": 1_000_000,
+           "strategies": {"per_row": {"status": "ok", "ms": per_row_ms}, "cupy": {"status": "ok", "ms": cupy_ms}}}
+    other = dict(row, spread=0)                      # not the headline case: no line
+    lines = bench.headline_lines(result, [row, other])
+    assert len(lines) == 1 and lines[0].endswith(verdict + ".")
+    assert f"`cupy` {cupy_ms:.3f} ms = {cupy_ms:.2f}x bound" in lines[0]
+    not_run = dict(row, strategies={"per_row": {"status": "ok", "ms": 9.0},
+                                    "cupy": {"status": "not run", "reason": "no module"}})
+    assert "targets not assessed (cupy: not run)" in bench.headline_lines(result, [not_run])[0]
