@@ -28,15 +28,29 @@ slot was ever written (`materialized`). Refusals are decided on that metadata, b
 tensor is touched, with the reference's classes and messages; the physical buffers grow on
 their own (by 512-column blocks, never refused) and are never narrowed.
 
-Not vectorized (host control flow that mirrors the reference's per-row checks): the group
-loop's membership and warnings, and the draft-KV extension's per-row checks and writes (the
-simulator's `DraftKvMap` owns one draft KV per sequence; `gpu.draft.DraftPool` is the
-pooled layout an engine would use).
+Draft KV: every sequence's draft KV is a row of ONE pooled buffer (`DraftStore`, the
+`gpu.draft.DraftPool` layout); the simulator's `DraftKvMap` holds a `PoolKv` handle per
+sequence (its row index and the reference's metadata as host integers). A draft group is a
+row-index vector: alignment, split and dead-prefix strip are host metadata plus one
+`index_copy` of the rows' lengths, the chain is one batched MTP step per chain step, and
+the extension of a whole batch is one fuse + key projection and one masked scatter
+(`gpu.draft.extend_draft_kv_rows`). The capacity arithmetic and refusals stay the
+reference's, on the host integers, decided before any tensor changes.
+
+Loops that remain touch per-sequence host records, not tensors on the step's hot path:
+the group loop's membership and write-back (flags, seed positions, `filled`, warnings in
+row order), the extension's checks 7-13 (host integers), the packing of the simulator's
+per-sequence token lists, and the clone-in / clone-out of per-sequence target caches (the
+protocol hands the simulator one cache per sequence: `concat_slots`, `chunk_slot`,
+`xs_split`, `xs_stack` build or take apart those B objects; each tensor is one `cat` or a
+view). Loops over layers (slots) or chain steps are not loops over rows.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -258,7 +272,7 @@ def concat_slots(parts: list[TorchKv]) -> TorchKv:
             f"the port concatenates slots of one length only, got {[p.current for p in parts]}")
     width = max(p.kv.capacity for p in parts)
     ks, vs = [], []
-    for p in parts:
+    for p in parts:  # clone-in of per-sequence caches (one object each); a pad only where widths differ
         pad = width - p.kv.capacity
         ks.append(p.kv.k if pad == 0 else torch.nn.functional.pad(p.kv.k, (0, 0, 0, pad)))
         vs.append(p.kv.v if pad == 0 else torch.nn.functional.pad(p.kv.v, (0, 0, 0, pad)))
@@ -276,12 +290,93 @@ def chunk_slot(slot: TorchKv, g: int) -> list[TorchKv] | None:
     if len(sizes) != g:
         return None
     out, start = [], 0
-    for s in sizes:
+    for s in sizes:  # clone-out: one view per piece (the protocol returns one cache per sequence)
         kv = RaggedKv(slot.kv.k[start: start + s], slot.kv.v[start: start + s], slot.kv.lens[start: start + s],
                       slot.kv.max_seq_len)
         out.append(TorchKv(slot.max_seq_len, slot.capacity, slot.current, kv, slot.lead[start: start + s]))
         start += s
     return out
+
+
+# --- the pooled draft KV (one buffer for every sequence's draft KV) ------------------------------
+
+
+class DraftStore:
+    """The draft KV of every sequence of one backend (per MTP head width) in ONE physical
+    `RaggedKv` `[S, 1, width, head_dim]` (J1's `gpu.draft.DraftPool` layout): row s is a
+    sequence's draft KV, start-anchored (its position p at column p, `kv.lens[s]` its held
+    length). A draft group is an int64 row-index vector into it, so the group loop
+    aligns, drafts, splits and strips without copying KV, and the draft-KV extension of a
+    whole batch is one masked scatter (`gpu.draft.extend_draft_kv_rows`). Rows are
+    allocated by `alloc` (zeroed; the row count doubles when full, an allocation, not a
+    step) and returned by the handle's finalizer. The physical width grows by whole
+    512-column blocks and is never refused (refusals are the handles' host metadata)."""
+
+    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kv = RaggedKv.empty(0, 1, head_dim, 1 << 62, DRAFT_CACHE_CAPACITY, dtype, device)
+        self.free: list[int] = []
+
+    def alloc(self) -> int:
+        if not self.free:
+            s = self.kv.batch
+            grow = max(s, 8)
+            pad = (0, 0, 0, 0, 0, 0, 0, grow)
+            self.kv.k = torch.nn.functional.pad(self.kv.k, pad)
+            self.kv.v = torch.nn.functional.pad(self.kv.v, pad)
+            self.kv.lens = torch.nn.functional.pad(self.kv.lens, (0, grow))
+            self.free = list(range(s + grow - 1, s - 1, -1))
+        idx = self.free.pop()
+        self.kv.k[idx].zero_()
+        self.kv.v[idx].zero_()
+        self.kv.lens[idx] = 0
+        return idx
+
+    def release(self, idx: int) -> None:
+        self.free.append(idx)
+
+    def reserve(self, width: int) -> None:
+        """Make every row hold `width` physical columns (never refused)."""
+        _grow_physical(self.kv, width)
+
+
+class PoolKv:
+    """One sequence's draft KV: row `idx` of a `DraftStore`, with the reference's metadata as
+    host integers (`current` = the held length = `store.kv.lens[idx]` once materialized,
+    `capacity` (starts at 16, the reference's arithmetic), `max_seq_len`, `materialized`).
+    Invariant: no alignment offset (a draft row is always start-anchored: the reference's
+    group alignment is undone by its dead-prefix strip within the same group loop)."""
+
+    kind = NORMAL
+
+    def __init__(self, store: DraftStore, max_seq_len: int, capacity: int = DRAFT_CACHE_CAPACITY) -> None:
+        self.store, self.idx = store, store.alloc()
+        self.max_seq_len, self.capacity, self.current = int(max_seq_len), int(capacity), 0
+        self.materialized = False
+        weakref.finalize(self, store.release, self.idx)
+
+    current_seq_len = TorchKv.current_seq_len
+    capacity_seq_len = TorchKv.capacity_seq_len
+    check_append = TorchKv.check_append
+    grow_meta = TorchKv.grow_meta
+    try_set_len = TorchKv.try_set_len
+
+    def supports_per_sequence_len(self, xs_per_seq: bool = False) -> bool:
+        return True
+
+    def set_len(self, n: int) -> None:
+        """`KvCache.set_len`: refused past the capacity; the row's length only."""
+        self.try_set_len(n)
+        if self.materialized:
+            self.store.reserve(n)
+            self.store.kv.lens[self.idx] = n
+        self.current = n
+
+    def front_aligned(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The reference's `current_data()` `[1, 1, current, D]` (views of the pool row)."""
+        if not self.materialized:
+            return None
+        kv = self.store.kv
+        return kv.k[self.idx: self.idx + 1, :, : self.current], kv.v[self.idx: self.idx + 1, :, : self.current]
 
 
 # --- XsRolling batch assembly (the port's ring layout is row-local) ------------------------------
@@ -292,7 +387,7 @@ def xs_split(slot: XsRolling) -> list[XsRolling]:
     (copies, as the reference's: the batched slot may be appended again while its rows live
     on as per-sequence slots)."""
     out = []
-    for i in range(slot.batch):
+    for i in range(slot.batch):  # clone-out: the protocol returns one slot object per sequence
         row = XsRolling(slot.ratio, slot.span, slot.window, slot.max_seq_len, 1, slot.dim, slot.margin, slot.device)
         row.tokens, row.base = slot.tokens[i: i + 1].clone(), slot.base[i: i + 1].clone()
         if slot.ring is not None:
@@ -320,7 +415,7 @@ def xs_stack(rows: list[XsRolling], reconcile_bases: bool = False) -> XsRolling:
         like = next(r.ring for r in rows if r.ring is not None)
         g = max(r.comp.shape[1] for r in rows if r.comp is not None)
         rings, comps = [], []
-        for r in rows:
+        for r in rows:  # clone-in: per-sequence slot objects into one cat
             rings.append(r.ring if r.ring is not None else like.new_zeros((r.batch, r.window, d)))
             comp = r.comp if r.comp is not None else like.new_zeros((r.batch, 0, d))
             comps.append(torch.nn.functional.pad(comp, (0, 0, 0, g - comp.shape[1])))
@@ -497,7 +592,14 @@ class TorchBackend(Backend):
         return TorchCache(slots)
 
     def new_draft_cache(self, model):
-        return None if model.mtp is None else TorchKv(model.cfg.max_seq_len, DRAFT_CACHE_CAPACITY)
+        """A `PoolKv` row of this backend's `DraftStore` for the model's head width."""
+        if model.mtp is None:
+            return None
+        stores = self.__dict__.setdefault("_draft_stores", {})
+        hd = model.cfg.head_dim
+        if hd not in stores:
+            stores[hd] = DraftStore(hd, self.tdtype, self.dev)
+        return PoolKv(stores[hd], model.cfg.max_seq_len, DRAFT_CACHE_CAPACITY)
 
     def cache_len(self, cache):
         return cache.current_seq_len
@@ -548,7 +650,7 @@ class TorchBackend(Backend):
             else:
                 require(slot.batch == b, f"xs layer {layer} holds {slot.batch} rows, not {b}")
                 pieces = xs_split(slot)
-            for i in range(b):
+            for i in range(b):  # host lists of per-sequence slot objects (no tensor work)
                 rows[i].append(pieces[i])
         return [TorchCache(r) for r in rows]
 
@@ -617,8 +719,10 @@ class TorchBackend(Backend):
         return chunk_slot(kv, g)
 
     def front_align_draft_group(self, kvs, starts):
-        """Each row cloned, cut to its start, padded to `T = max(starts)` (an offset) and its
-        capacity narrowed to T; stacked. The reference's AlignRefusals, before any work."""
+        """The protocol's op on `TorchKv` slots, for the per-op conformance (the group loop
+        aligns pool rows by index instead, `draft_chain`). Each row cloned, cut to its start,
+        padded to `T = max(starts)` (an offset) and its capacity narrowed to T; stacked. The
+        reference's AlignRefusals, before any work."""
         starts = [int(s) for s in starts]
         require(all(s >= 0 for s in starts), f"chain starts {starts} must be >= 0")
         if len(kvs) != len(starts):
@@ -688,10 +792,11 @@ class TorchBackend(Backend):
         leads = [0] * b if lead_pad is None else [int(x) for x in lead_pad]
         require(len(leads) == b, f"{len(leads)} leads for a batch of {b}")
         c = cache.current_seq_len
-        for i in range(b):
+        bad = np.flatnonzero(np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) != c - np.asarray(leads, np.int64))
+        if bad.size:  # one vector comparison of the host integers; the first offending row named
+            i = int(bad[0])
             off = offs[i if len(offs) == b else 0]
-            require(off == c - leads[i],
-                    f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead {leads[i]})")
+            require(False, f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead {leads[i]})")
         kvs = cache.slots[:n]
         for slot in kvs:  # the reference's first append refuses before anything changes
             slot.check_append(t)
@@ -777,6 +882,15 @@ class TorchBackend(Backend):
     def mtp_step(self, model, fused, start_pos, kv):
         fused = self._t(fused)
         t = fused.shape[1]
+        if isinstance(kv, PoolKv):  # a sequence's draft KV: its pool row
+            gdispatch.draft_step_end_column(self._ints(start_pos), fused.shape[0], kv.current)
+            kv.grow_meta(t)
+            kv.store.reserve(kv.current + t)
+            kv.materialized = True
+            out = model.mtp.forward_tokens_rows(fused, [int(p) for p in start_pos], kv.store.kv,
+                                                self._ints([kv.idx]))
+            kv.current += t
+            return out
         gdispatch.draft_step_end_column(self._ints(start_pos), fused.shape[0], kv.current)  # desync first
         kv.check_append(t)
         kv.grow_meta(t)
@@ -802,8 +916,12 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ draft orchestration
     def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None):
-        """`group_drafting_loop` (same membership, warnings and order) with the port's
-        group alignment and one batched chain per group."""
+        """`group_drafting_loop` (same membership, warnings, refusals and order) on the pooled
+        draft KV: a group is the row-index vector of its members' `PoolKv` rows. The
+        reference's batch / front-align / set_len / split / strip become host metadata
+        (the same capacity arithmetic and refusals, decided before any tensor changes) plus
+        one `index_copy` of the rows' lengths to their chain starts; the chain is one
+        `propose_chain_batched` on the pool rows (one batched MTP step per chain step)."""
         b = len(states)
         require(len(toks) == b and len(cache_lens) == b and len(budgets) == b,
                 f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
@@ -811,10 +929,10 @@ class TorchBackend(Backend):
         block = model.mtp
         drafts: list[list[int]] = [[] for _ in range(b)]
         warned_empty = False
-        for (u, _), rows in groups.items():
+        for (u, _), rows in groups.items():  # groups: at most w of them (one per uncached count)
             n_draft = w - u
             members, seeds, lasts, starts = [], [], [], []
-            for i in rows:
+            for i in rows:  # host membership: per-state metadata (flags, seed positions), no tensor
                 state = states[i]
                 if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
                     continue
@@ -831,7 +949,7 @@ class TorchBackend(Backend):
                     _warn(warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)")
                     warned_empty = True
                 continue
-            seed_hidden = torch.stack(seeds)
+            seed_hidden = torch.stack(seeds)  # [G, H]: the seeds are per-sequence host records
             g = len(members)
             if block is None:
                 chains = self.propose_chain(model, seed_hidden, lasts, n_draft, starts, None)
@@ -842,77 +960,157 @@ class TorchBackend(Backend):
             if any(c is None for c in caches):
                 _warn(warnings, f"draft group {(u, _)}: a member has no draft KV cache; group skipped")
                 continue
+            require(all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
+                    "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)")
             leads = gdispatch.resolve_draft_leads(per_seq_advance, self._ints(starts))
-            leads = None if leads is None else as_list(leads)
-            if leads is None:
-                batched = _batch_draft_caches(caches)
-                if batched is None:
-                    _warn(warnings, f"draft group {(u, _)}: draft caches cannot be batched; group skipped")
-                    continue
-                try:
-                    batched.set_len(starts[0])
-                except Refusal as exc:
-                    _warn(warnings, f"draft group {(u, _)}: set_len({starts[0]}) refused ({exc}); group skipped")
-                    continue
-            else:
-                try:
-                    batched = self.front_align_draft_group(caches, starts)
-                except Refusal as exc:
-                    _warn(warnings, f"draft group {(u, _)}: front-alignment refused ({exc}); group skipped")
-                    continue
-            chains = self.propose_chain(model, seed_hidden, lasts, n_draft, starts, batched)
-            pieces = self.split(batched, g)
-            if pieces is None:
-                _warn(warnings, f"draft group {(u, _)}: the batched draft cache did not split into {g}; no drafts")
+            aligned = leads is not None
+            leads = as_list(leads) if aligned else [0] * g
+            plan = self._draft_group_plan(caches, starts, aligned, n_draft, (u, _), warnings)
+            if plan is None:
                 continue
-            for slot, i in enumerate(members):
-                row_cache = pieces[slot]
-                try:
-                    drop_dead_prefix(row_cache, 0 if leads is None else leads[slot])
-                except Refusal as exc:
-                    _warn(warnings, f"row {i}: stripping the draft dead prefix failed ({exc}); draft KV poisoned")
-                    states[i].poisoned = True
-                    continue
-                states[i].cache = row_cache
+            entry, cap = plan
+            store = caches[0].store
+            idx = self._ints([c.idx for c in caches])
+            store.reserve(max(max(starts), entry) + n_draft)
+            before = store.kv.lens
+            # the alignment is lengths only: each row its own start (ragged), or the batched
+            # set_len(starts[0]) (uniform path; ragged starts there refuse "desync" in the chain)
+            store.kv.lens = before.index_copy(0, idx, self._ints(starts) if aligned else self._ints([entry] * g))
+            try:
+                chains = propose_chain_batched(model, seed_hidden, self._ints(lasts), n_draft, self._ints(starts),
+                                               store.kv, rows=idx).tolist()
+            except Refusal:
+                store.kv.lens = before  # the reference refused on a batched copy: the rows are untouched
+                raise
+            for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
+                c = caches[slot]
+                c.materialized = True
+                c.capacity = cap - leads[slot]      # split (batched metadata) + strip of the row's lead
+                c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
                 states[i].filled = starts[slot] + 1
-            for slot, i in enumerate(members):
                 drafts[i] = chains[slot]
         return drafts
 
-    def _extend_row(self, state, capture, toks, row, batch, model) -> bool:
-        """`extend_draft_kv_row`'s checks 1-13 for one row; the write is the port's
-        `gpu.draft.extend_draft_kv_rows` (the K of each pair at its position: the MTP layer's
+    @staticmethod
+    def _draft_group_plan(caches, starts, aligned, n, key, warnings):
+        """The reference's group alignment on host metadata: the batched slot's length on
+        entry to the chain and its capacity after it, or None (warned) when the reference
+        skips the group. Uniform (no leads): `batch_draft_caches` (one member always; more
+        need equal (length, capacity) and materialized buffers) then `set_len(starts[0])`.
+        Ragged: `front_align_draft_group`'s AlignRefusals, length and capacity `T =
+        max(starts)`. Then the chain's n one-column appends (`check_append`, CacheRefusal
+        propagates, as the reference's `propose_chain`)."""
+        if not aligned:
+            first = caches[0]
+            if len(caches) > 1 and any(not c.materialized or (c.current, c.capacity) != (first.current, first.capacity)
+                                       for c in caches):
+                _warn(warnings, f"draft group {key}: draft caches cannot be batched; group skipped")
+                return None
+            if starts[0] > first.capacity:
+                _warn(warnings, f"draft group {key}: set_len({starts[0]}) refused (set_len({starts[0]}) exceeds "
+                                f"current capacity {first.capacity} (first cached 0)); group skipped")
+                return None
+            entry, cap = starts[0], first.capacity
+        else:
+            refusal = None
+            for r, (c, s) in enumerate(zip(caches, starts)):  # first refusing row, host integers
+                if not c.materialized:
+                    refusal = f"draft row {r}'s buffer is unmaterialized"
+                elif s > c.current:
+                    refusal = f"chain start {s} is past the {c.current} position(s) draft row {r} holds"
+                if refusal is not None:
+                    _warn(warnings, f"draft group {key}: front-alignment refused ({refusal}); group skipped")
+                    return None
+            entry = cap = max(starts)
+        for i in range(n):  # the reference's n one-column appends (chain steps, not rows)
+            cap = TorchKv(caches[0].max_seq_len, cap, entry + i).check_append(1)
+        return entry, cap
+
+    def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None,
+                         why="capture misaligned with the draft KV"):
+        """`extend_draft_kv_row` for every row: checks 1-13 and the metadata (capacity,
+        refusals, filled, poisoning, warnings in row order) on host integers, then the
+        tensor side for the whole batch at once: one gather of the new seeds, one
+        `index_copy` of the truncated lengths, and one `gpu.draft.extend_draft_kv_rows`
+        (one fuse + key projection, one masked scatter into the pool rows; the MTP layer's
         K is token-local, so the reference's discarded attention output is not computed)."""
-        if state.poisoned:
-            return False
-        if capture is None:
-            return True
-        block = model.mtp
-        if block is None:
-            return True
-        offsets, hidden = capture
-        hidden = self._t(hidden)
-        if hidden.dim() == 2:
-            hidden = hidden[None]
-        elif hidden.dim() != 3:
-            raise StepRefusal(f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
-                              f"expected [B,T,H] or [T,H]")
-        if hidden.shape[0] != batch or row >= batch:
-            return False
-        if not offsets.describes(batch):
-            return False
+        block = None if capture is None else model.mtp
+        hidden = offsets = None
+        batch_fail = None  # a capture-wide outcome: an exception (every row poisoned) or False
+        if block is not None:
+            offsets, hidden = capture
+            hidden = self._t(hidden)
+            if hidden.dim() == 2:
+                hidden = hidden[None]
+            if hidden.dim() != 3:
+                batch_fail = StepRefusal(f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
+                                         f"expected [B,T,H] or [T,H]")
+            elif hidden.shape[0] != batch or not offsets.describes(batch):
+                batch_fail = False
+        seed_rows, seed_cols, seed_states = [], [], []
+        trunc_idx, trunc_len = [], []
+        w_rows, w_idx, w_off, w_lo, w_hi = [], [], [], [], []
+        store = None
+        for row in range(batch):  # host: per-state integer checks and metadata, no tensor touched
+            state = states[row]
+            if state is None:
+                continue
+            ok, err = True, None
+            if state.poisoned:
+                ok = False
+            elif block is None:
+                ok = True
+            elif isinstance(batch_fail, Exception):
+                err = batch_fail
+            else:
+                if batch_fail is False:
+                    ok = False
+                else:
+                    try:
+                        ok = self._extend_plan(state, offsets, toks[row], row, hidden.shape[1], seed_rows, seed_cols,
+                                               seed_states, trunc_idx, trunc_len, w_rows, w_idx, w_off, w_lo, w_hi)
+                    except Refusal as exc:
+                        err = exc
+                    if isinstance(state.cache, PoolKv):
+                        store = state.cache.store
+            if err is not None:
+                state.poisoned = True
+                _warn(warnings, f"row {row}: draft KV extension failed ({err}); draft KV poisoned")
+            elif not ok:
+                state.poisoned = True
+                _warn(warnings, f"row {row}: {why}; draft KV poisoned")
+        if seed_rows:  # the new seeds: one gather
+            got = hidden[self._ints(seed_rows), self._ints(seed_cols)]
+            for j, (state, p) in enumerate(seed_states):  # host records: views of the one gather
+                state.seed = (p, got[j])
+        if trunc_idx:  # the reference's set_len(filled): lengths only
+            store.kv.lens = store.kv.lens.index_copy(0, self._ints(trunc_idx), self._ints(trunc_len))
+        if w_rows:
+            store.reserve(max(w_hi))
+            width = max(w_hi) + 1
+            tok = np.zeros((len(w_rows), width), dtype=np.int64)
+            for r, (row, lo, hi) in enumerate(zip(w_rows, w_lo, w_hi)):  # host packing of the token lists
+                tok[r, lo + 1: hi + 1] = toks[row][lo + 1: hi + 1]
+            rows_t = self._ints(w_rows)
+            extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi,
+                                 torch.from_numpy(tok).to(self.dev), rows=self._ints(w_idx))
+
+    @staticmethod
+    def _extend_plan(state, offsets, toks, row, t, seed_rows, seed_cols, seed_states, trunc_idx, trunc_len,
+                     w_rows, w_idx, w_off, w_lo, w_hi) -> bool:
+        """`extend_draft_kv_row`'s checks 7-13 for one row on host integers: False where the
+        reference returns False; a CacheRefusal as the reference's; otherwise the row's
+        metadata updated and its tensor work queued (seed, truncation, write)."""
         off = offsets.row(row)
-        if off is None:
-            return False
-        hidden = hidden[row]
-        t = hidden.shape[0]
-        if off > state.filled:
+        if off is None or off > state.filled:
             return False
         big_l = len(toks)
         if big_l >= 2:
             p = big_l - 2
             if off <= p < off + t:
-                state.seed = (p, hidden[p - off].clone())
+                seed_rows.append(row)
+                seed_cols.append(p - off)
+                seed_states.append((state, p))
         lo = max(state.filled, off)
         hi = min(off + t, max(big_l - 1, 0))
         if hi <= lo:
@@ -922,39 +1120,24 @@ class TorchBackend(Backend):
             state.filled = hi
             return True
         try:
-            cache.set_len(state.filled)
+            cache.try_set_len(state.filled)
         except Refusal as exc:
             raise CacheRefusal(f"MTP draft KV truncate to {state.filled} failed: {exc}") from exc
-        gdispatch.draft_step_end_column([lo], 1, cache.current)  # forward_tokens' desync check
+        cache.current = state.filled  # lo == filled == current: forward_tokens' desync check holds
+        if cache.materialized:
+            trunc_idx.append(cache.idx)
+            trunc_len.append(state.filled)
         cache.check_append(hi - lo)
-        if cache.kv is None:
-            cache.kv = RaggedKv.empty(1, 1, model.cfg.head_dim, cache.max_seq_len, max(cache.capacity, 1),
-                                      self.tdtype, self.dev)
-            cache.lead = torch.zeros(1, dtype=torch.int64, device=self.dev)
-        cache.bake(torch.zeros(1, dtype=torch.int64, device=self.dev))
+        cache.materialized = True
         cache.grow_meta(hi - lo)
-        _grow_physical(cache.kv, hi)
-        tokens = torch.as_tensor([int(x) for x in toks] + [0], dtype=torch.int64, device=self.dev)[None]
-        extend_draft_kv_rows(block, cache.kv, hidden[None], [off], [lo], [hi], tokens)
         cache.current = hi
         state.filled = hi
+        w_rows.append(row)
+        w_idx.append(cache.idx)
+        w_off.append(off)
+        w_lo.append(lo)
+        w_hi.append(hi)
         return True
-
-    def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None,
-                         why="capture misaligned with the draft KV"):
-        for row in range(batch):
-            state = states[row]
-            if state is None:
-                continue
-            try:
-                ok = self._extend_row(state, capture, toks[row], row, batch, model)
-            except Refusal as exc:
-                state.poisoned = True
-                _warn(warnings, f"row {row}: draft KV extension failed ({exc}); draft KV poisoned")
-                continue
-            if not ok:
-                state.poisoned = True
-                _warn(warnings, f"row {row}: {why}; draft KV poisoned")
 
     def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
         self.extend_draft_kvs(states, capture, toks, batch, model, warnings,
@@ -992,13 +1175,11 @@ class TorchBackend(Backend):
         b = len(proposed)
         p = max((len(x) for x in proposed), default=0)
         q = max((len(x) for x in targets), default=0)
-        prop = torch.full((b, p), -1, dtype=torch.int64)
-        targ = torch.full((b, q), -2, dtype=torch.int64)
-        for i, (x, y) in enumerate(zip(proposed, targets)):  # host packing of ragged lists
-            prop[i, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
-            targ[i, : len(y)] = torch.as_tensor(y, dtype=torch.int64)
-        out = gstep.verify_proposed(prop.to(self.dev), targ.to(self.dev), self._ints(len(x) for x in proposed),
-                                    self._ints(len(y) for y in targets))
+        lp = np.fromiter((len(x) for x in proposed), np.int64, b)
+        lq = np.fromiter((len(y) for y in targets), np.int64, b)
+        prop, targ = _pack_ragged(proposed, lp, p, -1), _pack_ragged(targets, lq, q, -2)
+        out = gstep.verify_proposed(torch.from_numpy(prop).to(self.dev), torch.from_numpy(targ).to(self.dev),
+                                    torch.from_numpy(lp).to(self.dev), torch.from_numpy(lq).to(self.dev))
         return as_list(out.accepted)
 
     def budget_clamp(self, accepted, budgets):
@@ -1013,18 +1194,13 @@ class TorchBackend(Backend):
         return as_list(plan.committed), as_list(plan.dropped), as_list(plan.next_uncached)
 
 
-def _batch_draft_caches(caches: list[TorchKv]) -> TorchKv | None:
-    """`batch_draft_caches` on port slots: None for empty, a non-Normal member, unequal
-    (length, capacity), an unmaterialized buffer; one member a clone."""
-    if not caches:
-        return None
-    if len(caches) == 1:
-        return caches[0].clone()
-    first = caches[0]
-    for c in caches:
-        if c.kind != NORMAL or (c.current, c.capacity) != (first.current, first.capacity) or c.kv is None:
-            return None
-    return concat_slots(caches)
+def _pack_ragged(lists, lens: np.ndarray, width: int, fill: int) -> np.ndarray:
+    """Host packing of ragged integer lists into `[B, width]` (padding `fill`): one flat
+    copy and one masked assignment (row-major, so each row's values land in order)."""
+    out = np.full((len(lists), width), fill, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
+    out[np.arange(width)[None, :] < lens[:, None]] = flat
+    return out
 
 
 def _warn(warnings, text: str) -> None:
@@ -1032,5 +1208,5 @@ def _warn(warnings, text: str) -> None:
         warnings.append(text)
 
 
-__all__ = ["TorchBackend", "TorchKv", "TorchCache", "concat_slots", "chunk_slot", "xs_split", "xs_stack",
-           "front_align_batch", "clone_in_cache", "drop_dead_prefix"]
+__all__ = ["TorchBackend", "TorchKv", "TorchCache", "DraftStore", "PoolKv", "concat_slots", "chunk_slot", "xs_split",
+           "xs_stack", "front_align_batch", "clone_in_cache", "drop_dead_prefix"]
