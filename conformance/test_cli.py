@@ -419,3 +419,20 @@ def test_max_seq_len_arrival_and_no_xs_per_seq_flags(tmp_path, capsys):
     assert "'max_seq_len'" in capsys.readouterr().err
     assert cli.main(["simulate", "--arrival", "sometimes", "--out", str(out)]) == 2
     assert "all-at-once, staggered" in capsys.readouterr().err
+
+
+def test_simulate_runs_the_tensor_mode_on_the_torch_backend_with_the_same_trace(tmp_path, capsys):
+    """`--backend torch` reaches the simulator: the integer trace equals the numpy backend's,
+    and the backend flags are refused (exit 2, saying why) outside tensor mode or for an
+    unknown backend."""
+    common = ["simulate", "--batch", "3", "--depth", "2", "--steps", "12", "--mode", "tensor", "-q"]
+    assert cli.main(common + ["--out", str(tmp_path / "n.jsonl")]) == 0
+    assert cli.main(common + ["--backend", "torch", "--out", str(tmp_path / "t.jsonl")]) == 0
+    numpy_lines = (tmp_path / "n.jsonl").read_text().splitlines()[1:]
+    torch_lines = (tmp_path / "t.jsonl").read_text().splitlines()[1:]
+    assert numpy_lines == torch_lines and len(numpy_lines) > 5
+    capsys.readouterr()
+    assert cli.main(["simulate", "--backend", "torch", "--out", str(tmp_path / "x.jsonl"), "-q"]) == 2
+    assert "need --mode tensor" in capsys.readouterr().err
+    assert cli.main(common + ["--backend", "nope", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "unknown backend 'nope'" in capsys.readouterr().err

@@ -148,6 +148,11 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("lengths", "tensor"), default="lengths",
                    help="lengths: integer lengths only, fast (default); tensor: the full "
                         "reference with KV tensors and the tiny model (same integer trace)")
+    p.add_argument("--backend", default=None, metavar="NAME",
+                   help="tensor mode: numpy (default), torch, or package.module:factory")
+    p.add_argument("--device", default=None, help="tensor mode with --backend torch: cpu (default) or cuda")
+    p.add_argument("--dtype", default=None, choices=("float64", "float32", "bfloat16"),
+                   help="tensor mode with --backend torch: float64 (default), float32, bfloat16")
     p.add_argument("--out", type=Path, default=Path("trace.jsonl"),
                    help="JSONL trace to write (default: trace.jsonl)")
     p.add_argument("--csv", nargs="?", type=Path, const=True, default=None, metavar="PATH",
@@ -163,9 +168,19 @@ def run_simulate(args) -> int:
 
     if args.scenario is not None and not args.scenario.is_file():
         raise UsageError(f"scenario file {args.scenario} does not exist")
+    backend = None
+    if args.backend is not None or args.device is not None or args.dtype is not None:
+        if args.mode != "tensor":
+            raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode has no tensors)")
+        from reference.backend import load_backend
+        try:
+            backend = load_backend(args.backend, args.device, args.dtype)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     bar = progress_factory(args)(f"simulate ({args.mode})")
     try:
-        trace = simulate(args.scenario, scenario_overrides(args), mode=args.mode, progress=bar)
+        trace = simulate(args.scenario, scenario_overrides(args), mode=args.mode, progress=bar,
+                         backend=backend)
         # shown only when the run stopped before --steps: every request had finished or failed
         bar.close(f"ended at step {len(trace)} of at most {trace.header['scenario']['steps']}: "
                   "no request left to run")

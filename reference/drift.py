@@ -410,20 +410,22 @@ def override_list(overrides) -> list[str]:
     return list(overrides)
 
 
-def simulate(scenario=None, overrides=None, mode: str = "lengths", progress=None):
+def simulate(scenario=None, overrides=None, mode: str = "lengths", progress=None, backend=None):
     """Run the simulator on a scenario (file, dict or None for the defaults) plus overrides
     (a dict or "key=value" strings); returns its `reference.trace.Trace`. ScenarioError
-    names a bad key."""
+    names a bad key. `backend` (a `reference.backend.Backend`) is for the tensor mode only."""
     from reference.scenario import load_scenario
 
     sc = load_scenario(scenario, override_list(overrides))
     if mode == "lengths":
+        if backend is not None:
+            raise ValueError("a backend applies to --mode tensor only (lengths mode has no tensors)")
         from reference.lengths import run
-    elif mode == "tensor":
+        return run(sc, progress=progress)
+    if mode == "tensor":
         from reference.simulator import run
-    else:
-        raise ValueError(f"mode {mode!r} must be lengths or tensor")
-    return run(sc, progress=progress)
+        return run(sc, progress=progress, backend=backend)
+    raise ValueError(f"mode {mode!r} must be lengths or tensor")
 
 
 def _refusal_note(data: TraceData, requested: str) -> None:
