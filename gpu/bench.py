@@ -68,6 +68,7 @@ torch is imported inside the functions, so `raggedspec --help` does not pay for 
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib
 import importlib.util
@@ -328,7 +329,7 @@ def _sdpa(q, k, v, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-class Strategy:
+class Strategy(abc.ABC):
     """`unavailable()` -> None or the reason it cannot run here; `prepare(case)` -> ctx (the
     per-step masks / metadata, timed separately as mask_ms); `run(case, ctx)` -> out."""
 
@@ -342,8 +343,9 @@ class Strategy:
     def prepare(self, case: Case):
         return None
 
+    @abc.abstractmethod
     def run(self, case: Case, ctx):
-        raise NotImplementedError
+        """The strategy's output for `case` (prepared context `ctx`)."""
 
 
 class PerRow(Strategy):
