@@ -294,6 +294,20 @@ def run_conformance(args) -> int:
     return run(args)
 
 
+def add_mutation(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "mutation", add_help=False, prefix_chars="\0",
+        help="mutation testing: the named catalogue and mutmut (arguments go to mutation.runner; "
+             "`raggedspec mutation --help` lists them)")
+    p.add_argument("runner_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def run_mutation(args) -> int:
+    from mutation.runner import main as mutation_main
+    return mutation_main(args.runner_args)
+
+
 def add_bench(sub) -> argparse.ArgumentParser:
     from gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
@@ -309,6 +323,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "drift": (add_drift, run_drift),
     "conformance": (add_conformance, run_conformance),
     "bench": (add_bench, run_bench),
+    "mutation": (add_mutation, run_mutation),
 }
 
 
