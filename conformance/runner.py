@@ -32,7 +32,9 @@ PROFILES = ("ci", "dev", "thorough", "mutmut")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 _TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")
-_STATS = re.compile(r"during (\w+) phase.*?(\d+) passing examples, (\d+) failing examples", re.S)
+# "60 passing examples, 0 failing examples" (Hypothesis <= 6.15x) or "60 passing, 0 failing,
+# and 2 invalid test cases" (newer): accept both wordings.
+_STATS = re.compile(r"during (\w+) phase.*?(\d+) passing(?: examples)?, (\d+) failing", re.S)
 
 
 # ----------------------------------------------------------------------------- parser

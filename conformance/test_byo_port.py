@@ -65,3 +65,18 @@ def test_unknown_backends_and_unavailable_devices_exit_2():
     if not torch.cuda.is_available():
         cuda = runner("--device", "cuda")
         assert cuda.returncode == 2 and "CUDA is not available" in cuda.stderr
+
+
+def test_the_runner_reads_example_counts_in_both_hypothesis_wordings():
+    """Hypothesis reworded its statistics ("60 passing examples, 0 failing examples" became
+    "60 passing, 0 failing, and 2 invalid test cases"); the per-rule table must count both,
+    and must not count the shrink phase."""
+    from conformance.runner import _examples
+
+    old = ("t:\n  - during generate phase (1.3 seconds):\n    - 60 passing examples, 0 failing examples, "
+           "2 invalid examples\n  - during shrink phase (0.1 seconds):\n    - 5 passing examples, 1 failing examples\n")
+    new = "t:\n  - during reuse phase (0.1 seconds):\n    - 3 passing, 0 failing, and 0 invalid test cases\n" \
+          "  - during generate phase (1.5 seconds):\n    - 57 passing, 1 failing, and 2 invalid test cases\n"
+    assert _examples(old) == 60
+    assert _examples(new) == 61
+    assert _examples(None) is None
