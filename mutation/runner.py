@@ -367,14 +367,17 @@ def run_catalogue(entries: list[Mutant], root: Path = ROOT, jobs: int = 2, check
             with lock:
                 free.append(srv)
 
+    pool = cf.ThreadPoolExecutor(jobs)
     try:
-        with cf.ThreadPoolExecutor(jobs) as pool:
-            futures = {pool.submit(work, m): m for m in entries}
-            for fut in cf.as_completed(futures):
-                r = fut.result()
-                results[r.name] = r
-                log(f"  {r.status:8} {r.name}  [{r.detail}]  {r.seconds:.1f}s")
+        futures = {pool.submit(work, m): m for m in entries}
+        for fut in cf.as_completed(futures):
+            r = fut.result()
+            results[r.name] = r
+            log(f"  {r.status:8} {r.name}  [{r.detail}]  {r.seconds:.1f}s")
     finally:
+        # on an interrupt: drop the queued mutants, let the running ones (<= jobs) restore
+        # their file, then stop the servers
+        pool.shutdown(wait=True, cancel_futures=True)
         for srv in servers:
             srv.close()
     return [results[m.name] for m in entries], red
@@ -842,7 +845,12 @@ def main(argv: list[str] | None = None) -> int:
     if infra:
         verdict = Verdict(False, verdict.reasons + [infra])
     seconds = time.monotonic() - t0
-    command = "python -m mutation.runner " + " ".join(argv if argv is not None else sys.argv[1:])
+    shown = list(argv if argv is not None else sys.argv[1:])
+    for opt in ("--json", "--docs"):  # where the output went is not part of what ran
+        if opt in shown and shown.index(opt) + 1 < len(shown):
+            i = shown.index(opt)
+            del shown[i: i + 2]
+    command = "python -m mutation.runner " + " ".join(shown)
     when = time.strftime("%Y-%m-%d")
     full_run = not args.fast and not args.only and not args.from_mutants
     docs = args.docs or (root / "docs" / "mutation.md" if full_run and not args.no_docs else None)
