@@ -70,6 +70,7 @@ from gpu.rope import apply_rope, rotate
 from gpu.xs_rolling import XsRolling
 from reference import model as ref_model
 from reference.backend import Backend, CloneIn
+from reference.dispatch import chain_start_of
 from reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
 from reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
 
@@ -936,8 +937,7 @@ class TorchBackend(Backend):
                 state = states[i]
                 if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
                     continue
-                start = int(cache_lens[i]) + u - 2  # chain_start_of
-                require(start >= 0, f"cache_len + u < 2 has no chain start: {start + 2}")
+                start = chain_start_of(int(cache_lens[i]), u)
                 if state.seed[0] != start or state.filled < start:
                     continue
                 members.append(i)
