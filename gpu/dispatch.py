@@ -5,7 +5,12 @@ exactly like the reference, returns `None` for a uniform batch: never a vector o
 values. The vectors are int64 tensors; the decision itself is a host branch (an engine
 picks a kernel on the host), so each predicate reads its vector's reduction once.
 Draft-group partition is vectorized: keys for every row at once, `torch.unique` for the
-sorted keys, one stable sort for the rows of each group.
+sorted keys, one sort of `group * N + row` (unique keys, so no reliance on a stable sort,
+which CUDA's sort is not) for the rows of each group.
+
+Malformed input (ValueError) names the parameter and its values; no `device=` or `dtype=`
+argument appears here: second vectors go to the first one's device through
+`gpu._common.lengths_like`, and new tensors are made `*_like` an existing one.
 
 Not ported (host-only, no tensor side): `CaptureOffsets`, `resolve_capture_offsets`,
 `MtpHiddenCapture` (bookkeeping of a captured block; the reference objects are used as is).
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu._common import as_list, lengths
+from gpu._common import as_list, flags_like, lengths, lengths_like
 from reference.errors import DispatchRefusal, require
 
 
@@ -103,10 +108,14 @@ def resolve_draft_leads(enabled: bool, starts) -> torch.Tensor | None:
 
 def chain_start_of(cache_lens, u) -> torch.Tensor:
     """`C_i + u_i - 2` for every row (ValueError when any `C_i + u_i < 2`)."""
-    c, u = lengths(cache_lens, name="cache_lens"), lengths(u, name="u")
-    require(not bool((c < 0).any() or (u < 0).any()), "cache_lens and u must be >= 0")
+    c = lengths(cache_lens, name="cache_lens")
+    u = lengths_like(u, c, "u")
+    require(c.numel() == u.numel(), f"{c.numel()} cache_lens for {u.numel()} u")
+    require(not bool((c < 0).any() or (u < 0).any()),
+            f"cache_lens {as_list(c)} and u {as_list(u)} must be >= 0")
     s = c + u
-    require(not bool((s < 2).any()), f"cache_len + u < 2 has no chain start: {as_list(s)}")
+    require(not bool((s < 2).any()),
+            f"cache_len + u < 2 has no chain start: cache_lens {as_list(c)} + u {as_list(u)}")
     return s - 2
 
 
@@ -136,20 +145,20 @@ def draft_groups(uncached, cache_lens, may_draft, w: int, per_seq_advance: bool)
     `draft_group_keys`; keys ascending, rows ascending within a group. ValueError on
     unequal lengths or `w < 1`."""
     u = lengths(uncached, name="uncached")
-    c = lengths(cache_lens, device=u.device, name="cache_lens")
-    may = may_draft.to(device=u.device, dtype=torch.bool) if isinstance(may_draft, torch.Tensor) \
-        else torch.as_tensor([bool(m) for m in may_draft], dtype=torch.bool, device=u.device)
+    c = lengths_like(cache_lens, u, "cache_lens")
+    may = flags_like(may_draft, u, "may_draft")
     require(c.numel() == u.numel() and may.numel() == u.numel(),
             f"uncached ({u.numel()}), cache_lens ({c.numel()}) and may_draft ({may.numel()}) "
             f"must have one entry per row")
     require(w >= 1, f"window w {w} must be >= 1")
     idx = ((u < w) & may).nonzero().flatten()
     if idx.numel() == 0:
-        return DraftGroups(torch.zeros((0, 2), dtype=torch.int64, device=u.device), [])
+        return DraftGroups(u.new_zeros((0, 2)), [])
     keys = draft_group_keys(u[idx], c[idx], per_seq_advance)
     uniq, inverse, counts = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
-    order = torch.sort(inverse, stable=True).indices  # rows stay ascending within a group
-    return DraftGroups(uniq, list(torch.split(idx[order], counts.tolist())))
+    n = u.numel()  # > every row index, so `group * n + row` sorts by group, then by row
+    rows = torch.sort(inverse * n + idx).values % n
+    return DraftGroups(uniq, list(torch.split(rows, counts.tolist())))
 
 
 def draft_step_end_column(start_pos, b: int, cached: int) -> int:

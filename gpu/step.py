@@ -11,6 +11,11 @@ The cache side of the rollback and commit (`truncate_cache_by`, `commit_per_sequ
 strip of the per-sequence commit moves no data at all.
 
 Not ported (host-only, no tensor side): `mtp_window`, `per_seq_advance`, `window_guard`.
+
+Malformed input (ValueError) names the parameter and its values. As in `gpu.dispatch`, no
+`device=`/`dtype=` argument appears: second vectors follow the first through
+`gpu._common.lengths_like`, new tensors are made `*_like` an existing one, and results are
+int64 (`.long()`) whatever integer dtype the caller's tokens use.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu._common import as_list, lengths
+from gpu._common import as_list, lengths, lengths_like, on_device_of
 from reference.errors import require
 
 
@@ -40,7 +45,7 @@ def plan_step_window(cache_lens, tok_lens, w: int) -> StepWindow:
     and `1 <= u_i <= w` (an empty batch is ok). ValueError on unequal or negative lengths,
     `w < 1`."""
     c = lengths(cache_lens, name="cache_lens")
-    t = lengths(tok_lens, device=c.device, name="tok_lens")
+    t = lengths_like(tok_lens, c, "tok_lens")
     require(c.numel() == t.numel(), f"{c.numel()} cache_lens for {t.numel()} tok_lens")
     require(w >= 1, f"window w {w} must be >= 1")
     require(not bool((c < 0).any() or (t < 0).any()),
@@ -51,11 +56,13 @@ def plan_step_window(cache_lens, tok_lens, w: int) -> StepWindow:
 
 
 def window_verify_row(u, j) -> torch.Tensor:
-    """`u - 1 + j` elementwise (broadcasting): the verify row of draft slot j."""
-    u = torch.as_tensor(u, dtype=torch.int64)
-    j = torch.as_tensor(j, dtype=torch.int64).to(u.device)
-    require(not bool((u < 1).any() or (j < 0).any()), "u must be >= 1 and j >= 0")
-    return u - 1 + j
+    """`u - 1 + j` elementwise (broadcasting), int64: the verify row of draft slot j.
+    ValueError unless every `u >= 1` and every `j >= 0`."""
+    u = torch.as_tensor(u).long()
+    j = torch.as_tensor(j).long()
+    require(not bool((u < 1).any() or (j < 0).any()),
+            f"u {u.tolist()} must be >= 1 and j {j.tolist()} >= 0")
+    return u - 1 + on_device_of(j, u)
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class VerifiedBatch:
     @property
     def commit_len(self) -> torch.Tensor:
         """`accepted + rejected`: the reference's `len(accepted) + [rejection]`."""
-        return self.accepted + self.rejected.to(torch.int64)
+        return self.accepted + self.rejected.long()
 
 
 def verify_proposed(proposed: torch.Tensor, target: torch.Tensor, n_proposed=None,
@@ -89,39 +96,41 @@ def verify_proposed(proposed: torch.Tensor, target: torch.Tensor, n_proposed=Non
             f"proposed {list(proposed.shape)} and target {list(target.shape)} must be [B, *]")
     b, p = proposed.shape
     q = target.shape[1]
-    dev = proposed.device
-    n_p = torch.full((b,), p, dtype=torch.int64, device=dev) if n_proposed is None \
-        else lengths(n_proposed, device=dev, name="n_proposed")
-    n_t = torch.full((b,), q, dtype=torch.int64, device=dev) if n_target is None \
-        else lengths(n_target, device=dev, name="n_target")
-    require(n_p.numel() == b and n_t.numel() == b, f"per-row counts must have {b} entries")
+    n_p = proposed.new_full((b,), p).long() if n_proposed is None \
+        else lengths_like(n_proposed, proposed, "n_proposed")
+    n_t = proposed.new_full((b,), q).long() if n_target is None \
+        else lengths_like(n_target, proposed, "n_target")
+    require(n_p.numel() == b and n_t.numel() == b,
+            f"per-row counts must have {b} entries: n_proposed {as_list(n_p)}, n_target {as_list(n_t)}")
     require(not bool((n_p < 0).any() or (n_p > p).any() or (n_t < 0).any() or (n_t > q).any()),
             f"per-row counts out of range: n_proposed {as_list(n_p)} (<= {p}), "
             f"n_target {as_list(n_t)} (<= {q})")
     n = torch.minimum(n_p, n_t)
-    none = torch.full((b,), -1, dtype=torch.int64, device=dev)
+    none = torch.full_like(n, -1)
     width = min(p, q)
     if width == 0:
-        return VerifiedBatch(n, torch.zeros((b,), dtype=torch.bool, device=dev), none)
-    cols = torch.arange(width, device=dev)
-    mismatch = (proposed[:, :width] != target[:, :width]) & (cols[None, :] < n[:, None])
-    rejected = mismatch.any(dim=1)
-    first = mismatch.to(torch.uint8).argmax(dim=1)  # the first maximal index
-    token = target[:, :width].gather(1, first[:, None])[:, 0].to(torch.int64)
+        return VerifiedBatch(n, torch.zeros_like(n).bool(), none)
+    # The first mismatch over all `width` columns is the first within row i's `n_i` scanned
+    # positions iff it lies below `n_i`: no column index vector is needed.
+    mismatch = proposed[:, :width] != target[:, :width]
+    first = mismatch.byte().argmax(dim=1)  # the first maximal index (0 if none)
+    rejected = mismatch.any(dim=1) & (first < n)
+    token = target[:, :width].gather(1, first[:, None])[:, 0].long()
     return VerifiedBatch(torch.where(rejected, first, n), rejected, torch.where(rejected, token, none))
 
 
 def token_budget(max_seq_len: int, tok_lens) -> torch.Tensor:
-    """`sat(max_seq_len - L_i)` per row."""
+    """`sat(max_seq_len - L_i)` per row. ValueError on a negative max_seq_len or length."""
     t = lengths(tok_lens, name="tok_lens")
-    require(max_seq_len >= 0 and not bool((t < 0).any()), "max_seq_len and L must be >= 0")
+    require(max_seq_len >= 0 and not bool((t < 0).any()),
+            f"max_seq_len {max_seq_len} and tok_lens {as_list(t)} must be >= 0")
     return _sat(max_seq_len - t)
 
 
 def budget_clamp(accepted, budget) -> torch.Tensor:
     """Per row: `sat(budget - 1)` where `accepted + 1 > budget`, else `accepted`."""
     a = lengths(accepted, name="accepted")
-    bud = lengths(budget, device=a.device, name="budget")
+    bud = lengths_like(budget, a, "budget")
     require(a.numel() == bud.numel(), f"{a.numel()} accepted for {bud.numel()} budgets")
     require(not bool((a < 0).any() or (bud < 0).any()),
             f"accepted {as_list(a)} and budget {as_list(bud)} must be >= 0")
@@ -146,7 +155,7 @@ class PerSequencePlan:
 
 def _step_inputs(uncached, accepted, w: int) -> tuple[torch.Tensor, torch.Tensor]:
     u = lengths(uncached, name="uncached")
-    a = lengths(accepted, device=u.device, name="accepted")
+    a = lengths_like(accepted, u, "accepted")
     require(u.numel() == a.numel(), f"{u.numel()} uncached for {a.numel()} accepted")
     require(w >= 1, f"window w {w} must be >= 1")
     require(not bool((u < 0).any() or (a < 0).any()),
@@ -159,7 +168,7 @@ def plan_batch_step(uncached, accepted, w: int) -> CohortPlan:
     `next = sat(u + a + 1 - keep)`."""
     u, a = _step_inputs(uncached, accepted, w)
     valid = u + a
-    keep = valid.min() if valid.numel() else torch.zeros((), dtype=torch.int64, device=u.device)
+    keep = valid.min() if valid.numel() else valid.new_zeros(())
     return CohortPlan(keep, _sat(w - keep), _sat(valid + 1 - keep))
 
 
@@ -173,6 +182,7 @@ def plan_per_sequence_step(uncached, accepted, w: int) -> PerSequencePlan:
 def n_cache_positions_to_drop(n_proposed, commit_len) -> torch.Tensor:
     """`sat(n_proposed - commit_len)` per row (the older two-forward rollback)."""
     n = lengths(n_proposed, name="n_proposed")
-    c = lengths(commit_len, device=n.device, name="commit_len")
+    c = lengths_like(commit_len, n, "commit_len")
+    require(n.numel() == c.numel(), f"{n.numel()} n_proposed for {c.numel()} commit_len")
     require(not bool((n < 0).any()), f"n_proposed {as_list(n)} must be >= 0")
     return _sat(n - c)
