@@ -436,6 +436,7 @@ CATALOGUE: list[Mutant] = [
 # The torch port (gpu/): entries are added here once gpu/ modules and their
 # conformance/test_port_*.py tests exist and pass (see docs/mutation.md).
 G_DISP, G_STEP, G_MASKS, G_ROPE = "gpu/dispatch.py", "gpu/step.py", "gpu/masks.py", "gpu/rope.py"
+G_KERN, P_KERN = "gpu/kernels.cu", _C + "test_cupy_kernels.py"
 P_MASKS, P_ROPE = _C + "test_port_masks.py", _C + "test_port_rope.py"
 
 PORT_CATALOGUE: list[Mutant] = [
@@ -544,6 +545,26 @@ PORT_CATALOGUE: list[Mutant] = [
     M("port RoPE: the gathered table uses offsets[0] for every row", G_ROPE,
       "        positions = offsets[:, None] + torch.arange(t, device=x.device)[None, :]\n",
       "        positions = offsets[:1, None] + torch.arange(t, device=x.device)[None, :]\n", "M§23", P_ROPE),
+    # ------------------------------------------------------------------ the hand-written kernels (issue 5)
+    # Caught on the CPU by the g++-emulated runner of conformance/test_cupy_kernels.py.
+    M("kernel rs_front_align: row 0's length for every row", G_KERN,
+      "        long long src = j - (T - lens[b]);\n", "        long long src = j - (T - lens[0]);\n",
+      "issue 5", P_KERN),
+    M("kernel rs_ragged_union_mask: forget the row's dead prefix", G_KERN,
+      "ok = kp <= qp && kp > qp - window && kp >= q0 - rows[b];", "ok = kp <= qp && kp > qp - window;",
+      "issue 5; M§5", P_KERN),
+    M("kernel rs_rope: row 0's offset for every row", G_KERN,
+      "double pos = (double)(offsets[n_off == 1 ? 0 : b] + t);", "double pos = (double)(offsets[0] + t);",
+      "issue 5; M§23", P_KERN),
+    M("kernel rs_verify_attention_partial: no causal mask inside the verify window", G_KERN,
+      "(p <= n - w + qi % w) ? dot[qi] : rs_neg_inf();", "(p <= n - 1) ? dot[qi] : rs_neg_inf();",
+      "issue 5", P_KERN),
+    M("kernel rs_verify_attention_partial: skip the online-softmax rescale", G_KERN,
+      "for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][j] *= alpha_s[qi];", "for (int qi = 0; qi < RS_NQ; ++qi) {}",
+      "issue 5", P_KERN),
+    M("kernel rs_verify_attention_combine: sum the splits without their maxima", G_KERN,
+      "RS_ACC f = rs_exp(part_m[s * stride + row] - mx);", "RS_ACC f = (RS_ACC)1;",
+      "issue 5", P_KERN),
 ]
 
 ALL: list[Mutant] = CATALOGUE + PORT_CATALOGUE

@@ -1,0 +1,276 @@
+"""Conformance of the hand-written kernels (gpu/kernels.cu, gpu/cupy_kernels.py) against the
+reference, on two runners:
+
+- `emulate`: the same source built by g++ and run block by block with real threads and a real
+  barrier (gpu/kernel_emulator.py); needs g++, runs on every machine CI uses;
+- `cupy`: NVRTC + CuPy on a CUDA GPU; skipped, with the reason, where there is none.
+
+Data movement and masks: bit for bit. RoPE and attention in float64: `1e-12` relative (the
+comparison policy); float32 / bf16 attention: the FlashAttention rule of gpu.testing against a
+same-precision naive computation. Refusals: same class and message as the torch port.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpu.align as galign
+import gpu.cupy_kernels as ck
+import reference.attention as ratt
+import reference.masks as rmasks
+import reference.rope as rrope
+from gpu import kernel_emulator
+from gpu.cache import RaggedKv
+from gpu.testing import outcome
+from reference.errors import CacheRefusal, MaskRefusal
+
+
+def _cupy_skip_reason() -> str | None:
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy here"
+        return f"CuPy needs a CUDA GPU: cupy is not importable here ({type(exc).__name__}: {exc})"
+    try:
+        if not cupy.cuda.is_available():
+            return "CuPy needs a CUDA GPU: cupy.cuda.is_available() is False on this machine"
+    except Exception as exc:  # noqa: BLE001
+        return f"CuPy needs a CUDA GPU: no CUDA device ({type(exc).__name__}: {exc})"
+    return None
+
+
+MODES = [
+    pytest.param("emulate", marks=pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,
+                                                     reason="the kernel emulator needs g++ on the PATH")),
+    pytest.param("cupy", marks=pytest.mark.skipif(_cupy_skip_reason() is not None,
+                                                  reason=_cupy_skip_reason() or "")),
+]
+_RUNNERS: dict[str, ck.Kernels] = {}
+FEW = settings(max_examples=max(8, settings.default.max_examples // 5), deadline=None)
+
+
+@pytest.fixture(params=MODES, scope="module")
+def kern(request) -> ck.Kernels:
+    if request.param not in _RUNNERS:
+        _RUNNERS[request.param] = ck.Kernels(request.param)
+    return _RUNNERS[request.param]
+
+
+def put(kern, a):
+    return kern.xp.asarray(np.ascontiguousarray(a))
+
+
+def get(kern, a) -> np.ndarray:
+    return a.get() if kern.mode == "cupy" else np.asarray(a)
+
+
+@st.composite
+def ragged_kv(draw, max_b=3, max_cap=12):
+    b = draw(st.integers(1, max_b))
+    cap = draw(st.integers(1, max_cap))
+    lens = draw(st.lists(st.integers(0, cap), min_size=b, max_size=b))
+    h, d = draw(st.integers(1, 2)), draw(st.sampled_from([1, 3, 4]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((b, h, cap, d)), rng.standard_normal((b, h, cap, d)), lens
+
+
+# --------------------------------------------------------------------------- data movement
+@FEW
+@given(case=ragged_kv(), extra=st.integers(0, 2))
+def test_front_align_places_each_live_run_at_the_end_in_one_launch(kern, case, extra):
+    k, v, lens = case
+    target = max(lens) + extra
+    ko, vo = (get(kern, a) for a in kern.front_align(put(kern, k), put(kern, v), lens, target))
+    for b, n in enumerate(lens):
+        assert np.array_equal(ko[b, :, target - n:], k[b, :, :n]) and np.array_equal(vo[b, :, target - n:], v[b, :, :n])
+        assert not ko[b, :, : target - n].any() and not vo[b, :, : target - n].any()
+    port = galign.materialize_front_aligned(RaggedKv(torch.from_numpy(k), torch.from_numpy(v),
+                                                     torch.tensor(lens), k.shape[2] + 4), target)
+    assert np.array_equal(ko, port[0].numpy()) and np.array_equal(vo, port[1].numpy())
+
+
+@FEW
+@given(case=ragged_kv())
+def test_strip_returns_the_front_aligned_rows_to_their_place(kern, case):
+    k, v, lens = case
+    t = max(lens)
+    kf, vf = kern.front_align(put(kern, k), put(kern, v), lens)
+    ks, vs, new_lens = kern.strip_dead_prefix(kf, vf, [t - n for n in lens], t)
+    ks, vs = get(kern, ks), get(kern, vs)
+    assert get(kern, new_lens).tolist() == lens
+    for b, n in enumerate(lens):
+        assert np.array_equal(ks[b, :, :n], k[b, :, :n]) and np.array_equal(vs[b, :, :n], v[b, :, :n])
+        assert not ks[b, :, n:].any() and not vs[b, :, n:].any()
+
+
+def test_strip_refuses_a_lead_past_the_held_columns_as_the_port_does(kern):
+    k = np.ones((2, 1, 4, 2))
+    got = outcome(kern.strip_dead_prefix, put(kern, k), put(kern, k), [1, 4], 3)
+    want = outcome(galign.strip_dead_prefix, torch.from_numpy(k), torch.from_numpy(k), [1, 4], 3, 8)
+    assert got[0] == "refused" and got[1] is CacheRefusal and got == want
+
+
+# --------------------------------------------------------------------------- masks
+@FEW
+@given(data=st.data())
+def test_ragged_union_mask_equals_the_reference_bit_for_bit(kern, data):
+    t_q = data.draw(st.integers(1, 4))
+    leads = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=4))
+    leads[data.draw(st.integers(0, len(leads) - 1))] = 0
+    q0 = data.draw(st.integers(max(leads), 20))
+    rows = [q0 - l for l in leads]
+    t_k_full = q0 + t_q
+    window = data.draw(st.integers(1, 30))
+    ratio = data.draw(st.sampled_from([1, 4, 128]))
+    t_c = data.draw(st.integers(0, 5)) if ratio < 128 else data.draw(st.integers(0, 1))
+    raw_base, keep = rmasks.raw_keep_span(t_q, window, t_k_full)
+    valid = np.concatenate([rmasks.raw_validity(t_q, q0, raw_base, keep, window),
+                            rmasks.compressed_validity(t_q, q0, t_c, ratio)], axis=1)
+    want = rmasks.ragged_union_mask(rows, q0, valid, raw_base, keep, ratio, t_c)
+    got = get(kern, kern.ragged_union_mask(rows, q0, t_q, raw_base, keep, t_c, ratio, window))
+    assert got.dtype == np.float64 and np.array_equal(got, want)
+
+
+def test_ragged_union_mask_refuses_rows_that_skipped_resolve_ragged_rows(kern):
+    with pytest.raises(ValueError, match=r"rows \[3, 5\] must lie in \[0, q0=4\]"):
+        kern.ragged_union_mask([3, 5], 4, 1, 0, 5, 0, 1, 4)
+    with pytest.raises(ValueError, match=r"with max == q0"):
+        kern.ragged_union_mask([3, 2], 4, 1, 0, 5, 0, 1, 4)
+
+
+# --------------------------------------------------------------------------- RoPE
+@FEW
+@given(data=st.data())
+def test_per_row_rope_equals_the_reference(kern, data):
+    b, h, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4))
+    rope_dims = data.draw(st.sampled_from([2, 4, 6]))
+    d = rope_dims + data.draw(st.integers(0, 3))
+    offsets = data.draw(st.lists(st.integers(0, 5000), min_size=1, max_size=1) | st.lists(
+        st.integers(0, 5000), min_size=b, max_size=b))
+    inverse = data.draw(st.booleans())
+    x = np.random.default_rng(data.draw(st.integers(0, 999))).standard_normal((b, h, t, d))
+    want = rrope.apply_rope(x, offsets, rope_dims, 10000.0, inverse=inverse)
+    got = get(kern, kern.rope(put(kern, x), offsets, rope_dims, 10000.0, inverse))
+    assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
+
+
+def test_rope_refuses_what_the_port_refuses(kern):
+    x = put(kern, np.zeros((2, 1, 1, 4)))
+    with pytest.raises(ValueError, match="3 offsets for a batch of 2"):
+        kern.rope(x, [1, 2, 3], 4, 10000.0)
+    with pytest.raises(ValueError, match=r"offsets \[-1\] must be >= 0"):
+        kern.rope(x, [-1], 4, 10000.0)
+
+
+# --------------------------------------------------------------------------- attention
+def reference_verify_attention(q, k, v, lens) -> np.ndarray:
+    """Row by row through `reference.attention.attention` on the row's live run only, with
+    the causal mask of the verify window: query r at `n - w + r` sees keys `p <= n - w + r`."""
+    b, h, w, d = q.shape
+    out = np.empty((b, h, w, d))
+    for i, n in enumerate(lens):
+        mask = np.where(np.arange(n)[None, :] <= (n - w + np.arange(w))[:, None], 0.0, -np.inf)
+        out[i] = ratt.attention(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask[None, None])[0]
+    return out
+
+
+@st.composite
+def verify_cases(draw):
+    b = draw(st.integers(1, 3))
+    hk, g, w = draw(st.sampled_from([(1, 1, 1), (2, 2, 2), (1, 3, 3)]))
+    d = 8
+    cap = draw(st.integers(w, 40))
+    lens = draw(st.lists(st.integers(w, cap), min_size=b, max_size=b))
+    nt = draw(st.sampled_from([8, 32]))
+    n_split = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**16))
+    return b, hk, g, w, d, cap, lens, nt, n_split, seed
+
+
+def _qkv(b, hk, g, w, d, cap, lens, seed, slack=16.0):
+    """Random q/k/v; every slack column (at or past lens[b]) holds huge values, so a kernel
+    that reads one is far off."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, hk * g, w, d))
+    k, v = rng.standard_normal((b, hk, cap, d)), rng.standard_normal((b, hk, cap, d))
+    for i, n in enumerate(lens):
+        k[i, :, n:] = slack * rng.standard_normal(k[i, :, n:].shape)
+        v[i, :, n:] = 1e6
+    return q, k, v
+
+
+@FEW
+@given(case=verify_cases())
+def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64(kern, case):
+    b, hk, g, w, d, cap, lens, nt, n_split, seed = case
+    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed)
+    want = reference_verify_attention(q, k, v, lens)
+    got = get(kern, kern.verify_attention(put(kern, q), put(kern, k), put(kern, v), lens, n_split=n_split, nt=nt))
+    assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (lens, nt, n_split)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, dtype):
+    b, hk, g, w, d, cap, lens = 3, 2, 2, 4, 16, 70, [70, 9, 41]
+    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=5)
+    if dtype == "bfloat16":
+        args = [ck.bf16_bits(a) for a in (q, k, v)]
+        q, k, v = (ck.bf16_values(a).astype(np.float64) for a in args)
+    else:
+        args = [a.astype(np.float32) for a in (q, k, v)]
+        q, k, v = (a.astype(np.float64) for a in args)
+    want = reference_verify_attention(q, k, v, lens)
+    naive = reference_verify_attention(*(torch.from_numpy(a).to(getattr(torch, dtype)).double().numpy()
+                                         for a in (q, k, v)), lens)
+    torch_dtype = getattr(torch, dtype)
+    naive = torch.from_numpy(naive).to(torch_dtype).double().numpy()   # one final rounding, like the kernel
+    out = kern.verify_attention(*(put(kern, a) for a in args), lens, n_split=2, nt=32)
+    got = get(kern, out)
+    got = ck.bf16_values(got).astype(np.float64) if dtype == "bfloat16" else got.astype(np.float64)
+    eps = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7}[dtype]
+    bound = 2 * np.max(np.abs(naive - want)) + 4 * eps * np.max(np.abs(v[:, :, :70]))
+    assert np.max(np.abs(got - want)) <= bound
+
+
+def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does(kern):
+    q, k, v = _qkv(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
+    got = outcome(kern.verify_attention, put(kern, q), put(kern, k), put(kern, v), [8, 2])
+    assert got[0] == "refused" and got[1] is MaskRefusal and got[2] == "3 query rows against only 2 keys"
+
+
+def test_the_split_count_fills_the_device_and_never_exceeds_the_tiles():
+    kern = ck.Kernels.__new__(ck.Kernels)
+    kern.sm_count = 132
+    assert kern.n_split(128, 8, 4096, 128) == 1       # 1024 blocks already fill 132 SMs twice
+    assert kern.n_split(1, 8, 4096, 128) == 32        # 264 blocks wanted, 32 tiles at most
+    assert kern.n_split(1, 8, 200, 128) == 2          # two tiles
+    assert kern.n_split(32, 8, 4096, 128) == 2
+
+
+# --------------------------------------------------------------------------- NVRTC front end
+@pytest.mark.skipif(kernel_emulator.compilers()["nvcc"] is None,
+                    reason="nvcc is not on the PATH: the CUDA front-end check needs it")
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_the_kernels_compile_for_the_gpu_at_the_benchmark_sizes(dtype):
+    """nvcc (the front end NVRTC shares) compiles every kernel to sm_90 PTX at the bench's
+    sizes (G * w = 8 and 16, head dim 128, 128 threads): a g++-only construct fails here."""
+    for nq in (8, 16):
+        kernel_emulator.nvcc_check(ck.defines(dtype, nq, 128, 128))
+
+
+@pytest.mark.skipif(_cupy_skip_reason() is not None, reason=_cupy_skip_reason() or "")
+def test_the_torch_entry_point_matches_the_reference_on_cuda():
+    b, hk, g, w, d, cap, lens = 4, 2, 2, 2, 32, 300, [300, 17, 200, 2]
+    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=9)
+    want = reference_verify_attention(q, k, v, lens)
+    got = ck.ragged_verify_attention(*(torch.from_numpy(a).cuda() for a in (q, k, v)),
+                                     torch.tensor(lens, device="cuda"))
+    assert got.dtype == torch.float64
+    assert float((got.cpu() - torch.from_numpy(want)).abs().max()) <= 1e-12 * float(np.abs(want).max())
+    assert math.isfinite(float(got.abs().max()))

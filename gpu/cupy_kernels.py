@@ -1,0 +1,258 @@
+"""The hand-written kernels of `gpu/kernels.cu`, launched by CuPy on a CUDA GPU or by the g++
+emulator on the CPU (issue 5). Same rules, same refusals as the torch port.
+
+Two runners, one set of operations:
+- `Kernels("cupy")`: CuPy arrays on the current device, NVRTC through `cupy.RawModule`;
+- `Kernels("emulate")`: NumPy arrays, `gpu.kernel_emulator` (g++), every block run as real
+  threads at a real barrier: what conformance uses where there is no GPU.
+
+bf16 arrays travel as their bits (`uint16`/`int16`; neither NumPy nor CuPy has a bf16 dtype);
+float32 and float64 as themselves. Every operation is one launch over all rows (attention:
+two, the split-K partials and their combine), and reads rows through per-row offsets:
+- `front_align`: in-place KV `[B,H,C,D]` -> front-aligned `[B,H,T,D]` (materialize, for
+  conformance; the attention below never needs it);
+- `strip_dead_prefix`: front-aligned -> in-place;
+- `ragged_union_mask`: the additive per-row union mask `[B,1,t_q,t_k+t_c]`;
+- `rope`: per-row RoPE;
+- `verify_attention`: causal attention of the `w` verify queries of each row over its live
+  KV in place (`[0, lens[b])`), GQA, never reading a column at or past `lens[b]`.
+
+`ragged_verify_attention(q, k, v, lens)` is the torch-facing entry point `raggedspec bench`
+calls (contract in gpu/bench.py): torch CUDA tensors in and out, zero-copy through DLPack,
+launched on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gpu import kernel_emulator as emu
+from reference.errors import CacheRefusal, MaskRefusal, require
+
+# storage dtype name -> (RS_ELEM, RS_ACC)
+ELEM = {"float32": ("float", "float"), "float64": ("double", "double"), "bfloat16": ("rs_bf16", "float")}
+ACC_NUMPY = {"float": np.float32, "double": np.float64}
+
+
+def dtype_name(dtype) -> str:
+    """'float32' | 'float64' | 'bfloat16' for a NumPy/CuPy dtype (16-bit ints are bf16 bits)."""
+    name = np.dtype(dtype).name
+    if name in ("uint16", "int16"):
+        return "bfloat16"
+    require(name in ELEM, f"dtype {name} is not supported by the kernels (float32, float64, bf16 bits)")
+    return name
+
+
+def defines(dtype: str, nq: int = 1, d: int = 1, nt: int = 32) -> str:
+    elem, acc = ELEM[dtype]
+    return (f"#define RS_ELEM {elem}\n#define RS_ACC {acc}\n#define RS_NQ {nq}\n#define RS_D {d}\n"
+            f"#define RS_NT {nt}\n")
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float -> bf16 bits (uint16), round to nearest even: how tests feed the bf16 kernels."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16/int16) -> float32."""
+    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class Kernels:
+    """Launch gpu/kernels.cu with `mode` "cupy" (CUDA) or "emulate" (g++ on the CPU)."""
+
+    def __init__(self, mode: str = "cupy") -> None:
+        require(mode in ("cupy", "emulate"), f"kernel mode {mode!r} must be 'cupy' or 'emulate'")
+        self.mode = mode
+        self.source = emu.SOURCE_PATH.read_text()
+        self.sigs = emu.signatures(self.source)
+        if mode == "cupy":
+            import cupy
+
+            self.xp = cupy
+            self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+            self.block = 256
+        else:
+            self.xp = np
+            self.sm_count = 2
+            self.block = 32
+        self._modules: dict[str, object] = {}
+
+    # ------------------------------------------------------------------ launching
+    def _launch(self, name: str, dtype: str, grid, block: int, args: list, nq=1, d=1, nt=32) -> None:
+        text = defines(dtype, nq, d, nt)
+        if self.mode == "emulate":
+            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args, self.source)
+            return
+        import cupy
+
+        module = self._modules.get(text)
+        if module is None:
+            module = cupy.RawModule(code=text + self.source, options=("-std=c++17",))
+            self._modules[text] = module
+        params = self.sigs[name]
+        require(len(args) == len(params), f"{name} takes {len(params)} arguments, got {len(args)}")
+        cargs = tuple(a if p.pointer else emu.scalar_type(p)(a) for p, a in zip(params, args))
+        module.get_function(name)(tuple(grid), (block,), cargs)
+
+    def _elementwise_grid(self, n: int) -> tuple[int, int, int]:
+        blocks = max(1, min(-(-n // self.block), 32 * self.sm_count))
+        return (blocks, 1, 1)
+
+    def _ints(self, x):
+        return self.xp.ascontiguousarray(self.xp.asarray(x, dtype=self.xp.int64).reshape(-1))
+
+    # ------------------------------------------------------------------ operations
+    def front_align(self, k, v, lens, target: int | None = None):
+        """`(k_front, v_front)` `[B,H,T,D]` from in-place `k, v [B,H,C,D]`: row b's live run
+        at `[T - lens[b], T)`, zeros in front (`T = max(lens)` by default). ValueError when
+        `target < max(lens)` or a length is negative or past C."""
+        lens = self._ints(lens)
+        b, h, c, d = k.shape
+        require(tuple(v.shape) == tuple(k.shape) and lens.size == b,
+                f"k {list(k.shape)}, v {list(v.shape)} and {lens.size} lens must agree")
+        require(not bool((lens < 0).any() or (lens > c).any()), f"lens {lens.tolist()} must lie in [0, {c}]")
+        top = int(lens.max()) if b else 0
+        target = top if target is None else int(target)
+        require(target >= top, f"target {target} is shorter than the longest row {top}")
+        ko, vo = self.xp.empty((b, h, target, d), k.dtype), self.xp.empty((b, h, target, d), v.dtype)
+        n = b * h * target * d
+        if n:
+            self._launch("rs_front_align", dtype_name(k.dtype), self._elementwise_grid(n), self.block,
+                         [k, v, lens, ko, vo, b, h, c, target, d])
+        return ko, vo
+
+    def strip_dead_prefix(self, k, v, leads, current: int):
+        """In-place `(k, v, lens)` from a front-aligned batch of `current` columns (row b's
+        live run `[leads[b], current)`); the buffer width kept. CacheRefusal (as the port)
+        when a lead exceeds `current`."""
+        leads = self._ints(leads)
+        b, h, width, d = k.shape
+        require(tuple(v.shape) == tuple(k.shape), f"k {list(k.shape)} and v {list(v.shape)} must agree")
+        require(leads.size == b, f"{leads.size} leads for a batch of {b}")
+        require(not bool((leads < 0).any()), f"dead-prefix leads {leads.tolist()} must be >= 0")
+        require(0 <= current <= width, f"current {current} must lie in [0, width {width}]")
+        over = np.flatnonzero(self.xp.asnumpy(leads > current) if self.mode == "cupy" else leads > current)
+        if over.size:
+            raise CacheRefusal(f"cannot drop a {int(leads[over[0]])}-column dead prefix from a slot "
+                               f"that holds only {current}")
+        ko, vo = self.xp.empty_like(k), self.xp.empty_like(v)
+        n = k.size
+        if n:
+            self._launch("rs_strip_dead_prefix", dtype_name(k.dtype), self._elementwise_grid(n), self.block,
+                         [k, v, leads, ko, vo, b, h, width, d])
+        return ko, vo, current - leads
+
+    def ragged_union_mask(self, rows, q0: int, t_q: int, raw_base: int, t_k: int, t_c: int, ratio: int,
+                          window: int, dtype: str = "float64"):
+        """The additive `[B,1,t_q,t_k+t_c]` mask of `reference.masks.ragged_union_mask` (rows
+        already through `resolve_ragged_rows`). ValueError on rows outside `[0, q0]` or with
+        `max != q0`, negative sizes, `window < 1`, `ratio < 1` with compressed keys."""
+        rows = self._ints(rows)
+        require(rows.size >= 1, "ragged_union_mask needs at least one row")
+        require(not bool((rows < 0).any() or (rows > q0).any()) and int(rows.max()) == q0,
+                f"rows {rows.tolist()} must lie in [0, q0={q0}] with max == q0 (resolve_ragged_rows first)")
+        require(t_q >= 1 and raw_base >= 0 and t_k >= 0 and t_c >= 0,
+                f"t_q {t_q} must be >= 1; raw_base {raw_base}, t_k {t_k}, t_c {t_c} must be >= 0")
+        require(window >= 1, f"window {window} must be >= 1")
+        require(t_c == 0 or ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
+        b = rows.size
+        out = self.xp.empty((b, 1, t_q, t_k + t_c), dtype=np.float64 if dtype == "float64" else np.float32)
+        n = out.size
+        if n:
+            self._launch("rs_ragged_union_mask", dtype_name(out.dtype), self._elementwise_grid(n), self.block,
+                         [rows, b, t_q, q0, raw_base, t_k, t_c, max(ratio, 1), window, out])
+        return out
+
+    def rope(self, x, offsets, rope_dims: int, theta: float, inverse: bool = False):
+        """Rotate `x [B,H,T,D]`, row b's token t at `offsets[b or 0] + t` (gpu.rope.apply_rope).
+        ValueError for a bad `rope_dims`, `theta <= 0`, an `offsets` length neither 1 nor B, a
+        negative offset."""
+        offsets = self._ints(offsets)
+        require(x.ndim == 4, f"x {list(x.shape)} must be [B,H,T,D]")
+        b, h, t, d = x.shape
+        require(rope_dims >= 2 and rope_dims % 2 == 0 and rope_dims <= d,
+                f"rope_dims {rope_dims} must be even, >= 2 and <= head dim {d}")
+        require(theta > 0, f"theta {theta} must be > 0")
+        require(offsets.size in (1, b), f"{offsets.size} offsets for a batch of {b} (need 1 or B)")
+        require(not bool((offsets < 0).any()), f"offsets {offsets.tolist()} must be >= 0")
+        x = self.xp.ascontiguousarray(x)
+        out = self.xp.empty_like(x)
+        if x.size:
+            self._launch("rs_rope", dtype_name(x.dtype), self._elementwise_grid(x.size), self.block,
+                         [x, offsets, offsets.size, b, h, t, d, rope_dims, float(theta), int(bool(inverse)), out])
+        return out
+
+    def n_split(self, b: int, hk: int, longest: int, nt: int) -> int:
+        """Key-axis splits: enough blocks for two waves of the device's SMs, never more
+        splits than tiles in the longest row."""
+        want = -(-2 * self.sm_count // max(b * hk, 1))
+        return max(1, min(want, -(-longest // nt)))
+
+    def verify_attention(self, q, k, v, lens, n_split: int | None = None, nt: int | None = None):
+        """`out [B,H,w,D]` in q's dtype: query r of row b (position `lens[b] - w + r`) attends
+        to keys `p <= lens[b] - w + r` of its KV head (`h // (H // Hk)`), read in place from
+        `k, v [B,Hk,cap,D]`; nothing at or past `lens[b]` is read. Scale `1/sqrt(D)`.
+        MaskRefusal ("query rows against only") for a row shorter than w; ValueError on
+        shapes, lens past cap."""
+        require(q.ndim == 4 and k.ndim == 4 and tuple(k.shape) == tuple(v.shape),
+                f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: need [B,H,w,D] and [B,Hk,cap,D]")
+        b, h, w, d = q.shape
+        _, hk, cap, _ = k.shape
+        require(k.shape[0] == b and k.shape[3] == d and hk >= 1 and h % hk == 0,
+                f"q {list(q.shape)} against k {list(k.shape)}: batch, head dim or GQA grouping disagree")
+        require(dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype),
+                f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
+        lens = self._ints(lens)
+        require(lens.size == b and not bool((lens > cap).any()), f"lens {lens.tolist()} must be {b} values <= cap {cap}")
+        short = np.flatnonzero(self.xp.asnumpy(lens < w) if self.mode == "cupy" else lens < w)
+        if short.size:
+            raise MaskRefusal(f"{w} query rows against only {int(lens[short[0]])} keys")
+        out = self.xp.empty(q.shape, dtype=q.dtype)
+        if out.size == 0:
+            return out
+        nt = self.block if nt is None else nt
+        nq = (h // hk) * w
+        longest = int(lens.max())
+        n_split = self.n_split(b, hk, longest, nt) if n_split is None else n_split
+        require(n_split >= 1, f"n_split {n_split} must be >= 1")
+        dtype = dtype_name(q.dtype)
+        acc = ACC_NUMPY[ELEM[dtype][1]]
+        part_m = self.xp.empty((n_split, b, hk, nq), dtype=acc)
+        part_l = self.xp.empty((n_split, b, hk, nq), dtype=acc)
+        part_acc = self.xp.empty((n_split, b, hk, nq, d), dtype=acc)
+        q, k, v = (self.xp.ascontiguousarray(t) for t in (q, k, v))
+        self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
+                     [q, k, v, lens, b, hk, cap, w, n_split, 1.0 / math.sqrt(d), part_m, part_l, part_acc],
+                     nq=nq, d=d, nt=nt)
+        self._launch("rs_verify_attention_combine", dtype, self._elementwise_grid(out.size), self.block,
+                     [part_m, part_l, part_acc, b, hk, n_split, out], nq=nq, d=d, nt=nt)
+        return out
+
+
+_CUDA_KERNELS: Kernels | None = None
+
+
+def ragged_verify_attention(q, k, v, lens):
+    """The bench's contract (gpu/bench.py): torch CUDA tensors `q [B,H,w,D]`, in-place
+    `k, v [B,Hk,cap,D]`, int64 `lens [B]` -> `out [B,H,w,D]` in q's dtype, on torch's current
+    stream, no copy of KV (DLPack views; bf16 travels as int16 bits)."""
+    import cupy
+    import torch
+
+    global _CUDA_KERNELS
+    if _CUDA_KERNELS is None:
+        _CUDA_KERNELS = Kernels("cupy")
+
+    def view(t):
+        t = t.contiguous()
+        return cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        out = _CUDA_KERNELS.verify_attention(view(q), view(k), view(v), view(lens.to(torch.int64)))
+        result = torch.from_dlpack(out)
+    return result.view(torch.bfloat16) if q.dtype == torch.bfloat16 else result

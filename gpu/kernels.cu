@@ -1,0 +1,262 @@
+// raggedspec's hand-written kernels (issue 5): the hot tensor-side rules, one launch each.
+//
+// One source, two builds:
+//   - NVRTC through CuPy (gpu/cupy_kernels.py), on a CUDA GPU;
+//   - g++ under gpu/kernel_emulator.py's prelude (RS_EMULATE), on the CPU: every block runs as
+//     real threads with a real barrier, so the index arithmetic, the masks and the online
+//     softmax are tested against the reference without a GPU. Hence the CUDA subset used
+//     here: blockIdx / threadIdx / blockDim / gridDim, __shared__ arrays, __syncthreads(),
+//     no warp intrinsics, no atomics.
+//
+// Compile-time parameters, prepended by the loader as #defines:
+//   RS_ELEM  storage type of K/V/Q/x/masks: float | double | rs_bf16 (bf16 bits in a ushort)
+//   RS_ACC   compute type: double for float64 storage, float otherwise
+//   RS_NQ    rs_verify_attention_*: queries per (row, KV head) = G * w
+//   RS_D     rs_verify_attention_*: head dim
+//   RS_NT    rs_verify_attention_partial: threads per block = keys per tile
+//
+// Layouts (row-major, contiguous):
+//   KV in place (gpu.cache.RaggedKv): [B, Hk, cap, D], row b's position p at column p, live iff
+//   p < lens[b]; columns past lens[b] are slack and are never read by the attention kernel.
+
+#ifndef RS_EMULATE
+#define RS_DEV __device__ __forceinline__
+#endif
+
+typedef unsigned short rs_bf16;
+
+RS_DEV float rs_bits_float(unsigned u) { return __uint_as_float(u); }
+RS_DEV rs_bf16 rs_float_bf16(float f) {  // round to nearest even (finite values)
+    unsigned u = __float_as_uint(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (rs_bf16)(u >> 16);
+}
+RS_DEV RS_ACC rs_load(float x) { return (RS_ACC)x; }
+RS_DEV RS_ACC rs_load(double x) { return (RS_ACC)x; }
+RS_DEV RS_ACC rs_load(rs_bf16 x) { return (RS_ACC)rs_bits_float(((unsigned)x) << 16); }
+RS_DEV void rs_store(float* p, RS_ACC a) { *p = (float)a; }
+RS_DEV void rs_store(double* p, RS_ACC a) { *p = (double)a; }
+RS_DEV void rs_store(rs_bf16* p, RS_ACC a) { *p = rs_float_bf16((float)a); }
+RS_DEV float rs_exp(float x) { return expf(x); }
+RS_DEV double rs_exp(double x) { return exp(x); }
+RS_DEV RS_ACC rs_neg_inf() { return (RS_ACC)__int_as_float(0xff800000); }
+
+
+// Front-alignment of every row in one launch (gpu.align.materialize_front_aligned):
+// out[b, h, j] = buf[b, h, j - (T - lens[b])] where that column is >= 0, else 0. K and V
+// together; one thread per output element (grid-stride).
+extern "C" __global__ void rs_front_align(const RS_ELEM* k, const RS_ELEM* v, const long long* lens,
+                                          RS_ELEM* k_out, RS_ELEM* v_out, long long B, long long H,
+                                          long long C, long long T, long long D) {
+    long long n = B * H * T * D;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long d = i % D, j = (i / D) % T, bh = i / (D * T), b = bh / H;
+        long long src = j - (T - lens[b]);
+        if (src >= 0) {
+            long long s = (bh * C + src) * D + d;
+            k_out[i] = k[s];
+            v_out[i] = v[s];
+        } else {
+            k_out[i] = (RS_ELEM)0;
+            v_out[i] = (RS_ELEM)0;
+        }
+    }
+}
+
+
+// Dead-prefix strip of every row in one launch (gpu.align.strip_dead_prefix): a front-aligned
+// batch [B, H, W, D] with row b's live run at [leads[b], W) back to the in-place layout:
+// out[b, h, j] = front[b, h, j + leads[b]] while that is < W, else 0.
+extern "C" __global__ void rs_strip_dead_prefix(const RS_ELEM* k, const RS_ELEM* v, const long long* leads,
+                                                RS_ELEM* k_out, RS_ELEM* v_out, long long B, long long H,
+                                                long long W, long long D) {
+    long long n = B * H * W * D;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long d = i % D, j = (i / D) % W, bh = i / (D * W), b = bh / H;
+        long long src = j + leads[b];
+        if (src < W) {
+            long long s = (bh * W + src) * D + d;
+            k_out[i] = k[s];
+            v_out[i] = v[s];
+        } else {
+            k_out[i] = (RS_ELEM)0;
+            v_out[i] = (RS_ELEM)0;
+        }
+    }
+}
+
+
+// Ragged union mask (reference.masks.ragged_union_mask), additive [B, t_q, t_k + t_c]:
+// query r of row b sits at qp = q0 + r; raw column c is key kp = raw_base + c, valid iff
+// kp <= qp, kp > qp - window and kp >= lead_b = q0 - rows[b] (the row's dead prefix);
+// compressed column blk valid iff blk < (rows[b] + r + 1) / ratio (the row's own position).
+extern "C" __global__ void rs_ragged_union_mask(const long long* rows, long long B, long long t_q,
+                                                long long q0, long long raw_base, long long t_k,
+                                                long long t_c, long long ratio, long long window,
+                                                RS_ELEM* out) {
+    long long width = t_k + t_c, n = B * t_q * width;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long col = i % width, r = (i / width) % t_q, b = i / (width * t_q);
+        long long qp = q0 + r;
+        bool ok;
+        if (col < t_k) {
+            long long kp = raw_base + col;
+            ok = kp <= qp && kp > qp - window && kp >= q0 - rows[b];
+        } else {
+            ok = (col - t_k) < (rows[b] + r + 1) / ratio;
+        }
+        rs_store(out + i, ok ? (RS_ACC)0 : rs_neg_inf());
+    }
+}
+
+
+// Per-row RoPE (gpu.rope.apply_rope): x [B, H, T, D]; token t of row b at position
+// offsets[n_off == 1 ? 0 : b] + t; the last rope_dims dims rotate as interleaved pairs by
+// angle pos * theta^(-2k / rope_dims) (computed in double, as the reference does), the rest
+// are copied. inverse != 0 rotates backwards.
+extern "C" __global__ void rs_rope(const RS_ELEM* x, const long long* offsets, long long n_off,
+                                   long long B, long long H, long long T, long long D,
+                                   long long rope_dims, double theta, int inverse, RS_ELEM* out) {
+    long long n = B * H * T * D, lo = D - rope_dims;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long d = i % D, t = (i / D) % T, b = i / (D * T * H);
+        if (d < lo) {
+            out[i] = x[i];
+            continue;
+        }
+        long long pair = (d - lo) / 2, odd = (d - lo) % 2;
+        double pos = (double)(offsets[n_off == 1 ? 0 : b] + t);
+        double ang = pos * pow(theta, -(2.0 * (double)pair) / (double)rope_dims);
+        RS_ACC c = (RS_ACC)cos(ang), s = (RS_ACC)sin(ang);
+        if (inverse) s = -s;
+        RS_ACC e = rs_load(x[i - odd]), o = rs_load(x[i - odd + 1]);
+        rs_store(out + i, odd ? e * s + o * c : e * c - o * s);
+    }
+}
+
+
+// Ragged verify attention, split over the key axis (flash-decoding), part 1.
+// Grid (n_split, Hk, B); block RS_NT threads. Block (s, hk, b) owns the RS_NQ = G * w queries
+// of row b that read KV head hk (query heads hk*G .. hk*G+G-1, each w rows: contiguous in q)
+// and the keys [kbeg, kend) of split s of row b's LIVE run [0, lens[b]) only: the chunk is
+// cut per row, so a short row's blocks stop early and no block reads slack. Query r (qi % w)
+// of row b sits at lens[b] - w + r and sees key p iff p <= lens[b] - w + r (causal).
+// Per tile of RS_NT keys: (1) thread t scores key kbeg + t against every query (q in shared,
+// pre-scaled); (2) thread qi folds the tile into its running max / sum (online softmax);
+// (3) thread t accumulates dims t, t + RS_NT, ... of P V, reading V rows coalesced.
+// Writes the split's (max, sum, unnormalized acc) per query; part 2 combines the splits.
+#define RS_DPT ((RS_D + RS_NT - 1) / RS_NT)
+extern "C" __global__ void rs_verify_attention_partial(const RS_ELEM* q, const RS_ELEM* k, const RS_ELEM* v,
+                                                       const long long* lens, long long B, long long Hk,
+                                                       long long cap, long long w, long long n_split,
+                                                       double scale, RS_ACC* part_m, RS_ACC* part_l,
+                                                       RS_ACC* part_acc) {
+    __shared__ RS_ACC q_s[RS_NQ * RS_D];
+    __shared__ RS_ACC p_s[RS_NQ * RS_NT];
+    __shared__ RS_ACC m_s[RS_NQ];
+    __shared__ RS_ACC l_s[RS_NQ];
+    __shared__ RS_ACC alpha_s[RS_NQ];
+    const long long tid = threadIdx.x, s = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const long long n = lens[b];
+    long long per = (n + n_split - 1) / n_split;
+    per = (per + RS_NT - 1) / RS_NT * RS_NT;
+    const long long kbeg = s * per;
+    const long long kend = (kbeg + per < n) ? kbeg + per : n;
+    const long long qbase = (b * Hk + hk) * RS_NQ * RS_D;   // H * w * D per row, G * w * D per KV head
+    const long long kvbase = (b * Hk + hk) * cap * RS_D;
+    for (long long i = tid; i < RS_NQ * RS_D; i += RS_NT) q_s[i] = rs_load(q[qbase + i]) * (RS_ACC)scale;
+    for (long long qi = tid; qi < RS_NQ; qi += RS_NT) {
+        m_s[qi] = rs_neg_inf();
+        l_s[qi] = (RS_ACC)0;
+    }
+    RS_ACC acc[RS_NQ][RS_DPT];
+    for (int qi = 0; qi < RS_NQ; ++qi)
+        for (int j = 0; j < RS_DPT; ++j) acc[qi][j] = (RS_ACC)0;
+    __syncthreads();
+    for (long long t0 = kbeg; t0 < kend; t0 += RS_NT) {
+        const long long p = t0 + tid;
+        if (p < kend) {                                                   // (1) scores
+            RS_ACC dot[RS_NQ];
+            for (int qi = 0; qi < RS_NQ; ++qi) dot[qi] = (RS_ACC)0;
+            const RS_ELEM* kr = k + kvbase + p * RS_D;
+            for (int d = 0; d < RS_D; ++d) {
+                RS_ACC kd = rs_load(kr[d]);
+                for (int qi = 0; qi < RS_NQ; ++qi) dot[qi] += q_s[qi * RS_D + d] * kd;
+            }
+            for (int qi = 0; qi < RS_NQ; ++qi)
+                p_s[qi * RS_NT + tid] = (p <= n - w + qi % w) ? dot[qi] : rs_neg_inf();
+        } else {
+            for (int qi = 0; qi < RS_NQ; ++qi) p_s[qi * RS_NT + tid] = rs_neg_inf();
+        }
+        __syncthreads();
+        for (long long qi = tid; qi < RS_NQ; qi += RS_NT) {              // (2) online softmax
+            RS_ACC* row = p_s + qi * RS_NT;
+            RS_ACC mx = m_s[qi];
+            for (int j = 0; j < RS_NT; ++j) mx = row[j] > mx ? row[j] : mx;
+            if (mx == rs_neg_inf()) {            // nothing visible yet: keep the state as is
+                alpha_s[qi] = (RS_ACC)1;
+                for (int j = 0; j < RS_NT; ++j) row[j] = (RS_ACC)0;
+            } else {
+                RS_ACC alpha = rs_exp(m_s[qi] - mx), sum = (RS_ACC)0;   // exp(-inf) = 0
+                for (int j = 0; j < RS_NT; ++j) {
+                    RS_ACC e = rs_exp(row[j] - mx);
+                    row[j] = e;
+                    sum += e;
+                }
+                l_s[qi] = l_s[qi] * alpha + sum;
+                m_s[qi] = mx;
+                alpha_s[qi] = alpha;
+            }
+        }
+        __syncthreads();
+        const long long tile = (kend - t0 < RS_NT) ? kend - t0 : RS_NT;   // (3) P V
+        for (int j = 0; j < RS_DPT; ++j) {
+            const long long d = tid + (long long)j * RS_NT;
+            if (d >= RS_D) break;
+            for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][j] *= alpha_s[qi];
+            for (long long jj = 0; jj < tile; ++jj) {
+                RS_ACC vd = rs_load(v[kvbase + (t0 + jj) * RS_D + d]);
+                for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][j] += p_s[qi * RS_NT + jj] * vd;
+            }
+        }
+        __syncthreads();
+    }
+    const long long pbase = ((s * B + b) * Hk + hk) * RS_NQ;
+    for (long long qi = tid; qi < RS_NQ; qi += RS_NT) {
+        part_m[pbase + qi] = m_s[qi];
+        part_l[pbase + qi] = l_s[qi];
+    }
+    for (int j = 0; j < RS_DPT; ++j) {
+        const long long d = tid + (long long)j * RS_NT;
+        if (d >= RS_D) break;
+        for (int qi = 0; qi < RS_NQ; ++qi) part_acc[(pbase + qi) * RS_D + d] = acc[qi][j];
+    }
+}
+
+
+// Part 2: out[b, hk*G + g, r, d] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
+// splits (M = max_s m_s, finite: split 0 holds key 0, which every query sees). One thread per
+// output element; out has q's layout, so (b, hk, qi, d) is its flat index.
+extern "C" __global__ void rs_verify_attention_combine(const RS_ACC* part_m, const RS_ACC* part_l,
+                                                       const RS_ACC* part_acc, long long B, long long Hk,
+                                                       long long n_split, RS_ELEM* out) {
+    const long long n = B * Hk * RS_NQ * RS_D;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / RS_D;                                  // (b * Hk + hk) * RS_NQ + qi
+        const long long stride = B * Hk * RS_NQ;
+        RS_ACC mx = rs_neg_inf();
+        for (long long s = 0; s < n_split; ++s) mx = part_m[s * stride + row] > mx ? part_m[s * stride + row] : mx;
+        RS_ACC num = (RS_ACC)0, den = (RS_ACC)0;
+        for (long long s = 0; s < n_split; ++s) {
+            RS_ACC f = rs_exp(part_m[s * stride + row] - mx);
+            num += f * part_acc[(s * stride + row) * RS_D + i % RS_D];
+            den += f * part_l[s * stride + row];
+        }
+        rs_store(out + i, num / den);
+    }
+}
