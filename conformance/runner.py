@@ -1,7 +1,7 @@
 """`raggedspec conformance`: run the conformance suite against a backend and print a per-rule
 table (rule, examples run, result).
 
-    raggedspec conformance [--backend numpy|torch|package.module:factory]
+    raggedspec conformance [--backend numpy|torch|cupy|package.module:factory]
                            [--device cpu|cuda|cuda:N] [--dtype float64|float32|bfloat16]
                            [--profile ci|dev|thorough|mutmut] [--tests PATH ...] [-k EXPR]
 
@@ -43,8 +43,11 @@ _STATS = re.compile(r"during (\w+) phase.*?(\d+) passing(?: examples)?, (\d+) fa
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch",
                    help="backend under test: numpy (the reference itself), torch (the gpu/ port; default), "
+                        "cupy (the torch port with the hand-written kernels; CUDA only), "
                         "or package.module:factory (your own port, docs/conformance.md)")
-    p.add_argument("--device", default="cpu", help="device for the backend: cpu (default), cuda, cuda:N")
+    p.add_argument("--device", default=None,
+                   help="device for the backend: cpu, cuda, cuda:N (default: the backend's own: cpu for "
+                        "numpy and torch unless RAGGEDSPEC_DEVICE says otherwise, cuda for cupy)")
     p.add_argument("--dtype", default="float64", choices=DTYPES, help="float dtype of the backend (default float64)")
     p.add_argument("--profile", choices=PROFILES, default=None,
                    help="Hypothesis profile: ci (200 examples, derandomized; default when CI is set), dev "
@@ -194,7 +197,7 @@ def run(args) -> int:
         print(f"raggedspec conformance: error: backend {args.backend!r} on device {args.device!r} in "
               f"{args.dtype}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    env = {"RAGGEDSPEC_BACKEND": args.backend, "RAGGEDSPEC_DEVICE": args.device, "RAGGEDSPEC_DTYPE": args.dtype,
+    env = {"RAGGEDSPEC_BACKEND": args.backend, "RAGGEDSPEC_DEVICE": str(backend.device), "RAGGEDSPEC_DTYPE": args.dtype,
            "HYPOTHESIS_PROFILE": profile}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

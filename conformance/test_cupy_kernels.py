@@ -274,3 +274,32 @@ def test_the_torch_entry_point_matches_the_reference_on_cuda():
     assert got.dtype == torch.float64
     assert float((got.cpu() - torch.from_numpy(want)).abs().max()) <= 1e-12 * float(np.abs(want).max())
     assert math.isfinite(float(got.abs().max()))
+
+
+# --------------------------------------------------------------------------- the backend
+def test_the_cupy_backend_overrides_every_protocol_method_through_the_torch_port():
+    from gpu.cupy_backend import CupyBackend
+    from reference.backend import missing_methods
+
+    assert missing_methods(CupyBackend.__new__(CupyBackend)) == []
+    for method in ("apply_rope", "union_mask", "_kv_view"):
+        assert method in vars(CupyBackend), f"CupyBackend.{method} is not the kernel's"
+
+
+def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
+    from gpu.cupy_backend import cupy_unavailable
+    from raggedspec import cli
+    from reference.backend import load_backend
+
+    why = cupy_unavailable()
+    if why is None:  # a CUDA machine: the backend loads, on CUDA, under its own name
+        backend = load_backend("cupy")
+        assert backend.name == "cupy" and backend.device.startswith("cuda")
+        with pytest.raises(ValueError, match="runs on CUDA only"):
+            load_backend("cupy", device="cpu")
+        return
+    with pytest.raises(ValueError, match="backend 'cupy' needs a CUDA GPU: ") as err:
+        load_backend("cupy")
+    assert why in str(err.value)
+    assert cli.main(["conformance", "--backend", "cupy"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

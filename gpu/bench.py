@@ -529,15 +529,14 @@ class Cupy(Strategy):
         try:
             cupy = importlib.import_module("cupy")
         except Exception as exc:  # noqa: BLE001
-            return f"cupy not importable ({type(exc).__name__}: {exc})"
+            return self._emulated(device, f"cupy not importable ({type(exc).__name__}: {exc})")
         try:
             ok = bool(cupy.cuda.is_available())
         except Exception:  # noqa: BLE001
             ok = False
-        if not ok:
-            return "CUDA not available to CuPy"
-        if device.type != "cuda":
-            return f"device is {device}, the CuPy kernel runs on CUDA only"
+        if not ok or device.type != "cuda":
+            return self._emulated(device, "CUDA not available to CuPy" if not ok else
+                                  f"device is {device}, the CuPy kernel runs on CUDA only")
         try:
             mod = importlib.import_module(self.MODULE)
         except Exception as exc:  # noqa: BLE001
@@ -545,6 +544,18 @@ class Cupy(Strategy):
         self._fn = getattr(mod, self.FUNCTION, None)
         if self._fn is None:
             return f"{self.MODULE} has no {self.FUNCTION}(q, k, v, lens)"
+        return None
+
+    def _emulated(self, device, why: str):
+        """On the CPU, the same kernel source run by the g++ emulator (gpu/kernel_emulator.py):
+        the bench's layout contract is checked against the reference like every strategy,
+        and the timing is the emulator's (marked; no performance claim). Elsewhere: `why`."""
+        from gpu import kernel_emulator
+
+        if device.type != "cpu" or kernel_emulator.compilers()["g++"] is None:
+            return why
+        self._fn = importlib.import_module(self.MODULE).ragged_verify_attention_emulated
+        self.note = f"g++ emulation of the CUDA kernel on the CPU ({why}): correctness only, the time is meaningless"
         return None
 
     def run(self, case, ctx):

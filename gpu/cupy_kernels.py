@@ -256,3 +256,24 @@ def ragged_verify_attention(q, k, v, lens):
         out = _CUDA_KERNELS.verify_attention(view(q), view(k), view(v), view(lens.to(torch.int64)))
         result = torch.from_dlpack(out)
     return result.view(torch.bfloat16) if q.dtype == torch.bfloat16 else result
+
+
+_EMULATED_KERNELS: Kernels | None = None
+
+
+def ragged_verify_attention_emulated(q, k, v, lens):
+    """`ragged_verify_attention` for CPU torch tensors, through the g++ emulator (bench smoke
+    runs and tests on machines without a GPU). Same contract; bf16 travels as its bits."""
+    import torch
+
+    global _EMULATED_KERNELS
+    if _EMULATED_KERNELS is None:
+        _EMULATED_KERNELS = Kernels("emulate")
+
+    def host(t):
+        t = t.detach().cpu().contiguous()
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+    out = _EMULATED_KERNELS.verify_attention(host(q), host(k), host(v), host(lens.to(torch.int64)))
+    result = torch.from_numpy(out)
+    return result.view(torch.bfloat16) if q.dtype == torch.bfloat16 else result

@@ -149,7 +149,7 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                    help="lengths: integer lengths only, fast (default); tensor: the full "
                         "reference with KV tensors and the tiny model (same integer trace)")
     p.add_argument("--backend", default=None, metavar="NAME",
-                   help="tensor mode: numpy (default), torch, or package.module:factory")
+                   help="tensor mode: numpy (default), torch, cupy (CUDA only), or package.module:factory")
     p.add_argument("--device", default=None, help="tensor mode with --backend torch: cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=("float64", "float32", "bfloat16"),
                    help="tensor mode with --backend torch: float64 (default), float32, bfloat16")

@@ -485,7 +485,8 @@ class NumpyBackend(Backend):
 
 def load_backend(spec=None, device: str | None = None, dtype: str | None = None) -> Backend:
     """A backend from its name: None or "numpy" -> `NumpyBackend`; "torch" ->
-    `gpu.backend.TorchBackend(device, dtype)`; "package.module:factory" -> `factory(device=,
+    `gpu.backend.TorchBackend(device, dtype)`; "cupy" -> `gpu.cupy_backend.CupyBackend(device,
+    dtype)` (CUDA only: ValueError with the reason elsewhere); "package.module:factory" -> `factory(device=,
     dtype=)` (a class or a function). A `Backend` instance is returned as is. ValueError
     (naming the spec) for an unknown name, a module or attribute that does not exist, or a
     factory that does not return a Backend; the backends' own ValueErrors for an unsupported
@@ -505,8 +506,14 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
         except ImportError as exc:
             raise ValueError(f"backend 'torch' needs torch and the gpu package: {exc}") from exc
         return TorchBackend(**kwargs)
+    if spec == "cupy":
+        try:
+            from gpu.cupy_backend import CupyBackend
+        except ImportError as exc:
+            raise ValueError(f"backend 'cupy' needs torch and the gpu package: {exc}") from exc
+        return CupyBackend(**kwargs)
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"unknown backend {spec!r}: expected numpy, torch or package.module:factory")
+        raise ValueError(f"unknown backend {spec!r}: expected numpy, torch, cupy or package.module:factory")
     mod_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(mod_name)

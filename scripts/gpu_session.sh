@@ -2,7 +2,7 @@
 # The one prepared script a GPU session runs with the device tool (issue 5): CUDA conformance,
 # then the benchmark, then the end-to-end step time, every result written under $OUT.
 #
-#   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~8 min worst case)
+#   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~9.5 min worst case)
 #   here, first: OUT=/tmp/gpu-smoke bash scripts/gpu_session.sh --cpu-smoke
 #
 # Runs in the repository root (the device tool's copy of the working tree). Every step has its
@@ -18,8 +18,8 @@
 #
 # Knobs (environment): PYTHON (default python3: on the device it is the one with torch),
 # BENCH_ARGS (extra gpu.bench arguments), CUPY_BACKEND (the --backend spec of the CuPy port for
-# conformance.runner; default "cupy"), T_PORT, T_RUNNER, T_CUPY, T_BENCH, BENCH_BUDGET, T_E2E
-# (seconds).
+# conformance.runner; default "cupy"), T_PORT, T_KERN, T_RUNNER, T_CUPY, T_BENCH, BENCH_BUDGET,
+# T_E2E (seconds).
 set -uo pipefail
 
 MODE=gpu
@@ -40,15 +40,15 @@ T0=$(date +%s)
 
 if [[ $MODE == gpu ]]; then
     DEV=cuda
-    # worst case (every step at its limit) ~8.5 min: env 20 + port 90 + bench 170 + replot 30
-    # + runner 75 + cupy 45 + e2e 90; a typical run is shorter
-    T_PORT=${T_PORT:-90} T_RUNNER=${T_RUNNER:-75} T_CUPY=${T_CUPY:-45}
+    # worst case (every step at its limit) ~9.5 min: env 20 + port 80 + kernels 50 + bench 170
+    # + replot 30 + runner 75 + cupy 45 + e2e 90; a typical run is shorter
+    T_PORT=${T_PORT:-80} T_KERN=${T_KERN:-50} T_RUNNER=${T_RUNNER:-75} T_CUPY=${T_CUPY:-45}
     T_BENCH=${T_BENCH:-170} BENCH_BUDGET=${BENCH_BUDGET:-120} T_E2E=${T_E2E:-90}
     BENCH_MODE=()
     E2E_MODE=(--device cuda)
 else
     DEV=cpu
-    T_PORT=${T_PORT:-240} T_RUNNER=${T_RUNNER:-240} T_CUPY=${T_CUPY:-60}
+    T_PORT=${T_PORT:-240} T_KERN=${T_KERN:-120} T_RUNNER=${T_RUNNER:-240} T_CUPY=${T_CUPY:-60}
     T_BENCH=${T_BENCH:-120} BENCH_BUDGET=${BENCH_BUDGET:-100} T_E2E=${T_E2E:-60}
     BENCH_MODE=(--smoke)
     E2E_MODE=(--smoke)
@@ -105,13 +105,16 @@ step env 20 bash "$WORK/env.sh" || FAILED=1
 CUPY_OK=0
 $PY -c "import cupy, sys; sys.exit(0 if cupy.cuda.is_available() else 1)" >/dev/null 2>&1 && CUPY_OK=1
 [[ $CUPY_OK == 1 ]] || note "CuPy absent or without CUDA here: the CuPy conformance and the bench's cupy slot report 'not run'"
-$PY -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('gpu.cupy_kernels') else 1)" 2>/dev/null \
-    || note "no gpu/cupy_kernels.py yet: the bench's cupy slot reports 'not run'"
 
 # ------------------------------------------------------------------ 1. the port's conformance on the device
 PORT_TESTS=(conformance/test_port_*.py)
 step port_conformance "$T_PORT" env RAGGEDSPEC_DEVICE=$DEV $PY -m pytest -q -p no:cacheprovider -rfE \
     --junitxml="$WORK/port_conformance.xml" "${PORT_TESTS[@]}" || FAILED=1
+
+# ------------------------------------------------------------------ 1b. the hand-written kernels
+# conformance/test_cupy_kernels.py: the CuPy runner on the GPU (and the g++ emulator where g++ is)
+step kernels "$T_KERN" $PY -m pytest -q -p no:cacheprovider -rfEs --junitxml="$WORK/kernels.xml" \
+    conformance/test_cupy_kernels.py || FAILED=1
 
 # ------------------------------------------------------------------ 2. the benchmark
 # JSON is rewritten after every case and the headline case runs first, so a timeout keeps it;
@@ -175,7 +178,7 @@ done
     echo "|---|---|---|---|"
     cat "$SUMMARY"
     echo
-    for f in port_conformance runner_torch runner_cupy; do
+    for f in port_conformance kernels runner_torch runner_cupy; do
         [[ -f $WORK/$f.log ]] && { echo "## $f (tail)"; echo '```'; tail -n 25 "$WORK/$f.log"; echo '```'; }
     done
     [[ -f $WORK/bench/bench.md ]] && { echo "## bench"; echo; cat "$WORK/bench/bench.md"; }
