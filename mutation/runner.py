@@ -1,7 +1,8 @@
 """Mutation runner: the named catalogue and mutmut, in a temporary copy of the tree.
 
-    python -m mutation.runner                    # full: catalogue + mutmut on dispatch + step
-    python -m mutation.runner --fast             # CI gate: catalogue + mutmut on dispatch only
+    python -m mutation.runner                    # full: catalogue + mutmut on dispatch + step,
+                                                 # reference and port (= --scope all)
+    python -m mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
     python -m mutation.runner --catalogue-only   # the named mutants only
     python -m mutation.runner --scope gpu        # the port's entries / modules only
 
@@ -776,8 +777,9 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mutation.runner", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="reference",
-                    help="reference (default): the reference rules; gpu: the torch port; all: both")
+    ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
+                    help="all (default): the reference and the port; reference: the reference rules; "
+                         "gpu: the torch port and the kernels")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--catalogue-only", action="store_true", help="run only the named catalogue")
     mode.add_argument("--mutmut-only", action="store_true", help="run only mutmut")
