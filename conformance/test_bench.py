@@ -265,3 +265,5 @@ def test_headline_verdict_on_the_issue_targets(cupy_ms, per_row_ms, verdict):
     not_run = dict(row, strategies={"per_row": {"status": "ok", "ms": 9.0},
                                     "cupy": {"status": "not run", "reason": "no module"}})
     assert "targets not assessed (cupy: not run)" in bench.headline_lines(result, [not_run])[0]
+    emulated = dict(result, notes={"cupy": "g++ emulation of the CUDA kernel on the CPU (...)"})
+    assert "targets not assessed (the cupy column is the g++ emulator" in bench.headline_lines(emulated, [row])[0]

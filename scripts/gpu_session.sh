@@ -104,7 +104,7 @@ step env 20 bash "$WORK/env.sh" || FAILED=1
 
 CUPY_OK=0
 $PY -c "import cupy, sys; sys.exit(0 if cupy.cuda.is_available() else 1)" >/dev/null 2>&1 && CUPY_OK=1
-[[ $CUPY_OK == 1 ]] || note "CuPy absent or without CUDA here: the CuPy conformance and the bench's cupy slot report 'not run'"
+[[ $CUPY_OK == 1 ]] || note "CuPy absent or without CUDA here: the CuPy conformance is not run (the kernel tests and the bench's cupy slot use the g++ emulator where g++ is)"
 
 # ------------------------------------------------------------------ 1. the port's conformance on the device
 PORT_TESTS=(conformance/test_port_*.py)
@@ -142,7 +142,7 @@ if [[ -f conformance/runner.py ]]; then
                 --tests "${BACKEND_TESTS[@]}"
             rc=$?
             if [[ $rc == 2 ]]; then
-                note "conformance.runner --backend ${CUPY_BACKEND:-cupy}: not run (exit 2: no such backend yet, or it cannot use $DEV; see runner_cupy.log)"
+                note "conformance.runner --backend ${CUPY_BACKEND:-cupy}: not run (exit 2: the backend cannot load or cannot use $DEV; see runner_cupy.log)"
             elif [[ $rc != 0 ]]; then
                 FAILED=1
             fi
