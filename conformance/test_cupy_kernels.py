@@ -215,6 +215,64 @@ def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (lens, nt, n_split)
 
 
+@FEW
+@given(data=st.data())
+def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch(kern, data):
+    """Window, compressed blocks and sinks (DSV4's rules), read in place: each row's window of
+    live keys and its own complete blocks only. Equals the reference's `dsv4_attention` of
+    the front-aligned batch with `row_q0 = lens - t_q` (as the torch port's in-place
+    attention does, test_port_attention.py). With `rows`, query row g reads KV row rows[g]."""
+    t_q = data.draw(st.integers(1, 3))
+    own = [n + t_q for n in data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=3))]
+    ratio = data.draw(st.sampled_from([0, 4, 16]))
+    window = data.draw(st.sampled_from([1, 4, 16, 128]))
+    with_sinks, subset = data.draw(st.booleans()), data.draw(st.booleans())
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    b, n_max, h, d = len(own), max(own), 2, 8
+    cap = n_max + 5
+    k_place, v_place = rng.normal(size=(b, 1, cap, d)) * 3, rng.normal(size=(b, 1, cap, d)) * 3
+    for i, n in enumerate(own):
+        k_place[i, :, n:], v_place[i, :, n:] = 40.0, 1e6       # slack: loud if ever read
+    t_c = n_max // ratio if ratio > 1 else 0
+    comp = rng.normal(size=(b, 1, t_c, d)) if t_c else None
+    rows = [int(r) for r in rng.permutation(b)[: data.draw(st.integers(1, b))]] if subset and ratio <= 1 else None
+    picked = list(range(b)) if rows is None else rows
+    q = rng.normal(size=(len(picked), h, t_q, d))
+    sinks = rng.normal(size=h) if with_sinks else None
+    lens = [own[i] for i in picked]
+    top = max(lens)
+    k_front, v_front = np.zeros((len(picked), 1, top, d)), np.zeros((len(picked), 1, top, d))
+    for g, i in enumerate(picked):
+        k_front[g, 0, top - own[i]:], v_front[g, 0, top - own[i]:] = k_place[i, 0, :own[i]], v_place[i, 0, :own[i]]
+    sub_comp = None if comp is None else comp[picked][:, :, : top // ratio]
+    cfg = ratt.Dsv4AttentionConfig(ratio, window, 0, [n - t_q for n in lens])
+    want = ratt.dsv4_attention(q, k_front, v_front, sub_comp, None, cfg, sinks)
+    got = get(kern, kern.dsv4_attention_rows(put(kern, q), put(kern, k_place), put(kern, v_place), own, rows,
+                                             None if comp is None else put(kern, comp), ratio, window,
+                                             None if sinks is None else put(kern, sinks),
+                                             n_split=data.draw(st.integers(1, 3)), nt=8))
+    assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (own, rows, ratio, window)
+
+
+def test_query_rows_read_the_kv_rows_they_name(kern):
+    """rows = [2, 0] of three KV rows of different lengths: query row 0 attends over KV row 2
+    (its length, its keys), query row 1 over KV row 0; each equals the kernel run on that KV
+    row alone and the reference's attention over that row's live window."""
+    rng = np.random.default_rng(3)
+    own, t_q, window, d = [9, 4, 13], 2, 4, 8
+    k, v = rng.normal(size=(3, 1, 16, d)), rng.normal(size=(3, 1, 16, d))
+    q = rng.normal(size=(2, 2, t_q, d))
+    got = get(kern, kern.dsv4_attention_rows(put(kern, q), put(kern, k), put(kern, v), own, [2, 0], None, 0, window,
+                                             nt=8))
+    for g, i in enumerate([2, 0]):
+        n = own[i]
+        qp = n - t_q + np.arange(t_q)
+        kp = np.arange(n)
+        mask = np.where((kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window), 0.0, -np.inf)
+        want = ratt.attention(q[g:g + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask[None, None])[0]
+        assert np.max(np.abs(got[g] - want)) <= 1e-12 * np.max(np.abs(want)), (g, i)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, dtype):
     b, hk, g, w, d, cap, lens = 3, 2, 2, 4, 16, 70, [70, 9, 41]
@@ -303,3 +361,34 @@ def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
     assert why in str(err.value)
     assert cli.main(["conformance", "--backend", "cupy"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH")
+@pytest.mark.parametrize("case", [0, 8])
+def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_reference(case, monkeypatch):
+    """The whole step simulator on `gpu.cupy_backend:emulated` (every attention and RoPE of the
+    model forward, the ragged masks and the KV read-back run by the kernels, under g++) against
+    the reference, tensor for tensor: a granted per-sequence scenario and one with compressed
+    layers of ratio 4 and 128. The launches are counted, so the kernels are known to have run.
+    The full property (200 generated scenarios, three dtypes) runs with
+    `RAGGEDSPEC_BACKEND=gpu.cupy_backend:emulated` (docs/conformance.md)."""
+    from collections import Counter
+
+    from conformance.backends import compare_runs, reference_backend
+    from conformance.test_end_to_end import FIXED
+    from gpu.cupy_backend import emulated
+    from reference import simulator
+    from reference.scenario import load_scenario
+
+    launches = Counter()
+    real = ck.Kernels._launch
+    monkeypatch.setattr(ck.Kernels, "_launch", lambda self, name, *a, **k: (launches.update([name]),
+                                                                           real(self, name, *a, **k))[1])
+    sc = load_scenario(FIXED[case])
+    backend = emulated()
+    port = simulator.run(sc, record_tensors=True, backend=backend)
+    ref = simulator.run(sc, record_tensors=True, backend=reference_backend())
+    counts = compare_runs(port, ref, backend.dtype)
+    assert counts["forwards"] >= 3 and counts["tensors"] > 20
+    assert launches["rs_verify_attention_partial"] >= counts["forwards"] and launches["rs_rope"] > 0
+    assert launches["rs_front_align"] > 0

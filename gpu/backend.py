@@ -65,7 +65,7 @@ from gpu.cache import RaggedKv, chunk_sizes
 from gpu.draft import extend_draft_kv_rows, propose_chain_batched
 from gpu.model import Forward as PortForward
 from gpu.model import TinyModel as PortModel
-from gpu.model import dsv4_attention_rows, rms_norm, silu
+from gpu.model import rms_norm, silu
 from gpu.rope import apply_rope, rotate
 from gpu.xs_rolling import XsRolling
 from reference import model as ref_model
@@ -855,8 +855,8 @@ class TorchBackend(Backend):
         table = layer.ropes.get(layer.theta, int(offs.max()) + t)
         h = rms_norm(x, layer.attn_norm, eps)
         q = rms_norm((h @ layer.wq).reshape(b, t, nh, hd).transpose(1, 2), layer.q_norm, eps)
-        q = apply_rope(q, offs, cfg.rope_dims, layer.theta, table=table)
-        k = apply_rope(layer.key(x), offs, cfg.rope_dims, layer.theta, table=table)
+        q = layer.rope(q, offs, cfg.rope_dims, layer.theta, table=table)
+        k = layer.rope(layer.key(x), offs, cfg.rope_dims, layer.theta, table=table)
         kv.append(k, k)
         r = layer.ratio
         live_n = torch.div(kv.lens - start, r, rounding_mode="floor")
@@ -874,8 +874,8 @@ class TorchBackend(Backend):
             blocks = rotate(blocks, cos, sin, cfg.rope_dims)
             live = (torch.arange(t_c, device=dev)[None, :] < live_n[:, None])[:, None, :, None]
             comp = torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
-        o = dsv4_attention_rows(q, kv, None, comp, r, cfg.sliding_window, layer.sinks)
-        o = apply_rope(o, offs, cfg.rope_dims, layer.theta, inverse=True, table=table)
+        o = layer.attend(q, kv, None, comp, r, cfg.sliding_window, layer.sinks)
+        o = layer.rope(o, offs, cfg.rope_dims, layer.theta, inverse=True, table=table)
         x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ layer.wo
         m = rms_norm(x, layer.mlp_norm, eps)
         return x + silu(m @ layer.w_up) @ layer.w_down

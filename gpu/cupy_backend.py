@@ -1,36 +1,48 @@
-"""`--backend cupy`: the torch backend with its hot per-op rules run by the hand-written kernels
-of gpu/kernels.cu (issue 5).
+"""`--backend cupy`: the torch backend with its hot rules run by the hand-written kernels of
+gpu/kernels.cu (issue 5).
 
-`CupyBackend` is `gpu.backend.TorchBackend` on a CUDA device (torch owns the buffers; the
-kernels see them zero-copy through DLPack, on torch's current stream) with these protocol
-methods replaced by one kernel launch each:
-- `apply_rope`: `rs_rope` (per-row RoPE);
-- `union_mask`: `rs_ragged_union_mask` on the ragged path (the uniform path is one shared
-  `[t_q, t_k + t_c]` validity, left to torch);
-- `materialize` of a target or draft KV slot: `rs_front_align` (the in-place rows read out in
-  the reference's front-aligned form, which is what conformance compares).
-Every other method, and the model forward the simulator drives, is the torch port on CUDA;
-the verify-attention kernel (`rs_verify_attention_*`) is measured by `raggedspec bench`.
+`CupyBackend` is `gpu.backend.TorchBackend` (torch owns the buffers and every host decision)
+with these operations replaced by kernel launches over all rows at once:
+- in the model forward the simulator drives (target layers and the MTP layer): the attention
+  (`rs_verify_attention_*`: DSV4's window, compressed blocks and sinks, each row read in place
+  over its own live window) and every RoPE rotation (`rs_rope`: q, k, and the inverse on the
+  output);
+- the protocol's `apply_rope` (`rs_rope`) and `union_mask` on the ragged path
+  (`rs_ragged_union_mask`; the uniform path is one shared validity, left to torch);
+- `materialize` of a K/V slot (`rs_front_align`: the in-place rows read out front-aligned, the
+  form conformance compares).
+
+Two ways to run it:
+- `CupyBackend(device="cuda")` (`load_backend("cupy")`, `raggedspec conformance --backend
+  cupy`): CuPy/NVRTC on the GPU; the kernels read torch's CUDA buffers zero-copy through DLPack,
+  on torch's current stream;
+- `emulated(device="cpu")` (`--backend gpu.cupy_backend:emulated`): the same kernel source under
+  the g++ emulator on the CPU, through NumPy views of torch's CPU buffers, so the whole suite
+  (per method and end to end) checks the kernels where there is no GPU. Slow (real threads per
+  launch); meant for conformance, not for speed.
 
 Refusals: as the torch port (the kernels' hosts raise the same classes and messages).
-Construction refuses (ValueError, with the reason) a machine without CuPy or without a CUDA
-device, and any device that is not CUDA.
+Construction refuses (ValueError, with the reason) CUDA mode on a machine without CuPy or a
+CUDA device, or on a device that is not CUDA, and emulated mode without g++ or off the CPU.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gpu import cupy_kernels as ck
 from gpu import dispatch as gdispatch
+from gpu import kernel_emulator
 from gpu import masks as gmasks
 from gpu._common import neg_inf_where
 from gpu.backend import TorchBackend, TorchKv
+from gpu.rope import _check_x
 from reference.errors import require
 
 
 def cupy_unavailable() -> str | None:
-    """Why the CuPy backend cannot run here, or None when it can."""
+    """Why the CUDA mode cannot run here, or None when it can."""
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy here"
@@ -45,22 +57,19 @@ def cupy_unavailable() -> str | None:
     return None
 
 
-def _cp(t: torch.Tensor):
-    import cupy
-
-    t = t.contiguous()
-    return cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-
-
-def _torch(a, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_dlpack(a)
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
-
-
 class CupyBackend(TorchBackend):
     name = "cupy"
 
-    def __init__(self, device: str | None = None, dtype: str = "float64") -> None:
+    def __init__(self, device: str | None = None, dtype: str = "float64", emulate: bool = False) -> None:
+        if emulate:
+            device = device or "cpu"
+            require(torch.device(device).type == "cpu", f"the emulated kernels run on the cpu only, not {device!r}")
+            if kernel_emulator.compilers()["g++"] is None:
+                raise ValueError("the emulated kernel backend needs g++ on the PATH")
+            super().__init__(device=device, dtype=dtype)
+            self.name = "cupy-emulated"
+            self.kernels = ck.Kernels("emulate")
+            return
         why = cupy_unavailable()
         if why is not None:
             raise ValueError(f"backend 'cupy' needs a CUDA GPU: {why}")
@@ -69,16 +78,61 @@ class CupyBackend(TorchBackend):
         super().__init__(device=device, dtype=dtype)
         self.kernels = ck.Kernels("cupy")
 
-    def _run(self, fn, *args):
+    # ------------------------------------------------------------------ torch <-> kernel arrays
+    def _arr(self, t: torch.Tensor):
+        """A zero-copy kernel array of a torch tensor (bf16 as its int16 bits)."""
+        t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        if self.kernels.mode == "emulate":
+            return t.numpy()
         import cupy
 
-        with cupy.cuda.Device(self.dev.index or 0), cupy.cuda.ExternalStream(torch.cuda.current_stream(self.dev).cuda_stream):
+        return cupy.from_dlpack(t)
+
+    def _tensor(self, a, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(np.asarray(a)) if self.kernels.mode == "emulate" else torch.from_dlpack(a)
+        return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+    def _run(self, fn, *args):
+        if self.kernels.mode == "emulate":
+            return fn(*args)
+        import cupy
+
+        with cupy.cuda.Device(self.dev.index or 0), \
+                cupy.cuda.ExternalStream(torch.cuda.current_stream(self.dev).cuda_stream):
             return fn(*args)
 
+    # ------------------------------------------------------------------ the model's hot operations
+    def build_model(self, cfg):
+        """The torch port's model with every decoder layer's attention and RoPE (target layers
+        and the MTP layer) replaced by the kernels."""
+        model = super().build_model(cfg)
+        layers = list(model.layers) + ([model.mtp.layer] if model.mtp is not None else [])
+        for layer in layers:
+            layer.attend = self._attend
+            layer.rope = self._rope
+        return model
+
+    def _attend(self, q, kv, rows, comp, ratio, window, sinks=None):
+        """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (one KV head in place)."""
+        a = self._arr
+        out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), a(kv.lens),
+                        None if rows is None else a(torch.as_tensor(rows, dtype=torch.int64, device=q.device)),
+                        None if comp is None else a(comp.to(kv.k.dtype)), ratio, window,
+                        None if sinks is None else a(sinks.to(q.dtype)))
+        return self._tensor(out, q.dtype)
+
+    def _rope(self, x, offsets, rope_dims, theta, inverse=False, table=None):
+        """`gpu.rope.apply_rope` by `rs_rope` (angles computed in the kernel; `table` unused)."""
+        _check_x(x, rope_dims)
+        offs = [int(o) for o in torch.as_tensor(offsets).reshape(-1).tolist()]
+        out = self._run(self.kernels.rope, self._arr(x), offs, rope_dims, theta, inverse)
+        return self._tensor(out, x.dtype)
+
+    # ------------------------------------------------------------------ protocol methods
     def apply_rope(self, x, offsets, rope_dims, theta, inverse=False):
-        x = self._t(x)
-        out = self._run(self.kernels.rope, _cp(x), [int(o) for o in offsets], rope_dims, theta, inverse)
-        return _torch(out, x.dtype)
+        return self._rope(self._t(x), offsets, rope_dims, theta, inverse)
 
     def union_mask(self, t_q, t_k_full, row_q0, window, ratio, t_c):
         q0 = t_k_full - t_q
@@ -93,12 +147,19 @@ class CupyBackend(TorchBackend):
         mask_dtype = "float64" if self.tdtype == torch.float64 else "float32"
         out = self._run(self.kernels.ragged_union_mask, rows.tolist(), q0, t_q, raw_base, keep, t_c, ratio,
                         window, mask_dtype)
-        return torch.from_dlpack(out).to(self.tdtype)
+        return self._tensor(out, torch.float64 if mask_dtype == "float64" else torch.float32).to(self.tdtype)
 
-    def _kv_view(self, slot: TorchKv) -> dict:
+    def _kv_view(self, slot) -> dict:
         if not isinstance(slot, TorchKv) or slot.kv is None:
             return super()._kv_view(slot)
         kv = slot.kv
-        k, v = self._run(self.kernels.front_align, _cp(kv.k), _cp(kv.v), _cp(kv.lens), slot.current)
-        return {"k": self.to_numpy(_torch(k, kv.k.dtype)), "v": self.to_numpy(_torch(v, kv.v.dtype)),
+        k, v = self._run(self.kernels.front_align, self._arr(kv.k), self._arr(kv.v), self._arr(kv.lens),
+                         slot.current)
+        return {"k": self.to_numpy(self._tensor(k, kv.k.dtype)), "v": self.to_numpy(self._tensor(v, kv.v.dtype)),
                 "len": slot.current, "capacity": slot.capacity}
+
+
+def emulated(device: str | None = None, dtype: str = "float64") -> CupyBackend:
+    """The kernel backend on the CPU through the g++ emulator (`--backend
+    gpu.cupy_backend:emulated`)."""
+    return CupyBackend(device=device, dtype=dtype, emulate=True)

@@ -100,7 +100,9 @@ class Kernels:
         module.get_function(name)(tuple(grid), (block,), cargs)
 
     def _elementwise_grid(self, n: int) -> tuple[int, int, int]:
-        blocks = max(1, min(-(-n // self.block), 32 * self.sm_count))
+        """Grid-stride launches: up to 32 blocks per SM on CUDA; 4 blocks emulated (each
+        emulated thread walks the grid-stride loop, so fewer threads cost less)."""
+        blocks = max(1, min(-(-n // self.block), 32 * self.sm_count if self.mode == "cupy" else 4))
         return (blocks, 1, 1)
 
     def _ints(self, x):
@@ -136,7 +138,7 @@ class Kernels:
         require(leads.size == b, f"{leads.size} leads for a batch of {b}")
         require(not bool((leads < 0).any()), f"dead-prefix leads {leads.tolist()} must be >= 0")
         require(0 <= current <= width, f"current {current} must lie in [0, width {width}]")
-        over = np.flatnonzero(self.xp.asnumpy(leads > current) if self.mode == "cupy" else leads > current)
+        over = np.flatnonzero(self._host(leads > current))
         if over.size:
             raise CacheRefusal(f"cannot drop a {int(leads[over[0]])}-column dead prefix from a slot "
                                f"that holds only {current}")
@@ -193,45 +195,87 @@ class Kernels:
         want = -(-2 * self.sm_count // max(b * hk, 1))
         return max(1, min(want, -(-longest // nt)))
 
-    def verify_attention(self, q, k, v, lens, n_split: int | None = None, nt: int | None = None):
-        """`out [B,H,w,D]` in q's dtype: query r of row b (position `lens[b] - w + r`) attends
-        to keys `p <= lens[b] - w + r` of its KV head (`h // (H // Hk)`), read in place from
-        `k, v [B,Hk,cap,D]`; nothing at or past `lens[b]` is read. Scale `1/sqrt(D)`.
-        MaskRefusal ("query rows against only") for a row shorter than w; ValueError on
-        shapes, lens past cap."""
+    def verify_attention(self, q, k, v, lens, rows=None, window: int | None = None, compressed=None,
+                         ratio: int = 0, sinks=None, n_split: int | None = None, nt: int | None = None):
+        """`out [B,H,w,D]` in q's dtype, read in place, DSV4's rules (`gpu.model.dsv4_attention_rows`).
+
+        Query row b reads KV row `rows[b]` (default b) of `k, v [Bkv,Hk,cap,D]`, which holds
+        `n = lens[rows[b]]` live positions; query r sits at `qp = n - w + r`, query head h reads
+        KV head `h // (H // Hk)`. Raw key p is valid iff `qp - window < p <= qp` (`window`
+        None: every earlier key, the bench's full causal attention); only keys some query can
+        see are read, nothing at or past n. `compressed [Bkv,Hk,t_c,D]` (K == V,
+        start-anchored): block c valid iff `c < (qp + 1) // ratio`. `sinks [H]`: a per-head
+        logit in the denominator only. Scale `1/sqrt(D)`.
+        MaskRefusal ("query rows against only") for a row shorter than w; ValueError on shapes,
+        lens past cap, `window < 1`, `ratio < 1` with compressed keys."""
+        xp = self.xp
         require(q.ndim == 4 and k.ndim == 4 and tuple(k.shape) == tuple(v.shape),
                 f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: need [B,H,w,D] and [B,Hk,cap,D]")
         b, h, w, d = q.shape
-        _, hk, cap, _ = k.shape
-        require(k.shape[0] == b and k.shape[3] == d and hk >= 1 and h % hk == 0,
-                f"q {list(q.shape)} against k {list(k.shape)}: batch, head dim or GQA grouping disagree")
+        b_kv, hk, cap, _ = k.shape
+        require(k.shape[3] == d and hk >= 1 and h % hk == 0,
+                f"q {list(q.shape)} against k {list(k.shape)}: head dim or GQA grouping disagree")
         require(dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype),
                 f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
         lens = self._ints(lens)
-        require(lens.size == b and not bool((lens > cap).any()), f"lens {lens.tolist()} must be {b} values <= cap {cap}")
-        short = np.flatnonzero(self.xp.asnumpy(lens < w) if self.mode == "cupy" else lens < w)
+        require(lens.size == b_kv and not bool((lens < 0).any() or (lens > cap).any()),
+                f"lens {lens.tolist()} must be {b_kv} values in [0, cap {cap}]")
+        if rows is None:
+            require(b_kv == b, f"{b} query rows for {b_kv} KV rows: pass rows")
+            rows = xp.arange(b, dtype=xp.int64)
+        rows = self._ints(rows)
+        require(rows.size == b and not bool((rows < 0).any() or (rows >= b_kv).any()),
+                f"rows {rows.tolist()} must be {b} indices into {b_kv} KV rows")
+        require(window is None or window >= 1, f"window {window} must be >= 1")
+        window = cap + w if window is None else int(window)
+        row_lens = lens[rows]
+        short = np.flatnonzero(self._host(row_lens < w))
         if short.size:
-            raise MaskRefusal(f"{w} query rows against only {int(lens[short[0]])} keys")
-        out = self.xp.empty(q.shape, dtype=q.dtype)
+            raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
+        t_c = 0 if compressed is None else int(compressed.shape[2])
+        if t_c:
+            require(tuple(compressed.shape) == (b_kv, hk, t_c, d) and dtype_name(compressed.dtype) == dtype_name(k.dtype),
+                    f"compressed {list(compressed.shape)} must be [{b_kv},{hk},t_c,{d}] in k's dtype")
+            require(ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
+        if sinks is not None:
+            require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype_name(q.dtype),
+                    f"sinks {list(sinks.shape)} must be [{h}] in q's dtype")
+        out = xp.empty(q.shape, dtype=q.dtype)
         if out.size == 0:
             return out
         nt = self.block if nt is None else nt
         nq = (h // hk) * w
-        longest = int(lens.max())
-        n_split = self.n_split(b, hk, longest, nt) if n_split is None else n_split
+        longest = int(row_lens.max()) + t_c
+        n_split = self.n_split(b, hk, min(longest, window + w - 1 + t_c), nt) if n_split is None else n_split
         require(n_split >= 1, f"n_split {n_split} must be >= 1")
         dtype = dtype_name(q.dtype)
         acc = ACC_NUMPY[ELEM[dtype][1]]
-        part_m = self.xp.empty((n_split, b, hk, nq), dtype=acc)
-        part_l = self.xp.empty((n_split, b, hk, nq), dtype=acc)
-        part_acc = self.xp.empty((n_split, b, hk, nq, d), dtype=acc)
-        q, k, v = (self.xp.ascontiguousarray(t) for t in (q, k, v))
+        part_m = xp.empty((n_split, b, hk, nq), dtype=acc)
+        part_l = xp.empty((n_split, b, hk, nq), dtype=acc)
+        part_acc = xp.empty((n_split, b, hk, nq, d), dtype=acc)
+        dummy = xp.zeros(1, dtype=q.dtype)
+        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
+        ck = dummy if not t_c else xp.ascontiguousarray(compressed)
         self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
-                     [q, k, v, lens, b, hk, cap, w, n_split, 1.0 / math.sqrt(d), part_m, part_l, part_acc],
-                     nq=nq, d=d, nt=nt)
+                     [q, k, v, lens, rows, ck, t_c, max(ratio, 1), b, hk, cap, w, window, n_split,
+                      1.0 / math.sqrt(d), part_m, part_l, part_acc], nq=nq, d=d, nt=nt)
         self._launch("rs_verify_attention_combine", dtype, self._elementwise_grid(out.size), self.block,
-                     [part_m, part_l, part_acc, b, hk, n_split, out], nq=nq, d=d, nt=nt)
+                     [part_m, part_l, part_acc, dummy if sinks is None else xp.ascontiguousarray(sinks),
+                      int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt)
         return out
+
+    def dsv4_attention_rows(self, q, k, v, lens, rows, compressed, compress_ratio: int, sliding_window: int,
+                            sinks=None, n_split: int | None = None, nt: int | None = None):
+        """`gpu.model.dsv4_attention_rows` as one kernel pass: DSV4 union attention of each
+        query row over its own KV row in place. A Standard layer (`compress_ratio <= 1`)
+        ignores `compressed`; `window = max(sliding_window, 1)`. Same refusal
+        (MaskRefusal "query rows against only")."""
+        comp = None if compress_ratio <= 1 else compressed
+        return self.verify_attention(q, k, v, lens, rows=rows, window=max(int(sliding_window), 1), compressed=comp,
+                                     ratio=compress_ratio, sinks=sinks, n_split=n_split, nt=nt)
+
+    def _host(self, a) -> np.ndarray:
+        return a.get() if self.mode == "cupy" else np.asarray(a)
 
 
 _CUDA_KERNELS: Kernels | None = None

@@ -4,7 +4,8 @@ Why: CuPy needs a GPU, and most machines that build and test raggedspec have non
 kernels use only blockIdx / threadIdx / blockDim / gridDim, `__shared__` arrays and
 `__syncthreads()`, so a block can be executed exactly as CUDA defines it: `blockDim.x` real
 threads meeting at a real barrier (`std::barrier`), `__shared__` arrays shared by them, one
-block after another. Index arithmetic, masks, the split-K online softmax and its combine are
+block after another (the same threads run every block of a launch and meet at the barrier
+between blocks, so a block never sees its predecessor's shared arrays in use). Index arithmetic, masks, the split-K online softmax and its combine are
 then tested against the reference on any machine with g++ (conformance/test_cupy_kernels.py);
 what only a GPU can show (NVRTC's compile, speed, the CUDA math library's last bits) is left to
 the CUDA run, and the NVRTC front end is checked here too when `nvcc` is on the PATH.
@@ -55,18 +56,25 @@ static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); ret
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::exp; using std::cos; using std::sin; using std::pow;
 static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, const std::function<void()>& body) {
+    // bx threads for the whole launch; each runs every block in order, and the barrier at the
+    // end of a block keeps the next block from touching __shared__ arrays still in use
     gridDim = {gx, gy, gz};
     blockDim = {bx, 1, 1};
-    for (unsigned z = 0; z < gz; ++z)
-        for (unsigned y = 0; y < gy; ++y)
-            for (unsigned x = 0; x < gx; ++x) {
-                std::barrier<> bar(bx);
-                rs_barrier = &bar;
-                std::vector<std::thread> threads;
-                for (unsigned t = 0; t < bx; ++t)
-                    threads.emplace_back([&, t, x, y, z] { threadIdx = {t, 0, 0}; blockIdx = {x, y, z}; body(); });
-                for (auto& th : threads) th.join();
-            }
+    std::barrier<> bar(bx);
+    rs_barrier = &bar;
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < bx; ++t)
+        threads.emplace_back([&, t] {
+            threadIdx = {t, 0, 0};
+            for (unsigned z = 0; z < gz; ++z)
+                for (unsigned y = 0; y < gy; ++y)
+                    for (unsigned x = 0; x < gx; ++x) {
+                        blockIdx = {x, y, z};
+                        body();
+                        bar.arrive_and_wait();
+                    }
+        });
+    for (auto& th : threads) th.join();
 }
 """
 
@@ -143,12 +151,14 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
             raise RuntimeError("g++ is not on the PATH: the kernel emulator compiles gpu/kernels.cu with it")
         lib_path = _cache_dir() / f"kernels-{key}.so"
         if not lib_path.exists():
-            src_path = lib_path.with_suffix(".cpp")
+            # per-process names: two processes building the same text never share a file
+            src_path = lib_path.with_suffix(f".{os.getpid()}.cpp")
             src_path.write_text(text)
             tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
             res = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
                                   "-Wno-narrowing", "-o", str(tmp), str(src_path)],
                                  capture_output=True, text=True)
+            src_path.unlink(missing_ok=True)
             if res.returncode != 0:
                 raise RuntimeError(f"g++ failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}")
             os.replace(tmp, lib_path)

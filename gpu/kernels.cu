@@ -139,35 +139,47 @@ extern "C" __global__ void rs_rope(const RS_ELEM* x, const long long* offsets, l
 }
 
 
-// Ragged verify attention, split over the key axis (flash-decoding), part 1.
-// Grid (n_split, Hk, B); block RS_NT threads. Block (s, hk, b) owns the RS_NQ = G * w queries
-// of row b that read KV head hk (query heads hk*G .. hk*G+G-1, each w rows: contiguous in q)
-// and the keys [kbeg, kend) of split s of row b's LIVE run [0, lens[b]) only: the chunk is
-// cut per row, so a short row's blocks stop early and no block reads slack. Query r (qi % w)
-// of row b sits at lens[b] - w + r and sees key p iff p <= lens[b] - w + r (causal).
-// Per tile of RS_NT keys: (1) thread t scores key kbeg + t against every query (q in shared,
-// pre-scaled); (2) thread qi folds the tile into its running max / sum (online softmax);
-// (3) thread t accumulates dims t, t + RS_NT, ... of P V, reading V rows coalesced.
-// Writes the split's (max, sum, unnormalized acc) per query; part 2 combines the splits.
+// Ragged verify attention in place (DSV4 rules), split over the key axis (flash-decoding).
+// Part 1. Grid (n_split, Hk, B); block RS_NT threads. Query row b reads KV row rows[b]
+// (n = lens[rows[b]] live positions); block (s, hk, b) owns its RS_NQ = G * w queries of KV
+// head hk (query heads hk*G .. hk*G+G-1, each w rows: contiguous in q). Query r (qi % w) sits
+// at qp = n - w + r. Its keys, as one virtual run cut per row:
+//   raw:        p in [max(0, n - w + 1 - window), n), valid iff qp - window < p <= qp
+//               (only the live keys some query of the window can see: never past n, never
+//               before the window);
+//   compressed: block c in [0, min(t_c, n / ratio)) of ck (start-anchored, K == V), valid iff
+//               c < (qp + 1) / ratio (the block is complete at or before the query).
+// The run is split in n_split chunks (rounded to tiles); per tile of RS_NT keys: (1) thread t
+// scores key t against every query (q pre-scaled in shared memory); (2) thread qi folds the
+// tile into its running max / sum (online softmax); (3) thread t accumulates head-dim columns
+// t, t + RS_NT, ... of P V (V rows read coalesced). Writes per query the split's max, sum and
+// unnormalized accumulator; part 2 combines the splits (and the sinks).
 #define RS_DPT ((RS_D + RS_NT - 1) / RS_NT)
 extern "C" __global__ void rs_verify_attention_partial(const RS_ELEM* q, const RS_ELEM* k, const RS_ELEM* v,
-                                                       const long long* lens, long long B, long long Hk,
-                                                       long long cap, long long w, long long n_split,
-                                                       double scale, RS_ACC* part_m, RS_ACC* part_l,
-                                                       RS_ACC* part_acc) {
+                                                       const long long* lens, const long long* rows,
+                                                       const RS_ELEM* ck, long long t_c, long long ratio,
+                                                       long long B, long long Hk, long long cap, long long w,
+                                                       long long window, long long n_split, double scale,
+                                                       RS_ACC* part_m, RS_ACC* part_l, RS_ACC* part_acc) {
     __shared__ RS_ACC q_s[RS_NQ * RS_D];
     __shared__ RS_ACC p_s[RS_NQ * RS_NT];
     __shared__ RS_ACC m_s[RS_NQ];
     __shared__ RS_ACC l_s[RS_NQ];
     __shared__ RS_ACC alpha_s[RS_NQ];
     const long long tid = threadIdx.x, s = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const long long n = lens[b];
-    long long per = (n + n_split - 1) / n_split;
+    const long long row = rows[b], n = lens[row];
+    const long long kstart = (n - w + 1 - window > 0) ? n - w + 1 - window : 0;
+    const long long n_raw = n - kstart;
+    long long n_comp = 0;
+    if (t_c > 0) n_comp = (n / ratio < t_c) ? n / ratio : t_c;
+    const long long nk = n_raw + n_comp;
+    long long per = (nk + n_split - 1) / n_split;
     per = (per + RS_NT - 1) / RS_NT * RS_NT;
     const long long kbeg = s * per;
-    const long long kend = (kbeg + per < n) ? kbeg + per : n;
+    const long long kend = (kbeg + per < nk) ? kbeg + per : nk;
     const long long qbase = (b * Hk + hk) * RS_NQ * RS_D;   // H * w * D per row, G * w * D per KV head
-    const long long kvbase = (b * Hk + hk) * cap * RS_D;
+    const long long kvbase = (row * Hk + hk) * cap * RS_D;
+    const long long ckbase = (row * Hk + hk) * t_c * RS_D;
     for (long long i = tid; i < RS_NQ * RS_D; i += RS_NT) q_s[i] = rs_load(q[qbase + i]) * (RS_ACC)scale;
     for (long long qi = tid; qi < RS_NQ; qi += RS_NT) {
         m_s[qi] = rs_neg_inf();
@@ -178,33 +190,38 @@ extern "C" __global__ void rs_verify_attention_partial(const RS_ELEM* q, const R
         for (int j = 0; j < RS_DPT; ++j) acc[qi][j] = (RS_ACC)0;
     __syncthreads();
     for (long long t0 = kbeg; t0 < kend; t0 += RS_NT) {
-        const long long p = t0 + tid;
-        if (p < kend) {                                                   // (1) scores
+        const long long j = t0 + tid;
+        if (j < kend) {                                                   // (1) scores
+            const bool raw = j < n_raw;
+            const long long p = raw ? kstart + j : j - n_raw;             // position, or block
+            const RS_ELEM* kr = raw ? k + kvbase + p * RS_D : ck + ckbase + p * RS_D;
             RS_ACC dot[RS_NQ];
             for (int qi = 0; qi < RS_NQ; ++qi) dot[qi] = (RS_ACC)0;
-            const RS_ELEM* kr = k + kvbase + p * RS_D;
             for (int d = 0; d < RS_D; ++d) {
                 RS_ACC kd = rs_load(kr[d]);
                 for (int qi = 0; qi < RS_NQ; ++qi) dot[qi] += q_s[qi * RS_D + d] * kd;
             }
-            for (int qi = 0; qi < RS_NQ; ++qi)
-                p_s[qi * RS_NT + tid] = (p <= n - w + qi % w) ? dot[qi] : rs_neg_inf();
+            for (int qi = 0; qi < RS_NQ; ++qi) {
+                const long long qp = n - w + qi % w;
+                const bool ok = raw ? (p <= qp && p > qp - window) : (p < (qp + 1) / ratio);
+                p_s[qi * RS_NT + tid] = ok ? dot[qi] : rs_neg_inf();
+            }
         } else {
             for (int qi = 0; qi < RS_NQ; ++qi) p_s[qi * RS_NT + tid] = rs_neg_inf();
         }
         __syncthreads();
         for (long long qi = tid; qi < RS_NQ; qi += RS_NT) {              // (2) online softmax
-            RS_ACC* row = p_s + qi * RS_NT;
+            RS_ACC* prow = p_s + qi * RS_NT;
             RS_ACC mx = m_s[qi];
-            for (int j = 0; j < RS_NT; ++j) mx = row[j] > mx ? row[j] : mx;
+            for (int jj = 0; jj < RS_NT; ++jj) mx = prow[jj] > mx ? prow[jj] : mx;
             if (mx == rs_neg_inf()) {            // nothing visible yet: keep the state as is
                 alpha_s[qi] = (RS_ACC)1;
-                for (int j = 0; j < RS_NT; ++j) row[j] = (RS_ACC)0;
+                for (int jj = 0; jj < RS_NT; ++jj) prow[jj] = (RS_ACC)0;
             } else {
                 RS_ACC alpha = rs_exp(m_s[qi] - mx), sum = (RS_ACC)0;   // exp(-inf) = 0
-                for (int j = 0; j < RS_NT; ++j) {
-                    RS_ACC e = rs_exp(row[j] - mx);
-                    row[j] = e;
+                for (int jj = 0; jj < RS_NT; ++jj) {
+                    RS_ACC e = rs_exp(prow[jj] - mx);
+                    prow[jj] = e;
                     sum += e;
                 }
                 l_s[qi] = l_s[qi] * alpha + sum;
@@ -214,13 +231,15 @@ extern "C" __global__ void rs_verify_attention_partial(const RS_ELEM* q, const R
         }
         __syncthreads();
         const long long tile = (kend - t0 < RS_NT) ? kend - t0 : RS_NT;   // (3) P V
-        for (int j = 0; j < RS_DPT; ++j) {
-            const long long d = tid + (long long)j * RS_NT;
+        for (int jd = 0; jd < RS_DPT; ++jd) {
+            const long long d = tid + (long long)jd * RS_NT;
             if (d >= RS_D) break;
-            for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][j] *= alpha_s[qi];
+            for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][jd] *= alpha_s[qi];
             for (long long jj = 0; jj < tile; ++jj) {
-                RS_ACC vd = rs_load(v[kvbase + (t0 + jj) * RS_D + d]);
-                for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][j] += p_s[qi * RS_NT + jj] * vd;
+                const long long jk = t0 + jj;
+                const RS_ELEM* vr = jk < n_raw ? v + kvbase + (kstart + jk) * RS_D : ck + ckbase + (jk - n_raw) * RS_D;
+                RS_ACC vd = rs_load(vr[d]);
+                for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][jd] += p_s[qi * RS_NT + jj] * vd;
             }
         }
         __syncthreads();
@@ -230,28 +249,33 @@ extern "C" __global__ void rs_verify_attention_partial(const RS_ELEM* q, const R
         part_m[pbase + qi] = m_s[qi];
         part_l[pbase + qi] = l_s[qi];
     }
-    for (int j = 0; j < RS_DPT; ++j) {
-        const long long d = tid + (long long)j * RS_NT;
+    for (int jd = 0; jd < RS_DPT; ++jd) {
+        const long long d = tid + (long long)jd * RS_NT;
         if (d >= RS_D) break;
-        for (int qi = 0; qi < RS_NQ; ++qi) part_acc[(pbase + qi) * RS_D + d] = acc[qi][j];
+        for (int qi = 0; qi < RS_NQ; ++qi) part_acc[(pbase + qi) * RS_D + d] = acc[qi][jd];
     }
 }
 
 
-// Part 2: out[b, hk*G + g, r, d] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
-// splits (M = max_s m_s, finite: split 0 holds key 0, which every query sees). One thread per
+// Part 2: out[b, hk*G + g, r, d] = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink_h - M))
+// over the splits, M = max(max_s m_s, sink_h) (finite: key qp itself is always visible); the
+// per-query-head sink joins the denominator only (has_sinks 0: no sink term). One thread per
 // output element; out has q's layout, so (b, hk, qi, d) is its flat index.
 extern "C" __global__ void rs_verify_attention_combine(const RS_ACC* part_m, const RS_ACC* part_l,
-                                                       const RS_ACC* part_acc, long long B, long long Hk,
+                                                       const RS_ACC* part_acc, const RS_ELEM* sinks,
+                                                       int has_sinks, long long B, long long Hk, long long w,
                                                        long long n_split, RS_ELEM* out) {
     const long long n = B * Hk * RS_NQ * RS_D;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / RS_D;                                  // (b * Hk + hk) * RS_NQ + qi
         const long long stride = B * Hk * RS_NQ;
+        const long long head = ((row / RS_NQ) % Hk) * (RS_NQ / w) + (row % RS_NQ) / w;
         RS_ACC mx = rs_neg_inf();
         for (long long s = 0; s < n_split; ++s) mx = part_m[s * stride + row] > mx ? part_m[s * stride + row] : mx;
-        RS_ACC num = (RS_ACC)0, den = (RS_ACC)0;
+        RS_ACC sink = has_sinks ? rs_load(sinks[head]) : rs_neg_inf();
+        if (has_sinks && sink > mx) mx = sink;
+        RS_ACC num = (RS_ACC)0, den = has_sinks ? rs_exp(sink - mx) : (RS_ACC)0;
         for (long long s = 0; s < n_split; ++s) {
             RS_ACC f = rs_exp(part_m[s * stride + row] - mx);
             num += f * part_acc[(s * stride + row) * RS_D + i % RS_D];

@@ -159,6 +159,10 @@ class DecoderLayer:
         self.ropes = ropes
         for name in self.WEIGHTS:
             setattr(self, name, _tensor(getattr(ref_layer, name), dtype, device))
+        # the two hot operations, replaceable by a backend with its own kernels
+        # (gpu.cupy_backend): same signatures, same rules, same refusals
+        self.attend = dsv4_attention_rows
+        self.rope = apply_rope
 
     def key(self, x: torch.Tensor) -> torch.Tensor:
         """The un-rotated KV head `[B,1,T,hd]` of `x [B,T,H]` (row- and token-local)."""
@@ -201,15 +205,15 @@ class DecoderLayer:
         table = self.ropes.get(self.theta, int(offs.max()) + t)
         h = rms_norm(x, self.attn_norm, eps)
         q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(1, 2), self.q_norm, eps)
-        q = apply_rope(q, offs, cfg.rope_dims, self.theta, table=table)
-        k = apply_rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table)
+        q = self.rope(q, offs, cfg.rope_dims, self.theta, table=table)
+        k = self.rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table)
         kv.append(k, k, rows=rows)
         comp = None
         if self.ratio:
             require(rows is None, "a compressed layer runs on every row of its cache (rows must be None)")
             comp = self.compressed_keys(kv)
-        o = dsv4_attention_rows(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
-        o = apply_rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
+        o = self.attend(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
+        o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
         x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ self.wo
         m = rms_norm(x, self.mlp_norm, eps)
         return x + silu(m @ self.w_up) @ self.w_down
