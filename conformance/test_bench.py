@@ -267,3 +267,24 @@ def test_headline_verdict_on_the_issue_targets(cupy_ms, per_row_ms, verdict):
     assert "targets not assessed (cupy: not run)" in bench.headline_lines(result, [not_run])[0]
     emulated = dict(result, notes={"cupy": "g++ emulation of the CUDA kernel on the CPU (...)"})
     assert "targets not assessed (the cupy column is the g++ emulator" in bench.headline_lines(emulated, [row])[0]
+
+
+@pytest.mark.skipif(not EMULATED, reason="the emulated kernel backend needs g++ on the PATH")
+def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
+    assert bench.main(["--e2e", "--smoke", "--e2e-backend", "gpu.cupy_backend:emulated", "--out", str(tmp_path),
+                       "-q"]) == 0
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    assert res["settings"]["backend"] == "gpu.cupy_backend:emulated"
+    assert {r["advance"] for r in res["runs"] if r.get("median_ms", 0) > 0} == {"cohort", "per-sequence"}
+    assert "on the gpu.cupy_backend:emulated backend" in (tmp_path / "e2e.md").read_text()
+
+
+def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, capsys):
+    from gpu.cupy_backend import cupy_unavailable
+
+    if cupy_unavailable() is None:  # a CUDA machine: ask for the cupy backend on the CPU instead
+        argv, needle = ["--device", "cpu"], "runs on CUDA only"
+    else:
+        argv, needle = [], "needs a CUDA GPU"
+    assert bench.main(["--e2e", "--smoke", "--e2e-backend", "cupy", *argv, "--out", str(tmp_path), "-q"]) == 2
+    assert needle in capsys.readouterr().err

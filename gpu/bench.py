@@ -167,6 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-prompt", type=int, default=None,
                    help="--e2e: prompt length of every request (default 1024; 32 with --smoke)")
     p.add_argument("--e2e-steps", type=int, default=None, help="--e2e: engine steps per run (default 24; 6 with --smoke)")
+    p.add_argument("--e2e-backend", default="torch",
+                   help="--e2e: the simulator's backend: torch (default), cupy (the kernels; CUDA only), or "
+                        "package.module:factory")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines on stderr")
 
 
@@ -1028,7 +1031,7 @@ def e2e_settings(args) -> dict:
         raise ValueError(f"--e2e runs the torch backend in float64, float32 or bfloat16, not {cfg['dtype']}")
     if min(cfg["batch"], cfg["prompt"], cfg["steps"]) < 1:
         raise ValueError("--e2e-batch, --e2e-prompt and --e2e-steps must be >= 1")
-    cfg.update(smoke=bool(args.smoke), seed=args.seed)
+    cfg.update(smoke=bool(args.smoke), seed=args.seed, backend=args.e2e_backend)
     return cfg
 
 
@@ -1044,27 +1047,29 @@ def e2e_overrides(cfg: dict, advance: str) -> list[str]:
 
 
 def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
-    """Cohort and per-sequence advance through `reference.simulator.run` on
-    `gpu.backend.TorchBackend(device, dtype)`; each step's wall time from the simulator's
+    """Cohort and per-sequence advance through `reference.simulator.run` on the backend
+    `cfg["backend"]` (default torch: `gpu.backend.TorchBackend(device, dtype)`; "cupy": the
+    kernels); each step's wall time from the simulator's
     progress callback (the device synchronized first), its live KV tokens (sum of the rows'
     own lengths) and padded tokens (rows x batch width) from the trace. Writes e2e.json and
     e2e.md under out_dir; returns the result."""
     import torch
 
-    from gpu.backend import TorchBackend
     from reference import simulator
+    from reference.backend import load_backend
     from reference.scenario import load_scenario
 
     log = log or (lambda msg: None)
     device = torch.device(cfg["device"])
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch.cuda.is_available() is False")
+    load_backend(cfg.get("backend", "torch"), cfg["device"], cfg["dtype"])  # a backend that cannot run: exit 2 now
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"schema": SCHEMA + "/e2e", "smoke": cfg["smoke"], "settings": cfg, "machine": machine_info(device),
               "runs": []}
     for advance in ("cohort", "per-sequence"):
         sc = load_scenario(None, e2e_overrides(cfg, advance))
-        backend = TorchBackend(device=cfg["device"], dtype=cfg["dtype"])
+        backend = load_backend(cfg.get("backend", "torch"), cfg["device"], cfg["dtype"])
         stamps = []
 
         def progress(done, total, stamps=stamps):
@@ -1111,7 +1116,8 @@ def render_e2e(result: dict) -> str:
     if result["smoke"]:
         lines += ["**SMOKE run (CPU, tiny model): it checks that the path runs; no performance claim.**", ""]
     model = json.dumps(c["model"]) if c["model"] else "default tiny"
-    lines += [(f"End-to-end step time, tensor-mode simulator on the torch backend ({c['device']}, {c['dtype']}); "
+    lines += [(f"End-to-end step time, tensor-mode simulator on the {c.get('backend', 'torch')} backend "
+               f"({c['device']}, {c['dtype']}); "
                f"{where}; torch {m['torch']}. B = {c['batch']} requests of prompt {c['prompt']}, depth {c['depth']}, "
                f"acceptance {c['acceptance']}, {c['steps']} steps, model {model}. "
                "Step time = wall time between the simulator's per-step callbacks (device synchronized); "

@@ -2,7 +2,7 @@
 # The one prepared script a GPU session runs with the device tool (issue 5): CUDA conformance,
 # then the benchmark, then the end-to-end step time, every result written under $OUT.
 #
-#   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~9.5 min worst case)
+#   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~9.8 min worst case)
 #   here, first: OUT=/tmp/gpu-smoke bash scripts/gpu_session.sh --cpu-smoke
 #
 # Runs in the repository root (the device tool's copy of the working tree). Every step has its
@@ -40,10 +40,10 @@ T0=$(date +%s)
 
 if [[ $MODE == gpu ]]; then
     DEV=cuda
-    # worst case (every step at its limit) ~9.5 min: env 20 + port 80 + kernels 50 + bench 170
-    # + replot 30 + runner 75 + cupy 45 + e2e 90; a typical run is shorter
-    T_PORT=${T_PORT:-80} T_KERN=${T_KERN:-50} T_RUNNER=${T_RUNNER:-75} T_CUPY=${T_CUPY:-45}
-    T_BENCH=${T_BENCH:-170} BENCH_BUDGET=${BENCH_BUDGET:-120} T_E2E=${T_E2E:-90}
+    # worst case (every step at its limit) ~9.8 min: env 20 + port 70 + kernels 45 + bench 150
+    # + replot 30 + runner 70 + cupy 45 + e2e 70 + e2e_cupy 70; a typical run is shorter
+    T_PORT=${T_PORT:-70} T_KERN=${T_KERN:-45} T_RUNNER=${T_RUNNER:-70} T_CUPY=${T_CUPY:-45}
+    T_BENCH=${T_BENCH:-150} BENCH_BUDGET=${BENCH_BUDGET:-105} T_E2E=${T_E2E:-70}
     BENCH_MODE=()
     E2E_MODE=(--device cuda)
 else
@@ -163,6 +163,13 @@ if [[ -f reference/backend.py && -f gpu/backend.py ]]; then
     if [[ -f $WORK/e2e/e2e.json && ! -f $WORK/e2e/e2e.md ]]; then
         step e2e_replot 30 $PY -m gpu.bench --replot "$WORK/e2e/e2e.json" -q || FAILED=1
     fi
+    if [[ $CUPY_OK == 1 ]]; then
+        # the same runs on the cupy backend (attention and RoPE of the forward by the kernels)
+        step e2e_cupy "$T_E2E" $PY -m gpu.bench --e2e "${E2E_MODE[@]}" --e2e-backend cupy --out "$WORK/e2e_cupy" -q \
+            || FAILED=1
+    else
+        note "e2e on the cupy backend: not run (CuPy absent or without CUDA)"
+    fi
 else
     note "no backend protocol (reference/backend.py, gpu/backend.py): e2e not run"
 fi
@@ -183,6 +190,7 @@ done
     done
     [[ -f $WORK/bench/bench.md ]] && { echo "## bench"; echo; cat "$WORK/bench/bench.md"; }
     [[ -f $WORK/e2e/e2e.md ]] && { echo "## e2e"; echo; cat "$WORK/e2e/e2e.md"; }
+    [[ -f $WORK/e2e_cupy/e2e.md ]] && { echo "## e2e, cupy backend"; echo; cat "$WORK/e2e_cupy/e2e.md"; }
 } >"$OUT/summary.md"
 cp "$LOG" "$WORK/session.log"
 tar -czf "$OUT/all.tar.gz" -C "$WORK" . 2>/dev/null
