@@ -302,6 +302,32 @@ def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does
     assert got[0] == "refused" and got[1] is MaskRefusal and got[2] == "3 query rows against only 2 keys"
 
 
+def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_routes_it_to_torch(kern):
+    q = np.zeros((1, 65, 1, 8))
+    kv = np.zeros((1, 1, 4, 8))
+    with pytest.raises(ValueError, match=r"65 queries per KV head .* at most .* 64 queries"):
+        kern.verify_attention(put(kern, q), put(kern, kv), put(kern, kv), [4])
+    assert kern.fits(64, 8, "float64") and not kern.fits(65, 8, "float64")
+    assert not kern.fits(16, 4096, "float64")                  # q alone would need 512 KiB of shared memory
+    if kern.mode != "emulate":
+        return
+    from gpu.cache import RaggedKv
+    from gpu.cupy_backend import emulated
+    from gpu.model import dsv4_attention_rows
+
+    backend = emulated()
+    rng = np.random.default_rng(0)
+    big_q = torch.from_numpy(rng.normal(size=(2, 4, 20, 8)))     # 4 heads x 20 queries: a prefill
+    k = torch.from_numpy(rng.normal(size=(2, 1, 24, 8)))
+    cache = RaggedKv(k, k.clone(), torch.tensor([20, 24]), 4096)
+    got = backend._attend(big_q, cache, None, None, 0, 8)
+    assert backend.prefill_fallbacks == 1 and backend.kernel_attentions == 0
+    assert torch.equal(got, dsv4_attention_rows(big_q, cache, None, None, 0, 8))
+    small = backend._attend(big_q[:, :, :4], cache, None, None, 0, 8)
+    assert backend.kernel_attentions == 1
+    assert float((small - dsv4_attention_rows(big_q[:, :, :4], cache, None, None, 0, 8)).abs().max()) <= 1e-12
+
+
 def test_the_split_count_fills_the_device_and_never_exceeds_the_tiles():
     kern = ck.Kernels.__new__(ck.Kernels)
     kern.sm_count = 132
@@ -391,4 +417,5 @@ def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_referenc
     counts = compare_runs(port, ref, backend.dtype)
     assert counts["forwards"] >= 3 and counts["tensors"] > 20
     assert launches["rs_verify_attention_partial"] >= counts["forwards"] and launches["rs_rope"] > 0
+    assert backend.kernel_attentions == launches["rs_verify_attention_partial"] and backend.prefill_fallbacks == 0
     assert launches["rs_front_align"] > 0

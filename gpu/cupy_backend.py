@@ -4,9 +4,10 @@ gpu/kernels.cu (issue 5).
 `CupyBackend` is `gpu.backend.TorchBackend` (torch owns the buffers and every host decision)
 with these operations replaced by kernel launches over all rows at once:
 - in the model forward the simulator drives (target layers and the MTP layer): the attention
-  (`rs_verify_attention_*`: DSV4's window, compressed blocks and sinks, each row read in place
-  over its own live window) and every RoPE rotation (`rs_rope`: q, k, and the inverse on the
-  output);
+  of every verify / decode / draft forward (`rs_verify_attention_*`: DSV4's window, compressed
+  blocks and sinks, each row read in place over its own live window; a prefill with more
+  queries than the kernel takes goes to the torch port, counted in `prefill_fallbacks`) and
+  every RoPE rotation (`rs_rope`: q, k, and the inverse on the output);
 - the protocol's `apply_rope` (`rs_rope`) and `union_mask` on the ragged path
   (`rs_ragged_union_mask`; the uniform path is one shared validity, left to torch);
 - `materialize` of a K/V slot (`rs_front_align`: the in-place rows read out front-aligned, the
@@ -37,8 +38,12 @@ from gpu import kernel_emulator
 from gpu import masks as gmasks
 from gpu._common import neg_inf_where
 from gpu.backend import TorchBackend, TorchKv
+from gpu.model import dsv4_attention_rows
 from gpu.rope import _check_x
 from reference.errors import require
+
+
+DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def cupy_unavailable() -> str | None:
@@ -61,6 +66,8 @@ class CupyBackend(TorchBackend):
     name = "cupy"
 
     def __init__(self, device: str | None = None, dtype: str = "float64", emulate: bool = False) -> None:
+        self.kernel_attentions = 0   # forwards whose attention the kernel ran
+        self.prefill_fallbacks = 0   # forwards with too many queries for it (the torch port ran)
         if emulate:
             device = device or "cpu"
             require(torch.device(device).type == "cpu", f"the emulated kernels run on the cpu only, not {device!r}")
@@ -115,7 +122,14 @@ class CupyBackend(TorchBackend):
         return model
 
     def _attend(self, q, kv, rows, comp, ratio, window, sinks=None):
-        """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (one KV head in place)."""
+        """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (one KV head in place).
+        A forward with more queries than the verify kernel takes (a prefill: G * t_q over
+        `cupy_kernels.MAX_QUERIES`, or over its shared memory) goes to the torch port."""
+        h, t_q, d = q.shape[1], q.shape[2], q.shape[3]
+        if not self.kernels.fits((h // kv.k.shape[1]) * t_q, d, DTYPE_NAMES[q.dtype]):
+            self.prefill_fallbacks += 1
+            return dsv4_attention_rows(q, kv, rows, comp, ratio, window, sinks)
+        self.kernel_attentions += 1
         a = self._arr
         out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), a(kv.lens),
                         None if rows is None else a(torch.as_tensor(rows, dtype=torch.int64, device=q.device)),

@@ -76,10 +76,12 @@ class Kernels:
             self.xp = cupy
             self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
             self.block = 256
+            self.attn_threads = 128
         else:
             self.xp = np
             self.sm_count = 2
             self.block = 32
+            self.attn_threads = 32
         self._modules: dict[str, object] = {}
 
     # ------------------------------------------------------------------ launching
@@ -243,8 +245,12 @@ class Kernels:
         out = xp.empty(q.shape, dtype=q.dtype)
         if out.size == 0:
             return out
-        nt = self.block if nt is None else nt
+        nt = self.attn_threads if nt is None else nt
         nq = (h // hk) * w
+        require(self.fits(nq, d, dtype_name(q.dtype), nt),
+                f"{nq} queries per KV head (G * w) of head dim {d} need {verify_shared_bytes(nq, d, dtype_name(q.dtype), nt)} "
+                f"bytes of shared memory and {nq} accumulators per thread; the verify kernel takes at most "
+                f"{SHARED_LIMIT} bytes and {MAX_QUERIES} queries (a prefill belongs to the torch port)")
         longest = int(row_lens.max()) + t_c
         n_split = self.n_split(b, hk, min(longest, window + w - 1 + t_c), nt) if n_split is None else n_split
         require(n_split >= 1, f"n_split {n_split} must be >= 1")
@@ -274,8 +280,25 @@ class Kernels:
         return self.verify_attention(q, k, v, lens, rows=rows, window=max(int(sliding_window), 1), compressed=comp,
                                      ratio=compress_ratio, sinks=sinks, n_split=n_split, nt=nt)
 
+    def fits(self, nq: int, d: int, dtype: str, nt: int | None = None) -> bool:
+        """Whether the verify kernel takes `nq` queries per KV head of head dim `d` (the same
+        rule on both runners, so the emulator routes work exactly as CUDA would)."""
+        nt = self.attn_threads if nt is None else nt
+        return nq <= MAX_QUERIES and verify_shared_bytes(nq, d, dtype, nt) <= SHARED_LIMIT
+
     def _host(self, a) -> np.ndarray:
         return a.get() if self.mode == "cupy" else np.asarray(a)
+
+
+SHARED_LIMIT = 48 * 1024   # static shared memory a CUDA block may declare
+MAX_QUERIES = 64            # G * w: accumulators and scores held per thread
+
+
+def verify_shared_bytes(nq: int, d: int, dtype: str, nt: int) -> int:
+    """Static shared memory of `rs_verify_attention_partial`: q (nq x d), the scores
+    (nq x nt) and three per-query values, in the compute type."""
+    acc = np.dtype(ACC_NUMPY[ELEM[dtype][1]]).itemsize
+    return (nq * d + nq * nt + 3 * nq) * acc
 
 
 _CUDA_KERNELS: Kernels | None = None
