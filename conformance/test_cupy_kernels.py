@@ -109,6 +109,17 @@ def test_strip_returns_the_front_aligned_rows_to_their_place(kern, case):
         assert not ks[b, :, n:].any() and not vs[b, :, n:].any()
 
 
+def test_a_strided_view_is_read_by_value_not_by_its_memory(kern):
+    """A non-contiguous input (a slice of a wider buffer) gives what its contiguous copy gives:
+    the kernels index flat memory, so the host makes inputs contiguous first."""
+    k = np.random.default_rng(1).standard_normal((2, 1, 9, 6))
+    view = put(kern, k)[:, :, :, ::2]
+    assert not view.flags.c_contiguous
+    ko, vo = kern.front_align(view, view, [3, 5])
+    want, _ = kern.front_align(put(kern, np.ascontiguousarray(k[:, :, :, ::2])), put(kern, k[:, :, :, ::2]), [3, 5])
+    assert np.array_equal(get(kern, ko), get(kern, want))
+
+
 def test_strip_refuses_a_lead_past_the_held_columns_as_the_port_does(kern):
     k = np.ones((2, 1, 4, 2))
     got = outcome(kern.strip_dead_prefix, put(kern, k), put(kern, k), [1, 4], 3)

@@ -123,6 +123,7 @@ class Kernels:
         top = int(lens.max()) if b else 0
         target = top if target is None else int(target)
         require(target >= top, f"target {target} is shorter than the longest row {top}")
+        k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)   # the kernels index flat
         ko, vo = self.xp.empty((b, h, target, d), k.dtype), self.xp.empty((b, h, target, d), v.dtype)
         n = b * h * target * d
         if n:
@@ -144,6 +145,7 @@ class Kernels:
         if over.size:
             raise CacheRefusal(f"cannot drop a {int(leads[over[0]])}-column dead prefix from a slot "
                                f"that holds only {current}")
+        k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)   # the kernels index flat
         ko, vo = self.xp.empty_like(k), self.xp.empty_like(v)
         n = k.size
         if n:
