@@ -3,6 +3,7 @@ batch and the per-row form otherwise. Two paths that agree bit-for-bit are told 
 by testing the predicate (cache-and-draft.md §6, §8.2, §9, §10.1, §14; masks §2, §11, §12)."""
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -61,6 +62,13 @@ def test_resolve_ragged_rows_check_order():
         resolve_ragged_rows([7, 5, 5], 6, 3)
     # a row exactly at q0 is not ahead (> not >=)
     assert resolve_ragged_rows([6, 5, 5], 6, 3) == [6, 5, 5]
+
+
+def test_a_vector_with_more_rows_than_the_batch_is_a_width_refusal():
+    # the catalogue mutant "!= to <" let a vector LONGER than b through the width check;
+    # the existing tables only had shorter ones (moved here from test_mutation_kills.py)
+    with pytest.raises(DispatchRefusal, match=re.escape("4 per-row query positions for a batch of 3")):
+        resolve_ragged_rows([6, 4, 5, 6], 6, 3)
 
 
 @given(lengths=ragged_lengths(min_rows=1, max_rows=8))

@@ -159,37 +159,3 @@ def test_a_fresh_hidden_capture_is_disarmed_and_empty():
     assert cap.take() is None
     cap.store(3, np.zeros((1, 2, 4)))
     assert cap.take() is None
-
-
-def test_a_vector_with_more_rows_than_the_batch_is_a_width_refusal():
-    # the catalogue mutant "!= to <" let a vector LONGER than b through the width check;
-    # the existing tables only had shorter ones
-    from reference.errors import DispatchRefusal
-
-    with pytest.raises(DispatchRefusal, match=re.escape("4 per-row query positions for a batch of 3")):
-        resolve_ragged_rows([6, 4, 5, 6], 6, 3)
-
-
-def test_a_plain_cache_is_refused_by_the_mask_check_not_the_draft_chain_check():
-    # dropping the mask check from per_sequence_refusal left the (identical) draft-chain check
-    # to refuse, under a different name; "dead" appears in both messages, so name the check
-    from reference.capability import per_sequence_refusal
-
-    msg = str(per_sequence_refusal(NormalCache.new_plain(3, 4096), True, "refuse"))
-    assert "masks a left-aligned batch's dead prefix per row" in msg
-    assert "MTP draft chain" not in msg
-
-
-def test_the_port_draft_step_end_column_is_the_maximum_not_row_0():
-    # conformance/test_port_dispatch.py's property draws b independently of len(start_pos), so
-    # a valid ragged vector whose row 0 is not the maximum is rare: the catalogue's "row 0's
-    # position instead of the maximum" survived it under the mutmut profile
-    import torch
-
-    import gpu.dispatch as port
-    from reference.errors import DispatchRefusal
-
-    pos = torch.tensor([3, 7, 5], dtype=torch.int64)
-    assert port.draft_step_end_column(pos, 3, 7) == 7
-    with pytest.raises(DispatchRefusal, match="desync"):
-        port.draft_step_end_column(pos, 3, 3)

@@ -143,6 +143,19 @@ def test_draft_step_end_column_matches_the_reference(data):
         assert p[1] == r[1]
 
 
+def test_the_port_draft_step_end_column_is_the_maximum_not_row_0():
+    # conformance/test_port_dispatch.py's property draws b independently of len(start_pos), so
+    # a valid ragged vector whose row 0 is not the maximum is rare: the catalogue's "row 0's
+    # position instead of the maximum" survived it under the mutmut profile (moved here from
+    # test_mutation_kills.py)
+    from reference.errors import DispatchRefusal
+
+    pos = torch.tensor([3, 7, 5], dtype=torch.int64)
+    assert port.draft_step_end_column(pos, 3, 7) == 7
+    with pytest.raises(DispatchRefusal, match="desync"):
+        port.draft_step_end_column(pos, 3, 3)
+
+
 @given(offsets=corner_lengths(1, 6, 40, boundaries=False), per_seq=st.booleans(),
        cache_lens=st.lists(st.integers(0, 50), min_size=1, max_size=6), u=st.integers(0, 9))
 def test_ragged_row_q0_chain_start_and_group_keys_match_the_reference(offsets, per_seq, cache_lens, u):
