@@ -2,7 +2,7 @@
 # The one prepared script a GPU session runs with the device tool (issue 5): CUDA conformance,
 # then the benchmark, then the end-to-end step time, every result written under $OUT.
 #
-#   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~9.8 min worst case)
+#   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~9.3 min worst case)
 #   here, first: OUT=/tmp/gpu-smoke bash scripts/gpu_session.sh --cpu-smoke
 #
 # Runs in the repository root (the device tool's copy of the working tree). Every step has its
@@ -40,10 +40,12 @@ T0=$(date +%s)
 
 if [[ $MODE == gpu ]]; then
     DEV=cuda
-    # worst case (every step at its limit) ~9.8 min: env 20 + port 70 + kernels 45 + bench 150
-    # + replot 30 + runner 70 + cupy 45 + e2e 70 + e2e_cupy 70; a typical run is shorter
-    T_PORT=${T_PORT:-70} T_KERN=${T_KERN:-45} T_RUNNER=${T_RUNNER:-70} T_CUPY=${T_CUPY:-45}
-    T_BENCH=${T_BENCH:-150} BENCH_BUDGET=${BENCH_BUDGET:-105} T_E2E=${T_E2E:-70}
+    # worst case (every step at its limit) ~9.3 min: env 20 + port 60 + kernels 75 + bench 130
+    # + replot 30 + runner 60 + cupy 75 + e2e 60 + e2e_cupy 60; a typical run is shorter. The
+    # summary is rewritten after every step, so the device tool's 600 s limit loses nothing
+    # that finished.
+    T_PORT=${T_PORT:-60} T_KERN=${T_KERN:-75} T_RUNNER=${T_RUNNER:-60} T_CUPY=${T_CUPY:-75}
+    T_BENCH=${T_BENCH:-130} BENCH_BUDGET=${BENCH_BUDGET:-90} T_E2E=${T_E2E:-60}
     BENCH_MODE=()
     E2E_MODE=(--device cuda)
 else
@@ -55,6 +57,30 @@ else
 fi
 
 log() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+
+# collect: copy what exists to $OUT and rewrite summary.md. Called after every step, so a run
+# killed from outside (the device tool's limit) still returns everything that finished.
+collect() {
+    local f
+    for f in bench/bench.json bench/bench.md bench/bench.png e2e/e2e.json e2e/e2e.md; do
+        [[ -f $WORK/$f ]] && cp "$WORK/$f" "$OUT/"
+    done
+    {
+        echo "# GPU session summary ($MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0)) s)"
+        echo
+        echo "| step | exit | seconds | command |"
+        echo "|---|---|---|---|"
+        cat "$SUMMARY"
+        echo
+        for f in port_conformance kernels runner_torch runner_cupy; do
+            [[ -f $WORK/$f.log ]] && { echo "## $f (tail)"; echo '```'; tail -n 25 "$WORK/$f.log"; echo '```'; }
+        done
+        [[ -f $WORK/bench/bench.md ]] && { echo "## bench"; echo; cat "$WORK/bench/bench.md"; }
+        [[ -f $WORK/e2e/e2e.md ]] && { echo "## e2e"; echo; cat "$WORK/e2e/e2e.md"; }
+        [[ -f $WORK/e2e_cupy/e2e.md ]] && { echo "## e2e, cupy backend"; echo; cat "$WORK/e2e_cupy/e2e.md"; }
+    } >"$OUT/summary.md"
+    return 0
+}
 
 # step NAME SECONDS CMD...: run with a timeout, log everything, record rc and time; never fatal.
 step() {
@@ -69,6 +95,7 @@ step() {
     [[ $rc == 124 || $rc == 137 ]] && note=" TIMED OUT"
     log "=== $name: exit $rc after ${dt}s$note"
     echo "| $name | $rc$note | $dt | \`$*\` |" >>"$SUMMARY"
+    collect
     return $rc
 }
 
@@ -175,23 +202,7 @@ else
 fi
 
 # ------------------------------------------------------------------ collect (at most 8 files)
-for f in bench/bench.json bench/bench.md bench/bench.png e2e/e2e.json e2e/e2e.md; do
-    [[ -f $WORK/$f ]] && cp "$WORK/$f" "$OUT/"
-done
-{
-    echo "# GPU session summary ($MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0)) s)"
-    echo
-    echo "| step | exit | seconds | command |"
-    echo "|---|---|---|---|"
-    cat "$SUMMARY"
-    echo
-    for f in port_conformance kernels runner_torch runner_cupy; do
-        [[ -f $WORK/$f.log ]] && { echo "## $f (tail)"; echo '```'; tail -n 25 "$WORK/$f.log"; echo '```'; }
-    done
-    [[ -f $WORK/bench/bench.md ]] && { echo "## bench"; echo; cat "$WORK/bench/bench.md"; }
-    [[ -f $WORK/e2e/e2e.md ]] && { echo "## e2e"; echo; cat "$WORK/e2e/e2e.md"; }
-    [[ -f $WORK/e2e_cupy/e2e.md ]] && { echo "## e2e, cupy backend"; echo; cat "$WORK/e2e_cupy/e2e.md"; }
-} >"$OUT/summary.md"
+collect
 cp "$LOG" "$WORK/session.log"
 tar -czf "$OUT/all.tar.gz" -C "$WORK" . 2>/dev/null
 rm -rf "$WORK"
