@@ -479,3 +479,32 @@ def test_priming_and_the_draft_chain_match_the_reference(plens, n, seed, per_seq
         if same_outcome(p, r, "mtp_step"):
             assert_close(be.to_numpy(p[1]), r[1], be.dtype, "mtp step hidden")
             same_states("after one more MTP step")
+
+
+def test_clone_in_of_the_last_clone_outs_pieces_moves_no_kv():
+    """The port's clone-in stacks per-sequence slots; when they are the untouched consecutive
+    row views the last clone-out handed out, the batch is a view of the same buffer (no K/V
+    copied: same storage), with the same values a copy would hold; once a row's buffer was
+    replaced (here: moved by a strip that cuts into its own run), it copies."""
+    import torch
+
+    from gpu.backend import TorchKv, chunk_slot, concat_slots, concat_stats
+    from gpu.cache import RaggedKv
+
+    k = torch.arange(3 * 1 * 8 * 2, dtype=torch.float64).reshape(3, 1, 8, 2)
+    slot = TorchKv(4096, 8, 5, RaggedKv(k, -k, torch.tensor([5, 5, 5]), 4096), torch.zeros(3, dtype=torch.int64))
+    pieces = chunk_slot(slot, 3)
+    before = dict(concat_stats)
+    again = concat_slots(pieces)
+    assert concat_stats["view"] == before["view"] + 1 and concat_stats["copy"] == before["copy"]
+    assert again.kv.k.data_ptr() == k.data_ptr() and torch.equal(again.kv.k, k) and torch.equal(again.kv.v, -k)
+    assert again.kv.lens.tolist() == [5, 5, 5] and again.current == 5
+    swapped = concat_slots([pieces[1], pieces[0], pieces[2]])          # out of order: a copy, rows swapped
+    assert concat_stats["copy"] == before["copy"] + 1
+    assert torch.equal(swapped.kv.k, k[[1, 0, 2]]) and swapped.kv.k.data_ptr() != k.data_ptr()
+    pieces[1].drop_front(2)                                            # cuts row 1's own run: moved
+    pieces[0].drop_front(2)
+    pieces[2].drop_front(2)
+    moved = concat_slots(pieces)
+    assert concat_stats["copy"] == before["copy"] + 2
+    assert torch.equal(moved.kv.k[:, :, :3], k[:, :, 2:5]) and moved.kv.lens.tolist() == [3, 3, 3]

@@ -258,10 +258,34 @@ class TorchKv:
             self.lead = dead.clone()
 
 
+concat_stats = {"view": 0, "copy": 0}
+
+
+def _row_view(bufs: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows `bufs` hold, as one tensor over the same memory, when they lie back to back in
+    one storage with one geometry (what `chunk_slot` handed out at the last clone-out,
+    untouched since); else None. Then stacking them moves no data: the result covers exactly
+    their rows, in order."""
+    first = bufs[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in bufs:
+        if (t.untyped_storage().data_ptr() != storage or t.stride() != first.stride()
+                or t.shape[1:] != first.shape[1:] or t.storage_offset() != offset):
+            return None
+        offset += t.shape[0] * t.stride(0)
+    rows = sum(t.shape[0] for t in bufs)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def concat_slots(parts: list[TorchKv]) -> TorchKv:
     """`concat_kv`: rows stacked on dim 0 (the physical buffers padded to the widest), the
     capacity of the widest, the length of the first (every part must share it here: the
-    port has no view of a row past its own length). ValueError on mixed materialization."""
+    port has no view of a row past its own length). ValueError on mixed materialization.
+    When the parts are the untouched consecutive row views of one buffer (the usual case at
+    a clone-in: the last clone-out's pieces, strips and truncations being metadata only in
+    this layout), the result is a view of that buffer and no K/V moves (`concat_stats`
+    counts both paths)."""
     require(len(parts) > 0, "concat_kv needs at least one slot")
     first = parts[0]
     cap = max(p.capacity for p in parts)
@@ -271,6 +295,12 @@ def concat_slots(parts: list[TorchKv]) -> TorchKv:
         return TorchKv(first.max_seq_len, cap, first.current)
     require(all(p.current == first.current for p in parts),
             f"the port concatenates slots of one length only, got {[p.current for p in parts]}")
+    k_view, v_view = _row_view([p.kv.k for p in parts]), _row_view([p.kv.v for p in parts])
+    if k_view is not None and v_view is not None:
+        concat_stats["view"] += 1
+        kv = RaggedKv(k_view, v_view, torch.cat([p.kv.lens for p in parts]), first.max_seq_len)
+        return TorchKv(first.max_seq_len, cap, first.current, kv, torch.cat([p.lead for p in parts]))
+    concat_stats["copy"] += 1
     width = max(p.kv.capacity for p in parts)
     ks, vs = [], []
     for p in parts:  # clone-in of per-sequence caches (one object each); a pad only where widths differ
