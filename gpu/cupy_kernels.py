@@ -14,8 +14,10 @@ two, the split-K partials and their combine), and reads rows through per-row off
 - `strip_dead_prefix`: front-aligned -> in-place;
 - `ragged_union_mask`: the additive per-row union mask `[B,1,t_q,t_k+t_c]`;
 - `rope`: per-row RoPE;
-- `verify_attention`: causal attention of the `w` verify queries of each row over its live
-  KV in place (`[0, lens[b])`), GQA, never reading a column at or past `lens[b]`.
+- `verify_attention` / `dsv4_attention_rows`: attention of the `w` verify queries of each row
+  over its KV in place, GQA, with DSV4's rules (causal, sliding window, start-anchored
+  compressed blocks, sinks), reading only the live keys some query of the window can see,
+  never a column at or past `lens[b]`; at most 64 queries per KV head (`fits`).
 
 `ragged_verify_attention(q, k, v, lens)` is the torch-facing entry point `raggedspec bench`
 calls (contract in gpu/bench.py): torch CUDA tensors in and out, zero-copy through DLPack,
