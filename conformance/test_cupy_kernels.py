@@ -32,16 +32,8 @@ from reference.errors import CacheRefusal, MaskRefusal
 
 
 def _cupy_skip_reason() -> str | None:
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy here"
-        return f"CuPy needs a CUDA GPU: cupy is not importable here ({type(exc).__name__}: {exc})"
-    try:
-        if not cupy.cuda.is_available():
-            return "CuPy needs a CUDA GPU: cupy.cuda.is_available() is False on this machine"
-    except Exception as exc:  # noqa: BLE001
-        return f"CuPy needs a CUDA GPU: no CUDA device ({type(exc).__name__}: {exc})"
-    return None
+    why = ck.cupy_unavailable()
+    return None if why is None else f"CuPy needs a CUDA GPU: {why}"
 
 
 MODES = [

@@ -530,20 +530,12 @@ class Cupy(Strategy):
         if spec is None:
             return f"no module {self.MODULE} (the CuPy kernels are not written yet)"
         try:
-            cupy = importlib.import_module("cupy")
-        except Exception as exc:  # noqa: BLE001
-            return self._emulated(device, f"cupy not importable ({type(exc).__name__}: {exc})")
-        try:
-            ok = bool(cupy.cuda.is_available())
-        except Exception:  # noqa: BLE001
-            ok = False
-        if not ok or device.type != "cuda":
-            return self._emulated(device, "CUDA not available to CuPy" if not ok else
-                                  f"device is {device}, the CuPy kernel runs on CUDA only")
-        try:
             mod = importlib.import_module(self.MODULE)
         except Exception as exc:  # noqa: BLE001
             return f"{self.MODULE} failed to import ({type(exc).__name__}: {exc})"
+        why = mod.cupy_unavailable()
+        if why is not None or device.type != "cuda":
+            return self._emulated(device, why or f"device is {device}, the CuPy kernel runs on CUDA only")
         self._fn = getattr(mod, self.FUNCTION, None)
         if self._fn is None:
             return f"{self.MODULE} has no {self.FUNCTION}(q, k, v, lens)"

@@ -29,7 +29,6 @@ CUDA device, or on a device that is not CUDA, and emulated mode without g++ or o
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from gpu import cupy_kernels as ck
@@ -47,19 +46,12 @@ DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat1
 
 
 def cupy_unavailable() -> str | None:
-    """Why the CUDA mode cannot run here, or None when it can."""
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy here"
-        return f"cupy is not importable ({type(exc).__name__}: {exc}); install the 'cupy' extra on a CUDA machine"
-    try:
-        if not cupy.cuda.is_available():
-            return "cupy.cuda.is_available() is False: no CUDA device"
-    except Exception as exc:  # noqa: BLE001
-        return f"no CUDA device ({type(exc).__name__}: {exc})"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} has no CUDA here (the backend's buffers are torch CUDA tensors)"
-    return None
+    """Why the CUDA mode cannot run here, or None when it can: CuPy's own conditions
+    (`cupy_kernels.cupy_unavailable`) and a CUDA build of torch, which owns the buffers."""
+    why = ck.cupy_unavailable()
+    if why is None and not torch.cuda.is_available():
+        why = f"torch {torch.__version__} has no CUDA here (the backend's buffers are torch CUDA tensors)"
+    return why
 
 
 class CupyBackend(TorchBackend):
@@ -88,18 +80,10 @@ class CupyBackend(TorchBackend):
     # ------------------------------------------------------------------ torch <-> kernel arrays
     def _arr(self, t: torch.Tensor):
         """A zero-copy kernel array of a torch tensor (bf16 as its int16 bits)."""
-        t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-        if self.kernels.mode == "emulate":
-            return t.numpy()
-        import cupy
-
-        return cupy.from_dlpack(t)
+        return ck.kernel_array(t, self.kernels.mode)
 
     def _tensor(self, a, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(np.asarray(a)) if self.kernels.mode == "emulate" else torch.from_dlpack(a)
-        return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+        return ck.torch_tensor(a, dtype, self.kernels.mode)
 
     def _run(self, fn, *args):
         if self.kernels.mode == "emulate":

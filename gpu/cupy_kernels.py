@@ -90,7 +90,7 @@ class Kernels:
     def _launch(self, name: str, dtype: str, grid, block: int, args: list, nq=1, d=1, nt=32) -> None:
         text = defines(dtype, nq, d, nt)
         if self.mode == "emulate":
-            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args, self.source)
+            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args)
             return
         import cupy
 
@@ -98,10 +98,7 @@ class Kernels:
         if module is None:
             module = cupy.RawModule(code=text + self.source, options=("-std=c++17",))
             self._modules[text] = module
-        params = self.sigs[name]
-        require(len(args) == len(params), f"{name} takes {len(params)} arguments, got {len(args)}")
-        cargs = tuple(a if p.pointer else emu.scalar_type(p)(a) for p, a in zip(params, args))
-        module.get_function(name)(tuple(grid), (block,), cargs)
+        module.get_function(name)(tuple(grid), (block,), tuple(emu.bind(name, self.sigs[name], args)))
 
     def _elementwise_grid(self, n: int) -> tuple[int, int, int]:
         """Grid-stride launches: up to 32 blocks per SM on CUDA; 4 blocks emulated (each
@@ -305,7 +302,53 @@ def verify_shared_bytes(nq: int, d: int, dtype: str, nt: int) -> int:
     return (nq * d + nq * nt + 3 * nq) * acc
 
 
-_CUDA_KERNELS: Kernels | None = None
+def cupy_unavailable() -> str | None:
+    """Why CuPy cannot launch kernels here (not importable, no CUDA device), or None."""
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy here"
+        return f"cupy is not importable ({type(exc).__name__}: {exc}); install the 'cupy' extra on a CUDA machine"
+    try:
+        if not cupy.cuda.is_available():
+            return "cupy.cuda.is_available() is False: no CUDA device"
+    except Exception as exc:  # noqa: BLE001
+        return f"no CUDA device ({type(exc).__name__}: {exc})"
+    return None
+
+
+def kernel_array(t, mode: str):
+    """A zero-copy kernel array of a torch tensor: NumPy ("emulate", CPU tensors) or CuPy
+    through DLPack ("cupy"); bf16 as its int16 bits (neither has a bf16 dtype)."""
+    import torch
+
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if mode == "emulate":
+        return t.numpy()
+    import cupy
+
+    return cupy.from_dlpack(t)
+
+
+def torch_tensor(a, dtype, mode: str):
+    """The torch tensor over a kernel array (zero-copy), read as `dtype` (bf16 from its bits)."""
+    import torch
+
+    t = torch.from_numpy(np.asarray(a)) if mode == "emulate" else torch.from_dlpack(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+_KERNELS: dict[str, Kernels] = {}
+
+
+def _verify_attention_torch(mode: str, q, k, v, lens):
+    """`Kernels(mode).verify_attention` on torch tensors, out as a torch tensor in q's dtype."""
+    import torch
+
+    kern = _KERNELS.get(mode) or _KERNELS.setdefault(mode, Kernels(mode))
+    out = kern.verify_attention(*(kernel_array(t, mode) for t in (q, k, v, lens.to(torch.int64))))
+    return torch_tensor(out, q.dtype, mode)
 
 
 def ragged_verify_attention(q, k, v, lens):
@@ -315,36 +358,11 @@ def ragged_verify_attention(q, k, v, lens):
     import cupy
     import torch
 
-    global _CUDA_KERNELS
-    if _CUDA_KERNELS is None:
-        _CUDA_KERNELS = Kernels("cupy")
-
-    def view(t):
-        t = t.contiguous()
-        return cupy.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
-
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        out = _CUDA_KERNELS.verify_attention(view(q), view(k), view(v), view(lens.to(torch.int64)))
-        result = torch.from_dlpack(out)
-    return result.view(torch.bfloat16) if q.dtype == torch.bfloat16 else result
-
-
-_EMULATED_KERNELS: Kernels | None = None
+        return _verify_attention_torch("cupy", q, k, v, lens)
 
 
 def ragged_verify_attention_emulated(q, k, v, lens):
     """`ragged_verify_attention` for CPU torch tensors, through the g++ emulator (bench smoke
     runs and tests on machines without a GPU). Same contract; bf16 travels as its bits."""
-    import torch
-
-    global _EMULATED_KERNELS
-    if _EMULATED_KERNELS is None:
-        _EMULATED_KERNELS = Kernels("emulate")
-
-    def host(t):
-        t = t.detach().cpu().contiguous()
-        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-
-    out = _EMULATED_KERNELS.verify_attention(host(q), host(k), host(v), host(lens.to(torch.int64)))
-    result = torch.from_numpy(out)
-    return result.view(torch.bfloat16) if q.dtype == torch.bfloat16 else result
+    return _verify_attention_torch("emulate", q, k, v, lens)

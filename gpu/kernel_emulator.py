@@ -114,6 +114,13 @@ def scalar_type(param: Param):
     return _SCALARS[param.ctype][1]
 
 
+def bind(name: str, params: list[Param], args: list) -> list:
+    """`args` checked against kernel `name`'s parameters, numbers as the NumPy scalars the
+    parameter types say (arrays for pointers pass through): what both runners launch with."""
+    require(len(args) == len(params), f"{name} takes {len(params)} arguments, got {len(args)}")
+    return [a if p.pointer else scalar_type(p)(a) for p, a in zip(params, args)]
+
+
 def compilers() -> dict[str, str | None]:
     """Paths of the tools this module and its tests use (None where absent)."""
     return {"g++": shutil.which("g++"), "nvcc": shutil.which("nvcc")}
@@ -163,6 +170,7 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
                 raise RuntimeError(f"g++ failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}")
             os.replace(tmp, lib_path)
         lib = ctypes.CDLL(str(lib_path))
+        lib.rs_signatures = sigs
         for name, params in sigs.items():
             fn = getattr(lib, f"emu_{name}")
             fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p if p.pointer else _SCALARS[p.ctype][0]
@@ -172,20 +180,19 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
         return lib
 
 
-def launch(lib: ctypes.CDLL, name: str, grid: tuple[int, int, int], block: int, args: list,
-           source: str | None = None) -> None:
-    """Run kernel `name` over `grid` blocks of `block` threads. `args` follow the kernel's
-    parameters: C-contiguous NumPy arrays for pointers (written in place), numbers otherwise."""
-    params = signatures(SOURCE_PATH.read_text() if source is None else source)[name]
-    require(len(args) == len(params), f"{name} takes {len(params)} arguments, got {len(args)}")
+def launch(lib: ctypes.CDLL, name: str, grid: tuple[int, int, int], block: int, args: list) -> None:
+    """Run kernel `name` of a `build` over `grid` blocks of `block` threads. `args` follow the
+    kernel's parameters: C-contiguous NumPy arrays for pointers (written in place), numbers
+    otherwise."""
+    params = lib.rs_signatures[name]
     cargs = []
-    for p, a in zip(params, args):
+    for p, a in zip(params, bind(name, params, args)):
         if p.pointer:
             require(isinstance(a, np.ndarray) and a.flags.c_contiguous,
                     f"{name}: parameter {p.name} needs a C-contiguous NumPy array, got {type(a).__name__}")
             cargs.append(a.ctypes.data)
         else:
-            cargs.append(scalar_type(p)(a).item())
+            cargs.append(a.item())
     getattr(lib, f"emu_{name}")(*grid, block, *cargs)
 
 
