@@ -369,7 +369,7 @@ def test_the_cupy_backend_overrides_every_protocol_method_through_the_torch_port
     from reference.backend import missing_methods
 
     assert missing_methods(CupyBackend.__new__(CupyBackend)) == []
-    for method in ("apply_rope", "union_mask", "_kv_view"):
+    for method in ("apply_rope", "_ragged_union_mask", "_front_aligned"):
         assert method in vars(CupyBackend), f"CupyBackend.{method} is not the kernel's"
 
 

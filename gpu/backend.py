@@ -643,8 +643,13 @@ class TorchBackend(Backend):
             return x.numpy().copy()
         return np.array(x, copy=True)
 
+    def _front_aligned(self, slot):
+        """A K/V slot's front-aligned `(k, v)` for `materialize` (None when unmaterialized):
+        what a backend with its own alignment kernel replaces."""
+        return slot.front_aligned()
+
     def _kv_view(self, slot: TorchKv) -> dict:
-        fa = slot.front_aligned()
+        fa = self._front_aligned(slot)
         return {"k": None if fa is None else self.to_numpy(fa[0]), "v": None if fa is None else self.to_numpy(fa[1]),
                 "len": slot.current, "capacity": slot.capacity}
 
@@ -796,7 +801,12 @@ class TorchBackend(Backend):
                            gmasks.compressed_validity(t_q, q0, t_c, ratio, device=self.dev)], dim=1)
         if rows is None:
             return neg_inf_where(valid, self.tdtype)[None, None]
-        return gmasks.ragged_union_mask(rows.to(self.dev), q0, valid, raw_base, keep, ratio, t_c, self.tdtype)
+        return self._ragged_union_mask(rows.to(self.dev), q0, valid, raw_base, keep, window, ratio, t_c)
+
+    def _ragged_union_mask(self, rows, q0, valid, raw_base, keep, window, ratio, t_c):
+        """The ragged half of `union_mask` (rows through `resolve_ragged_rows`, the shared
+        validity built): what a backend with its own mask kernel replaces."""
+        return gmasks.ragged_union_mask(rows, q0, valid, raw_base, keep, ratio, t_c, self.tdtype)
 
     def dsv4_attention(self, q, k, v, compressed_kv, cfg, sinks=None):
         comp = None if compressed_kv is None else self._t(compressed_kv)

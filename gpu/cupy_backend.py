@@ -8,10 +8,11 @@ with these operations replaced by kernel launches over all rows at once:
   blocks and sinks, each row read in place over its own live window; a prefill with more
   queries than the kernel takes goes to the torch port, counted in `prefill_fallbacks`) and
   every RoPE rotation (`rs_rope`: q, k, and the inverse on the output);
-- the protocol's `apply_rope` (`rs_rope`) and `union_mask` on the ragged path
-  (`rs_ragged_union_mask`; the uniform path is one shared validity, left to torch);
-- `materialize` of a K/V slot (`rs_front_align`: the in-place rows read out front-aligned, the
-  form conformance compares).
+- the protocol's `apply_rope` (`rs_rope`) and the ragged half of `union_mask`
+  (`rs_ragged_union_mask`, through `TorchBackend._ragged_union_mask`; the uniform path is one
+  shared validity, left to torch);
+- `materialize` of a K/V slot (`rs_front_align`, through `TorchBackend._front_aligned`: the
+  in-place rows read out front-aligned, the form conformance compares).
 
 Two ways to run it:
 - `CupyBackend(device="cuda")` (`load_backend("cupy")`, `raggedspec conformance --backend
@@ -32,10 +33,8 @@ from __future__ import annotations
 import torch
 
 from gpu import cupy_kernels as ck
-from gpu import dispatch as gdispatch
 from gpu import kernel_emulator
-from gpu import masks as gmasks
-from gpu._common import neg_inf_where
+from gpu._common import lengths
 from gpu.backend import TorchBackend, TorchKv
 from gpu.model import dsv4_attention_rows
 from gpu.rope import _check_x
@@ -124,7 +123,7 @@ class CupyBackend(TorchBackend):
     def _rope(self, x, offsets, rope_dims, theta, inverse=False, table=None):
         """`gpu.rope.apply_rope` by `rs_rope` (angles computed in the kernel; `table` unused)."""
         _check_x(x, rope_dims)
-        offs = [int(o) for o in torch.as_tensor(offsets).reshape(-1).tolist()]
+        offs = self._arr(lengths(offsets, device=x.device, name="offsets"))   # stays on the device
         out = self._run(self.kernels.rope, self._arr(x), offs, rope_dims, theta, inverse)
         return self._tensor(out, x.dtype)
 
@@ -132,29 +131,21 @@ class CupyBackend(TorchBackend):
     def apply_rope(self, x, offsets, rope_dims, theta, inverse=False):
         return self._rope(self._t(x), offsets, rope_dims, theta, inverse)
 
-    def union_mask(self, t_q, t_k_full, row_q0, window, ratio, t_c):
-        q0 = t_k_full - t_q
-        b = 1 if row_q0 is None else len(row_q0)
-        rows = gdispatch.resolve_ragged_rows(None if row_q0 is None else self._ints(row_q0), q0, b)
-        raw_base, keep = gmasks.raw_keep_span(t_q, window, t_k_full)
-        if rows is None:
-            valid = torch.cat([gmasks.raw_validity(t_q, q0, raw_base, keep, window, device=self.dev),
-                               gmasks.compressed_validity(t_q, q0, t_c, ratio, device=self.dev)], dim=1)
-            return neg_inf_where(valid, self.tdtype)[None, None]
-        require(t_c == 0 or ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
-        mask_dtype = "float64" if self.tdtype == torch.float64 else "float32"
-        out = self._run(self.kernels.ragged_union_mask, rows.tolist(), q0, t_q, raw_base, keep, t_c, ratio,
-                        window, mask_dtype)
-        return self._tensor(out, torch.float64 if mask_dtype == "float64" else torch.float32).to(self.tdtype)
+    def _ragged_union_mask(self, rows, q0, valid, raw_base, keep, window, ratio, t_c):
+        """`rs_ragged_union_mask` (each row's validity rebuilt in the kernel; `valid` unused)."""
+        mask_dtype = torch.float64 if self.tdtype == torch.float64 else torch.float32
+        out = self._run(self.kernels.ragged_union_mask, self._arr(rows), q0, valid.shape[0], raw_base, keep, t_c,
+                        ratio, window, str(mask_dtype).removeprefix("torch."))
+        return self._tensor(out, mask_dtype).to(self.tdtype)
 
-    def _kv_view(self, slot) -> dict:
+    def _front_aligned(self, slot):
+        """`rs_front_align` for a materialized port K/V slot (one launch for K and V)."""
         if not isinstance(slot, TorchKv) or slot.kv is None:
-            return super()._kv_view(slot)
+            return super()._front_aligned(slot)
         kv = slot.kv
         k, v = self._run(self.kernels.front_align, self._arr(kv.k), self._arr(kv.v), self._arr(kv.lens),
                          slot.current)
-        return {"k": self.to_numpy(self._tensor(k, kv.k.dtype)), "v": self.to_numpy(self._tensor(v, kv.v.dtype)),
-                "len": slot.current, "capacity": slot.capacity}
+        return self._tensor(k, kv.k.dtype), self._tensor(v, kv.v.dtype)
 
 
 def emulated(device: str | None = None, dtype: str = "float64") -> CupyBackend:
