@@ -31,16 +31,14 @@ from gpu.testing import outcome
 from reference.errors import CacheRefusal, MaskRefusal
 
 
-def _cupy_skip_reason() -> str | None:
-    why = ck.cupy_unavailable()
-    return None if why is None else f"CuPy needs a CUDA GPU: {why}"
+_WHY = ck.cupy_unavailable()
+NO_CUPY = None if _WHY is None else f"CuPy needs a CUDA GPU: {_WHY}"   # the skip reason, or None
 
 
 MODES = [
     pytest.param("emulate", marks=pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,
                                                      reason="the kernel emulator needs g++ on the PATH")),
-    pytest.param("cupy", marks=pytest.mark.skipif(_cupy_skip_reason() is not None,
-                                                  reason=_cupy_skip_reason() or "")),
+    pytest.param("cupy", marks=pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")),
 ]
 _RUNNERS: dict[str, ck.Kernels] = {}
 FEW = settings(max_examples=max(8, settings.default.max_examples // 5), deadline=None)
@@ -351,7 +349,7 @@ def test_the_kernels_compile_for_the_gpu_at_the_benchmark_sizes(dtype):
         kernel_emulator.nvcc_check(ck.defines(dtype, nq, 128, 128))
 
 
-@pytest.mark.skipif(_cupy_skip_reason() is not None, reason=_cupy_skip_reason() or "")
+@pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")
 def test_the_torch_entry_point_matches_the_reference_on_cuda():
     b, hk, g, w, d, cap, lens = 4, 2, 2, 2, 32, 300, [300, 17, 200, 2]
     q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=9)

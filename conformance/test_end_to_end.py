@@ -133,25 +133,13 @@ def test_the_fixed_scenarios_reach_the_interesting_paths():
     seen = set()
     for data in FIXED:
         tr = simulator.run(load_scenario(data), record_tensors=True)
-        for s in tr.steps():
-            seen.add(("phase", s["phase"]))
-            if s["advance"] == "per-sequence" and any(r["lead"] > 0 for r in s["rows"]):
-                seen.add("ragged per-sequence step")
-            if s["phase"] in ("decode", "defer") and s["advance"] == "cohort" and any(r["lead"] > 0 for r in s["rows"]):
-                seen.add("ragged cohort batch")  # WA: a deferral's plain decode at per-row positions
-            if s.get("error"):
-                seen.add("failed step")
-            starts = {r["chain_start"] for r in s["rows"] if r["group"] == [r["u"], 0] and r["chain_start"] is not None}
-            if len(starts) > 1:
-                seen.add("per-row chain starts in one group")
-        if any("poisoned" in m for m in tr.messages):
-            seen.add("poisoned draft KV")
+        seen |= paths_reached(tr)
         if tr.header["scenario"]["strip"] != "eager" and tr.header["scenario"]["advance"] == "per-sequence":
             seen.add(f"strip {tr.header['scenario']['strip']}")
         if any(r["phase"] == "state" and any(d["seed"] is not None for d in r["drafts"].values())
                for r in tr.tensor_log):
             seen.add("draft states recorded")
-    needed = {("phase", "prompt"), ("phase", "decode"), ("phase", "defer"), "ragged per-sequence step", "ragged cohort batch",
+    needed = {"phase prompt", "phase decode", "phase defer", "ragged per-sequence step", "ragged cohort batch",
               "failed step", "per-row chain starts in one group", "poisoned draft KV", "strip lazy",
               "strip none", "draft states recorded"}
     assert needed <= seen, f"not reached: {sorted(map(str, needed - seen))}"
