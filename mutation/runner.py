@@ -1,10 +1,10 @@
 """Mutation runner: the named catalogue and mutmut, in a temporary copy of the tree.
 
-    python -m mutation.runner                    # full: catalogue + mutmut on dispatch + step,
+    python -m raggedspec.mutation.runner                    # full: catalogue + mutmut on dispatch + step,
                                                  # reference and port (= --scope all)
-    python -m mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
-    python -m mutation.runner --catalogue-only   # the named mutants only
-    python -m mutation.runner --scope gpu        # the port's entries / modules only
+    python -m raggedspec.mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
+    python -m raggedspec.mutation.runner --catalogue-only   # the named mutants only
+    python -m raggedspec.mutation.runner --scope gpu        # the port's entries / modules only
 
 Nothing is ever written into the checkout's source or tests: every mutant is applied in a
 private copy (one per worker, under the system temp dir, removed on exit, interrupts
@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mutation.catalogue import Mutant, select
+from raggedspec.mutation.catalogue import Mutant, select
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = Path(__file__).resolve().parent / "equivalent.toml"
@@ -91,14 +91,31 @@ def _terminate(signum, frame):  # SIGTERM -> SystemExit, so `finally` and atexit
     raise SystemExit(128 + signum)
 
 
-def make_workspace(root: Path = ROOT, tag: str = "ws") -> Path:
-    """A private copy of the tree (sources, tests, config; no VCS, caches or docs) under the
-    system temp dir. Removed at exit."""
+# The folders that install under the `raggedspec` import name (pyproject's package-dir).
+PACKAGES = ("reference", "gpu", "conformance", "mutation")
+
+
+def make_workspace(root: Path = ROOT, tag: str = "ws", nested: bool = False) -> Path:
+    """A private copy of the tree (sources, tests, config; no VCS or caches) under the system
+    temp dir, importable as `raggedspec.*` from its top. Flat (the checkout's layout, each of
+    `PACKAGES` also linked under `raggedspec/`, so a catalogue path names the file the tests
+    import) or `nested` (the packages moved under `raggedspec/`, the installed layout: mutmut
+    names a mutant by its file's path, which must be its module's name). Removed at exit."""
     base = Path(tempfile.mkdtemp(prefix=f"raggedspec-mutation-{tag}-"))
     _WORKSPACES.append(base)
     dest = base / "tree"
     shutil.copytree(root, dest, ignore=COPY_IGNORE, symlinks=True)
+    for pkg in PACKAGES:
+        if nested:
+            shutil.move(dest / pkg, dest / "raggedspec" / pkg)
+        else:
+            (dest / "raggedspec" / pkg).symlink_to(Path("..") / pkg, target_is_directory=True)
     return dest
+
+
+def nested_path(rel: str) -> str:
+    """A checkout-relative path (or pytest node id) as it stands in a nested workspace."""
+    return f"raggedspec/{rel}" if rel.split("/", 1)[0] in PACKAGES else rel
 
 
 def _env() -> dict[str, str]:
@@ -569,17 +586,18 @@ def run_mutmut(scopes: list[str], fast: bool, root: Path = ROOT, jobs: int = 2, 
     only = [p for s in scopes for p in table[s] if (root / p).is_file()]
     if not only:
         raise CatalogueError(f"nothing to mutate for scope {scopes}")
-    ws = make_workspace(root, "mutmut")
+    ws = make_workspace(root, "mutmut", nested=True)
     if fast:
-        selection = [t for s in scopes for t in FAST_TESTS[s] if (ws / t).exists()]
+        selection = [nested_path(t) for s in scopes for t in FAST_TESTS[s] if (root / t).exists()]
     else:
         selection = list(_mutmut_config(ws)["pytest_add_cli_args_test_selection"])
         if "gpu" not in scopes:
-            selection += [f"--ignore={p.relative_to(ws)}" for p in sorted((ws / "conformance").glob("test_port_*.py"))]
+            selection += [f"--ignore={nested_path(p.relative_to(root).as_posix())}"
+                          for p in sorted((root / "conformance").glob("test_port_*.py"))]
     t0 = time.monotonic()
     red, secs = _baseline_run(ws, selection, jobs)
     log(f"mutmut baseline: {'green' if not red else 'RED: ' + ', '.join(red)} ({secs:.1f} s)")
-    _set_mutmut_config(ws, only, selection + [f"--deselect={t}" for t in red])
+    _set_mutmut_config(ws, [nested_path(p) for p in only], selection + [f"--deselect={t}" for t in red])
     log(f"mutmut: mutating {', '.join(only)}")
     env = _env()
     p = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)], cwd=ws, env=env,
@@ -776,7 +794,7 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mutation.runner", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m raggedspec.mutation.runner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
                     help="all (default): the reference and the port; reference: the reference rules; "
                          "gpu: the torch port and the kernels")
@@ -852,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         if opt in shown and shown.index(opt) + 1 < len(shown):
             i = shown.index(opt)
             del shown[i: i + 2]
-    command = "python -m mutation.runner " + " ".join(shown)
+    command = "python -m raggedspec.mutation.runner " + " ".join(shown)
     when = time.strftime("%Y-%m-%d")
     full_run = not args.fast and not args.only and not args.from_mutants
     docs = args.docs or (root / "docs" / "mutation.md" if full_run and not args.no_docs else None)
