@@ -21,6 +21,7 @@ unloadable backend, or a device the backend cannot use (e.g. `--device cuda` wit
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import os
 import re
 import sys
@@ -74,25 +75,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- rules
 
 
-def rule_rows(root: Path = ROOT) -> list[tuple[str, list[str]]]:
-    """`(rule, [test node ids])` for every table row of docs/rules.md
-    (a rule listed twice is reported once)."""
-    files = [root / "docs" / "rules.md"]
+def rule_rows(table: str | None = None) -> list[tuple[str, list[str]]]:
+    """`(rule, [test node ids])` for every table row of docs/rules.md (`table`: its text; by
+    default the copy shipped in the package, `raggedspec.docs`), a rule listed twice reported
+    once."""
+    if table is None:
+        table = (importlib.resources.files("raggedspec.docs") / "rules.md").read_text()
     rows, seen = [], set()
-    for path in files:
-        if not path.is_file():
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 4 or set(cells[0]) <= set("-: ") or cells[0] == "rule":
             continue
-        for line in path.read_text().splitlines():
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if not line.startswith("|") or len(cells) != 4 or set(cells[0]) <= set("-: ") or cells[0] == "rule":
-                continue
-            if cells[1].lower().startswith("not modelled"):
-                continue
-            tests = [f"{f}::{n}" for f, n in _TEST_REF.findall(cells[2])]
-            key = (cells[0], tuple(tests))
-            if tests and key not in seen:
-                seen.add(key)
-                rows.append((cells[0], tests))
+        if cells[1].lower().startswith("not modelled"):
+            continue
+        tests = [f"{f}::{n}" for f, n in _TEST_REF.findall(cells[2])]
+        key = (cells[0], tuple(tests))
+        if tests and key not in seen:
+            seen.add(key)
+            rows.append((cells[0], tests))
     return rows
 
 
@@ -202,7 +202,10 @@ def run(args) -> int:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     tests = [str(Path(t)) for t in args.tests] if args.tests else [str(SUITE)]
-    pytest_args = tests + ["-q", "-p", "no:cacheprovider", f"--hypothesis-profile={profile}", "-rfE"]
+    # node ids relative to the folder holding conformance/ (the checkout, or the installed
+    # raggedspec package), the form the rule table names them in
+    pytest_args = tests + ["-q", "-p", "no:cacheprovider", f"--hypothesis-profile={profile}", "-rfE",
+                           f"--rootdir={ROOT}"]
     if args.keyword:
         pytest_args += ["-k", args.keyword]
     if args.exitfirst:

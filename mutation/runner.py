@@ -97,13 +97,17 @@ PACKAGES = ("reference", "gpu", "conformance", "mutation")
 
 def make_workspace(root: Path = ROOT, tag: str = "ws", nested: bool = False) -> Path:
     """A private copy of the tree (sources, tests, config; no VCS or caches) under the system
-    temp dir, importable as `raggedspec.*` from its top. Flat (the checkout's layout, each of
-    `PACKAGES` also linked under `raggedspec/`, so a catalogue path names the file the tests
-    import) or `nested` (the packages moved under `raggedspec/`, the installed layout: mutmut
-    names a mutant by its file's path, which must be its module's name). Removed at exit."""
+    temp dir, importable as `raggedspec.*` from its top. From a checkout: flat (its layout,
+    each of `PACKAGES` also linked under `raggedspec/`, so a catalogue path names the file the
+    tests import) or `nested` (the packages moved under `raggedspec/`: mutmut names a mutant
+    by its file's path, which must be its module's name). From an installed package (`root`
+    is the `raggedspec` folder itself): always nested. Removed at exit."""
     base = Path(tempfile.mkdtemp(prefix=f"raggedspec-mutation-{tag}-"))
     _WORKSPACES.append(base)
     dest = base / "tree"
+    if not (root / "raggedspec").is_dir():
+        shutil.copytree(root, dest / "raggedspec", ignore=COPY_IGNORE, symlinks=True)
+        return dest
     shutil.copytree(root, dest, ignore=COPY_IGNORE, symlinks=True)
     for pkg in PACKAGES:
         if nested:
@@ -116,6 +120,15 @@ def make_workspace(root: Path = ROOT, tag: str = "ws", nested: bool = False) -> 
 def nested_path(rel: str) -> str:
     """A checkout-relative path (or pytest node id) as it stands in a nested workspace."""
     return f"raggedspec/{rel}" if rel.split("/", 1)[0] in PACKAGES else rel
+
+
+def in_tree(workdir: Path, rel: str) -> str:
+    """`rel` (a checkout-relative path, node id, or `--opt=path`) as it stands in `workdir`,
+    flat or nested."""
+    opt, eq, path = rel.partition("=") if rel.startswith("-") else ("", "", rel)
+    if path and not (workdir / path.split("::")[0]).exists():
+        path = nested_path(path)
+    return f"{opt}{eq}{path}"
 
 
 def _env() -> dict[str, str]:
@@ -274,10 +287,13 @@ class WarmPytest:
                 self.proc.kill()
 
 
-def _pytest_args(tests: list[str], deselect: list[str] = (), extra: list[str] = ()) -> list[str]:
-    args = [*PYTEST_ARGS, *extra, *tests]
+def _pytest_args(tests: list[str], deselect: list[str] = (), extra: list[str] = (),
+                 workdir: Path | None = None) -> list[str]:
+    def here(t: str) -> str:
+        return in_tree(workdir, t) if workdir is not None else t
+    args = [*PYTEST_ARGS, *extra, *map(here, tests)]
     for d in deselect:
-        args += ["--deselect", d]
+        args += ["--deselect", here(d)]
     return args
 
 
@@ -285,7 +301,7 @@ def run_pytest(workdir: Path, tests: list[str], deselect: list[str] = (), timeou
                extra: list[str] = (), server: WarmPytest | None = None) -> tuple[int | None, str, float]:
     """pytest in `workdir` (through `server` when given, else a fresh `python -m pytest`);
     (returncode or None on timeout, output, seconds)."""
-    args = _pytest_args(tests, deselect, extra)
+    args = _pytest_args(tests, deselect, extra, workdir)
     if server is not None:
         return server.run(args, timeout)
     t0 = time.monotonic()
@@ -303,9 +319,9 @@ def run_one(mutant: Mutant, workdir: Path, root: Path = ROOT, deselect: list[str
     """Apply `mutant` in `workdir` (a copy of `root`), run its tests (the `hint` node first,
     when it still exists and is not deselected), restore the file."""
     tests = list(mutant.tests)
-    if hint and hint not in deselect and (workdir / hint.split("::")[0]).is_file():
+    if hint and hint not in deselect and (workdir / in_tree(workdir, hint.split("::")[0])).is_file():
         tests = [hint] + tests
-    target = workdir / mutant.file
+    target = workdir / in_tree(workdir, mutant.file)
     original = (root / mutant.file).read_text()
     t0 = time.monotonic()
     try:
@@ -621,6 +637,7 @@ def _baseline_run(workdir: Path, selection: list[str], jobs: int) -> tuple[list[
     i = args.index("-n")
     args = args[:i] + args[i + 2:] + (["-n", str(jobs)] if jobs > 1 and _has_xdist() else ["-n", "0"])
     t0 = time.monotonic()
+    selection = [in_tree(workdir, t) for t in selection]
     p = subprocess.run([sys.executable, "-m", "pytest", *args, *selection], cwd=workdir, env=_env(),
                        capture_output=True, text=True)
     out = p.stdout + p.stderr
@@ -873,7 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m raggedspec.mutation.runner " + " ".join(shown)
     when = time.strftime("%Y-%m-%d")
     full_run = not args.fast and not args.only and not args.from_mutants
-    docs = args.docs or (root / "docs" / "mutation.md" if full_run and not args.no_docs else None)
+    checkout = (root / "raggedspec").is_dir()  # not an installed package: docs/ is the repo's
+    docs = args.docs or (root / "docs" / "mutation.md" if full_run and checkout and not args.no_docs else None)
     if docs is not None and not args.no_docs:
         write_docs(docs, results, report, equivalents, command.strip(), seconds, when)
         print(f"wrote {docs}")

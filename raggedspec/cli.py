@@ -13,6 +13,7 @@ that runs it. Later subcommands (conformance, mutation, bench) are added the sam
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import sys
 import time
@@ -137,6 +138,20 @@ def add_quiet(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------ simulate
 
 
+def example_names() -> list[str]:
+    """The scenarios shipped in the package (`raggedspec.examples`), by file stem."""
+    files = importlib.resources.files("raggedspec.examples").iterdir()
+    return sorted(f.name.rsplit(".", 1)[0] for f in files if f.name.endswith((".toml", ".json")))
+
+
+def example_path(name: str) -> Path:
+    """The file of the shipped scenario `name` (a real path: the package is on disk)."""
+    for f in importlib.resources.files("raggedspec.examples").iterdir():
+        if f.name in (f"{name}.toml", f"{name}.json"):
+            return Path(str(f))
+    raise UsageError(f"--example {name!r}: no such scenario (shipped: {', '.join(example_names())})")
+
+
 def add_simulate(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "simulate", help="run one scenario and write its trace",
@@ -144,6 +159,8 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                     "flags below), write the trace (schema v1, docs/trace.md) and print the "
                     "spec's MTP[agg] and SCHED[agg] marker lines.")
     p.add_argument("scenario", nargs="?", type=Path, help="scenario file (.toml or .json)")
+    p.add_argument("--example", choices=example_names(), default=None,
+                   help="a scenario shipped with raggedspec instead of a file")
     add_scenario_flags(p, "scenario fields (override the scenario file)")
     p.add_argument("--mode", choices=("lengths", "tensor"), default="lengths",
                    help="lengths: integer lengths only, fast (default); tensor: the full "
@@ -166,6 +183,10 @@ def run_simulate(args) -> int:
     from raggedspec.reference.drift import simulate
     from raggedspec.reference.trace import write_csv, write_jsonl
 
+    if args.example is not None:
+        if args.scenario is not None:
+            raise UsageError("give a scenario file or --example, not both")
+        args.scenario = example_path(args.example)
     if args.scenario is not None and not args.scenario.is_file():
         raise UsageError(f"scenario file {args.scenario} does not exist")
     backend = None
@@ -361,3 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, TraceFormatError, ScenarioError) as exc:
         print(f"raggedspec {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

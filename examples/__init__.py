@@ -1,0 +1,1 @@
+"""Example scenarios, shipped with the package (`raggedspec simulate --example NAME`)."""
