@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = Path(__file__).resolve().parent
-PROFILES = ("ci", "dev", "thorough", "mutmut")
+PROFILES = ("ci", "dev", "thorough", "mutmut", "explore")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 _TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")
@@ -51,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "numpy and torch unless RAGGEDSPEC_DEVICE says otherwise, cuda for cupy)")
     p.add_argument("--dtype", default="float64", choices=DTYPES, help="float dtype of the backend (default float64)")
     p.add_argument("--profile", choices=PROFILES, default=None,
-                   help="Hypothesis profile: ci (200 examples, derandomized; default when CI is set), dev "
-                        "(100; default otherwise), thorough (2000), mutmut (60, no shrinking)")
+                   help="Hypothesis profile, every one but explore derandomized (the same examples "
+                        "every run): ci (200 examples; default when CI is set), dev (100; default "
+                        "otherwise), thorough (2000), mutmut (60, no shrinking), explore (500 fresh "
+                        "random examples each run)")
     p.add_argument("--tests", nargs="+", default=None, metavar="PATH",
                    help="test files or folders to run (default: the whole conformance suite)")
     p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="pytest -k selection")
