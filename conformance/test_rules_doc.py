@@ -22,8 +22,9 @@ def table_rows():
 
 
 def resolve(dotted: str):
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
+    """`reference.dispatch.f` (the table names functions by folder) under the import name."""
+    parts = ["raggedspec", *dotted.split(".")]
+    for cut in range(len(parts), 1, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
         except ModuleNotFoundError:
