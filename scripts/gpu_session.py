@@ -313,22 +313,26 @@ class Session:
         with self.log_path.open("a") as f:
             f.write(line + "\n")
 
-    def limit_for(self, step: Step) -> tuple[float, str | None]:
-        """`(timeout, None)`, or `(0, why)` when the step would get less than its minimum."""
+    def limit_for(self, step: Step, last: bool = False) -> tuple[float, str | None]:
+        """`(timeout, None)`: the step's cap clipped to the time left before the deadline, less
+        the final collect, the kill grace and (unless it is the `last` step to run) what it
+        keeps for the steps after it; `(0, why)` when that is under the step's minimum."""
         left = self.deadline - self.elapsed() - FINAL_RESERVE
-        limit = min(step.cap, left - step.reserve - KILL_GRACE)
+        reserve = 0.0 if last else step.reserve
+        limit = min(step.cap, left - reserve - KILL_GRACE)
         if limit < step.min_s:
             return 0.0, (
                 f"skipped: needs >= {step.min_s:g} s, {max(left, 0):.0f} s left before the "
-                f"{self.deadline:g} s deadline ({step.reserve:g} s kept for the steps after it)"
+                f"{self.deadline:g} s deadline ({reserve:g} s kept for the steps after it)"
             )
         return limit, None
 
-    def run_step(self, step: Step, base_env: dict) -> int | None:
-        """Run one step (or skip it with a note); returns its exit code, None when skipped."""
+    def run_step(self, step: Step, base_env: dict, last: bool = False) -> int | None:
+        """Run one step (or skip it with a note); returns its exit code, None when skipped.
+        Over its limit the step's process group gets SIGTERM, then SIGKILL (exit 124)."""
         if step.cupy and self.cupy_out:
             return self._skip(step, f"skipped: {self.cupy_out}")
-        limit, why = self.limit_for(step)
+        limit, why = self.limit_for(step, last)
         if why:
             return self._skip(step, why)
         cmd = list(step.cmd)
@@ -430,14 +434,6 @@ def run_session(mode: str, out: Path, deadline: float, only: list[str] | None, p
     s = Session(mode, out, deadline, work)
     steps = plan(mode, work, py)
     if only:
-        unknown = sorted(set(only) - {st.name for st in steps})
-        if unknown:
-            print(
-                f"gpu_session: error: --only: unknown step(s) {unknown}; steps: "
-                f"{', '.join(st.name for st in steps)}",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
         steps = [st for st in steps if st.name in only]
     base_env = dict(
         os.environ,
@@ -450,8 +446,8 @@ def run_session(mode: str, out: Path, deadline: float, only: list[str] | None, p
     )
     s.log(f"mode {mode}, deadline {deadline:g} s, work folder {work}, output {out}")
     failed, preflight_failed = False, False
-    for step in steps:
-        rc = s.run_step(step, base_env)
+    for i, step in enumerate(steps):
+        rc = s.run_step(step, base_env, last=i == len(steps) - 1)
         if step.name == "preflight" and rc is not None and rc != 0:
             preflight_failed = True
             s.cupy_out = (
@@ -529,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_USAGE
     only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    names = [st.name for st in plan(mode, Path("."), args.python)]
+    unknown = sorted(set(only or []) - set(names))
+    if unknown:
+        print(f"gpu_session: error: --only: unknown step(s) {unknown}; steps: {', '.join(names)}",
+              file=sys.stderr)
+        return EXIT_USAGE
     return run_session(mode, out, deadline, only, args.python)
 
 
