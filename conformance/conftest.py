@@ -1,5 +1,6 @@
 """Hypothesis profiles. CI sets CI=true and gets the "ci" profile; choose another with
-HYPOTHESIS_PROFILE=dev|ci|thorough|mutmut (or pytest --hypothesis-profile=NAME)."""
+HYPOTHESIS_PROFILE=dev|ci|short|thorough|mutmut (or pytest --hypothesis-profile=NAME). "short"
+(20 examples, derandomized) is the GPU session script's conformance profile."""
 
 import os
 
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, Phase, settings
 _common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=100, **_common)
 settings.register_profile("ci", max_examples=200, derandomize=True, database=None, **_common)
+settings.register_profile("short", max_examples=20, derandomize=True, database=None, **_common)
 settings.register_profile("thorough", max_examples=2000, **_common)
 settings.register_profile("mutmut", max_examples=60, derandomize=True, database=None,
                           phases=[Phase.explicit, Phase.generate], **_common)

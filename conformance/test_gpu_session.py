@@ -56,13 +56,14 @@ def run_script(out: Path, *args: str, env: dict | None = None, timeout: float = 
     return proc, time.monotonic() - t0
 
 
-def step_rows(summary: str) -> dict[str, str]:
-    """step name -> status, from summary.md's first table."""
+def step_rows(summary: str, column: int = 1) -> dict[str, str]:
+    """step name -> status (column 1; 3: the timeout it was given), from summary.md's first
+    table."""
     rows = {}
     for line in summary.split("## ")[0].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[0] not in ("step", "---"):
-            rows[cells[0]] = cells[1]
+            rows[cells[0]] = cells[column]
     return rows
 
 
@@ -105,15 +106,23 @@ def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(tmp_
 def test_a_tiny_deadline_skips_the_later_steps_each_with_a_note(tmp_path, session_module):
     out = tmp_path / "out"
     proc, wall = run_script(out, "--cpu-smoke", "--deadline", "12")
-    assert proc.returncode == 0, proc.stderr[-2000:]
     assert wall < 12 + 5
-    rows = step_rows((out / "summary.md").read_text())
-    assert rows["env"] == "ok"
+    summary = (out / "summary.md").read_text()
+    rows = step_rows(summary)
+    # env's 30 s cap clipped to 12 - 3 (final collect) - 3 (kill grace) = 6 s; on a loaded
+    # machine it may use them all and be stopped: exit 1 then
+    assert int(step_rows(summary, column=3)["env"]) <= 6
+    assert rows["env"] in ("ok", "timed out")
+    assert proc.returncode == (0 if rows["env"] == "ok" else 1), proc.stderr[-2000:]
+    cupy = {st.name for st in session_module.plan("cpu-smoke", tmp_path, sys.executable) if st.cupy}
     later = [n for n in rows if n != "env"]
-    assert len(later) >= 8
+    assert len(later) >= 8 and cupy <= set(later)
     for name in later:
-        assert rows[name].startswith("skipped: needs >="), (name, rows[name])
-        assert "12 s deadline" in rows[name]
+        if name in cupy:     # no preflight ran, so no CuPy step may
+            assert rows[name] == "skipped: the preflight did not run: the CuPy steps are not run"
+        else:
+            assert rows[name].startswith("skipped: needs >="), (name, rows[name])
+            assert "12 s deadline" in rows[name]
     assert "## Notes" in (out / "summary.md").read_text()
 
 

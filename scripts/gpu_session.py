@@ -152,7 +152,7 @@ def plan(mode: str, work: Path, py: str) -> list[Step]:
                 str(work / "headline"),
                 "-q",
             ],
-            cap=120 if gpu else 30,
+            cap=120 if gpu else 45,
             min_s=15,
             copy=(("headline/bench.json", "headline.json"),),
             what="(c) the headline bench row: CuPy kernel, padded SDPA, flex_attention",
