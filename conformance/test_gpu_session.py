@@ -257,6 +257,25 @@ def test_asking_for_cupy_where_it_cannot_run_exits_2(capsys):
 # --------------------------------------------------------------------------- plugin, usage
 
 
+def test_a_bench_cut_short_still_shows_its_finished_cases_in_the_summary(session_module, tmp_path):
+    import session_report
+
+    (tmp_path / "headline").mkdir()
+    rows = [{"w": 2, "B": 128, "L": 4096, "spread": 64,
+             "strategies": {"cupy": {"status": "ok", "ms": 0.5123},
+                            "flex": {"status": "WRONG", "err": 0.3}}},
+            {"w": 4, "B": 128, "L": 4096, "spread": 64, "error": "OutOfMemoryError: ..."}]
+    (tmp_path / "headline" / "bench.json").write_text(json.dumps({"rows": rows}))
+    text = session_report.render_summary("gpu", 100.0, 330.0, [], [], tmp_path)
+    assert "## Headline (cut short: the cases bench.json holds)" in text
+    assert "- w=2 B=128 L=4096 spread=64: cupy ok 0.512 ms, flex WRONG" in text
+    assert "- w=4 B=128 L=4096 spread=64: OutOfMemoryError: ..." in text
+    (tmp_path / "headline" / "bench.md").write_text("| the full table |\n")
+    text = session_report.render_summary("gpu", 100.0, 330.0, [], [], tmp_path)
+    assert "| the full table |" in text and "cut short" not in text
+
+
+
 def test_the_junit_plugin_writes_one_file_per_test_file_with_its_counts(tmp_path):
     tests = tmp_path / "t"
     tests.mkdir()

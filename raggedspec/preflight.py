@@ -90,16 +90,20 @@ def environment() -> dict:
     if smi:
         query = (
             "name,driver_version,pstate,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,"
-            "power.draw,power.limit,temperature.gpu,persistence_mode"
+            "power.draw,power.limit,temperature.gpu,persistence_mode,clocks_throttle_reasons.active"
         )
         try:
-            res = subprocess.run(
-                [smi, f"--query-gpu={query}", "--format=csv"],
-                capture_output=True,
-                text=True,
-                timeout=15,
-            )
-            env["nvidia_smi"] = (res.stdout or res.stderr).strip()
+            # the throttle field has another name on some drivers: without it on a refusal
+            for fields in (query, query.rsplit(",", 1)[0]):
+                res = subprocess.run(
+                    [smi, f"--query-gpu={fields}", "--format=csv"],
+                    capture_output=True,
+                    text=True,
+                    timeout=15,
+                )
+                env["nvidia_smi"] = (res.stdout or res.stderr).strip()
+                if res.returncode == 0:
+                    break
         except (OSError, subprocess.SubprocessError) as exc:
             env["nvidia_smi"] = f"failed: {type(exc).__name__}: {exc}"
     else:
@@ -214,22 +218,16 @@ def _sync(mode: str) -> None:
 
 
 def check_compile(mode: str, variant: tuple[str, int, int, int]) -> str:
-    """Build and launch one variant `(dtype, G, w, d)` of the verify kernel (one row of w
-    keys, one KV head) and, once per dtype, the elementwise kernels; returns a detail line.
-    Raises whatever the compiler or the launch raised."""
-    from gpu import cupy_kernels as ck
-
+    """Build and launch one variant `(dtype, G, w, d)` of the verify kernel (one row of w + 1
+    keys, one KV head); returns a detail line. Raises whatever the compiler or the launch
+    raised (CuPy's CompileException carries NVRTC's log)."""
     dtype, g, w, d = variant
     kern = _kernels(mode)
     q, k, v = ragged_inputs(1, 1, g, w, d, w + 1, [w + 1], seed=1)
     arrays = [_kernel_array(kern, a, dtype) for a in (q, k, v)]
     out = kern.verify_attention(*arrays, [w + 1])
     _sync(mode)
-    shared = ck.verify_shared_bytes(g * w, d, dtype, kern.attn_threads)
-    return (
-        f"verify kernel: {g * w} queries per KV head, d {d}, {shared} B shared; "
-        f"out {list(out.shape)}"
-    )
+    return f"verify kernel: {g * w} queries per KV head, head dim {d}; out {list(out.shape)}"
 
 
 def check_elementwise(mode: str, dtype: str) -> str:

@@ -41,7 +41,7 @@ def render_summary(
         ("End to end, torch backend", "e2e/e2e.md"),
         ("End to end, cupy backend", "e2e_cupy/e2e.md"),
     ):
-        lines += _table_section(title, work / md)
+        lines += _table_section(title, work / md) or _bench_rows_section(title, work / md)
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +118,29 @@ def _junit_section(folder: Path) -> list[str]:
         f"| {r['skipped']} |"
         for r in rows
     ]
+    return lines
+
+
+def _bench_rows_section(title: str, md: Path) -> list[str]:
+    """A bench cut short leaves bench.json without bench.md: its finished cases, one line per
+    case and strategy (status, ms), from the JSON (`raggedspec bench --replot` makes the full
+    table from it)."""
+    result = _read_json(md.with_suffix(".json"))
+    if not result or not isinstance(result.get("rows"), list):
+        return []
+    lines = ["", f"## {title} (cut short: the cases bench.json holds)", ""]
+    for row in result["rows"]:
+        case = f"w={row.get('w')} B={row.get('B')} L={row.get('L')} spread={row.get('spread')}"
+        if "error" in row or not isinstance(row.get("strategies"), dict):
+            lines.append(f"- {case}: {row.get('error', 'no strategy results')}")
+            continue
+        cells = []
+        for name, res in row["strategies"].items():
+            ms = res.get("ms")
+            cells.append(
+                f"{name} {res.get('status')}" + (f" {ms:.3f} ms" if ms is not None else "")
+            )
+        lines.append(f"- {case}: " + ", ".join(cells))
     return lines
 
 
