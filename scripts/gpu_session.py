@@ -66,6 +66,9 @@ SMOKE_PORT_FILES = ["test_port_masks.py"]
 # CPU suite runs it) and nvcc's PTX front-end check (the preflight compiles every variant
 # through CuPy's NVRTC itself).
 KERNEL_TESTS_KEYWORD = "not emulate and not compile_for_the_gpu"
+# The rest of the bench on the GPU: the whole grid but the headline's spread (64), so no case
+# runs twice; spread 1024 comes first (the bench orders the longest L and widest spread first).
+GPU_BENCH_REST = ["--spreads", "1024,0"]
 # The smoke's "rest of the bench": one tiny case of the strategies the headline leaves out.
 SMOKE_BENCH_REST = [
     "--batches",
@@ -215,7 +218,7 @@ def plan(mode: str, work: Path, py: str) -> list[Step]:
             + [
                 "bench",
                 *dev,
-                *([] if gpu else SMOKE_BENCH_REST),
+                *(GPU_BENCH_REST if gpu else SMOKE_BENCH_REST),
                 "--out",
                 str(work / "bench"),
                 "-q",
