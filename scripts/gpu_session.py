@@ -480,7 +480,7 @@ def _drop_cupy_strategy(steps: list[Step]) -> None:
         if st.name == "headline" and "--strategies" in st.cmd:
             i = st.cmd.index("--strategies") + 1
             st.cmd[i] = ",".join(x for x in st.cmd[i].split(",") if x != "cupy")
-            st.what += " (without the CuPy kernel: the preflight failed)"
+            st.what += " (without the CuPy kernel column: the preflight did not pass)"
 
 
 def main(argv: list[str] | None = None) -> int:
