@@ -165,6 +165,31 @@ def test_a_step_over_its_limit_is_killed_with_its_children(session_module, tmp_p
     assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def test_a_script_stopped_from_outside_takes_its_running_step_along(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--cpu-smoke", "--only", "conf_port_torch",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()                      # "... work folder /tmp/gpu-session.X, ..."
+    work = first.split("work folder ", 1)[1].split(",", 1)[0]
+    time.sleep(2)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    assert "the script was stopped by signal 15" in (out / "summary.md").read_text()
+    time.sleep(0.3)
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if work in text and "pytest" in text:
+            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                left.append(text)
+    assert left == []
+
+
 # --------------------------------------------------------------------------- preflight failure
 
 WRONG_KERNEL = """\

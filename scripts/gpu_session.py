@@ -304,6 +304,7 @@ class Session:
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.cupy_out: str | None = None  # why the CuPy steps are skipped, once known
+        self.current: subprocess.Popen | None = None  # the step running now
         self.log_path = out / "session.log"
         self.log_path.write_text("")
 
@@ -353,12 +354,15 @@ class Session:
                 env={**base_env, **step.env},
                 start_new_session=True,
             )
+            self.current = proc
             try:
                 rc = proc.wait(timeout=limit)
                 timed_out = False
             except subprocess.TimeoutExpired:
                 rc, timed_out = 124, True
                 _kill(proc)
+            finally:
+                self.current = None
         dt = time.monotonic() - t
         with self.log_path.open("a") as f:
             f.write(log_file.read_text(errors="replace"))
@@ -448,6 +452,15 @@ def run_session(mode: str, out: Path, deadline: float, only: list[str] | None, p
         ),
     )
     s.log(f"mode {mode}, deadline {deadline:g} s, work folder {work}, output {out}")
+
+    def stopped(signum, frame):  # killed from outside: take the running step's group along
+        if s.current is not None:
+            _kill(s.current)
+        s.notes.append(f"the script was stopped by signal {signum} after {s.elapsed():.0f} s")
+        s.collect(steps)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
     failed, preflight_failed = False, False
     for i, step in enumerate(steps):
         rc = s.run_step(step, base_env, last=i == len(steps) - 1)
@@ -531,8 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [st.name for st in plan(mode, Path("."), args.python)]
     unknown = sorted(set(only or []) - set(names))
     if unknown:
-        print(f"gpu_session: error: --only: unknown step(s) {unknown}; steps: {', '.join(names)}",
-              file=sys.stderr)
+        print(
+            f"gpu_session: error: --only: unknown step(s) {unknown}; steps: {', '.join(names)}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     return run_session(mode, out, deadline, only, args.python)
 
