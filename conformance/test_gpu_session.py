@@ -4,7 +4,8 @@ checks skipped with their reason.
 
 - the whole `--cpu-smoke` plan inside its deadline (under 90 s), every step accounted for;
 - a tiny `--deadline`: the later steps skipped, each with a note saying why;
-- a step over its clipped limit killed with its children;
+- a step over its clipped limit killed with its children, and the running step taken along
+  when the script itself is stopped;
 - a kernel that computes wrong numbers: the preflight names the failed checks, exits 3, the
   CuPy steps are skipped and the others still run;
 - the per-file JUnit plugin's counts; bad usage exits 2 and writes nothing.

@@ -17,7 +17,9 @@ sizes (the kernel under the g++ emulator).
 The deadline (`--deadline S`, default 330 s; smoke 85 s) is hard: each step's timeout is its
 own cap clipped to the time left (less what it keeps for the steps after it and the final
 collect); a step that would get less than its minimum is skipped with a note saying why.
-A step over its timeout gets SIGTERM, then SIGKILL 3 s later, its whole process group.
+A step over its timeout gets SIGTERM, then SIGKILL 3 s later, its whole process group (each
+step runs in its own session); the script itself stopped by SIGTERM takes the running step
+along, notes it and collects what finished.
 When the preflight fails, the CuPy steps (the headline's kernel column, the cupy conformance,
 `e2e_cupy`) are skipped with a note and the rest still run.
 
