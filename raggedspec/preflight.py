@@ -247,9 +247,12 @@ def check_elementwise(mode: str, dtype: str) -> str:
 
 
 def check_side_stream(mode: str) -> str:
-    """On a fresh non-default torch stream: K/V allocated as zeros, a ~20 ms device spin, then
+    """On a fresh non-default torch stream: K/V allocated as zeros, a ~10 ms device spin, then
     the real K/V copied in (still pending), then the kernel; it must see the copied data.
-    AssertionError when it read the zeros; CheckSkipped under the emulator (no CUDA stream)."""
+    AssertionError when it read the zeros; CheckSkipped under the emulator (no CUDA stream).
+    The detail says whether the stream was still busy when the call returned: a wrapper that
+    waits on the device inside the call drains it first, and then a launch on the wrong stream
+    would read the right data too."""
     if mode != "cupy":
         raise CheckSkipped("needs a CUDA stream: not run under the emulator (mode emulate)")
     import torch
@@ -276,7 +279,12 @@ def check_side_stream(mode: str) -> str:
     assert err <= TOLERANCE["float64"], (
         f"the kernel did not read the pending write on torch's current stream: rel err {err:.3g}"
     )
-    return f"rel err {err:.2g}; the write was still pending at launch: {pending}"
+    if pending:
+        return f"rel err {err:.2g}; the stream was still busy when the call returned"
+    return (
+        f"rel err {err:.2g}; but the stream had drained before the call returned (the wrapper "
+        "waits on the device), so this run could not tell a launch on another stream"
+    )
 
 
 def check_reference(mode: str, dtype: str) -> str:
