@@ -242,23 +242,35 @@ def test_the_preflight_catches_a_wrong_kernel_and_names_the_check(monkeypatch, c
     assert all(d.startswith("AssertionError: rel err") for d in failed.values())
 
 
-@needs_gxx
-def test_the_preflight_passes_on_the_kernel_that_ships(tmp_path):
-    mode, why = preflight.pick_mode("auto")
-    result = preflight.run_checks(mode, why, tmp_path / "p.json", log=lambda msg: None)
-    status = {c["check"]: c["status"] for c in result["checks"]}
+NO_CUPY = ck.cupy_unavailable()
+
+
+def _passing_run(mode: str, tmp_path: Path) -> dict:
+    """The preflight in `mode` on the kernel that ships: no check failed, every variant and
+    dtype checked, the timing measured; returns `{check: row}`."""
+    result = preflight.run_checks(mode, None, tmp_path / "p.json", log=lambda msg: None)
+    rows = {c["check"]: c for c in result["checks"]}
     assert result["failed"] == [], result["checks"]
+    assert json.loads((tmp_path / "p.json").read_text())["checks"] == result["checks"]
     variants = preflight.KERNEL_VARIANTS["gpu" if mode == "cupy" else "smoke"]
-    assert sum(name.startswith("compile:") for name in status) == len(variants)
+    assert sum(name.startswith("compile:") for name in rows) == len(variants)
     for dtype in ("float64", "float32", "bfloat16"):
-        assert status[f"reference:{dtype}"] == "ok"
-    if mode == "emulate":
-        side = next(c for c in result["checks"] if c["check"] == "side_stream")
-        assert side["status"] == "skipped" and "CUDA" in side["detail"]
-    else:
-        assert status["side_stream"] == "ok"
-    timing = result["checks"][-1]["detail"]
+        assert rows[f"reference:{dtype}"]["status"] == "ok"
+    timing = rows["timing"]["detail"]
     assert timing["kernel_ms"] > 0 and timing["wrapper_wall_ms"] > 0
+    return rows
+
+
+@needs_gxx
+def test_the_preflight_passes_under_the_emulator_and_skips_the_stream_check(tmp_path):
+    side = _passing_run("emulate", tmp_path)["side_stream"]
+    assert side["status"] == "skipped" and "CUDA" in side["detail"]
+
+
+@pytest.mark.skipif(NO_CUPY is not None, reason=f"CuPy needs a CUDA GPU: {NO_CUPY}")
+def test_the_preflight_passes_through_cupy_with_the_stream_check(tmp_path):
+    assert preflight.pick_mode("auto") == ("cupy", None)
+    assert _passing_run("cupy", tmp_path)["side_stream"]["status"] == "ok"
 
 
 def test_the_reference_reads_only_each_rows_live_keys():
@@ -273,9 +285,8 @@ def test_the_reference_reads_only_each_rows_live_keys():
     assert preflight.rel_err(want * float("nan"), want) == float("inf")
 
 
+@pytest.mark.skipif(NO_CUPY is None, reason="CuPy runs here: the refusal needs a machine without")
 def test_asking_for_cupy_where_it_cannot_run_exits_2(capsys):
-    if ck.cupy_unavailable() is None:
-        pytest.skip("CuPy can run here: the refusal path needs a machine without it")
     assert preflight.main(["--mode", "cupy"]) == preflight.EXIT_USAGE
     assert "--mode cupy: " in capsys.readouterr().err
 
