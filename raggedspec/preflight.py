@@ -118,7 +118,9 @@ def environment() -> dict:
         except Exception as exc:  # noqa: BLE001
             env["cupy_cuda_runtime"] = f"unavailable: {type(exc).__name__}: {exc}"
         try:
-            env["nvrtc"] = ".".join(str(x) for x in cupy.cuda.nvrtc.getVersion())
+            from cupy_backends.cuda.libs import nvrtc
+
+            env["nvrtc"] = ".".join(str(x) for x in nvrtc.getVersion())
         except Exception as exc:  # noqa: BLE001
             env["nvrtc"] = f"unavailable: {type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001
