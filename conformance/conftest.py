@@ -1,6 +1,6 @@
 """Hypothesis profiles. CI sets CI=true and gets the "ci" profile; choose another with
 HYPOTHESIS_PROFILE=dev|ci|short|thorough|mutmut (or pytest --hypothesis-profile=NAME). "short"
-(20 examples, derandomized) is the GPU session script's conformance profile."""
+(20 examples, derandomized) is the GPU run script's conformance profile."""
 
 import os
 

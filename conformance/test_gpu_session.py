@@ -1,4 +1,4 @@
-"""The GPU session script (scripts/gpu_session.py, scripts/gpu_session.sh) and its preflight
+"""The GPU run script (scripts/gpu_session.py, scripts/gpu_session.sh) and its preflight
 (raggedspec/preflight.py), run here on the CPU: the kernel under the g++ emulator, the CuPy
 checks skipped with their reason.
 
@@ -131,7 +131,7 @@ def test_each_timeout_is_the_cap_clipped_to_the_time_left(session_module, tmp_pa
     gs = session_module
     out = tmp_path / "out"
     out.mkdir()
-    s = gs.Session("cpu-smoke", out, 100.0, tmp_path)
+    s = gs.Run("cpu-smoke", out, 100.0, tmp_path)
     step = gs.Step("x", ["true"], cap=60, min_s=5, reserve=20)
     s.t0 = time.monotonic() - 10          # 10 s gone: 100 - 10 - final 3 - reserve 20 - grace 3
     limit, why = s.limit_for(step)
@@ -150,7 +150,7 @@ def test_a_step_over_its_limit_is_killed_with_its_children(session_module, tmp_p
     gs = session_module
     out = tmp_path / "out"
     out.mkdir()
-    s = gs.Session("cpu-smoke", out, 100.0, tmp_path)
+    s = gs.Run("cpu-smoke", out, 100.0, tmp_path)
     pid_file = tmp_path / "child.pid"
     code = ("import subprocess, sys, time; "
             f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "

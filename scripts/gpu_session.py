@@ -18,7 +18,7 @@ The deadline (`--deadline S`, default 330 s; smoke 85 s) is hard: each step's ti
 own cap clipped to the time left (less what it keeps for the steps after it and the final
 collect); a step that would get less than its minimum is skipped with a note saying why.
 A step over its timeout gets SIGTERM, then SIGKILL 3 s later, its whole process group (each
-step runs in its own session); the script itself stopped by SIGTERM takes the running step
+step runs in its own process session); the script itself stopped by SIGTERM takes the running step
 along, notes it and collects what finished.
 When the preflight fails, the CuPy steps (the headline's kernel column, the cupy conformance,
 `e2e_cupy`) are skipped with a note and the rest still run.
@@ -297,7 +297,7 @@ def _pytest_step(
 # ----------------------------------------------------------------------------- the run
 
 
-class Session:
+class Run:
     """The run's state: the clock, the step rows, the notes; `collect` rewrites OUT."""
 
     def __init__(self, mode: str, out: Path, deadline: float, work: Path) -> None:
@@ -436,11 +436,11 @@ def _kill(proc: subprocess.Popen) -> None:
             return
 
 
-def run_session(mode: str, out: Path, deadline: float, only: list[str] | None, py: str) -> int:
+def run_plan(mode: str, out: Path, deadline: float, only: list[str] | None, py: str) -> int:
     """The whole run; returns the exit code (module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-session."))
-    s = Session(mode, out, deadline, work)
+    s = Run(mode, out, deadline, work)
     steps = plan(mode, work, py)
     if only:
         steps = [st for st in steps if st.name in only]
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return run_session(mode, out, deadline, only, args.python)
+    return run_plan(mode, out, deadline, only, args.python)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """A pytest plugin: one JUnit XML per test file, rewritten after every test of that file, so a
-run killed part-way (the GPU session's deadline) keeps the results of every test that
+run killed part-way (the GPU run script's deadline) keeps the results of every test that
 finished. Load it with `-p junit_per_file` (this folder on PYTHONPATH) and name the folder:
 
     python -m pytest -p junit_per_file --junit-dir out/junit conformance/test_port_masks.py

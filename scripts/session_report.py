@@ -1,4 +1,4 @@
-"""summary.md of the GPU session script (scripts/gpu_session.py): the step table, then what
+"""summary.md of the GPU run script (scripts/gpu_session.py): the step table, then what
 the work folder holds so far (the environment, the preflight's checks, the JUnit counts per
 test file, the benchmark and end-to-end tables). Every part is read from the files the steps
 wrote, so a summary rewritten after a step that was killed shows what did finish; a file
@@ -20,7 +20,7 @@ def render_summary(
     whatever the work folder holds so far: environment, preflight, JUnit counts, tables."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     lines = [
-        f"# GPU session summary ({mode}, {stamp}, {elapsed:.0f} s of a {deadline:g} s deadline)",
+        f"# GPU run summary ({mode}, {stamp}, {elapsed:.0f} s of a {deadline:g} s deadline)",
         "",
         "| step | status | s | limit s | what |",
         "|---|---|---|---|---|",
