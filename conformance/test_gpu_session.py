@@ -347,8 +347,12 @@ def test_bad_usage_exits_2_and_writes_nothing(tmp_path):
     out.mkdir()
     (out / "mine.txt").write_text("keep")
     proc, _ = run_script(out, "--cpu-smoke")
-    assert proc.returncode == 2 and "'mine.txt'" in proc.stderr
+    assert proc.returncode == 2 and "is not empty (it holds 'mine.txt')" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+    (out / "mine.txt").unlink()
+    (out / "summary.md").write_text("an earlier run")      # one of its own names: kept too
+    proc, _ = run_script(out, "--cpu-smoke")
+    assert proc.returncode == 2 and (out / "summary.md").read_text() == "an earlier run"
     for args, words in ((["--deadline", "0"], "--deadline 0.0 must be > 0"),
                         (["--only", "env,nope"], "unknown step(s) ['nope']")):
         proc, _ = run_script(tmp_path / "fresh", "--cpu-smoke", *args)

@@ -23,7 +23,8 @@ along, notes it and collects what finished.
 When the preflight fails, the CuPy steps (the headline's kernel column, the cupy conformance,
 `e2e_cupy`) are skipped with a note and the rest still run.
 
-Output (at most 8 files, the device tool's limit; rewritten after every step):
+Output (a new or empty folder; at most 8 files, the device tool's limit; rewritten after
+every step):
 `summary.md` (the step table, notes, preflight, conformance counts, the tables), `session.log`
 (all output), `preflight.json`, `headline.json`, `bench.json`, `e2e.json`, `all.tar.gz` (the
 work folder: per-step logs, JUnit XML, every partial output). Exit code: 0 every step that ran
@@ -525,14 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         print(f"gpu_session: error: --out {out} exists and is not a folder", file=sys.stderr)
         return EXIT_USAGE
-    foreign = (
-        sorted(p.name for p in out.iterdir() if p.name not in OUT_FILES) if out.is_dir() else []
-    )
-    if foreign:
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:  # an earlier run's files would mix with this run's: never overwrite, never mix
         print(
-            f"gpu_session: error: --out {out} holds {foreign[0]!r}, not a file of this script "
-            f"({', '.join(OUT_FILES)}): refusing to write beside it "
-            "(empty the folder or pick another)",
+            f"gpu_session: error: --out {out} is not empty (it holds {held[0]!r}): refusing to "
+            "write over or beside it; empty the folder or pick another",
             file=sys.stderr,
         )
         return EXIT_USAGE
