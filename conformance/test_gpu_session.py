@@ -40,7 +40,7 @@ def session_module():
     try:
         spec = importlib.util.spec_from_file_location("gpu_session", SCRIPT)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_session"] = module          # dataclasses look their module up there
+        sys.modules["gpu_session"] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
         yield module
     finally:
@@ -52,8 +52,14 @@ def run_script(out: Path, *args: str, env: dict | None = None, timeout: float = 
     """Run the shell wrapper with OUT=out; returns (completed process, wall seconds)."""
     full_env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, **(env or {}))
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh"), *args], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_session.sh"), *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.monotonic() - t0
 
 
@@ -72,8 +78,9 @@ def step_rows(summary: str, column: int = 1) -> dict[str, str]:
 
 
 @needs_gxx
-def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(tmp_path,
-                                                                           session_module):
+def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(
+    tmp_path, session_module
+):
     out = tmp_path / "out"
     proc, wall = run_script(out, "--cpu-smoke")
     summary = (out / "summary.md").read_text()
@@ -83,9 +90,12 @@ def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(tmp_
     assert list(rows) == planned, summary
     for name, status in rows.items():
         # a step either passed, or was cut by the deadline (clipped timeout, or skipped with why)
-        assert status == "ok" or status == "timed out" or status.startswith("skipped: needs >="), \
-            (name, status, proc.stdout[-3000:])
-    for name in ("env", "preflight", "headline"):      # the first steps always have their time
+        assert status == "ok" or status == "timed out" or status.startswith("skipped: needs >="), (
+            name,
+            status,
+            proc.stdout[-3000:],
+        )
+    for name in ("env", "preflight", "headline"):  # the first steps always have their time
         assert rows[name] == "ok", (name, rows[name], proc.stdout[-3000:])
     assert proc.returncode == (0 if "timed out" not in rows.values() else 1), proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
@@ -95,8 +105,9 @@ def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(tmp_
     assert {c["check"]: c["status"] for c in pf["checks"]}["side_stream"] == "skipped"
     head = json.loads((out / "headline.json").read_text())
     assert set(head["strategies"]) == {"cupy", "padded_sdpa", "flex"}
-    assert head["rows"] and all(r["strategies"]["cupy"]["status"] == "ok" for r in head["rows"]
-                                if "strategies" in r), head["rows"]
+    assert head["rows"] and all(
+        r["strategies"]["cupy"]["status"] == "ok" for r in head["rows"] if "strategies" in r
+    ), head["rows"]
     assert "## Preflight (emulate): no check failed" in summary
 
 
@@ -119,7 +130,7 @@ def test_a_tiny_deadline_skips_the_later_steps_each_with_a_note(tmp_path, sessio
     later = [n for n in rows if n != "env"]
     assert len(later) >= 8 and cupy <= set(later)
     for name in later:
-        if name in cupy:     # no preflight ran, so no CuPy step may
+        if name in cupy:  # no preflight ran, so no CuPy step may
             assert rows[name] == "skipped: the preflight did not run: the CuPy steps are not run"
         else:
             assert rows[name].startswith("skipped: needs >="), (name, rows[name])
@@ -133,15 +144,15 @@ def test_each_timeout_is_the_cap_clipped_to_the_time_left(session_module, tmp_pa
     out.mkdir()
     s = gs.Run("cpu-smoke", out, 100.0, tmp_path)
     step = gs.Step("x", ["true"], cap=60, min_s=5, reserve=20)
-    s.t0 = time.monotonic() - 10          # 10 s gone: 100 - 10 - final 3 - reserve 20 - grace 3
+    s.t0 = time.monotonic() - 10  # 10 s gone: 100 - 10 - final 3 - reserve 20 - grace 3
     limit, why = s.limit_for(step)
-    assert why is None and 60 - 1 < limit <= 60            # the cap is below 64 s left
+    assert why is None and 60 - 1 < limit <= 60  # the cap is below 64 s left
     s.t0 = time.monotonic() - 40
     limit, why = s.limit_for(step)
     assert why is None and 34 - 1 < limit <= 34
-    limit, why = s.limit_for(step, last=True)             # nothing after it: no reserve kept
+    limit, why = s.limit_for(step, last=True)  # nothing after it: no reserve kept
     assert why is None and 54 - 1 < limit <= 54
-    s.t0 = time.monotonic() - 70                          # 4 s: under its 5 s minimum
+    s.t0 = time.monotonic() - 70  # 4 s: under its 5 s minimum
     limit, why = s.limit_for(step)
     assert limit == 0 and why.startswith("skipped: needs >= 5 s") and "20 s kept" in why
 
@@ -152,9 +163,11 @@ def test_a_step_over_its_limit_is_killed_with_its_children(session_module, tmp_p
     out.mkdir()
     s = gs.Run("cpu-smoke", out, 100.0, tmp_path)
     pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; "
-            f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    code = (
+        "import subprocess, sys, time; "
+        f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)"
+    )
     step = gs.Step("sleeper", [sys.executable, "-c", code], cap=2, min_s=1)
     t0 = time.monotonic()
     rc = s.run_step(step, dict(os.environ), last=True)
@@ -168,10 +181,17 @@ def test_a_step_over_its_limit_is_killed_with_its_children(session_module, tmp_p
 
 def test_a_script_stopped_from_outside_takes_its_running_step_along(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(SCRIPT), "--cpu-smoke", "--only", "conf_port_torch",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--cpu-smoke",
+        "--only",
+        "conf_port_torch",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    first = proc.stdout.readline()                      # "... work folder /tmp/gpu-session.X, ..."
+    first = proc.stdout.readline()  # "... work folder /tmp/gpu-session.X, ..."
     work = first.split("work folder ", 1)[1].split(",", 1)[0]
     time.sleep(2)
     proc.terminate()
@@ -206,11 +226,17 @@ _ck.ragged_verify_attention_emulated = _wrong
 def test_a_failing_preflight_exits_3_skips_the_cupy_steps_and_runs_the_rest(tmp_path):
     inject = tmp_path / "inject"
     inject.mkdir()
-    (inject / "sitecustomize.py").write_text(WRONG_KERNEL)   # loaded by every step's Python
+    (inject / "sitecustomize.py").write_text(WRONG_KERNEL)  # loaded by every step's Python
     out = tmp_path / "out"
-    proc, _ = run_script(out, "--cpu-smoke", "--deadline", "85",
-                         "--only", "preflight,headline,conf_cupy_float64,e2e_cupy",
-                         env={"PYTHONPATH": str(inject)})
+    proc, _ = run_script(
+        out,
+        "--cpu-smoke",
+        "--deadline",
+        "85",
+        "--only",
+        "preflight,headline,conf_cupy_float64,e2e_cupy",
+        env={"PYTHONPATH": str(inject)},
+    )
     assert proc.returncode == 3, proc.stdout[-3000:]
     rows = step_rows((out / "summary.md").read_text())
     assert rows["preflight"] == "failed (exit 3)"
@@ -228,14 +254,16 @@ def test_a_failing_preflight_exits_3_skips_the_cupy_steps_and_runs_the_rest(tmp_
 def test_the_preflight_catches_a_wrong_kernel_and_names_the_check(monkeypatch, capsys, tmp_path):
     real = ck.ragged_verify_attention_emulated
 
-    def one_key_too_many(q, k, v, lens):    # every row short of the capacity reads a slack key
+    def one_key_too_many(q, k, v, lens):  # every row short of the capacity reads a slack key
         return real(q, k, v, (lens + 1).clamp(max=k.shape[2]))
 
     monkeypatch.setattr(ck, "ragged_verify_attention_emulated", one_key_too_many)
     rc = preflight.main(["--mode", "emulate", "--out", str(tmp_path / "p.json")])
     assert rc == preflight.EXIT_PREFLIGHT_FAILED
-    assert "FAILED check(s): reference:float64, reference:float32, reference:bfloat16" in \
-        capsys.readouterr().err
+    assert (
+        "FAILED check(s): reference:float64, reference:float32, reference:bfloat16"
+        in capsys.readouterr().err
+    )
     result = json.loads((tmp_path / "p.json").read_text())
     failed = {c["check"]: c["detail"] for c in result["checks"] if c["status"] == "failed"}
     assert set(failed) == {"reference:float64", "reference:float32", "reference:bfloat16"}
@@ -278,7 +306,7 @@ def test_the_reference_reads_only_each_rows_live_keys():
     q, k, v = preflight.ragged_inputs(4, c["hk"], c["g"], c["w"], 8, 20, [20, 5, 9, 2], seed=3)
     want = preflight.reference_attention(q, k, v, [20, 5, 9, 2])
     k2, v2 = k.copy(), v.copy()
-    k2[1, :, 5:], v2[1, :, 5:] = 7.0, -3.0         # slack of row 1 rewritten: no change
+    k2[1, :, 5:], v2[1, :, 5:] = 7.0, -3.0  # slack of row 1 rewritten: no change
     assert (preflight.reference_attention(q, k2, v2, [20, 5, 9, 2]) == want).all()
     # row 3 has exactly w keys: its first query sees key 0 alone, so it returns v[0]
     assert abs(want[3, 0, 0] - v[3, 0, 0]).max() < 1e-12
@@ -298,35 +326,88 @@ def test_a_bench_cut_short_still_shows_its_finished_cases_in_the_summary(session
     import session_report
 
     (tmp_path / "headline").mkdir()
-    rows = [{"w": 2, "B": 128, "L": 4096, "spread": 64,
-             "strategies": {"cupy": {"status": "ok", "ms": 0.5123},
-                            "flex": {"status": "WRONG", "err": 0.3}}},
-            {"w": 4, "B": 128, "L": 4096, "spread": 64, "error": "OutOfMemoryError: ..."}]
+    rows = [
+        {
+            "w": 2,
+            "B": 128,
+            "L": 4096,
+            "spread": 64,
+            "strategies": {
+                "cupy": {"status": "ok", "ms": 0.5123},
+                "flex": {"status": "WRONG", "err": 0.3},
+            },
+        },
+        {"w": 4, "B": 128, "L": 4096, "spread": 64, "error": "OutOfMemoryError: ..."},
+    ]
     (tmp_path / "headline" / "bench.json").write_text(json.dumps({"rows": rows}))
     text = session_report.render_summary("gpu", 100.0, 330.0, [], [], tmp_path)
     assert "## Headline (cut short: the cases bench.json holds)" in text
     assert "- w=2 B=128 L=4096 spread=64: cupy ok 0.512 ms, flex WRONG" in text
     assert "- w=4 B=128 L=4096 spread=64: OutOfMemoryError: ..." in text
+    (tmp_path / "preflight.json").write_text(
+        json.dumps(
+            {
+                "mode": "cupy",
+                "failed": ["timing"],
+                "checks": [
+                    {
+                        "check": "timing",
+                        "status": "failed",
+                        "seconds": 1.0,
+                        "detail": "AssertionError: x | y",
+                    },
+                    {
+                        "check": "timing2",
+                        "status": "ok",
+                        "seconds": 2.0,
+                        "detail": {"kernel_ms": 0.51234, "shape": {"b": 128}},
+                    },
+                ],
+            }
+        )
+    )
+    text = session_report.render_summary("gpu", 100.0, 330.0, [], [], tmp_path)
+    assert "## Preflight (cupy): FAILED: timing" in text
+    assert "| timing | failed | 1.0 | AssertionError: x / y |" in text  # no cell split
+    assert '| timing2 | ok | 2.0 | kernel_ms 0.5123; shape {"b": 128} |' in text
     (tmp_path / "headline" / "bench.md").write_text("| the full table |\n")
     text = session_report.render_summary("gpu", 100.0, 330.0, [], [], tmp_path)
     assert "| the full table |" in text and "cut short" not in text
 
 
-
 def test_the_junit_plugin_writes_one_file_per_test_file_with_its_counts(tmp_path):
     tests = tmp_path / "t"
     tests.mkdir()
-    (tests / "test_a.py").write_text("import pytest\n"
-                                     "def test_ok(): assert True\n"
-                                     "def test_bad(): assert 1 == 2\n"
-                                     "@pytest.mark.skip(reason='not here')\n"
-                                     "def test_skipped(): pass\n")
+    (tests / "test_a.py").write_text(
+        "import pytest\n"
+        "def test_ok(): assert True\n"
+        "def test_bad(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skipped(): pass\n"
+    )
     (tests / "test_b.py").write_text("def test_ok(): assert True\n")
     junit = tmp_path / "junit"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                           "junit_per_file", "--junit-dir", str(junit), str(tests)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "junit_per_file",
+            "--junit-dir",
+            str(junit),
+            str(tests),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stdout
     assert sorted(p.name for p in junit.iterdir()) == ["test_a.xml", "test_b.xml"]
     a = ET.parse(junit / "test_a.xml").getroot()
@@ -340,8 +421,14 @@ def test_the_junit_plugin_writes_one_file_per_test_file_with_its_counts(tmp_path
 
 def test_bad_usage_exits_2_and_writes_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "set OUT or pass --out" in proc.stderr
     out = tmp_path / "out"
     out.mkdir()
@@ -350,10 +437,12 @@ def test_bad_usage_exits_2_and_writes_nothing(tmp_path):
     assert proc.returncode == 2 and "is not empty (it holds 'mine.txt')" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
     (out / "mine.txt").unlink()
-    (out / "summary.md").write_text("an earlier run")      # one of its own names: kept too
+    (out / "summary.md").write_text("an earlier run")  # one of its own names: kept too
     proc, _ = run_script(out, "--cpu-smoke")
     assert proc.returncode == 2 and (out / "summary.md").read_text() == "an earlier run"
-    for args, words in ((["--deadline", "0"], "--deadline 0.0 must be > 0"),
-                        (["--only", "env,nope"], "unknown step(s) ['nope']")):
+    for args, words in (
+        (["--deadline", "0"], "--deadline 0.0 must be > 0"),
+        (["--only", "env,nope"], "unknown step(s) ['nope']"),
+    ):
         proc, _ = run_script(tmp_path / "fresh", "--cpu-smoke", *args)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr

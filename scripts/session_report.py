@@ -72,11 +72,28 @@ def _preflight_section(path: Path) -> list[str]:
         "|---|---|---|---|",
     ]
     for c in pf.get("checks", []):
-        detail = c["detail"] if isinstance(c["detail"], str) else json.dumps(c["detail"])
+        detail = plain(c["detail"])
         lines.append(
             f"| {c['check']} | {c['status']} | {c['seconds']} | {detail.replace('|', '/')[:400]} |"
         )
     return lines
+
+
+def plain(detail) -> str:
+    """A check's detail as one line: a string as it is; a dict as `key value` pairs, numbers
+    to 4 significant digits, nested values as JSON."""
+    if isinstance(detail, str):
+        return detail
+    if not isinstance(detail, dict):
+        return json.dumps(detail, default=str)
+    return "; ".join(
+        f"{k} {v:.4g}"
+        if isinstance(v, float)
+        else f"{k} {json.dumps(v, default=str)}"
+        if isinstance(v, (dict, list))
+        else f"{k} {v}"
+        for k, v in detail.items()
+    )
 
 
 def junit_counts(folder: Path) -> list[dict]:
