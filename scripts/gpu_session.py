@@ -398,7 +398,6 @@ class Run:
         )
         self.notes.append(f"{step.name}: {why}")
         self.log(f"=== {step.name}: {why}")
-        return None
 
     def collect(self, steps: list[Step]) -> None:
         """Copy the finished outputs to OUT, rewrite summary.md and all.tar.gz."""
