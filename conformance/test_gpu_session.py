@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu import cupy_kernels as ck
-from gpu import kernel_emulator
+from raggedspec.gpu import cupy_kernels as ck
+from raggedspec.gpu import kernel_emulator
 from raggedspec import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def test_a_script_stopped_from_outside_takes_its_running_step_along(tmp_path):
 # --------------------------------------------------------------------------- preflight failure
 
 WRONG_KERNEL = """\
-import gpu.cupy_kernels as _ck
+import raggedspec.gpu.cupy_kernels as _ck
 _real = _ck.ragged_verify_attention_emulated
 def _wrong(q, k, v, lens):
     return _real(q, k, v, lens) * 1.5     # a kernel that computes the wrong numbers

@@ -5,7 +5,7 @@ any long GPU job spends its window on them.
 
 Checks, in order (each one `ok`, `failed` with the reason, or `skipped` with the reason):
 - `compile:<variant>`: every kernel variant of `KERNEL_VARIANTS` built and launched once
-  through `gpu.cupy_kernels.Kernels` (NVRTC through CuPy on a GPU; g++ under the emulator);
+  through `raggedspec.gpu.cupy_kernels.Kernels` (NVRTC through CuPy on a GPU; g++ under the emulator);
 - `side_stream`: a kernel launched by `ragged_verify_attention` on torch's current
   non-default stream, behind a pending write to its K/V on that stream, reads the written
   data (a kernel on another stream reads the old zeros and fails);
@@ -143,8 +143,8 @@ def pick_mode(requested: str) -> tuple[str, str | None]:
     """`(mode, why not cupy)`: `cupy` where CuPy has a device and torch has CUDA, else
     `emulate` with the reason. ValueError when `cupy` is asked for and cannot run, or
     `emulate` without g++."""
-    from gpu import cupy_kernels as ck
-    from gpu import kernel_emulator
+    from raggedspec.gpu import cupy_kernels as ck
+    from raggedspec.gpu import kernel_emulator
 
     why = ck.cupy_unavailable()
     if why is None:
@@ -181,7 +181,7 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens) -> np
     """float64 verify attention row by row through `reference.attention.attention` on each
     row's live run only: query r of row i (at `n - w + r`) sees keys `p <= n - w + r`, query
     head h reads KV head `h // G`."""
-    from reference.attention import attention
+    from raggedspec.reference.attention import attention
 
     b, h, w, d = q.shape
     g = h // k.shape[1]
@@ -213,7 +213,7 @@ def _torch_inputs(arrays, dtype: str, device: str):
 
 def _entry_point(mode: str):
     """The torch-facing kernel entry point of `mode` (looked up at call time)."""
-    from gpu import cupy_kernels as ck
+    from raggedspec.gpu import cupy_kernels as ck
 
     return ck.ragged_verify_attention if mode == "cupy" else ck.ragged_verify_attention_emulated
 
@@ -331,7 +331,7 @@ def check_timing(mode: str) -> dict:
     end). Emulated: `perf_counter` both, SMOKE."""
     import torch
 
-    from gpu import cupy_kernels as ck
+    from raggedspec.gpu import cupy_kernels as ck
 
     t = TIMING_CASE["gpu" if mode == "cupy" else "smoke"]
     device, dtype = ("cuda", "bfloat16") if mode == "cupy" else ("cpu", "float32")
@@ -408,7 +408,7 @@ _KERN: dict[str, object] = {}
 
 
 def _kernels(mode: str):
-    from gpu import cupy_kernels as ck
+    from raggedspec.gpu import cupy_kernels as ck
 
     if mode not in _KERN:
         _KERN[mode] = ck.Kernels(mode)
@@ -417,7 +417,7 @@ def _kernels(mode: str):
 
 def _kernel_array(kern, a: np.ndarray, dtype: str):
     """A float64 NumPy array as a kernel array of `dtype` (bf16 as its bits) on kern's side."""
-    from gpu import cupy_kernels as ck
+    from raggedspec.gpu import cupy_kernels as ck
 
     host = ck.bf16_bits(a) if dtype == "bfloat16" else np.ascontiguousarray(a, dtype=dtype)
     return kern.xp.asarray(host)

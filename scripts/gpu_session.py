@@ -116,7 +116,7 @@ def plan(mode: str, work: Path, py: str) -> list[Step]:
         if gpu
         else ["--batches", "3", "--lengths", "40", "--spreads", "8", "--reps", "2"]
     )
-    cupy_spec = "cupy" if gpu else "gpu.cupy_backend:emulated"
+    cupy_spec = "cupy" if gpu else "raggedspec.gpu.cupy_backend:emulated"
     e2e = dev if gpu else ["--smoke", "--e2e-batch", "4"]
     later = 75.0 if gpu else 25.0  # kept by the conformance for (e) and (f)
     steps = [
