@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = Path(__file__).resolve().parent
-PROFILES = ("ci", "dev", "thorough", "mutmut", "explore")
+PROFILES = ("ci", "dev", "short", "thorough", "mutmut", "explore")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 _TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")

@@ -339,12 +339,25 @@ def run_bench(args) -> int:
     return run(args)
 
 
+def add_preflight(sub) -> argparse.ArgumentParser:
+    from raggedspec.preflight import add_arguments
+    p = sub.add_parser("preflight", help="first-run checks of the kernels: compile, stream, dtypes, timing")
+    add_arguments(p)
+    return p
+
+
+def run_preflight(args) -> int:
+    from raggedspec.preflight import run
+    return run(args)
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
     "conformance": (add_conformance, run_conformance),
     "bench": (add_bench, run_bench),
     "mutation": (add_mutation, run_mutation),
+    "preflight": (add_preflight, run_preflight),
 }
 
 
