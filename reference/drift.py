@@ -89,13 +89,13 @@ def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     `reference.trace.read_trace`, then check the required fields (`step`, `rows[].seq`,
     `rows[].own_len`); optional fields may be absent. Raises TraceFormatError naming the
     file and the field."""
-    from reference.trace import read_trace
+    from reference.trace_reader import read_trace_strict
 
     path = Path(path)
     if not path.is_file():
         raise TraceFormatError(f"trace file {path} does not exist")
     try:
-        data = as_trace_data(read_trace(path), label or path.stem, where=str(path))
+        data = as_trace_data(read_trace_strict(path, int_ids=True), label or path.stem, where=str(path))
     except TraceFormatError:
         raise
     except (ValueError, KeyError) as exc:
