@@ -318,12 +318,26 @@ def run_bench(args) -> int:
     return run(args)
 
 
+def add_check_trace(sub) -> argparse.ArgumentParser:
+    from raggedspec.check_trace import add_parser
+    return add_parser(sub)
+
+
+def run_check_trace(args) -> int:
+    from raggedspec.check_trace import run
+    try:
+        return run(args)
+    except ValueError as exc:  # a malformed trace (every problem named) or bad usage
+        raise UsageError(str(exc)) from None
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
     "conformance": (add_conformance, run_conformance),
     "bench": (add_bench, run_bench),
     "mutation": (add_mutation, run_mutation),
+    "check-trace": (add_check_trace, run_check_trace),
 }
 
 
