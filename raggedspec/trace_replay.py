@@ -7,7 +7,8 @@ order each sequence verified) and each sequence's arrival (the step it first app
 that is earlier than the scenario's). Every other decision is the reference's own, so the
 replayed trace is what a correct engine would have recorded given the same accepts; the two
 are compared step by step (phase, the rows that ran, own lengths, widths, leads, draft
-groups, scheduler buckets, errors), and the first difference is returned with both sides.
+groups and chain starts, scheduler buckets, errors), and the first difference is returned
+with both sides.
 
 Sequence ids: integer ids are the scenario's request indices; string ids are matched to the
 requests in the order they first appear. A trace field that is absent is not compared.
@@ -23,8 +24,8 @@ from reference.lengths import LengthsEngine
 from reference.scenario import Scenario
 from reference.trace import Trace
 
-STEP_COMPARED = ("phase", "advance", "width", "groups", "buckets", "bucket", "error")
-ROW_COMPARED = ("own_len", "width", "lead", "group")
+STEP_COMPARED = ("advance", "width", "groups", "buckets", "bucket", "error")
+ROW_COMPARED = ("own_len", "width", "lead", "group", "chain_start")
 
 
 @dataclass
@@ -77,12 +78,16 @@ def request_index(trace: Trace, batch: int) -> tuple[dict, str | None]:
                 index[s] = s
             if index[s] >= batch:
                 step = trace.step_fields(i)["step"]
-                return index, (f"seq {s!r} (first at step {step}) has no request in the scenario "
-                               f"({batch} requests)")
+                return index, (
+                    f"seq {s!r} (first at step {step}) has no request in the scenario "
+                    f"({batch} requests)"
+                )
     return index, None
 
 
-def replay_scenario(trace: Trace, sc: Scenario, index: dict) -> tuple[Scenario, dict[int, list[int]]]:
+def replay_scenario(
+    trace: Trace, sc: Scenario, index: dict
+) -> tuple[Scenario, dict[int, list[int]]]:
     """The scenario with the trace's arrivals, and the trace's accept counts per request."""
     first: dict[int, int] = {}
     accepts: dict[int, list[int]] = {}
@@ -95,9 +100,13 @@ def replay_scenario(trace: Trace, sc: Scenario, index: dict) -> tuple[Scenario, 
             first.setdefault(q, f["step"])
             if f.get("phase") == "decode" and not f.get("error") and (r.get("drafted") or 0) > 0:
                 accepts.setdefault(q, []).append(int(r.get("accepted") or 0))
-    reqs = tuple(replace(r, arrival=min(r.arrival, first.get(q, r.arrival)))
-                 for q, r in enumerate(sc.requests))
-    steps = max(sc.steps, 1 + max((trace.step_fields(i)["step"] for i in range(len(trace))), default=0))
+    reqs = tuple(
+        replace(r, arrival=min(r.arrival, first.get(q, r.arrival)))
+        for q, r in enumerate(sc.requests)
+    )
+    steps = max(
+        sc.steps, 1 + max((trace.step_fields(i)["step"] for i in range(len(trace))), default=0)
+    )
     return replace(sc, requests=reqs, generator=None, steps=steps), accepts
 
 
@@ -130,12 +139,15 @@ def first_divergence(trace: Trace, sc: Scenario) -> tuple[Divergence | None, int
         f = trace.step_fields(i)
         t = f["step"]
         if t not in by_step:
-            return Divergence(t, None, "step", "present", "absent (the replay ended earlier)"), compared, None
+            return (
+                Divergence(t, None, "step", "present", "absent (the replay ended earlier)"),
+                compared,
+                None,
+            )
         j = by_step[t]
         g = rep.step_fields(j)
-        for k in STEP_COMPARED:
-            if f.get(k) is not None and _norm(f[k]) != _norm(g.get(k)):
-                return Divergence(t, None, k, f[k], g.get(k)), compared, None
+        if f.get("phase") is not None and f["phase"] != g.get("phase"):
+            return Divergence(t, None, "phase", f["phase"], g.get("phase")), compared, None
         rows = trace.rows(i)
         rrows = {back.get(r["seq"], r["seq"]): r for r in rep.rows(j)}
         ran = [r["seq"] for r in rows]
@@ -145,6 +157,13 @@ def first_divergence(trace: Trace, sc: Scenario) -> tuple[Divergence | None, int
             other = rrows[r["seq"]]
             for k in ROW_COMPARED:
                 if r.get(k) is not None and _norm(r[k]) != _norm(other.get(k)):
-                    return Divergence(t, r["seq"], f"rows[].{k}", r[k], other.get(k)), compared, None
+                    return (
+                        Divergence(t, r["seq"], f"rows[].{k}", r[k], other.get(k)),
+                        compared,
+                        None,
+                    )
+        for k in STEP_COMPARED:
+            if f.get(k) is not None and _norm(f[k]) != _norm(g.get(k)):
+                return Divergence(t, None, k, f[k], g.get(k)), compared, None
         compared += 1
     return None, compared, None
