@@ -101,6 +101,15 @@ def test_the_fixtures_are_what_the_bugged_lengths_model_writes(name):
     )
 
 
+def test_the_gallery_shows_the_checkers_current_output():
+    doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
+    for name in FIXTURE_RULES:
+        path = TRACES / f"{name}.jsonl"
+        code, out, _ = cli("check-trace", str(path), "--limit", "3")
+        shown = out.replace(str(path), f"conformance/traces/{name}.jsonl").rstrip()
+        assert code == 1 and shown in doc, name
+
+
 def test_without_the_bug_the_fixture_scenarios_are_clean():
     """(The no-strip class's bug is its scenario's strip "none": without it, the claimed eager.)"""
     for name, (changes, _bug, claimed) in trace_bugs.BUGS.items():

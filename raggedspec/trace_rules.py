@@ -92,7 +92,7 @@ RULES = (
     ),
     Rule(
         "per-sequence-advance",
-        "plan_per_sequence_step and the per-seq commit (C §12.2)",
+        "plan_per_sequence_step (C §12.2)",
         "a row's next own_len = own_len + committed (u + accepted)",
         ("phase", "advance", "rows[].committed"),
     ),
