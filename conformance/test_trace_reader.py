@@ -78,8 +78,10 @@ def with_row(**fields) -> str:
         (
             [json.dumps(STEP), json.dumps(STEP)],
             2,
-            "field 'step' = 0: must be greater than the previous step 0 (line 1): "
-            "steps strictly increase",
+            (
+                "field 'step' = 0: must be greater than the previous step 0 (line 1): "
+                "steps strictly increase"
+            ),
         ),
         (
             [json.dumps({**STEP, "step": 5}), json.dumps({**STEP, "step": 3})],
@@ -177,8 +179,10 @@ def test_string_sequence_ids_are_read_and_can_be_made_integers(tmp_path):
         (
             "step,seq,own_len,phase\n0,1,4,decode\n0,2,4,prompt\n",
             3,
-            'field \'phase\' = "prompt": must equal the step\'s value on its first line 2 '
-            '("decode")',
+            (
+                'field \'phase\' = "prompt": must equal the step\'s value on its first line 2 '
+                '("decode")'
+            ),
         ),
         (
             "step,seq,own_len\n1,1,4\n0,1,4\n",
@@ -237,3 +241,18 @@ def test_drift_trace_exits_2_on_a_malformed_trace_and_reads_string_ids(tmp_path)
     )
     code, out, _ = cli("drift", "--trace", str(good), "--out", str(tmp_path / "d"), "-q")
     assert code == 0 and "max_spread=3" in out
+
+
+def test_the_schema_extensions_are_read_and_checked_in_csv(tmp_path):
+    head = "step,phase,advance,seq,own_len,width,lead,q0,dead_cols,accepted_pos\n"
+    path = tmp_path / "ext.csv"
+    path.write_text(head + "0,decode,per-sequence,a,10,12,2,10,2,1:0:0\n")
+    row = read_trace_strict(path).rows(0)[0]
+    assert (row["q0"], row["dead_cols"], row["accepted_pos"]) == (10, 2, [1, 0, 0])
+    path.write_text(head + "0,decode,per-sequence,a,10,12,2,-1,x,1:2\n")
+    with pytest.raises(TraceError) as err:
+        read_trace_strict(path)
+    text = str(err.value)
+    assert f"{path}:2: field 'q0' = -1: must be an integer >= 0" in text
+    assert f"{path}:2: field 'dead_cols' = \"x\": must be an integer >= 0" in text
+    assert f"{path}:2: field 'accepted_pos' = [1, 2]: must be a list of 0 / 1" in text

@@ -26,7 +26,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from raggedspec.trace_rules import RULES, Report, Rule, check_advance, check_group_count, check_rows
+from raggedspec.trace_rules import (
+    RULES,
+    Report,
+    Rule,
+    check_advance,
+    check_group_count,
+    check_rows,
+)
 from reference.trace import Trace
 
 JSON_SCHEMA = "raggedspec-check-trace"
