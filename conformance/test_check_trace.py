@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from raggedspec import trace_bugs
 from raggedspec.check_trace import check, exit_code
 from raggedspec.cli import main
+from raggedspec.trace_rules import RULES
 from reference import lengths, simulator
 from reference.scenario import load_scenario
 from reference.trace import write_csv, write_jsonl
@@ -108,6 +109,8 @@ def test_the_gallery_shows_the_checkers_current_output():
         code, out, _ = cli("check-trace", str(path), "--limit", "3")
         shown = out.replace(str(path), f"conformance/traces/{name}.jsonl").rstrip()
         assert code == 1 and shown in doc, name
+    for rule in RULES:
+        assert f"| `{rule.id}` | {rule.spec} | {rule.invariant} |" in doc
 
 
 def test_without_the_bug_the_fixture_scenarios_are_clean():
