@@ -396,3 +396,13 @@ def test_check_trace_replays_a_headerless_csv_with_a_scenario_file(tmp_path):
     write_lines(path, [x.replace('"own_len": 9,', '"own_len": 10,', 1) for x in lines])
     code, out, _ = cli("check-trace", str(path), "--scenario", str(tmp_path / "s.json"))
     assert code == 1 and "replay: diverged at step" in out and "seq req-" in out
+
+
+def test_a_header_scenario_that_does_not_load_is_bad_usage(tmp_path):
+    head = {"type": "header", "schema": "raggedspec-trace", "version": 1, "scenario": {"batch": 0}}
+    path = write_lines(
+        tmp_path / "h.jsonl", [json.dumps(head), json.dumps({"step": 0, "rows": []})]
+    )
+    code, _, err = cli("check-trace", str(path))
+    assert code == 2 and f"{path}:1: the header's `scenario` is not a valid scenario" in err
+    assert "'batch'" in err

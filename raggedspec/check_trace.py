@@ -59,20 +59,29 @@ def needs_met(rule: Rule, steps: list[dict], depth: int | None) -> list[str]:
     return out
 
 
+def header_scenario(trace: Trace):
+    """The trace header's scenario as a `Scenario`, or None when the header has none.
+    Raises ValueError naming the header's `scenario` when it does not load."""
+    from reference.scenario import ScenarioError, load_scenario
+
+    data = (trace.header or {}).get("scenario")
+    if not isinstance(data, dict) or not data:
+        return None
+    try:
+        return load_scenario(data)
+    except ScenarioError as exc:
+        raise ValueError(f"the header's `scenario` is not a valid scenario: {exc}") from None
+
+
 def check(trace: Trace, scenario=None) -> dict:
     """Check a trace: every rule (where its fields are present) and, given a scenario (a
     `Scenario`; default: the header's, if any), the replay. Returns the result as plain data
     (the `--json` object without its file fields)."""
     from raggedspec.trace_replay import first_divergence
-    from reference.scenario import load_scenario
 
     steps = [dict(s) for s in trace.steps()]
-    if (
-        scenario is None
-        and isinstance((trace.header or {}).get("scenario"), dict)
-        and trace.header["scenario"]
-    ):
-        scenario = load_scenario(trace.header["scenario"])
+    if scenario is None:
+        scenario = header_scenario(trace)
     depth = None if scenario is None else scenario.depth
     last_step_of = {}
     for s in steps:
@@ -233,6 +242,11 @@ def run(args) -> int:
             raise ValueError(f"scenario file {args.scenario} does not exist")
         scenario = load_scenario(args.scenario)
     trace = read_trace_strict(args.trace)
+    if scenario is None:
+        try:
+            scenario = header_scenario(trace)
+        except ValueError as exc:
+            raise ValueError(f"{args.trace}:1: {exc} (give --scenario to use another)") from None
     result = check(trace, scenario)
     print(render(result, str(args.trace), args.limit))
     code = exit_code(result)
