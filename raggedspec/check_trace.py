@@ -26,14 +26,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from raggedspec.trace_rules import (
-    RULES,
-    Report,
-    Rule,
-    check_advance,
-    check_group_count,
-    check_rows,
-)
+from raggedspec.trace_rules import RULES, Rule, check_rules
 from reference.trace import Trace
 
 JSON_SCHEMA = "raggedspec-check-trace"
@@ -83,14 +76,7 @@ def check(trace: Trace, scenario=None) -> dict:
     if scenario is None:
         scenario = header_scenario(trace)
     depth = None if scenario is None else scenario.depth
-    last_step_of = {}
-    for s in steps:
-        for r in s["rows"]:
-            last_step_of[r["seq"]] = s["step"]
-    rep = Report()
-    check_rows(steps, last_step_of, rep)
-    check_group_count(steps, depth, rep)
-    check_advance(steps, rep)
+    rep = check_rules(steps, depth)
     rules = []
     for rule in RULES:
         missing = needs_met(rule, steps, depth)
