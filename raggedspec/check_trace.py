@@ -25,9 +25,13 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raggedspec.trace_rules import RULES, Rule, check_rules
-from reference.trace import Trace
+
+if TYPE_CHECKING:  # the CLI builds its parser from this module: keep numpy out of that import
+    from reference.scenario import Scenario
+    from reference.trace import Trace
 
 JSON_SCHEMA = "raggedspec-check-trace"
 JSON_VERSION = 1
@@ -52,7 +56,7 @@ def needs_met(rule: Rule, steps: list[dict], depth: int | None) -> list[str]:
     return out
 
 
-def header_scenario(trace: Trace):
+def header_scenario(trace: Trace) -> Scenario | None:
     """The trace header's scenario as a `Scenario`, or None when the header has none.
     Raises ValueError naming the header's `scenario` when it does not load."""
     from reference.scenario import ScenarioError, load_scenario
@@ -66,7 +70,7 @@ def header_scenario(trace: Trace):
         raise ValueError(f"the header's `scenario` is not a valid scenario: {exc}") from None
 
 
-def check(trace: Trace, scenario=None) -> dict:
+def check(trace: Trace, scenario: Scenario | None = None) -> dict:
     """Check a trace: every rule (where its fields are present) and, given a scenario (a
     `Scenario`; default: the header's, if any), the replay. Returns the result as plain data
     (the `--json` object without its file fields)."""
@@ -184,7 +188,7 @@ def write_json_atomic(data: dict, path: Path) -> None:
 # ------------------------------------------------------------------------------ CLI
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check-trace",
         help="check a trace (e.g. your engine's) against the spec's rules",
@@ -211,7 +215,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """The subcommand; raises ValueError (exit 2 in the CLI) on bad usage or a bad trace."""
     from reference.scenario import load_scenario
     from reference.trace_reader import read_trace_strict

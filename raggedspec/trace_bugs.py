@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from reference.lengths import LengthsEngine
-from reference.scenario import load_scenario
+from reference.scenario import Scenario, load_scenario
 from reference.trace import Trace, write_jsonl
 
 GRANTED = {
@@ -59,7 +60,7 @@ class BuggedEngine(LengthsEngine):
     """`LengthsEngine` whose decode step, when it did not fail, is followed by `bug(self,
     ids, res, rows)`: the hook edits the engine's state or the step's recorded fields."""
 
-    def __init__(self, sc, bug) -> None:
+    def __init__(self, sc: Scenario, bug: Callable) -> None:
         super().__init__(sc)
         self.bug = bug
         self.t = -1
@@ -76,12 +77,12 @@ class BuggedEngine(LengthsEngine):
         return res, rows
 
 
-def uniform_advance(eng, ids, res, rows) -> None:
+def uniform_advance(eng: BuggedEngine, ids: np.ndarray, res: dict, rows: np.ndarray) -> None:
     if res["advance"] == "per-sequence":
         eng.stored[ids] = rows[:, OWN] + int((rows[:, U] + rows[:, ACC]).min())
 
 
-def position_holes(eng, ids, res, rows) -> None:
+def position_holes(eng: BuggedEngine, ids: np.ndarray, res: dict, rows: np.ndarray) -> None:
     if res["advance"] != "per-sequence":
         return
     hole = eng.__dict__.setdefault("hole", np.zeros(eng.sc.batch, dtype=np.int64))
@@ -91,20 +92,20 @@ def position_holes(eng, ids, res, rows) -> None:
     hole[ids] += int(commit.max()) - commit
 
 
-def stuck_drafter(eng, ids, res, rows) -> None:
+def stuck_drafter(eng: BuggedEngine, ids: np.ndarray, res: dict, rows: np.ndarray) -> None:
     first = eng.__dict__.setdefault("first_start", {})
     for r, i in enumerate(ids.tolist()):
         if rows[r, CHAIN] >= 0:
             rows[r, CHAIN] = first.setdefault(i, int(rows[r, CHAIN]))
 
 
-def scalar_group_keys(eng, ids, res, rows) -> None:
+def scalar_group_keys(eng: BuggedEngine, ids: np.ndarray, res: dict, rows: np.ndarray) -> None:
     drew = rows[:, CHAIN] >= 0
     rows[drew, GROUP_START] = rows[drew, CHAIN]
     res["groups"] = len({(int(r[U]), int(r[CHAIN])) for r in rows[drew]})
 
 
-def uniform_ragged_path(eng, ids, res, rows) -> None:
+def uniform_ragged_path(eng: BuggedEngine, ids: np.ndarray, res: dict, rows: np.ndarray) -> None:
     if (rows[:, OWN] == rows[0, OWN]).all():
         rows[:, WIDTH] += 1
         rows[:, LEAD] += 1
@@ -112,7 +113,7 @@ def uniform_ragged_path(eng, ids, res, rows) -> None:
         res["pad"] = float(rows[:, LEAD].sum() / (rows.shape[0] * res["width"]))
 
 
-def _no_bug(eng, ids, res, rows) -> None:
+def _no_bug(eng: BuggedEngine, ids: np.ndarray, res: dict, rows: np.ndarray) -> None:
     return None
 
 
@@ -148,7 +149,7 @@ def bugged_trace(name: str) -> Trace:
     return trace
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m raggedspec.trace_bugs", description=__doc__.splitlines()[0]
     )

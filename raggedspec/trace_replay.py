@@ -54,7 +54,9 @@ class TraceAcceptance:
     def __init__(self, accepts: dict[int, list[int]]) -> None:
         self.accepts = accepts
 
-    def accepted(self, ids, lengths, drafts, k) -> np.ndarray:
+    def accepted(
+        self, ids: np.ndarray, lengths: np.ndarray, drafts: np.ndarray, k: np.ndarray
+    ) -> np.ndarray:
         out = np.zeros(len(ids), dtype=np.int64)
         for j, (i, d, n) in enumerate(zip(ids.tolist(), drafts.tolist(), k.tolist(), strict=True)):
             seq = self.accepts.get(i, [])
