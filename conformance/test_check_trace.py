@@ -406,3 +406,31 @@ def test_a_header_scenario_that_does_not_load_is_bad_usage(tmp_path):
     code, _, err = cli("check-trace", str(path))
     assert code == 2 and f"{path}:1: the header's `scenario` is not a valid scenario" in err
     assert "'batch'" in err
+
+
+# --------------------------------------------------------------------- docs/findings.md
+
+
+def findings_commands() -> list[tuple[list[str], list[str]]]:
+    """(argv, shown output lines) of every `$ python -m raggedspec ...` in docs/findings.md."""
+    text = (Path(__file__).parent.parent / "docs" / "findings.md").read_text()
+    out, cur = [], None
+    for block in text.split("```")[1::2]:
+        for line in block.strip("\n").splitlines():
+            if line.startswith("$ python -m raggedspec "):
+                cur = (line.split()[4:], [])
+                out.append(cur)
+            elif cur is not None:
+                cur[1].append(line)
+    return out
+
+
+@pytest.mark.parametrize("argv, shown", findings_commands(), ids=lambda x: " ".join(x)[:60])
+def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
+    argv = [str(tmp_path / "t.jsonl") if a.startswith("out/") else a for a in argv]
+    code, out, err = cli(*argv, "-q")
+    printed = out + err
+    for line in shown:
+        for part in line.split(" ..."):
+            assert part.strip() in printed, (part, printed[:300])
+    assert code == (1 if "refused:" in " ".join(shown) else 0)
