@@ -434,3 +434,39 @@ def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
         for part in line.split(" ..."):
             assert part.strip() in printed, (part, printed[:300])
     assert code == (1 if "refused:" in " ".join(shown) else 0)
+
+
+def test_the_remaining_branches_of_the_rules_fail_when_broken():
+    # lead identity; a ragged batch with no zero lead; committed above accepted + 1
+    rows = [
+        {"seq": 0, "own_len": 10, "width": 12, "lead": 1, "accepted": 0, "committed": 2},
+        {"seq": 1, "own_len": 11, "width": 12, "lead": 1},
+    ]
+    result = check(_as_trace([decode_step(0, rows, advance="cohort")]))
+    assert violated(result) == {"lead": 1, "uniform-no-lead": 1, "commit": 1}
+    lines = " | ".join(v["line"] for v in result["violations"])
+    assert "expected lead 2 (width 12 - own_len 10), actual lead 1" in lines
+    assert "expected some lead 0 (the widest row), actual leads [1, 1]" in lines
+    assert "expected committed 1 (accepted 0 + 1), actual committed 2" in lines
+    # cohort without u / accepted: every row advances as the first one seen again does
+    steps = [
+        decode_step(0, [{"seq": 0, "own_len": 10}, {"seq": 1, "own_len": 10}], "cohort"),
+        decode_step(1, [{"seq": 0, "own_len": 12}, {"seq": 1, "own_len": 13}], "cohort"),
+    ]
+    result = check(_as_trace(steps))
+    assert violated(result) == {"cohort-advance": 1}
+    assert result["violations"][0]["seq"] == 1
+    assert (
+        "expected advance 2 (as seq 0 after step 0), actual advance 3"
+        in result["violations"][0]["line"]
+    )
+
+
+def test_the_group_count_reads_the_row_keys_when_the_step_has_no_groups():
+    rows = [{"seq": i, "own_len": 10 + i, "u": 1, "group": [1, i]} for i in range(4)]
+    sc = load_scenario({"batch": 4, "depth": 2})
+    result = check(_as_trace([decode_step(0, rows)]), sc)
+    assert violated(result) == {"group-key": 3, "group-count": 1}
+    assert "expected at most 3 groups (depth 2 + 1), actual 4 groups" in " ".join(
+        v["line"] for v in result["violations"]
+    )
