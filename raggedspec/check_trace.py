@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"trace file {args.trace} does not exist")
     if args.json is not None and args.json.resolve() == args.trace.resolve():
         raise ValueError(f"--json {args.json} is the trace itself; refusing to overwrite it")
+    if args.json is not None and args.json.is_dir():
+        raise ValueError(f"--json {args.json} is a folder; give a file path")
     if args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be >= 0")
     scenario = None
@@ -241,15 +243,10 @@ def run(args: argparse.Namespace) -> int:
     print(render(result, str(args.trace), args.limit))
     code = exit_code(result)
     if args.json is not None:
-        write_json_atomic(
-            {
-                "schema": JSON_SCHEMA,
-                "version": JSON_VERSION,
-                "trace": str(args.trace),
-                "exit": code,
-                **result,
-            },
-            args.json,
-        )
+        data = {"schema": JSON_SCHEMA, "version": JSON_VERSION, "trace": str(args.trace)}
+        try:
+            write_json_atomic({**data, "exit": code, **result}, args.json)
+        except OSError as exc:
+            raise ValueError(f"--json {args.json}: cannot write it ({exc.strerror})") from None
         print(f"wrote {args.json}", file=sys.stderr)
     return code
