@@ -473,3 +473,12 @@ def test_the_group_count_reads_the_row_keys_when_the_step_has_no_groups():
     assert "expected at most 3 groups (depth 2 + 1), actual 4 groups" in " ".join(
         v["line"] for v in result["violations"]
     )
+
+
+def test_the_replay_does_not_run_on_ids_it_cannot_match():
+    sc = load_scenario({"batch": 2})
+    mixed = [decode_step(0, [{"seq": 0, "own_len": 4}, {"seq": "b", "own_len": 4}])]
+    assert "mixes integer and string" in check(_as_trace(mixed), sc)["replay"]["reason"]
+    beyond = [decode_step(0, [{"seq": 5, "own_len": 4}])]
+    reason = check(_as_trace(beyond), sc)["replay"]["reason"]
+    assert reason == "seq 5 (first at step 0) has no request in the scenario (2 requests)"

@@ -66,7 +66,8 @@ class TraceAcceptance:
 
 def request_index(trace: Trace, batch: int) -> tuple[dict, str | None]:
     """Trace sequence id -> request index (ints as they are, strings in order of first
-    appearance), or an error line naming the first id the scenario has no request for."""
+    appearance), or an error line naming the first id the scenario has no request for (or
+    the first that mixes the two kinds)."""
     index: dict = {}
     strings = 0
     for i in range(len(trace)):
@@ -78,6 +79,8 @@ def request_index(trace: Trace, batch: int) -> tuple[dict, str | None]:
                 index[s], strings = strings, strings + 1
             else:
                 index[s] = s
+            if strings and len(index) > strings:
+                return index, f"the trace mixes integer and string sequence ids (seq {s!r})"
             if index[s] >= batch:
                 step = trace.step_fields(i)["step"]
                 return index, (
