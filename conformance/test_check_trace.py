@@ -482,3 +482,15 @@ def test_the_replay_does_not_run_on_ids_it_cannot_match():
     beyond = [decode_step(0, [{"seq": 5, "own_len": 4}])]
     reason = check(_as_trace(beyond), sc)["replay"]["reason"]
     assert reason == "seq 5 (first at step 0) has no request in the scenario (2 requests)"
+
+
+def test_the_schema_extension_example_in_docs_trace_md_is_clean(tmp_path):
+    doc = (Path(__file__).parent.parent / "docs" / "trace.md").read_text()
+    block = doc.split("### Schema extensions")[1].split("```json\n")[1].split("\n```")[0]
+    row = json.loads(block)
+    widest = dict(row, seq="req-8", own_len=12, lead=0, chain_start=11, q0=12, dead_cols=0)
+    step = {"step": 4, "phase": "decode", "advance": "per-sequence", "rows": [row, widest]}
+    path = write_lines(tmp_path / "ext.jsonl", [json.dumps(step)])
+    result = check(read_trace_strict(path))
+    ran = {r["id"] for r in result["rules"] if r["ran"]}
+    assert result["violations"] == [] and {"q0", "dead-cols", "accepted-prefix"} <= ran
