@@ -24,10 +24,10 @@ from raggedspec import trace_bugs
 from raggedspec.check_trace import check, exit_code
 from raggedspec.cli import main
 from raggedspec.trace_rules import RULES
-from reference import lengths, simulator
-from reference.scenario import load_scenario
-from reference.trace import write_csv, write_jsonl
-from reference.trace_reader import read_trace_strict
+from raggedspec.reference import lengths, simulator
+from raggedspec.reference.scenario import load_scenario
+from raggedspec.reference.trace import write_csv, write_jsonl
+from raggedspec.reference.trace_reader import read_trace_strict
 
 TRACES = Path(__file__).parent / "traces"
 GRANTED = {"advance": "per-sequence", "world": "WB", "admission": "grant", "xs_per_seq": True}
@@ -256,7 +256,7 @@ def test_the_per_sequence_rule_falls_back_to_committed_without_u():
 
 
 def _as_trace(steps: list[dict]):
-    from reference.trace import Trace
+    from raggedspec.reference.trace import Trace
 
     tr = Trace("unknown", {})
     tr.header["scenario"] = None

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import lengths, simulator
-from reference.acceptance import OracleError, Profile
-from reference.scenario import load_scenario
+from raggedspec.reference import lengths, simulator
+from raggedspec.reference.acceptance import OracleError, Profile
+from raggedspec.reference.scenario import load_scenario
 
 GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", "world": "WB"}
 

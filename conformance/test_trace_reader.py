@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from conformance.test_check_trace import GRANTED, cli, small_run, write_lines
-from reference.trace import read_trace, write_csv, write_jsonl
-from reference.trace_reader import TraceError, read_trace_strict
+from raggedspec.conformance.test_check_trace import GRANTED, cli, small_run, write_lines
+from raggedspec.reference.trace import read_trace, write_csv, write_jsonl
+from raggedspec.reference.trace_reader import TraceError, read_trace_strict
 
 
 def test_simulator_traces_read_back_exactly_from_jsonl_and_csv(tmp_path):

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from raggedspec.trace_rules import RULES, Rule, check_rules
 
 if TYPE_CHECKING:  # the CLI builds its parser from this module: keep numpy out of that import
-    from reference.scenario import Scenario
-    from reference.trace import Trace
+    from raggedspec.reference.scenario import Scenario
+    from raggedspec.reference.trace import Trace
 
 JSON_SCHEMA = "raggedspec-check-trace"
 JSON_VERSION = 1
@@ -59,7 +59,7 @@ def needs_met(rule: Rule, steps: list[dict], depth: int | None) -> list[str]:
 def header_scenario(trace: Trace) -> Scenario | None:
     """The trace header's scenario as a `Scenario`, or None when the header has none.
     Raises ValueError naming the header's `scenario` when it does not load."""
-    from reference.scenario import ScenarioError, load_scenario
+    from raggedspec.reference.scenario import ScenarioError, load_scenario
 
     data = (trace.header or {}).get("scenario")
     if not isinstance(data, dict) or not data:
@@ -217,8 +217,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """The subcommand; raises ValueError (exit 2 in the CLI) on bad usage or a bad trace."""
-    from reference.scenario import load_scenario
-    from reference.trace_reader import read_trace_strict
+    from raggedspec.reference.scenario import load_scenario
+    from raggedspec.reference.trace_reader import read_trace_strict
 
     if not args.trace.is_file():
         raise ValueError(f"trace file {args.trace} does not exist")

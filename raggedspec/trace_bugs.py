@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.lengths import LengthsEngine
-from reference.scenario import Scenario, load_scenario
-from reference.trace import Trace, write_jsonl
+from raggedspec.reference.lengths import LengthsEngine
+from raggedspec.reference.scenario import Scenario, load_scenario
+from raggedspec.reference.trace import Trace, write_jsonl
 
 GRANTED = {
     "advance": "per-sequence",

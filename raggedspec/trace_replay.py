@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from reference.lengths import LengthsEngine
-from reference.scenario import Scenario
-from reference.trace import Trace
+from raggedspec.reference.lengths import LengthsEngine
+from raggedspec.reference.scenario import Scenario
+from raggedspec.reference.trace import Trace
 
 STEP_COMPARED = ("advance", "width", "groups", "buckets", "bucket", "error")
 ROW_COMPARED = ("own_len", "width", "lead", "group", "chain_start")

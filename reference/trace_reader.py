@@ -22,7 +22,7 @@ import math
 import re
 from pathlib import Path
 
-from reference.trace import (
+from raggedspec.reference.trace import (
     CSV_COLUMNS,
     CSV_STEP_TAIL,
     ROW_COLUMNS,
