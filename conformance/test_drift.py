@@ -280,8 +280,8 @@ def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(t
 @pytest.mark.parametrize("text, field", [
     ('{"step": 0, "rows": [{"seq": 1}]}', "rows[].own_len"),
     ('{"step": 0, "rows": [{"own_len": 4}]}', "rows[].seq"),
-    ('{"rows": []}', "`step`"),
-    ('{"step": 3}', "`rows`"),
+    ('{"rows": []}', "field 'step'"),
+    ('{"step": 3}', "field 'rows'"),
     ('{"step": 0, "rows": []}', "`rows`"),
     ('not json', "not a schema-v1 trace"),
 ])

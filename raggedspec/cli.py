@@ -351,6 +351,19 @@ def run_preflight(args) -> int:
     return run(args)
 
 
+def add_check_trace(sub) -> argparse.ArgumentParser:
+    from raggedspec.check_trace import add_parser
+    return add_parser(sub)
+
+
+def run_check_trace(args) -> int:
+    from raggedspec.check_trace import run
+    try:
+        return run(args)
+    except ValueError as exc:  # a malformed trace (every problem named) or bad usage
+        raise UsageError(str(exc)) from None
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
@@ -358,6 +371,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "bench": (add_bench, run_bench),
     "mutation": (add_mutation, run_mutation),
     "preflight": (add_preflight, run_preflight),
+    "check-trace": (add_check_trace, run_check_trace),
 }
 
 

@@ -86,16 +86,17 @@ def _check_step(step: Mapping, where: str) -> None:
 
 def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     """Read a schema-v1 trace file (JSONL, or CSV when the name ends in .csv) with
-    `reference.trace.read_trace`, then check the required fields (`step`, `rows[].seq`,
-    `rows[].own_len`); optional fields may be absent. Raises TraceFormatError naming the
-    file and the field."""
-    from raggedspec.reference.trace import read_trace
+    `reference.trace_reader.read_trace_strict`, then check the required fields (`step`,
+    `rows[].seq`, `rows[].own_len`); optional fields may be absent. Raises TraceFormatError
+    naming the file and the field (every schema problem, FILE:LINE)."""
+    from raggedspec.reference.trace_reader import read_trace_strict
 
     path = Path(path)
     if not path.is_file():
         raise TraceFormatError(f"trace file {path} does not exist")
     try:
-        data = as_trace_data(read_trace(path), label or path.stem, where=str(path))
+        trace = read_trace_strict(path, int_ids=True)
+        data = as_trace_data(trace, label or path.stem, where=str(path))
     except TraceFormatError:
         raise
     except (ValueError, KeyError) as exc:
