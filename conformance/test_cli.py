@@ -366,7 +366,7 @@ def test_the_documented_oracle_example_runs_from_the_console_script(tmp_path):
 
 def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path, capsys):
     for mode in ("lengths", "tensor"):
-        code = cli.main(["simulate", "--acceptance", "oracle:conformance.test_scenario:make_short_drafter",
+        code = cli.main(["simulate", "--acceptance", "oracle:raggedspec.conformance.test_scenario:make_short_drafter",
                          "--batch", "2", "--steps", "6", "--mode", mode, "--out", str(tmp_path / "t.jsonl")])
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err
