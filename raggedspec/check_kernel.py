@@ -1,0 +1,492 @@
+"""`raggedspec check-kernel`: a user's attention kernel, in the layout it speaks, against the
+reference on generated speculative-decoding verify batches.
+
+Each example is a ragged verify batch (`gpu.layouts.VerifyBatch`): per-row query lengths
+from accept counts (0 accepted, all accepted, rows not verifying at all), cache lengths near
+and far apart, past 256 (where bfloat16 stops holding integers), on page boundaries, windows
+at their edges, 1 to 8 query heads per KV head. Dead cells (padding, unused page slots) hold
+finite values far from the data, so a kernel that reads them is seen. The batch goes through
+the user's function in the chosen layout; its output is compared, on the live query slots,
+with the reference: per row, `reference.masks.raw_validity` (causal plus window) and
+`reference.attention.attention` in float64 on the exact values the kernel received, under
+the tolerance of docs/conformance.md (float64 `1e-12 * max|ref|`, lower precisions
+`16 eps(dtype) * max|ref|`). Hypothesis is derandomized: the same examples every run.
+
+On a mismatch the first failing case is shrunk and explained: the checker recomputes the
+output under single changed rules (top-left causal alignment, the window started from the
+last or first query, no window, a window one key off, dead columns attended, the GQA head
+`h % Hk`) and names the one the kernel's output matches, or else probes which single key
+added to or removed from the reference's key set explains the first wrong query. Exit 0
+pass, 1 mismatch, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import strategies as st
+
+from gpu.layouts import LAYOUTS, VerifyBatch, to_layout
+from reference.attention import attention
+from reference.masks import raw_validity
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+FLOAT64_RTOL, LOW_PRECISION_K = 1e-12, 16.0
+DEAD_K, DEAD_V = 3.0, 8.0
+"""Offsets of the values in dead key columns: a kernel reading them is visibly wrong."""
+
+
+class KernelUsageError(ValueError):
+    """Bad usage of check-kernel (exit 2): the message names the argument."""
+
+
+def tolerance(dtype: str, scale: float) -> float:
+    """docs/conformance.md: float64 `1e-12 * scale`, else `16 eps(dtype) * scale`."""
+    return (FLOAT64_RTOL if dtype == "float64" else LOW_PRECISION_K * EPS[dtype]) * scale
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One generated verify batch, before its values are drawn from `seed`."""
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    window: int | None
+    kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int | None
+    seed: int
+
+
+@st.composite
+def cases(draw, layout: str, page_size: int | None = None, head_dim: int = 16,
+          max_query_len: int | None = None) -> Case:
+    """Verify batches: depth 1..7, 1..6 rows, q_len = accepted + 1 (0 and all accepted as
+    corners) or 0 for a row not verifying, at least one row with a query; cache history by
+    shape (short, far apart, past 256, on a page boundary); window None, 1, 2, near the
+    depth, or up to 64; Hk in {1, 2} with 1..8 query heads each. `max_query_len` caps q_len
+    (1 for a decode-only kernel). "kvcache" draws dense or paged; "paged" always pages."""
+    depth = draw(st.integers(1, 7))
+    cap = depth + 1 if max_query_len is None else max(1, min(depth + 1, max_query_len))
+    n = draw(st.integers(1, 6))
+    corner = draw(st.sampled_from(["any", "all_rejected", "all_accepted"]))
+    if corner == "all_rejected":
+        accepted = [0] * n
+    elif corner == "all_accepted":
+        accepted = [depth] * n
+    else:
+        accepted = draw(st.lists(st.integers(0, depth), min_size=n, max_size=n))
+    q_lens = [min(a + 1, cap) for a in accepted]
+    idle = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    if not all(idle):
+        q_lens = [0 if e else ql for e, ql in zip(idle, q_lens, strict=True)]
+    if layout == "paged" or (layout == "kvcache" and page_size is None and draw(st.booleans())):
+        ps = page_size or draw(st.sampled_from([1, 2, 4, 16]))
+    else:
+        ps = page_size if layout == "kvcache" else None
+    shape = draw(st.sampled_from(["short", "far_apart", "past_bf16", "page_edge"]))
+    history = []
+    for i, ql in enumerate(q_lens):
+        if shape == "far_apart":
+            h = draw(st.integers(0, 2)) if i == 0 else draw(st.integers(200, 300))
+        elif shape == "past_bf16":
+            h = draw(st.integers(250, 300))
+        elif shape == "page_edge":
+            edge = draw(st.integers(0, 4)) * (ps or 16) + draw(st.sampled_from([-1, 0, 1]))
+            h = max(0, edge - ql)
+        else:
+            h = draw(st.integers(0, 24))
+        history.append(h)
+    kv_lens = [h + ql for h, ql in zip(history, q_lens, strict=True)]
+    window = draw(st.one_of(st.none(), st.sampled_from([1, 2, depth, depth + 1, depth + 2]),
+                            st.integers(1, 64)))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2 ** 16 - 1))
+    return Case(tuple(q_lens), tuple(kv_lens), window, kv_heads, group, head_dim, ps, seed)
+
+
+def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
+    """The case's tensors: N(0, 1) values rounded to `dtype` (so the float64 reference sees
+    exactly what the kernel sees); dead key columns `DEAD_K + N(0,1)`, values `DEAD_V + N`."""
+    g = torch.Generator().manual_seed(case.seed)
+    b, hk, d = len(case.q_lens), case.kv_heads, case.head_dim
+    t_q, t = max(case.q_lens), max(case.kv_lens)
+    q = torch.randn((b, hk * case.group, t_q, d), generator=g, dtype=torch.float64)
+    k = torch.randn((b, hk, t, d), generator=g, dtype=torch.float64)
+    v = torch.randn((b, hk, t, d), generator=g, dtype=torch.float64)
+    for i, n in enumerate(case.kv_lens):
+        k[i, :, : t - n] += DEAD_K
+        v[i, :, : t - n] += DEAD_V
+    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
+    return VerifyBatch(q, k, v, list(case.q_lens), list(case.kv_lens), case.window)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _positions(batch: VerifyBatch, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(qp [q_len, 1], kp [1, T])`: query positions and key positions of row i's columns
+    (negative on the dead prefix)."""
+    qp = batch.q_starts[i] + np.arange(batch.q_lens[i])[:, None]
+    kp = np.arange(batch.k.shape[2])[None, :] - batch.leads[i]
+    return qp, kp
+
+
+def reference_validity(batch: VerifyBatch, i: int) -> np.ndarray:
+    """Row i's key set `bool [q_len, T]` over the front-aligned columns, by the reference's
+    `raw_validity` on its live keys (an unbounded window is the row's whole length)."""
+    ql, kl, lead = batch.q_lens[i], batch.kv_lens[i], batch.leads[i]
+    window = batch.window if batch.window is not None else max(kl, 1)
+    out = np.zeros((ql, batch.k.shape[2]), dtype=bool)
+    if ql:
+        out[:, lead:] = raw_validity(ql, kl - ql, 0, kl, window)
+    return out
+
+
+def _window_keep(kp, qp, w, shift: int = 0):
+    return np.ones(np.broadcast_shapes(kp.shape, qp.shape), dtype=bool) if w is None else kp > qp - w + shift
+
+
+def _top_left(b, i):
+    _qp, kp = _positions(b, i)
+    j = np.arange(b.q_lens[i])[:, None]
+    return (kp >= 0) & (kp <= j) & _window_keep(kp, j, b.window)
+
+
+def _window_from(which: int):
+    def valid(b, i):
+        qp, kp = _positions(b, i)
+        anchor = qp[which] if len(qp) else qp
+        return (kp >= 0) & (kp <= qp) & _window_keep(kp, anchor, b.window)
+    return valid
+
+
+def _window_shift(shift: int):
+    def valid(b, i):
+        qp, kp = _positions(b, i)
+        return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window, shift)
+    return valid
+
+
+def _no_window(b, i):
+    qp, kp = _positions(b, i)
+    return (kp >= 0) & (kp <= qp)
+
+
+def _dead_visible(b, i):
+    qp, kp = _positions(b, i)
+    return (kp <= qp) & _window_keep(kp, qp, b.window)
+
+
+def _not_causal(b, i):
+    qp, kp = _positions(b, i)
+    return (kp >= 0) & _window_keep(kp, qp, b.window)
+
+
+VARIANTS: list[tuple[str, Callable, bool]] = [
+    ("causal aligned top-left (query j of a row sees its first j + 1 keys), not bottom-right",
+     _top_left, False),
+    ("the window starts from the row's last query for every query", _window_from(-1), False),
+    ("the window starts from the row's first query for every query", _window_from(0), False),
+    ("no sliding window", _no_window, False),
+    ("the window keeps one key too many", _window_shift(-1), False),
+    ("the window keeps one key too few", _window_shift(1), False),
+    ("the dead prefix is attended (cache_leftpad / the key mask ignored)", _dead_visible, False),
+    ("not causal (keys after the query are attended)", _not_causal, False),
+    ("query head h reads KV head h % Hk, not h // (Hq / Hk)", reference_validity, True),
+]
+"""(rule as the kernel seems to apply it, row key set `(batch, i) -> bool [q_len, T]`, GQA
+head `h % Hk`)."""
+
+
+def _heads(hq: int, hk: int, modulo: bool) -> np.ndarray:
+    return np.arange(hq) % hk if modulo else np.arange(hq) // (hq // hk)
+
+
+def _as64(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+def attention_under(batch: VerifyBatch, validity: Callable = reference_validity,
+                    modulo_heads: bool = False) -> np.ndarray:
+    """`float64 [B, Hq, t_q, D]` per row by `reference.attention.attention` with the additive
+    mask of `validity`; dead query slots 0. With the defaults this is the reference output
+    (GQA by the reference's own `h // (Hq // Hk)`)."""
+    q, k, v = _as64(batch.q), _as64(batch.k), _as64(batch.v)
+    b, hq, t_q, _d = q.shape
+    out = np.zeros((b, hq, t_q, v.shape[3]))
+    for i, ql in enumerate(batch.q_lens):
+        if not ql:
+            continue
+        mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
+        ki, vi = k[i:i + 1], v[i:i + 1]
+        if modulo_heads:
+            heads = _heads(hq, k.shape[1], True)
+            ki, vi = ki[:, heads], vi[:, heads]
+        out[i, :, t_q - ql:] = attention(q[i:i + 1, :, t_q - ql:], ki, vi, mask)[0]
+    return out
+
+
+def live_slots(batch: VerifyBatch) -> np.ndarray:
+    """`bool [B, 1, t_q, 1]`: the slots holding a row's query."""
+    t_q = batch.q.shape[2]
+    return (np.arange(t_q)[None, :] >= t_q - np.asarray(batch.q_lens)[:, None])[:, None, :, None]
+
+
+# ----------------------------------------------------------------------------- explanation
+
+
+def _key_list(ps: list[int]) -> str:
+    shown = ", ".join(str(p) for p in ps[:6]) + (", ..." if len(ps) > 6 else "")
+    return f"key {shown}" if len(ps) == 1 else f"keys {shown} ({len(ps)} keys)"
+
+
+def describe_keys(batch: VerifyBatch, i: int, j: int, extra: list[int], missing: list[int]) -> str:
+    """Words for row i's query j attending the columns `extra` and not `missing`: each
+    extra key with the rule that excludes it (dead prefix, causality, window)."""
+    lead, qp, w = batch.leads[i], batch.q_starts[i] + j, batch.window
+    keep = "every key up to the query" if w is None else f"keys {max(0, qp - w + 1)}..{qp}"
+    parts = []
+    dead = [c for c in extra if c < lead]
+    after = [c - lead for c in extra if c >= lead and c - lead > qp]
+    outside = [c - lead for c in extra if c >= lead and c - lead <= qp]
+    if dead:
+        parts.append(f"attends dead column{'s' if len(dead) > 1 else ''} "
+                     f"{', '.join(map(str, dead[:6]))} (the row's lead is {lead}: padding, no key of it)")
+    if after:
+        parts.append(f"attends {_key_list(after)}, which causality excludes (the query is at {qp})")
+    if outside:
+        parts.append(f"attends {_key_list(outside)}, which its window of {w} excludes ({keep})")
+    if missing:
+        parts.append(f"does not attend {_key_list([c - lead for c in missing])}, which it should ({keep})")
+    return f"row {i}, query {j} (position {qp}): " + "; ".join(parts)
+
+
+def _first_bad(err: np.ndarray, bound: float) -> tuple[int, int, int] | None:
+    """First `(row, head, slot)` whose worst error over D exceeds `bound`."""
+    bad = np.argwhere(err.max(axis=-1) > bound)
+    return None if not len(bad) else tuple(int(x) for x in bad[0])
+
+
+def _probe_one_key(batch: VerifyBatch, got: np.ndarray, i: int, h: int, s: int,
+                   bound: float) -> str | None:
+    """The one key added to or removed from the reference key set of row i, head h, slot s
+    that reproduces the kernel's output there, in words; None if none does."""
+    t_q = batch.q.shape[2]
+    j = s - (t_q - batch.q_lens[i])
+    base = reference_validity(batch, i)[j]
+    kvh = int(_heads(batch.q.shape[1], batch.k.shape[1], False)[h])
+    q, k, v = _as64(batch.q)[i, h, s], _as64(batch.k)[i, kvh], _as64(batch.v)[i, kvh]
+    logits = k @ q / np.sqrt(q.shape[0])
+    for c in range(len(base)):
+        keys = base.copy()
+        keys[c] = not keys[c]
+        if not keys.any():
+            continue
+        p = np.where(keys, np.exp(logits - logits[keys].max()), 0.0)
+        if np.abs(p @ v / p.sum() - got[i, h, s]).max() <= bound:
+            return describe_keys(batch, i, j, [c] if keys[c] else [], [] if keys[c] else [c])
+    return None
+
+
+def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float) -> str:
+    """The rule the kernel's output follows instead of the reference's, with the first
+    (row, query) where it shows; else a one-key probe; else the plain difference."""
+    live = live_slots(batch)
+    where = _first_bad(np.where(live, np.abs(got - ref), 0.0), bound)
+    if where is None:
+        return "no live query differs"
+    i, h, s = where
+    j = s - (batch.q.shape[2] - batch.q_lens[i])
+    if not np.isfinite(got[i, h, s]).all():
+        return f"row {i}, query {j}, head {h}: the output is not finite ({got[i, h, s][:3]} ...)"
+    for rule, validity, modulo in VARIANTS:
+        alt = attention_under(batch, validity, modulo)
+        if np.where(live, np.abs(got - alt), 0.0).max() > bound:
+            continue
+        seen = _first_bad(np.where(live, np.abs(alt - ref), 0.0), bound) or where
+        i, h, s = seen
+        j = s - (batch.q.shape[2] - batch.q_lens[i])
+        if modulo:
+            hq, hk = batch.q.shape[1], batch.k.shape[1]
+            return (f"rule that differs: {rule}\n  row {i}, query {j}: query head {h} reads KV head "
+                    f"{h % hk}; with {hq} query heads over {hk} KV heads it reads {h // (hq // hk)}")
+        want, have = reference_validity(batch, i)[j], validity(batch, i)[j]
+        extra = [int(c) for c in np.flatnonzero(have & ~want)]
+        missing = [int(c) for c in np.flatnonzero(want & ~have)]
+        return f"rule that differs: {rule}\n  {describe_keys(batch, i, j, extra, missing)}"
+    probe = _probe_one_key(batch, got, i, h, s, bound)
+    if probe is not None:
+        return f"rule that differs: one key of the set\n  {probe}"
+    err = float(np.abs(got[i, h, s] - ref[i, h, s]).max())
+    return (f"row {i}, query {j}, head {h}: output differs from the reference by {err:.3g} "
+            f"(bound {bound:.3g}); no single changed rule or one-key change explains it")
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _show(x) -> str:
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point():
+            return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+        return str(x.tolist())
+    return repr(x)
+
+
+def show_layout(obj) -> str:
+    """The layout's fields, integer arrays in full, float tensors as dtype and shape."""
+    return "\n".join(f"  {f.name} = {_show(getattr(obj, f.name))}" for f in fields(obj))
+
+
+def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> str | None:
+    """None if `fn` matches the reference on this case, else the failure report."""
+    batch = build_batch(case, DTYPES[dtype], device)
+    arrays = to_layout(batch, layout, case.page_size, seed=case.seed)
+    args, kwargs = arrays.call()
+    head = (f"q_lens {list(case.q_lens)}, kv_lens {list(case.kv_lens)}, window {case.window}, "
+            f"Hq {case.kv_heads * case.group}, Hk {case.kv_heads}, D {case.head_dim}"
+            + (f", page_size {case.page_size}" if case.page_size else "")
+            + f"\n{show_layout(arrays)}")
+    try:
+        out = fn(*args, **kwargs)
+        if isinstance(out, tuple):
+            out = out[0]
+        got = _as64(arrays.output_to_batch(out))
+    except Exception as exc:  # noqa: BLE001 (a kernel failing on a batch is a finding)
+        return f"{head}\nthe function raised {type(exc).__name__}: {exc}"
+    ref = attention_under(batch)
+    live = live_slots(batch)
+    bound = tolerance(dtype, float(np.where(live, np.abs(ref), 0.0).max()))
+    err = np.where(live, np.abs(got - ref), 0.0)
+    if np.isfinite(np.where(live, got, 0.0)).all() and err.max() <= bound:
+        return None
+    return f"{head}\nmax error {float(np.nan_to_num(err, nan=np.inf).max()):.3g}, bound {bound:.3g}\n" \
+        + explain(batch, got, ref, bound)
+
+
+@dataclass
+class CheckResult:
+    passed: bool
+    examples: int
+    report: str
+
+
+class _Mismatch(AssertionError):
+    pass
+
+
+def check(fn: Callable, layout: str, dtype: str = "float32", device: str = "cpu", examples: int = 100,
+          page_size: int | None = None, head_dim: int = 16, max_query_len: int | None = None) -> CheckResult:
+    """Run `examples` derandomized cases of `layout` through `fn`; on a failure Hypothesis
+    shrinks it and the report is that of the smallest failing case."""
+    ran, reports = [0], []
+
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
+              phases=[Phase.explicit, Phase.generate, Phase.shrink], report_multiple_bugs=False,
+              print_blob=False)
+    @given(case=cases(layout, page_size, head_dim, max_query_len))
+    def prop(case: Case) -> None:
+        ran[0] += 1
+        report = run_case(fn, layout, case, dtype, device)
+        if report is not None:
+            reports.append(report)
+            raise _Mismatch(report)
+
+    try:
+        prop()
+    except _Mismatch:
+        return CheckResult(False, ran[0], reports[-1])
+    return CheckResult(True, ran[0], f"pass: {ran[0]} generated {layout} batches match the reference")
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def load_function(spec: str) -> Callable:
+    """`pkg.mod:fn` -> the callable; KernelUsageError naming what is missing."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise KernelUsageError(f"function {spec!r} must be written module:function (e.g. mypkg.attn:varlen)")
+    try:
+        obj = importlib.import_module(mod_name)
+    except Exception as exc:
+        raise KernelUsageError(f"function {spec!r}: cannot import module {mod_name!r}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise KernelUsageError(f"function {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise KernelUsageError(f"function {spec!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None) -> None:
+    """KernelUsageError (naming the argument) unless `fn` accepts the layout's call."""
+    case = Case((1,), (2,), None, 1, 1, 8, page_size or (1 if layout == "paged" else None), 0)
+    args, kwargs = to_layout(build_batch(case, torch.float64, "cpu"), layout, case.page_size).call()
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: its first call will tell
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        names = list(kwargs)
+        raise KernelUsageError(
+            f"function {spec!r} cannot be called with the {layout} layout's arguments "
+            f"({len(args)} positional, keywords {', '.join(names)}): {exc}") from exc
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("check-kernel", help="check an attention kernel in a standard layout against "
+                                            "the reference on generated speculative-decoding batches")
+    p.add_argument("function", help="the kernel or its adapter, module:function")
+    p.add_argument("--layout", required=True, choices=LAYOUTS, help="the layout the function speaks")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", help="torch device of the tensors (default cpu)")
+    p.add_argument("--examples", type=int, default=100, help="generated batches, >= 1 (default 100)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="fix the page size (paged layouts); default: drawn from 1, 2, 4, 16")
+    p.add_argument("--head-dim", type=int, default=16, help="head dimension D, >= 1 (default 16)")
+    p.add_argument("--max-query-len", type=int, default=None,
+                   help="cap each row's query length (1 for a decode-only kernel)")
+    return p
+
+
+def run(args) -> int:
+    """The command: 0 pass, 1 mismatch (report on stdout), 2 bad usage (KernelUsageError)."""
+    for name, value, low in (("--examples", args.examples, 1), ("--head-dim", args.head_dim, 1),
+                             ("--page-size", args.page_size, 1), ("--max-query-len", args.max_query_len, 1)):
+        if value is not None and value < low:
+            raise KernelUsageError(f"{name} {value} must be >= {low}")
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, ValueError) as exc:
+        raise KernelUsageError(f"--device {args.device!r} is not usable here: {exc}") from exc
+    fn = load_function(args.function)
+    check_signature(fn, args.function, args.layout, args.page_size)
+    result = check(fn, args.layout, args.dtype, args.device, args.examples, args.page_size,
+                   args.head_dim, args.max_query_len)
+    if result.passed:
+        print(f"{args.function}: {result.report} ({args.dtype}, {args.device})")
+        return 0
+    print(f"{args.function}: MISMATCH in the {args.layout} layout ({args.dtype}, {args.device}), "
+          f"first failing case after shrinking ({result.examples} cases run):\n{result.report}")
+    return 1
