@@ -330,16 +330,14 @@ def to_kvcache(batch: VerifyBatch, page_size: int | None = None, seed: int = 0) 
 
 
 def from_kvcache(x: KvCache) -> VerifyBatch:
-    """Read a with_kvcache batch back. Dense keeps the dead columns as they are; paged
-    yields zero dead cells. ValueError naming the field on a leftpad past its seqlen, a
+    """Read a with_kvcache batch back. The query padding slots are kept as they are, and so
+    are a dense cache's dead columns; a paged one yields zero dead columns. ValueError naming the field on a leftpad past its seqlen, a
     seqlen past the cache, a block table too short, or a query length past the slots."""
     b, t_q = x.q.shape[0], x.q.shape[1]
     seq = _ints(x.cache_seqlens)
     _need(len(seq) == b and len(x.q_lens) == b, f"cache_seqlens {seq} / q_lens {x.q_lens} for B={b}")
     _need(all(0 <= ql <= t_q for ql in x.q_lens), f"q_lens {x.q_lens} must lie in [0, {t_q}]")
     q = x.q.transpose(1, 2).clone()
-    for i, ql in enumerate(x.q_lens):
-        q[i, :, : t_q - ql] = 0
     window = _window_of(*x.window_size, "window_size")
     if x.block_table is None:
         pad = [0] * b if x.cache_leftpad is None else _ints(x.cache_leftpad)
