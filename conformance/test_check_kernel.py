@@ -17,8 +17,12 @@ from raggedspec.check_kernel import check
 from raggedspec.cli import main
 
 BUILT_IN = [
-    ("varlen", A.sdpa_varlen, 25), ("kvcache", A.sdpa_kvcache, 30), ("paged", A.sdpa_paged, 25),
-    ("padded", A.sdpa_padded, 25), ("varlen", A.port_in_place_varlen, 20), ("varlen", A.flex_varlen, 6),
+    ("varlen", A.sdpa_varlen, 25),
+    ("kvcache", A.sdpa_kvcache, 30),
+    ("paged", A.sdpa_paged, 25),
+    ("padded", A.sdpa_padded, 25),
+    ("varlen", A.port_in_place_varlen, 20),
+    ("varlen", A.flex_varlen, 6),
 ]
 
 
@@ -38,45 +42,102 @@ def test_built_in_adapter_passes_other_dtypes(dtype):
 # ----------------------------------------------------------------------------- wrong kernels
 
 
-def torch_is_causal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, window_size=(-1, -1)):
+def torch_is_causal_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+):
     """Per row, SDPA with `is_causal=True`: torch aligns that mask top-left."""
     out = torch.zeros_like(q)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         if cq[b + 1] > cq[b]:
-            qq = q[cq[b]: cq[b + 1]].transpose(0, 1)
-            kk = k[ck[b]: ck[b + 1]].transpose(0, 1)
-            vv = v[ck[b]: ck[b + 1]].transpose(0, 1)
-            out[cq[b]: cq[b + 1]] = F.scaled_dot_product_attention(
-                qq, kk, vv, is_causal=True, scale=softmax_scale, enable_gqa=True).transpose(0, 1)
+            qq = q[cq[b] : cq[b + 1]].transpose(0, 1)
+            kk = k[ck[b] : ck[b + 1]].transpose(0, 1)
+            vv = v[ck[b] : ck[b + 1]].transpose(0, 1)
+            out[cq[b] : cq[b + 1]] = F.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True, scale=softmax_scale, enable_gqa=True
+            ).transpose(0, 1)
     return out
 
 
-def leftpad_dropped_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1)):
-    return A.sdpa_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=None,
-                          block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-                          window_size=window_size)
+def leftpad_dropped_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+):
+    return A.sdpa_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=cache_seqlens,
+        cache_leftpad=None,
+        block_table=block_table,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+    )
 
 
-def modulo_heads_padded(q, k, v, attention_mask, position_ids, sliding_window=None, softmax_scale=None):
+def modulo_heads_padded(
+    q, k, v, attention_mask, position_ids, sliding_window=None, softmax_scale=None
+):
     heads = torch.arange(q.shape[1]) % k.shape[1]
-    return A.sdpa_padded(q, k[:, heads], v[:, heads], attention_mask, position_ids, sliding_window, softmax_scale)
+    return A.sdpa_padded(
+        q, k[:, heads], v[:, heads], attention_mask, position_ids, sliding_window, softmax_scale
+    )
 
 
-def page_late_paged(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size=16,
-                    causal=True, window_left=-1, sm_scale=None):
+def page_late_paged(
+    q,
+    k_pages,
+    v_pages,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    page_size=16,
+    causal=True,
+    window_left=-1,
+    sm_scale=None,
+):
     late = torch.cat([kv_indices[1:], kv_indices[:1]])
-    return A.sdpa_paged(q, k_pages, v_pages, qo_indptr, kv_indptr, late, kv_last_page_len, page_size,
-                        causal, window_left, sm_scale)
+    return A.sdpa_paged(
+        q,
+        k_pages,
+        v_pages,
+        qo_indptr,
+        kv_indptr,
+        late,
+        kv_last_page_len,
+        page_size,
+        causal,
+        window_left,
+        sm_scale,
+    )
 
 
-@pytest.mark.parametrize("layout, fn, words", [
-    ("varlen", torch_is_causal_varlen, "causal aligned top-left"),
-    ("kvcache", leftpad_dropped_kvcache, "the dead prefix is attended"),
-    ("padded", modulo_heads_padded, "query head h reads KV head h % Hk"),
-])
+@pytest.mark.parametrize(
+    "layout, fn, words",
+    [
+        ("varlen", torch_is_causal_varlen, "causal aligned top-left"),
+        ("kvcache", leftpad_dropped_kvcache, "the dead prefix is attended"),
+        ("padded", modulo_heads_padded, "query head h reads KV head h % Hk"),
+    ],
+)
 def test_wrong_rule_is_named(layout, fn, words):
     result = check(fn, layout, "float32", examples=100)
     assert not result.passed
@@ -100,6 +161,7 @@ def test_kernel_that_raises_is_a_mismatch():
         if bool((cu_seqlens_q[1:] == cu_seqlens_q[:-1]).any()):
             raise RuntimeError("empty row")
         return A.sdpa_varlen(q, k, v, cu_seqlens_q, *rest, **kw)
+
     result = check(refuses_empty_rows, "varlen", "float32", examples=100)
     assert not result.passed and "raised RuntimeError: empty row" in result.report
 
@@ -108,40 +170,86 @@ def test_kernel_that_raises_is_a_mismatch():
 
 
 def test_command_pass_and_mismatch_exit_codes(capsys):
-    assert main(["check-kernel", "--layout", "padded", "raggedspec.kernel_adapters:sdpa_padded",
-                 "--examples", "5"]) == 0
+    assert (
+        main(
+            [
+                "check-kernel",
+                "--layout",
+                "padded",
+                "raggedspec.kernel_adapters:sdpa_padded",
+                "--examples",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert "pass: 5 generated padded batches" in capsys.readouterr().out
-    assert main(["check-kernel", "--layout", "varlen", "conformance.test_check_kernel:torch_is_causal_varlen",
-                 "--examples", "30"]) == 1
+    assert (
+        main(
+            [
+                "check-kernel",
+                "--layout",
+                "varlen",
+                "conformance.test_check_kernel:torch_is_causal_varlen",
+                "--examples",
+                "30",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "MISMATCH in the varlen layout" in out and "cu_seqlens_q = [" in out
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--layout", "blocked", "raggedspec.kernel_adapters:sdpa_varlen"], "invalid choice: 'blocked'"),
-    (["--layout", "varlen", "no_such_pkg.attn:varlen"], "cannot import module 'no_such_pkg.attn'"),
-    (["--layout", "varlen", "raggedspec.kernel_adapters:no_such_fn"], "has no attribute 'no_such_fn'"),
-    (["--layout", "varlen", "math:pi"], "is a float, not callable"),
-    (["--layout", "varlen", "sdpa_varlen"], "must be written module:function"),
-    (["--layout", "paged", "raggedspec.kernel_adapters:sdpa_varlen"], "unexpected keyword argument 'page_size'"),
-    (["--layout", "kvcache", "raggedspec.kernel_adapters:sdpa_padded"], "cache_seqlens"),
-    (["--layout", "varlen", "raggedspec.kernel_adapters:sdpa_varlen", "--examples", "0"], "--examples 0"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["--layout", "blocked", "raggedspec.kernel_adapters:sdpa_varlen"],
+            "invalid choice: 'blocked'",
+        ),
+        (
+            ["--layout", "varlen", "no_such_pkg.attn:varlen"],
+            "cannot import module 'no_such_pkg.attn'",
+        ),
+        (
+            ["--layout", "varlen", "raggedspec.kernel_adapters:no_such_fn"],
+            "has no attribute 'no_such_fn'",
+        ),
+        (["--layout", "varlen", "math:pi"], "is a float, not callable"),
+        (["--layout", "varlen", "sdpa_varlen"], "must be written module:function"),
+        (
+            ["--layout", "paged", "raggedspec.kernel_adapters:sdpa_varlen"],
+            "unexpected keyword argument 'page_size'",
+        ),
+        (["--layout", "kvcache", "raggedspec.kernel_adapters:sdpa_padded"], "cache_seqlens"),
+        (
+            ["--layout", "varlen", "raggedspec.kernel_adapters:sdpa_varlen", "--examples", "0"],
+            "--examples 0",
+        ),
+    ],
+)
 def test_command_bad_usage(argv, words, capsys):
     assert main(["check-kernel", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-                    reason="flash-attn needs CUDA and the flash_attn package")
-@pytest.mark.parametrize("layout, fn", [("varlen", A.flash_attn_varlen), ("kvcache", A.flash_attn_kvcache)])
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+    reason="flash-attn needs CUDA and the flash_attn package",
+)
+@pytest.mark.parametrize(
+    "layout, fn", [("varlen", A.flash_attn_varlen), ("kvcache", A.flash_attn_kvcache)]
+)
 def test_flash_attn(layout, fn):
     result = check(fn, layout, "bfloat16", "cuda", examples=50, head_dim=64, page_size=256)
     assert result.passed, result.report
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
-                    reason="FlashInfer needs CUDA and the flashinfer package")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
+    reason="FlashInfer needs CUDA and the flashinfer package",
+)
 @pytest.mark.parametrize("fn, cap", [(A.flashinfer_prefill, None), (A.flashinfer_decode, 1)])
 def test_flashinfer(fn, cap):
     result = check(fn, "paged", "bfloat16", "cuda", examples=50, head_dim=64, max_query_len=cap)

@@ -13,7 +13,8 @@ from gpu import layouts as L
 from raggedspec.check_kernel import build_batch, cases
 
 LAYOUT_CASES = st.sampled_from(["varlen", "kvcache", "paged", "padded"]).flatmap(
-    lambda layout: st.tuples(st.just(layout), cases(layout)))
+    lambda layout: st.tuples(st.just(layout), cases(layout))
+)
 
 
 def _same(a: L.VerifyBatch, b: L.VerifyBatch) -> None:
@@ -63,9 +64,9 @@ def test_output_round_trip(drawn):
     layout, case = drawn
     batch = build_batch(case, torch.float32, "cpu")
     arrays = L.to_layout(batch, layout, case.page_size, seed=case.seed)
-    canonical = L.zero_dead(batch).q   # stands for an output [B, Hq, t_q, D]
+    canonical = L.zero_dead(batch).q  # stands for an output [B, Hq, t_q, D]
     if isinstance(arrays, L.Varlen | L.Paged):
-        out = arrays.q                  # packed live queries, in the layout's own order
+        out = arrays.q  # packed live queries, in the layout's own order
     elif isinstance(arrays, L.KvCache):
         out = batch.q.transpose(1, 2)
     else:
@@ -79,7 +80,7 @@ def _example() -> L.VerifyBatch:
     kv_lens, q_lens = [5, 3, 1], [2, 0, 1]
     k = torch.full((3, 1, 5, 1), -1.0)
     for i, n in enumerate(kv_lens):
-        k[i, 0, 5 - n:, 0] = torch.arange(n) + 10.0 * i
+        k[i, 0, 5 - n :, 0] = torch.arange(n) + 10.0 * i
     q = torch.zeros((3, 2, 2, 1))
     q[0, :, :, 0] = torch.tensor([3.0, 4.0])
     q[2, :, 1, 0] = 20.0
@@ -111,9 +112,9 @@ def test_worked_example_paged():
     x = L.to_paged(_example(), page_size=2, seed=0)
     assert x.qo_indptr.tolist() == [0, 2, 2, 3] and x.kv_indptr.tolist() == [0, 3, 5, 6]
     assert x.kv_last_page_len.tolist() == [1, 1, 1] and x.window_left == 2
-    assert x.k_pages.shape == (7, 2, 1, 1)            # 6 pages in use and one spare
+    assert x.k_pages.shape == (7, 2, 1, 1)  # 6 pages in use and one spare
     pages = x.kv_indices.tolist()
-    assert len(set(pages)) == 6 and all(0 <= p < 7 for p in pages)   # six distinct pages
+    assert len(set(pages)) == 6 and all(0 <= p < 7 for p in pages)  # six distinct pages
     row0 = x.kv_indices[0:3].tolist()
     assert x.k_pages[row0].flatten()[:5].tolist() == [0, 1, 2, 3, 4]
 
@@ -125,11 +126,20 @@ def test_worked_example_padded():
     assert x.sliding_window == 3
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda x: setattr(x, "cu_seqlens_q", torch.tensor([1, 2, 2, 3], dtype=torch.int32)), "cu_seqlens_q"),
-    (lambda x: setattr(x, "cu_seqlens_k", torch.tensor([0, 5, 4, 9], dtype=torch.int32)), "cu_seqlens_k"),
-    (lambda x: setattr(x, "window_size", (2, 1)), "window_size"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (
+            lambda x: setattr(x, "cu_seqlens_q", torch.tensor([1, 2, 2, 3], dtype=torch.int32)),
+            "cu_seqlens_q",
+        ),
+        (
+            lambda x: setattr(x, "cu_seqlens_k", torch.tensor([0, 5, 4, 9], dtype=torch.int32)),
+            "cu_seqlens_k",
+        ),
+        (lambda x: setattr(x, "window_size", (2, 1)), "window_size"),
+    ],
+)
 def test_varlen_refusals(mutate, field):
     x = L.to_varlen(_example())
     mutate(x)
@@ -150,7 +160,9 @@ def test_paged_refusals():
 
 def test_padded_and_kvcache_refusals():
     x = L.to_padded(_example())
-    x.attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    x.attention_mask = torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 0, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool
+    )
     with pytest.raises(ValueError, match="attention_mask row 1 is not left-padded"):
         L.from_padded(x)
     x = L.to_padded(_example())
@@ -162,4 +174,6 @@ def test_padded_and_kvcache_refusals():
     with pytest.raises(ValueError, match="row 2: cache_leftpad 6"):
         L.from_kvcache(y)
     with pytest.raises(ValueError, match="row 0: q_len 3 must lie in"):
-        L.VerifyBatch(torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), [3], [2])
+        L.VerifyBatch(
+            torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), [3], [2]
+        )

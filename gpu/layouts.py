@@ -59,7 +59,8 @@ class VerifyBatch:
     def __post_init__(self) -> None:
         self.q_lens, self.kv_lens = _ints(self.q_lens), _ints(self.kv_lens)
         _need(self.q.dim() == 4 and self.k.dim() == 4 and self.v.dim() == 4,
-              f"q {list(self.q.shape)}, k {list(self.k.shape)}, v {list(self.v.shape)} must be rank 4")
+              f"q {list(self.q.shape)}, k {list(self.k.shape)}, v {list(self.v.shape)} "
+              "must be rank 4")
         b, hq, t_q, d = self.q.shape
         _need(self.k.shape == self.v.shape and self.k.shape[0] == b and self.k.shape[3] == d,
               f"k {list(self.k.shape)} and v {list(self.v.shape)} must be [B={b}, Hk, T, D={d}]")
@@ -67,7 +68,7 @@ class VerifyBatch:
         _need(hk >= 1 and hq % hk == 0, f"KV heads {hk} must divide query heads {hq}")
         _need(len(self.q_lens) == b and len(self.kv_lens) == b,
               f"q_lens {self.q_lens} and kv_lens {self.kv_lens} must have B={b} entries")
-        for i, (ql, kl) in enumerate(zip(self.q_lens, self.kv_lens)):
+        for i, (ql, kl) in enumerate(zip(self.q_lens, self.kv_lens, strict=True)):
             _need(0 <= ql <= kl, f"row {i}: q_len {ql} must lie in [0, kv_len {kl}]")
         _need(self.k.shape[2] == max(self.kv_lens, default=0),
               f"k holds {self.k.shape[2]} columns, max(kv_lens) is {max(self.kv_lens, default=0)}")
@@ -87,7 +88,7 @@ class VerifyBatch:
     @property
     def q_starts(self) -> list[int]:
         """Position of each row's first query: `kv_lens[i] - q_lens[i]`."""
-        return [kl - ql for ql, kl in zip(self.q_lens, self.kv_lens)]
+        return [kl - ql for ql, kl in zip(self.q_lens, self.kv_lens, strict=True)]
 
     @property
     def softmax_scale(self) -> float:
@@ -103,7 +104,7 @@ def zero_dead(batch: VerifyBatch) -> VerifyBatch:
     """A copy of `batch` whose dead query slots and key columns hold zeros."""
     q, k, v = batch.q.clone(), batch.k.clone(), batch.v.clone()
     t_q = q.shape[2]
-    for i, (ql, lead) in enumerate(zip(batch.q_lens, batch.leads)):
+    for i, (ql, lead) in enumerate(zip(batch.q_lens, batch.leads, strict=True)):
         q[i, :, : t_q - ql] = 0
         k[i, :, :lead] = 0
         v[i, :, :lead] = 0
@@ -173,7 +174,8 @@ class Varlen:
         max_seqlen_k, softmax_scale=, causal=True, window_size=)`."""
         return ((self.q, self.k, self.v, self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
                  self.max_seqlen_k),
-                {"softmax_scale": self.softmax_scale, "causal": True, "window_size": self.window_size})
+                {"softmax_scale": self.softmax_scale, "causal": True,
+                 "window_size": self.window_size})
 
     def output_to_batch(self, out: torch.Tensor) -> torch.Tensor:
         """`[total_q, Hq, D]` -> canonical `[B, Hq, t_q, D]`."""
@@ -216,7 +218,8 @@ def from_varlen(x: Varlen) -> VerifyBatch:
     inconsistent cumulative lengths or a window with a right side."""
     q_lens = _check_indptr("cu_seqlens_q", x.cu_seqlens_q, x.q.shape[0])
     kv_lens = _check_indptr("cu_seqlens_k", x.cu_seqlens_k, x.k.shape[0])
-    _need(len(q_lens) == len(kv_lens), f"cu_seqlens_q has {len(q_lens)} rows, cu_seqlens_k {len(kv_lens)}")
+    _need(len(q_lens) == len(kv_lens),
+          f"cu_seqlens_q has {len(q_lens)} rows, cu_seqlens_k {len(kv_lens)}")
     cq, ck = _ints(x.cu_seqlens_q), _ints(x.cu_seqlens_k)
     t_q, t_k = max(q_lens, default=0), max(kv_lens, default=0)
     _need(x.max_seqlen_q >= t_q and x.max_seqlen_k >= t_k,
@@ -260,7 +263,8 @@ class KvCache:
 
     def output_to_batch(self, out: torch.Tensor) -> torch.Tensor:
         """`[B, t_q, Hq, D]` -> canonical `[B, Hq, t_q, D]`, padding slots zeroed."""
-        _need(out.shape == self.q.shape, f"output {list(out.shape)} must be q's {list(self.q.shape)}")
+        _need(out.shape == self.q.shape,
+              f"output {list(out.shape)} must be q's {list(self.q.shape)}")
         res = out.transpose(1, 2).clone()
         t_q = res.shape[2]
         for i, ql in enumerate(self.q_lens):
@@ -290,7 +294,7 @@ def _fill_pages(batch: VerifyBatch, page_size: int, seed: int, fill: float):
     kp = torch.full(shape, fill, dtype=batch.k.dtype, device=batch.k.device)
     vp = torch.full(shape, -fill, dtype=batch.v.dtype, device=batch.v.device)
     ids, nxt = [], 0
-    for i, (n, c) in enumerate(zip(batch.kv_lens, counts)):
+    for i, (n, c) in enumerate(zip(batch.kv_lens, counts, strict=True)):
         row = perm[nxt: nxt + c]
         nxt += c
         ids.append(row)
@@ -316,7 +320,8 @@ def to_kvcache(batch: VerifyBatch, page_size: int | None = None, seed: int = 0) 
     i32 = torch.int32
     if page_size is None:
         t = batch.k.shape[2]
-        return KvCache(q, batch.k.transpose(1, 2).contiguous(), batch.v.transpose(1, 2).contiguous(),
+        return KvCache(q, batch.k.transpose(1, 2).contiguous(),
+                       batch.v.transpose(1, 2).contiguous(),
                        torch.full((batch.batch,), t, dtype=i32, device=dev),
                        torch.tensor(batch.leads, dtype=i32, device=dev), None, wsize,
                        batch.softmax_scale, list(batch.q_lens))
@@ -331,25 +336,30 @@ def to_kvcache(batch: VerifyBatch, page_size: int | None = None, seed: int = 0) 
 
 def from_kvcache(x: KvCache) -> VerifyBatch:
     """Read a with_kvcache batch back. The query padding slots are kept as they are, and so
-    are a dense cache's dead columns; a paged one yields zero dead columns. ValueError naming the field on a leftpad past its seqlen, a
+    are a dense cache's dead columns; a paged one yields zero dead columns. ValueError
+    naming the field on a leftpad past its seqlen, a
     seqlen past the cache, a block table too short, or a query length past the slots."""
     b, t_q = x.q.shape[0], x.q.shape[1]
     seq = _ints(x.cache_seqlens)
-    _need(len(seq) == b and len(x.q_lens) == b, f"cache_seqlens {seq} / q_lens {x.q_lens} for B={b}")
+    _need(len(seq) == b and len(x.q_lens) == b,
+          f"cache_seqlens {seq} / q_lens {x.q_lens} for B={b}")
     _need(all(0 <= ql <= t_q for ql in x.q_lens), f"q_lens {x.q_lens} must lie in [0, {t_q}]")
     q = x.q.transpose(1, 2).clone()
     window = _window_of(*x.window_size, "window_size")
     if x.block_table is None:
         pad = [0] * b if x.cache_leftpad is None else _ints(x.cache_leftpad)
         t = x.k_cache.shape[1]
-        for i, (p, s) in enumerate(zip(pad, seq)):
-            _need(0 <= p <= s <= t, f"row {i}: cache_leftpad {p} / cache_seqlens {s} outside [0, {t}]")
-        kv_lens = [s - p for p, s in zip(pad, seq)]
+        for i, (p, s) in enumerate(zip(pad, seq, strict=True)):
+            _need(0 <= p <= s <= t,
+                  f"row {i}: cache_leftpad {p} / cache_seqlens {s} outside [0, {t}]")
+        kv_lens = [s - p for p, s in zip(pad, seq, strict=True)]
         if all(s == t for s in seq) and max(kv_lens, default=0) == t:
-            return VerifyBatch(q, x.k_cache.transpose(1, 2).clone(), x.v_cache.transpose(1, 2).clone(),
+            return VerifyBatch(q, x.k_cache.transpose(1, 2).clone(),
+                               x.v_cache.transpose(1, 2).clone(),
                                list(x.q_lens), kv_lens, window)
-        ks = [x.k_cache[i, p:s].transpose(0, 1) for i, (p, s) in enumerate(zip(pad, seq))]
-        vs = [x.v_cache[i, p:s].transpose(0, 1) for i, (p, s) in enumerate(zip(pad, seq))]
+        spans = list(zip(pad, seq, strict=True))
+        ks = [x.k_cache[i, p:s].transpose(0, 1) for i, (p, s) in enumerate(spans)]
+        vs = [x.v_cache[i, p:s].transpose(0, 1) for i, (p, s) in enumerate(spans)]
     else:
         _need(x.cache_leftpad is None, "cache_leftpad must be None with a block_table")
         ps = x.k_cache.shape[1]
@@ -357,7 +367,8 @@ def from_kvcache(x: KvCache) -> VerifyBatch:
         for i, n in enumerate(seq):
             need = _pages_needed(n, ps)
             _need(need <= x.block_table.shape[1],
-                  f"row {i}: cache_seqlens {n} needs {need} blocks, block_table has {x.block_table.shape[1]}")
+                  f"row {i}: cache_seqlens {n} needs {need} blocks, "
+                  f"block_table has {x.block_table.shape[1]}")
             pages = x.block_table[i, :need].long()
             ks.append(x.k_cache[pages].flatten(0, 1)[:n].transpose(0, 1))
             vs.append(x.v_cache[pages].flatten(0, 1)[:n].transpose(0, 1))
@@ -394,7 +405,8 @@ class Paged:
     def call(self) -> tuple[tuple, dict]:
         """`fn(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
         page_size=, causal=True, window_left=, sm_scale=)`."""
-        return ((self.q, self.k_pages, self.v_pages, self.qo_indptr, self.kv_indptr, self.kv_indices,
+        return ((self.q, self.k_pages, self.v_pages, self.qo_indptr, self.kv_indptr,
+                 self.kv_indices,
                  self.kv_last_page_len),
                 {"page_size": self.page_size, "causal": True, "window_left": self.window_left,
                  "sm_scale": self.sm_scale})
@@ -412,7 +424,8 @@ def to_paged(batch: VerifyBatch, page_size: int, seed: int = 0) -> Paged:
     dev = batch.q.device
     kp, vp, ids = _fill_pages(batch, page_size, seed, PAGE_FILL)
     flat = [p for r in ids for p in r]
-    last = [0 if n == 0 else n - (len(r) - 1) * page_size for n, r in zip(batch.kv_lens, ids)]
+    last = [0 if n == 0 else n - (len(r) - 1) * page_size
+            for n, r in zip(batch.kv_lens, ids, strict=True)]
     i32 = torch.int32
     return Paged(_pack_queries(batch), kp, vp, _cumulative(batch.q_lens, dev),
                  _cumulative([len(r) for r in ids], dev), torch.tensor(flat, dtype=i32, device=dev),
@@ -434,7 +447,7 @@ def from_paged(x: Paged) -> VerifyBatch:
     indptr, indices = _ints(x.kv_indptr), _ints(x.kv_indices)
     _need(all(0 <= p < n_pages for p in indices), f"kv_indices {indices} outside [0, {n_pages})")
     ks, vs, kv_lens = [], [], []
-    for i, (c, lp) in enumerate(zip(counts, last)):
+    for i, (c, lp) in enumerate(zip(counts, last, strict=True)):
         _need((c == 0 and lp == 0) or (c > 0 and 1 <= lp <= ps),
               f"row {i}: kv_last_page_len {lp} with {c} pages (page_size {ps})")
         n = 0 if c == 0 else (c - 1) * ps + lp
@@ -477,7 +490,8 @@ class Padded:
 
     def output_to_batch(self, out: torch.Tensor) -> torch.Tensor:
         """`[B, Hq, t_q, D]`, padding slots zeroed."""
-        _need(out.shape == self.q.shape, f"output {list(out.shape)} must be q's {list(self.q.shape)}")
+        _need(out.shape == self.q.shape,
+              f"output {list(out.shape)} must be q's {list(self.q.shape)}")
         return torch.where((self.position_ids >= 0)[:, None, :, None], out, torch.zeros_like(out))
 
 
@@ -505,13 +519,15 @@ def from_padded(x: Padded) -> VerifyBatch:
     mask = x.attention_mask.bool()
     kv_lens = _ints(mask.sum(dim=1))
     for i, n in enumerate(kv_lens):
-        _need(bool(mask[i, t - n:].all()), f"attention_mask row {i} is not left-padded: {_ints(mask[i].int())}")
+        _need(bool(mask[i, t - n:].all()),
+              f"attention_mask row {i} is not left-padded: {_ints(mask[i].int())}")
     q_lens = []
     for i, n in enumerate(kv_lens):
         pos = _ints(x.position_ids[i])
         ql = sum(1 for p in pos if p >= 0)
         want = [-1] * (t_q - ql) + list(range(n - ql, n))
-        _need(pos == want, f"position_ids row {i} {pos} must be {want} (queries are the row's last keys)")
+        _need(pos == want,
+              f"position_ids row {i} {pos} must be {want} (queries are the row's last keys)")
         q_lens.append(ql)
     return VerifyBatch(x.q, x.k, x.v, q_lens, kv_lens, x.sliding_window)
 

@@ -37,9 +37,13 @@ from gpu.layouts import LAYOUTS, VerifyBatch, to_layout
 from reference.attention import attention
 from reference.masks import raw_validity
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
-EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 FLOAT64_RTOL, LOW_PRECISION_K = 1e-12, 16.0
 DEAD_K, DEAD_V = 3.0, 8.0
 """Offsets of the values in dead key columns: a kernel reading them is visibly wrong."""
@@ -72,8 +76,13 @@ class Case:
 
 
 @st.composite
-def cases(draw, layout: str, page_size: int | None = None, head_dim: int = 16,
-          max_query_len: int | None = None) -> Case:
+def cases(
+    draw,
+    layout: str,
+    page_size: int | None = None,
+    head_dim: int = 16,
+    max_query_len: int | None = None,
+) -> Case:
     """Verify batches: depth 1..7, 1..6 rows, q_len = accepted + 1 (0 and all accepted as
     corners) or 0 for a row not verifying, at least one row with a query; cache history by
     shape (short, far apart, past 256, on a page boundary); window None, 1, 2, near the
@@ -111,11 +120,14 @@ def cases(draw, layout: str, page_size: int | None = None, head_dim: int = 16,
             h = draw(st.integers(0, 24))
         history.append(h)
     kv_lens = [h + ql for h, ql in zip(history, q_lens, strict=True)]
-    window = draw(st.one_of(st.none(), st.sampled_from([1, 2, depth, depth + 1, depth + 2]),
-                            st.integers(1, 64)))
+    window = draw(
+        st.one_of(
+            st.none(), st.sampled_from([1, 2, depth, depth + 1, depth + 2]), st.integers(1, 64)
+        )
+    )
     kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.integers(1, 8))
-    seed = draw(st.integers(0, 2 ** 16 - 1))
+    seed = draw(st.integers(0, 2**16 - 1))
     return Case(tuple(q_lens), tuple(kv_lens), window, kv_heads, group, head_dim, ps, seed)
 
 
@@ -158,7 +170,11 @@ def reference_validity(batch: VerifyBatch, i: int) -> np.ndarray:
 
 
 def _window_keep(kp, qp, w, shift: int = 0):
-    return np.ones(np.broadcast_shapes(kp.shape, qp.shape), dtype=bool) if w is None else kp > qp - w + shift
+    return (
+        np.ones(np.broadcast_shapes(kp.shape, qp.shape), dtype=bool)
+        if w is None
+        else kp > qp - w + shift
+    )
 
 
 def _top_left(b, i):
@@ -172,6 +188,7 @@ def _window_from(which: int):
         qp, kp = _positions(b, i)
         anchor = qp[which] if len(qp) else qp
         return (kp >= 0) & (kp <= qp) & _window_keep(kp, anchor, b.window)
+
     return valid
 
 
@@ -179,6 +196,7 @@ def _window_shift(shift: int):
     def valid(b, i):
         qp, kp = _positions(b, i)
         return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window, shift)
+
     return valid
 
 
@@ -198,8 +216,11 @@ def _not_causal(b, i):
 
 
 VARIANTS: list[tuple[str, Callable, bool]] = [
-    ("causal aligned top-left (query j of a row sees its first j + 1 keys), not bottom-right",
-     _top_left, False),
+    (
+        "causal aligned top-left (query j of a row sees its first j + 1 keys), not bottom-right",
+        _top_left,
+        False,
+    ),
     ("the window starts from the row's last query for every query", _window_from(-1), False),
     ("the window starts from the row's first query for every query", _window_from(0), False),
     ("no sliding window", _no_window, False),
@@ -221,8 +242,9 @@ def _as64(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float64).numpy()
 
 
-def attention_under(batch: VerifyBatch, validity: Callable = reference_validity,
-                    modulo_heads: bool = False) -> np.ndarray:
+def attention_under(
+    batch: VerifyBatch, validity: Callable = reference_validity, modulo_heads: bool = False
+) -> np.ndarray:
     """`float64 [B, Hq, t_q, D]` per row by `reference.attention.attention` with the additive
     mask of `validity`; dead query slots 0. With the defaults this is the reference output
     (GQA by the reference's own `h // (Hq // Hk)`)."""
@@ -233,11 +255,11 @@ def attention_under(batch: VerifyBatch, validity: Callable = reference_validity,
         if not ql:
             continue
         mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
-        ki, vi = k[i:i + 1], v[i:i + 1]
+        ki, vi = k[i : i + 1], v[i : i + 1]
         if modulo_heads:
             heads = _heads(hq, k.shape[1], True)
             ki, vi = ki[:, heads], vi[:, heads]
-        out[i, :, t_q - ql:] = attention(q[i:i + 1, :, t_q - ql:], ki, vi, mask)[0]
+        out[i, :, t_q - ql :] = attention(q[i : i + 1, :, t_q - ql :], ki, vi, mask)[0]
     return out
 
 
@@ -265,14 +287,18 @@ def describe_keys(batch: VerifyBatch, i: int, j: int, extra: list[int], missing:
     after = [c - lead for c in extra if c >= lead and c - lead > qp]
     outside = [c - lead for c in extra if c >= lead and c - lead <= qp]
     if dead:
-        parts.append(f"attends dead column{'s' if len(dead) > 1 else ''} "
-                     f"{', '.join(map(str, dead[:6]))} (the row's lead is {lead}: padding, no key of it)")
+        parts.append(
+            f"attends dead column{'s' if len(dead) > 1 else ''} "
+            f"{', '.join(map(str, dead[:6]))} (the row's lead is {lead}: padding, no key of it)"
+        )
     if after:
         parts.append(f"attends {_key_list(after)}, which causality excludes (the query is at {qp})")
     if outside:
         parts.append(f"attends {_key_list(outside)}, which its window of {w} excludes ({keep})")
     if missing:
-        parts.append(f"does not attend {_key_list([c - lead for c in missing])}, which it should ({keep})")
+        parts.append(
+            f"does not attend {_key_list([c - lead for c in missing])}, which it should ({keep})"
+        )
     return f"row {i}, query {j} (position {qp}): " + "; ".join(parts)
 
 
@@ -282,8 +308,9 @@ def _first_bad(err: np.ndarray, bound: float) -> tuple[int, int, int] | None:
     return None if not len(bad) else tuple(int(x) for x in bad[0])
 
 
-def _probe_one_key(batch: VerifyBatch, got: np.ndarray, i: int, h: int, s: int,
-                   bound: float) -> str | None:
+def _probe_one_key(
+    batch: VerifyBatch, got: np.ndarray, i: int, h: int, s: int, bound: float
+) -> str | None:
     """The one key added to or removed from the reference key set of row i, head h, slot s
     that reproduces the kernel's output there, in words; None if none does."""
     t_q = batch.q.shape[2]
@@ -323,8 +350,10 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float) 
         j = s - (batch.q.shape[2] - batch.q_lens[i])
         if modulo:
             hq, hk = batch.q.shape[1], batch.k.shape[1]
-            return (f"rule that differs: {rule}\n  row {i}, query {j}: query head {h} reads KV head "
-                    f"{h % hk}; with {hq} query heads over {hk} KV heads it reads {h // (hq // hk)}")
+            return (
+                f"rule that differs: {rule}\n  row {i}, query {j}: query head {h} reads KV head "
+                f"{h % hk}; with {hq} query heads over {hk} KV heads it reads {h // (hq // hk)}"
+            )
         want, have = reference_validity(batch, i)[j], validity(batch, i)[j]
         extra = [int(c) for c in np.flatnonzero(have & ~want)]
         missing = [int(c) for c in np.flatnonzero(want & ~have)]
@@ -333,8 +362,10 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float) 
     if probe is not None:
         return f"rule that differs: one key of the set\n  {probe}"
     err = float(np.abs(got[i, h, s] - ref[i, h, s]).max())
-    return (f"row {i}, query {j}, head {h}: output differs from the reference by {err:.3g} "
-            f"(bound {bound:.3g}); no single changed rule or one-key change explains it")
+    return (
+        f"row {i}, query {j}, head {h}: output differs from the reference by {err:.3g} "
+        f"(bound {bound:.3g}); no single changed rule or one-key change explains it"
+    )
 
 
 # ----------------------------------------------------------------------------- running
@@ -358,10 +389,12 @@ def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> 
     batch = build_batch(case, DTYPES[dtype], device)
     arrays = to_layout(batch, layout, case.page_size, seed=case.seed)
     args, kwargs = arrays.call()
-    head = (f"q_lens {list(case.q_lens)}, kv_lens {list(case.kv_lens)}, window {case.window}, "
-            f"Hq {case.kv_heads * case.group}, Hk {case.kv_heads}, D {case.head_dim}"
-            + (f", page_size {case.page_size}" if case.page_size else "")
-            + f"\n{show_layout(arrays)}")
+    head = (
+        f"q_lens {list(case.q_lens)}, kv_lens {list(case.kv_lens)}, window {case.window}, "
+        f"Hq {case.kv_heads * case.group}, Hk {case.kv_heads}, D {case.head_dim}"
+        + (f", page_size {case.page_size}" if case.page_size else "")
+        + f"\n{show_layout(arrays)}"
+    )
     try:
         out = fn(*args, **kwargs)
         if isinstance(out, tuple):
@@ -375,8 +408,10 @@ def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> 
     err = np.where(live, np.abs(got - ref), 0.0)
     if np.isfinite(np.where(live, got, 0.0)).all() and err.max() <= bound:
         return None
-    return f"{head}\nmax error {float(np.nan_to_num(err, nan=np.inf).max()):.3g}, bound {bound:.3g}\n" \
+    return (
+        f"{head}\nmax error {float(np.nan_to_num(err, nan=np.inf).max()):.3g}, bound {bound:.3g}\n"
         + explain(batch, got, ref, bound)
+    )
 
 
 @dataclass
@@ -390,16 +425,31 @@ class _Mismatch(AssertionError):
     pass
 
 
-def check(fn: Callable, layout: str, dtype: str = "float32", device: str = "cpu", examples: int = 100,
-          page_size: int | None = None, head_dim: int = 16, max_query_len: int | None = None) -> CheckResult:
+def check(
+    fn: Callable,
+    layout: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    examples: int = 100,
+    page_size: int | None = None,
+    head_dim: int = 16,
+    max_query_len: int | None = None,
+) -> CheckResult:
     """Run `examples` derandomized cases of `layout` through `fn`; on a failure Hypothesis
     shrinks it and the report is that of the smallest failing case."""
     ran, reports = [0], []
 
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink], report_multiple_bugs=False,
-              print_blob=False)
+    @settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
     @given(case=cases(layout, page_size, head_dim, max_query_len))
     def prop(case: Case) -> None:
         ran[0] += 1
@@ -412,7 +462,9 @@ def check(fn: Callable, layout: str, dtype: str = "float32", device: str = "cpu"
         prop()
     except _Mismatch:
         return CheckResult(False, ran[0], reports[-1])
-    return CheckResult(True, ran[0], f"pass: {ran[0]} generated {layout} batches match the reference")
+    return CheckResult(
+        True, ran[0], f"pass: {ran[0]} generated {layout} batches match the reference"
+    )
 
 
 # ----------------------------------------------------------------------------- command
@@ -422,15 +474,20 @@ def load_function(spec: str) -> Callable:
     """`pkg.mod:fn` -> the callable; KernelUsageError naming what is missing."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise KernelUsageError(f"function {spec!r} must be written module:function (e.g. mypkg.attn:varlen)")
+        raise KernelUsageError(
+            f"function {spec!r} must be written module:function (e.g. mypkg.attn:varlen)"
+        )
     try:
         obj = importlib.import_module(mod_name)
     except Exception as exc:
-        raise KernelUsageError(f"function {spec!r}: cannot import module {mod_name!r}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+        raise KernelUsageError(
+            f"function {spec!r}: cannot import module {mod_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise KernelUsageError(f"function {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+            raise KernelUsageError(
+                f"function {spec!r}: module {mod_name!r} has no attribute {attr!r}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise KernelUsageError(f"function {spec!r} is a {type(obj).__name__}, not callable")
@@ -451,29 +508,49 @@ def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None)
         names = list(kwargs)
         raise KernelUsageError(
             f"function {spec!r} cannot be called with the {layout} layout's arguments "
-            f"({len(args)} positional, keywords {', '.join(names)}): {exc}") from exc
+            f"({len(args)} positional, keywords {', '.join(names)}): {exc}"
+        ) from exc
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("check-kernel", help="check an attention kernel in a standard layout against "
-                                            "the reference on generated speculative-decoding batches")
+    p = sub.add_parser(
+        "check-kernel",
+        help="check an attention kernel in a standard layout against "
+        "the reference on generated speculative-decoding batches",
+    )
     p.add_argument("function", help="the kernel or its adapter, module:function")
-    p.add_argument("--layout", required=True, choices=LAYOUTS, help="the layout the function speaks")
+    p.add_argument(
+        "--layout", required=True, choices=LAYOUTS, help="the layout the function speaks"
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="torch device of the tensors (default cpu)")
-    p.add_argument("--examples", type=int, default=100, help="generated batches, >= 1 (default 100)")
-    p.add_argument("--page-size", type=int, default=None,
-                   help="fix the page size (paged layouts); default: drawn from 1, 2, 4, 16")
+    p.add_argument(
+        "--examples", type=int, default=100, help="generated batches, >= 1 (default 100)"
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="fix the page size (paged layouts); default: drawn from 1, 2, 4, 16",
+    )
     p.add_argument("--head-dim", type=int, default=16, help="head dimension D, >= 1 (default 16)")
-    p.add_argument("--max-query-len", type=int, default=None,
-                   help="cap each row's query length (1 for a decode-only kernel)")
+    p.add_argument(
+        "--max-query-len",
+        type=int,
+        default=None,
+        help="cap each row's query length (1 for a decode-only kernel)",
+    )
     return p
 
 
 def run(args) -> int:
     """The command: 0 pass, 1 mismatch (report on stdout), 2 bad usage (KernelUsageError)."""
-    for name, value, low in (("--examples", args.examples, 1), ("--head-dim", args.head_dim, 1),
-                             ("--page-size", args.page_size, 1), ("--max-query-len", args.max_query_len, 1)):
+    for name, value, low in (
+        ("--examples", args.examples, 1),
+        ("--head-dim", args.head_dim, 1),
+        ("--page-size", args.page_size, 1),
+        ("--max-query-len", args.max_query_len, 1),
+    ):
         if value is not None and value < low:
             raise KernelUsageError(f"{name} {value} must be >= {low}")
     try:
@@ -482,11 +559,21 @@ def run(args) -> int:
         raise KernelUsageError(f"--device {args.device!r} is not usable here: {exc}") from exc
     fn = load_function(args.function)
     check_signature(fn, args.function, args.layout, args.page_size)
-    result = check(fn, args.layout, args.dtype, args.device, args.examples, args.page_size,
-                   args.head_dim, args.max_query_len)
+    result = check(
+        fn,
+        args.layout,
+        args.dtype,
+        args.device,
+        args.examples,
+        args.page_size,
+        args.head_dim,
+        args.max_query_len,
+    )
     if result.passed:
         print(f"{args.function}: {result.report} ({args.dtype}, {args.device})")
         return 0
-    print(f"{args.function}: MISMATCH in the {args.layout} layout ({args.dtype}, {args.device}), "
-          f"first failing case after shrinking ({result.examples} cases run):\n{result.report}")
+    print(
+        f"{args.function}: MISMATCH in the {args.layout} layout ({args.dtype}, {args.device}), "
+        f"first failing case after shrinking ({result.examples} cases run):\n{result.report}"
+    )
     return 1
