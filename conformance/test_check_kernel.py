@@ -130,9 +130,24 @@ def page_late_paged(
     )
 
 
+def window_from_last_query_padded(q, k, v, attention_mask, position_ids, sliding_window=None,
+                                  softmax_scale=None):
+    """The window start computed once per row, from its last query (the decode habit)."""
+    key_pos = attention_mask.long().cumsum(dim=1) - 1
+    qp, kp = position_ids[:, :, None], key_pos[:, None, :]
+    ok = attention_mask[:, None, :] & (kp <= qp) & (qp >= 0)
+    if sliding_window is not None:
+        ok &= kp > position_ids[:, -1:, None] - sliding_window
+    heads = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    out = F.scaled_dot_product_attention(q, k[:, heads], v[:, heads], attn_mask=ok[:, None],
+                                         scale=softmax_scale)
+    return torch.where(ok.any(dim=2)[:, None, :, None], out, torch.zeros_like(out))
+
+
 @pytest.mark.parametrize(
     "layout, fn, words",
     [
+        ("padded", window_from_last_query_padded, "the window starts from the row's last query"),
         ("varlen", torch_is_causal_varlen, "causal aligned top-left"),
         ("kvcache", leftpad_dropped_kvcache, "the dead prefix is attended"),
         ("padded", modulo_heads_padded, "query head h reads KV head h % Hk"),
@@ -148,6 +163,9 @@ def test_wrong_rule_is_named(layout, fn, words):
 def test_page_table_read_late_is_caught():
     result = check(page_late_paged, "paged", "float32", examples=100)
     assert not result.passed and "kv_indices = " in result.report, result.report
+    late = "page table: each kv_indices entry is read one entry late"
+    assert late in result.report, result.report
+    assert "owns pages [" in result.report
 
 
 def test_same_examples_every_run():
