@@ -7,6 +7,7 @@ written in real engines (torch's `is_causal=True` is top-left aligned; a dropped
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,7 +166,7 @@ def test_page_table_read_late_is_caught():
     assert not result.passed and "kv_indices = " in result.report, result.report
     late = "page table: each kv_indices entry is read one entry late"
     assert late in result.report, result.report
-    assert "owns pages [" in result.report
+    assert "its page 0 is page id" in result.report
 
 
 def test_same_examples_every_run():
@@ -182,6 +183,17 @@ def test_kernel_that_raises_is_a_mismatch():
 
     result = check(refuses_empty_rows, "varlen", "float32", examples=100)
     assert not result.passed and "raised RuntimeError: empty row" in result.report
+
+
+def test_the_adapter_of_docs_kernels_md_passes():
+    """The adapter example of docs/kernels.md, run as written."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
+    section = text.split("## Writing an adapter", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/kernels.md", "exec"), namespace)
+    result = check(namespace["adapter"], "padded", "float32", examples=25)
+    assert result.passed, result.report
 
 
 # ----------------------------------------------------------------------------- the command

@@ -149,11 +149,20 @@ def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
 # ----------------------------------------------------------------------------- running
 
 
+def short_list(values: list, limit: int = 16) -> str:
+    """`values` in full up to `limit` entries, else the first `limit` and the count."""
+    if len(values) <= limit:
+        return str(values)
+    return f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)} values)]"
+
+
 def _show(x) -> str:
     if isinstance(x, torch.Tensor):
         if x.is_floating_point():
             return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
-        return str(x.tolist())
+        if x.dim() == 2:
+            return "[" + ", ".join(short_list(r) for r in x.tolist()) + "]"
+        return short_list(x.tolist())
     return repr(x)
 
 

@@ -246,8 +246,10 @@ def _explain_pages(arrays, batch: VerifyBatch, got: np.ndarray, bound: float) ->
         for i, n in enumerate(batch.kv_lens):
             own, read = _row_pages(arrays, i, n), _row_pages(alt, i, n)
             if batch.q_lens[i] and own != read:
-                return (f"rule that differs: page table: {rule}\n  row {i} ({n} keys) owns "
-                        f"pages {own} and the output is that of reading pages {read}")
+                k = next(p for p, (a, b) in enumerate(zip(own, read, strict=True)) if a != b)
+                return (f"rule that differs: page table: {rule}\n  row {i} ({n} keys): its "
+                        f"page {k} is page id {own[k]}, the output is that of reading {read[k]} "
+                        f"(its pages {own[:8]}{' ...' if len(own) > 8 else ''})")
         return f"rule that differs: page table: {rule}"
     return None
 
