@@ -14,16 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from raggedspec import kernel_adapters as A
-from raggedspec.check_kernel import check
+from raggedspec.kernel_cases import check
 from raggedspec.cli import main
 
 BUILT_IN = [
-    ("varlen", A.sdpa_varlen, 25),
-    ("kvcache", A.sdpa_kvcache, 30),
-    ("paged", A.sdpa_paged, 25),
+    ("varlen", A.sdpa_varlen, 20),
+    ("kvcache", A.sdpa_kvcache, 20),
+    ("paged", A.sdpa_paged, 20),
     ("padded", A.sdpa_padded, 25),
     ("varlen", A.port_in_place_varlen, 20),
-    ("varlen", A.flex_varlen, 6),
+    ("varlen", A.flex_varlen, 4),
 ]
 
 
@@ -194,6 +194,16 @@ def test_the_adapter_of_docs_kernels_md_passes():
     exec(compile(code, "docs/kernels.md", "exec"), namespace)
     result = check(namespace["adapter"], "padded", "float32", examples=25)
     assert result.passed, result.report
+
+
+def test_the_command_names_the_layouts_and_dtypes_it_runs():
+    """The parser's lists (kept free of torch imports) are those of the layouts and cases."""
+    from gpu.layouts import LAYOUTS
+    from raggedspec import check_kernel
+    from raggedspec.kernel_cases import DTYPES
+
+    assert check_kernel.LAYOUTS == LAYOUTS
+    assert set(check_kernel.DTYPE_NAMES) == set(DTYPES)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu import layouts as L
-from raggedspec.check_kernel import build_batch, cases
+from raggedspec.kernel_cases import build_batch, cases
 
 LAYOUT_CASES = st.sampled_from(["varlen", "kvcache", "paged", "padded"]).flatmap(
     lambda layout: st.tuples(st.just(layout), cases(layout))
