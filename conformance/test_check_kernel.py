@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from raggedspec import kernel_adapters as A
-from raggedspec.kernel_cases import check
+from raggedspec.kernel_cases import Case, check, run_case
 from raggedspec.cli import main
 
 BUILT_IN = [
@@ -145,20 +145,55 @@ def window_from_last_query_padded(q, k, v, attention_mask, position_ids, sliding
     return torch.where(ok.any(dim=2)[:, None, :, None], out, torch.zeros_like(out))
 
 
+def window_ignored_varlen(*args, window_size=(-1, -1), **kw):
+    return A.sdpa_varlen(*args, window_size=(-1, 0), **kw)
+
+
+def window_one_wider_varlen(*args, window_size=(-1, -1), **kw):
+    left = window_size[0] + 1 if window_size[0] >= 0 else -1
+    return A.sdpa_varlen(*args, window_size=(left, 0), **kw)
+
+
+def not_causal_varlen(*args, causal=False, window_size=(-1, -1), **kw):
+    return A.sdpa_varlen(*args, causal=False, window_size=(window_size[0], -1), **kw)
+
+
 @pytest.mark.parametrize(
     "layout, fn, words",
     [
+        ("varlen", not_causal_varlen, "not causal"),
         ("padded", window_from_last_query_padded, "the window starts from the row's last query"),
         ("varlen", torch_is_causal_varlen, "causal aligned top-left"),
-        ("kvcache", leftpad_dropped_kvcache, "the dead prefix is attended"),
         ("padded", modulo_heads_padded, "query head h reads KV head h % Hk"),
     ],
 )
 def test_wrong_rule_is_named(layout, fn, words):
     result = check(fn, layout, "float32", examples=100)
     assert not result.passed
-    assert f"rule that differs: {words}" in result.report, result.report
+    named = [line for line in result.report.splitlines()
+             if line.startswith("rule that differs:") or line.startswith("  (on this case")]
+    assert any(words in line for line in named), result.report
     assert "row " in result.report and "q_lens" in result.report
+
+
+NO_WINDOW = "row 0, query 0 (position 3): attends keys 0, 1 (2 keys), which its window of 2"
+ONE_WIDER = "row 0, query 0 (position 3): attends key 1, which its window of 2 excludes (keys 2..3)"
+DEAD = "row 1, query 0 (position 1): attends dead columns 0, 1, 2 (the row's lead is 3"
+
+
+@pytest.mark.parametrize("layout, fn, window, words, expect_keys", [
+    ("varlen", window_ignored_varlen, 2, "no sliding window", NO_WINDOW),
+    ("varlen", window_one_wider_varlen, 2, "the window keeps one key too many", ONE_WIDER),
+    ("kvcache", leftpad_dropped_kvcache, None, "the dead prefix is attended", DEAD),
+])
+def test_wrong_rule_named_on_a_fixed_case(layout, fn, window, words, expect_keys):
+    """Rows of 2 and 1 queries over 5 and 2 keys (row 0's queries at positions 3 and 4, row
+    1's at 1, row 1's lead 3): the words name the first query where the rule shows and the
+    keys it wrongly attends (with a window of 2, dead columns are outside every window)."""
+    case = Case((2, 1), (5, 2), window, 1, 2, 16, None, 7)
+    report = run_case(fn, layout, case, "float32", "cpu")
+    assert report is not None and f"rule that differs: {words}" in report, report
+    assert expect_keys in report, report
 
 
 def test_page_table_read_late_is_caught():

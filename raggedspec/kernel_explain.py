@@ -5,7 +5,8 @@ attention under single changed rules, and the words for the first query where on
 with the additive mask of a key-set rule; with the defaults (`reference_validity`, the
 reference's `raw_validity`, and the reference's GQA head `h // (Hq // Hk)`) it is the
 reference output. `VARIANTS` are the single rules a kernel gets wrong in practice;
-`explain` names the one whose output the kernel's matches, else a page-table misread (for
+`explain` names the first whose output the kernel's matches (and any other that matches
+equally on the shrunk case), else a page-table misread (for
 the paged layouts, the output with each row's page list shifted), else the one key whose
 addition to or removal from the reference key set reproduces the first wrong query.
 """
@@ -267,23 +268,27 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float,
     j = s - (batch.q.shape[2] - batch.q_lens[i])
     if not np.isfinite(got[i, h, s]).all():
         return f"row {i}, query {j}, head {h}: the output is not finite ({got[i, h, s][:3]} ...)"
-    for rule, validity, modulo in VARIANTS:
+    matching = [(rule, validity, modulo) for rule, validity, modulo in VARIANTS
+                if np.where(live, np.abs(got - attention_under(batch, validity, modulo)), 0.0).max()
+                <= bound]
+    if matching:
+        rule, validity, modulo = matching[0]
+        also = "".join(f"\n  (on this case the output equally follows: {r})"
+                       for r, _, _ in matching[1:])
         alt = attention_under(batch, validity, modulo)
-        if np.where(live, np.abs(got - alt), 0.0).max() > bound:
-            continue
-        seen = _first_bad(np.where(live, np.abs(alt - ref), 0.0), bound) or where
-        i, h, s = seen
+        i, h, s = _first_bad(np.where(live, np.abs(alt - ref), 0.0), bound) or where
         j = s - (batch.q.shape[2] - batch.q_lens[i])
         if modulo:
             hq, hk = batch.q.shape[1], batch.k.shape[1]
             return (
                 f"rule that differs: {rule}\n  row {i}, query {j}: query head {h} reads KV head "
                 f"{h % hk}; with {hq} query heads over {hk} KV heads it reads {h // (hq // hk)}"
+                + also
             )
         want, have = reference_validity(batch, i)[j], validity(batch, i)[j]
         extra = [int(c) for c in np.flatnonzero(have & ~want)]
         missing = [int(c) for c in np.flatnonzero(want & ~have)]
-        return f"rule that differs: {rule}\n  {describe_keys(batch, i, j, extra, missing)}"
+        return f"rule that differs: {rule}\n  {describe_keys(batch, i, j, extra, missing)}{also}"
     pages = None if arrays is None else _explain_pages(arrays, batch, got, bound)
     if pages is not None:
         return pages
