@@ -241,6 +241,20 @@ def test_the_command_names_the_layouts_and_dtypes_it_runs():
     assert set(check_kernel.DTYPE_NAMES) == set(DTYPES)
 
 
+def test_sinks_in_the_padded_layout():
+    """With sinks drawn, the built-in padded adapter passes, and one that drops them fails
+    with that named."""
+    result = check(A.sdpa_padded, "padded", "float32", examples=20, sinks=True)
+    assert result.passed, result.report
+
+    def drops_sinks(*args, sinks=None, **kw):
+        return A.sdpa_padded(*args, **kw)
+
+    result = check(drops_sinks, "padded", "float32", examples=50, sinks=True)
+    assert not result.passed
+    assert "rule that differs: the attention sinks are dropped" in result.report, result.report
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -301,6 +315,14 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
         (
             ["--layout", "varlen", "raggedspec.kernel_adapters:sdpa_varlen", "--examples", "0"],
             "--examples 0",
+        ),
+        (
+            ["--layout", "varlen", "raggedspec.kernel_adapters:sdpa_varlen", "--sinks"],
+            "the varlen layout has no argument for sinks",
+        ),
+        (
+            ["--layout", "padded", "conformance.test_check_kernel:modulo_heads_padded", "--sinks"],
+            "unexpected keyword argument 'sinks'",
         ),
     ],
 )

@@ -126,6 +126,19 @@ def test_worked_example_padded():
     assert x.sliding_window == 3
 
 
+def test_sinks_travel_in_the_padded_layout_only():
+    batch = _example()
+    sinks = torch.tensor([0.5, -1.0])
+    with_sinks = L.VerifyBatch(batch.q, batch.k, batch.v, batch.q_lens, batch.kv_lens, 3, sinks)
+    padded = L.to_padded(with_sinks)
+    assert padded.call()[1]["sinks"] is sinks
+    assert torch.equal(L.from_padded(padded).sinks, sinks)
+    assert "sinks" not in L.to_padded(batch).call()[1]
+    for layout in ("varlen", "kvcache", "paged"):
+        with pytest.raises(ValueError, match=f"the {layout} layout has no argument for"):
+            L.to_layout(with_sinks, layout, page_size=2)
+
+
 @pytest.mark.parametrize(
     "mutate, field",
     [

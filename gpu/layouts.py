@@ -17,8 +17,10 @@ boolean key mask and per-query position ids, the Hugging Face convention). Each 
 builds the layout's arrays, each `from_*` reads them back (refusing malformed arrays with a
 ValueError naming the field); `*.call()` gives the positional and keyword arguments of the
 layout's kernel signature, and `*.output_to_batch` maps the kernel's output back to the
-canonical `[B, Hq, t_q, D]` (dead slots zero). None of the four signatures carries the
-spec's compressed blocks or attention sinks, so no converter does.
+canonical `[B, Hq, t_q, D]` (dead slots zero). The spec's per-head attention sinks (a logit
+that joins the softmax denominator only) travel in the padded layout's `sinks` argument;
+the other three signatures have no place for them and refuse a batch that has them. None
+carries the spec's compressed blocks.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class VerifyBatch:
     q_lens: list[int]
     kv_lens: list[int]
     window: int | None = None
+    sinks: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.q_lens, self.kv_lens = _ints(self.q_lens), _ints(self.kv_lens)
@@ -75,6 +78,8 @@ class VerifyBatch:
         _need(t_q == max(self.q_lens, default=0),
               f"q holds {t_q} query slots, max(q_lens) is {max(self.q_lens, default=0)}")
         _need(self.window is None or self.window >= 1, f"window {self.window} must be None or >= 1")
+        _need(self.sinks is None or tuple(self.sinks.shape) == (hq,),
+              f"sinks {None if self.sinks is None else list(self.sinks.shape)} must be [Hq={hq}]")
 
     @property
     def batch(self) -> int:
@@ -198,8 +203,13 @@ def _pack_keys(batch: VerifyBatch, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([r.transpose(0, 1) for r in live_keys(batch, x)], dim=0)
 
 
+def _no_sinks(batch: VerifyBatch, layout: str) -> None:
+    _need(batch.sinks is None, f"the {layout} layout has no argument for attention sinks")
+
+
 def to_varlen(batch: VerifyBatch) -> Varlen:
-    """Pack the live queries and keys; dead cells are not carried."""
+    """Pack the live queries and keys; dead cells are not carried. ValueError on sinks."""
+    _no_sinks(batch, "varlen")
     dev = batch.q.device
     return Varlen(_pack_queries(batch), _pack_keys(batch, batch.k), _pack_keys(batch, batch.v),
                   _cumulative(batch.q_lens, dev), _cumulative(batch.kv_lens, dev),
@@ -313,7 +323,8 @@ PAGE_FILL = 3.0
 def to_kvcache(batch: VerifyBatch, page_size: int | None = None, seed: int = 0) -> KvCache:
     """Dense (`page_size` None: the front-aligned cache itself with `cache_leftpad = leads`,
     dead columns carried as they are) or paged (pages in a seeded order, one spare page,
-    `block_table` padded with page 0 past each row's pages)."""
+    `block_table` padded with page 0 past each row's pages). ValueError on sinks."""
+    _no_sinks(batch, "kvcache")
     dev = batch.q.device
     q = batch.q.transpose(1, 2).contiguous()
     wsize = (batch.window_left(), 0)
@@ -420,7 +431,8 @@ class Paged:
 
 def to_paged(batch: VerifyBatch, page_size: int, seed: int = 0) -> Paged:
     """Pack queries by `qo_indptr`; keys into pages in a seeded order (one spare page,
-    unused slots filled with `PAGE_FILL`)."""
+    unused slots filled with `PAGE_FILL`). ValueError on sinks."""
+    _no_sinks(batch, "paged")
     dev = batch.q.device
     kp, vp, ids = _fill_pages(batch, page_size, seed, PAGE_FILL)
     flat = [p for r in ids for p in r]
@@ -473,7 +485,8 @@ class Padded:
     `k, v [B, Hk, T, D]` with each row's tokens at the right end; `attention_mask bool [B, T]`
     True on real keys (key column c of row i has position `cumsum(mask[i])[c] - 1`);
     `position_ids int64 [B, t_q]` each query's absolute position, -1 on padding slots (their
-    outputs are unread); `sliding_window` None or w (keys `qp - w < kp <= qp`)."""
+    outputs are unread); `sliding_window` None or w (keys `qp - w < kp <= qp`); `sinks [Hq]`
+    or None, passed to the kernel only when present."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -482,11 +495,15 @@ class Padded:
     position_ids: torch.Tensor
     sliding_window: int | None
     softmax_scale: float
+    sinks: torch.Tensor | None = None
 
     def call(self) -> tuple[tuple, dict]:
-        """`fn(q, k, v, attention_mask, position_ids, sliding_window=, softmax_scale=)`."""
-        return ((self.q, self.k, self.v, self.attention_mask, self.position_ids),
-                {"sliding_window": self.sliding_window, "softmax_scale": self.softmax_scale})
+        """`fn(q, k, v, attention_mask, position_ids, sliding_window=, softmax_scale=)`, plus
+        `sinks=` when the batch has sinks."""
+        kwargs = {"sliding_window": self.sliding_window, "softmax_scale": self.softmax_scale}
+        if self.sinks is not None:
+            kwargs["sinks"] = self.sinks
+        return (self.q, self.k, self.v, self.attention_mask, self.position_ids), kwargs
 
     def output_to_batch(self, out: torch.Tensor) -> torch.Tensor:
         """`[B, Hq, t_q, D]`, padding slots zeroed."""
@@ -507,7 +524,7 @@ def to_padded(batch: VerifyBatch) -> Padded:
     slot = torch.arange(t_q, device=dev)[None, :]
     pos = torch.where(slot >= pad, start + slot - pad, torch.full_like(slot, -1))
     return Padded(batch.q, batch.k, batch.v, mask, pos.to(torch.int64), batch.window,
-                  batch.softmax_scale)
+                  batch.softmax_scale, batch.sinks)
 
 
 def from_padded(x: Padded) -> VerifyBatch:
@@ -529,7 +546,7 @@ def from_padded(x: Padded) -> VerifyBatch:
         _need(pos == want,
               f"position_ids row {i} {pos} must be {want} (queries are the row's last keys)")
         q_lens.append(ql)
-    return VerifyBatch(x.q, x.k, x.v, q_lens, kv_lens, x.sliding_window)
+    return VerifyBatch(x.q, x.k, x.v, q_lens, kv_lens, x.sliding_window, x.sinks)
 
 
 def to_layout(batch: VerifyBatch, layout: str, page_size: int | None = None, seed: int = 0):

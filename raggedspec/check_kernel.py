@@ -63,14 +63,17 @@ def load_function(spec: str) -> Callable:
     return obj
 
 
-def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None) -> None:
-    """KernelUsageError (naming the argument) unless `fn` accepts the layout's call."""
+def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None,
+                    sinks: bool = False) -> None:
+    """KernelUsageError (naming the argument) unless `fn` accepts the layout's call (with
+    `sinks=` too when `sinks`)."""
     import torch
 
     from gpu.layouts import to_layout
     from raggedspec.kernel_cases import Case, build_batch
 
-    case = Case((1,), (2,), None, 1, 1, 8, page_size or (1 if layout == "paged" else None), 0)
+    case = Case((1,), (2,), None, 1, 1, 8, page_size or (1 if layout == "paged" else None), 0,
+                sinks)
     args, kwargs = to_layout(build_batch(case, torch.float64, "cpu"), layout, case.page_size).call()
     try:
         sig = inspect.signature(fn)
@@ -114,6 +117,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="cap each row's query length (1 for a decode-only kernel)",
     )
+    p.add_argument(
+        "--sinks",
+        action="store_true",
+        help="also draw per-head attention sinks, passed as sinks= (padded layout only)",
+    )
     return p
 
 
@@ -127,6 +135,9 @@ def run(args) -> int:
     ):
         if value is not None and value < low:
             raise KernelUsageError(f"{name} {value} must be >= {low}")
+    if args.sinks and args.layout != "padded":
+        raise KernelUsageError(f"--sinks: the {args.layout} layout has no argument for sinks "
+                               f"(only padded carries them)")
     import torch
 
     from raggedspec.kernel_cases import check
@@ -136,7 +147,7 @@ def run(args) -> int:
     except (RuntimeError, ValueError) as exc:
         raise KernelUsageError(f"--device {args.device!r} is not usable here: {exc}") from exc
     fn = load_function(args.function)
-    check_signature(fn, args.function, args.layout, args.page_size)
+    check_signature(fn, args.function, args.layout, args.page_size, args.sinks)
     result = check(
         fn,
         args.layout,
@@ -146,6 +157,7 @@ def run(args) -> int:
         args.page_size,
         args.head_dim,
         args.max_query_len,
+        args.sinks,
     )
     if result.passed:
         print(f"{args.function}: {result.report} ({args.dtype}, {args.device})")

@@ -137,10 +137,12 @@ def sdpa_paged(
 
 
 def sdpa_padded(
-    q, k, v, attention_mask, position_ids, sliding_window=None, softmax_scale=None
+    q, k, v, attention_mask, position_ids, sliding_window=None, softmax_scale=None, sinks=None
 ) -> torch.Tensor:
     """The left-padded layout over one batched SDPA call: key positions from the mask's
-    running count, validity by position (causal, window), padding query slots give 0."""
+    running count, validity by position (causal, window), padding query slots give 0. With
+    `sinks [Hq]` the output is rescaled by `sigmoid(lse - sink)`, the share of the softmax
+    mass left to the keys once the sink logit joins the denominator."""
     key_pos = attention_mask.long().cumsum(dim=1) - 1  # [B, T]
     qp, kp = position_ids[:, :, None], key_pos[:, None, :]
     ok = attention_mask[:, None, :] & (kp <= qp) & (qp >= 0)
@@ -150,6 +152,12 @@ def sdpa_padded(
     out = F.scaled_dot_product_attention(
         q, k[:, heads], v[:, heads], attn_mask=ok[:, None], scale=softmax_scale
     )
+    if sinks is not None:
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        logits = (q.float() @ k[:, heads].float().transpose(-1, -2)) * scale
+        lse = logits.masked_fill(~ok[:, None], float("-inf")).logsumexp(dim=-1, keepdim=True)
+        share = torch.sigmoid(lse - sinks.float()[None, :, None, None])
+        out = (out.float() * share).to(out.dtype)
     return torch.where(ok.any(dim=2)[:, None, :, None], out, torch.zeros_like(out))
 
 

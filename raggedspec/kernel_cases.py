@@ -54,6 +54,7 @@ class Case:
     head_dim: int
     page_size: int | None
     seed: int
+    sinks: bool = False
 
 
 @st.composite
@@ -63,12 +64,14 @@ def cases(
     page_size: int | None = None,
     head_dim: int = 16,
     max_query_len: int | None = None,
+    sinks: bool = False,
 ) -> Case:
     """Verify batches: depth 1..7, 1..6 rows, q_len = accepted + 1 (0 and all accepted as
     corners) or 0 for a row not verifying, at least one row with a query; cache history by
     shape (short, far apart, past 256, on a page boundary); window None, 1, 2, near the
     depth, or up to 64; Hk in {1, 2} with 1..8 query heads each. `max_query_len` caps q_len
-    (1 for a decode-only kernel). "kvcache" draws dense or paged; "paged" always pages."""
+    (1 for a decode-only kernel). "kvcache" draws dense or paged; "paged" always pages.
+    With `sinks` (the padded layout only) a batch has per-head sinks or none."""
     depth = draw(st.integers(1, 7))
     cap = depth + 1 if max_query_len is None else max(1, min(depth + 1, max_query_len))
     n = draw(st.integers(1, 6))
@@ -109,12 +112,15 @@ def cases(
     kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.integers(1, 8))
     seed = draw(st.integers(0, 2**16 - 1))
-    return Case(tuple(q_lens), tuple(kv_lens), window, kv_heads, group, head_dim, ps, seed)
+    has_sinks = sinks and draw(st.booleans())
+    return Case(tuple(q_lens), tuple(kv_lens), window, kv_heads, group, head_dim, ps, seed,
+                has_sinks)
 
 
 def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
     """The case's tensors: N(0, 1) values rounded to `dtype` (so the float64 reference sees
-    exactly what the kernel sees); dead key columns `DEAD_K + N(0,1)`, values `DEAD_V + N`."""
+    exactly what the kernel sees); dead key columns `DEAD_K + N(0,1)`, values `DEAD_V + N`;
+    sinks `N(0, 1) + 1` per query head when the case has them."""
     g = torch.Generator().manual_seed(case.seed)
     b, hk, d = len(case.q_lens), case.kv_heads, case.head_dim
     t_q, t = max(case.q_lens), max(case.kv_lens)
@@ -124,8 +130,10 @@ def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
     for i, n in enumerate(case.kv_lens):
         k[i, :, : t - n] += DEAD_K
         v[i, :, : t - n] += DEAD_V
-    q, k, v = (x.to(dtype).to(device) for x in (q, k, v))
-    return VerifyBatch(q, k, v, list(case.q_lens), list(case.kv_lens), case.window)
+    sinks = torch.randn(hk * case.group, generator=g, dtype=torch.float64) + 1.0
+    q, k, v, sinks = (x.to(dtype).to(device) for x in (q, k, v, sinks))
+    return VerifyBatch(q, k, v, list(case.q_lens), list(case.kv_lens), case.window,
+                       sinks if case.sinks else None)
 
 
 # ----------------------------------------------------------------------------- running
@@ -203,6 +211,7 @@ def check(
     page_size: int | None = None,
     head_dim: int = 16,
     max_query_len: int | None = None,
+    sinks: bool = False,
 ) -> CheckResult:
     """Run `examples` derandomized cases of `layout` through `fn`; on a failure Hypothesis
     shrinks it and the report is that of the smallest failing case."""
@@ -219,7 +228,7 @@ def check(
         report_multiple_bugs=False,
         print_blob=False,
     )
-    @given(case=cases(layout, page_size, head_dim, max_query_len))
+    @given(case=cases(layout, page_size, head_dim, max_query_len, sinks))
     def prop(case: Case) -> None:
         ran[0] += 1
         report = run_case(fn, layout, case, dtype, device)

@@ -119,12 +119,15 @@ def as_float64(x: torch.Tensor) -> np.ndarray:
 
 
 def attention_under(
-    batch: VerifyBatch, validity: Callable = reference_validity, modulo_heads: bool = False
+    batch: VerifyBatch, validity: Callable = reference_validity, modulo_heads: bool = False,
+    use_sinks: bool = True,
 ) -> np.ndarray:
     """`float64 [B, Hq, t_q, D]` per row by `reference.attention.attention` with the additive
-    mask of `validity`; dead query slots 0. With the defaults this is the reference output
-    (GQA by the reference's own `h // (Hq // Hk)`)."""
+    mask of `validity` and the batch's sinks (unless `use_sinks` is False); dead query slots
+    0. With the defaults this is the reference output (GQA by the reference's own
+    `h // (Hq // Hk)`)."""
     q, k, v = as_float64(batch.q), as_float64(batch.k), as_float64(batch.v)
+    sinks = None if batch.sinks is None or not use_sinks else as_float64(batch.sinks)
     b, hq, t_q, _d = q.shape
     out = np.zeros((b, hq, t_q, v.shape[3]))
     for i, ql in enumerate(batch.q_lens):
@@ -135,8 +138,14 @@ def attention_under(
         if modulo_heads:
             heads = _heads(hq, k.shape[1], True)
             ki, vi = ki[:, heads], vi[:, heads]
-        out[i, :, t_q - ql :] = attention(q[i : i + 1, :, t_q - ql :], ki, vi, mask)[0]
+        out[i, :, t_q - ql :] = attention(q[i : i + 1, :, t_q - ql :], ki, vi, mask, sinks)[0]
     return out
+
+
+def short_floats(x: torch.Tensor, limit: int = 8) -> str:
+    """A float tensor's first values, rounded, for a report."""
+    vals = [round(float(v), 3) for v in x.flatten()[:limit]]
+    return str(vals)[:-1] + (", ...]" if x.numel() > limit else "]")
 
 
 def live_slots(batch: VerifyBatch) -> np.ndarray:
@@ -268,6 +277,12 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float,
     j = s - (batch.q.shape[2] - batch.q_lens[i])
     if not np.isfinite(got[i, h, s]).all():
         return f"row {i}, query {j}, head {h}: the output is not finite ({got[i, h, s][:3]} ...)"
+    if batch.sinks is not None:
+        alt = attention_under(batch, use_sinks=False)
+        if np.where(live, np.abs(got - alt), 0.0).max() <= bound:
+            return (f"rule that differs: the attention sinks are dropped from the softmax "
+                    f"denominator\n  sinks {short_floats(batch.sinks)}: row {i}, query {j}, "
+                    f"head {h} is the softmax over its keys alone")
     matching = [(rule, validity, modulo) for rule, validity, modulo in VARIANTS
                 if np.where(live, np.abs(got - attention_under(batch, validity, modulo)), 0.0).max()
                 <= bound]
