@@ -317,6 +317,10 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
             "--examples 0",
         ),
         (
+            ["--layout", "varlen", "raggedspec.kernel_adapters:sdpa_varlen", "--page-size", "4"],
+            "--page-size 4: the varlen layout has no pages",
+        ),
+        (
             ["--layout", "varlen", "raggedspec.kernel_adapters:sdpa_varlen", "--sinks"],
             "the varlen layout has no argument for sinks",
         ),

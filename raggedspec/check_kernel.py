@@ -108,7 +108,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--page-size",
         type=int,
         default=None,
-        help="fix the page size (paged layouts); default: drawn from 1, 2, 4, 16",
+        help="fix the page size (paged; kvcache then always paged); default: drawn from "
+        "1, 2, 4, 16 (kvcache: dense or paged)",
     )
     p.add_argument("--head-dim", type=int, default=16, help="head dimension D, >= 1 (default 16)")
     p.add_argument(
@@ -135,6 +136,9 @@ def run(args) -> int:
     ):
         if value is not None and value < low:
             raise KernelUsageError(f"{name} {value} must be >= {low}")
+    if args.page_size is not None and args.layout not in ("kvcache", "paged"):
+        raise KernelUsageError(
+            f"--page-size {args.page_size}: the {args.layout} layout has no pages")
     if args.sinks and args.layout != "padded":
         raise KernelUsageError(f"--sinks: the {args.layout} layout has no argument for sinks "
                                f"(only padded carries them)")
