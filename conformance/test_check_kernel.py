@@ -210,6 +210,15 @@ def test_same_examples_every_run():
     assert (first.examples, first.report) == (second.examples, second.report)
 
 
+@pytest.mark.parametrize("fn, words", [
+    (lambda q, *args, **kw: None, "the function returned a NoneType, not a tensor"),
+    (lambda q, *args, **kw: q[None], "the output does not have the varlen layout's shape"),
+])
+def test_output_of_the_wrong_kind_is_a_mismatch(fn, words):
+    result = check(fn, "varlen", "float32", examples=5)
+    assert not result.passed and words in result.report, result.report
+
+
 def test_kernel_that_raises_is_a_mismatch():
     def refuses_empty_rows(q, k, v, cu_seqlens_q, *rest, **kw):
         if bool((cu_seqlens_q[1:] == cu_seqlens_q[:-1]).any()):

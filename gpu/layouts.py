@@ -139,6 +139,10 @@ def _front_align(rows: list[torch.Tensor], width: int, like: torch.Tensor) -> to
     return out
 
 
+def _same_shape(out: torch.Tensor, q: torch.Tensor) -> None:
+    _need(out.shape == q.shape, f"output {list(out.shape)} must have q's shape {list(q.shape)}")
+
+
 def _cumulative(lens: list[int], device) -> torch.Tensor:
     out = [0]
     for n in lens:
@@ -184,6 +188,7 @@ class Varlen:
 
     def output_to_batch(self, out: torch.Tensor) -> torch.Tensor:
         """`[total_q, Hq, D]` -> canonical `[B, Hq, t_q, D]`."""
+        _same_shape(out, self.q)
         return _unpack_queries(out, _ints(self.cu_seqlens_q), self.max_seqlen_q)
 
 
@@ -424,6 +429,7 @@ class Paged:
 
     def output_to_batch(self, out: torch.Tensor) -> torch.Tensor:
         """`[total_q, Hq, D]` -> canonical `[B, Hq, t_q, D]`."""
+        _same_shape(out, self.q)
         qo = _ints(self.qo_indptr)
         t_q = max([b - a for a, b in itertools.pairwise(qo)] + [0])
         return _unpack_queries(out, qo, t_q)

@@ -174,11 +174,16 @@ def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> 
     )
     try:
         out = fn(*args, **kwargs)
-        if isinstance(out, tuple):
-            out = out[0]
-        got = as_float64(arrays.output_to_batch(out))
     except Exception as exc:  # noqa: BLE001 (a kernel failing on a batch is a finding)
         return f"{head}\nthe function raised {type(exc).__name__}: {exc}"
+    if isinstance(out, tuple) and out:
+        out = out[0]  # (out, lse) and the like
+    if not isinstance(out, torch.Tensor):
+        return f"{head}\nthe function returned a {type(out).__name__}, not a tensor"
+    try:
+        got = as_float64(arrays.output_to_batch(out))
+    except ValueError as exc:
+        return f"{head}\nthe output does not have the {layout} layout's shape: {exc}"
     ref = attention_under(batch)
     live = live_slots(batch)
     bound = tolerance(dtype, float(np.where(live, np.abs(ref), 0.0).max()))
