@@ -242,7 +242,7 @@ def test_the_adapter_of_docs_kernels_md_passes():
 
 def test_the_command_names_the_layouts_and_dtypes_it_runs():
     """The parser's lists (kept free of torch imports) are those of the layouts and cases."""
-    from gpu.layouts import LAYOUTS
+    from raggedspec.gpu.layouts import LAYOUTS
     from raggedspec import check_kernel
     from raggedspec.kernel_cases import DTYPES
 
@@ -288,7 +288,7 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
                 "check-kernel",
                 "--layout",
                 "varlen",
-                "conformance.test_check_kernel:torch_is_causal_varlen",
+                "raggedspec.conformance.test_check_kernel:torch_is_causal_varlen",
                 "--examples",
                 "30",
             ]
@@ -334,7 +334,7 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
             "the varlen layout has no argument for sinks",
         ),
         (
-            ["--layout", "padded", "conformance.test_check_kernel:modulo_heads_padded", "--sinks"],
+            ["--layout", "padded", "raggedspec.conformance.test_check_kernel:modulo_heads_padded", "--sinks"],
             "unexpected keyword argument 'sinks'",
         ),
     ],

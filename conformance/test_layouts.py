@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu import layouts as L
+from raggedspec.gpu import layouts as L
 from raggedspec.kernel_cases import build_batch, cases
 
 LAYOUT_CASES = st.sampled_from(["varlen", "kvcache", "paged", "padded"]).flatmap(

@@ -13,7 +13,7 @@ against the mutant, most specific first, with `-x`: the first failing test is th
 (the equivalence claim would then be wrong) as well as if any other entry survives.
 
 Adding a rule: add its entries here (name "function: what the mutant does"), run
-`python -m mutation.runner --catalogue-only --only "function:"` and make every entry CAUGHT.
+`python -m raggedspec.mutation.runner --catalogue-only --only "function:"` and make every entry CAUGHT.
 """
 
 from __future__ import annotations
@@ -577,7 +577,7 @@ PORT_CATALOGUE: list[Mutant] = [
       "issue 5", P_KERN),
 ]
 
-from mutation.catalogue_kernels import KERNEL_MUTANTS  # noqa: E402 (rows only; no cycle)
+from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS  # noqa: E402 (rows only; no cycle)
 
 KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
 

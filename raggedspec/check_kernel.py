@@ -69,7 +69,7 @@ def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None,
     `sinks=` too when `sinks`)."""
     import torch
 
-    from gpu.layouts import to_layout
+    from raggedspec.gpu.layouts import to_layout
     from raggedspec.kernel_cases import Case, build_batch
 
     case = Case((1,), (2,), None, 1, 1, 8, page_size or (1 if layout == "paged" else None), 0,

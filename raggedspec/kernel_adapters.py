@@ -227,8 +227,8 @@ def port_in_place_varlen(
     """The port's in-place verify attention over the varlen layout. That path is one KV head
     with one query length per call, so rows are grouped by query length and each KV head runs
     with its own query heads; the window is `left + 1` keys (unbounded: the longest row)."""
-    from gpu.attention import dsv4_attention_in_place
-    from gpu.cache import RaggedKv
+    from raggedspec.gpu.attention import dsv4_attention_in_place
+    from raggedspec.gpu.cache import RaggedKv
 
     if not causal or window_size[1] not in (0, -1):
         raise ValueError("the port's verify attention is causal only")

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 
-from gpu.layouts import VerifyBatch, to_layout
+from raggedspec.gpu.layouts import VerifyBatch, to_layout
 from raggedspec.kernel_explain import as_float64, attention_under, explain, live_slots
 
 DTYPES = {

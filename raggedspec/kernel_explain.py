@@ -19,9 +19,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from gpu.layouts import KvCache, Paged, VerifyBatch, from_layout
-from reference.attention import attention
-from reference.masks import raw_validity
+from raggedspec.gpu.layouts import KvCache, Paged, VerifyBatch, from_layout
+from raggedspec.reference.attention import attention
+from raggedspec.reference.masks import raw_validity
 
 # ----------------------------------------------------------------------------- reference
 
