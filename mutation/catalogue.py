@@ -577,7 +577,11 @@ PORT_CATALOGUE: list[Mutant] = [
       "issue 5", P_KERN),
 ]
 
-ALL: list[Mutant] = CATALOGUE + PORT_CATALOGUE
+from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS  # noqa: E402 (rows only; no cycle)
+
+KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
+
+ALL: list[Mutant] = CATALOGUE + PORT_CATALOGUE + KERNEL_CATALOGUE
 
 
 def select(scope: str = "all", only: str | None = None) -> list[Mutant]:

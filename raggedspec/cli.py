@@ -329,6 +329,19 @@ def run_mutation(args) -> int:
     return mutation_main(args.runner_args)
 
 
+def add_check_kernel(sub) -> argparse.ArgumentParser:
+    from raggedspec.check_kernel import add_parser
+    return add_parser(sub)
+
+
+def run_check_kernel(args) -> int:
+    from raggedspec.check_kernel import KernelUsageError, run
+    try:
+        return run(args)
+    except KernelUsageError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def add_bench(sub) -> argparse.ArgumentParser:
     from raggedspec.gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
@@ -372,6 +385,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "mutation": (add_mutation, run_mutation),
     "preflight": (add_preflight, run_preflight),
     "check-trace": (add_check_trace, run_check_trace),
+    "check-kernel": (add_check_kernel, run_check_kernel),
 }
 
 

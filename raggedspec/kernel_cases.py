@@ -1,0 +1,250 @@
+"""The generated verify batches of `raggedspec check-kernel` and the comparison of one
+kernel output with the reference.
+
+`cases(layout, ...)` draws a `Case` (per-row query and cache lengths, window, head counts,
+page size, value seed); `build_batch` gives its tensors; `run_case` sends the batch through
+the user's function in the layout and compares the live query slots with the reference
+(`raggedspec.kernel_explain.attention_under`) under the tolerance of docs/conformance.md;
+`check` runs the derandomized Hypothesis search and returns the smallest failing case's
+report. See `raggedspec.check_kernel` for the command and docs/kernels.md for the cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import strategies as st
+
+from raggedspec.gpu.layouts import VerifyBatch, to_layout
+from raggedspec.kernel_explain import as_float64, attention_under, explain, live_slots
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+FLOAT64_RTOL, LOW_PRECISION_K = 1e-12, 16.0
+DEAD_K, DEAD_V = 3.0, 8.0
+"""Offsets of the values in dead key columns: a kernel reading them is visibly wrong."""
+
+
+def tolerance(dtype: str, scale: float) -> float:
+    """docs/conformance.md: float64 `1e-12 * scale`, else `16 eps(dtype) * scale`."""
+    return (FLOAT64_RTOL if dtype == "float64" else LOW_PRECISION_K * EPS[dtype]) * scale
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One generated verify batch, before its values are drawn from `seed`."""
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    window: int | None
+    kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int | None
+    seed: int
+    sinks: bool = False
+
+
+@st.composite
+def cases(
+    draw,
+    layout: str,
+    page_size: int | None = None,
+    head_dim: int = 16,
+    max_query_len: int | None = None,
+    sinks: bool = False,
+) -> Case:
+    """Verify batches: depth 1..7, 1..6 rows, q_len = accepted + 1 (0 and all accepted as
+    corners) or 0 for a row not verifying, at least one row with a query; cache history by
+    shape (short, far apart, past 256, on a page boundary); window None, 1, 2, near the
+    depth, or up to 64; Hk in {1, 2} with 1..8 query heads each. `max_query_len` caps q_len
+    (1 for a decode-only kernel). "kvcache" draws dense or paged; "paged" always pages.
+    With `sinks` (the padded layout only) a batch has per-head sinks or none."""
+    depth = draw(st.integers(1, 7))
+    cap = depth + 1 if max_query_len is None else max(1, min(depth + 1, max_query_len))
+    n = draw(st.integers(1, 6))
+    corner = draw(st.sampled_from(["any", "all_rejected", "all_accepted"]))
+    if corner == "all_rejected":
+        accepted = [0] * n
+    elif corner == "all_accepted":
+        accepted = [depth] * n
+    else:
+        accepted = draw(st.lists(st.integers(0, depth), min_size=n, max_size=n))
+    q_lens = [min(a + 1, cap) for a in accepted]
+    idle = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    if not all(idle):
+        q_lens = [0 if e else ql for e, ql in zip(idle, q_lens, strict=True)]
+    if layout == "paged" or (layout == "kvcache" and page_size is None and draw(st.booleans())):
+        ps = page_size or draw(st.sampled_from([1, 2, 4, 16]))
+    else:
+        ps = page_size if layout == "kvcache" else None
+    shape = draw(st.sampled_from(["short", "far_apart", "past_bf16", "page_edge"]))
+    history = []
+    for i, ql in enumerate(q_lens):
+        if shape == "far_apart":
+            h = draw(st.integers(0, 2)) if i == 0 else draw(st.integers(200, 300))
+        elif shape == "past_bf16":
+            h = draw(st.integers(250, 300))
+        elif shape == "page_edge":
+            edge = draw(st.integers(0, 4)) * (ps or 16) + draw(st.sampled_from([-1, 0, 1]))
+            h = max(0, edge - ql)
+        else:
+            h = draw(st.integers(0, 24))
+        history.append(h)
+    kv_lens = [h + ql for h, ql in zip(history, q_lens, strict=True)]
+    window = draw(
+        st.one_of(
+            st.none(), st.sampled_from([1, 2, depth, depth + 1, depth + 2]), st.integers(1, 64)
+        )
+    )
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**16 - 1))
+    has_sinks = sinks and draw(st.booleans())
+    return Case(tuple(q_lens), tuple(kv_lens), window, kv_heads, group, head_dim, ps, seed,
+                has_sinks)
+
+
+def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
+    """The case's tensors: N(0, 1) values rounded to `dtype` (so the float64 reference sees
+    exactly what the kernel sees); dead key columns `DEAD_K + N(0,1)`, values `DEAD_V + N`;
+    sinks `N(0, 1) + 1` per query head when the case has them."""
+    g = torch.Generator().manual_seed(case.seed)
+    b, hk, d = len(case.q_lens), case.kv_heads, case.head_dim
+    t_q, t = max(case.q_lens), max(case.kv_lens)
+    q = torch.randn((b, hk * case.group, t_q, d), generator=g, dtype=torch.float64)
+    k = torch.randn((b, hk, t, d), generator=g, dtype=torch.float64)
+    v = torch.randn((b, hk, t, d), generator=g, dtype=torch.float64)
+    for i, n in enumerate(case.kv_lens):
+        k[i, :, : t - n] += DEAD_K
+        v[i, :, : t - n] += DEAD_V
+    sinks = torch.randn(hk * case.group, generator=g, dtype=torch.float64) + 1.0
+    q, k, v, sinks = (x.to(dtype).to(device) for x in (q, k, v, sinks))
+    return VerifyBatch(q, k, v, list(case.q_lens), list(case.kv_lens), case.window,
+                       sinks if case.sinks else None)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def short_list(values: list, limit: int = 16) -> str:
+    """`values` in full up to `limit` entries, else the first `limit` and the count."""
+    if len(values) <= limit:
+        return str(values)
+    return f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)} values)]"
+
+
+def _show(x) -> str:
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point():
+            return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+        if x.dim() == 2:
+            return "[" + ", ".join(short_list(r) for r in x.tolist()) + "]"
+        return short_list(x.tolist())
+    return repr(x)
+
+
+def show_layout(obj) -> str:
+    """The layout's fields, integer arrays in full, float tensors as dtype and shape."""
+    return "\n".join(f"  {f.name} = {_show(getattr(obj, f.name))}" for f in fields(obj))
+
+
+def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> str | None:
+    """None if `fn` matches the reference on this case, else the failure report."""
+    batch = build_batch(case, DTYPES[dtype], device)
+    arrays = to_layout(batch, layout, case.page_size, seed=case.seed)
+    args, kwargs = arrays.call()
+    head = (
+        f"q_lens {list(case.q_lens)}, kv_lens {list(case.kv_lens)}, window {case.window}, "
+        f"Hq {case.kv_heads * case.group}, Hk {case.kv_heads}, D {case.head_dim}"
+        + (f", page_size {case.page_size}" if case.page_size else "")
+        + f"\n{show_layout(arrays)}"
+    )
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 (a kernel failing on a batch is a finding)
+        return f"{head}\nthe function raised {type(exc).__name__}: {exc}"
+    if isinstance(out, tuple) and out:
+        out = out[0]  # (out, lse) and the like
+    if not isinstance(out, torch.Tensor):
+        return f"{head}\nthe function returned a {type(out).__name__}, not a tensor"
+    try:
+        got = as_float64(arrays.output_to_batch(out))
+    except ValueError as exc:
+        return f"{head}\nthe output does not have the {layout} layout's shape: {exc}"
+    ref = attention_under(batch)
+    live = live_slots(batch)
+    bound = tolerance(dtype, float(np.where(live, np.abs(ref), 0.0).max()))
+    err = np.where(live, np.abs(got - ref), 0.0)
+    if np.isfinite(np.where(live, got, 0.0)).all() and err.max() <= bound:
+        return None
+    return (
+        f"{head}\nmax error {float(np.nan_to_num(err, nan=np.inf).max()):.3g}, bound {bound:.3g}\n"
+        + explain(batch, got, ref, bound, arrays)
+    )
+
+
+@dataclass
+class CheckResult:
+    passed: bool
+    examples: int
+    report: str
+
+
+class _Mismatch(AssertionError):
+    pass
+
+
+def check(
+    fn: Callable,
+    layout: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    examples: int = 100,
+    page_size: int | None = None,
+    head_dim: int = 16,
+    max_query_len: int | None = None,
+    sinks: bool = False,
+) -> CheckResult:
+    """Run `examples` derandomized cases of `layout` through `fn`; on a failure Hypothesis
+    shrinks it and the report is that of the smallest failing case."""
+    ran, reports = [0], []
+
+    @settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
+    @given(case=cases(layout, page_size, head_dim, max_query_len, sinks))
+    def prop(case: Case) -> None:
+        ran[0] += 1
+        report = run_case(fn, layout, case, dtype, device)
+        if report is not None:
+            reports.append(report)
+            raise _Mismatch(report)
+
+    try:
+        prop()
+    except _Mismatch:
+        return CheckResult(False, ran[0], reports[-1])
+    return CheckResult(
+        True, ran[0], f"pass: {ran[0]} generated {layout} batches match the reference"
+    )
