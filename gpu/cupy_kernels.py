@@ -1,5 +1,5 @@
 """The hand-written kernels of `gpu/kernels.cu`, launched by CuPy on a CUDA GPU or by the g++
-emulator on the CPU (issue 5). Same rules, same refusals as the torch port.
+emulator on the CPU. Same rules, same refusals as the torch port.
 
 Two runners, one set of operations:
 - `Kernels("cupy")`: CuPy arrays on the current device, NVRTC through `cupy.RawModule`;
@@ -17,7 +17,13 @@ two, the split-K partials and their combine), and reads rows through per-row off
 - `verify_attention` / `dsv4_attention_rows`: attention of the `w` verify queries of each row
   over its KV in place, GQA, with DSV4's rules (causal, sliding window, start-anchored
   compressed blocks, sinks), reading only the live keys some query of the window can see,
-  never a column at or past `lens[b]`; at most 64 queries per KV head (`fits`).
+  never a column at or past `lens[b]`; at most 64 queries per KV head (`fits`). bf16 at head
+  dims 16..256 (multiples of 16) runs on tensor cores (`rs_verify_attention_tc`: mma.sync,
+  a cp.async pipeline, dynamic shared memory), everything else on the CUDA-core kernel.
+  No device->host read per call: lengths and rows given as host integers are checked on the
+  host and uploaded; given as device arrays they are not read back, and a value the host
+  could not check (a length outside `[w, cap]`, a row outside the KV batch) makes its output
+  rows NaN instead of a refusal. The split count comes from host-known sizes (the capacity).
 
 `ragged_verify_attention(q, k, v, lens)` is the torch-facing entry point `raggedspec bench`
 calls (contract in gpu/bench.py): torch CUDA tensors in and out, zero-copy through DLPack,
@@ -47,10 +53,11 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def defines(dtype: str, nq: int = 1, d: int = 1, nt: int = 32) -> str:
+def defines(dtype: str, nq: int = 1, d: int = 1, nt: int = 32, warps: int = 4, stages: int = 3) -> str:
+    """The #defines a build of gpu/kernels.cu is specialised by (see the source's header)."""
     elem, acc = ELEM[dtype]
     return (f"#define RS_ELEM {elem}\n#define RS_ACC {acc}\n#define RS_NQ {nq}\n#define RS_D {d}\n"
-            f"#define RS_NT {nt}\n")
+            f"#define RS_NT {nt}\n#define RS_WARPS {warps}\n#define RS_STAGES {stages}\n")
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -84,21 +91,33 @@ class Kernels:
             self.sm_count = 2
             self.block = 32
             self.attn_threads = 32
+        self.tc_warps, self.tc_stages = TC_WARPS, TC_STAGES
         self._modules: dict[str, object] = {}
+        self._functions: dict[tuple[str, str], object] = {}
 
     # ------------------------------------------------------------------ launching
-    def _launch(self, name: str, dtype: str, grid, block: int, args: list, nq=1, d=1, nt=32) -> None:
-        text = defines(dtype, nq, d, nt)
+    def _launch(self, name: str, dtype: str, grid, block: int, args: list, nq=1, d=1, nt=32, warps=4, stages=3,
+                shared: int = 0) -> None:
+        """One launch of kernel `name` of the build `defines(...)` names, with `shared` bytes of
+        dynamic shared memory. CUDA modules and functions are compiled and configured once
+        per build (the dynamic-shared limit raised once, when above 48 KB)."""
+        text = defines(dtype, nq, d, nt, warps, stages)
         if self.mode == "emulate":
-            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args)
+            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args, shared)
             return
-        import cupy
+        fn = self._functions.get((text, name))
+        if fn is None:
+            import cupy
 
-        module = self._modules.get(text)
-        if module is None:
-            module = cupy.RawModule(code=text + self.source, options=("-std=c++17",))
-            self._modules[text] = module
-        module.get_function(name)(tuple(grid), (block,), tuple(emu.bind(name, self.sigs[name], args)))
+            module = self._modules.get(text)
+            if module is None:
+                module = cupy.RawModule(code=text + self.source, options=("-std=c++17",))
+                self._modules[text] = module
+            fn = module.get_function(name)
+            if shared > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = shared
+            self._functions[(text, name)] = fn
+        fn(tuple(grid), (block,), tuple(emu.bind(name, self.sigs[name], args)), shared_mem=shared)
 
     def _elementwise_grid(self, n: int) -> tuple[int, int, int]:
         """Grid-stride launches: up to 32 blocks per SM on CUDA; 4 blocks emulated (each
@@ -192,14 +211,22 @@ class Kernels:
                          [x, offsets, offsets.size, b, h, t, d, rope_dims, float(theta), int(bool(inverse)), out])
         return out
 
-    def n_split(self, b: int, hk: int, longest: int, nt: int) -> int:
-        """Key-axis splits: enough blocks for two waves of the device's SMs, never more
-        splits than tiles in the longest row."""
-        want = -(-2 * self.sm_count // max(b * hk, 1))
-        return max(1, min(want, -(-longest // nt)))
+    def n_split(self, b: int, hk: int, longest: int, tile: int, per_sm: int = 1) -> int:
+        """Key-axis splits from host-known sizes: the fewest splits whose `b * hk * splits`
+        blocks fill whole waves (`sm_count * per_sm` resident blocks) to at least 95%, else
+        the best-filling count; never more splits than `tile`-key tiles in `longest`."""
+        base, wave = max(b * hk, 1), max(self.sm_count * per_sm, 1)
+        most = max(1, -(-longest // tile))
+
+        def filled(s: int) -> float:
+            return base * s / (-(-base * s // wave) * wave)
+
+        good = [s for s in range(1, most + 1) if filled(s) >= 0.95]
+        return good[0] if good else max(range(1, most + 1), key=lambda s: (filled(s), -s))
 
     def verify_attention(self, q, k, v, lens, rows=None, window: int | None = None, compressed=None,
-                         ratio: int = 0, sinks=None, n_split: int | None = None, nt: int | None = None):
+                         ratio: int = 0, sinks=None, n_split: int | None = None, nt: int | None = None,
+                         path: str | None = None):
         """`out [B,H,w,D]` in q's dtype, read in place, DSV4's rules (`gpu.model.dsv4_attention_rows`).
 
         Query row b reads KV row `rows[b]` (default b) of `k, v [Bkv,Hk,cap,D]`, which holds
@@ -208,7 +235,9 @@ class Kernels:
         None: every earlier key, the bench's full causal attention); only keys some query can
         see are read, nothing at or past n. `compressed [Bkv,Hk,t_c,D]` (K == V,
         start-anchored): block c valid iff `c < (qp + 1) // ratio`. `sinks [H]`: a per-head
-        logit in the denominator only. Scale `1/sqrt(D)`.
+        logit in the denominator only. Scale `1/sqrt(D)`. `path` "tc" | "simt" forces a kernel
+        (default: tensor cores where `tc_fits`). `lens` / `rows` as host integers are checked
+        here; as device arrays they are not read (bad values give NaN rows, see the module).
         MaskRefusal ("query rows against only") for a row shorter than w; ValueError on shapes,
         lens past cap, `window < 1`, `ratio < 1` with compressed keys."""
         xp = self.xp
@@ -218,44 +247,63 @@ class Kernels:
         b_kv, hk, cap, _ = k.shape
         require(k.shape[3] == d and hk >= 1 and h % hk == 0,
                 f"q {list(q.shape)} against k {list(k.shape)}: head dim or GQA grouping disagree")
-        require(dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype),
+        dtype = dtype_name(q.dtype)
+        require(dtype == dtype_name(k.dtype) == dtype_name(v.dtype),
                 f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
-        lens = self._ints(lens)
-        require(lens.size == b_kv and not bool((lens < 0).any() or (lens > cap).any()),
-                f"lens {lens.tolist()} must be {b_kv} values in [0, cap {cap}]")
+        host_lens = self._host_ints(lens)
+        if host_lens is not None:
+            require(host_lens.size == b_kv and not bool((host_lens < 0).any() or (host_lens > cap).any()),
+                    f"lens {host_lens.tolist()} must be {b_kv} values in [0, cap {cap}]")
+        else:
+            require(lens.size == b_kv, f"{lens.size} lens for {b_kv} KV rows")
         if rows is None:
             require(b_kv == b, f"{b} query rows for {b_kv} KV rows: pass rows")
-            rows = xp.arange(b, dtype=xp.int64)
-        rows = self._ints(rows)
-        require(rows.size == b and not bool((rows < 0).any() or (rows >= b_kv).any()),
-                f"rows {rows.tolist()} must be {b} indices into {b_kv} KV rows")
+            rows = np.arange(b, dtype=np.int64)
+        host_rows = self._host_ints(rows)
+        if host_rows is not None:
+            require(host_rows.size == b and not bool((host_rows < 0).any() or (host_rows >= b_kv).any()),
+                    f"rows {host_rows.tolist()} must be {b} indices into {b_kv} KV rows")
+        else:
+            require(rows.size == b, f"{rows.size} rows for {b} query rows")
         require(window is None or window >= 1, f"window {window} must be >= 1")
-        window = cap + w if window is None else int(window)
-        row_lens = lens[rows]
-        short = np.flatnonzero(self._host(row_lens < w))
-        if short.size:
-            raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
+        window = cap + w if window is None else min(int(window), cap + w)   # wider sees the same keys
+        if host_lens is not None and host_rows is not None:
+            row_lens = host_lens[host_rows]
+            short = np.flatnonzero(row_lens < w)
+            if short.size:
+                raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
         t_c = 0 if compressed is None else int(compressed.shape[2])
         if t_c:
-            require(tuple(compressed.shape) == (b_kv, hk, t_c, d) and dtype_name(compressed.dtype) == dtype_name(k.dtype),
+            require(tuple(compressed.shape) == (b_kv, hk, t_c, d) and dtype_name(compressed.dtype) == dtype,
                     f"compressed {list(compressed.shape)} must be [{b_kv},{hk},t_c,{d}] in k's dtype")
             require(ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
         if sinks is not None:
-            require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype_name(q.dtype),
+            require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype,
                     f"sinks {list(sinks.shape)} must be [{h}] in q's dtype")
         out = xp.empty(q.shape, dtype=q.dtype)
         if out.size == 0:
             return out
-        nt = self.attn_threads if nt is None else nt
         nq = (h // hk) * w
-        require(self.fits(nq, d, dtype_name(q.dtype), nt),
-                f"{nq} queries per KV head (G * w) of head dim {d} need {verify_shared_bytes(nq, d, dtype_name(q.dtype), nt)} "
+        path = path or ("tc" if self.tc_fits(nq, d, dtype) else "simt")
+        require(path in ("tc", "simt"), f"verify path {path!r} must be 'tc' or 'simt'")
+        if path == "tc":
+            require(self.tc_fits(nq, d, dtype), f"the tensor-core kernel does not take {nq} queries of head dim {d} "
+                    f"in {dtype} (bf16, head dim a multiple of 16 in [16, 256], at most {TC_MAX_TILES} 16x8 "
+                    f"accumulator tiles)")
+            require(max(cap, t_c) * d < 2**31 and cap + w < 2**31,
+                    f"cap {cap} x head dim {d} is past the tensor-core kernel's 32-bit indices")
+        nt = self.attn_threads if nt is None else nt
+        require(path == "tc" or self.fits(nq, d, dtype, nt),
+                f"{nq} queries per KV head (G * w) of head dim {d} need {verify_shared_bytes(nq, d, dtype, nt)} "
                 f"bytes of shared memory and {nq} accumulators per thread; the verify kernel takes at most "
                 f"{SHARED_LIMIT} bytes and {MAX_QUERIES} queries (a prefill belongs to the torch port)")
-        longest = int(row_lens.max()) + t_c
-        n_split = self.n_split(b, hk, min(longest, window + w - 1 + t_c), nt) if n_split is None else n_split
+        tile = TC_TILE if path == "tc" else nt
+        shared = tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) if path == "tc" else 0
+        per_sm = (max(1, min(SM_SHARED // (shared + 1024), 2048 // (32 * self.tc_warps))) if path == "tc"
+                  else max(1, min(2048 // nt, SM_SHARED // (verify_shared_bytes(nq, d, dtype, nt) + 1024))))
+        if n_split is None:
+            n_split = self.n_split(b, hk, min(cap, window + w - 1) + t_c, tile, per_sm)
         require(n_split >= 1, f"n_split {n_split} must be >= 1")
-        dtype = dtype_name(q.dtype)
         acc = ACC_NUMPY[ELEM[dtype][1]]
         part_m = xp.empty((n_split, b, hk, nq), dtype=acc)
         part_l = xp.empty((n_split, b, hk, nq), dtype=acc)
@@ -263,29 +311,55 @@ class Kernels:
         dummy = xp.zeros(1, dtype=q.dtype)
         q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
         ck = dummy if not t_c else xp.ascontiguousarray(compressed)
-        self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
-                     [q, k, v, lens, rows, ck, t_c, max(ratio, 1), b, hk, cap, w, window, n_split,
-                      1.0 / math.sqrt(d), part_m, part_l, part_acc], nq=nq, d=d, nt=nt)
+        lens_d = self._ints(lens if host_lens is None else host_lens)
+        rows_d = self._ints(rows if host_rows is None else host_rows)
+        if path == "tc":
+            self._launch("rs_verify_attention_tc", dtype, (n_split, hk, b), 32 * self.tc_warps,
+                         [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window, n_split, b_kv,
+                          math.log2(math.e) / math.sqrt(d), part_m, part_l, part_acc],
+                         nq=nq, d=d, nt=nt, warps=self.tc_warps, stages=self.tc_stages, shared=shared)
+        else:
+            self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
+                         [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window, n_split, b_kv,
+                          1.0 / math.sqrt(d), part_m, part_l, part_acc], nq=nq, d=d, nt=nt,
+                         warps=self.tc_warps, stages=self.tc_stages)
         self._launch("rs_verify_attention_combine", dtype, self._elementwise_grid(out.size), self.block,
                      [part_m, part_l, part_acc, dummy if sinks is None else xp.ascontiguousarray(sinks),
-                      int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt)
+                      int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt,
+                     warps=self.tc_warps, stages=self.tc_stages)
         return out
 
     def dsv4_attention_rows(self, q, k, v, lens, rows, compressed, compress_ratio: int, sliding_window: int,
-                            sinks=None, n_split: int | None = None, nt: int | None = None):
+                            sinks=None, n_split: int | None = None, nt: int | None = None, path: str | None = None):
         """`gpu.model.dsv4_attention_rows` as one kernel pass: DSV4 union attention of each
         query row over its own KV row in place. A Standard layer (`compress_ratio <= 1`)
         ignores `compressed`; `window = max(sliding_window, 1)`. Same refusal
         (MaskRefusal "query rows against only")."""
         comp = None if compress_ratio <= 1 else compressed
         return self.verify_attention(q, k, v, lens, rows=rows, window=max(int(sliding_window), 1), compressed=comp,
-                                     ratio=compress_ratio, sinks=sinks, n_split=n_split, nt=nt)
+                                     ratio=compress_ratio, sinks=sinks, n_split=n_split, nt=nt, path=path)
 
     def fits(self, nq: int, d: int, dtype: str, nt: int | None = None) -> bool:
-        """Whether the verify kernel takes `nq` queries per KV head of head dim `d` (the same
+        """Whether a verify kernel takes `nq` queries per KV head of head dim `d` (the same
         rule on both runners, so the emulator routes work exactly as CUDA would)."""
         nt = self.attn_threads if nt is None else nt
-        return nq <= MAX_QUERIES and verify_shared_bytes(nq, d, dtype, nt) <= SHARED_LIMIT
+        simt = nq <= MAX_QUERIES and verify_shared_bytes(nq, d, dtype, nt) <= SHARED_LIMIT
+        return simt or self.tc_fits(nq, d, dtype)
+
+    def tc_fits(self, nq: int, d: int, dtype: str) -> bool:
+        """Whether the tensor-core kernel takes `nq` queries of head dim `d`: bf16, `d` a
+        multiple of 16 in [16, 256], at most TC_MAX_TILES accumulator tiles of 16 dims x 8
+        queries per warp, and its dynamic shared memory within TC_SHARED_LIMIT."""
+        return (dtype == "bfloat16" and d % 16 == 0 and 16 <= d <= 256 and nq >= 1
+                and (d // 16) * -(-nq // 8) <= TC_MAX_TILES
+                and tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) <= TC_SHARED_LIMIT)
+
+    def _host_ints(self, x) -> np.ndarray | None:
+        """`x` as host int64 when it is host data (a number, list, tuple, NumPy array); None
+        for a device array, which is never read back."""
+        if self.mode == "cupy" and not isinstance(x, (int, list, tuple, np.ndarray)):
+            return None
+        return np.asarray(x, dtype=np.int64).reshape(-1)
 
     def _host(self, a) -> np.ndarray:
         return a.get() if self.mode == "cupy" else np.asarray(a)
@@ -293,6 +367,19 @@ class Kernels:
 
 SHARED_LIMIT = 48 * 1024   # static shared memory a CUDA block may declare
 MAX_QUERIES = 64            # G * w: accumulators and scores held per thread
+TC_SHARED_LIMIT = 227 * 1024   # dynamic shared memory a Hopper block may opt in to
+SM_SHARED = 228 * 1024         # shared memory per Hopper SM (each block also takes 1 KB)
+TC_WARPS, TC_STAGES, TC_TILE = 4, 3, 64   # tensor-core kernel: warps, cp.async stages, keys a stage
+TC_MAX_TILES = 16              # 16x8 float accumulator tiles a lane holds 4 values of: 64 registers
+TC_PITCH = 24                  # bf16 per row of a warp's P^T tile (16 keys + 8 of padding)
+
+
+def tc_shared_bytes(nq: int, d: int, warps: int = TC_WARPS, stages: int = TC_STAGES) -> int:
+    """Dynamic shared memory of `rs_verify_attention_tc`, laid out as the kernel lays it out:
+    K and V stages (bf16), q padded to a multiple of 8 queries, each warp's P^T tile, each
+    warp's max and sum (float). The warps' final accumulators reuse the K/V stages."""
+    nqp = -(-nq // 8) * 8
+    return 2 * (2 * stages * TC_TILE * d + nqp * d + warps * nqp * TC_PITCH) + 4 * 2 * warps * nqp
 
 
 def verify_shared_bytes(nq: int, d: int, dtype: str, nt: int) -> int:

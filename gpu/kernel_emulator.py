@@ -38,14 +38,18 @@ SOURCE_PATH = Path(__file__).with_name("kernels.cu")
 PRELUDE = r"""
 #include <barrier>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 #define RS_EMULATE 1
 #define RS_DEV static inline
 #define __global__
 #define __shared__ static
+#define __launch_bounds__(...)
 struct rs_dim3 { unsigned x, y, z; };
 static thread_local rs_dim3 threadIdx, blockIdx;
 static rs_dim3 blockDim, gridDim;
@@ -54,23 +58,153 @@ static inline void __syncthreads() { rs_barrier->arrive_and_wait(); }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-using std::exp; using std::cos; using std::sin; using std::pow;
-static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, const std::function<void()>& body) {
+using std::exp; using std::cos; using std::sin; using std::pow; using std::exp2; using std::fmax;
+
+// ---- dynamic shared memory: one buffer per launch, poisoned (0xFF: bf16/float NaN) before
+// every block, so a read of a byte no copy has landed in yet is loud
+static unsigned char* rs_dynamic_smem = nullptr;
+static size_t rs_dynamic_bytes = 0;
+#define RS_DYNAMIC_SMEM(name) unsigned char* name = rs_dynamic_smem
+
+// ---- warps: lanes 32 * i .. 32 * i + 31 of a block, each warp with its own barrier and one
+// exchange slot per lane; every warp-collective operation is write slot, barrier, read the
+// slots the operation's layout names, barrier
+struct rs_warp_t {
+    std::unique_ptr<std::barrier<>> bar;
+    alignas(16) unsigned char slot[32][64];
+};
+static std::vector<rs_warp_t> rs_warps;
+static thread_local unsigned rs_lane = 0, rs_warp_id = 0;
+static inline rs_warp_t& rs_my_warp() { return rs_warps[rs_warp_id]; }
+static inline void __syncwarp(unsigned = 0xffffffffu) { rs_my_warp().bar->arrive_and_wait(); }
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+    static_assert(sizeof(T) <= 64, "shuffle of a value wider than a slot");
+    rs_warp_t& w = rs_my_warp();
+    std::memcpy(w.slot[rs_lane], &v, sizeof(T));
+    __syncwarp();
+    T out;
+    std::memcpy(&out, w.slot[(rs_lane ^ (unsigned)lane_mask) & 31u], sizeof(T));
+    __syncwarp();
+    return out;
+}
+static inline unsigned short rs_half(unsigned word, unsigned hi) { return (unsigned short)(hi ? word >> 16 : word & 0xFFFFu); }
+static inline float rs_bf16_value(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16 (PTX ISA): lanes 8i .. 8i + 7 give
+// the row addresses of matrix i; lane l receives, in register i, matrix i's row l / 4, elements
+// 2 (l % 4) and 2 (l % 4) + 1 (low half first); .trans: column l / 4, rows 2 (l % 4), +1
+template <int X, bool TRANS> static inline void rs_ldmatrix(unsigned* r, const void* row_addr) {
+    rs_warp_t& w = rs_my_warp();
+    std::memcpy(w.slot[rs_lane], &row_addr, sizeof(void*));
+    __syncwarp();
+    for (int i = 0; i < X; ++i) {
+        const unsigned short* rows[8];
+        for (int j = 0; j < 8; ++j) std::memcpy(&rows[j], w.slot[8 * i + j], sizeof(void*));
+        unsigned lo, hi;
+        if (!TRANS) {
+            lo = rows[rs_lane / 4][2 * (rs_lane % 4)];
+            hi = rows[rs_lane / 4][2 * (rs_lane % 4) + 1];
+        } else {
+            lo = rows[2 * (rs_lane % 4)][rs_lane / 4];
+            hi = rows[2 * (rs_lane % 4) + 1][rs_lane / 4];
+        }
+        r[i] = lo | (hi << 16);
+    }
+    __syncwarp();
+}
+static inline void rs_ldmatrix_x4(unsigned (&r)[4], const void* p) { rs_ldmatrix<4, false>(r, p); }
+static inline void rs_ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { rs_ldmatrix<4, true>(r, p); }
+static inline void rs_ldmatrix_x2(unsigned (&r)[2], const void* p) { rs_ldmatrix<2, false>(r, p); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d = a b + d (PTX ISA fragment layouts,
+// groupID g = lane / 4, t = lane % 4):
+//   A 16x16: a[0] (g, 2t..2t+1), a[1] (g+8, 2t..), a[2] (g, 2t+8..), a[3] (g+8, 2t+8..)
+//   B 16x8:  b[0] (k 2t..2t+1, n g), b[1] (k 2t+8.., n g)
+//   C 16x8:  d[0], d[1] (g, 2t), (g, 2t+1); d[2], d[3] (g+8, 2t), (g+8, 2t+1)
+// Products of bf16 are exact in float; the sum runs in float in k order.
+static inline float rs_mma_a(const unsigned char (*slot)[64], int row, int col) {
+    const unsigned* a = (const unsigned*)slot[(row % 8) * 4 + (col % 8) / 2];
+    return rs_bf16_value(rs_half(a[(row >= 8) + 2 * (col >= 8)], col & 1));
+}
+static inline float rs_mma_b(const unsigned char (*slot)[64], int k, int n) {
+    const unsigned* b = (const unsigned*)(slot[n * 4 + (k % 8) / 2] + 16);
+    return rs_bf16_value(rs_half(b[k >= 8], k & 1));
+}
+static inline void rs_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    rs_warp_t& w = rs_my_warp();
+    std::memcpy(w.slot[rs_lane], a, 16);
+    std::memcpy(w.slot[rs_lane] + 16, b, 8);
+    __syncwarp();
+    const int g = rs_lane / 4, t = rs_lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >= 2), col = 2 * t + (i & 1);
+        float acc = d[i];
+        for (int kk = 0; kk < 16; ++kk) acc += rs_mma_a(w.slot, row, kk) * rs_mma_b(w.slot, kk, col);
+        out[i] = acc;
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// cp.async.cg.shared.global [dst], [src], 16, src_bytes: a deferred copy. It joins this
+// thread's open group; cp.async.commit_group closes the group; cp.async.wait_group N lands
+// the oldest committed groups until at most N are pending. Nothing lands before its wait
+// (a missing or short wait reads the poisoned or previous bytes); bytes past src_bytes are
+// zero-filled and their source is never read; copies still pending when a block ends are
+// dropped.
+struct rs_copy { void* dst; const void* src; unsigned bytes, src_bytes; };
+static thread_local std::vector<rs_copy> rs_open_group;
+static thread_local std::deque<std::vector<rs_copy>> rs_groups;
+static inline void rs_cp_async16(void* dst, const void* src, unsigned src_bytes) {
+    rs_open_group.push_back({dst, src, 16u, src_bytes > 16u ? 16u : src_bytes});
+}
+static inline void rs_cp_async_commit() {
+    rs_groups.push_back(std::move(rs_open_group));
+    rs_open_group.clear();
+}
+template <int N> static inline void rs_cp_async_wait() {
+    while (rs_groups.size() > (size_t)N) {
+        for (const rs_copy& c : rs_groups.front()) {
+            if (c.src_bytes) std::memcpy(c.dst, c.src, c.src_bytes);
+            std::memset((unsigned char*)c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+        }
+        rs_groups.pop_front();
+    }
+}
+
+static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem_bytes,
+                        const std::function<void()>& body) {
     // bx threads for the whole launch; each runs every block in order, and the barrier at the
     // end of a block keeps the next block from touching __shared__ arrays still in use
     gridDim = {gx, gy, gz};
     blockDim = {bx, 1, 1};
     std::barrier<> bar(bx);
     rs_barrier = &bar;
+    std::vector<unsigned char> dyn(smem_bytes ? smem_bytes : 16);
+    rs_dynamic_smem = dyn.data();
+    rs_dynamic_bytes = smem_bytes;
+    rs_warps.clear();
+    rs_warps.resize((bx + 31) / 32);
+    for (unsigned i = 0; i < rs_warps.size(); ++i) {
+        const unsigned lanes = (i + 1) * 32 <= bx ? 32u : bx - 32u * i;
+        rs_warps[i].bar = std::make_unique<std::barrier<>>(lanes);
+    }
     std::vector<std::thread> threads;
     for (unsigned t = 0; t < bx; ++t)
         threads.emplace_back([&, t] {
             threadIdx = {t, 0, 0};
+            rs_lane = t % 32;
+            rs_warp_id = t / 32;
             for (unsigned z = 0; z < gz; ++z)
                 for (unsigned y = 0; y < gy; ++y)
                     for (unsigned x = 0; x < gx; ++x) {
                         blockIdx = {x, y, z};
+                        if (t == 0) std::memset(rs_dynamic_smem, 0xFF, dyn.size());
+                        bar.arrive_and_wait();
                         body();
+                        rs_open_group.clear();
+                        rs_groups.clear();
                         bar.arrive_and_wait();
                     }
         });
@@ -96,7 +230,7 @@ class Param:
 def signatures(source: str) -> dict[str, list[Param]]:
     """Every `extern "C" __global__ void name(params)` of `source`: name -> parameters."""
     out = {}
-    for m in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', source):
+    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?(\w+)\(([^)]*)\)', source):
         params = []
         for raw in m.group(2).split(","):
             words = " ".join(raw.split())
@@ -146,8 +280,8 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
     for name, params in sigs.items():
         decl = ", ".join(f"{p.ctype} {p.name}" for p in params)
         call = ", ".join(p.name for p in params)
-        wrappers.append(f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, {decl}) '
-                        f'{{ rs_run_grid(gx, gy, gz, bx, [&] {{ {name}({call}); }}); }}')
+        wrappers.append(f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, {decl}) '
+                        f'{{ rs_run_grid(gx, gy, gz, bx, smem, [&] {{ {name}({call}); }}); }}')
     text = PRELUDE + defines + "\n" + source + "\n" + "\n".join(wrappers) + "\n"
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     with _LOCK:
@@ -173,17 +307,18 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
         lib.rs_signatures = sigs
         for name, params in sigs.items():
             fn = getattr(lib, f"emu_{name}")
-            fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_void_p if p.pointer else _SCALARS[p.ctype][0]
+            fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_size_t] + [ctypes.c_void_p if p.pointer else _SCALARS[p.ctype][0]
                                                  for p in params]
             fn.restype = None
         _LIBS[key] = lib
         return lib
 
 
-def launch(lib: ctypes.CDLL, name: str, grid: tuple[int, int, int], block: int, args: list) -> None:
-    """Run kernel `name` of a `build` over `grid` blocks of `block` threads. `args` follow the
-    kernel's parameters: C-contiguous NumPy arrays for pointers (written in place), numbers
-    otherwise."""
+def launch(lib: ctypes.CDLL, name: str, grid: tuple[int, int, int], block: int, args: list,
+           shared_bytes: int = 0) -> None:
+    """Run kernel `name` of a `build` over `grid` blocks of `block` threads with
+    `shared_bytes` of dynamic shared memory. `args` follow the kernel's parameters:
+    C-contiguous NumPy arrays for pointers (written in place), numbers otherwise."""
     params = lib.rs_signatures[name]
     cargs = []
     for p, a in zip(params, bind(name, params, args)):
@@ -193,7 +328,8 @@ def launch(lib: ctypes.CDLL, name: str, grid: tuple[int, int, int], block: int, 
             cargs.append(a.ctypes.data)
         else:
             cargs.append(a.item())
-    getattr(lib, f"emu_{name}")(*grid, block, *cargs)
+    require(shared_bytes >= 0, f"{name}: dynamic shared memory {shared_bytes} must be >= 0")
+    getattr(lib, f"emu_{name}")(*grid, block, shared_bytes, *cargs)
 
 
 def nvcc_check(defines: str, arch: str = "sm_90") -> None:

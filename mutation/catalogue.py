@@ -568,7 +568,7 @@ PORT_CATALOGUE: list[Mutant] = [
     M("kernel rs_verify_attention_partial: compressed blocks valid by the batch's longest row", G_KERN,
       ": (p < (qp + 1) / ratio);", ": (p < (n + 1) / ratio);", "issue 5; M§5", P_KERN),
     M("kernel rs_verify_attention_partial: query row b reads KV row b, not rows[b]", G_KERN,
-      "const long long row = rows[b], n = lens[row];", "const long long row = b, n = lens[row];",
+      "const long long row = rows[b], n = (row >= 0", "const long long row = b, n = (row >= 0",
       "issue 5", P_KERN),
     M("kernel rs_verify_attention_combine: drop the sink from the denominator", G_KERN,
       "den = has_sinks ? rs_exp(sink - mx) : (RS_ACC)0;", "den = (RS_ACC)0;", "issue 5; M§4", P_KERN),
