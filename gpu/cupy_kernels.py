@@ -288,7 +288,7 @@ class Kernels:
         require(path in ("tc", "simt"), f"verify path {path!r} must be 'tc' or 'simt'")
         if path == "tc":
             require(self.tc_fits(nq, d, dtype), f"the tensor-core kernel does not take {nq} queries of head dim {d} "
-                    f"in {dtype} (bf16, head dim a multiple of 16 in [16, 256], at most {TC_MAX_TILES} 16x8 "
+                    f"in {dtype} (bf16, head dim in {TC_HEAD_DIMS}, at most {TC_MAX_TILES} 16x8 "
                     f"accumulator tiles)")
             require(max(cap, t_c) * d < 2**31 and cap + w < 2**31,
                     f"cap {cap} x head dim {d} is past the tensor-core kernel's 32-bit indices")
@@ -347,10 +347,11 @@ class Kernels:
         return simt or self.tc_fits(nq, d, dtype)
 
     def tc_fits(self, nq: int, d: int, dtype: str) -> bool:
-        """Whether the tensor-core kernel takes `nq` queries of head dim `d`: bf16, `d` a
-        multiple of 16 in [16, 256], at most TC_MAX_TILES accumulator tiles of 16 dims x 8
-        queries per warp, and its dynamic shared memory within TC_SHARED_LIMIT."""
-        return (dtype == "bfloat16" and d % 16 == 0 and 16 <= d <= 256 and nq >= 1
+        """Whether the tensor-core kernel takes `nq` queries of head dim `d`: bf16, `d` in
+        TC_HEAD_DIMS (powers of two: the shared-memory swizzle XORs chunk bits), at most
+        MAX_QUERIES queries and TC_MAX_TILES accumulator tiles of 16 dims x 8 queries per
+        warp, and its dynamic shared memory within TC_SHARED_LIMIT."""
+        return (dtype == "bfloat16" and d in TC_HEAD_DIMS and 1 <= nq <= MAX_QUERIES
                 and (d // 16) * -(-nq // 8) <= TC_MAX_TILES
                 and tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) <= TC_SHARED_LIMIT)
 
@@ -371,6 +372,7 @@ TC_SHARED_LIMIT = 227 * 1024   # dynamic shared memory a Hopper block may opt in
 SM_SHARED = 228 * 1024         # shared memory per Hopper SM (each block also takes 1 KB)
 TC_WARPS, TC_STAGES, TC_TILE = 4, 3, 64   # tensor-core kernel: warps, cp.async stages, keys a stage
 TC_MAX_TILES = 16              # 16x8 float accumulator tiles a lane holds 4 values of: 64 registers
+TC_HEAD_DIMS = (16, 32, 64, 128, 256)
 TC_PITCH = 24                  # bf16 per row of a warp's P^T tile (16 keys + 8 of padding)
 
 
