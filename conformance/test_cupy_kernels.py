@@ -329,15 +329,6 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
     assert float((small - dsv4_attention_rows(big_q[:, :, :4], cache, None, None, 0, 8)).abs().max()) <= 1e-12
 
 
-def test_the_split_count_fills_the_device_and_never_exceeds_the_tiles():
-    kern = ck.Kernels.__new__(ck.Kernels)
-    kern.sm_count = 132
-    assert kern.n_split(128, 8, 4096, 128) == 1       # 1024 blocks already fill 132 SMs twice
-    assert kern.n_split(1, 8, 4096, 128) == 32        # 264 blocks wanted, 32 tiles at most
-    assert kern.n_split(1, 8, 200, 128) == 2          # two tiles
-    assert kern.n_split(32, 8, 4096, 128) == 2
-
-
 # --------------------------------------------------------------------------- NVRTC front end
 @pytest.mark.skipif(kernel_emulator.compilers()["nvcc"] is None,
                     reason="nvcc is not on the PATH: the CUDA front-end check needs it")
