@@ -284,9 +284,14 @@ class Kernels:
         if out.size == 0:
             return out
         nq = (h // hk) * w
-        path = path or ("tc" if self.tc_fits(nq, d, dtype) else "simt")
+        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
+        ck_in = None if not t_c else xp.ascontiguousarray(compressed)
+        aligned = self._aligned16([q, k, v] + ([] if ck_in is None else [ck_in]))
+        path = path or ("tc" if aligned and self.tc_fits(nq, d, dtype) else "simt")
         require(path in ("tc", "simt"), f"verify path {path!r} must be 'tc' or 'simt'")
         if path == "tc":
+            require(aligned, "the tensor-core kernel copies 16-byte chunks: q, k, v and compressed must start "
+                    "16-byte aligned")
             require(self.tc_fits(nq, d, dtype), f"the tensor-core kernel does not take {nq} queries of head dim {d} "
                     f"in {dtype} (bf16, head dim in {TC_HEAD_DIMS}, at most {TC_MAX_TILES} 16x8 "
                     f"accumulator tiles)")
@@ -309,8 +314,7 @@ class Kernels:
         part_l = xp.empty((n_split, b, hk, nq), dtype=acc)
         part_acc = xp.empty((n_split, b, hk, nq, d), dtype=acc)
         dummy = xp.zeros(1, dtype=q.dtype)
-        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
-        ck = dummy if not t_c else xp.ascontiguousarray(compressed)
+        ck = dummy if ck_in is None else ck_in
         lens_d = self._ints(lens if host_lens is None else host_lens)
         rows_d = self._ints(rows if host_rows is None else host_rows)
         if path == "tc":
@@ -361,6 +365,10 @@ class Kernels:
         if self.mode == "cupy" and not isinstance(x, (int, list, tuple, np.ndarray)):
             return None
         return np.asarray(x, dtype=np.int64).reshape(-1)
+
+    def _aligned16(self, arrays: list) -> bool:
+        """Whether every array starts 16-byte aligned (host metadata: the data pointer)."""
+        return all((a.data.ptr if self.mode == "cupy" else a.ctypes.data) % 16 == 0 for a in arrays)
 
     def _host(self, a) -> np.ndarray:
         return a.get() if self.mode == "cupy" else np.asarray(a)
