@@ -147,6 +147,16 @@ def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, s
     assert np.max(np.abs(got - want)) <= 2.0 ** -6 * live
 
 
+def test_the_largest_query_block_runs_on_tensor_cores(kern):
+    """64 queries per KV head (GQA 16 x w = 4) at head dim 16: the warps' accumulators outgrow
+    the K/V stages they reuse, so the shared-memory region grows (a build the others share)."""
+    case = dict(t_q=4, hk=1, group=16, d=16, own=[70, 20], ratio=0, window=4096, sinks=False, subset=False,
+                n_split=None, seed=3)
+    assert kern.tc_fits(64, 16, "bfloat16")
+    got, want, live = run_case(kern, case)
+    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * live
+
+
 def test_the_bench_shape_takes_the_tensor_core_path_and_matches(kern, monkeypatch):
     """G * w = 8 queries of head dim 128 (the bench's w = 2 at GQA 4) route to tensor cores by
     default (the launch names it) and equal the reference over two 64-key stages."""

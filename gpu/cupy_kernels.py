@@ -386,10 +386,12 @@ TC_PITCH = 24                  # bf16 per row of a warp's P^T tile (16 keys + 8 
 
 def tc_shared_bytes(nq: int, d: int, warps: int = TC_WARPS, stages: int = TC_STAGES) -> int:
     """Dynamic shared memory of `rs_verify_attention_tc`, laid out as the kernel lays it out:
-    K and V stages (bf16), q padded to a multiple of 8 queries, each warp's P^T tile, each
-    warp's max and sum (float). The warps' final accumulators reuse the K/V stages."""
+    K and V stages (bf16; the warps' final float accumulators reuse them, and the region
+    grows when those are larger), q padded to a multiple of 8 queries, each warp's P^T tile,
+    each warp's max and sum (float)."""
     nqp = -(-nq // 8) * 8
-    return 2 * (2 * stages * TC_TILE * d + nqp * d + warps * nqp * TC_PITCH) + 4 * 2 * warps * nqp
+    stages_or_acc = max(2 * 2 * stages * TC_TILE * d, 4 * warps * nqp * d)
+    return stages_or_acc + 2 * (nqp * d + warps * nqp * TC_PITCH) + 4 * 2 * warps * nqp
 
 
 def verify_shared_bytes(nq: int, d: int, dtype: str, nt: int) -> int:

@@ -384,16 +384,16 @@ extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_
         int Hk, int cap, int w, int window, int n_split, int n_kv, float scale_log2, float* part_m, float* part_l,
         float* part_acc) {
     constexpr int D = RS_TC_D, NQP = RS_TC_NQ, NT8 = NQP / 8, KS = D / 16, SUBS = RS_TILE / 16;
-    static_assert(RS_WARPS * NQP <= RS_STAGES * RS_TILE, "the warps' accumulators must fit the K/V stages");
+    constexpr int KV_BYTES = 2 * RS_STAGES * RS_TILE * D * 2, O_BYTES = RS_WARPS * NQP * D * 4;
     const float NEG_INF = __int_as_float(0xff800000);
     RS_DYNAMIC_SMEM(smem);
     rs_bf16* k_s = (rs_bf16*)smem;                                  // [RS_STAGES][RS_TILE][D]
     rs_bf16* v_s = k_s + RS_STAGES * RS_TILE * D;                   // [RS_STAGES][RS_TILE][D]
-    rs_bf16* q_s = v_s + RS_STAGES * RS_TILE * D;                   // [NQP][D]
+    rs_bf16* q_s = (rs_bf16*)(smem + (KV_BYTES > O_BYTES ? KV_BYTES : O_BYTES));   // [NQP][D]
     rs_bf16* p_s = q_s + NQP * D;                                   // [RS_WARPS][NQP][RS_TC_PITCH]
     float* m_w = (float*)(p_s + RS_WARPS * NQP * RS_TC_PITCH);      // [RS_WARPS][NQP]
     float* l_w = m_w + RS_WARPS * NQP;                              // [RS_WARPS][NQP]
-    float* o_w = (float*)smem;                                      // [RS_WARPS][NQP][D], after the loop
+    float* o_w = (float*)smem;                     // [RS_WARPS][NQP][D], after the loop, over the stages
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int s = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const size_t pbase = (((size_t)s * B + b) * Hk + hk) * RS_NQ;
