@@ -230,7 +230,7 @@ class Param:
 def signatures(source: str) -> dict[str, list[Param]]:
     """Every `extern "C" __global__ void name(params)` of `source`: name -> parameters."""
     out = {}
-    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?(\w+)\(([^)]*)\)', source):
+    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(([^)]*)\)', source):
         params = []
         for raw in m.group(2).split(","):
             words = " ".join(raw.split())

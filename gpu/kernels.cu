@@ -341,6 +341,7 @@ template <int N> RS_DEV void rs_cp_async_wait() { asm volatile("cp.async.wait_gr
 #define RS_STAGES 3
 #endif
 #define RS_TC_THREADS (RS_WARPS * 32)
+#define RS_TC_MIN_BLOCKS 1                                           // registers: up to 255 a thread
 #define RS_TILE 64                                                   // keys per pipeline stage
 #define RS_TC_D ((RS_D % 16 == 0 && RS_D >= 16) ? RS_D : 16)         // builds for other kernels
 #define RS_TC_NQ (((RS_NQ + 7) / 8) * 8)                             // queries padded to n = 8
@@ -379,7 +380,7 @@ RS_DEV void rs_tc_load_tile(rs_bf16* ks, rs_bf16* vs, const rs_bf16* kb, const r
 // max / sum / accumulator; the warps combine once, at the end, through shared memory. A row
 // index outside [0, n_kv) or a length outside [w, cap] (values the host did not read) makes
 // the block write NaN: loud, never a wrong finite answer.
-extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_tc(const rs_bf16* q, const rs_bf16* k,
+extern "C" __global__ void __launch_bounds__(RS_TC_THREADS, RS_TC_MIN_BLOCKS) rs_verify_attention_tc(const rs_bf16* q, const rs_bf16* k,
         const rs_bf16* v, const long long* lens, const long long* rows, const rs_bf16* ck, int t_c, int ratio, int B,
         int Hk, int cap, int w, int window, int n_split, int n_kv, float scale_log2, float* part_m, float* part_l,
         float* part_acc) {
@@ -438,12 +439,16 @@ extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_
         rs_cp_async_commit();
     }
     float o[KS][NT8][4], m[NT8][2], l[NT8][2];
+    #pragma unroll
     for (int nt = 0; nt < NT8; ++nt) {
+        #pragma unroll
         for (int h = 0; h < 2; ++h) {
             m[nt][h] = NEG_INF;
             l[nt][h] = 0.f;
         }
+        #pragma unroll
         for (int mt = 0; mt < KS; ++mt)
+            #pragma unroll
             for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
     }
     rs_bf16* pw = p_s + warp * NQP * RS_TC_PITCH;
@@ -464,18 +469,24 @@ extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_
             const int r0 = sub * 16;
             if (t0 + r0 >= kend) break;
             float sc[NT8][4];
+            #pragma unroll
             for (int nt = 0; nt < NT8; ++nt)
+                #pragma unroll
                 for (int i = 0; i < 4; ++i) sc[nt][i] = 0.f;
+            #pragma unroll
             for (int ks = 0; ks < KS; ++ks) {                                   // S^T = K Q^T
                 unsigned a[4];
                 rs_ldmatrix_x4(a, kt + rs_swz(r0 + (lane & 7) + ((lane >> 3) & 1) * 8, (ks * 2 + (lane >> 4)) * 8));
+                #pragma unroll
                 for (int nt = 0; nt < NT8; ++nt) {
                     unsigned bq[2];
                     rs_ldmatrix_x2(bq, q_s + rs_swz(nt * 8 + (lane & 7), (ks * 2 + ((lane >> 3) & 1)) * 8));
                     rs_mma_bf16(sc[nt], a, bq);
                 }
             }
+            #pragma unroll
             for (int nt = 0; nt < NT8; ++nt)
+                #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     float x = sc[nt][i] * scale_log2;
                     if (edge) {                                                  // the row's edges only
@@ -487,7 +498,9 @@ extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_
                     }
                     sc[nt][i] = x;
                 }
+            #pragma unroll
             for (int nt = 0; nt < NT8; ++nt)
+                #pragma unroll
                 for (int h = 0; h < 2; ++h) {                                    // online softmax
                     float mx = fmaxf(sc[nt][h], sc[nt][h + 2]);
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
@@ -499,6 +512,7 @@ extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_
                     const float p0 = exp2f(sc[nt][h] - m_use), p1 = exp2f(sc[nt][h + 2] - m_use);
                     l[nt][h] = l[nt][h] * alpha + p0 + p1;
                     m[nt][h] = m_new;
+                    #pragma unroll
                     for (int mt = 0; mt < KS; ++mt) {
                         o[mt][nt][h] *= alpha;
                         o[mt][nt][h + 2] *= alpha;
@@ -509,31 +523,40 @@ extern "C" __global__ void __launch_bounds__(RS_TC_THREADS) rs_verify_attention_
                 }
             __syncwarp();
             unsigned bp[NT8][2];
+            #pragma unroll
             for (int nt = 0; nt < NT8; ++nt)
                 rs_ldmatrix_x2(bp[nt], pw + (nt * 8 + (lane & 7)) * RS_TC_PITCH + ((lane >> 3) & 1) * 8);
+            #pragma unroll
             for (int mt = 0; mt < KS; ++mt) {                                   // O^T += V^T P^T
                 unsigned a[4];
                 rs_ldmatrix_x4_trans(a, vt + rs_swz(r0 + (lane & 7) + (lane >> 4) * 8, (mt * 2 + ((lane >> 3) & 1)) * 8));
+                #pragma unroll
                 for (int nt = 0; nt < NT8; ++nt) rs_mma_bf16(o[mt][nt], a, bp[nt]);
             }
             __syncwarp();
         }
     }
     rs_cp_async_wait<0>();
+    #pragma unroll
     for (int nt = 0; nt < NT8; ++nt)
+        #pragma unroll
         for (int h = 0; h < 2; ++h) {
             l[nt][h] += __shfl_xor_sync(0xffffffffu, l[nt][h], 4);
             l[nt][h] += __shfl_xor_sync(0xffffffffu, l[nt][h], 8);
             l[nt][h] += __shfl_xor_sync(0xffffffffu, l[nt][h], 16);
         }
     __syncthreads();                            // every warp is done with the stages: o_w reuses them
+    #pragma unroll
     for (int nt = 0; nt < NT8; ++nt) {
         if (g == 0)
+            #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 m_w[warp * NQP + nt * 8 + t4 * 2 + h] = m[nt][h];
                 l_w[warp * NQP + nt * 8 + t4 * 2 + h] = l[nt][h];
             }
+        #pragma unroll
         for (int mt = 0; mt < KS; ++mt)
+            #pragma unroll
             for (int i = 0; i < 4; ++i)
                 o_w[(warp * NQP + nt * 8 + t4 * 2 + (i & 1)) * D + mt * 16 + g + (i >> 1) * 8] = o[mt][nt][i];
     }
