@@ -23,11 +23,15 @@ from hypothesis import strategies as st
 import gpu.cupy_kernels as ck
 from gpu import kernel_emulator as emu
 
-pytestmark = pytest.mark.skipif(emu.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH")
+pytestmark = pytest.mark.skipif(
+    emu.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"
+)
 
 SOURCE = r"""
 typedef unsigned short rs_bf16;
-static inline unsigned pack(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+static inline unsigned pack(unsigned short lo, unsigned short hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
 
 // a [16][16], b [16][8] (k x n), c and d [16][8]; fragments placed by the PTX ISA's layout
 // (groupID g = lane / 4, threadID_in_group t = lane % 4), written from the lane's side
@@ -39,7 +43,8 @@ extern "C" __global__ void t_mma(const rs_bf16* a, const rs_bf16* b, const float
                       pack(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9])};
     unsigned bf[2] = {pack(b[(2 * t) * 8 + g], b[(2 * t + 1) * 8 + g]),
                       pack(b[(2 * t + 8) * 8 + g], b[(2 * t + 9) * 8 + g])};
-    float df[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t], c[(g + 8) * 8 + 2 * t + 1]};
+    float df[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1],
+                   c[(g + 8) * 8 + 2 * t], c[(g + 8) * 8 + 2 * t + 1]};
     rs_mma_bf16(df, af, bf);
     d[g * 8 + 2 * t] = df[0];
     d[g * 8 + 2 * t + 1] = df[1];
@@ -48,7 +53,8 @@ extern "C" __global__ void t_mma(const rs_bf16* a, const rs_bf16* b, const float
 }
 
 // m: 32 rows of 8 bf16; lane l names row sel[l] as its ldmatrix row address
-extern "C" __global__ void t_ldmatrix(const rs_bf16* m, const int* sel, unsigned* x4, unsigned* x4t, unsigned* x2) {
+extern "C" __global__ void t_ldmatrix(const rs_bf16* m, const int* sel, unsigned* x4, unsigned* x4t,
+                                      unsigned* x2) {
     __shared__ rs_bf16 sm[32 * 8];
     const int lane = threadIdx.x;
     for (int i = 0; i < 8; ++i) sm[lane * 8 + i] = m[lane * 8 + i];
@@ -68,7 +74,8 @@ extern "C" __global__ void t_ldmatrix(const rs_bf16* m, const int* sel, unsigned
 // The verify kernel's operand pattern on one warp: S^T = K Q^T with K [16 keys][16 dims] and
 // Q [8 queries][16 dims] row-major in shared memory, then O^T = V^T P^T with V [16 keys][16
 // dims] (ldmatrix.trans) and P [8 queries][16 keys] (its rows as P^T's columns)
-extern "C" __global__ void t_tile(const rs_bf16* k, const rs_bf16* q, const rs_bf16* v, const rs_bf16* p,
+extern "C" __global__ void t_tile(const rs_bf16* k, const rs_bf16* q, const rs_bf16* v,
+                                  const rs_bf16* p,
                                   float* s_out, float* o_out) {
     __shared__ rs_bf16 ks[16 * 16], qs[8 * 16], vs[16 * 16], ps[8 * 16];
     const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
@@ -96,7 +103,8 @@ extern "C" __global__ void t_shfl(const float* x, float* out, int mask) {
 }
 
 // One thread, 64 bytes of dynamic shared memory; snaps [5][64] of it at the points below
-extern "C" __global__ void t_cp_async(const unsigned char* src, unsigned char* snaps, int short_bytes) {
+extern "C" __global__ void t_cp_async(const unsigned char* src, unsigned char* snaps,
+                                      int short_bytes) {
     RS_DYNAMIC_SMEM(sm);
     rs_cp_async16(sm, src, 16);
     rs_cp_async_commit();
@@ -109,7 +117,8 @@ extern "C" __global__ void t_cp_async(const unsigned char* src, unsigned char* s
     for (int i = 0; i < 64; ++i) snaps[128 + i] = sm[i];         // 2: both
     rs_cp_async16(sm + 32, src + 32, 16);
     rs_cp_async_wait<0>();
-    for (int i = 0; i < 64; ++i) snaps[192 + i] = sm[i];         // 3: an uncommitted copy is not waited for
+    // 3: an uncommitted copy is not waited for
+    for (int i = 0; i < 64; ++i) snaps[192 + i] = sm[i];
     rs_cp_async_commit();
     rs_cp_async_wait<0>();
     for (int i = 0; i < 64; ++i) snaps[256 + i] = sm[i];         // 4: committed, then landed
@@ -137,7 +146,9 @@ def test_mma_with_the_ptx_fragment_layout_is_a_matmul(lib, seed):
     d = np.full((16, 8), np.nan, dtype=np.float32)
     emu.launch(lib, "t_mma", (1, 1, 1), 32, [a, b, c, d])
     want = av @ bv + c
-    assert np.allclose(d, want, rtol=1e-5, atol=1e-5), np.argwhere(~np.isclose(d, want, rtol=1e-5, atol=1e-5))[:4]
+    assert np.allclose(d, want, rtol=1e-5, atol=1e-5), np.argwhere(
+        ~np.isclose(d, want, rtol=1e-5, atol=1e-5)
+    )[:4]
 
 
 def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_given(lib):
@@ -147,7 +158,7 @@ def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_giv
     x4, x4t = np.zeros((32, 4), np.uint32), np.zeros((32, 4), np.uint32)
     x2 = np.zeros((32, 2), np.uint32)
     emu.launch(lib, "t_ldmatrix", (1, 1, 1), 32, [m, sel, x4, x4t, x2])
-    mats = m[sel].reshape(4, 8, 8).astype(np.uint32)      # matrix i, row r = the row lane 8i + r named
+    mats = m[sel].reshape(4, 8, 8).astype(np.uint32)  # matrix i, row r = the row lane 8i + r named
     for lane in range(32):
         r, c = lane // 4, 2 * (lane % 4)
         for i in range(4):
@@ -161,11 +172,13 @@ def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_giv
 @given(seed=st.integers(0, 2**32 - 1))
 def test_the_kernels_operand_pattern_multiplies_random_tiles(lib, seed):
     rng = np.random.default_rng(seed)
-    (k, kv), (q, qv), (v, vv), (p, pv) = (bf16(rng, s) for s in ((16, 16), (8, 16), (16, 16), (8, 16)))
+    (k, kv), (q, qv), (v, vv), (p, pv) = (
+        bf16(rng, s) for s in ((16, 16), (8, 16), (16, 16), (8, 16))
+    )
     s_out, o_out = np.zeros((16, 8), np.float32), np.zeros((16, 8), np.float32)
     emu.launch(lib, "t_tile", (1, 1, 1), 32, [k, q, v, p, s_out, o_out])
-    assert np.allclose(s_out, kv @ qv.T, rtol=1e-5, atol=1e-5)          # S^T [keys, queries]
-    assert np.allclose(o_out, vv.T @ pv.T, rtol=1e-5, atol=1e-5)        # O^T [dims, queries]
+    assert np.allclose(s_out, kv @ qv.T, rtol=1e-5, atol=1e-5)  # S^T [keys, queries]
+    assert np.allclose(o_out, vv.T @ pv.T, rtol=1e-5, atol=1e-5)  # O^T [dims, queries]
 
 
 @pytest.mark.parametrize("mask", [1, 4, 8, 16, 31])
@@ -183,10 +196,12 @@ def test_cp_async_lands_only_at_its_wait(lib, short_bytes):
     snaps = np.zeros((5, 64), np.uint8)
     emu.launch(lib, "t_cp_async", (1, 1, 1), 1, [src, snaps, short_bytes], shared_bytes=64)
     poison = np.full(64, 0xFF, np.uint8)
-    assert np.array_equal(snaps[0], poison)                       # issued, committed, not waited: stale
+    assert np.array_equal(snaps[0], poison)  # issued, committed, not waited: stale
     assert np.array_equal(snaps[1][:16], src[:16]) and np.array_equal(snaps[1][16:], poison[16:])
-    second = np.concatenate([src[16:16 + short_bytes], np.zeros(16 - short_bytes, np.uint8)])
+    second = np.concatenate([src[16 : 16 + short_bytes], np.zeros(16 - short_bytes, np.uint8)])
     assert np.array_equal(snaps[2][:32], np.concatenate([src[:16], second]))
     assert np.array_equal(snaps[2][32:], poison[32:])
-    assert np.array_equal(snaps[3], snaps[2])                     # not committed: wait_group ignores it
-    assert np.array_equal(snaps[4][32:48], src[32:48]) and np.array_equal(snaps[4][48:], poison[48:])
+    assert np.array_equal(snaps[3], snaps[2])  # not committed: wait_group ignores it
+    assert np.array_equal(snaps[4][32:48], src[32:48]) and np.array_equal(
+        snaps[4][48:], poison[48:]
+    )

@@ -30,9 +30,16 @@ from raggedspec import kernel_check
 
 _WHY = ck.cupy_unavailable()
 MODES = [
-    pytest.param("emulate", marks=pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,
-                                                     reason="the kernel emulator needs g++ on the PATH")),
-    pytest.param("cupy", marks=pytest.mark.skipif(_WHY is not None, reason=f"CuPy needs a CUDA GPU: {_WHY}")),
+    pytest.param(
+        "emulate",
+        marks=pytest.mark.skipif(
+            kernel_emulator.compilers()["g++"] is None,
+            reason="the kernel emulator needs g++ on the PATH",
+        ),
+    ),
+    pytest.param(
+        "cupy", marks=pytest.mark.skipif(_WHY is not None, reason=f"CuPy needs a CUDA GPU: {_WHY}")
+    ),
 ]
 _RUNNERS: dict[str, ck.Kernels] = {}
 SOME = settings(max_examples=max(5, settings.default.max_examples // 20), deadline=None)
@@ -71,28 +78,47 @@ def reference(q, k_place, v_place, comp, own, picked, t_q, ratio, window, sinks)
     for j in range(hk):
         kf, vf = np.zeros((g_rows, 1, top, d)), np.zeros((g_rows, 1, top, d))
         for g, i in enumerate(picked):
-            kf[g, 0, top - own[i]:], vf[g, 0, top - own[i]:] = k_place[i, j, :own[i]], v_place[i, j, :own[i]]
-        sub = None if comp is None else comp[picked][:, j:j + 1, : top // ratio]
+            kf[g, 0, top - own[i] :], vf[g, 0, top - own[i] :] = (
+                k_place[i, j, : own[i]],
+                v_place[i, j, : own[i]],
+            )
+        sub = None if comp is None else comp[picked][:, j : j + 1, : top // ratio]
         heads = slice(j * group, (j + 1) * group)
-        out[:, heads] = ratt.dsv4_attention(q[:, heads], kf, vf, sub, None, cfg,
-                                            None if sinks is None else sinks[heads])
+        out[:, heads] = ratt.dsv4_attention(
+            q[:, heads], kf, vf, sub, None, cfg, None if sinks is None else sinks[heads]
+        )
     return out
 
 
 @st.composite
 def tc_cases(draw):
-    if THOROUGH:                                     # every combination (each a build of its own)
-        t_q, (hk, group) = draw(st.integers(1, 4)), draw(st.sampled_from([(1, 1), (1, 4), (2, 2), (2, 4), (1, 3)]))
+    if THOROUGH:  # every combination (each a build of its own)
+        t_q, (hk, group) = (
+            draw(st.integers(1, 4)),
+            draw(st.sampled_from([(1, 1), (1, 4), (2, 2), (2, 4), (1, 3)])),
+        )
         d = draw(st.sampled_from([16, 32, 64]))
-    else:                                            # a few builds: the default suite stays short
-        t_q, hk, group = draw(st.sampled_from([(1, 1, 1), (2, 1, 4), (3, 2, 2), (4, 2, 4), (1, 1, 3)]))
+    else:  # a few builds: the default suite stays short
+        t_q, hk, group = draw(
+            st.sampled_from([(1, 1, 1), (2, 1, 4), (3, 2, 2), (4, 2, 4), (1, 1, 3)])
+        )
         d = draw(st.sampled_from([16, 32]))
     own = [n + t_q for n in draw(st.lists(st.integers(0, 170), min_size=1, max_size=3))]
     ratio = draw(st.sampled_from([0, 4, 16]))
     window = draw(st.sampled_from([1, 4, 63, 64, 100, 4096]))
-    return dict(t_q=t_q, hk=hk, group=group, d=d, own=own, ratio=ratio, window=window,
-                sinks=draw(st.booleans()), subset=draw(st.booleans()),
-                n_split=draw(st.sampled_from([None, 1, 2, 3])), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        t_q=t_q,
+        hk=hk,
+        group=group,
+        d=d,
+        own=own,
+        ratio=ratio,
+        window=window,
+        sinks=draw(st.booleans()),
+        subset=draw(st.booleans()),
+        n_split=draw(st.sampled_from([None, 1, 2, 3])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None):
@@ -104,12 +130,18 @@ def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None)
     cap = max(own) + 5
     k_bits, k_place = bf16(rng.normal(size=(b, hk, cap, d)) * 2)
     v_bits, v_place = bf16(rng.normal(size=(b, hk, cap, d)) * 2)
-    for i, n in enumerate(own):                       # slack: loud if ever read
-        k_bits[i, :, n:], v_bits[i, :, n:] = ck.bf16_bits(np.full((1,), 40.0)), ck.bf16_bits(np.full((1,), 1e6))
+    for i, n in enumerate(own):  # slack: loud if ever read
+        k_bits[i, :, n:], v_bits[i, :, n:] = (
+            ck.bf16_bits(np.full((1,), 40.0)),
+            ck.bf16_bits(np.full((1,), 1e6)),
+        )
     t_c = max(own) // ratio if ratio > 1 else 0
     c_bits, comp = bf16(rng.normal(size=(b, hk, t_c, d))) if t_c else (None, None)
-    rows = ([int(r) for r in rng.permutation(b)[: int(rng.integers(1, b + 1))]]
-            if c["subset"] and ratio <= 1 else None)
+    rows = (
+        [int(r) for r in rng.permutation(b)[: int(rng.integers(1, b + 1))]]
+        if c["subset"] and ratio <= 1
+        else None
+    )
     picked = list(range(b)) if rows is None else rows
     q_bits, q = bf16(rng.normal(size=(len(picked), h, t_q, d)))
     s_bits, sinks = bf16(rng.normal(size=h)) if c["sinks"] else (None, None)
@@ -117,10 +149,19 @@ def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None)
     saved = kern.tc_warps, kern.tc_stages
     kern.tc_warps, kern.tc_stages = warps or saved[0], stages or saved[1]
     try:
-        out = kern.dsv4_attention_rows(put(kern, q_bits), put(kern, k_bits), put(kern, v_bits), own, rows,
-                                       None if c_bits is None else put(kern, c_bits), ratio, c["window"],
-                                       None if s_bits is None else put(kern, s_bits), n_split=c["n_split"],
-                                       path="tc")
+        out = kern.dsv4_attention_rows(
+            put(kern, q_bits),
+            put(kern, k_bits),
+            put(kern, v_bits),
+            own,
+            rows,
+            None if c_bits is None else put(kern, c_bits),
+            ratio,
+            c["window"],
+            None if s_bits is None else put(kern, s_bits),
+            n_split=c["n_split"],
+            path="tc",
+        )
     finally:
         kern.tc_warps, kern.tc_stages = saved
     got = ck.bf16_values(get(kern, out)).astype(np.float64)
@@ -137,27 +178,49 @@ def test_the_tensor_core_kernel_equals_the_reference_on_ragged_batches(kern, cas
     KV rows, several splits and pipeline stages; slack columns never read."""
     got, want, live = run_case(kern, case)
     assert np.isfinite(got).all(), case
-    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * live, (case, float(np.max(np.abs(got - want))))
+    assert np.max(np.abs(got - want)) <= 2.0**-6 * live, (case, float(np.max(np.abs(got - want))))
 
 
 @pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 4), (4, 3)])
 def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, stages):
     """A row of 260 keys (five 64-key stages, a partial last one), a window that cuts inside
     the second stage, compressed blocks and sinks: each build the launcher can be given."""
-    case = dict(t_q=3, hk=2, group=2, d=32, own=[260, 70], ratio=4, window=100, sinks=True, subset=False,
-                n_split=1, seed=11)
+    case = dict(
+        t_q=3,
+        hk=2,
+        group=2,
+        d=32,
+        own=[260, 70],
+        ratio=4,
+        window=100,
+        sinks=True,
+        subset=False,
+        n_split=1,
+        seed=11,
+    )
     got, want, live = run_case(kern, case, warps, stages)
-    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * live
+    assert np.max(np.abs(got - want)) <= 2.0**-6 * live
 
 
 def test_the_largest_query_block_runs_on_tensor_cores(kern):
     """64 queries per KV head (GQA 16 x w = 4) at head dim 16: the warps' accumulators outgrow
     the K/V stages they reuse, so the shared-memory region grows (a build the others share)."""
-    case = dict(t_q=4, hk=1, group=16, d=16, own=[70, 20], ratio=0, window=4096, sinks=False, subset=False,
-                n_split=None, seed=3)
+    case = dict(
+        t_q=4,
+        hk=1,
+        group=16,
+        d=16,
+        own=[70, 20],
+        ratio=0,
+        window=4096,
+        sinks=False,
+        subset=False,
+        n_split=None,
+        seed=3,
+    )
     assert kern.tc_fits(64, 16, "bfloat16")
     got, want, live = run_case(kern, case)
-    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * live
+    assert np.max(np.abs(got - want)) <= 2.0**-6 * live
 
 
 def test_the_bench_shape_takes_the_tensor_core_path_and_matches(kern, monkeypatch):
@@ -165,8 +228,11 @@ def test_the_bench_shape_takes_the_tensor_core_path_and_matches(kern, monkeypatc
     default (the launch names it) and equal the reference over two 64-key stages."""
     names = []
     real = ck.Kernels._launch
-    monkeypatch.setattr(ck.Kernels, "_launch", lambda self, name, *a, **k: (names.append(name),
-                                                                           real(self, name, *a, **k))[1])
+    monkeypatch.setattr(
+        ck.Kernels,
+        "_launch",
+        lambda self, name, *a, **k: (names.append(name), real(self, name, *a, **k))[1],
+    )
     rng = np.random.default_rng(4)
     own, w, d = [130, 40], 2, 128
     q_bits, q = bf16(rng.normal(size=(2, 4, w, d)))
@@ -176,7 +242,7 @@ def test_the_bench_shape_takes_the_tensor_core_path_and_matches(kern, monkeypatc
     assert names == ["rs_verify_attention_tc", "rs_verify_attention_combine"]
     want = reference(q, k, v, None, own, [0, 1], w, 0, 136 + w, None)
     got = ck.bf16_values(get(kern, out)).astype(np.float64)
-    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * np.abs(v).max()
+    assert np.max(np.abs(got - want)) <= 2.0**-6 * np.abs(v).max()
 
 
 class DeviceInts(np.ndarray):
@@ -206,20 +272,26 @@ def test_device_lengths_are_never_read_back_and_bad_ones_give_nan_rows():
     v_bits, v = bf16(rng.normal(size=(3, 1, 90, d)))
     lens = np.array([90, 1, 33], dtype=np.int64).view(DeviceInts)
     rows = np.arange(3, dtype=np.int64).view(DeviceInts)
-    got = ck.bf16_values(kern.verify_attention(q_bits, k_bits, v_bits, lens, rows=rows)).astype(np.float64)
+    got = ck.bf16_values(kern.verify_attention(q_bits, k_bits, v_bits, lens, rows=rows)).astype(
+        np.float64
+    )
     assert np.isnan(got[1]).all()
     for i, n in ((0, 90), (2, 33)):
-        want = reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], None, [n], [0], w, 0, 90 + w, None)
-        assert np.max(np.abs(got[i] - want[0])) <= 2.0 ** -6 * np.abs(v).max()
+        want = reference(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], None, [n], [0], w, 0, 90 + w, None
+        )
+        assert np.max(np.abs(got[i] - want[0])) <= 2.0**-6 * np.abs(v).max()
 
 
 def test_the_split_count_fills_whole_waves_from_host_sizes():
     kern = ck.Kernels.__new__(ck.Kernels)
     kern.sm_count = 132
-    assert kern.n_split(128, 8, 4096, 64, per_sm=2) == 1       # 1024 blocks: 3.9 waves of 264, 97% full
-    assert kern.n_split(16, 8, 4096, 64, per_sm=2) == 2        # 256 of 264
-    assert kern.n_split(1, 8, 4096, 64, per_sm=2) == 32        # 256 of 264; 33 would be 100%, 32 is enough
-    assert kern.n_split(1, 8, 200, 64, per_sm=2) == 4          # never more splits than tiles
+    assert kern.n_split(128, 8, 4096, 64, per_sm=2) == 1  # 1024 blocks: 3.9 waves of 264, 97% full
+    assert kern.n_split(16, 8, 4096, 64, per_sm=2) == 2  # 256 of 264
+    assert (
+        kern.n_split(1, 8, 4096, 64, per_sm=2) == 32
+    )  # 256 of 264; 33 would be 100%, 32 is enough
+    assert kern.n_split(1, 8, 200, 64, per_sm=2) == 4  # never more splits than tiles
     assert kern.n_split(3, 1, 64, 64) == 1
 
 
@@ -227,7 +299,11 @@ def test_the_split_count_fills_whole_waves_from_host_sizes():
 NO_NVRTC = kernel_check.nvrtc_unavailable()
 VARIANTS = kernel_check.launcher_variants(everything=THOROUGH)
 if not THOROUGH:
-    VARIANTS = [v for v in VARIANTS if (v[1], v[2]) in kernel_check.BENCH_TC and v[0] in ("bfloat16", "float32")]
+    VARIANTS = [
+        v
+        for v in VARIANTS
+        if (v[1], v[2]) in kernel_check.BENCH_TC and v[0] in ("bfloat16", "float32")
+    ]
 
 
 @pytest.mark.skipif(NO_NVRTC is not None, reason=f"NVRTC is absent: {NO_NVRTC}")
@@ -246,7 +322,10 @@ def test_nvrtc_builds_the_variant_without_spills(dtype, nq, d, path):
     if path != "tc":
         return
     assert res[name].registers <= 255 and ck.tc_shared_bytes(nq, d) <= ck.TC_SHARED_LIMIT
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in build.ptx and "cp.async.cg.shared.global" in build.ptx
+    assert (
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in build.ptx
+        and "cp.async.cg.shared.global" in build.ptx
+    )
     tool = kernel_check.cuobjdump_path()
     if tool is None:
         pytest.skip("cuobjdump is absent (the nvidia-cuda-cuobjdump wheel): SASS not inspected")

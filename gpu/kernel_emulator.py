@@ -5,7 +5,8 @@ kernels use only blockIdx / threadIdx / blockDim / gridDim, `__shared__` arrays 
 `__syncthreads()`, so a block can be executed exactly as CUDA defines it: `blockDim.x` real
 threads meeting at a real barrier (`std::barrier`), `__shared__` arrays shared by them, one
 block after another (the same threads run every block of a launch and meet at the barrier
-between blocks, so a block never sees its predecessor's shared arrays in use). Index arithmetic, masks, the split-K online softmax and its combine are
+between blocks, so a block never sees its predecessor's shared arrays in use). Index
+arithmetic, masks, the split-K online softmax and its combine are
 then tested against the reference on any machine with g++ (conformance/test_cupy_kernels.py);
 what only a GPU can show (NVRTC's compile, speed, the CUDA math library's last bits) is left to
 the CUDA run, and the NVRTC front end is checked here too when `nvcc` is on the PATH.
@@ -87,7 +88,9 @@ template <class T> static inline T __shfl_xor_sync(unsigned, T v, int lane_mask)
     __syncwarp();
     return out;
 }
-static inline unsigned short rs_half(unsigned word, unsigned hi) { return (unsigned short)(hi ? word >> 16 : word & 0xFFFFu); }
+static inline unsigned short rs_half(unsigned word, unsigned hi) {
+    return (unsigned short)(hi ? word >> 16 : word & 0xFFFFu);
+}
 static inline float rs_bf16_value(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
 
 // ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16 (PTX ISA): lanes 8i .. 8i + 7 give
@@ -113,7 +116,9 @@ template <int X, bool TRANS> static inline void rs_ldmatrix(unsigned* r, const v
     __syncwarp();
 }
 static inline void rs_ldmatrix_x4(unsigned (&r)[4], const void* p) { rs_ldmatrix<4, false>(r, p); }
-static inline void rs_ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { rs_ldmatrix<4, true>(r, p); }
+static inline void rs_ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    rs_ldmatrix<4, true>(r, p);
+}
 static inline void rs_ldmatrix_x2(unsigned (&r)[2], const void* p) { rs_ldmatrix<2, false>(r, p); }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d = a b + d (PTX ISA fragment layouts,
@@ -140,7 +145,8 @@ static inline void rs_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsi
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >= 2), col = 2 * t + (i & 1);
         float acc = d[i];
-        for (int kk = 0; kk < 16; ++kk) acc += rs_mma_a(w.slot, row, kk) * rs_mma_b(w.slot, kk, col);
+        for (int kk = 0; kk < 16; ++kk)
+            acc += rs_mma_a(w.slot, row, kk) * rs_mma_b(w.slot, kk, col);
         out[i] = acc;
     }
     __syncwarp();
@@ -213,13 +219,17 @@ static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size
 """
 
 # C parameter type -> (ctypes type, NumPy scalar type or None for a pointer)
-_SCALARS = {"long long": (ctypes.c_longlong, np.int64), "double": (ctypes.c_double, np.float64),
-            "float": (ctypes.c_float, np.float32), "int": (ctypes.c_int, np.int32)}
+_SCALARS = {
+    "long long": (ctypes.c_longlong, np.int64),
+    "double": (ctypes.c_double, np.float64),
+    "float": (ctypes.c_float, np.float32),
+    "int": (ctypes.c_int, np.int32),
+}
 
 
 @dataclass(frozen=True)
 class Param:
-    ctype: str   # as written, e.g. "const RS_ELEM*", "long long"
+    ctype: str  # as written, e.g. "const RS_ELEM*", "long long"
     name: str
 
     @property
@@ -230,7 +240,9 @@ class Param:
 def signatures(source: str) -> dict[str, list[Param]]:
     """Every `extern "C" __global__ void name(params)` of `source`: name -> parameters."""
     out = {}
-    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(([^)]*)\)', source):
+    for m in re.finditer(
+        r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(([^)]*)\)', source
+    ):
         params = []
         for raw in m.group(2).split(","):
             words = " ".join(raw.split())
@@ -244,7 +256,9 @@ def signatures(source: str) -> dict[str, list[Param]]:
 
 def scalar_type(param: Param):
     """The NumPy scalar type a CuPy launch must pass for a non-pointer parameter."""
-    require(param.ctype in _SCALARS, f"kernel parameter {param.name}: unsupported type {param.ctype!r}")
+    require(
+        param.ctype in _SCALARS, f"kernel parameter {param.name}: unsupported type {param.ctype!r}"
+    )
     return _SCALARS[param.ctype][1]
 
 
@@ -252,7 +266,7 @@ def bind(name: str, params: list[Param], args: list) -> list:
     """`args` checked against kernel `name`'s parameters, numbers as the NumPy scalars the
     parameter types say (arrays for pointers pass through): what both runners launch with."""
     require(len(args) == len(params), f"{name} takes {len(params)} arguments, got {len(args)}")
-    return [a if p.pointer else scalar_type(p)(a) for p, a in zip(params, args)]
+    return [a if p.pointer else scalar_type(p)(a) for p, a in zip(params, args, strict=True)]
 
 
 def compilers() -> dict[str, str | None]:
@@ -261,7 +275,11 @@ def compilers() -> dict[str, str | None]:
 
 
 def _cache_dir() -> Path:
-    root = Path(os.environ.get("RAGGEDSPEC_KERNEL_CACHE", Path(tempfile.gettempdir()) / "raggedspec-kernels"))
+    root = Path(
+        os.environ.get(
+            "RAGGEDSPEC_KERNEL_CACHE", Path(tempfile.gettempdir()) / "raggedspec-kernels"
+        )
+    )
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -272,7 +290,8 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 
 def build(defines: str, source: str | None = None) -> ctypes.CDLL:
     """Compile `defines + source` (default gpu/kernels.cu) with g++ into a cached shared
-    library, with one `emu_<kernel>(gx, gy, gz, bx, params...)` entry point per kernel.
+    library, with one `emu_<kernel>(gx, gy, gz, bx, smem, params...)` entry point per kernel
+    (smem: the dynamic shared memory of the launch).
     RuntimeError (with the compiler's output) when g++ is missing or the build fails."""
     source = SOURCE_PATH.read_text() if source is None else source
     sigs = signatures(source)
@@ -280,8 +299,11 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
     for name, params in sigs.items():
         decl = ", ".join(f"{p.ctype} {p.name}" for p in params)
         call = ", ".join(p.name for p in params)
-        wrappers.append(f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, {decl}) '
-                        f'{{ rs_run_grid(gx, gy, gz, bx, smem, [&] {{ {name}({call}); }}); }}')
+        wrappers.append(
+            f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
+            f"size_t smem, {decl}) "
+            f"{{ rs_run_grid(gx, gy, gz, bx, smem, [&] {{ {name}({call}); }}); }}"
+        )
     text = PRELUDE + defines + "\n" + source + "\n" + "\n".join(wrappers) + "\n"
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     with _LOCK:
@@ -289,42 +311,71 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
             return _LIBS[key]
         gxx = compilers()["g++"]
         if gxx is None:
-            raise RuntimeError("g++ is not on the PATH: the kernel emulator compiles gpu/kernels.cu with it")
+            raise RuntimeError(
+                "g++ is not on the PATH: the kernel emulator compiles gpu/kernels.cu with it"
+            )
         lib_path = _cache_dir() / f"kernels-{key}.so"
         if not lib_path.exists():
             # per-process names: two processes building the same text never share a file
             src_path = lib_path.with_suffix(f".{os.getpid()}.cpp")
             src_path.write_text(text)
             tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-            res = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                                  "-Wno-narrowing", "-o", str(tmp), str(src_path)],
-                                 capture_output=True, text=True)
+            res = subprocess.run(
+                [
+                    gxx,
+                    "-std=c++20",
+                    "-O1",
+                    "-shared",
+                    "-fPIC",
+                    "-pthread",
+                    "-Wno-narrowing",
+                    "-o",
+                    str(tmp),
+                    str(src_path),
+                ],
+                capture_output=True,
+                text=True,
+            )
             src_path.unlink(missing_ok=True)
             if res.returncode != 0:
-                raise RuntimeError(f"g++ failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}")
+                raise RuntimeError(
+                    f"g++ failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}"
+                )
             os.replace(tmp, lib_path)
         lib = ctypes.CDLL(str(lib_path))
         lib.rs_signatures = sigs
         for name, params in sigs.items():
             fn = getattr(lib, f"emu_{name}")
-            fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_size_t] + [ctypes.c_void_p if p.pointer else _SCALARS[p.ctype][0]
-                                                 for p in params]
+            fn.argtypes = (
+                [ctypes.c_uint] * 4
+                + [ctypes.c_size_t]
+                + [ctypes.c_void_p if p.pointer else _SCALARS[p.ctype][0] for p in params]
+            )
             fn.restype = None
         _LIBS[key] = lib
         return lib
 
 
-def launch(lib: ctypes.CDLL, name: str, grid: tuple[int, int, int], block: int, args: list,
-           shared_bytes: int = 0) -> None:
+def launch(
+    lib: ctypes.CDLL,
+    name: str,
+    grid: tuple[int, int, int],
+    block: int,
+    args: list,
+    shared_bytes: int = 0,
+) -> None:
     """Run kernel `name` of a `build` over `grid` blocks of `block` threads with
     `shared_bytes` of dynamic shared memory. `args` follow the kernel's parameters:
     C-contiguous NumPy arrays for pointers (written in place), numbers otherwise."""
     params = lib.rs_signatures[name]
     cargs = []
-    for p, a in zip(params, bind(name, params, args)):
+    for p, a in zip(params, bind(name, params, args), strict=True):
         if p.pointer:
-            require(isinstance(a, np.ndarray) and a.flags.c_contiguous,
-                    f"{name}: parameter {p.name} needs a C-contiguous NumPy array, got {type(a).__name__}")
+            require(
+                isinstance(a, np.ndarray) and a.flags.c_contiguous,
+                f"{name}: parameter {p.name} needs a C-contiguous NumPy array, "
+                f"got {type(a).__name__}",
+            )
             cargs.append(a.ctypes.data)
         else:
             cargs.append(a.item())
@@ -342,7 +393,12 @@ def nvcc_check(defines: str, arch: str = "sm_90") -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernels.cu"
         src.write_text(defines + "\n" + SOURCE_PATH.read_text())
-        res = subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-std=c++17", "-o", str(Path(tmp) / "k.ptx"),
-                              str(src)], capture_output=True, text=True)
+        res = subprocess.run(
+            [nvcc, "-ptx", f"-arch={arch}", "-std=c++17", "-o", str(Path(tmp) / "k.ptx"), str(src)],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}")
+            raise RuntimeError(
+                f"nvcc failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}"
+            )

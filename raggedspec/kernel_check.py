@@ -30,15 +30,15 @@ from gpu import cupy_kernels as ck
 from gpu import kernel_emulator as emu
 
 ARCH = "sm_90"
-BENCH_TC = ((8, 128), (16, 128))     # G * w = 4 * 2 and 4 * 4 at head dim 128 (gpu/bench.py)
+BENCH_TC = ((8, 128), (16, 128))  # G * w = 4 * 2 and 4 * 4 at head dim 128 (gpu/bench.py)
 
 
 @dataclass(frozen=True)
 class Resources:
     kernel: str
     registers: int
-    shared: int        # static shared memory, bytes
-    stack: int         # stack frame, bytes
+    shared: int  # static shared memory, bytes
+    stack: int  # stack frame, bytes
     spill_stores: int
     spill_loads: int
 
@@ -59,7 +59,10 @@ def nvrtc_unavailable() -> str | None:
     try:
         from cuda.bindings import nvrtc  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means "no NVRTC here"
-        return f"cuda.bindings.nvrtc is not importable ({type(exc).__name__}: {exc}); install the 'nvrtc' extra"
+        return (
+            f"cuda.bindings.nvrtc is not importable ({type(exc).__name__}: {exc}); "
+            "install the 'nvrtc' extra"
+        )
     return None
 
 
@@ -99,7 +102,9 @@ def nvrtc_build(defines: str, arch: str = ARCH) -> Build:
         nvrtc.nvrtcGetProgramLog(prog, log)
         log_text = log.decode(errors="replace").rstrip("\x00 ")
         if int(res) != 0:
-            raise RuntimeError(f"NVRTC failed on gpu/kernels.cu ({' '.join(defines.split())}):\n{log_text[-4000:]}")
+            raise RuntimeError(
+                f"NVRTC failed on gpu/kernels.cu ({' '.join(defines.split())}):\n{log_text[-4000:]}"
+            )
         err, n = nvrtc.nvrtcGetCUBINSize(prog)
         cubin = b" " * n
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
@@ -139,7 +144,9 @@ def sass(cubin: bytes, tool: str) -> str:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         env = dict(os.environ, PATH=f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        res = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=False, env=env)
+        res = subprocess.run(
+            [tool, "-sass", str(path)], capture_output=True, text=True, check=False, env=env
+        )
     if res.returncode != 0:
         raise RuntimeError(f"cuobjdump failed: {res.stderr[-2000:]}")
     return res.stdout
@@ -175,7 +182,9 @@ def variant_defines(dtype: str, nq: int, d: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m raggedspec.kernel_check", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m raggedspec.kernel_check", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--all", action="store_true", help="every padded query count of every head dim")
     args = ap.parse_args(argv)
     why = nvrtc_unavailable()
@@ -184,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tool = cuobjdump_path()
     bad = 0
-    print("| dtype | G*w | D | kernel | registers | static smem B | dynamic smem B | stack B | spills | SASS |")
+    print(
+        "| dtype | G*w | D | kernel | registers | static smem B | dynamic smem B | stack B "
+        "| spills | SASS |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype, nq, d, path in launcher_variants(args.all):
         name = "rs_verify_attention_tc" if path == "tc" else "rs_verify_attention_partial"
@@ -199,10 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         ops = "-"
         if tool and path == "tc":
             code = sass_of(sass(build.cubin, tool), name)
-            ops = " ".join(f"{op}:{len(re.findall(op, code))}" for op in ("HMMA", "LDSM", "LDGSTS", "LDL", "STL"))
+            ops = " ".join(
+                f"{op}:{len(re.findall(op, code))}"
+                for op in ("HMMA", "LDSM", "LDGSTS", "LDL", "STL")
+            )
         spills = r.spill_stores + r.spill_loads
         bad += spills > 0
-        print(f"| {dtype} | {nq} | {d} | {name} | {r.registers} | {r.shared} | {dyn} | {r.stack} | {spills} | {ops} |")
+        print(
+            f"| {dtype} | {nq} | {d} | {name} | {r.registers} | {r.shared} | {dyn} | {r.stack} "
+            f"| {spills} | {ops} |"
+        )
     return 1 if bad else 0
 
 
