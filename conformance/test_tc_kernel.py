@@ -42,7 +42,7 @@ MODES = [
     ),
 ]
 _RUNNERS: dict[str, ck.Kernels] = {}
-SOME = settings(max_examples=max(5, settings.default.max_examples // 20), deadline=None)
+SOME = settings(max_examples=max(5, settings.default.max_examples // 40), deadline=None)
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 
@@ -181,10 +181,11 @@ def test_the_tensor_core_kernel_equals_the_reference_on_ragged_batches(kern, cas
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live, (case, float(np.max(np.abs(got - want))))
 
 
-@pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 4), (4, 3)])
+@pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 4)])
 def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, stages):
     """A row of 260 keys (five 64-key stages, a partial last one), a window that cuts inside
-    the second stage, compressed blocks and sinks: each build the launcher can be given."""
+    the second stage, compressed blocks and sinks, on builds other than the default 4 warps x
+    3 stages (which every other test here runs)."""
     case = dict(
         t_q=3,
         hk=2,
@@ -302,8 +303,8 @@ if not THOROUGH:
     VARIANTS = [
         v
         for v in VARIANTS
-        if (v[1], v[2]) in kernel_check.BENCH_TC and v[0] in ("bfloat16", "float32")
-    ]
+        if (v[1], v[2]) in kernel_check.BENCH_TC and (v[0] == "bfloat16" or v[1:3] == (16, 128))
+    ]                                  # the bench's tensor-core builds and one CUDA-core build
 
 
 @pytest.mark.skipif(NO_NVRTC is not None, reason=f"NVRTC is absent: {NO_NVRTC}")
