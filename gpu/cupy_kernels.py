@@ -86,14 +86,21 @@ class Kernels:
             import cupy
 
             self.xp = cupy
-            self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+            dev = cupy.cuda.Device()
+            self.sm_count = dev.attributes["MultiProcessorCount"]
             self.block = 256
             self.attn_threads = 128
+            # the device's own limits, read once: mma.sync on bf16 needs compute capability 8.0
+            self.tc_capable = int(dev.compute_capability) >= 80
+            self.tc_shared_limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+            self.sm_shared = dev.attributes["MaxSharedMemoryPerMultiprocessor"]
         else:
             self.xp = np
             self.sm_count = 2
             self.block = 32
             self.attn_threads = 32
+            # the emulator routes work as an H200 would
+            self.tc_capable, self.tc_shared_limit, self.sm_shared = True, TC_SHARED_LIMIT, SM_SHARED
         self.tc_warps, self.tc_stages = TC_WARPS, TC_STAGES
         self._modules: dict[str, object] = {}
         self._functions: dict[tuple[str, str], object] = {}
@@ -333,10 +340,10 @@ class Kernels:
         tile = TC_TILE if path == "tc" else nt
         shared = tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) if path == "tc" else 0
         if path == "tc":
-            per_sm = max(1, min(SM_SHARED // (shared + 1024), 2048 // (32 * self.tc_warps)))
+            per_sm = max(1, min(self.sm_shared // (shared + 1024), 2048 // (32 * self.tc_warps)))
         else:
             static = verify_shared_bytes(nq, d, dtype, nt)
-            per_sm = max(1, min(2048 // nt, SM_SHARED // (static + 1024)))
+            per_sm = max(1, min(2048 // nt, self.sm_shared // (static + 1024)))
         if n_split is None:
             n_split = self.n_split(b, hk, min(cap, window + w - 1) + t_c, tile, per_sm)
         require(n_split >= 1, f"n_split {n_split} must be >= 1")
@@ -394,10 +401,12 @@ class Kernels:
         """Whether the tensor-core kernel takes `nq` queries of head dim `d`: bf16, `d` in
         TC_HEAD_DIMS (powers of two: the shared-memory swizzle XORs chunk bits), at most
         MAX_QUERIES queries and TC_MAX_TILES accumulator tiles of 16 dims x 8 queries per
-        warp, and its dynamic shared memory within TC_SHARED_LIMIT."""
+        warp, its dynamic shared memory within the device's opt-in limit (an H200's,
+        TC_SHARED_LIMIT, on the emulator), and a device with bf16 mma.sync (sm_80 on)."""
         return (dtype == "bfloat16" and d in TC_HEAD_DIMS and 1 <= nq <= MAX_QUERIES
                 and (d // 16) * -(-nq // 8) <= TC_MAX_TILES
-                and tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) <= TC_SHARED_LIMIT)
+                and self.tc_capable
+                and tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) <= self.tc_shared_limit)
 
     def _host_ints(self, x) -> np.ndarray | None:
         """`x` as host int64 when it is host data (a number, list, tuple, NumPy array); None
@@ -416,8 +425,8 @@ class Kernels:
 
 SHARED_LIMIT = 48 * 1024   # static shared memory a CUDA block may declare
 MAX_QUERIES = 64            # G * w: accumulators and scores held per thread
-TC_SHARED_LIMIT = 227 * 1024   # dynamic shared memory a Hopper block may opt in to
-SM_SHARED = 228 * 1024         # shared memory per Hopper SM (each block also takes 1 KB)
+TC_SHARED_LIMIT = 227 * 1024   # dynamic shared memory an H200 block may opt in to (emulator)
+SM_SHARED = 228 * 1024         # shared memory per H200 SM, each block also taking 1 KB (emulator)
 TC_WARPS, TC_STAGES, TC_TILE = 4, 3, 64   # tensor-core kernel: warps, cp.async stages, keys a stage
 TC_MAX_TILES = 16              # 16x8 float accumulator tiles a lane holds 4 values of: 64 registers
 TC_HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -307,6 +307,17 @@ extern "C" __global__ void rs_verify_attention_combine(const RS_ACC* part_m, con
 // defines them with the PTX ISA's semantics (warp lanes, fragment layouts, deferred copies).
 #ifndef RS_EMULATE
 #define RS_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+// No bf16 mma.sync / cp.async before sm_80: the host never picks the tensor-core kernel there
+// (Kernels.tc_fits), and these stand-ins keep the rest of the module building.
+RS_DEV void rs_ldmatrix_x4(unsigned (&r)[4], const void*) { r[0] = r[1] = r[2] = r[3] = 0u; __trap(); }
+RS_DEV void rs_ldmatrix_x4_trans(unsigned (&r)[4], const void*) { r[0] = r[1] = r[2] = r[3] = 0u; __trap(); }
+RS_DEV void rs_ldmatrix_x2(unsigned (&r)[2], const void*) { r[0] = r[1] = 0u; __trap(); }
+RS_DEV void rs_mma_bf16(float (&)[4], const unsigned (&)[4], const unsigned (&)[2]) { __trap(); }
+RS_DEV void rs_cp_async16(void*, const void*, unsigned) { __trap(); }
+RS_DEV void rs_cp_async_commit() {}
+template <int N> RS_DEV void rs_cp_async_wait() {}
+#else
 RS_DEV unsigned rs_smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 RS_DEV void rs_ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -332,6 +343,7 @@ RS_DEV void rs_cp_async16(void* dst, const void* src, unsigned src_bytes) {
 }
 RS_DEV void rs_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> RS_DEV void rs_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+#endif
 #endif
 
 #ifndef RS_WARPS

@@ -167,6 +167,7 @@ def launcher_variants(everything: bool = False) -> list[tuple[str, int, int, str
     takes (its most registers); `everything` adds every padded count of every head dim."""
     kern = ck.Kernels.__new__(ck.Kernels)
     kern.tc_warps, kern.tc_stages = ck.TC_WARPS, ck.TC_STAGES
+    kern.tc_capable, kern.tc_shared_limit, kern.sm_shared = True, ck.TC_SHARED_LIMIT, ck.SM_SHARED
     out = [(dt, nq, d, "simt") for dt in ("float32", "float64") for nq, d in BENCH_TC]
     out += [("bfloat16", nq, d, "tc") for nq, d in BENCH_TC]
     for d in ck.TC_HEAD_DIMS:
