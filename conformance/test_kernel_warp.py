@@ -205,3 +205,12 @@ def test_cp_async_lands_only_at_its_wait(lib, short_bytes):
     assert np.array_equal(snaps[4][32:48], src[32:48]) and np.array_equal(
         snaps[4][48:], poison[48:]
     )
+
+
+def test_a_kernel_using_more_dynamic_shared_memory_than_launched_with_is_reported(lib):
+    """t_cp_async lands 48 bytes; launched with 32 it writes past them: the launch raises
+    instead of corrupting memory quietly (the host's size and the kernel's layout disagree)."""
+    src = np.arange(64).astype(np.uint8)
+    snaps = np.zeros((5, 64), np.uint8)
+    with pytest.raises(RuntimeError, match="wrote past its 32 bytes of dynamic shared memory"):
+        emu.launch(lib, "t_cp_async", (1, 1, 1), 1, [src, snaps, 16], shared_bytes=32)

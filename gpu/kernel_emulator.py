@@ -73,6 +73,8 @@ using std::exp; using std::cos; using std::sin; using std::pow; using std::exp2;
 // ---- dynamic shared memory: one buffer per launch, poisoned (0xFF: bf16/float NaN) before
 // every block, so a read of a byte no copy has landed in yet is loud
 static unsigned char* rs_dynamic_smem = nullptr;
+static bool rs_overrun_flag = false;
+extern "C" int rs_overrun() { return rs_overrun_flag ? 1 : 0; }
 static size_t rs_dynamic_bytes = 0;
 #define RS_DYNAMIC_SMEM(name) unsigned char* name = rs_dynamic_smem
 
@@ -196,7 +198,9 @@ static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size
     blockDim = {bx, 1, 1};
     std::barrier<> bar(bx);
     rs_barrier = &bar;
-    std::vector<unsigned char> dyn(smem_bytes ? smem_bytes : 16);
+    // the launch's bytes, then 64 guard bytes: a kernel that uses more than it was given
+    // (the host's size and the kernel's layout disagreeing) is reported by rs_overrun()
+    std::vector<unsigned char> dyn(smem_bytes + 64, 0xFF);
     rs_dynamic_smem = dyn.data();
     rs_dynamic_bytes = smem_bytes;
     rs_warps.clear();
@@ -215,7 +219,7 @@ static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size
                 for (unsigned y = 0; y < gy; ++y)
                     for (unsigned x = 0; x < gx; ++x) {
                         blockIdx = {x, y, z};
-                        if (t == 0) std::memset(rs_dynamic_smem, 0xFF, dyn.size());
+                        if (t == 0) std::memset(rs_dynamic_smem, 0xFF, smem_bytes);
                         bar.arrive_and_wait();
                         body();
                         rs_open_group.clear();
@@ -224,6 +228,8 @@ static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size
                     }
         });
     for (auto& th : threads) th.join();
+    rs_overrun_flag = false;
+    for (size_t i = smem_bytes; i < dyn.size(); ++i) rs_overrun_flag |= dyn[i] != 0xFF;
 }
 """
 
@@ -390,6 +396,8 @@ def launch(
             cargs.append(a.item())
     require(shared_bytes >= 0, f"{name}: dynamic shared memory {shared_bytes} must be >= 0")
     getattr(lib, f"emu_{name}")(*grid, block, shared_bytes, *cargs)
+    if lib.rs_overrun():
+        raise RuntimeError(f"{name} wrote past its {shared_bytes} bytes of dynamic shared memory")
 
 
 def nvcc_check(defines: str, arch: str = "sm_90") -> None:
