@@ -198,9 +198,10 @@ static void rs_run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size
     blockDim = {bx, 1, 1};
     std::barrier<> bar(bx);
     rs_barrier = &bar;
-    // the launch's bytes, then 64 guard bytes: a kernel that uses more than it was given
-    // (the host's size and the kernel's layout disagreeing) is reported by rs_overrun()
-    std::vector<unsigned char> dyn(smem_bytes + 64, 0xFF);
+    // the launch's bytes, then 256 KiB of guard bytes (more than any block may opt in to): a
+    // kernel that uses more than it was given (the host's size and the kernel's layout
+    // disagreeing) is reported by rs_overrun() instead of corrupting the process
+    std::vector<unsigned char> dyn(smem_bytes + (256u << 10), 0xFF);
     rs_dynamic_smem = dyn.data();
     rs_dynamic_bytes = smem_bytes;
     rs_warps.clear();
