@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpu.cupy_kernels as ck
-from gpu import kernel_emulator as emu
+import raggedspec.gpu.cupy_kernels as ck
+from raggedspec.gpu import kernel_emulator as emu
 
 pytestmark = pytest.mark.skipif(
     emu.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"

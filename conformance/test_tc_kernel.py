@@ -23,9 +23,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpu.cupy_kernels as ck
-import reference.attention as ratt
-from gpu import kernel_emulator
+import raggedspec.gpu.cupy_kernels as ck
+import raggedspec.reference.attention as ratt
+from raggedspec.gpu import kernel_emulator
 from raggedspec import kernel_check
 
 _WHY = ck.cupy_unavailable()

@@ -26,8 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu import cupy_kernels as ck
-from gpu import kernel_emulator as emu
+from raggedspec.gpu import cupy_kernels as ck
+from raggedspec.gpu import kernel_emulator as emu
 
 ARCH = "sm_90"
 BENCH_TC = ((8, 128), (16, 128))  # G * w = 4 * 2 and 4 * 4 at head dim 128 (gpu/bench.py)
