@@ -1,5 +1,5 @@
 """The hand-written kernels of `gpu/kernels.cu`, launched by CuPy on a CUDA GPU or by the g++
-emulator on the CPU (issue 5). Same rules, same refusals as the torch port.
+emulator on the CPU. Same rules, same refusals as the torch port.
 
 Two runners, one set of operations:
 - `Kernels("cupy")`: CuPy arrays on the current device, NVRTC through `cupy.RawModule`;
@@ -17,7 +17,13 @@ two, the split-K partials and their combine), and reads rows through per-row off
 - `verify_attention` / `dsv4_attention_rows`: attention of the `w` verify queries of each row
   over its KV in place, GQA, with DSV4's rules (causal, sliding window, start-anchored
   compressed blocks, sinks), reading only the live keys some query of the window can see,
-  never a column at or past `lens[b]`; at most 64 queries per KV head (`fits`).
+  never a column at or past `lens[b]`; at most 64 queries per KV head (`fits`). bf16 at head
+  dims 16..256 (multiples of 16) runs on tensor cores (`rs_verify_attention_tc`: mma.sync,
+  a cp.async pipeline, dynamic shared memory), everything else on the CUDA-core kernel.
+  No device->host read per call: lengths and rows given as host integers are checked on the
+  host and uploaded; given as device arrays they are not read back, and a value the host
+  could not check (a length outside `[w, cap]`, a row outside the KV batch) makes its output
+  rows NaN instead of a refusal. The split count comes from host-known sizes (the capacity).
 
 `ragged_verify_attention(q, k, v, lens)` is the torch-facing entry point `raggedspec bench`
 calls (contract in gpu/bench.py): torch CUDA tensors in and out, zero-copy through DLPack,
@@ -34,7 +40,8 @@ from raggedspec.gpu import kernel_emulator as emu
 from raggedspec.reference.errors import CacheRefusal, MaskRefusal, require
 
 # storage dtype name -> (RS_ELEM, RS_ACC)
-ELEM = {"float32": ("float", "float"), "float64": ("double", "double"), "bfloat16": ("rs_bf16", "float")}
+ELEM = {"float32": ("float", "float"), "float64": ("double", "double"),
+        "bfloat16": ("rs_bf16", "float")}
 ACC_NUMPY = {"float": np.float32, "double": np.float64}
 
 
@@ -43,14 +50,17 @@ def dtype_name(dtype) -> str:
     name = np.dtype(dtype).name
     if name in ("uint16", "int16"):
         return "bfloat16"
-    require(name in ELEM, f"dtype {name} is not supported by the kernels (float32, float64, bf16 bits)")
+    require(name in ELEM,
+            f"dtype {name} is not supported by the kernels (float32, float64, bf16 bits)")
     return name
 
 
-def defines(dtype: str, nq: int = 1, d: int = 1, nt: int = 32) -> str:
+def defines(dtype: str, nq: int = 1, d: int = 1, nt: int = 32, warps: int = 4,
+            stages: int = 3) -> str:
+    """The #defines a build of gpu/kernels.cu is specialised by (see the source's header)."""
     elem, acc = ELEM[dtype]
     return (f"#define RS_ELEM {elem}\n#define RS_ACC {acc}\n#define RS_NQ {nq}\n#define RS_D {d}\n"
-            f"#define RS_NT {nt}\n")
+            f"#define RS_NT {nt}\n#define RS_WARPS {warps}\n#define RS_STAGES {stages}\n")
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -76,29 +86,49 @@ class Kernels:
             import cupy
 
             self.xp = cupy
-            self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+            dev = cupy.cuda.Device()
+            self.sm_count = dev.attributes["MultiProcessorCount"]
             self.block = 256
             self.attn_threads = 128
+            # the device's own limits, read once: mma.sync on bf16 needs compute capability 8.0
+            self.tc_capable = int(dev.compute_capability) >= 80
+            self.tc_shared_limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+            self.sm_shared = dev.attributes["MaxSharedMemoryPerMultiprocessor"]
         else:
             self.xp = np
             self.sm_count = 2
             self.block = 32
             self.attn_threads = 32
+            # the emulator routes work as an H200 would
+            self.tc_capable, self.tc_shared_limit, self.sm_shared = True, TC_SHARED_LIMIT, SM_SHARED
+        self.tc_warps, self.tc_stages = TC_WARPS, TC_STAGES
         self._modules: dict[str, object] = {}
+        self._functions: dict[tuple[str, str], object] = {}
 
     # ------------------------------------------------------------------ launching
-    def _launch(self, name: str, dtype: str, grid, block: int, args: list, nq=1, d=1, nt=32) -> None:
-        text = defines(dtype, nq, d, nt)
+    def _launch(self, name: str, dtype: str, grid, block: int, args: list, nq=1, d=1, nt=32,
+                warps=4, stages=3,
+                shared: int = 0) -> None:
+        """One launch of kernel `name` of the build `defines(...)` names, with `shared` bytes of
+        dynamic shared memory. CUDA modules and functions are compiled and configured once
+        per build (the dynamic-shared limit raised once, when above 48 KB)."""
+        text = defines(dtype, nq, d, nt, warps, stages)
         if self.mode == "emulate":
-            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args)
+            emu.launch(emu.build(text, self.source), name, tuple(grid), block, args, shared)
             return
-        import cupy
+        fn = self._functions.get((text, name))
+        if fn is None:
+            import cupy
 
-        module = self._modules.get(text)
-        if module is None:
-            module = cupy.RawModule(code=text + self.source, options=("-std=c++17",))
-            self._modules[text] = module
-        module.get_function(name)(tuple(grid), (block,), tuple(emu.bind(name, self.sigs[name], args)))
+            module = self._modules.get(text)
+            if module is None:
+                module = cupy.RawModule(code=text + self.source, options=("-std=c++17",))
+                self._modules[text] = module
+            fn = module.get_function(name)
+            if shared > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = shared
+            self._functions[(text, name)] = fn
+        fn(tuple(grid), (block,), tuple(emu.bind(name, self.sigs[name], args)), shared_mem=shared)
 
     def _elementwise_grid(self, n: int) -> tuple[int, int, int]:
         """Grid-stride launches: up to 32 blocks per SM on CUDA; 4 blocks emulated (each
@@ -118,15 +148,18 @@ class Kernels:
         b, h, c, d = k.shape
         require(tuple(v.shape) == tuple(k.shape) and lens.size == b,
                 f"k {list(k.shape)}, v {list(v.shape)} and {lens.size} lens must agree")
-        require(not bool((lens < 0).any() or (lens > c).any()), f"lens {lens.tolist()} must lie in [0, {c}]")
+        require(not bool((lens < 0).any() or (lens > c).any()),
+                f"lens {lens.tolist()} must lie in [0, {c}]")
         top = int(lens.max()) if b else 0
         target = top if target is None else int(target)
         require(target >= top, f"target {target} is shorter than the longest row {top}")
         k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)   # the kernels index flat
-        ko, vo = self.xp.empty((b, h, target, d), k.dtype), self.xp.empty((b, h, target, d), v.dtype)
+        ko = self.xp.empty((b, h, target, d), k.dtype)
+        vo = self.xp.empty((b, h, target, d), v.dtype)
         n = b * h * target * d
         if n:
-            self._launch("rs_front_align", dtype_name(k.dtype), self._elementwise_grid(n), self.block,
+            self._launch("rs_front_align", dtype_name(k.dtype), self._elementwise_grid(n),
+                         self.block,
                          [k, v, lens, ko, vo, b, h, c, target, d])
         return ko, vo
 
@@ -136,23 +169,26 @@ class Kernels:
         when a lead exceeds `current`."""
         leads = self._ints(leads)
         b, h, width, d = k.shape
-        require(tuple(v.shape) == tuple(k.shape), f"k {list(k.shape)} and v {list(v.shape)} must agree")
+        require(tuple(v.shape) == tuple(k.shape),
+                f"k {list(k.shape)} and v {list(v.shape)} must agree")
         require(leads.size == b, f"{leads.size} leads for a batch of {b}")
         require(not bool((leads < 0).any()), f"dead-prefix leads {leads.tolist()} must be >= 0")
         require(0 <= current <= width, f"current {current} must lie in [0, width {width}]")
         over = np.flatnonzero(self._host(leads > current))
         if over.size:
-            raise CacheRefusal(f"cannot drop a {int(leads[over[0]])}-column dead prefix from a slot "
-                               f"that holds only {current}")
+            raise CacheRefusal(f"cannot drop a {int(leads[over[0]])}-column dead prefix from a "
+                               f"slot that holds only {current}")
         k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)   # the kernels index flat
         ko, vo = self.xp.empty_like(k), self.xp.empty_like(v)
         n = k.size
         if n:
-            self._launch("rs_strip_dead_prefix", dtype_name(k.dtype), self._elementwise_grid(n), self.block,
+            self._launch("rs_strip_dead_prefix", dtype_name(k.dtype), self._elementwise_grid(n),
+                         self.block,
                          [k, v, leads, ko, vo, b, h, width, d])
         return ko, vo, current - leads
 
-    def ragged_union_mask(self, rows, q0: int, t_q: int, raw_base: int, t_k: int, t_c: int, ratio: int,
+    def ragged_union_mask(self, rows, q0: int, t_q: int, raw_base: int, t_k: int, t_c: int,
+                          ratio: int,
                           window: int, dtype: str = "float64"):
         """The additive `[B,1,t_q,t_k+t_c]` mask of `reference.masks.ragged_union_mask` (rows
         already through `resolve_ragged_rows`). ValueError on rows outside `[0, q0]` or with
@@ -160,16 +196,20 @@ class Kernels:
         rows = self._ints(rows)
         require(rows.size >= 1, "ragged_union_mask needs at least one row")
         require(not bool((rows < 0).any() or (rows > q0).any()) and int(rows.max()) == q0,
-                f"rows {rows.tolist()} must lie in [0, q0={q0}] with max == q0 (resolve_ragged_rows first)")
+                f"rows {rows.tolist()} must lie in [0, q0={q0}] with max == q0 "
+                "(resolve_ragged_rows first)")
         require(t_q >= 1 and raw_base >= 0 and t_k >= 0 and t_c >= 0,
                 f"t_q {t_q} must be >= 1; raw_base {raw_base}, t_k {t_k}, t_c {t_c} must be >= 0")
         require(window >= 1, f"window {window} must be >= 1")
-        require(t_c == 0 or ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
+        require(t_c == 0 or ratio >= 1,
+                f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
         b = rows.size
-        out = self.xp.empty((b, 1, t_q, t_k + t_c), dtype=np.float64 if dtype == "float64" else np.float32)
+        out = self.xp.empty((b, 1, t_q, t_k + t_c),
+                            dtype=np.float64 if dtype == "float64" else np.float32)
         n = out.size
         if n:
-            self._launch("rs_ragged_union_mask", dtype_name(out.dtype), self._elementwise_grid(n), self.block,
+            self._launch("rs_ragged_union_mask", dtype_name(out.dtype), self._elementwise_grid(n),
+                         self.block,
                          [rows, b, t_q, q0, raw_base, t_k, t_c, max(ratio, 1), window, out])
         return out
 
@@ -189,18 +229,29 @@ class Kernels:
         out = self.xp.empty_like(x)
         if x.size:
             self._launch("rs_rope", dtype_name(x.dtype), self._elementwise_grid(x.size), self.block,
-                         [x, offsets, offsets.size, b, h, t, d, rope_dims, float(theta), int(bool(inverse)), out])
+                         [x, offsets, offsets.size, b, h, t, d, rope_dims, float(theta),
+                          int(bool(inverse)), out])
         return out
 
-    def n_split(self, b: int, hk: int, longest: int, nt: int) -> int:
-        """Key-axis splits: enough blocks for two waves of the device's SMs, never more
-        splits than tiles in the longest row."""
-        want = -(-2 * self.sm_count // max(b * hk, 1))
-        return max(1, min(want, -(-longest // nt)))
+    def n_split(self, b: int, hk: int, longest: int, tile: int, per_sm: int = 1) -> int:
+        """Key-axis splits from host-known sizes: the fewest splits whose `b * hk * splits`
+        blocks fill whole waves (`sm_count * per_sm` resident blocks) to at least 95%, else
+        the best-filling count; never more splits than `tile`-key tiles in `longest`."""
+        base, wave = max(b * hk, 1), max(self.sm_count * per_sm, 1)
+        most = max(1, -(-longest // tile))
+
+        def filled(s: int) -> float:
+            return base * s / (-(-base * s // wave) * wave)
+
+        good = [s for s in range(1, most + 1) if filled(s) >= 0.95]
+        return good[0] if good else max(range(1, most + 1), key=lambda s: (filled(s), -s))
 
     def verify_attention(self, q, k, v, lens, rows=None, window: int | None = None, compressed=None,
-                         ratio: int = 0, sinks=None, n_split: int | None = None, nt: int | None = None):
-        """`out [B,H,w,D]` in q's dtype, read in place, DSV4's rules (`gpu.model.dsv4_attention_rows`).
+                         ratio: int = 0, sinks=None, n_split: int | None = None,
+                         nt: int | None = None,
+                         path: str | None = None):
+        """`out [B,H,w,D]` in q's dtype, read in place, DSV4's rules
+        (`gpu.model.dsv4_attention_rows`).
 
         Query row b reads KV row `rows[b]` (default b) of `k, v [Bkv,Hk,cap,D]`, which holds
         `n = lens[rows[b]]` live positions; query r sits at `qp = n - w + r`, query head h reads
@@ -208,84 +259,165 @@ class Kernels:
         None: every earlier key, the bench's full causal attention); only keys some query can
         see are read, nothing at or past n. `compressed [Bkv,Hk,t_c,D]` (K == V,
         start-anchored): block c valid iff `c < (qp + 1) // ratio`. `sinks [H]`: a per-head
-        logit in the denominator only. Scale `1/sqrt(D)`.
+        logit in the denominator only. Scale `1/sqrt(D)`. `path` "tc" | "simt" forces a kernel
+        (default: tensor cores where `tc_fits`). `lens` / `rows` as host integers are checked
+        here; as device arrays they are not read (bad values give NaN rows, see the module).
         MaskRefusal ("query rows against only") for a row shorter than w; ValueError on shapes,
         lens past cap, `window < 1`, `ratio < 1` with compressed keys."""
         xp = self.xp
         require(q.ndim == 4 and k.ndim == 4 and tuple(k.shape) == tuple(v.shape),
-                f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: need [B,H,w,D] and [B,Hk,cap,D]")
+                f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: "
+                "need [B,H,w,D] and [B,Hk,cap,D]")
         b, h, w, d = q.shape
         b_kv, hk, cap, _ = k.shape
         require(k.shape[3] == d and hk >= 1 and h % hk == 0,
                 f"q {list(q.shape)} against k {list(k.shape)}: head dim or GQA grouping disagree")
-        require(dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype),
+        dtype = dtype_name(q.dtype)
+        require(dtype == dtype_name(k.dtype) == dtype_name(v.dtype),
                 f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
-        lens = self._ints(lens)
-        require(lens.size == b_kv and not bool((lens < 0).any() or (lens > cap).any()),
-                f"lens {lens.tolist()} must be {b_kv} values in [0, cap {cap}]")
+        host_lens = self._host_ints(lens)
+        if host_lens is not None:
+            bad = (host_lens < 0).any() or (host_lens > cap).any()
+            require(host_lens.size == b_kv and not bool(bad),
+                    f"lens {host_lens.tolist()} must be {b_kv} values in [0, cap {cap}]")
+        else:
+            require(lens.size == b_kv, f"{lens.size} lens for {b_kv} KV rows")
         if rows is None:
             require(b_kv == b, f"{b} query rows for {b_kv} KV rows: pass rows")
-            rows = xp.arange(b, dtype=xp.int64)
-        rows = self._ints(rows)
-        require(rows.size == b and not bool((rows < 0).any() or (rows >= b_kv).any()),
-                f"rows {rows.tolist()} must be {b} indices into {b_kv} KV rows")
+            rows = np.arange(b, dtype=np.int64)
+        host_rows = self._host_ints(rows)
+        if host_rows is not None:
+            bad = (host_rows < 0).any() or (host_rows >= b_kv).any()
+            require(host_rows.size == b and not bool(bad),
+                    f"rows {host_rows.tolist()} must be {b} indices into {b_kv} KV rows")
+        else:
+            require(rows.size == b, f"{rows.size} rows for {b} query rows")
         require(window is None or window >= 1, f"window {window} must be >= 1")
-        window = cap + w if window is None else int(window)
-        row_lens = lens[rows]
-        short = np.flatnonzero(self._host(row_lens < w))
-        if short.size:
-            raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
+        window = cap + w if window is None else min(int(window), cap + w)   # wider: same keys
+        if host_lens is not None and host_rows is not None:
+            row_lens = host_lens[host_rows]
+            short = np.flatnonzero(row_lens < w)
+            if short.size:
+                raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
         t_c = 0 if compressed is None else int(compressed.shape[2])
         if t_c:
-            require(tuple(compressed.shape) == (b_kv, hk, t_c, d) and dtype_name(compressed.dtype) == dtype_name(k.dtype),
-                    f"compressed {list(compressed.shape)} must be [{b_kv},{hk},t_c,{d}] in k's dtype")
-            require(ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
+            same = tuple(compressed.shape) == (b_kv, hk, t_c, d)
+            require(same and dtype_name(compressed.dtype) == dtype,
+                    f"compressed {list(compressed.shape)} must be [{b_kv},{hk},t_c,{d}] "
+                    "in k's dtype")
+            require(ratio >= 1,
+                    f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
         if sinks is not None:
-            require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype_name(q.dtype),
+            require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype,
                     f"sinks {list(sinks.shape)} must be [{h}] in q's dtype")
         out = xp.empty(q.shape, dtype=q.dtype)
         if out.size == 0:
             return out
-        nt = self.attn_threads if nt is None else nt
         nq = (h // hk) * w
-        require(self.fits(nq, d, dtype_name(q.dtype), nt),
-                f"{nq} queries per KV head (G * w) of head dim {d} need {verify_shared_bytes(nq, d, dtype_name(q.dtype), nt)} "
-                f"bytes of shared memory and {nq} accumulators per thread; the verify kernel takes at most "
-                f"{SHARED_LIMIT} bytes and {MAX_QUERIES} queries (a prefill belongs to the torch port)")
-        longest = int(row_lens.max()) + t_c
-        n_split = self.n_split(b, hk, min(longest, window + w - 1 + t_c), nt) if n_split is None else n_split
+        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
+        ck_in = None if not t_c else xp.ascontiguousarray(compressed)
+        aligned = self._aligned16([q, k, v] + ([] if ck_in is None else [ck_in]))
+        path = path or ("tc" if aligned and self.tc_fits(nq, d, dtype) else "simt")
+        require(path in ("tc", "simt"), f"verify path {path!r} must be 'tc' or 'simt'")
+        if path == "tc":
+            require(aligned, "the tensor-core kernel copies 16-byte chunks: q, k, v and "
+                    "compressed must start "
+                    "16-byte aligned")
+            require(self.tc_fits(nq, d, dtype),
+                    f"the tensor-core kernel does not take {nq} queries of head dim {d} "
+                    f"in {dtype} (bf16, head dim in {TC_HEAD_DIMS}, at most {TC_MAX_TILES} 16x8 "
+                    f"accumulator tiles)")
+            require(max(cap, t_c) * d < 2**31 and cap + w < 2**31,
+                    f"cap {cap} x head dim {d} is past the tensor-core kernel's 32-bit indices")
+        nt = self.attn_threads if nt is None else nt
+        require(path == "tc" or self.fits(nq, d, dtype, nt),
+                f"{nq} queries per KV head (G * w) of head dim {d} need "
+                f"{verify_shared_bytes(nq, d, dtype, nt)} "
+                f"bytes of shared memory and {nq} accumulators per thread; the verify kernel "
+                "takes at most "
+                f"{SHARED_LIMIT} bytes and {MAX_QUERIES} queries (a prefill belongs to the "
+                "torch port)")
+        tile = TC_TILE if path == "tc" else nt
+        shared = tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) if path == "tc" else 0
+        if path == "tc":
+            per_sm = max(1, min(self.sm_shared // (shared + 1024), 2048 // (32 * self.tc_warps)))
+        else:
+            static = verify_shared_bytes(nq, d, dtype, nt)
+            per_sm = max(1, min(2048 // nt, self.sm_shared // (static + 1024)))
+        if n_split is None:
+            n_split = self.n_split(b, hk, min(cap, window + w - 1) + t_c, tile, per_sm)
         require(n_split >= 1, f"n_split {n_split} must be >= 1")
-        dtype = dtype_name(q.dtype)
         acc = ACC_NUMPY[ELEM[dtype][1]]
         part_m = xp.empty((n_split, b, hk, nq), dtype=acc)
         part_l = xp.empty((n_split, b, hk, nq), dtype=acc)
         part_acc = xp.empty((n_split, b, hk, nq, d), dtype=acc)
         dummy = xp.zeros(1, dtype=q.dtype)
-        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
-        ck = dummy if not t_c else xp.ascontiguousarray(compressed)
-        self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
-                     [q, k, v, lens, rows, ck, t_c, max(ratio, 1), b, hk, cap, w, window, n_split,
-                      1.0 / math.sqrt(d), part_m, part_l, part_acc], nq=nq, d=d, nt=nt)
-        self._launch("rs_verify_attention_combine", dtype, self._elementwise_grid(out.size), self.block,
-                     [part_m, part_l, part_acc, dummy if sinks is None else xp.ascontiguousarray(sinks),
-                      int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt)
+        ck = dummy if ck_in is None else ck_in
+        lens_d = self._ints(lens if host_lens is None else host_lens)
+        rows_d = self._ints(rows if host_rows is None else host_rows)
+        if path == "tc":
+            self._launch("rs_verify_attention_tc", dtype, (n_split, hk, b), 32 * self.tc_warps,
+                         [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window,
+                          n_split, b_kv,
+                          math.log2(math.e) / math.sqrt(d), part_m, part_l, part_acc],
+                         nq=nq, d=d, nt=nt, warps=self.tc_warps, stages=self.tc_stages,
+                         shared=shared)
+        else:
+            self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
+                         [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window,
+                          n_split, b_kv,
+                          1.0 / math.sqrt(d), part_m, part_l, part_acc], nq=nq, d=d, nt=nt,
+                         warps=self.tc_warps, stages=self.tc_stages)
+        self._launch("rs_verify_attention_combine", dtype, self._elementwise_grid(out.size),
+                     self.block,
+                     [part_m, part_l, part_acc,
+                      dummy if sinks is None else xp.ascontiguousarray(sinks),
+                      int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt,
+                     warps=self.tc_warps, stages=self.tc_stages)
         return out
 
-    def dsv4_attention_rows(self, q, k, v, lens, rows, compressed, compress_ratio: int, sliding_window: int,
-                            sinks=None, n_split: int | None = None, nt: int | None = None):
+    def dsv4_attention_rows(self, q, k, v, lens, rows, compressed, compress_ratio: int,
+                            sliding_window: int,
+                            sinks=None, n_split: int | None = None, nt: int | None = None,
+                            path: str | None = None):
         """`gpu.model.dsv4_attention_rows` as one kernel pass: DSV4 union attention of each
         query row over its own KV row in place. A Standard layer (`compress_ratio <= 1`)
         ignores `compressed`; `window = max(sliding_window, 1)`. Same refusal
         (MaskRefusal "query rows against only")."""
         comp = None if compress_ratio <= 1 else compressed
-        return self.verify_attention(q, k, v, lens, rows=rows, window=max(int(sliding_window), 1), compressed=comp,
-                                     ratio=compress_ratio, sinks=sinks, n_split=n_split, nt=nt)
+        return self.verify_attention(q, k, v, lens, rows=rows, window=max(int(sliding_window), 1),
+                                     compressed=comp,
+                                     ratio=compress_ratio, sinks=sinks, n_split=n_split, nt=nt,
+                                     path=path)
 
     def fits(self, nq: int, d: int, dtype: str, nt: int | None = None) -> bool:
-        """Whether the verify kernel takes `nq` queries per KV head of head dim `d` (the same
+        """Whether a verify kernel takes `nq` queries per KV head of head dim `d` (the same
         rule on both runners, so the emulator routes work exactly as CUDA would)."""
         nt = self.attn_threads if nt is None else nt
-        return nq <= MAX_QUERIES and verify_shared_bytes(nq, d, dtype, nt) <= SHARED_LIMIT
+        simt = nq <= MAX_QUERIES and verify_shared_bytes(nq, d, dtype, nt) <= SHARED_LIMIT
+        return simt or self.tc_fits(nq, d, dtype)
+
+    def tc_fits(self, nq: int, d: int, dtype: str) -> bool:
+        """Whether the tensor-core kernel takes `nq` queries of head dim `d`: bf16, `d` in
+        TC_HEAD_DIMS (powers of two: the shared-memory swizzle XORs chunk bits), at most
+        MAX_QUERIES queries and TC_MAX_TILES accumulator tiles of 16 dims x 8 queries per
+        warp, its dynamic shared memory within the device's opt-in limit (an H200's,
+        TC_SHARED_LIMIT, on the emulator), and a device with bf16 mma.sync (sm_80 on)."""
+        return (dtype == "bfloat16" and d in TC_HEAD_DIMS and 1 <= nq <= MAX_QUERIES
+                and (d // 16) * -(-nq // 8) <= TC_MAX_TILES
+                and self.tc_capable
+                and tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) <= self.tc_shared_limit)
+
+    def _host_ints(self, x) -> np.ndarray | None:
+        """`x` as host int64 when it is host data (a number, list, tuple, NumPy array); None
+        for a device array, which is never read back."""
+        if self.mode == "cupy" and not isinstance(x, (int, list, tuple, np.ndarray)):
+            return None
+        return np.asarray(x, dtype=np.int64).reshape(-1)
+
+    def _aligned16(self, arrays: list) -> bool:
+        """Whether every array starts 16-byte aligned (host metadata: the data pointer)."""
+        return all((a.data.ptr if self.mode == "cupy" else a.ctypes.data) % 16 == 0 for a in arrays)
 
     def _host(self, a) -> np.ndarray:
         return a.get() if self.mode == "cupy" else np.asarray(a)
@@ -293,6 +425,22 @@ class Kernels:
 
 SHARED_LIMIT = 48 * 1024   # static shared memory a CUDA block may declare
 MAX_QUERIES = 64            # G * w: accumulators and scores held per thread
+TC_SHARED_LIMIT = 227 * 1024   # dynamic shared memory an H200 block may opt in to (emulator)
+SM_SHARED = 228 * 1024         # shared memory per H200 SM, each block also taking 1 KB (emulator)
+TC_WARPS, TC_STAGES, TC_TILE = 4, 3, 64   # tensor-core kernel: warps, cp.async stages, keys a stage
+TC_MAX_TILES = 16              # 16x8 float accumulator tiles a lane holds 4 values of: 64 registers
+TC_HEAD_DIMS = (16, 32, 64, 128, 256)
+TC_PITCH = 24                  # bf16 per row of a warp's P^T tile (16 keys + 8 of padding)
+
+
+def tc_shared_bytes(nq: int, d: int, warps: int = TC_WARPS, stages: int = TC_STAGES) -> int:
+    """Dynamic shared memory of `rs_verify_attention_tc`, laid out as the kernel lays it out:
+    K and V stages (bf16; the warps' final float accumulators reuse them, and the region
+    grows when those are larger), q padded to a multiple of 8 queries, each warp's P^T tile,
+    each warp's max and sum (float)."""
+    nqp = -(-nq // 8) * 8
+    stages_or_acc = max(2 * 2 * stages * TC_TILE * d, 4 * warps * nqp * d)
+    return stages_or_acc + 2 * (nqp * d + warps * nqp * TC_PITCH) + 4 * 2 * warps * nqp
 
 
 def verify_shared_bytes(nq: int, d: int, dtype: str, nt: int) -> int:
@@ -307,7 +455,8 @@ def cupy_unavailable() -> str | None:
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - any import failure means "no CuPy here"
-        return f"cupy is not importable ({type(exc).__name__}: {exc}); install the 'cupy' extra on a CUDA machine"
+        return (f"cupy is not importable ({type(exc).__name__}: {exc}); install the 'cupy' "
+                "extra on a CUDA machine")
     try:
         if not cupy.cuda.is_available():
             return "cupy.cuda.is_available() is False: no CUDA device"

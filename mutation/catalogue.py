@@ -437,6 +437,7 @@ CATALOGUE: list[Mutant] = [
 # conformance/test_port_*.py tests exist and pass (see docs/mutation.md).
 G_DISP, G_STEP, G_MASKS, G_ROPE = "gpu/dispatch.py", "gpu/step.py", "gpu/masks.py", "gpu/rope.py"
 G_KERN, P_KERN = "gpu/kernels.cu", _C + "test_cupy_kernels.py"
+G_EMU, P_TC, P_WARP = "gpu/kernel_emulator.py", _C + "test_tc_kernel.py", _C + "test_kernel_warp.py"
 P_MASKS, P_ROPE = _C + "test_port_masks.py", _C + "test_port_rope.py"
 
 PORT_CATALOGUE: list[Mutant] = [
@@ -568,13 +569,35 @@ PORT_CATALOGUE: list[Mutant] = [
     M("kernel rs_verify_attention_partial: compressed blocks valid by the batch's longest row", G_KERN,
       ": (p < (qp + 1) / ratio);", ": (p < (n + 1) / ratio);", "issue 5; M§5", P_KERN),
     M("kernel rs_verify_attention_partial: query row b reads KV row b, not rows[b]", G_KERN,
-      "const long long row = rows[b], n = lens[row];", "const long long row = b, n = lens[row];",
+      "const long long row = rows[b], n = (row >= 0", "const long long row = b, n = (row >= 0",
       "issue 5", P_KERN),
     M("kernel rs_verify_attention_combine: drop the sink from the denominator", G_KERN,
       "den = has_sinks ? rs_exp(sink - mx) : (RS_ACC)0;", "den = (RS_ACC)0;", "issue 5; M§4", P_KERN),
     M("kernel rs_verify_attention_combine: sum the splits without their maxima", G_KERN,
       "RS_ACC f = rs_exp(part_m[s * stride + row] - mx);", "RS_ACC f = (RS_ACC)1;",
       "issue 5", P_KERN),
+    # The tensor-core kernel and the emulator's warp semantics it is tested through.
+    M("kernel rs_verify_attention_tc: wait one group short (a stage read before its copies land)",
+      G_KERN,
+      "rs_cp_async_wait<RS_STAGES - 2>();", "rs_cp_async_wait<RS_STAGES - 1>();", "kernel", P_TC),
+    M("kernel rs_verify_attention_tc: K's ldmatrix lanes swap the row and column halves "
+      "(wrong fragment)", G_KERN,
+      "kt + rs_swz(r0 + (lane & 7) + ((lane >> 3) & 1) * 8, (ks * 2 + (lane >> 4)) * 8)",
+      "kt + rs_swz(r0 + (lane & 7) + (lane >> 4) * 8, (ks * 2 + ((lane >> 3) & 1)) * 8)",
+      "kernel", P_TC),
+    M("kernel rs_verify_attention_tc: no tile is an edge tile (masks skipped)", G_KERN,
+      "const bool edge = !(t0 + RS_TILE <= kend",
+      "const bool edge = false && !(t0 + RS_TILE <= kend",
+      "kernel", P_TC),
+    M("tc_shared_bytes: one K/V stage short of what the kernel lays out", "gpu/cupy_kernels.py",
+      "stages_or_acc = max(2 * 2 * stages * TC_TILE * d, 4 * warps * nqp * d)",
+      "stages_or_acc = max(2 * 2 * (stages - 1) * TC_TILE * d, 4 * warps * nqp * d)",
+      "kernel", P_TC),
+    M("emulator mma.sync: A's registers 1 and 2 swapped (wrong fragment layout)", G_EMU,
+      "a[(row >= 8) + 2 * (col >= 8)]", "a[2 * (row >= 8) + (col >= 8)]", "PTX ISA", P_WARP),
+    M("emulator cp.async: the copy lands at issue, not at its wait", G_EMU,
+      "    rs_open_group.push_back({dst, src, 16u, src_bytes > 16u ? 16u : src_bytes});\n",
+      "    std::memcpy(dst, src, src_bytes > 16u ? 16u : src_bytes);\n", "PTX ISA", P_WARP),
 ]
 
 from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS  # noqa: E402 (rows only; no cycle)
