@@ -193,7 +193,7 @@ def test_drift_from_a_scenario_writes_three_runs_and_the_sweep(tmp_path, capsys)
 
 
 def drift_figures():
-    from reference.drift import FIGURE_NAMES
+    from raggedspec.drift import FIGURE_NAMES
     return FIGURE_NAMES
 
 

@@ -1,4 +1,4 @@
-"""Length-drift diagnostics (reference/drift.py): the plot data are right, and any trace in
+"""Length-drift diagnostics (raggedspec/drift/): the plot data are right, and any trace in
 schema v1 can be plotted, including a hand-made one from "another engine".
 
 `engine_trace` below is such an engine: a few lines that write a schema-v1 trace of their own
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import drift
-from reference.drift import MissingField, TraceData, TraceFormatError
+from raggedspec import drift
+from raggedspec.drift import MissingField, TraceData, TraceFormatError
 
 CSV_COLUMNS = ("step,phase,advance,cache_instruction,running,waiting,buckets,groups,padding_fraction,"
                "tok_per_step,seq,row,own_len,width,lead,u,drafted,accepted,committed,group_u,group_start,"

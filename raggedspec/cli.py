@@ -163,7 +163,7 @@ def add_simulate(sub) -> argparse.ArgumentParser:
 
 
 def run_simulate(args) -> int:
-    from reference.drift import simulate
+    from raggedspec.drift import simulate
     from reference.trace import write_csv, write_jsonl
 
     if args.scenario is not None and not args.scenario.is_file():
@@ -252,7 +252,7 @@ def parse_batches(text: str) -> list[int]:
 
 
 def run_drift(args) -> int:
-    from reference import drift
+    from raggedspec import drift
 
     if args.trace:
         if args.label and len(args.label) != len(args.trace):
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    from reference.drift import TraceFormatError
+    from raggedspec.drift import TraceFormatError
     from reference.errors import Refusal
     from reference.scenario import ScenarioError
 
