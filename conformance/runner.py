@@ -14,8 +14,9 @@ Hypothesis's own statistics). Tests map to rules through the tables of docs/rule
 (`| rule | function | tests | invariant |`); a test named by no row
 is listed under "(no rule row) FILE".
 
-Exit code: pytest's (0 all passed, 1 some failed, ...); 2 for bad usage, an unknown or
-unloadable backend, or a device the backend cannot use (e.g. `--device cuda` without CUDA).
+Exit code: 0 all passed, 1 some failed (pytest's); 2 for bad usage, a missing --tests path,
+a selection that matches no test, an unknown or unloadable backend, or a device the backend
+cannot use (e.g. `--device cuda` without CUDA); 3 pytest's own internal error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SUITE = Path(__file__).resolve().parent
 PROFILES = ("ci", "dev", "thorough", "mutmut")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
+EMPTY_SELECTION = 5  # pytest's exit code when nothing was collected
 _TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")
 # "60 passing examples, 0 failing examples" (Hypothesis <= 6.15x) or "60 passing, 0 failing,
 # and 2 invalid test cases" (newer): accept both wordings.
@@ -65,8 +67,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Run the conformance suite (reference properties, reference-vs-backend per-method "
                     "properties and end-to-end runs compared tensor for tensor) against a backend, and "
                     "print one line per rule of docs/rules.md: the rule, the examples its tests ran, "
-                    "and the result. Exit code: pytest's; 2 for an unknown backend or an unavailable "
-                    "device.")
+                    "and the result.",
+        epilog="Exit codes: 0 every selected test passed; 1 some failed (their rule rows say FAIL); 2 bad "
+               "input: an unknown backend, an unavailable device, a missing --tests path or a selection "
+               "matching no test; 3 an internal error of pytest or raggedspec.")
     add_arguments(p)
     return p
 
@@ -103,9 +107,14 @@ def _examples(stats: str | None) -> int | None:
     return sum(int(p) + int(f) for phase, p, f in _STATS.findall(stats) if phase != "shrink")
 
 
+_BLAME = re.compile(r"\[first differing tensor; rule: ([^\]]+)\]")
+E2E_FILE = "conformance/test_end_to_end.py"
+
+
 class Collector:
-    """pytest plugin: per test node id, its outcome ("passed", "failed", "skipped") and the
-    examples it ran (1 for a plain test)."""
+    """pytest plugin: per test node id, its outcome ("passed", "failed", "skipped"), the
+    examples it ran (1 for a plain test) and, for an end-to-end failure, the rule its first
+    differing tensor belongs to (`blame`, from the Mismatch message) and that message."""
 
     def __init__(self) -> None:
         self.results: dict[str, dict] = {}
@@ -114,6 +123,11 @@ class Collector:
         rec = self.results.setdefault(report.nodeid, {"outcome": "passed", "examples": 0})
         if report.failed:
             rec["outcome"] = "failed"
+            text = str(report.longrepr)
+            lines = [ln for ln in text.splitlines() if ln.startswith("E ") and _BLAME.search(ln)]
+            if lines and "blame" not in rec:  # the raised message ("E   Mismatch: ..."), not the source
+                rec["blame"] = _BLAME.search(lines[-1]).group(1).strip()
+                rec["message"] = lines[-1].removeprefix("E").strip()
         elif report.skipped and rec["outcome"] != "failed":
             rec["outcome"] = "skipped"
 
@@ -138,31 +152,44 @@ def _base(nodeid: str) -> str:
 
 def rule_table(results: dict[str, dict], rows: list[tuple[str, list[str]]]) -> list[tuple[str, int, str]]:
     """`(rule, examples, result)`: result "pass" (every test of the rule that ran passed),
-    "FAIL" (one failed), "skipped", or "not run"; then the tests no row names, per file."""
+    "FAIL", "skipped", or "not run"; then the tests no row names, per file. A row fails
+    when one of its own tests failed (a row listing per-method tests and end-to-end tests
+    owns the per-method ones), or when an end-to-end failure's first differing tensor
+    belongs to its rule (`conformance.backends.rule_of`); an end-to-end failure without
+    such a tensor fails every row listing it."""
     by_test: dict[str, list[dict]] = {}
     for nodeid, rec in results.items():
         by_test.setdefault(_base(nodeid), []).append(rec)
 
-    def summarize(tests):
+    blamed = {rec["blame"] for recs in by_test.values() for rec in recs if rec.get("blame")}
+
+    def summarize(rule, tests):
         recs = [r for t in tests for r in by_test.get(t, [])]
         if not recs:
             return 0, "not run"
         examples = sum(r["examples"] for r in recs)
-        outcomes = {r["outcome"] for r in recs}
-        if "failed" in outcomes:
+        own = [t for t in tests if not t.startswith(E2E_FILE + "::")] or tests
+        own_recs = [r for t in own for r in by_test.get(t, [])]
+        shared = [r for t in tests if t not in own for r in by_test.get(t, [])]
+        # an end-to-end failure marks its own rows and the rule its first differing tensor
+        # belongs to, not every row that lists the end-to-end test
+        failed = any(r["outcome"] == "failed" for r in own_recs) or any(
+            rule.startswith(b) for b in blamed) or any(
+            r["outcome"] == "failed" and not r.get("blame") for r in shared)
+        if failed:
             return examples, "FAIL"
-        if outcomes == {"skipped"}:
+        if {r["outcome"] for r in recs} == {"skipped"}:
             return examples, "skipped"
         return examples, "pass"
 
-    table = [(rule, *summarize(tests)) for rule, tests in rows]
+    table = [(rule, *summarize(rule, tests)) for rule, tests in rows]
     named = {t for _, tests in rows for t in tests}
     unnamed: dict[str, list[str]] = {}
     for test in by_test:
         if test not in named:
             unnamed.setdefault(test.split("::")[0], []).append(test)
     for file in sorted(unnamed):
-        table.append((f"(no rule row) {file}", *summarize(unnamed[file])))
+        table.append((f"(no rule row) {file}", *summarize(f"(no rule row) {file}", unnamed[file])))
     return table
 
 
@@ -201,7 +228,13 @@ def run(args) -> int:
            "HYPOTHESIS_PROFILE": profile}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    tests = [str(Path(t)) for t in args.tests] if args.tests else [str(SUITE)]
+    for t in args.tests or []:
+        if not Path(t.split("::")[0]).exists():
+            print(f"raggedspec conformance: error: --tests {t}: no such file or folder", file=sys.stderr)
+            return EXIT_USAGE
+    import conformance.conftest  # noqa: F401 - registers the Hypothesis profiles for any --tests path
+
+    tests = [str(Path(t)) if "::" not in t else t for t in args.tests] if args.tests else [str(SUITE)]
     pytest_args = tests + ["-q", "-p", "no:cacheprovider", f"--hypothesis-profile={profile}", "-rfE"]
     if args.keyword:
         pytest_args += ["-k", args.keyword]
@@ -218,8 +251,17 @@ def run(args) -> int:
                 os.environ[k] = v
     title = (f"\nraggedspec conformance: backend {backend.name} ({backend.device}, {backend.dtype}), "
              f"profile {profile}, pytest exit {rc}")
+    if rc == EMPTY_SELECTION or not collector.results:
+        what = f"-k {args.keyword!r} in " if args.keyword else ""
+        print(f"raggedspec conformance: error: {what}{' '.join(tests)}: no test selected "
+              f"(pytest exit {rc}); check the -k expression and the --tests paths", file=sys.stderr)
+        return EXIT_USAGE
     print(format_table(rule_table(collector.results, rule_rows()), title,
                        hide_not_run=bool(args.tests or args.keyword)))
+    for nodeid, rec in collector.results.items():
+        if rec.get("blame"):
+            print(f"end to end: {nodeid}: first differing tensor belongs to rule "
+                  f"\"{rec['blame']}\": {rec['message'][:300]}")
     return rc
 
 

@@ -70,35 +70,84 @@ class TraceData:
 # ----------------------------------------------------------------------------- reading
 
 
+STEP_NUMBERS = ("padding_fraction", "tok_per_step")   # optional step fields drift reads: numbers
+STEP_COUNTS = ("buckets", "groups")                   # optional step fields drift reads: integers
+ROW_COUNTS = ("drafted", "accepted", "committed")     # optional row fields drift reads: integers
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
 def _check_step(step: Mapping, where: str) -> None:
+    """Refuse (TraceFormatError naming `where`, the field, the value and what is allowed) a
+    step object without an integer `step`, a `rows` list of objects with integer `seq` and
+    `own_len`, or with an optional field drift reads of the wrong type. Absent optional
+    fields are fine: the diagnostics that need them say so instead."""
+    if not isinstance(step, Mapping):
+        raise TraceFormatError(f"{where}: a step must be an object, got {step!r:.60}")
     if step.get("step") is None:
         raise TraceFormatError(f"{where}: step object has no `step` field (required)")
+    if not _is_int(step["step"]):
+        raise TraceFormatError(f"{where}: field `step` = {step['step']!r:.60}: must be an integer")
     if "rows" not in step or not isinstance(step["rows"], list):
         raise TraceFormatError(f"{where}: step {step['step']} has no `rows` list (required)")
+    if step.get("phase") is not None and not isinstance(step["phase"], str):
+        raise TraceFormatError(f"{where}: step {step['step']} field `phase` = {step['phase']!r:.60}: "
+                               "must be a string or null")
+    for name, ok, allowed in ([(n, _is_number, "a finite number or null") for n in STEP_NUMBERS]
+                              + [(n, _is_int, "an integer or null") for n in STEP_COUNTS]):
+        if step.get(name) is not None and not ok(step[name]):
+            raise TraceFormatError(f"{where}: step {step['step']} field `{name}` = {step[name]!r:.60}: "
+                                   f"must be {allowed}")
     for r in step["rows"]:
+        if not isinstance(r, Mapping):
+            raise TraceFormatError(f"{where}: step {step['step']} has a row that is not an object: {r!r:.60}")
         for name in ROW_REQUIRED:
             if name not in r or r[name] is None:
                 raise TraceFormatError(
                     f"{where}: step {step['step']} has a row without `rows[].{name}` (required)")
+            if not _is_int(r[name]):
+                raise TraceFormatError(f"{where}: step {step['step']} field `rows[].{name}` = {r[name]!r:.60}: "
+                                       "must be an integer")
+        for name in ROW_COUNTS:
+            if r.get(name) is not None and not _is_int(r[name]):
+                raise TraceFormatError(f"{where}: step {step['step']} field `rows[].{name}` = "
+                                       f"{r[name]!r:.60}: must be an integer or null")
 
 
 def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     """Read a schema-v1 trace file (JSONL, or CSV when the name ends in .csv) with
-    `reference.trace.read_trace`, then check the required fields (`step`, `rows[].seq`,
-    `rows[].own_len`); optional fields may be absent. Raises TraceFormatError naming the
-    file and the field."""
+    `reference.trace.read_trace`, then check the fields drift reads (`step`, `rows[].seq`,
+    `rows[].own_len` required; the optional ones typed when present). Raises
+    TraceFormatError naming the file, the step object and the field; never anything else
+    for a file's content."""
     from reference.trace import read_trace
 
     path = Path(path)
     if not path.is_file():
         raise TraceFormatError(f"trace file {path} does not exist")
     try:
-        data = as_trace_data(read_trace(path), label or path.stem, where=str(path))
+        trace = read_trace(path)
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not a text file in UTF-8 (byte {exc.start}: {exc.reason})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        what = f"no `{exc.args[0]}` column" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise TraceFormatError(f"{path}: not a schema-v1 trace ({what:.200})") from None
+    summary = trace.summary
+    if summary is not None and (not isinstance(summary, Mapping) or (
+            summary.get("tok_per_step") is not None and not _is_number(summary["tok_per_step"]))):
+        raise TraceFormatError(f"{path}: summary line field `tok_per_step` must be a finite number or null")
+    try:
+        data = as_trace_data(trace, label or path.stem, where=str(path))
     except TraceFormatError:
         raise
-    except (ValueError, KeyError) as exc:
-        what = f"no `{exc.args[0]}` column" if isinstance(exc, KeyError) else str(exc)
-        raise TraceFormatError(f"{path}: not a schema-v1 trace ({what})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise TraceFormatError(f"{path}: not a schema-v1 trace ({type(exc).__name__}: {exc!s:.200})") from None
     if not any(s["rows"] for s in data.steps):
         raise TraceFormatError(f"{path}: no step has any rows (`rows` is empty or absent on every "
                                "step line), so there is nothing to plot")
@@ -118,7 +167,7 @@ def as_trace_data(trace, label: str | None = None, where: str = "trace") -> Trac
     else:
         steps, header, summary = list(trace.steps()), trace.header, trace.summary
     for i, s in enumerate(steps):
-        _check_step(s, f"{where}, step object {i}")
+        _check_step(s, f"{where}, step object {i + 1}")
     return TraceData(label or "trace", steps, header, summary, "" if isinstance(trace, list) else "simulator")
 
 

@@ -352,33 +352,46 @@ def figure_per_position(runs: list[TraceData]):
     return fig
 
 
-def _save(fig, out_dir: Path, name: str) -> list[str]:
-    paths = []
+def _save(fig, stage, out_dir: Path, name: str) -> list[str]:
+    """Save `fig` as NAME.png and NAME.svg through the stage; return the file names. The
+    tight bounding box keeps every title, legend and note inside the image."""
+    names = []
     for ext, meta in (("png", {"Software": None}), ("svg", {"Date": None})):
-        path = out_dir / f"{name}.{ext}"
-        fig.savefig(path, dpi=100, metadata=meta)
-        paths.append(str(path))
-    return paths
+        fig.savefig(stage[out_dir / f"{name}.{ext}"], format=ext, dpi=100, metadata=meta,
+                    bbox_inches="tight", pad_inches=0.15)
+        names.append(f"{name}.{ext}")
+    return names
 
 
 def write_report(runs: list[TraceData], out_dir: str | Path, sweep: dict | None = None,
-                 notes: Iterable[str] = ()) -> dict:
+                 notes: Iterable[str] = (), scenario: dict | None = None) -> dict:
     """Write every figure (PNG and SVG) and summary.json into out_dir; return the summary.
-    `sweep` is {"batch": [...], "tok_per_step": {label: [...]}} or None (no sweep figure)."""
+    `sweep` is {"batch": [...], "tok_per_step": {label: [...]}} or None (no sweep figure);
+    `scenario` is the resolved scenario of simulated runs (None: taken from the first
+    run's trace header, if it has one). Invariants: nothing in out_dir changes unless every
+    file was drawn (the files are staged, then renamed); summary.json names files relative
+    to out_dir, so it does not depend on where the report was written; figures an earlier
+    run left in out_dir that this run does not draw are removed and listed in the
+    returned dict's `removed_stale` (not in summary.json)."""
     import matplotlib
 
+    from raggedspec.outputs import remove_stale, staged
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    with matplotlib.rc_context({"svg.hashsalt": "raggedspec"}):  # reproducible SVG ids
-        files += _save(figure_spread(runs), out_dir, "spread")
-        files += _save(figure_padding(runs), out_dir, "padding")
-        files += _save(figure_groups_buckets(runs), out_dir, "groups_buckets")
+    if scenario is None:
+        scenario = ((runs[0].header or {}).get("scenario") if runs else None) or None
+    with staged() as stage, matplotlib.rc_context({"svg.hashsalt": "raggedspec"}):  # reproducible SVG ids
+        files = _save(figure_spread(runs), stage, out_dir, "spread")
+        files += _save(figure_padding(runs), stage, out_dir, "padding")
+        files += _save(figure_groups_buckets(runs), stage, out_dir, "groups_buckets")
         if sweep:
-            files += _save(figure_sweep(sweep), out_dir, "tok_per_step_vs_batch")
-        files += _save(figure_per_position(runs), out_dir, "per_position")
-    summary = {"schema": SUMMARY_SCHEMA, "version": SUMMARY_VERSION, "runs": [summarize(r) for r in runs],
-               "sweep": sweep,
-               "notes": list(notes), "files": files + [str(out_dir / "summary.json")]}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+            files += _save(figure_sweep(sweep), stage, out_dir, "tok_per_step_vs_batch")
+        files += _save(figure_per_position(runs), stage, out_dir, "per_position")
+        summary = {"schema": SUMMARY_SCHEMA, "version": SUMMARY_VERSION,
+                   "scenario": scenario, "seed": None if scenario is None else scenario.get("seed"),
+                   "runs": [summarize(r) for r in runs], "sweep": sweep,
+                   "notes": list(notes), "files": files + ["summary.json"]}
+        stale = [f"{n}.{ext}" for n in FIGURE_NAMES for ext in ("png", "svg") if f"{n}.{ext}" not in files]
+        stage[out_dir / "summary.json"].write_text(json.dumps(summary, indent=2) + "\n")
+    removed = remove_stale(out_dir, stale, [out_dir / f for f in files])
+    return summary | {"removed_stale": [p.name for p in removed]}

@@ -161,12 +161,14 @@ def drift_from_scenario(scenario, out_dir: str | Path, overrides=None,
     runs = scenario_runs(scenario, overrides, progress)
     notes, sweep = [], None
     batches = list(batches)
-    explicit = scenario is not None and "requests" in load_scenario(scenario, override_list(overrides)).to_dict()
+    resolved = load_scenario(DEFAULT_SCENARIO if scenario is None else scenario,
+                             override_list(overrides)).to_dict()
+    explicit = scenario is not None and "requests" in resolved
     if batches and explicit:
         notes.append("tok_per_step sweep skipped: the scenario lists its requests, so there is no "
                      "`batch` key to sweep")
     elif batches:
         sweep = sweep_tok_per_step(scenario, overrides, batches, progress)
-    return write_report(runs, out_dir, sweep, notes)
+    return write_report(runs, out_dir, sweep, notes, scenario=resolved)
 
 

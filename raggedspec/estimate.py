@@ -1,0 +1,86 @@
+"""What a simulate or drift run will cost, estimated before it starts.
+
+The trace is one row object per sequence per step it ran, so its size is bounded by the row-
+steps a scenario can produce: a request runs at most `steps - arrival` steps, and at most
+`prompt_len + max_new_tokens` of them (each step prefills or commits at least one token).
+Bytes per row-step are the sizes seen for the simulator's own files (about 200 bytes a row in
+JSONL, 112 in CSV, measured on a 64-row, 200-step run; `docs/benchmarks.md`), rounded up.
+
+Memory: in lengths mode the trace is held as one int64 array row per row-step (104 bytes)
+plus the step objects. In tensor mode the KV caches dominate: per sequence and cached token,
+K and V of every attention layer (the model's compressed layers and the MTP block), float64,
+with a factor of 4 for capacity growth and the batched copy of each step. These are
+estimates, stated as such; a run above `LIMIT_BYTES` is refused unless `--force` is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LIMIT_BYTES = 2 * 1024**3  # 2 GiB: larger traces or memory need --force
+JSONL_ROW_BYTES = 220
+CSV_ROW_BYTES = 125
+STEP_BYTES = 400          # a step object's own fields, per step, in every form
+ROW_ARRAY_BYTES = 104     # 13 int64 row columns held per row-step
+KV_FACTOR = 4             # capacity growth and the batched per-step copy
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Upper estimates of one run: row-steps, trace bytes (JSONL, CSV) and memory bytes."""
+
+    row_steps: int
+    jsonl_bytes: int
+    csv_bytes: int
+    memory_bytes: int
+    mode: str
+
+    def describe(self, csv: bool = False) -> str:
+        out = (f"estimated trace {human(self.jsonl_bytes)} JSONL"
+               + (f" + {human(self.csv_bytes)} CSV" if csv else "")
+               + f" ({self.row_steps:,} row-steps), memory {human(self.memory_bytes)} ({self.mode} mode)")
+        return out
+
+
+def human(n: float) -> str:
+    """Bytes as a short text: 812 B, 3.4 MB, 1.2 GB (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def estimate(sc, mode: str = "lengths") -> Estimate:
+    """The estimate of a resolved `reference.scenario.Scenario` run in `mode`."""
+    row_steps = 0
+    kv_tokens = 0
+    for r in sc.requests:
+        row_steps += max(0, min(sc.steps - r.arrival, r.prompt_len + r.max_new_tokens))
+        kv_tokens += min(sc.max_seq_len, r.prompt_len + r.max_new_tokens)
+    steps = sc.steps
+    jsonl = row_steps * JSONL_ROW_BYTES + steps * STEP_BYTES
+    csv = row_steps * CSV_ROW_BYTES + steps * STEP_BYTES
+    memory = row_steps * ROW_ARRAY_BYTES + steps * STEP_BYTES
+    if mode == "tensor":
+        from reference.scenario import model_config
+
+        cfg = model_config(sc)
+        layers = len(cfg.compress_ratios) + 1
+        per_token = 2 * layers * cfg.n_heads * cfg.head_dim * 8
+        memory += kv_tokens * per_token * KV_FACTOR
+    return Estimate(row_steps, jsonl, csv, memory, mode)
+
+
+def over_limit(est: Estimate, csv: bool = False, limit: int = LIMIT_BYTES) -> str | None:
+    """None when the run fits; else a message naming what is over `limit` and by how much."""
+    over = []
+    trace = est.jsonl_bytes + (est.csv_bytes if csv else 0)
+    if trace > limit:
+        over.append(f"trace {human(trace)}")
+    if est.memory_bytes > limit:
+        over.append(f"memory {human(est.memory_bytes)}")
+    if not over:
+        return None
+    return (f"{' and '.join(over)} estimated, above the {human(limit)} limit ({est.describe(csv)}); "
+            "use fewer --steps or a smaller --batch, or --force to run it anyway")
