@@ -25,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raggedspec import __version__
-from raggedspec.estimate import LIMIT_BYTES, estimate, human, over_limit
+import raggedspec.estimate as budget
+from raggedspec.estimate import estimate, human, over_limit
 from raggedspec.outputs import OutputPathError, check_output_dir, check_output_file, staged
 from raggedspec.progress import Progress, progress_mode
 
@@ -136,7 +137,7 @@ def add_simulate(sub) -> argparse.ArgumentParser:
 def add_force(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="run even when the estimated trace or memory is above the "
-                             f"{human(LIMIT_BYTES)} limit (the estimate is printed first)")
+                             f"{human(budget.LIMIT_BYTES)} limit (the estimate is printed first)")
 
 
 def check_budget(sc, mode: str, csv: bool, force: bool, command: str) -> None:
@@ -274,9 +275,9 @@ def run_drift(args) -> int:
         if batches and "requests" not in load_scenario(source, base).to_dict():
             costs.append(estimate(load_scenario(source, base + [f"batch={max(batches)}"])))
         memory = sum(c.memory_bytes for c in costs[:3]) + (costs[3].memory_bytes if len(costs) > 3 else 0)
-        if memory > LIMIT_BYTES and not args.force:
+        if memory > budget.LIMIT_BYTES and not args.force:
             raise UsageError(f"refusing to start: memory {human(memory)} estimated for the three runs and "
-                             f"the largest sweep run, above the {human(LIMIT_BYTES)} limit; use fewer "
+                             f"the largest sweep run, above the {human(budget.LIMIT_BYTES)} limit; use fewer "
                              "--steps or a smaller --batch or --batches, or --force")
         summary = drift.drift_from_scenario(
             args.scenario, out, overrides=scenario_overrides(args),

@@ -6,11 +6,13 @@ steps a scenario can produce: a request runs at most `steps - arrival` steps, an
 Bytes per row-step are the sizes seen for the simulator's own files (about 200 bytes a row in
 JSONL, 112 in CSV, measured on a 64-row, 200-step run; `docs/benchmarks.md`), rounded up.
 
-Memory: in lengths mode the trace is held as one int64 array row per row-step (104 bytes)
-plus the step objects. In tensor mode the KV caches dominate: per sequence and cached token,
-K and V of every attention layer (the model's compressed layers and the MTP block), float64,
-with a factor of 4 for capacity growth and the batched copy of each step. These are
-estimates, stated as such; a run above `LIMIT_BYTES` is refused unless `--force` is given.
+Memory: in lengths mode the trace is held in memory (about 250 bytes a row-step seen with
+tracemalloc, its int64 row columns and bookkeeping) plus the step objects. In tensor mode
+the KV caches dominate: per sequence and cached token, K and V of every attention layer (the
+model's compressed layers and the MTP block), float64, times 8 for capacity growth, the
+batched copy of each step and the forward's buffers. `python -m raggedspec.estimate` prints
+estimate against seen for a few runs (docs/benchmarks.md). These are estimates, stated as
+such; a run above `LIMIT_BYTES` is refused unless `--force` is given.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ LIMIT_BYTES = 2 * 1024**3  # 2 GiB: larger traces or memory need --force
 JSONL_ROW_BYTES = 220
 CSV_ROW_BYTES = 125
 STEP_BYTES = 400          # a step object's own fields, per step, in every form
-ROW_ARRAY_BYTES = 104     # 13 int64 row columns held per row-step
-KV_FACTOR = 4             # capacity growth and the batched per-step copy
+ROW_MEMORY_BYTES = 250    # a row-step held in memory (its int64 columns and bookkeeping), seen
+BASE_MEMORY_BYTES = 2 * 1024**2  # the engine's own state, seen
+KV_FACTOR = 8             # capacity growth, the batched per-step copy and the forward's buffers
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def estimate(sc, mode: str = "lengths") -> Estimate:
     steps = sc.steps
     jsonl = row_steps * JSONL_ROW_BYTES + steps * STEP_BYTES
     csv = row_steps * CSV_ROW_BYTES + steps * STEP_BYTES
-    memory = row_steps * ROW_ARRAY_BYTES + steps * STEP_BYTES
+    memory = BASE_MEMORY_BYTES + row_steps * ROW_MEMORY_BYTES + steps * STEP_BYTES
     if mode == "tensor":
         from reference.scenario import model_config
 
@@ -72,8 +75,10 @@ def estimate(sc, mode: str = "lengths") -> Estimate:
     return Estimate(row_steps, jsonl, csv, memory, mode)
 
 
-def over_limit(est: Estimate, csv: bool = False, limit: int = LIMIT_BYTES) -> str | None:
-    """None when the run fits; else a message naming what is over `limit` and by how much."""
+def over_limit(est: Estimate, csv: bool = False, limit: int | None = None) -> str | None:
+    """None when the run fits; else a message naming what is over `limit` (default
+    LIMIT_BYTES) and by how much."""
+    limit = LIMIT_BYTES if limit is None else limit
     over = []
     trace = est.jsonl_bytes + (est.csv_bytes if csv else 0)
     if trace > limit:
@@ -84,3 +89,55 @@ def over_limit(est: Estimate, csv: bool = False, limit: int = LIMIT_BYTES) -> st
         return None
     return (f"{' and '.join(over)} estimated, above the {human(limit)} limit ({est.describe(csv)}); "
             "use fewer --steps or a smaller --batch, or --force to run it anyway")
+
+
+def measure(overrides: list[str], mode: str) -> dict:
+    """Run one small scenario and return its estimate next to what was seen: the JSONL
+    and CSV sizes written, and the peak of Python-tracked memory (tracemalloc) during the
+    run. Used by `python -m raggedspec.estimate` for docs/benchmarks.md."""
+    import tempfile
+    import tracemalloc
+    from pathlib import Path
+
+    from raggedspec.drift import simulate
+    from reference.scenario import load_scenario
+    from reference.trace import write_csv, write_jsonl
+
+    sc = load_scenario(None, overrides)
+    est = estimate(sc, mode)
+    tracemalloc.start()
+    trace = simulate(sc, mode=mode)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_jsonl(trace, Path(tmp) / "t.jsonl")
+        write_csv(trace, Path(tmp) / "t.csv")
+        jsonl, csv = (Path(tmp) / "t.jsonl").stat().st_size, (Path(tmp) / "t.csv").stat().st_size
+    rows = sum(len(s["rows"]) for s in trace.steps())
+    return {"scenario": " ".join(overrides), "mode": mode, "row_steps": rows, "row_steps_est": est.row_steps,
+            "jsonl": jsonl, "jsonl_est": est.jsonl_bytes, "csv": csv, "csv_est": est.csv_bytes,
+            "peak": peak, "memory_est": est.memory_bytes}
+
+
+CASES = (
+    (["batch=64", "steps=200", "max_new_tokens=100000"], "lengths"),
+    (["batch=512", "steps=100", "max_new_tokens=[20,400]"], "lengths"),
+    (["batch=8", "steps=40", "prompt_len=64", "max_new_tokens=100"], "tensor"),
+    (["batch=32", "steps=20", "prompt_len=200", "max_new_tokens=100"], "tensor"),
+)
+
+
+def main() -> None:
+    """Print a Markdown table: estimate vs seen for CASES."""
+    print("| scenario | mode | row-steps seen / est. | JSONL seen / est. | CSV seen / est. | "
+          "peak traced memory / est. |")
+    print("|---|---|---|---|---|---|")
+    for overrides, mode in CASES:
+        m = measure(overrides, mode)
+        print(f"| `{m['scenario']}` | {mode} | {m['row_steps']:,} / {m['row_steps_est']:,} | "
+              f"{human(m['jsonl'])} / {human(m['jsonl_est'])} | {human(m['csv'])} / {human(m['csv_est'])} | "
+              f"{human(m['peak'])} / {human(m['memory_est'])} |")
+
+
+if __name__ == "__main__":
+    main()
