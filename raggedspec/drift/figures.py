@@ -133,9 +133,9 @@ def figure_spread(runs: list[TraceData]):
         if run.control:
             ctl = spread_band(run.control)
             ax.plot(ctl.step, ctl.hi, color="k", lw=1.8, ls=":", zorder=4,
-                    label=f"computed, not simulated: §17.3's rule (each row\nrecords the aligned width, "
-                          f"len_i' = max_j len_j + adv_i)\napplied to the stripped run's per-step advances:\n"
-                          f"max spread, peak {ctl.max_spread} tokens")
+                    label=f"computed, not simulated: each row records the widest\nrow's length plus its own "
+                          f"advance (the no-strip rule\napplied to the stripped run's per-step advances):\n"
+                          f"max spread, peak {ctl.max_spread} tokens (cache-and-draft §17.3)")
             ax.legend(loc="upper right", fontsize=7.5)
         cover = rows_cover(run.steps)
         ax.set_title("\n".join(_title_lines(run, band)), fontsize=9.5)
@@ -164,8 +164,9 @@ def figure_spread(runs: list[TraceData]):
     handles, labels = spread_legend(n)
     fig.legend(handles, labels, loc="outside lower center", ncols=4 if n > 2 else 2, fontsize=8.5,
                frameon=False, handler_map={tuple: HandlerTuple(ndivide=None, pad=0.2)}, handlelength=4)
-    fig.suptitle("Length drift: how far each row's own KV-cache length runs ahead of the "
-                 "shortest row in its batch (each panel in its own colour)", fontsize=11)
+    fig.suptitle(textwrap.fill("Length drift: how far each row's own KV-cache length runs ahead of the "
+                               "shortest row in its batch (each panel in its own colour)",
+                               max(60, int(75 * len(runs)))), fontsize=11)
     return fig
 
 
@@ -239,7 +240,8 @@ def figure_groups_buckets(runs: list[TraceData]):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left")
     title = ("Draft groups per step: one MTP-block forward each, per chain step\n(cohort: one group per "
-             "distinct uncached tail u and chain start; per-sequence: one per distinct u; 0: no row drafted)")
+             "distinct uncached tail and chain start; per-sequence: one per distinct uncached tail;\n"
+             "0: no row drafted; cache-and-draft §9.1)")
     if not flat:
         title += "\nand scheduler buckets per step (formed before one is selected)"
     axes[0][0].set_title(title, fontsize=9.5)
@@ -286,9 +288,9 @@ def figure_sweep(sweep: dict):
                 text = textwrap.fill(
                     f"B = {b}: only {f:.0%} of row-steps drafted. {rows.capitalize()}' draft caches grew at "
                     f"different steps, so their capacities differ; when {rows} meet at equal lengths they form "
-                    "a uniform draft group, batch_draft_caches refuses it (cache-and-draft §9.6: equal lengths, "
-                    "different capacity histories) and they never draft again. A real arc behaviour the "
-                    "simulator exposes, not a simulator fault.", 58)
+                    "a uniform draft group; batching their draft caches is refused (equal lengths, different "
+                    "capacity histories) and they never draft again. A real arc behaviour the simulator "
+                    "exposes, not a simulator fault (cache-and-draft §9.6).", 58)
                 ax.annotate(text, (b, v), xytext=(0.30, 0.05), textcoords="axes fraction", fontsize=7.5,
                             va="bottom", color="0.15", arrowprops=dict(arrowstyle="->", color=f"C{i}", lw=1),
                             bbox=dict(boxstyle="round", fc="lightyellow", ec="0.7"))
@@ -299,8 +301,8 @@ def figure_sweep(sweep: dict):
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size B (sequences running together)")
-    ax.set_ylabel("tok_per_step: the MTP accounting ratio (tokens)\ncommitted (1 + accepted per row-step, §15) "
-                  "/ decode row-steps", fontsize=9)
+    ax.set_ylabel("tokens committed per row per decode step\n(the MTP accounting ratio tok_per_step, "
+                  "cache-and-draft §15)", fontsize=9)
     ax.set_title("Tokens per row per decode step vs batch size\n(the cohort rule rolls every row "
                  "back to the batch's shortest accept)", fontsize=10)
     ax.grid(alpha=0.3)
@@ -316,10 +318,9 @@ def figure_per_position(runs: list[TraceData]):
     """Per draft position: P(accepted > j | drafted > j) and the marker's conditional p_pos.
     A run a refusal ended is drawn faded and labelled with how few row-steps it has."""
     fig, axes = _new_figure(10, 5.2, 1, 2, sharey=True)
-    titles = ("Of the rows that drafted position j, the fraction\nwhose drafts 1 .. j were all accepted\n"
-              "[#(accepted ≥ j) / #(drafted ≥ j)]",
+    titles = ("Of the rows that drafted position j, the fraction\nwhose drafts 1 .. j were all accepted",
               "Of the drafts that reached position j (drafts 1 .. j−1\naccepted), the fraction accepted\n"
-              "[the MTP marker's p_pos = accepted_at / reached_at]")
+              "(the MTP marker's per-position rate, cache-and-draft §15)")
     lost = []
     for i, run in enumerate(runs):
         try:

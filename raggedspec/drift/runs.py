@@ -101,15 +101,15 @@ def scenario_runs(scenario=None, overrides=None, progress=None) -> list[TraceDat
         _refusal_note(data, extra["advance"])
         world = ((data.header or {}).get("scenario") or {}).get("world")
         if extra["advance"] == "per-sequence" and world != "WB":
-            data.notes.append(f"world {world}: `In` only when the batch changes (and, in W0, one bucket "
-                              "per cache length), so a stable batch skips the per-sequence commit "
-                              "(cache-and-draft §13, why admission refuses); world WB admits ragged "
-                              "cohorts.")
+            data.notes.append(f"world {world}: the cache is cloned in only when the batch changes (and, "
+                              "in W0, one bucket per cache length), so a stable batch skips the "
+                              "per-sequence commit, which is why admission refuses; world WB admits "
+                              "ragged cohorts (cache-and-draft §13).")
         runs.append(data)
     runs[2].control = no_strip_control(runs[1].steps)
     runs[2].notes.insert(0, "Simulator, strip = none: each row records the padded width as its own "
-                            "length, so the rows converge (spread at most w - 1) and soon claim more "
-                            "cache than they have tokens.")
+                            "length, so the rows converge (spread at most the draft depth) and soon claim "
+                            "more cache than they have tokens (cache-and-draft §17.3).")
     return runs
 
 
