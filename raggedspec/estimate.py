@@ -23,6 +23,7 @@ LIMIT_BYTES = 2 * 1024**3  # 2 GiB: larger traces or memory need --force
 JSONL_ROW_BYTES = 220
 CSV_ROW_BYTES = 125
 STEP_BYTES = 400          # a step object's own fields, per step, in every form
+HEADER_BYTES = 4096       # the header (the resolved scenario) and the summary line
 ROW_MEMORY_BYTES = 250    # a row-step held in memory (its int64 columns and bookkeeping), seen
 BASE_MEMORY_BYTES = 2 * 1024**2  # the engine's own state, seen
 KV_FACTOR = 8             # capacity growth, the batched per-step copy and the forward's buffers
@@ -62,8 +63,8 @@ def estimate(sc, mode: str = "lengths") -> Estimate:
         row_steps += max(0, min(sc.steps - r.arrival, r.prompt_len + r.max_new_tokens))
         kv_tokens += min(sc.max_seq_len, r.prompt_len + r.max_new_tokens)
     steps = sc.steps
-    jsonl = row_steps * JSONL_ROW_BYTES + steps * STEP_BYTES
-    csv = row_steps * CSV_ROW_BYTES + steps * STEP_BYTES
+    jsonl = HEADER_BYTES + row_steps * JSONL_ROW_BYTES + steps * STEP_BYTES
+    csv = HEADER_BYTES + row_steps * CSV_ROW_BYTES + steps * STEP_BYTES
     memory = BASE_MEMORY_BYTES + row_steps * ROW_MEMORY_BYTES + steps * STEP_BYTES
     if mode == "tensor":
         from reference.scenario import model_config
