@@ -288,8 +288,8 @@ def figure_sweep(sweep: dict):
                 text = textwrap.fill(
                     f"B = {b}: only {f:.0%} of row-steps drafted. {rows.capitalize()}' draft caches grew at "
                     f"different steps, so their capacities differ; when {rows} meet at equal lengths they form "
-                    "a uniform draft group; batching their draft caches is refused (equal lengths, different "
-                    "capacity histories) and they never draft again. A real arc behaviour the simulator "
+                    "a uniform draft group, batch_draft_caches refuses it (equal lengths, different capacity "
+                    "histories) and they never draft again. A real arc behaviour the simulator "
                     "exposes, not a simulator fault (cache-and-draft §9.6).", 58)
                 ax.annotate(text, (b, v), xytext=(0.30, 0.05), textcoords="axes fraction", fontsize=7.5,
                             va="bottom", color="0.15", arrowprops=dict(arrowstyle="->", color=f"C{i}", lw=1),
