@@ -162,11 +162,11 @@ def figure_spread(runs: list[TraceData]):
     axes[0][0].set_ylim(-0.5, max(axes[0][0].get_ylim()[1], 5))
     n = len(runs)
     handles, labels = spread_legend(n)
-    fig.legend(handles, labels, loc="outside lower center", ncols=4 if n > 2 else 2, fontsize=8.5,
+    fig.legend(handles, labels, loc="outside lower center", ncols=4 if n > 2 else n, fontsize=8.5,
                frameon=False, handler_map={tuple: HandlerTuple(ndivide=None, pad=0.2)}, handlelength=4)
     fig.suptitle(textwrap.fill("Length drift: how far each row's own KV-cache length runs ahead of the "
                                "shortest row in its batch (each panel in its own colour)",
-                               max(60, int(75 * len(runs)))), fontsize=11)
+                               max(40, int((4.6 * len(runs) + 0.6) * 10))), fontsize=11)
     return fig
 
 
