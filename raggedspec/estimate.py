@@ -22,11 +22,11 @@ from dataclasses import dataclass
 LIMIT_BYTES = 2 * 1024**3  # 2 GiB: larger traces or memory need --force
 JSONL_ROW_BYTES = 220
 CSV_ROW_BYTES = 125
-STEP_BYTES = 400          # a step object's own fields, per step, in every form
-HEADER_BYTES = 4096       # the header (the resolved scenario) and the summary line
-ROW_MEMORY_BYTES = 250    # a row-step held in memory (its int64 columns and bookkeeping), seen
+STEP_BYTES = 400  # a step object's own fields, per step, in every form
+HEADER_BYTES = 4096  # the header (the resolved scenario) and the summary line
+ROW_MEMORY_BYTES = 250  # a row-step held in memory (its int64 columns and bookkeeping), seen
 BASE_MEMORY_BYTES = 2 * 1024**2  # the engine's own state, seen
-KV_FACTOR = 8             # capacity growth, the batched per-step copy and the forward's buffers
+KV_FACTOR = 8  # capacity growth, the batched per-step copy and the forward's buffers
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,12 @@ class Estimate:
     mode: str
 
     def describe(self, csv: bool = False) -> str:
-        out = (f"estimated trace {human(self.jsonl_bytes)} JSONL"
-               + (f" + {human(self.csv_bytes)} CSV" if csv else "")
-               + f" ({self.row_steps:,} row-steps), memory {human(self.memory_bytes)} ({self.mode} mode)")
+        out = (
+            f"estimated trace {human(self.jsonl_bytes)} JSONL"
+            + (f" + {human(self.csv_bytes)} CSV" if csv else "")
+            + f" ({self.row_steps:,} row-steps), memory {human(self.memory_bytes)} "
+            f"({self.mode} mode)"
+        )
         return out
 
 
@@ -88,8 +91,10 @@ def over_limit(est: Estimate, csv: bool = False, limit: int | None = None) -> st
         over.append(f"memory {human(est.memory_bytes)}")
     if not over:
         return None
-    return (f"{' and '.join(over)} estimated, above the {human(limit)} limit ({est.describe(csv)}); "
-            "use fewer --steps or a smaller --batch, or --force to run it anyway")
+    return (
+        f"{' and '.join(over)} estimated, above the {human(limit)} limit ({est.describe(csv)}); "
+        "use fewer --steps or a smaller --batch, or --force to run it anyway"
+    )
 
 
 def measure(overrides: list[str], mode: str) -> dict:
@@ -115,9 +120,18 @@ def measure(overrides: list[str], mode: str) -> dict:
         write_csv(trace, Path(tmp) / "t.csv")
         jsonl, csv = (Path(tmp) / "t.jsonl").stat().st_size, (Path(tmp) / "t.csv").stat().st_size
     rows = sum(len(s["rows"]) for s in trace.steps())
-    return {"scenario": " ".join(overrides), "mode": mode, "row_steps": rows, "row_steps_est": est.row_steps,
-            "jsonl": jsonl, "jsonl_est": est.jsonl_bytes, "csv": csv, "csv_est": est.csv_bytes,
-            "peak": peak, "memory_est": est.memory_bytes}
+    return {
+        "scenario": " ".join(overrides),
+        "mode": mode,
+        "row_steps": rows,
+        "row_steps_est": est.row_steps,
+        "jsonl": jsonl,
+        "jsonl_est": est.jsonl_bytes,
+        "csv": csv,
+        "csv_est": est.csv_bytes,
+        "peak": peak,
+        "memory_est": est.memory_bytes,
+    }
 
 
 CASES = (
@@ -130,14 +144,19 @@ CASES = (
 
 def main() -> None:
     """Print a Markdown table: estimate vs seen for CASES."""
-    print("| scenario | mode | row-steps seen / est. | JSONL seen / est. | CSV seen / est. | "
-          "peak traced memory / est. |")
+    print(
+        "| scenario | mode | row-steps seen / est. | JSONL seen / est. | CSV seen / est. | "
+        "peak traced memory / est. |"
+    )
     print("|---|---|---|---|---|---|")
     for overrides, mode in CASES:
         m = measure(overrides, mode)
-        print(f"| `{m['scenario']}` | {mode} | {m['row_steps']:,} / {m['row_steps_est']:,} | "
-              f"{human(m['jsonl'])} / {human(m['jsonl_est'])} | {human(m['csv'])} / {human(m['csv_est'])} | "
-              f"{human(m['peak'])} / {human(m['memory_est'])} |")
+        print(
+            f"| `{m['scenario']}` | {mode} | {m['row_steps']:,} / {m['row_steps_est']:,} | "
+            f"{human(m['jsonl'])} / {human(m['jsonl_est'])} | {human(m['csv'])} / "
+            f"{human(m['csv_est'])} | "
+            f"{human(m['peak'])} / {human(m['memory_est'])} |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def _nearest_existing(path: Path) -> Path:
 def _check_folder(folder: Path, flag: str, shown: Path) -> None:
     existing = _nearest_existing(folder)
     if not existing.is_dir():
-        raise OutputPathError(f"{flag} {shown}: {existing} is a file, not a folder, so nothing can be "
-                              "written under it")
+        raise OutputPathError(
+            f"{flag} {shown}: {existing} is a file, not a folder, so nothing can be "
+            "written under it"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {shown}: folder {existing} is not writable")
 
@@ -74,8 +76,9 @@ class Stage:
         final = Path(final)
         if final not in self.temps:
             final.parent.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.",
-                                        suffix=".partial" + final.suffix)
+            fd, name = tempfile.mkstemp(
+                dir=final.parent, prefix=f".{final.name}.", suffix=".partial" + final.suffix
+            )
             os.close(fd)
             self.temps[final] = Path(name)
         return self.temps[final]

@@ -39,8 +39,9 @@ class Progress:
     at the end) or "off" (nothing is written). Invariant: nothing is written in "off" mode;
     in "lines" mode no carriage return reaches the stream."""
 
-    def __init__(self, label: str, mode: str, stream: TextIO | None = None,
-                 interval: float = LINE_INTERVAL_S) -> None:
+    def __init__(
+        self, label: str, mode: str, stream: TextIO | None = None, interval: float = LINE_INTERVAL_S
+    ) -> None:
         if mode not in ("tty", "lines", "off"):
             raise ValueError(f"progress mode {mode!r} must be tty, lines or off")
         self.label, self.mode, self.interval = label, mode, interval
@@ -56,10 +57,17 @@ class Progress:
             return
         if self._bar is None:
             tty = self.mode == "tty"
-            self._bar = tqdm(total=total, desc=self.label, unit="step", leave=True,
-                             file=self.stream if tty else _Lines(self.stream),
-                             mininterval=0.1 if tty else self.interval,
-                             ascii=not tty, dynamic_ncols=tty, ncols=None if tty else 80)
+            self._bar = tqdm(
+                total=total,
+                desc=self.label,
+                unit="step",
+                leave=True,
+                file=self.stream if tty else _Lines(self.stream),
+                mininterval=0.1 if tty else self.interval,
+                ascii=not tty,
+                dynamic_ncols=tty,
+                ncols=None if tty else 80,
+            )
         self._bar.update(min(done, total) - self._bar.n)
 
     def close(self, note: str | None = None) -> None:
@@ -77,7 +85,7 @@ class Progress:
 
 
 def progress_mode(quiet: bool, stream: TextIO | None = None) -> str:
-    """"off" with --quiet, "tty" when the stream is a terminal, "lines" otherwise."""
+    """The progress mode: "off" with --quiet, "tty" on a terminal, "lines" otherwise."""
     stream = stream if stream is not None else sys.stderr
     if quiet:
         return "off"

@@ -70,9 +70,9 @@ class TraceData:
 # ----------------------------------------------------------------------------- reading
 
 
-STEP_NUMBERS = ("padding_fraction", "tok_per_step")   # optional step fields drift reads: numbers
-STEP_COUNTS = ("buckets", "groups")                   # optional step fields drift reads: integers
-ROW_COUNTS = ("drafted", "accepted", "committed")     # optional row fields drift reads: integers
+STEP_NUMBERS = ("padding_fraction", "tok_per_step")  # optional step fields drift reads: numbers
+STEP_COUNTS = ("buckets", "groups")  # optional step fields drift reads: integers
+ROW_COUNTS = ("drafted", "accepted", "committed")  # optional row fields drift reads: integers
 
 
 def _is_int(v) -> bool:
@@ -80,7 +80,12 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+    return (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v == v
+        and abs(v) != float("inf")
+    )
 
 
 def _check_step(step: Mapping, where: str) -> None:
@@ -97,27 +102,39 @@ def _check_step(step: Mapping, where: str) -> None:
     if "rows" not in step or not isinstance(step["rows"], list):
         raise TraceFormatError(f"{where}: step {step['step']} has no `rows` list (required)")
     if step.get("phase") is not None and not isinstance(step["phase"], str):
-        raise TraceFormatError(f"{where}: step {step['step']} field `phase` = {step['phase']!r:.60}: "
-                               "must be a string or null")
-    for name, ok, allowed in ([(n, _is_number, "a finite number or null") for n in STEP_NUMBERS]
-                              + [(n, _is_int, "an integer or null") for n in STEP_COUNTS]):
+        raise TraceFormatError(
+            f"{where}: step {step['step']} field `phase` = {step['phase']!r:.60}: "
+            "must be a string or null"
+        )
+    for name, ok, allowed in [(n, _is_number, "a finite number or null") for n in STEP_NUMBERS] + [
+        (n, _is_int, "an integer or null") for n in STEP_COUNTS
+    ]:
         if step.get(name) is not None and not ok(step[name]):
-            raise TraceFormatError(f"{where}: step {step['step']} field `{name}` = {step[name]!r:.60}: "
-                                   f"must be {allowed}")
+            raise TraceFormatError(
+                f"{where}: step {step['step']} field `{name}` = {step[name]!r:.60}: "
+                f"must be {allowed}"
+            )
     for r in step["rows"]:
         if not isinstance(r, Mapping):
-            raise TraceFormatError(f"{where}: step {step['step']} has a row that is not an object: {r!r:.60}")
+            raise TraceFormatError(
+                f"{where}: step {step['step']} has a row that is not an object: {r!r:.60}"
+            )
         for name in ROW_REQUIRED:
             if name not in r or r[name] is None:
                 raise TraceFormatError(
-                    f"{where}: step {step['step']} has a row without `rows[].{name}` (required)")
+                    f"{where}: step {step['step']} has a row without `rows[].{name}` (required)"
+                )
             if not _is_int(r[name]):
-                raise TraceFormatError(f"{where}: step {step['step']} field `rows[].{name}` = {r[name]!r:.60}: "
-                                       "must be an integer")
+                raise TraceFormatError(
+                    f"{where}: step {step['step']} field `rows[].{name}` = {r[name]!r:.60}: "
+                    "must be an integer"
+                )
         for name in ROW_COUNTS:
             if r.get(name) is not None and not _is_int(r[name]):
-                raise TraceFormatError(f"{where}: step {step['step']} field `rows[].{name}` = "
-                                       f"{r[name]!r:.60}: must be an integer or null")
+                raise TraceFormatError(
+                    f"{where}: step {step['step']} field `rows[].{name}` = "
+                    f"{r[name]!r:.60}: must be an integer or null"
+                )
 
 
 def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
@@ -134,23 +151,37 @@ def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     try:
         trace = read_trace(path)
     except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: not a text file in UTF-8 (byte {exc.start}: {exc.reason})") from None
+        raise TraceFormatError(
+            f"{path}: not a text file in UTF-8 (byte {exc.start}: {exc.reason})"
+        ) from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        what = f"no `{exc.args[0]}` column" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        what = (
+            f"no `{exc.args[0]}` column"
+            if isinstance(exc, KeyError)
+            else f"{type(exc).__name__}: {exc}"
+        )
         raise TraceFormatError(f"{path}: not a schema-v1 trace ({what:.200})") from None
     summary = trace.summary
-    if summary is not None and (not isinstance(summary, Mapping) or (
-            summary.get("tok_per_step") is not None and not _is_number(summary["tok_per_step"]))):
-        raise TraceFormatError(f"{path}: summary line field `tok_per_step` must be a finite number or null")
+    if summary is not None and (
+        not isinstance(summary, Mapping)
+        or (summary.get("tok_per_step") is not None and not _is_number(summary["tok_per_step"]))
+    ):
+        raise TraceFormatError(
+            f"{path}: summary line field `tok_per_step` must be a finite number or null"
+        )
     try:
         data = as_trace_data(trace, label or path.stem, where=str(path))
     except TraceFormatError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise TraceFormatError(f"{path}: not a schema-v1 trace ({type(exc).__name__}: {exc!s:.200})") from None
+        raise TraceFormatError(
+            f"{path}: not a schema-v1 trace ({type(exc).__name__}: {exc!s:.200})"
+        ) from None
     if not any(s["rows"] for s in data.steps):
-        raise TraceFormatError(f"{path}: no step has any rows (`rows` is empty or absent on every "
-                               "step line), so there is nothing to plot")
+        raise TraceFormatError(
+            f"{path}: no step has any rows (`rows` is empty or absent on every "
+            "step line), so there is nothing to plot"
+        )
     data.source = str(path)
     return data
 
@@ -168,7 +199,9 @@ def as_trace_data(trace, label: str | None = None, where: str = "trace") -> Trac
         steps, header, summary = list(trace.steps()), trace.header, trace.summary
     for i, s in enumerate(steps):
         _check_step(s, f"{where}, step object {i + 1}")
-    return TraceData(label or "trace", steps, header, summary, "" if isinstance(trace, list) else "simulator")
+    return TraceData(
+        label or "trace", steps, header, summary, "" if isinstance(trace, list) else "simulator"
+    )
 
 
 # ---------------------------------------------------------------------- data functions
@@ -219,12 +252,17 @@ def spread_band(steps: Iterable[dict]) -> SpreadBand:
         lo.append(min(spread))
         mid.append(median(spread))
         hi.append(max(spread))
-        for r, d in zip(s["rows"], spread):
+        for r, d in zip(s["rows"], spread, strict=True):
             line = rows.setdefault(int(r["seq"]), ([], []))
             line[0].append(int(s["step"]))
             line[1].append(d)
-    return SpreadBand(np.array(xs, dtype=np.int64), np.array(lo, dtype=float),
-                      np.array(mid, dtype=float), np.array(hi, dtype=float), rows)
+    return SpreadBand(
+        np.array(xs, dtype=np.int64),
+        np.array(lo, dtype=float),
+        np.array(mid, dtype=float),
+        np.array(hi, dtype=float),
+        rows,
+    )
 
 
 def no_strip_control(steps: Iterable[dict]) -> list[dict]:
@@ -244,7 +282,7 @@ def no_strip_control(steps: Iterable[dict]) -> list[dict]:
     out = []
     for s in ms:
         seqs = [int(r["seq"]) for r in s["rows"]]
-        for q, r in zip(seqs, s["rows"]):
+        for q, r in zip(seqs, s["rows"], strict=True):
             ctl.setdefault(q, int(r["own_len"]))
         out.append({"step": s["step"], "rows": [{"seq": q, "own_len": ctl[q]} for q in seqs]})
         top = max(ctl[q] for q in seqs)
@@ -285,8 +323,11 @@ def rows_cover(steps: Iterable[dict]) -> str:
     split = sum(int(s["buckets"]) > 1 for s in ms)
     if not split:
         return "every running sequence"
-    return (f"running bucket only: on {split} of {len(ms)} measured steps the scheduler formed several buckets "
-            "(W0: one per cache length) and ran one; rows waiting in the others are not measured")
+    return (
+        f"running bucket only: on {split} of {len(ms)} measured steps the scheduler formed "
+        "several buckets "
+        "(W0: one per cache length) and ran one; rows waiting in the others are not measured"
+    )
 
 
 def pick_row_lines(band: SpreadBand, n: int = 3) -> list[int]:
@@ -309,15 +350,19 @@ def _need_row_field(steps: list[dict], name: str) -> None:
     for s in steps:
         for r in s["rows"]:
             if r.get(name) is None:
-                raise MissingField(f"row field `rows[].{name}` is missing (first at step {s['step']})")
+                raise MissingField(
+                    f"row field `rows[].{name}` is missing (first at step {s['step']})"
+                )
 
 
 def step_series(steps: Iterable[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of one step field over the measured steps; MissingField if absent."""
     ms = measured_steps(steps)
     _need_step_field(ms, name)
-    return (np.array([s["step"] for s in ms], dtype=np.int64),
-            np.array([s[name] for s in ms], dtype=float))
+    return (
+        np.array([s["step"] for s in ms], dtype=np.int64),
+        np.array([s[name] for s in ms], dtype=float),
+    )
 
 
 def tok_per_step(trace: TraceData) -> float:
@@ -338,19 +383,21 @@ def tok_per_step(trace: TraceData) -> float:
 class PerPosition:
     """Counts over decode row-steps, per draft position j (0 = first draft)."""
 
-    drafted_beyond: list[int]   # #(d > j)
+    drafted_beyond: list[int]  # #(d > j)
     accepted_beyond: list[int]  # #(a > j)  (= the marker's accepted_at[j])
-    reached_at: list[int]       # #(min(a + 1, d) > j)  (the marker's reached_at[j])
+    reached_at: list[int]  # #(min(a + 1, d) > j)  (the marker's reached_at[j])
 
     @property
     def p(self) -> list[float | None]:
         """p_j = accepted beyond j / drafted beyond j."""
-        return [a / d if d else None for a, d in zip(self.accepted_beyond, self.drafted_beyond)]
+        pairs = zip(self.accepted_beyond, self.drafted_beyond, strict=True)
+        return [a / d if d else None for a, d in pairs]
 
     @property
     def p_pos(self) -> list[float | None]:
         """The MTP marker's conditional rate accepted_at[j] / reached_at[j] (§15)."""
-        return [a / r if r else None for a, r in zip(self.accepted_beyond, self.reached_at)]
+        pairs = zip(self.accepted_beyond, self.reached_at, strict=True)
+        return [a / r if r else None for a, r in pairs]
 
 
 def per_position_acceptance(steps: Iterable[dict]) -> PerPosition:
@@ -360,9 +407,11 @@ def per_position_acceptance(steps: Iterable[dict]) -> PerPosition:
     _need_row_field(ms, "accepted")
     pairs = [(int(r["drafted"]), int(r["accepted"])) for s in ms for r in s["rows"]]
     depth = max((d for d, _ in pairs), default=0)
-    return PerPosition([sum(d > j for d, _ in pairs) for j in range(depth)],
-                       [sum(a > j for _, a in pairs) for j in range(depth)],
-                       [sum(min(a + 1, d) > j for d, a in pairs) for j in range(depth)])
+    return PerPosition(
+        [sum(d > j for d, _ in pairs) for j in range(depth)],
+        [sum(a > j for _, a in pairs) for j in range(depth)],
+        [sum(min(a + 1, d) > j for d, a in pairs) for j in range(depth)],
+    )
 
 
 def drafting_fraction(steps: Iterable[dict]) -> float:
@@ -371,6 +420,7 @@ def drafting_fraction(steps: Iterable[dict]) -> float:
     _need_row_field(ms, "drafted")
     n = sum(len(s["rows"]) for s in ms)
     return sum(r["drafted"] > 0 for s in ms for r in s["rows"]) / n if n else 0.0
+
 
 def _failure_notes(run: TraceData) -> list[str]:
     failed = failures(run.steps)
@@ -381,13 +431,22 @@ def _failure_notes(run: TraceData) -> list[str]:
     ref = refused_at(run.steps)
     tail = ""
     if ref and ref[2]:
-        tail = (f"; no step ran after it, so this run's averages cover only its "
-                f"{len(measured_steps(run.steps))} measured steps")
-    return [f"{len(failed)} step(s) failed their requests; the first, at step {step}, reported: {short}{tail}"]
+        tail = (
+            "; no step ran after it, so this run's averages cover only its "
+            f"{len(measured_steps(run.steps))} measured steps"
+        )
+    return [
+        f"{len(failed)} step(s) failed their requests; the first, at step {step}, reported: "
+        f"{short}{tail}"
+    ]
 
 
 def _stats(values: np.ndarray) -> dict:
-    return {"min": int(values.min()), "mean": round(float(values.mean()), 4), "max": int(values.max())}
+    return {
+        "min": int(values.min()),
+        "mean": round(float(values.mean()), 4),
+        "max": int(values.max()),
+    }
 
 
 def summarize(trace: TraceData) -> dict:
@@ -395,13 +454,17 @@ def summarize(trace: TraceData) -> dict:
     under "missing" with the field's name instead of a value."""
     ms = measured_steps(trace.steps)
     band = spread_band(trace.steps)
-    out: dict = {"label": trace.label, "source": trace.source or "in memory",
-                 "steps": len(trace.steps), "measured_steps": len(ms),
-                 "decode_steps": len(verify_steps(trace.steps)),
-                 "rows_max": max((len(s["rows"]) for s in ms), default=0),
-                 "max_spread": band.max_spread,
-                 "final_max_spread": int(band.hi[-1]) if len(band.hi) else 0,
-                 "rows_cover": rows_cover(trace.steps)}
+    out: dict = {
+        "label": trace.label,
+        "source": trace.source or "in memory",
+        "steps": len(trace.steps),
+        "measured_steps": len(ms),
+        "decode_steps": len(verify_steps(trace.steps)),
+        "rows_max": max((len(s["rows"]) for s in ms), default=0),
+        "max_spread": band.max_spread,
+        "final_max_spread": int(band.hi[-1]) if len(band.hi) else 0,
+        "rows_cover": rows_cover(trace.steps),
+    }
     missing = []
 
     def attempt(key, fn):
@@ -411,8 +474,12 @@ def summarize(trace: TraceData) -> dict:
             out[key] = None
             missing.append(f"{key}: {exc}")
 
-    attempt("mean_padding_fraction",
-            lambda: round(float(step_series(trace.steps, "padding_fraction")[1].mean()), 6) if ms else 0.0)
+    attempt(
+        "mean_padding_fraction",
+        lambda: (
+            round(float(step_series(trace.steps, "padding_fraction")[1].mean()), 6) if ms else 0.0
+        ),
+    )
     attempt("tok_per_step", lambda: round(tok_per_step(trace), 6))
     attempt("drafting_fraction", lambda: round(drafting_fraction(trace.steps), 6))
     failed = failures(trace.steps)
@@ -428,10 +495,13 @@ def summarize(trace: TraceData) -> dict:
 
     def pp():
         p = per_position_acceptance(trace.steps)
-        return {"p": [None if x is None else round(x, 6) for x in p.p],
-                "p_pos": [None if x is None else round(x, 6) for x in p.p_pos],
-                "drafted_beyond": p.drafted_beyond, "accepted_beyond": p.accepted_beyond,
-                "reached_at": p.reached_at}
+        return {
+            "p": [None if x is None else round(x, 6) for x in p.p],
+            "p_pos": [None if x is None else round(x, 6) for x in p.p_pos],
+            "drafted_beyond": p.drafted_beyond,
+            "accepted_beyond": p.accepted_beyond,
+            "reached_at": p.reached_at,
+        }
 
     attempt("per_position", pp)
     out["missing"] = missing
