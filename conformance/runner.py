@@ -68,9 +68,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "properties and end-to-end runs compared tensor for tensor) against a backend, and "
                     "print one line per rule of docs/rules.md: the rule, the examples its tests ran, "
                     "and the result.",
-        epilog="Exit codes: 0 every selected test passed; 1 some failed (their rule rows say FAIL); 2 bad "
-               "input: an unknown backend, an unavailable device, a missing --tests path or a selection "
-               "matching no test; 3 an internal error of pytest or raggedspec.")
+        epilog="Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
+               "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
+               "path or a selection matching no test; 3 an internal error of pytest or raggedspec.")
     add_arguments(p)
     return p
 
@@ -125,7 +125,7 @@ class Collector:
             rec["outcome"] = "failed"
             text = str(report.longrepr)
             lines = [ln for ln in text.splitlines() if ln.startswith("E ") and _BLAME.search(ln)]
-            if lines and "blame" not in rec:  # the raised message ("E   Mismatch: ..."), not the source
+            if lines and "blame" not in rec:  # the raised message ("E   Mismatch: ..."), not source
                 rec["blame"] = _BLAME.search(lines[-1]).group(1).strip()
                 rec["message"] = lines[-1].removeprefix("E").strip()
         elif report.skipped and rec["outcome"] != "failed":
@@ -230,11 +230,12 @@ def run(args) -> int:
     os.environ.update(env)
     for t in args.tests or []:
         if not Path(t.split("::")[0]).exists():
-            print(f"raggedspec conformance: error: --tests {t}: no such file or folder", file=sys.stderr)
+            print(f"raggedspec conformance: error: --tests {t}: no such file or folder",
+                  file=sys.stderr)
             return EXIT_USAGE
     import conformance.conftest  # noqa: F401 - registers the Hypothesis profiles for any --tests path
 
-    tests = [str(Path(t)) if "::" not in t else t for t in args.tests] if args.tests else [str(SUITE)]
+    tests = [t if "::" in t else str(Path(t)) for t in args.tests or []] or [str(SUITE)]
     pytest_args = tests + ["-q", "-p", "no:cacheprovider", f"--hypothesis-profile={profile}", "-rfE"]
     if args.keyword:
         pytest_args += ["-k", args.keyword]

@@ -31,9 +31,10 @@ from raggedspec.outputs import OutputPathError, check_output_dir, check_output_f
 from raggedspec.progress import Progress, progress_mode
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-EXIT_CODES = ("exit codes: 0 ok; 1 a rule of the spec refused (the message names it); 2 bad input "
-              "(the message names the file or flag, the value and what is allowed); 3 internal error "
-              "(a bug in raggedspec: the traceback is saved to a file whose path is printed)")
+EXIT_CODES = ("exit codes: 0 ok; 1 a rule of the spec refused (the message names it); 2 bad "
+              "input (the message names the file or flag, the value and what is allowed); 3 "
+              "internal error (a bug in raggedspec: the traceback is saved to a file whose path "
+              "is printed)")
 
 
 class UsageError(Exception):
@@ -147,8 +148,8 @@ def check_budget(sc, mode: str, csv: bool, force: bool, command: str) -> None:
     over = over_limit(est, csv)
     if over and not force:
         raise UsageError(f"refusing to start: {over}")
-    print(f"raggedspec {command}: {est.describe(csv)}" + (" (over the limit: --force)" if over else ""),
-          file=sys.stderr)
+    forced = " (over the limit: --force)" if over else ""
+    print(f"raggedspec {command}: {est.describe(csv)}{forced}", file=sys.stderr)
 
 
 def run_simulate(args) -> int:
@@ -161,7 +162,8 @@ def run_simulate(args) -> int:
     out = check_output_file(args.out, "--out")
     csv_path = None
     if args.csv is not None:
-        csv_path = check_output_file(args.out.with_suffix(".csv") if args.csv is True else args.csv, "--csv")
+        csv_path = args.out.with_suffix(".csv") if args.csv is True else args.csv
+        csv_path = check_output_file(csv_path, "--csv")
         if csv_path.resolve() == out.resolve():
             raise UsageError(f"--csv {csv_path}: the same file as --out")
     backend = None
@@ -228,8 +230,8 @@ def add_drift(sub) -> argparse.ArgumentParser:
                    help="batch sizes of the tok_per_step sweep (comma-separated; default "
                         "1,2,4,...,128); 'none' skips the sweep")
     p.add_argument("--out", type=Path, default=Path("out/drift"),
-                   help="output folder (default: out/drift); figures of an earlier run that this run "
-                        "does not draw are removed from it")
+                   help="output folder (default: out/drift); figures of an earlier run that "
+                        "this run does not draw are removed from it")
     add_force(p)
     add_quiet(p)
     return p
@@ -258,7 +260,8 @@ def run_drift(args) -> int:
         if scenario_overrides(args):
             raise UsageError("scenario flags (--batch, ...) apply to --scenario runs, not to --trace")
         labels = args.label or [None] * len(args.trace)
-        runs = [drift.read_trace_file(t, lab) for t, lab in zip(args.trace, labels, strict=True)]
+        runs = [drift.read_trace_file(t, lab)
+                for t, lab in zip(args.trace, labels, strict=True)]
         summary = drift.write_report(runs, out)
     else:
         if args.label:
@@ -274,7 +277,8 @@ def run_drift(args) -> int:
                  for _label, extra in drift.DRIFT_RUNS]
         if batches and "requests" not in load_scenario(source, base).to_dict():
             costs.append(estimate(load_scenario(source, base + [f"batch={max(batches)}"])))
-        memory = sum(c.memory_bytes for c in costs[:3]) + (costs[3].memory_bytes if len(costs) > 3 else 0)
+        memory = sum(c.memory_bytes for c in costs[:3])
+        memory += costs[3].memory_bytes if len(costs) > 3 else 0
         if memory > budget.LIMIT_BYTES and not args.force:
             raise UsageError(f"refusing to start: memory {human(memory)} estimated for the three runs and "
                              f"the largest sweep run, above the {human(budget.LIMIT_BYTES)} limit; use fewer "
@@ -403,16 +407,19 @@ def main(argv: list[str] | None = None) -> int:
     except input_errors() as exc:
         msg = str(exc)
         scenario = getattr(args, "scenario", None)
-        if type(exc).__name__ == "ScenarioError" and scenario is not None and str(scenario) not in msg:
+        from_file = type(exc).__name__ == "ScenarioError" and scenario is not None
+        if from_file and str(scenario) not in msg:
             msg = f"{scenario} (or a flag over it): {msg}"
         print(f"raggedspec {args.command}: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"raggedspec {args.command}: interrupted; no output file was changed", file=sys.stderr)
+        print(f"raggedspec {args.command}: interrupted; no output file was changed",
+              file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug in raggedspec: exit 3, traceback to a file
         saved = report_internal_error(args.command, exc)
-        where = f"the traceback is saved to {saved}" if saved else "the traceback could not be saved"
+        where = (f"the traceback is saved to {saved}" if saved
+                 else "the traceback could not be saved")
         print(f"raggedspec {args.command}: internal error (a bug in raggedspec, not in your input): "
               f"{type(exc).__name__}: {str(exc)[:200]}; {where}; please report it", file=sys.stderr)
         return EXIT_INTERNAL
