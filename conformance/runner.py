@@ -33,6 +33,9 @@ PROFILES = ("ci", "dev", "thorough", "mutmut")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 EMPTY_SELECTION = 5  # pytest's exit code when nothing was collected
+EXIT_CODES_TEXT = ("Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
+                   "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
+                   "path or a selection matching no test; 3 an internal error of pytest or raggedspec.")
 _TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")
 # "60 passing examples, 0 failing examples" (Hypothesis <= 6.15x) or "60 passing, 0 failing,
 # and 2 invalid test cases" (newer): accept both wordings.
@@ -68,9 +71,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "properties and end-to-end runs compared tensor for tensor) against a backend, and "
                     "print one line per rule of docs/rules.md: the rule, the examples its tests ran, "
                     "and the result.",
-        epilog="Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
-               "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
-               "path or a selection matching no test; 3 an internal error of pytest or raggedspec.")
+        epilog=EXIT_CODES_TEXT)
     add_arguments(p)
     return p
 
@@ -268,7 +269,8 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`raggedspec conformance` as a function: returns the exit code."""
-    parser = argparse.ArgumentParser(prog="raggedspec conformance", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="raggedspec conformance", description=__doc__.split("\n\n")[0],
+                                     epilog=EXIT_CODES_TEXT)
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)
