@@ -22,6 +22,7 @@ cannot use (e.g. `--device cuda` without CUDA); 3 pytest's own internal error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -33,9 +34,11 @@ PROFILES = ("ci", "dev", "thorough", "mutmut")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 EMPTY_SELECTION = 5  # pytest's exit code when nothing was collected
-EXIT_CODES_TEXT = ("Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
-                   "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
-                   "path or a selection matching no test; 3 an internal error of pytest or raggedspec.")
+EXIT_CODES_TEXT = (
+    "Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
+    "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
+    "path or a selection matching no test; 3 an internal error of pytest or raggedspec."
+)
 _TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")
 # "60 passing examples, 0 failing examples" (Hypothesis <= 6.15x) or "60 passing, 0 failing,
 # and 2 invalid test cases" (newer): accept both wordings.
@@ -46,19 +49,39 @@ _STATS = re.compile(r"during (\w+) phase.*?(\d+) passing(?: examples)?, (\d+) fa
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="torch",
-                   help="backend under test: numpy (the reference itself), torch (the gpu/ port; default), "
-                        "cupy (the torch port with the hand-written kernels; CUDA only), "
-                        "or package.module:factory (your own port, docs/conformance.md)")
-    p.add_argument("--device", default=None,
-                   help="device for the backend: cpu, cuda, cuda:N (default: the backend's own: cpu for "
-                        "numpy and torch unless RAGGEDSPEC_DEVICE says otherwise, cuda for cupy)")
-    p.add_argument("--dtype", default="float64", choices=DTYPES, help="float dtype of the backend (default float64)")
-    p.add_argument("--profile", choices=PROFILES, default=None,
-                   help="Hypothesis profile: ci (200 examples, derandomized; default when CI is set), dev "
-                        "(100; default otherwise), thorough (2000), mutmut (60, no shrinking)")
-    p.add_argument("--tests", nargs="+", default=None, metavar="PATH",
-                   help="test files or folders to run (default: the whole conformance suite)")
+    p.add_argument(
+        "--backend",
+        default="torch",
+        help="backend under test: numpy (the reference itself), torch (the gpu/ port; default), "
+        "cupy (the torch port with the hand-written kernels; CUDA only), "
+        "or package.module:factory (your own port, docs/conformance.md)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="device for the backend: cpu, cuda, cuda:N (default: the backend's own: cpu for "
+        "numpy and torch unless RAGGEDSPEC_DEVICE says otherwise, cuda for cupy)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float64",
+        choices=DTYPES,
+        help="float dtype of the backend (default float64)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=None,
+        help="Hypothesis profile: ci (200 examples, derandomized; default when CI is set), dev "
+        "(100; default otherwise), thorough (2000), mutmut (60, no shrinking)",
+    )
+    p.add_argument(
+        "--tests",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="test files or folders to run (default: the whole conformance suite)",
+    )
     p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="pytest -k selection")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
 
@@ -66,12 +89,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(sub) -> argparse.ArgumentParser:
     """The `conformance` subcommand for `raggedspec.cli` (COMMANDS entry)."""
     p = sub.add_parser(
-        "conformance", help="run the conformance suite against a backend; print a per-rule table",
-        description="Run the conformance suite (reference properties, reference-vs-backend per-method "
-                    "properties and end-to-end runs compared tensor for tensor) against a backend, and "
-                    "print one line per rule of docs/rules.md: the rule, the examples its tests ran, "
-                    "and the result.",
-        epilog=EXIT_CODES_TEXT)
+        "conformance",
+        help="run the conformance suite against a backend; print a per-rule table",
+        description="Run the conformance suite (reference properties, reference-vs-backend "
+        "per-method properties and end-to-end runs compared tensor for tensor) against a backend, "
+        "and "
+        "print one line per rule of docs/rules.md: the rule, the examples its tests ran, "
+        "and the result.",
+        epilog=EXIT_CODES_TEXT,
+    )
     add_arguments(p)
     return p
 
@@ -89,7 +115,12 @@ def rule_rows(root: Path = ROOT) -> list[tuple[str, list[str]]]:
             continue
         for line in path.read_text().splitlines():
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if not line.startswith("|") or len(cells) != 4 or set(cells[0]) <= set("-: ") or cells[0] == "rule":
+            if (
+                not line.startswith("|")
+                or len(cells) != 4
+                or set(cells[0]) <= set("-: ")
+                or cells[0] == "rule"
+            ):
                 continue
             if cells[1].lower().startswith("not modelled"):
                 continue
@@ -144,14 +175,14 @@ def _base(nodeid: str) -> str:
     file, _, name = nodeid.partition("::")
     path = Path(file)
     if path.is_absolute():
-        try:
+        with contextlib.suppress(ValueError):  # a path outside the checkout stays as it is
             file = path.relative_to(ROOT).as_posix()
-        except ValueError:
-            pass
     return f"{file}::{name}"
 
 
-def rule_table(results: dict[str, dict], rows: list[tuple[str, list[str]]]) -> list[tuple[str, int, str]]:
+def rule_table(
+    results: dict[str, dict], rows: list[tuple[str, list[str]]]
+) -> list[tuple[str, int, str]]:
     """`(rule, examples, result)`: result "pass" (every test of the rule that ran passed),
     "FAIL", "skipped", or "not run"; then the tests no row names, per file. A row fails
     when one of its own tests failed (a row listing per-method tests and end-to-end tests
@@ -174,9 +205,11 @@ def rule_table(results: dict[str, dict], rows: list[tuple[str, list[str]]]) -> l
         shared = [r for t in tests if t not in own for r in by_test.get(t, [])]
         # an end-to-end failure marks its own rows and the rule its first differing tensor
         # belongs to, not every row that lists the end-to-end test
-        failed = any(r["outcome"] == "failed" for r in own_recs) or any(
-            rule.startswith(b) for b in blamed) or any(
-            r["outcome"] == "failed" and not r.get("blame") for r in shared)
+        failed = (
+            any(r["outcome"] == "failed" for r in own_recs)
+            or any(rule.startswith(b) for b in blamed)
+            or any(r["outcome"] == "failed" and not r.get("blame") for r in shared)
+        )
         if failed:
             return examples, "FAIL"
         if {r["outcome"] for r in recs} == {"skipped"}:
@@ -199,13 +232,22 @@ def format_table(table: list[tuple[str, int, str]], title: str, hide_not_run: bo
     selection with --tests or -k), counting them in the last line."""
     shown = [row for row in table if not (hide_not_run and row[2] == "not run")]
     width = min(max((len(r) for r, _, _ in shown), default=4), 110)
-    lines = [title, f"{'rule':<{width}}  {'examples':>8}  result", f"{'-' * width}  {'-' * 8}  ------"]
+    lines = [
+        title,
+        f"{'rule':<{width}}  {'examples':>8}  result",
+        f"{'-' * width}  {'-' * 8}  ------",
+    ]
     for rule, examples, result in shown:
         lines.append(f"{rule:<{width}}  {examples:>8}  {result}")
-    counts = {k: sum(1 for *_, r in table if r == k) for k in ("pass", "FAIL", "skipped", "not run")}
-    lines.append(f"{len(table)} rows: {counts['pass']} pass, {counts['FAIL']} FAIL, {counts['skipped']} skipped, "
-                 f"{counts['not run']} not run{' (not shown)' if hide_not_run and counts['not run'] else ''}; "
-                 f"{sum(e for _, e, _ in table)} examples")
+    counts = {
+        k: sum(1 for *_, r in table if r == k) for k in ("pass", "FAIL", "skipped", "not run")
+    }
+    lines.append(
+        f"{len(table)} rows: {counts['pass']} pass, {counts['FAIL']} FAIL, "
+        f"{counts['skipped']} skipped, {counts['not run']} not run"
+        f"{' (not shown)' if hide_not_run and counts['not run'] else ''}; "
+        f"{sum(e for _, e, _ in table)} examples"
+    )
     return "\n".join(lines)
 
 
@@ -222,22 +264,37 @@ def run(args) -> int:
     try:
         backend = load_backend(args.backend, args.device, args.dtype)
     except Exception as exc:  # noqa: BLE001 (a user factory may raise anything: report it, exit 2)
-        print(f"raggedspec conformance: error: backend {args.backend!r} on device {args.device!r} in "
-              f"{args.dtype}: {exc}", file=sys.stderr)
+        print(
+            f"raggedspec conformance: error: backend {args.backend!r} on device {args.device!r} in "
+            f"{args.dtype}: {exc}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
-    env = {"RAGGEDSPEC_BACKEND": args.backend, "RAGGEDSPEC_DEVICE": str(backend.device), "RAGGEDSPEC_DTYPE": args.dtype,
-           "HYPOTHESIS_PROFILE": profile}
+    env = {
+        "RAGGEDSPEC_BACKEND": args.backend,
+        "RAGGEDSPEC_DEVICE": str(backend.device),
+        "RAGGEDSPEC_DTYPE": args.dtype,
+        "HYPOTHESIS_PROFILE": profile,
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     for t in args.tests or []:
         if not Path(t.split("::")[0]).exists():
-            print(f"raggedspec conformance: error: --tests {t}: no such file or folder",
-                  file=sys.stderr)
+            print(
+                f"raggedspec conformance: error: --tests {t}: no such file or folder",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
     import conformance.conftest  # noqa: F401 - registers the Hypothesis profiles for any --tests path
 
     tests = [t if "::" in t else str(Path(t)) for t in args.tests or []] or [str(SUITE)]
-    pytest_args = tests + ["-q", "-p", "no:cacheprovider", f"--hypothesis-profile={profile}", "-rfE"]
+    pytest_args = tests + [
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--hypothesis-profile={profile}",
+        "-rfE",
+    ]
     if args.keyword:
         pytest_args += ["-k", args.keyword]
     if args.exitfirst:
@@ -251,26 +308,39 @@ def run(args) -> int:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    title = (f"\nraggedspec conformance: backend {backend.name} ({backend.device}, {backend.dtype}), "
-             f"profile {profile}, pytest exit {rc}")
+    title = (
+        f"\nraggedspec conformance: backend {backend.name} ({backend.device}, {backend.dtype}), "
+        f"profile {profile}, pytest exit {rc}"
+    )
     if rc == EMPTY_SELECTION or not collector.results:
         what = f"-k {args.keyword!r} in " if args.keyword else ""
-        print(f"raggedspec conformance: error: {what}{' '.join(tests)}: no test selected "
-              f"(pytest exit {rc}); check the -k expression and the --tests paths", file=sys.stderr)
+        print(
+            f"raggedspec conformance: error: {what}{' '.join(tests)}: no test selected "
+            f"(pytest exit {rc}); check the -k expression and the --tests paths",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
-    print(format_table(rule_table(collector.results, rule_rows()), title,
-                       hide_not_run=bool(args.tests or args.keyword)))
+    print(
+        format_table(
+            rule_table(collector.results, rule_rows()),
+            title,
+            hide_not_run=bool(args.tests or args.keyword),
+        )
+    )
     for nodeid, rec in collector.results.items():
         if rec.get("blame"):
-            print(f"end to end: {nodeid}: first differing tensor belongs to rule "
-                  f"\"{rec['blame']}\": {rec['message'][:300]}")
+            print(
+                f"end to end: {nodeid}: first differing tensor belongs to rule "
+                f'"{rec["blame"]}": {rec["message"][:300]}'
+            )
     return rc
 
 
 def main(argv: list[str] | None = None) -> int:
     """`raggedspec conformance` as a function: returns the exit code."""
-    parser = argparse.ArgumentParser(prog="raggedspec conformance", description=__doc__.split("\n\n")[0],
-                                     epilog=EXIT_CODES_TEXT)
+    parser = argparse.ArgumentParser(
+        prog="raggedspec conformance", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_TEXT
+    )
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)

@@ -464,3 +464,13 @@ def test_every_help_and_the_readme_state_the_exit_codes(capsys):
     readme = (ROOT / "README.md").read_text()
     for code in ("`0`", "`1`", "`2`", "`3`"):
         assert code in readme.split("## Exit codes")[1].split("\n## ")[0]
+
+
+def test_drift_over_the_memory_limit_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    import raggedspec.estimate
+
+    monkeypatch.setattr(raggedspec.estimate, "LIMIT_BYTES", 1000)
+    argv = ["drift", "--steps", "5", "--batch", "2", "--out", tmp_path / "o", "-q"]
+    rc, err = run_cli(argv, capsys)
+    assert rc == 2 and "memory" in one_error_line(err) and "--force" in err
+    assert not (tmp_path / "o").exists()

@@ -59,19 +59,23 @@ SCENARIO_FLAGS = [
     ("--batch", "batch", dict(type=int, help="number of requests (generated), B >= 1")),
     ("--arrival", "arrival", dict(help="arrival of the generated requests: all-at-once | staggered "
                                        "(request i at step i * stagger; --set stagger=N)")),
-    ("--max-seq-len", "max_seq_len", dict(type=int, help="the model's max_seq_len, >= 2 (the token budget "
-                                                         "and cache capacity limit)")),
+    ("--max-seq-len", "max_seq_len", dict(type=int, help="the model's max_seq_len, 2..2147483647 "
+                                                         "(the token budget and cache capacity "
+                                                         "limit)")),
     ("--depth", "depth", dict(type=int, help="MTP draft depth, 0..8 (window w = depth + 1)")),
     ("--advance", "advance", dict(help="advance rule: cohort | per-sequence (per-sequence is "
                                        "granted only with --xs-per-seq and --admission grant)")),
     ("--world", "world", dict(help="admission world: W0 | WA | WB")),
     ("--admission", "admission", dict(help="ragged admission, capability check 4: refuse | grant")),
-    ("--strip", "strip", dict(help="dead-prefix strip: eager | lazy | none (none: the negative control)")),
+    ("--strip", "strip", dict(help="dead-prefix strip: eager | lazy | none (none: the negative "
+                                   "control)")),
     ("--xs-per-seq", "xs_per_seq", dict(action=argparse.BooleanOptionalAction, default=None,
-                                        help="ARC_V4_XS_PER_SEQ: XsRolling slots carry their own length "
-                                             "(--no-xs-per-seq turns it off over a scenario file)")),
-    ("--acceptance", "acceptance", dict(help="acceptance model: geometric:0.7, profile:0.74,0.54,0.41, "
-                                             "heterogeneous:0.2,0.9, all-accept, all-reject, file:PATH, "
+                                        help="ARC_V4_XS_PER_SEQ: XsRolling slots carry their own "
+                                             "length (--no-xs-per-seq turns it off over a "
+                                             "scenario file)")),
+    ("--acceptance", "acceptance", dict(help="acceptance model: geometric:0.7, "
+                                             "profile:0.74,0.54,0.41, heterogeneous:0.2,0.9, "
+                                             "all-accept, all-reject, file:PATH, "
                                              "oracle:module:callable")),
     ("--seed", "seed", dict(type=int, help="seed (acceptance, generated lengths, model), >= 0")),
     ("--steps", "steps", dict(type=int, help="engine steps to simulate at most, >= 1")),
@@ -121,8 +125,10 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                    help="lengths: integer lengths only, fast (default); tensor: the full "
                         "reference with KV tensors and the tiny model (same integer trace)")
     p.add_argument("--backend", default=None, metavar="NAME",
-                   help="tensor mode: numpy (default), torch, cupy (CUDA only), or package.module:factory")
-    p.add_argument("--device", default=None, help="tensor mode with --backend torch: cpu (default) or cuda")
+                   help="tensor mode: numpy (default), torch, cupy (CUDA only), or "
+                        "package.module:factory")
+    p.add_argument("--device", default=None,
+                   help="tensor mode with --backend torch: cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=("float64", "float32", "bfloat16"),
                    help="tensor mode with --backend torch: float64 (default), float32, bfloat16")
     p.add_argument("--out", type=Path, default=Path("trace.jsonl"),
@@ -169,7 +175,8 @@ def run_simulate(args) -> int:
     backend = None
     if args.backend is not None or args.device is not None or args.dtype is not None:
         if args.mode != "tensor":
-            raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode has no tensors)")
+            raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode "
+                             "has no tensors)")
         from reference.backend import load_backend
         try:
             backend = load_backend(args.backend, args.device, args.dtype)
@@ -249,54 +256,62 @@ def parse_batches(text: str) -> list[int]:
     return values
 
 
+def check_drift_budget(args, batches: list[int]) -> None:
+    """UsageError before any work when the memory estimated for drift's three runs (held
+    together) and its largest sweep run is above the limit, unless --force."""
+    from raggedspec import drift
+    from reference.scenario import load_scenario
+
+    source = drift.DEFAULT_SCENARIO if args.scenario is None else args.scenario
+    base = drift.override_list(scenario_overrides(args))
+    memory = sum(estimate(load_scenario(source, base + drift.override_list(extra))).memory_bytes
+                 for _label, extra in drift.DRIFT_RUNS)
+    if batches and "requests" not in load_scenario(source, base).to_dict():
+        memory += estimate(load_scenario(source, base + [f"batch={max(batches)}"])).memory_bytes
+    if memory > budget.LIMIT_BYTES and not args.force:
+        raise UsageError(f"refusing to start: memory {human(memory)} estimated for the three runs "
+                         f"and the largest sweep run, above the {human(budget.LIMIT_BYTES)} limit; "
+                         "use fewer --steps or a smaller --batch or --batches, or --force")
+
+
 def run_drift(args) -> int:
     from raggedspec import drift
 
     out = check_output_dir(args.out, "--out")
     if args.trace:
         if args.label and len(args.label) != len(args.trace):
-            raise UsageError(f"--label given {len(args.label)} times for {len(args.trace)} --trace files; "
-                             "give one per --trace, in order")
+            raise UsageError(f"--label given {len(args.label)} times for {len(args.trace)} "
+                             "--trace files; give one per --trace, in order")
         if scenario_overrides(args):
-            raise UsageError("scenario flags (--batch, ...) apply to --scenario runs, not to --trace")
+            raise UsageError("scenario flags (--batch, ...) apply to --scenario runs, not to "
+                             "--trace")
         labels = args.label or [None] * len(args.trace)
         runs = [drift.read_trace_file(t, lab)
                 for t, lab in zip(args.trace, labels, strict=True)]
         summary = drift.write_report(runs, out)
     else:
         if args.label:
-            raise UsageError(f"--label {args.label[0]!r}: labels name --trace panels, and no --trace is given")
+            raise UsageError(f"--label {args.label[0]!r}: labels name --trace panels, and no "
+                             "--trace is given")
         if args.scenario is not None and not args.scenario.is_file():
             raise UsageError(f"scenario file {args.scenario} does not exist")
-        from reference.scenario import load_scenario
-
         batches = parse_batches(args.batches)
-        source = drift.DEFAULT_SCENARIO if args.scenario is None else args.scenario
-        base = drift.override_list(scenario_overrides(args))
-        costs = [estimate(load_scenario(source, base + drift.override_list(extra)))
-                 for _label, extra in drift.DRIFT_RUNS]
-        if batches and "requests" not in load_scenario(source, base).to_dict():
-            costs.append(estimate(load_scenario(source, base + [f"batch={max(batches)}"])))
-        memory = sum(c.memory_bytes for c in costs[:3])
-        memory += costs[3].memory_bytes if len(costs) > 3 else 0
-        if memory > budget.LIMIT_BYTES and not args.force:
-            raise UsageError(f"refusing to start: memory {human(memory)} estimated for the three runs and "
-                             f"the largest sweep run, above the {human(budget.LIMIT_BYTES)} limit; use fewer "
-                             "--steps or a smaller --batch or --batches, or --force")
+        check_drift_budget(args, batches)
         summary = drift.drift_from_scenario(
             args.scenario, out, overrides=scenario_overrides(args),
             batches=batches, progress=progress_factory(args))
     for run in summary["runs"]:
         tps = run["tok_per_step"]
-        ended = (f" (refused at step {run['refused_at_step']}: over its {run['measured_steps']} measured steps "
-                 "only)") if run.get("ended_by_refusal") else ""
+        ended = (f" (refused at step {run['refused_at_step']}: over its {run['measured_steps']} "
+                 "measured steps only)") if run.get("ended_by_refusal") else ""
         print(f"{run['label']}: max_spread={run['max_spread']} "
               f"mean_padding_fraction={run['mean_padding_fraction']} "
               f"tok_per_step={'n/a' if tps is None else f'{tps:.4f}'}{ended}")
         for msg in run["missing"]:
             print(f"  not plotted: {msg}", file=sys.stderr)
     for name in summary.get("removed_stale", []):
-        print(f"removed {out / name}: a figure of an earlier run that this run does not draw", file=sys.stderr)
+        print(f"removed {out / name}: a figure of an earlier run that this run does not draw",
+              file=sys.stderr)
     print(f"wrote {len(summary['files'])} files to {out}", file=sys.stderr)
     return EXIT_OK
 
@@ -420,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = report_internal_error(args.command, exc)
         where = (f"the traceback is saved to {saved}" if saved
                  else "the traceback could not be saved")
-        print(f"raggedspec {args.command}: internal error (a bug in raggedspec, not in your input): "
-              f"{type(exc).__name__}: {str(exc)[:200]}; {where}; please report it", file=sys.stderr)
+        print(f"raggedspec {args.command}: internal error (a bug in raggedspec, not in your "
+              f"input): {type(exc).__name__}: {str(exc)[:200]}; {where}; please report it",
+              file=sys.stderr)
         return EXIT_INTERNAL
