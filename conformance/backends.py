@@ -184,7 +184,8 @@ def compare_runs(port, ref, dtype: str) -> dict:
     try:
         return _compare_runs(port, ref, dtype)
     except Mismatch as exc:
-        raise Mismatch(f"{exc} [first differing tensor; rule: {rule_of(str(exc).split(':')[0])}]") from None
+        rule = rule_of(str(exc).split(":")[0])
+        raise Mismatch(f"{exc} [first differing tensor; rule: {rule}]") from None
 
 
 def _compare_runs(port, ref, dtype: str) -> dict:

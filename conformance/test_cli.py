@@ -404,8 +404,8 @@ def test_the_progress_bar_finishes_when_the_run_ends_early(tmp_path, monkeypatch
     assert cli.main(["simulate", "--batch", "2", "--steps", "500", "--set", "max_new_tokens=10",
                      "--out", str(tmp_path / "t.jsonl")]) == 0
     lines = tty.getvalue().split("\n")
-    assert any(re.fullmatch(r"simulate \(lengths\): ended at step \d+ of at most 500: no request left to run",
-                            ln) for ln in lines), lines
+    end = r"simulate \(lengths\): ended at step \d+ of at most 500: no request left to run"
+    assert any(re.fullmatch(end, ln) for ln in lines), lines
     from raggedspec.progress import Progress
     bar = Progress("run", "lines", stream=io.StringIO(), interval=0)
     bar(3, 10)

@@ -1215,7 +1215,8 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpu.bench", description=__doc__.split("\n\n")[0],
-                                epilog="Exit codes: 0 ok; 1 a strategy came out WRONG; 2 bad input.")
+                                epilog="Exit codes: 0 ok; 1 a strategy came out WRONG; "
+                                       "2 bad input.")
     add_arguments(p)
     try:
         args = p.parse_args(argv)

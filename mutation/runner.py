@@ -784,9 +784,10 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mutation.runner", description=__doc__.split("\n\n")[0],
-                                 epilog="Exit codes: 0 the gate passed; 1 it failed (the reasons are listed); "
-                                        "2 bad input (an --only matching no entry) or mutmut did not complete.")
+    ap = argparse.ArgumentParser(
+        prog="python -m mutation.runner", description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 the gate passed; 1 it failed (the reasons are listed); 2 bad "
+               "input (an --only matching no entry) or mutmut did not complete.")
     ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
                     help="all (default): the reference and the port; reference: the reference rules; "
                          "gpu: the torch port and the kernels")
@@ -825,8 +826,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.mutmut_only:
             entries = select(args.scope, args.only)
             if args.only is not None and not entries:
-                print(f"python -m mutation.runner: error: --only {args.only!r} matches no catalogue entry "
-                      f"in scope {args.scope} (mutation/catalogue.py names them)", file=sys.stderr)
+                print(f"python -m mutation.runner: error: --only {args.only!r} matches no "
+                      f"catalogue entry in scope {args.scope} (mutation/catalogue.py names them)",
+                      file=sys.stderr)
                 return 2
             broken = check_catalogue(entries, root)
             for name, why in broken.items():
@@ -835,8 +837,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"catalogue: {len(entries)} entries ({len(runnable)} runnable), scope {args.scope}, "
                   f"{args.jobs} job(s)")
             hints = {} if args.no_hints else load_killers()
-            results, red = run_catalogue(runnable, root, args.jobs, not args.no_baseline, hints=hints,
-                                         equivalents=equivalents)
+            results, red = run_catalogue(runnable, root, args.jobs, not args.no_baseline,
+                                         hints=hints, equivalents=equivalents)
             results += [MutantResult(m.name, m.file, m.spec, "BROKEN", broken[m.name], 0.0, m.expect)
                         for m in entries if m.name in broken]
             n_c = sum(r.status in ("CAUGHT", "TIMEOUT") for r in results)

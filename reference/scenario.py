@@ -389,8 +389,8 @@ def _read(source) -> dict:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ScenarioError(f"scenario file {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
-                            "save it as UTF-8 TOML or JSON") from None
+        raise ScenarioError(f"scenario file {path} is not UTF-8 text (byte {exc.start}: "
+                            f"{exc.reason}); save it as UTF-8 TOML or JSON") from None
     except OSError as exc:
         raise ScenarioError(f"scenario file {path} cannot be read: {exc.strerror}") from None
     try:
