@@ -811,6 +811,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
     ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.json is not None:  # refused now, not after a run of many minutes
+        from raggedspec.outputs import OutputPathError, check_output_file
+
+        try:
+            check_output_file(args.json, "--json")
+        except OutputPathError as exc:
+            print(f"python -m mutation.runner: error: {exc}", file=sys.stderr)
+            return 2
     root = args.root.resolve()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
