@@ -474,3 +474,12 @@ def test_drift_over_the_memory_limit_is_refused_before_any_run(tmp_path, monkeyp
     rc, err = run_cli(argv, capsys)
     assert rc == 2 and "memory" in one_error_line(err) and "--force" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_mutation_json_under_a_file_is_refused_before_the_run(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    argv = ["mutation", "--catalogue-only", "--only", "x", "--json", afile / "r.json"]
+    rc, err = run_cli(argv, capsys)
+    assert rc == 2 and "--json" in one_error_line(err) and afile.read_text() == "keep me\n"
+    assert "catalogue:" not in capsys.readouterr().out  # nothing ran
