@@ -23,12 +23,16 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raggedspec import __version__
 import raggedspec.estimate as budget
 from raggedspec.estimate import estimate, human, over_limit
 from raggedspec.outputs import OutputPathError, check_output_dir, check_output_file, staged
 from raggedspec.progress import Progress, progress_mode
+
+if TYPE_CHECKING:
+    from reference.scenario import Scenario
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_CODES = ("exit codes: 0 ok; 1 a rule of the spec refused (the message names it); 2 bad "
@@ -147,7 +151,7 @@ def add_force(parser: argparse.ArgumentParser) -> None:
                              f"{human(budget.LIMIT_BYTES)} limit (the estimate is printed first)")
 
 
-def check_budget(sc, mode: str, csv: bool, force: bool, command: str) -> None:
+def check_budget(sc: Scenario, mode: str, csv: bool, force: bool, command: str) -> None:
     """Print the run's estimate on stderr; UsageError when it is over the limit and not
     --force (nothing has been written yet)."""
     est = estimate(sc, mode)
@@ -256,7 +260,7 @@ def parse_batches(text: str) -> list[int]:
     return values
 
 
-def check_drift_budget(args, batches: list[int]) -> None:
+def check_drift_budget(args: argparse.Namespace, batches: list[int]) -> None:
     """UsageError before any work when the memory estimated for drift's three runs (held
     together) and its largest sweep run is above the limit, unless --force."""
     from raggedspec import drift

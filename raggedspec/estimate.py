@@ -18,6 +18,10 @@ such; a run above `LIMIT_BYTES` is refused unless `--force` is given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reference.scenario import Scenario
 
 LIMIT_BYTES = 2 * 1024**3  # 2 GiB: larger traces or memory need --force
 JSONL_ROW_BYTES = 220
@@ -58,7 +62,7 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def estimate(sc, mode: str = "lengths") -> Estimate:
+def estimate(sc: Scenario, mode: str = "lengths") -> Estimate:
     """The estimate of a resolved `reference.scenario.Scenario` run in `mode`."""
     row_steps = 0
     kv_tokens = 0
