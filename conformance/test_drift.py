@@ -478,7 +478,7 @@ def test_the_sweep_explains_the_b2_drop_and_names_its_ratio():
     their draft caches' capacities differ when they meet at equal lengths, and
     batch_draft_caches refuses the uniform group (§9.6). The figure says so in plain words
     and the y axis names the MTP accounting ratio (§15)."""
-    from reference.lengths import STALL_UNIFORM
+    from raggedspec.reference.lengths import STALL_UNIFORM
 
     sweep = drift.sweep_tok_per_step(None, batches=[1, 2])
     label = drift.DRIFT_RUNS[1][0]

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raggedspec import cli
-from reference.scenario import FIELDS
+from raggedspec.reference.scenario import FIELDS
 
 LIMIT_S = 60.0  # per run, on a shared 2-core machine; a bounded run takes well under a second
 TRACEBACK = "Traceback (most recent call last)"

@@ -163,7 +163,7 @@ def test_a_failed_or_interrupted_write_leaves_every_existing_file_and_no_tempora
 def test_simulate_interrupted_while_writing_the_csv_keeps_the_earlier_trace(
     tmp_path, monkeypatch, capsys
 ):
-    import reference.trace
+    import raggedspec.reference.trace
 
     out = tmp_path / "t.jsonl"
     out.write_text("earlier trace\n")
@@ -250,7 +250,7 @@ def test_a_huge_tensor_scenario_is_refused_for_its_memory(tmp_path, capsys):
 
 def test_the_estimate_is_above_what_a_small_run_writes(tmp_path, capsys):
     from raggedspec.estimate import estimate
-    from reference.scenario import load_scenario
+    from raggedspec.reference.scenario import load_scenario
 
     out = tmp_path / "t.jsonl"
     assert cli.main(["simulate", *TINY, "--out", str(out), "--csv"]) == 0
@@ -399,7 +399,7 @@ def test_an_end_to_end_failure_blames_the_rule_of_its_first_differing_tensor():
 
 
 def test_rule_table_marks_only_the_rows_whose_own_tests_failed_or_that_the_tensor_names():
-    from conformance.runner import rule_table
+    from raggedspec.conformance.runner import rule_table
 
     e2e = "conformance/test_end_to_end.py::test_e2e"
     rows = [
@@ -438,7 +438,7 @@ def test_mutation_only_matching_nothing_exits_2(capsys):
 
 
 def test_a_documented_equivalent_prints_as_equivalent_with_its_reason():
-    from mutation.runner import MutantResult, load_equivalents, shown_status
+    from raggedspec.mutation.runner import MutantResult, load_equivalents, shown_status
 
     equivalents = load_equivalents()
     name, why = next(iter(equivalents["catalogue"].items()))

@@ -1,10 +1,10 @@
 """Mutation runner: the named catalogue and mutmut, in a temporary copy of the tree.
 
-    python -m mutation.runner                    # full: catalogue + mutmut on dispatch + step,
+    python -m raggedspec.mutation.runner                    # full: catalogue + mutmut on dispatch + step,
                                                  # reference and port (= --scope all)
-    python -m mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
-    python -m mutation.runner --catalogue-only   # the named mutants only
-    python -m mutation.runner --scope gpu        # the port's entries / modules only
+    python -m raggedspec.mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
+    python -m raggedspec.mutation.runner --catalogue-only   # the named mutants only
+    python -m raggedspec.mutation.runner --scope gpu        # the port's entries / modules only
 
 Nothing is ever written into the checkout's source or tests: every mutant is applied in a
 private copy (one per worker, under the system temp dir, removed on exit, interrupts
@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mutation.catalogue import Mutant, select
+from raggedspec.mutation.catalogue import Mutant, select
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = Path(__file__).resolve().parent / "equivalent.toml"
@@ -785,7 +785,7 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m mutation.runner", description=__doc__.split("\n\n")[0],
+        prog="python -m raggedspec.mutation.runner", description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 the gate passed; 1 it failed (the reasons are listed); 2 bad "
                "input (an --only matching no entry) or mutmut did not complete.")
     ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_output_file(args.json, "--json")
         except OutputPathError as exc:
-            print(f"python -m mutation.runner: error: {exc}", file=sys.stderr)
+            print(f"python -m raggedspec.mutation.runner: error: {exc}", file=sys.stderr)
             return 2
     root = args.root.resolve()
     if threading.current_thread() is threading.main_thread():
@@ -834,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.mutmut_only:
             entries = select(args.scope, args.only)
             if args.only is not None and not entries:
-                print(f"python -m mutation.runner: error: --only {args.only!r} matches no "
+                print(f"python -m raggedspec.mutation.runner: error: --only {args.only!r} matches no "
                       f"catalogue entry in scope {args.scope} (mutation/catalogue.py names them)",
                       file=sys.stderr)
                 return 2
@@ -877,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         if opt in shown and shown.index(opt) + 1 < len(shown):
             i = shown.index(opt)
             del shown[i: i + 2]
-    command = "python -m mutation.runner " + " ".join(shown)
+    command = "python -m raggedspec.mutation.runner " + " ".join(shown)
     when = time.strftime("%Y-%m-%d")
     full_run = not args.fast and not args.only and not args.from_mutants
     docs = args.docs or (root / "docs" / "mutation.md" if full_run and not args.no_docs else None)

@@ -32,7 +32,7 @@ from raggedspec.outputs import OutputPathError, check_output_dir, check_output_f
 from raggedspec.progress import Progress, progress_mode
 
 if TYPE_CHECKING:
-    from reference.scenario import Scenario
+    from raggedspec.reference.scenario import Scenario
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_CODES = ("exit codes: 0 ok; 1 a rule of the spec refused (the message names it); 2 bad "
@@ -164,8 +164,8 @@ def check_budget(sc: Scenario, mode: str, csv: bool, force: bool, command: str) 
 
 def run_simulate(args) -> int:
     from raggedspec.drift import simulate
-    from reference.scenario import load_scenario
-    from reference.trace import write_csv, write_jsonl
+    from raggedspec.reference.scenario import load_scenario
+    from raggedspec.reference.trace import write_csv, write_jsonl
 
     if args.scenario is not None and not args.scenario.is_file():
         raise UsageError(f"scenario file {args.scenario} does not exist")
@@ -181,7 +181,7 @@ def run_simulate(args) -> int:
         if args.mode != "tensor":
             raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode "
                              "has no tensors)")
-        from reference.backend import load_backend
+        from raggedspec.reference.backend import load_backend
         try:
             backend = load_backend(args.backend, args.device, args.dtype)
         except ValueError as exc:
@@ -264,7 +264,7 @@ def check_drift_budget(args: argparse.Namespace, batches: list[int]) -> None:
     """UsageError before any work when the memory estimated for drift's three runs (held
     together) and its largest sweep run is above the limit, unless --force."""
     from raggedspec import drift
-    from reference.scenario import load_scenario
+    from raggedspec.reference.scenario import load_scenario
 
     source = drift.DEFAULT_SCENARIO if args.scenario is None else args.scenario
     base = drift.override_list(scenario_overrides(args))
@@ -324,26 +324,26 @@ def run_drift(args) -> int:
 
 # name -> (add its parser, run it). Later: "conformance", "mutation", "bench".
 def add_conformance(sub) -> argparse.ArgumentParser:
-    from conformance.runner import add_parser
+    from raggedspec.conformance.runner import add_parser
     return add_parser(sub)
 
 
 def run_conformance(args) -> int:
-    from conformance.runner import run
+    from raggedspec.conformance.runner import run
     return run(args)
 
 
 def add_mutation(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "mutation", add_help=False, prefix_chars="\0",
-        help="mutation testing: the named catalogue and mutmut (arguments go to mutation.runner; "
+        help="mutation testing: the named catalogue and mutmut (arguments go to raggedspec.mutation.runner; "
              "`raggedspec mutation --help` lists them)")
     p.add_argument("runner_args", nargs=argparse.REMAINDER)
     return p
 
 
 def run_mutation(args) -> int:
-    from mutation.runner import main as mutation_main
+    from raggedspec.mutation.runner import main as mutation_main
     try:
         return mutation_main(args.runner_args)
     except SystemExit as exc:  # its own argparse: --help (0) or bad usage (2)
@@ -351,12 +351,12 @@ def run_mutation(args) -> int:
 
 
 def add_bench(sub) -> argparse.ArgumentParser:
-    from gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
+    from raggedspec.gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
 
 
 def run_bench(args) -> int:
-    from gpu.bench import run
+    from raggedspec.gpu.bench import run
     return run(args)
 
 
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 def input_errors() -> tuple[type[Exception], ...]:
     """The exception classes that mean bad input (exit 2, one line, no traceback)."""
     from raggedspec.drift import TraceFormatError
-    from reference.scenario import ScenarioError
+    from raggedspec.reference.scenario import ScenarioError
 
     return UsageError, TraceFormatError, ScenarioError, OutputPathError
 
@@ -411,7 +411,7 @@ def report_internal_error(command: str, exc: BaseException) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    from reference.errors import Refusal
+    from raggedspec.reference.errors import Refusal
 
     parser = build_parser()
     try:

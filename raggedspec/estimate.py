@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from reference.scenario import Scenario
+    from raggedspec.reference.scenario import Scenario
 
 LIMIT_BYTES = 2 * 1024**3  # 2 GiB: larger traces or memory need --force
 JSONL_ROW_BYTES = 220
@@ -74,7 +74,7 @@ def estimate(sc: Scenario, mode: str = "lengths") -> Estimate:
     csv = HEADER_BYTES + row_steps * CSV_ROW_BYTES + steps * STEP_BYTES
     memory = BASE_MEMORY_BYTES + row_steps * ROW_MEMORY_BYTES + steps * STEP_BYTES
     if mode == "tensor":
-        from reference.scenario import model_config
+        from raggedspec.reference.scenario import model_config
 
         cfg = model_config(sc)
         layers = len(cfg.compress_ratios) + 1
@@ -110,8 +110,8 @@ def measure(overrides: list[str], mode: str) -> dict:
     from pathlib import Path
 
     from raggedspec.drift import simulate
-    from reference.scenario import load_scenario
-    from reference.trace import write_csv, write_jsonl
+    from raggedspec.reference.scenario import load_scenario
+    from raggedspec.reference.trace import write_csv, write_jsonl
 
     sc = load_scenario(None, overrides)
     est = estimate(sc, mode)

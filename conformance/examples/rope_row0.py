@@ -12,7 +12,7 @@ the dead-prefix union-mask row, which also lists an end-to-end test, passes.
 
 from __future__ import annotations
 
-from reference.backend import NumpyBackend
+from raggedspec.reference.backend import NumpyBackend
 
 
 class RopeRow0Backend(NumpyBackend):

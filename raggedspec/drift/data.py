@@ -143,7 +143,7 @@ def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     `rows[].own_len` required; the optional ones typed when present). Raises
     TraceFormatError naming the file, the step object and the field; never anything else
     for a file's content."""
-    from reference.trace import read_trace
+    from raggedspec.reference.trace import read_trace
 
     path = Path(path)
     if not path.is_file():

@@ -338,7 +338,7 @@ def figure_groups_buckets(runs: list[TraceData]):
 
 def _uniform_stall(stalls: dict) -> bool:
     """True when rows stopped drafting mainly because a uniform draft group was refused."""
-    from reference.lengths import STALL_UNIFORM
+    from raggedspec.reference.lengths import STALL_UNIFORM
 
     total = sum(stalls.values()) if stalls else 0
     return bool(total) and stalls.get(STALL_UNIFORM, 0) * 2 > total

@@ -69,8 +69,8 @@ def override_list(overrides) -> list[str]:
 def simulate(scenario=None, overrides=None, mode: str = "lengths", progress=None, backend=None):
     """Run the simulator on a scenario (file, dict or None for the defaults) plus overrides
     (a dict or "key=value" strings); returns its `reference.trace.Trace`. ScenarioError
-    names a bad key. `backend` (a `reference.backend.Backend`) is for the tensor mode only."""
-    from reference.scenario import load_scenario
+    names a bad key. `backend` (a `raggedspec.reference.backend.Backend`) is for the tensor mode only."""
+    from raggedspec.reference.scenario import load_scenario
 
     sc = load_scenario(scenario, override_list(overrides))
     if mode == "lengths":
@@ -78,11 +78,11 @@ def simulate(scenario=None, overrides=None, mode: str = "lengths", progress=None
             raise ValueError(
                 "a backend applies to --mode tensor only (lengths mode has no tensors)"
             )
-        from reference.lengths import run
+        from raggedspec.reference.lengths import run
 
         return run(sc, progress=progress)
     if mode == "tensor":
-        from reference.simulator import run
+        from raggedspec.reference.simulator import run
 
         return run(sc, progress=progress, backend=backend)
     raise ValueError(f"mode {mode!r} must be lengths or tensor")
@@ -198,7 +198,7 @@ def drift_from_scenario(
     """Simulate the three drift runs and the batch sweep of a scenario (None: the built-in
     one) and write the report. A scenario that lists its requests explicitly has no batch
     key to sweep: the sweep is skipped and the summary says so."""
-    from reference.scenario import load_scenario
+    from raggedspec.reference.scenario import load_scenario
 
     runs = scenario_runs(scenario, overrides, progress)
     notes, sweep = [], None
