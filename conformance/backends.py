@@ -76,6 +76,29 @@ class Mismatch(AssertionError):
     """A port state that differs from the reference's; the message names where."""
 
 
+# The rule (the start of its docs/rules.md row name) each tensor of an end-to-end record
+# belongs to, by the word compare_runs names it with; checked in order, the first match wins.
+TENSOR_RULES = (
+    ("rope_positions", "RoPE positions and rotation, backend"),
+    ("mask", "dead-prefix union mask, backend"),
+    ("row_q0", "ragged_row_q0, backend"),
+    ("draft", "prompt priming, the draft group loop and the MTP step, backend"),
+    ("cache", "one verify step through the target-cache rules, backend"),
+    ("hidden", "dsv4_attention, backend"),
+    ("logits", "dsv4_attention, backend"),
+)
+E2E_RULE = "end to end: the same scenario on two backends"
+
+
+def rule_of(what: str) -> str:
+    """The docs/rules.md rule (the start of its row's name) a differing end-to-end tensor
+    (compare_runs's name for it) belongs to; the end-to-end row when no per-method rule owns it."""
+    for word, rule in TENSOR_RULES:
+        if word in what:
+            return rule
+    return E2E_RULE
+
+
 def bound(dtype: str, scale: float) -> float:
     """The allowed `max|port - ref|` for a tensor of scale `max|ref|` in `dtype`."""
     if dtype == "float64":
@@ -156,7 +179,16 @@ def compare_runs(port, ref, dtype: str) -> dict:
     seed position exact; seed hidden and draft KV within the policy; in float32/bfloat16
     only the committed draft columns `[0, filled)`: past them the chain's speculative
     entries depend on a float argmax). Raises `Mismatch` naming the step and the tensor;
-    returns counts `{"forwards", "states", "tensors"}`."""
+    returns counts `{"forwards", "states", "tensors"}`. The Mismatch message ends with
+    `[first differing tensor; rule: RULE]` (`rule_of`), which the conformance table reads."""
+    try:
+        return _compare_runs(port, ref, dtype)
+    except Mismatch as exc:
+        rule = rule_of(str(exc).split(":")[0])
+        raise Mismatch(f"{exc} [first differing tensor; rule: {rule}]") from None
+
+
+def _compare_runs(port, ref, dtype: str) -> dict:
     p_lines, r_lines = list(port.lines()), list(ref.lines())
     for k, (a, b) in enumerate(zip(p_lines, r_lines)):
         if a != b:

@@ -1,4 +1,4 @@
-"""Length-drift diagnostics (reference/drift.py): the plot data are right, and any trace in
+"""Length-drift diagnostics (raggedspec/drift/): the plot data are right, and any trace in
 schema v1 can be plotted, including a hand-made one from "another engine".
 
 `engine_trace` below is such an engine: a few lines that write a schema-v1 trace of their own
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.reference import drift
-from raggedspec.reference.drift import MissingField, TraceData, TraceFormatError
+from raggedspec import drift
+from raggedspec.drift import MissingField, TraceData, TraceFormatError
 
 CSV_COLUMNS = ("step,phase,advance,cache_instruction,running,waiting,buckets,groups,padding_fraction,"
                "tok_per_step,seq,row,own_len,width,lead,u,drafted,accepted,committed,group_u,group_start,"
@@ -253,7 +253,8 @@ def test_the_summary_reports_the_plotted_values():
 
 
 def test_a_jsonl_and_a_csv_trace_read_back_to_the_same_data(tmp_path):
-    steps = engine_trace(section_17_3(6, strip=True), accepts=[{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7)
+    accepts = [{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7
+    steps = engine_trace(section_17_3(6, strip=True), accepts=accepts)
     a = drift.read_trace_file(write_jsonl(steps, tmp_path / "t.jsonl", summary={"steps": 7}))
     b = drift.read_trace_file(write_csv(steps, tmp_path / "t.csv"))
     assert a.header["schema"] == "raggedspec-trace" and a.summary == {"type": "summary", "steps": 7}
@@ -487,7 +488,89 @@ def test_the_sweep_explains_the_b2_drop_and_names_its_ratio():
     text = figure_text(drift.figure_sweep(sweep))
     assert "B = 2" in text and "batch_draft_caches refuses it" in text and "§9.6" in text
     assert "never draft again" in text and "real arc behaviour" in text
-    assert "MTP accounting ratio" in text and "1 + accepted" in text
+    assert "MTP accounting ratio" in text  # in words, not a formula:
+    assert "tokens committed per row per decode step" in text
     clean = figure_text(drift.figure_sweep(sweep | {"drafting_fraction": {k: [1.0, 1.0] for k in
                                                                           sweep["drafting_fraction"]}}))
     assert "batch_draft_caches" not in clean
+
+
+# ------------------------------------------------------------------- layout and summary
+
+
+def _inside(fig) -> list[str]:
+    """The texts and legends of a drawn figure that reach outside its canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    box = fig.bbox
+    out = []
+    artists = [fig._suptitle, fig._supxlabel] + list(fig.legends)
+    for ax in fig.axes:
+        artists += [ax.title, ax._left_title, ax._right_title, ax.get_legend(), ax.xaxis.label,
+                    ax.yaxis.label]
+    for a in artists:
+        if a is None or not a.get_visible() or (hasattr(a, "get_text") and not a.get_text()):
+            continue
+        e = a.get_window_extent(renderer)
+        if e.x0 < box.x0 - 1 or e.y0 < box.y0 - 1 or e.x1 > box.x1 + 1 or e.y1 > box.y1 + 1:
+            text = getattr(a, "get_text", lambda: "")()
+            out.append(f"{type(a).__name__} {text!r:.40} at {e.bounds}")
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_no_title_or_legend_is_clipped_at_any_panel_count(n):
+    accepts = [{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7
+    steps = engine_trace(section_17_3(6, strip=True), accepts=accepts)
+    runs = [drift.as_trace_data(steps, f"run {i} with a fairly long label") for i in range(n)]
+    for make in (drift.figure_spread, drift.figure_padding, drift.figure_groups_buckets,
+                 drift.figure_per_position):
+        fig = make(runs)
+        assert _inside(fig) == [], (make.__name__, n)
+
+
+def test_summary_records_scenario_and_seed_and_does_not_depend_on_the_output_folder(tmp_path):
+    over = {"batch": 3, "steps": 12, "max_new_tokens": 10, "seed": 7}
+    a = drift.drift_from_scenario(None, tmp_path / "a", overrides=over, batches=[1, 2])
+    drift.drift_from_scenario(None, tmp_path / "deeper" / "b", overrides=over, batches=[1, 2])
+    text_a = (tmp_path / "a" / "summary.json").read_text()
+    assert text_a == (tmp_path / "deeper" / "b" / "summary.json").read_text()
+    summary = json.loads(text_a)
+    assert summary["seed"] == 7 and summary["scenario"]["seed"] == 7
+    assert summary["scenario"]["batch"] == 3
+    assert str(tmp_path) not in text_a
+    assert sorted(summary["files"]) == sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert a["removed_stale"] == []
+
+
+def test_a_reused_output_folder_loses_the_figures_this_run_does_not_draw(tmp_path):
+    over = {"batch": 3, "steps": 12, "max_new_tokens": 10}
+    drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[1, 2])
+    assert (tmp_path / "tok_per_step_vs_batch.png").is_file()
+    (tmp_path / "mine.txt").write_text("not a figure")
+    again = drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[])
+    sweep = ["tok_per_step_vs_batch.png", "tok_per_step_vs_batch.svg"]
+    assert sorted(again["removed_stale"]) == sweep
+    assert not (tmp_path / sweep[0]).exists() and (tmp_path / "mine.txt").is_file()
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name != "mine.txt")
+    assert sorted(again["files"]) == kept
+
+
+def test_a_figure_that_fails_to_draw_leaves_the_earlier_report_untouched(tmp_path, monkeypatch):
+    import raggedspec.drift.figures as figures
+
+    over = {"batch": 3, "steps": 12, "max_new_tokens": 10}
+    drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def broken(runs):
+        raise RuntimeError("drawing failed")
+
+    # the last figure fails: the others are drawn (and staged) first
+    monkeypatch.setattr(figures, "figure_per_position", broken)
+    with pytest.raises(RuntimeError):
+        drift.drift_from_scenario(None, tmp_path, overrides=over | {"seed": 3}, batches=[])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -805,9 +805,9 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
 
 
 def _write_json(result: dict, path: Path) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=_json_default))
-    tmp.replace(path)
+    from raggedspec.outputs import write_text_atomic
+
+    write_text_atomic(path, json.dumps(result, indent=1, default=_json_default))
 
 
 def _json_default(x):
@@ -983,14 +983,18 @@ def render_plot(result: dict, path: Path) -> Path | None:
     fig.suptitle(("SMOKE (no claims): " if result["smoke"] else "") + f"ragged verify attention, {where}, "
                  f"{result['settings']['dtype']}", fontsize=10)
     fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(labels) > 4), 1, 0.96))
-    fig.savefig(path, dpi=110)
+    from raggedspec.outputs import staged
+
+    with staged() as stage:
+        fig.savefig(stage[path], format="png", dpi=110)
     plt.close(fig)
     return path
 
 
 def write_reports(result: dict, out_dir: Path) -> list[Path]:
-    md = out_dir / "bench.md"
-    md.write_text(render_markdown(result))
+    from raggedspec.outputs import write_text_atomic
+
+    md = write_text_atomic(out_dir / "bench.md", render_markdown(result))
     written = [out_dir / "bench.json", md]
     png = render_plot(result, out_dir / "bench.png")
     if png:
@@ -1097,7 +1101,9 @@ def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
         log(f"e2e {advance}: {len(steps)} steps, decode median {run.get('median_ms', float('nan')):.2f} ms")
         _write_json(result, out_dir / "e2e.json")
     _write_json(result, out_dir / "e2e.json")
-    (out_dir / "e2e.md").write_text(render_e2e(result))
+    from raggedspec.outputs import write_text_atomic
+
+    write_text_atomic(out_dir / "e2e.md", render_e2e(result))
     return result
 
 
@@ -1133,19 +1139,47 @@ def render_e2e(result: dict) -> str:
 # ----------------------------------------------------------------------------- entry points
 
 
+def read_result(path: Path) -> dict:
+    """A bench.json or e2e.json written by this module; ValueError (naming what is wrong)
+    for a missing, unreadable or malformed file."""
+    if not path.is_file():
+        raise ValueError("no such file")
+    try:
+        result = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a JSON file written by raggedspec bench ({exc})") from None
+    if not isinstance(result, dict) or not str(result.get("schema", "")).startswith(SCHEMA):
+        raise ValueError(f"not a bench result: field `schema` must start with {SCHEMA!r}")
+    key = "runs" if str(result["schema"]).endswith("/e2e") else "rows"
+    if not isinstance(result.get(key), list):
+        raise ValueError(f"field `{key}` must be a list")
+    return result
+
+
 def run(args) -> int:
     """Run from parsed arguments (the CLI's `run`): 0 ok; 1 a strategy came out WRONG (negative
     controls excepted); 2 bad usage."""
+    from raggedspec.outputs import OutputPathError, check_output_dir, write_text_atomic
+
     if args.replot is not None:
-        result = json.loads(args.replot.read_text())
+        try:
+            result = read_result(args.replot)
+        except ValueError as exc:
+            print(f"raggedspec bench: error: --replot {args.replot}: {exc}", file=sys.stderr)
+            return 2
         if str(result.get("schema", "")).endswith("/e2e"):
-            (args.replot.parent / "e2e.md").write_text(render_e2e(result))
+            write_text_atomic(args.replot.parent / "e2e.md", render_e2e(result))
             print(render_e2e(result))
             return 0
         written = write_reports(result, args.replot.parent)
         print(render_markdown(result))
         print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
         return 0
+    try:
+        check_output_dir(args.out, "--out")
+    except OutputPathError as exc:
+        print(f"raggedspec bench: error: {exc}", file=sys.stderr)
+        return 2
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.e2e:
         try:
@@ -1180,7 +1214,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raggedspec.gpu.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raggedspec.gpu.bench", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: 0 ok; 1 a strategy came out WRONG; "
+                                       "2 bad input.")
     add_arguments(p)
     try:
         args = p.parse_args(argv)

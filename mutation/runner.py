@@ -376,7 +376,8 @@ def save_killers(results: list[MutantResult], path: Path = KILLERS) -> None:
 
 
 def run_catalogue(entries: list[Mutant], root: Path = ROOT, jobs: int = 2, check_baseline: bool = True,
-                  log=print, hints: dict[str, str] | None = None) -> tuple[list[MutantResult], list[str]]:
+                  log=print, hints: dict[str, str] | None = None,
+                  equivalents: dict | None = None) -> tuple[list[MutantResult], list[str]]:
     """Every entry in its own mutated copy, `jobs` at a time; (results in catalogue order,
     baseline failures). `hints`: entry name -> a test to run first."""
     hints = hints or {}
@@ -407,7 +408,7 @@ def run_catalogue(entries: list[Mutant], root: Path = ROOT, jobs: int = 2, check
         for fut in cf.as_completed(futures):
             r = fut.result()
             results[r.name] = r
-            log(f"  {r.status:8} {r.name}  [{r.detail}]  {r.seconds:.1f}s")
+            log(f"  {shown_status(r, equivalents):8} {r.name}  [{r.detail}]  {r.seconds:.1f}s")
     finally:
         # on an interrupt: drop the queued mutants, let the running ones (<= jobs) restore
         # their file, then stop the servers
@@ -415,6 +416,13 @@ def run_catalogue(entries: list[Mutant], root: Path = ROOT, jobs: int = 2, check
         for srv in servers:
             srv.close()
     return [results[m.name] for m in entries], red
+
+
+def shown_status(r: MutantResult, equivalents: dict | None) -> str:
+    """A result's status as printed: a documented equivalent that survived reads
+    `EQUIVALENT (its reason from equivalent.toml)`, every other result its status."""
+    why = (equivalents or {}).get("catalogue", {}).get(r.name)
+    return f"EQUIVALENT ({why})" if r.status == "SURVIVED" and why else r.status
 
 
 # --------------------------------------------------------------------------- mutmut
@@ -811,7 +819,10 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m raggedspec.mutation.runner", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m raggedspec.mutation.runner", description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 the gate passed; 1 it failed (the reasons are listed); 2 bad "
+               "input (an --only matching no entry) or mutmut did not complete.")
     ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
                     help="all (default): the reference and the port; reference: the reference rules; "
                          "gpu: the torch port and the kernels")
@@ -835,6 +846,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
     ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.json is not None:  # refused now, not after a run of many minutes
+        from raggedspec.outputs import OutputPathError, check_output_file
+
+        try:
+            check_output_file(args.json, "--json")
+        except OutputPathError as exc:
+            print(f"python -m raggedspec.mutation.runner: error: {exc}", file=sys.stderr)
+            return 2
     root = args.root.resolve()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
@@ -849,6 +868,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.mutmut_only:
             entries = select(args.scope, args.only)
+            if args.only is not None and not entries:
+                print(f"python -m raggedspec.mutation.runner: error: --only {args.only!r} matches no "
+                      f"catalogue entry in scope {args.scope} (mutation/catalogue.py names them)",
+                      file=sys.stderr)
+                return 2
             broken = check_catalogue(entries, root)
             for name, why in broken.items():
                 print(f"BROKEN {name}: {why}")
@@ -856,7 +880,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"catalogue: {len(entries)} entries ({len(runnable)} runnable), scope {args.scope}, "
                   f"{args.jobs} job(s)")
             hints = {} if args.no_hints else load_killers()
-            results, red = run_catalogue(runnable, root, args.jobs, not args.no_baseline, hints=hints)
+            results, red = run_catalogue(runnable, root, args.jobs, not args.no_baseline,
+                                         hints=hints, equivalents=equivalents)
             results += [MutantResult(m.name, m.file, m.spec, "BROKEN", broken[m.name], 0.0, m.expect)
                         for m in entries if m.name in broken]
             n_c = sum(r.status in ("CAUGHT", "TIMEOUT") for r in results)
@@ -898,7 +923,9 @@ def main(argv: list[str] | None = None) -> int:
         if results and docs == root / "docs" / "mutation.md":
             save_killers(results)
     if args.json:
-        args.json.write_text(json.dumps({
+        from raggedspec.outputs import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps({
             "ok": verdict.ok, "reasons": verdict.reasons, "seconds": seconds, "baseline_red": red,
             "catalogue": [asdict(r) for r in results or []],
             "mutmut": None if report is None else {"stats": report.stats, "score": report.score,

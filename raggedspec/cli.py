@@ -2,12 +2,17 @@
 
     raggedspec simulate [SCENARIO] [--batch B ...] [--out trace.jsonl] [--csv [trace.csv]]
     raggedspec drift [--scenario FILE | --trace FILE ...] [--out DIR]
+    raggedspec conformance | bench | mutation ...
 
-Exit codes: 0 ok; 2 bad usage or bad configuration (the message names the key or value and
-the allowed range); 1 a refusal raised by a rule of the spec (reference.errors.Refusal).
+Exit codes (EXIT_CODES, printed by every --help): 0 ok; 1 a rule of the spec refused
+(reference.errors.Refusal; simulate also exits 1 after writing the trace when a step failed
+its requests); 2 bad input: the one-line message names the file (and line), the field or
+flag, the value and what is allowed; 3 an internal error, a bug in raggedspec itself: the
+traceback is saved to a file whose path is printed. No input error prints a traceback.
 
-Each subcommand is one entry of COMMANDS: a function that adds its parser and a function
-that runs it. Later subcommands (conformance, mutation, bench) are added the same way.
+Outputs are written atomically (raggedspec.outputs): a failed or interrupted run leaves
+existing files as they were. Each subcommand is one entry of COMMANDS: a function that adds
+its parser and a function that runs it.
 """
 
 from __future__ import annotations
@@ -15,14 +20,26 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import json
+import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raggedspec import __version__
+import raggedspec.estimate as budget
+from raggedspec.estimate import estimate, human, over_limit
+from raggedspec.outputs import OutputPathError, check_output_dir, check_output_file, staged
+from raggedspec.progress import Progress, progress_mode
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+if TYPE_CHECKING:
+    from raggedspec.reference.scenario import Scenario
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_CODES = ("exit codes: 0 ok; 1 a rule of the spec refused (the message names it); 2 bad "
+              "input (the message names the file or flag, the value and what is allowed); 3 "
+              "internal error (a bug in raggedspec: the traceback is saved to a file whose path "
+              "is printed)")
 
 
 class UsageError(Exception):
@@ -32,52 +49,11 @@ class UsageError(Exception):
 # ----------------------------------------------------------------------------- progress
 
 
-class ProgressBar:
-    """A plain-text bar on stderr, redrawn in place: `label [#####.....] 45/200`.
-
-    Off (does nothing) when `enabled` is false; the CLI enables it only when stderr is a
-    TTY and --quiet is not given. Call it with (done, total); it redraws at most every
-    0.1 s and on completion, and `close()` ends the line. A run that ends before `total`
-    (every request finished or failed early) does not leave a half-drawn bar: `close()`
-    fills it and says where it ended (`note`, by default "ended at step N of at most T")."""
-
-    def __init__(self, label: str, enabled: bool, stream=None, width: int = 28):
-        self.label, self.enabled, self.width = label, enabled, width
-        self.stream = stream if stream is not None else sys.stderr
-        self._last = 0.0
-        self._drawn = False
-        self._done = self._total = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total <= 0:
-            return
-        self._done, self._total = done, total
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        filled = self.width * min(done, total) // total
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {done}/{total}")
-        self.stream.flush()
-        self._drawn = True
-
-    def close(self, note: str | None = None) -> None:
-        """End the bar's line. If the last progress was short of the total, first redraw it
-        full with `note` (default: "ended at step DONE of at most TOTAL")."""
-        if self._drawn:
-            if self._done < self._total:
-                note = note or f"ended at step {self._done} of at most {self._total}"
-                self.stream.write(f"\r{self.label} [{'#' * self.width}] {note}")
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
-
-
-def progress_factory(args) -> Callable[[str], ProgressBar]:
-    """label -> a ProgressBar that draws only on a TTY and without --quiet."""
-    enabled = not args.quiet and sys.stderr.isatty()
-    return lambda label: ProgressBar(label, enabled)
+def progress_factory(args) -> Callable[[str], Progress]:
+    """label -> a tqdm Progress: a bar on a terminal, a line every few seconds when stderr
+    is not a terminal, nothing with --quiet."""
+    mode = progress_mode(args.quiet)
+    return lambda label: Progress(label, mode)
 
 
 # ------------------------------------------------------------------- common scenario flags
@@ -88,19 +64,23 @@ SCENARIO_FLAGS = [
     ("--batch", "batch", dict(type=int, help="number of requests (generated), B >= 1")),
     ("--arrival", "arrival", dict(help="arrival of the generated requests: all-at-once | staggered "
                                        "(request i at step i * stagger; --set stagger=N)")),
-    ("--max-seq-len", "max_seq_len", dict(type=int, help="the model's max_seq_len, >= 2 (the token budget "
-                                                         "and cache capacity limit)")),
+    ("--max-seq-len", "max_seq_len", dict(type=int, help="the model's max_seq_len, 2..2147483647 "
+                                                         "(the token budget and cache capacity "
+                                                         "limit)")),
     ("--depth", "depth", dict(type=int, help="MTP draft depth, 0..8 (window w = depth + 1)")),
     ("--advance", "advance", dict(help="advance rule: cohort | per-sequence (per-sequence is "
                                        "granted only with --xs-per-seq and --admission grant)")),
     ("--world", "world", dict(help="admission world: W0 | WA | WB")),
     ("--admission", "admission", dict(help="ragged admission, capability check 4: refuse | grant")),
-    ("--strip", "strip", dict(help="dead-prefix strip: eager | lazy | none (none: the negative control)")),
+    ("--strip", "strip", dict(help="dead-prefix strip: eager | lazy | none (none: the negative "
+                                   "control)")),
     ("--xs-per-seq", "xs_per_seq", dict(action=argparse.BooleanOptionalAction, default=None,
-                                        help="ARC_V4_XS_PER_SEQ: XsRolling slots carry their own length "
-                                             "(--no-xs-per-seq turns it off over a scenario file)")),
-    ("--acceptance", "acceptance", dict(help="acceptance model: geometric:0.7, profile:0.74,0.54,0.41, "
-                                             "heterogeneous:0.2,0.9, all-accept, all-reject, file:PATH, "
+                                        help="ARC_V4_XS_PER_SEQ: XsRolling slots carry their own "
+                                             "length (--no-xs-per-seq turns it off over a "
+                                             "scenario file)")),
+    ("--acceptance", "acceptance", dict(help="acceptance model: geometric:0.7, "
+                                             "profile:0.74,0.54,0.41, heterogeneous:0.2,0.9, "
+                                             "all-accept, all-reject, file:PATH, "
                                              "oracle:module:callable")),
     ("--seed", "seed", dict(type=int, help="seed (acceptance, generated lengths, model), >= 0")),
     ("--steps", "steps", dict(type=int, help="engine steps to simulate at most, >= 1")),
@@ -166,8 +146,10 @@ def add_simulate(sub) -> argparse.ArgumentParser:
                    help="lengths: integer lengths only, fast (default); tensor: the full "
                         "reference with KV tensors and the tiny model (same integer trace)")
     p.add_argument("--backend", default=None, metavar="NAME",
-                   help="tensor mode: numpy (default), torch, cupy (CUDA only), or package.module:factory")
-    p.add_argument("--device", default=None, help="tensor mode with --backend torch: cpu (default) or cuda")
+                   help="tensor mode: numpy (default), torch, cupy (CUDA only), or "
+                        "package.module:factory")
+    p.add_argument("--device", default=None,
+                   help="tensor mode with --backend torch: cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=("float64", "float32", "bfloat16"),
                    help="tensor mode with --backend torch: float64 (default), float32, bfloat16")
     p.add_argument("--out", type=Path, default=Path("trace.jsonl"),
@@ -175,12 +157,31 @@ def add_simulate(sub) -> argparse.ArgumentParser:
     p.add_argument("--csv", nargs="?", type=Path, const=True, default=None, metavar="PATH",
                    help="also write the CSV form (default path: --out with .csv; put the scenario "
                         "file before a bare --csv)")
+    add_force(p)
     add_quiet(p)
     return p
 
 
+def add_force(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="run even when the estimated trace or memory is above the "
+                             f"{human(budget.LIMIT_BYTES)} limit (the estimate is printed first)")
+
+
+def check_budget(sc: Scenario, mode: str, csv: bool, force: bool, command: str) -> None:
+    """Print the run's estimate on stderr; UsageError when it is over the limit and not
+    --force (nothing has been written yet)."""
+    est = estimate(sc, mode)
+    over = over_limit(est, csv)
+    if over and not force:
+        raise UsageError(f"refusing to start: {over}")
+    forced = " (over the limit: --force)" if over else ""
+    print(f"raggedspec {command}: {est.describe(csv)}{forced}", file=sys.stderr)
+
+
 def run_simulate(args) -> int:
-    from raggedspec.reference.drift import simulate
+    from raggedspec.drift import simulate
+    from raggedspec.reference.scenario import load_scenario
     from raggedspec.reference.trace import write_csv, write_jsonl
 
     if args.example is not None:
@@ -189,32 +190,38 @@ def run_simulate(args) -> int:
         args.scenario = example_path(args.example)
     if args.scenario is not None and not args.scenario.is_file():
         raise UsageError(f"scenario file {args.scenario} does not exist")
+    out = check_output_file(args.out, "--out")
+    csv_path = None
+    if args.csv is not None:
+        csv_path = args.out.with_suffix(".csv") if args.csv is True else args.csv
+        csv_path = check_output_file(csv_path, "--csv")
+        if csv_path.resolve() == out.resolve():
+            raise UsageError(f"--csv {csv_path}: the same file as --out")
     backend = None
     if args.backend is not None or args.device is not None or args.dtype is not None:
         if args.mode != "tensor":
-            raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode has no tensors)")
+            raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode "
+                             "has no tensors)")
         from raggedspec.reference.backend import load_backend
         try:
             backend = load_backend(args.backend, args.device, args.dtype)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+    sc = load_scenario(args.scenario, scenario_overrides(args))
+    check_budget(sc, args.mode, csv_path is not None, args.force, "simulate")
     bar = progress_factory(args)(f"simulate ({args.mode})")
     try:
-        trace = simulate(args.scenario, scenario_overrides(args), mode=args.mode, progress=bar,
-                         backend=backend)
+        trace = simulate(sc, mode=args.mode, progress=bar, backend=backend)
         # shown only when the run stopped before --steps: every request had finished or failed
         bar.close(f"ended at step {len(trace)} of at most {trace.header['scenario']['steps']}: "
                   "no request left to run")
     finally:
         bar.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(trace, args.out)
-    written = [args.out]
-    if args.csv is not None:
-        csv_path = args.out.with_suffix(".csv") if args.csv is True else args.csv
-        csv_path.parent.mkdir(parents=True, exist_ok=True)
-        write_csv(trace, csv_path)
-        written.append(csv_path)
+    with staged() as stage:
+        write_jsonl(trace, stage[out])
+        if csv_path is not None:
+            write_csv(trace, stage[csv_path])
+    written = [out] + ([csv_path] if csv_path is not None else [])
     for line in trace.markers():
         print(line)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
@@ -255,7 +262,9 @@ def add_drift(sub) -> argparse.ArgumentParser:
                    help="batch sizes of the tok_per_step sweep (comma-separated; default "
                         "1,2,4,...,128); 'none' skips the sweep")
     p.add_argument("--out", type=Path, default=Path("out/drift"),
-                   help="output folder (default: out/drift)")
+                   help="output folder (default: out/drift); figures of an earlier run that "
+                        "this run does not draw are removed from it")
+    add_force(p)
     add_quiet(p)
     return p
 
@@ -272,33 +281,63 @@ def parse_batches(text: str) -> list[int]:
     return values
 
 
-def run_drift(args) -> int:
-    from raggedspec.reference import drift
+def check_drift_budget(args: argparse.Namespace, batches: list[int]) -> None:
+    """UsageError before any work when the memory estimated for drift's three runs (held
+    together) and its largest sweep run is above the limit, unless --force."""
+    from raggedspec import drift
+    from raggedspec.reference.scenario import load_scenario
 
+    source = drift.DEFAULT_SCENARIO if args.scenario is None else args.scenario
+    base = drift.override_list(scenario_overrides(args))
+    memory = sum(estimate(load_scenario(source, base + drift.override_list(extra))).memory_bytes
+                 for _label, extra in drift.DRIFT_RUNS)
+    if batches and "requests" not in load_scenario(source, base).to_dict():
+        memory += estimate(load_scenario(source, base + [f"batch={max(batches)}"])).memory_bytes
+    if memory > budget.LIMIT_BYTES and not args.force:
+        raise UsageError(f"refusing to start: memory {human(memory)} estimated for the three runs "
+                         f"and the largest sweep run, above the {human(budget.LIMIT_BYTES)} limit; "
+                         "use fewer --steps or a smaller --batch or --batches, or --force")
+
+
+def run_drift(args) -> int:
+    from raggedspec import drift
+
+    out = check_output_dir(args.out, "--out")
     if args.trace:
         if args.label and len(args.label) != len(args.trace):
-            raise UsageError(f"{len(args.label)} --label for {len(args.trace)} --trace")
+            raise UsageError(f"--label given {len(args.label)} times for {len(args.trace)} "
+                             "--trace files; give one per --trace, in order")
         if scenario_overrides(args):
-            raise UsageError("scenario flags (--batch, ...) apply to --scenario runs, not to --trace")
+            raise UsageError("scenario flags (--batch, ...) apply to --scenario runs, not to "
+                             "--trace")
         labels = args.label or [None] * len(args.trace)
-        runs = [drift.read_trace_file(t, lab) for t, lab in zip(args.trace, labels)]
-        summary = drift.write_report(runs, args.out)
+        runs = [drift.read_trace_file(t, lab)
+                for t, lab in zip(args.trace, labels, strict=True)]
+        summary = drift.write_report(runs, out)
     else:
+        if args.label:
+            raise UsageError(f"--label {args.label[0]!r}: labels name --trace panels, and no "
+                             "--trace is given")
         if args.scenario is not None and not args.scenario.is_file():
             raise UsageError(f"scenario file {args.scenario} does not exist")
+        batches = parse_batches(args.batches)
+        check_drift_budget(args, batches)
         summary = drift.drift_from_scenario(
-            args.scenario, args.out, overrides=scenario_overrides(args),
-            batches=parse_batches(args.batches), progress=progress_factory(args))
+            args.scenario, out, overrides=scenario_overrides(args),
+            batches=batches, progress=progress_factory(args))
     for run in summary["runs"]:
         tps = run["tok_per_step"]
-        ended = (f" (refused at step {run['refused_at_step']}: over its {run['measured_steps']} measured steps "
-                 "only)") if run.get("ended_by_refusal") else ""
+        ended = (f" (refused at step {run['refused_at_step']}: over its {run['measured_steps']} "
+                 "measured steps only)") if run.get("ended_by_refusal") else ""
         print(f"{run['label']}: max_spread={run['max_spread']} "
               f"mean_padding_fraction={run['mean_padding_fraction']} "
               f"tok_per_step={'n/a' if tps is None else f'{tps:.4f}'}{ended}")
         for msg in run["missing"]:
             print(f"  not plotted: {msg}", file=sys.stderr)
-    print(f"wrote {len(summary['files'])} files to {args.out}", file=sys.stderr)
+    for name in summary.get("removed_stale", []):
+        print(f"removed {out / name}: a figure of an earlier run that this run does not draw",
+              file=sys.stderr)
+    print(f"wrote {len(summary['files'])} files to {out}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -326,7 +365,10 @@ def add_mutation(sub) -> argparse.ArgumentParser:
 
 def run_mutation(args) -> int:
     from raggedspec.mutation.runner import main as mutation_main
-    return mutation_main(args.runner_args)
+    try:
+        return mutation_main(args.runner_args)
+    except SystemExit as exc:  # its own argparse: --help (0) or bad usage (2)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
 
 
 def add_check_kernel(sub) -> argparse.ArgumentParser:
@@ -394,21 +436,44 @@ def build_parser() -> argparse.ArgumentParser:
         prog="raggedspec",
         description="Executable specification of batched speculative decoding with ragged "
                     "per-sequence KV advance: simulate a scenario, plot length drift.",
-        epilog="Exit codes: 0 ok; 1 a rule refused (the message names it; simulate also exits 1 "
-               "when a step of the run failed its requests, after writing the trace); 2 bad usage "
-               "or bad configuration (the message names the key and its allowed range).")
+        epilog=EXIT_CODES.capitalize() + ".")
     parser.add_argument("--version", action="version", version=f"raggedspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add, run in COMMANDS.values():
-        add(sub).set_defaults(run=run)
+        p = add(sub)
+        p.set_defaults(run=run)
+        if p.epilog is None:
+            p.epilog = EXIT_CODES.capitalize() + "."
     return parser
+
+
+def input_errors() -> tuple[type[Exception], ...]:
+    """The exception classes that mean bad input (exit 2, one line, no traceback)."""
+    from raggedspec.drift import TraceFormatError
+    from raggedspec.reference.scenario import ScenarioError
+
+    return UsageError, TraceFormatError, ScenarioError, OutputPathError
+
+
+def report_internal_error(command: str, exc: BaseException) -> Path | None:
+    """Save the traceback of a bug to a file in the temp folder; return its path (None when
+    even that cannot be written)."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"raggedspec-{command}-internal-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"raggedspec {__version__}, command: {' '.join(sys.argv)}\n\n{text}")
+        return Path(name)
+    except OSError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    from raggedspec.reference.drift import TraceFormatError
     from raggedspec.reference.errors import Refusal
-    from raggedspec.reference.scenario import ScenarioError
 
     parser = build_parser()
     try:
@@ -420,9 +485,26 @@ def main(argv: list[str] | None = None) -> int:
     except Refusal as exc:
         print(f"raggedspec: refused ({type(exc).__name__}): {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    except (UsageError, TraceFormatError, ScenarioError) as exc:
-        print(f"raggedspec {args.command}: error: {exc}", file=sys.stderr)
+    except input_errors() as exc:
+        msg = str(exc)
+        scenario = getattr(args, "scenario", None)
+        from_file = type(exc).__name__ == "ScenarioError" and scenario is not None
+        if from_file and str(scenario) not in msg:
+            msg = f"{scenario} (or a flag over it): {msg}"
+        print(f"raggedspec {args.command}: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"raggedspec {args.command}: interrupted; no output file was changed",
+              file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug in raggedspec: exit 3, traceback to a file
+        saved = report_internal_error(args.command, exc)
+        where = (f"the traceback is saved to {saved}" if saved
+                 else "the traceback could not be saved")
+        print(f"raggedspec {args.command}: internal error (a bug in raggedspec, not in your "
+              f"input): {type(exc).__name__}: {str(exc)[:200]}; {where}; please report it",
+              file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ MODEL_KEYS = ("vocab", "hidden", "n_heads", "head_dim", "rope_dims", "compress_r
               "seed", "mtp")
 
 
+MAX_LENGTH = 2**31 - 1  # lengths fit the trace's 32-bit row columns (reference.lengths.ROW_DTYPE)
+
+
 class ScenarioError(ValueError):
     """A malformed scenario: the message names the key and the allowed range or values."""
 
@@ -191,7 +194,7 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "arrival": ("all-at-once", "generator: all-at-once | staggered"),
     "stagger": (1, "generator: steps between staggered arrivals, >= 1"),
     "depth": (3, "MTP depth 0..=8 (w = depth + 1; 0 = plain decode, no MTP wrapper)"),
-    "max_seq_len": (4096, "model max_seq_len, >= 2"),
+    "max_seq_len": (4096, "model max_seq_len, 2..2147483647 (the 32-bit trace rows)"),
     "advance": ("cohort", "cohort | per-sequence (per-sequence requests it: ARC_MTP_PER_SEQ_KV)"),
     "world": ("W0", "scheduler world W0 | WA | WB"),
     "admission": ("refuse", "refuse | grant (capability check 4; WB ragged admission)"),
@@ -383,7 +386,13 @@ def _read(source) -> dict:
     path = Path(source)
     if not path.is_file():
         raise ScenarioError(f"scenario file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"scenario file {path} is not UTF-8 text (byte {exc.start}: "
+                            f"{exc.reason}); save it as UTF-8 TOML or JSON") from None
+    except OSError as exc:
+        raise ScenarioError(f"scenario file {path} cannot be read: {exc.strerror}") from None
     try:
         if path.suffix.lower() == ".json":
             return json.loads(text)
@@ -436,7 +445,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
         if k not in known:
             _fail(k, "unknown key; allowed keys: " + ", ".join(FIELDS), data[k])
     seed = _int("seed", data.get("seed", 0), 0)
-    max_seq_len = _int("max_seq_len", data.get("max_seq_len", 4096), 2)
+    max_seq_len = _int("max_seq_len", data.get("max_seq_len", 4096), 2, MAX_LENGTH)
     generator = None
     if "requests" in data and data["requests"] is not None:
         clash = [k for k in _GENERATOR_KEYS if k in data]
