@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     from reference.drift import TraceFormatError
     from reference.errors import Refusal
-    from reference.scenario import ScenarioError
+    from reference.errors import ScenarioError
 
     parser = build_parser()
     try:

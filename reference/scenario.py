@@ -34,6 +34,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from reference.acceptance import load_accept_file, resolve_factory
+from reference.errors import ScenarioError
+
 
 MAX_DEPTH = 8
 ADVANCES = ("cohort", "per-sequence")
@@ -44,10 +47,6 @@ ARRIVALS = ("all-at-once", "staggered")
 ACCEPTANCE_MODELS = ("geometric", "profile", "heterogeneous", "all-accept", "all-reject", "file", "oracle")
 MODEL_KEYS = ("vocab", "hidden", "n_heads", "head_dim", "rope_dims", "compress_ratios", "sliding_window",
               "seed", "mtp")
-
-
-class ScenarioError(ValueError):
-    """A malformed scenario: the message names the key and the allowed range or values."""
 
 
 def _fail(key: str, allowed: str, got: Any) -> None:
@@ -323,8 +322,6 @@ def check_acceptance(spec: AcceptanceSpec, n_seqs: int) -> None:
     valid accept counts (covering every one of the `n_seqs` sequences when it has no
     default), and the oracle's factory imports and is callable. Raises ScenarioError naming
     `acceptance.path` / `acceptance.factory` and the bad value (reference.acceptance)."""
-    from reference.acceptance import load_accept_file, resolve_factory
-
     if spec.model == "file":
         load_accept_file(spec.path, n_seqs)
     elif spec.model == "oracle":
