@@ -44,119 +44,22 @@ import numpy as np
 
 from reference.acceptance import build_model, build_oracle
 from reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
-from reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, KvCache, NormalCache
-from reference.capability import KvAdvance, KvAdvanceLatch
+from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from reference.capability import KvAdvance
+from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
+                              ERR_XS_ROLLBACK, NCOL, NULL_COLS, ROW_DTYPE, advance_latch, fill_rows,
+                              grown_capacity, ragged_capable, step_fields, summarize)
 from reference.scenario import Scenario, load_scenario, model_config
-from reference.scheduler import COALESCE_PAYBACK_STEPS, BucketTelemetry
+from reference.scheduler import COALESCE_PAYBACK_STEPS
+from reference.scheduler_telemetry import BucketTelemetry
 from reference.step import verify_proposed
-from reference.trace import ROW_COLUMNS, Trace
-from reference.xs_rolling import XsRolling
-
-NCOL = len(ROW_COLUMNS)
-ROW_DTYPE = np.int32  # trace rows: lengths fit in 32 bits; halves a long run's memory
-
-# The trace's `error` field names the kind of failure (identical in both modes); the detail
-# text goes to `Trace.messages` in the tensor mode.
-ERR_GUARD_LEFT = "left-aligned guard"
-ERR_GUARD_FOLLOWS = "follows guard"
-ERR_CLONE_IN = "clone_in refused"
-ERR_CAPACITY = "capacity refused"
-ERR_XS_ROLLBACK = "xs rollback refused"
-ERR_CHAIN = "draft chain refused"
-ERR_COMMIT = "per-sequence commit refused"
+from reference.trace import Trace
 
 # Why a row that could draft (u < w, may draft) did not, counted per row-step in
 # `LengthsEngine.stalls` (and `Trace.draft_stalls` of a lengths run; not written to the file).
 STALL_UNIFORM = "uniform group refused"    # batch_draft_caches None (§9.6) or its set_len refused
 STALL_RAGGED = "ragged group refused"      # front_align_draft_group refused (§9.7)
 STALL_INELIGIBLE = "no usable draft state"  # budget 0, poisoned, no seed at the chain start (§9.3)
-
-
-# ----------------------------------------------------------------------------- shared policy
-
-
-def target_cache_skeleton(sc: Scenario) -> NormalCache:
-    """The simulated V4 target cache's slot layout (no tensors): one Normal K/V slot per
-    target layer, then one XsRolling slot per compressed layer. The capability chain
-    (`per_sequence_refusal`) is evaluated on it."""
-    cfg = model_config(sc)
-    slots = [KvCache.new_normal(sc.max_seq_len) for _ in cfg.compress_ratios]
-    slots += [XsRolling(r, max_seq_len=sc.max_seq_len) for r in cfg.compress_ratios if r > 0]
-    return NormalCache(slots)
-
-
-def advance_latch(sc: Scenario) -> tuple[KvAdvanceLatch, KvAdvance]:
-    """The pipeline's `kv_advance()` latch and its decision for this scenario (depth 0 has no
-    MTP pipeline: Cohort, nothing requested)."""
-    latch = KvAdvanceLatch(sc.per_seq_kv and sc.depth > 0, sc.xs_per_seq, sc.admission)
-    return latch, latch.kv_advance(target_cache_skeleton(sc))
-
-
-def ragged_capable(sc: Scenario) -> bool:
-    """`batch_can_be_ragged` of the target cache: Normal slots always, XsRolling slots only
-    with `xs_per_seq` (the WA channel `ragged_decode_supported`)."""
-    cfg = model_config(sc)
-    return sc.xs_per_seq or not any(r > 0 for r in cfg.compress_ratios)
-
-
-def guard_error(kind: str, cache_lens, tok_lens, w: int) -> str:
-    """The text of a failed step whose window check refused (§16 step 4)."""
-    if kind == "left_aligned_guard":
-        return (f"MTP step refused by the left-aligned guard: per-row cache_lens {list(cache_lens)} and "
-                f"token lengths {list(tok_lens)} leave a tail outside [1, {w}]")
-    return (f"MTP step refused by the follows guard: kv_advance is PerSequence but this step did not "
-            f"assemble the batch (cache_lens {list(cache_lens)}, token lengths {list(tok_lens)}, w {w}); "
-            f"the resident batched cache is C + w wide")
-
-
-def grown_capacity(cap, need):
-    """`SingleCache.append`'s growth: capacity after holding `need` columns (whole 512-column
-    blocks); arrays or ints."""
-    short = np.maximum(np.asarray(need) - np.asarray(cap), 0)
-    return np.asarray(cap) + -(-short // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
-
-
-LENGTH_PHASES = ("decode", "defer")  # steps run on the batched cache: their rows carry leads
-
-
-def summarize(trace: Trace, telemetry: AcceptanceTelemetry, sched: BucketTelemetry,
-              latch: KvAdvanceLatch, errors: int) -> dict:
-    """The summary object (both modes), from the recorded steps. `max_spread` and
-    `mean_padding_fraction` cover every step that ran on the batched cache: decode steps and
-    the window deferral's plain decode (`defer`), which carries the same leads. A step's rows
-    are the scheduled bucket only: `shattered_steps` counts the measured steps whose
-    scheduler formed more than one bucket, whose spread therefore leaves out the rows that
-    waited in the other buckets."""
-    committed = decode = shattered = 0
-    spreads, pads = [], []
-    for i in range(len(trace)):
-        f = trace.step_fields(i)
-        committed += f["committed"]
-        decode += f["phase"] == "decode"
-        if f["phase"] in LENGTH_PHASES:
-            pads.append(f["padding_fraction"])
-            shattered += f["buckets"] > 1
-            own = trace.row_array(i)[:, 2]
-            if own.size:
-                spreads.append(int(own.max() - own.min()))
-    tps = telemetry.total.tokens_per_step()
-    markers = [telemetry.marker("agg")]
-    sm = sched.sched_bucket_marker()
-    if sm is not None:
-        markers.append(sm)
-    return {"steps": len(trace), "decode_steps": decode, "committed": committed,
-            "tok_per_step": 0.0 if tps is None else tps, "max_spread": max(spreads, default=0),
-            "mean_padding_fraction": (math.fsum(pads) / len(pads)) if pads else 0.0,
-            "refusal": latch.refusal and latch.messages[-1], "errors": errors, "markers": markers,
-            "shattered_steps": shattered}
-
-
-def step_fields(step, phase, advance, instr, running, waiting, buckets, groups, width, pad, committed,
-                tps, bucket, prefill, error) -> dict:
-    return {"step": step, "phase": phase, "advance": advance, "cache_instruction": instr,
-            "running": running, "waiting": waiting, "buckets": buckets, "groups": groups, "width": width,
-            "padding_fraction": pad, "committed": committed, "tok_per_step": tps, "bucket": bucket,
-            "prefill": prefill, "error": error}
 
 
 def admit_waiting(new: np.ndarray, room: int, cap: int | None) -> np.ndarray:
@@ -409,11 +312,11 @@ class LengthsEngine:
             committed = 0
             if comp.shape[0]:
                 fields, rows = self._decode(comp)
-                committed += int(rows[:, 8].sum()) if rows.shape[0] else 0
+                committed += int(rows[:, COL["committed"]].sum()) if rows.shape[0] else 0
                 self.last_completion = comp.tolist()
             if prom.shape[0]:
                 prow, perr = self._prompt(prom)
-                committed += int(prow[:, 8].sum())
+                committed += int(prow[:, COL["committed"]].sum())
                 self.last_completion = []
                 if fields is None:
                     fields = {"phase": "prompt", "advance": self._advance_name(False), "instr": "Reset",
@@ -458,9 +361,9 @@ class LengthsEngine:
         plen = self.P[ids]
         width = int(plen.max())
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5] = ids, np.arange(b), plen, width, plen
-        rows[:, 4] = width - plen
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b), own_len=plen, width=width, u=plen)
+        rows[:, COL["lead"]] = width - plen
+        rows[:, NULL_COLS] = -1
         cap = int(grown_capacity(PLAIN_CACHE_CAPACITY, width))
         if width > PLAIN_CACHE_CAPACITY and cap > self.max:
             return rows, self._fail(ids, ERR_CAPACITY)
@@ -471,12 +374,12 @@ class LengthsEngine:
                 ctx = self.toks[i]
                 self.toks[i] = ctx + [self.oracle.target(i, ctx)]
         self.L[ids] = plen + 1
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         if self.mtp:
             self._checkout(ids)
             self._extend(ids, np.zeros(b, dtype=np.int64), width)
             self._checkin(ids)
-            rows[:, 12] = np.where(self.d_in[ids], self.d_filled[ids], 0)
+            rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0)
         self._finish(ids)
         return rows, None
 
@@ -484,8 +387,8 @@ class LengthsEngine:
     def _decode(self, ids: np.ndarray):
         sc, w, b = self.sc, self.w, ids.shape[0]
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1] = ids, np.arange(b)
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b))
+        rows[:, NULL_COLS] = -1
         res = {"phase": "decode", "advance": "cohort", "instr": None, "width": 0, "pad": 0.0, "groups": 0,
                "error": None}
         changed = ids.tolist() != self.last_completion
@@ -522,7 +425,7 @@ class LengthsEngine:
             mtp_lead = np.zeros(b, dtype=np.int64)
             assembled = False
         res["width"] = bc
-        rows[:, 2], rows[:, 3], rows[:, 4] = bc - lead, bc, lead
+        fill_rows(rows, own_len=bc - lead, width=bc, lead=lead)
         res["pad"] = float(lead.sum() / (b * bc)) if bc else 0.0
         psa = assembled and self.per_seq and self.mtp
         res["advance"] = self._advance_name(psa)
@@ -530,7 +433,7 @@ class LengthsEngine:
         cache_lens = row_lens if row_lens is not None else np.full(b, bc, dtype=np.int64)
         L = self.L[ids]
         u = np.maximum(L - cache_lens, 0)
-        rows[:, 5] = u
+        rows[:, COL["u"]] = u
         ok = bool(((cache_lens + u) >= 2).all() and (u >= 1).all() and (u <= w).all())
         if not ok:
             if row_lens is not None:
@@ -560,7 +463,7 @@ class LengthsEngine:
                 k = min(int(a[r]), int(e[r]))
                 self.toks[i] += prop[:k] + ([targets[int(a[r])]] if e[r] > k else [])
         self.L[ids] = L + e
-        rows[:, 6], rows[:, 7], rows[:, 8] = drafts, a, e
+        fill_rows(rows, drafted=drafts, accepted=a, committed=e)
         # advance (§12)
         if not psa:
             keep = int((u + a).min())
@@ -590,15 +493,15 @@ class LengthsEngine:
             else:
                 self.stored[ids] = bc + committed
                 self.pending[ids] = 0
-        rows[:, 12] = np.where(self.d_in[ids], self.d_filled[ids], 0) if self.mtp else 0
+        rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0) if self.mtp else 0
         self._finish(ids)
         return res, rows
 
     def _decode_fail(self, res, rows, ids, kind):
         res["error"] = self._fail(ids, kind)
-        rows[:, 6:9] = 0
-        rows[:, 9:12] = -1
-        rows[:, 12] = 0
+        fill_rows(rows, drafted=0, accepted=0, committed=0)
+        rows[:, NULL_COLS] = -1
+        rows[:, COL["filled"]] = 0
         return res, rows
 
     def _defer(self, res, rows, ids, bc, bcap, lead):
@@ -612,7 +515,7 @@ class LengthsEngine:
             for i in ids.tolist():
                 self.toks[i].append(self.oracle.target(i, self.toks[i]))
         self.L[ids] += 1
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         self.stored[ids], self.tcap[ids], self.pending[ids] = bc + 1, grown, lead
         self.resident = (tuple(ids.tolist()), bc + 1, grown, lead)
         self._finish(ids)
@@ -670,9 +573,9 @@ class LengthsEngine:
             self.d_cap[mids] = bcap - lead
             self.d_filled[mids] = st + 1
             drafts[members] = n_draft
-            rows[members, 9] = gu
-            rows[members, 10] = code & ((1 << 40) - 1)
-            rows[members, 11] = st
+            rows[members, COL["group_u"]] = gu
+            rows[members, COL["group_start"]] = code & ((1 << 40) - 1)
+            rows[members, COL["chain_start"]] = st
         return True
 
     def _accept(self, ids, L, drafts) -> np.ndarray:

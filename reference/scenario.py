@@ -37,7 +37,6 @@ from typing import Any
 from reference.acceptance import load_accept_file, resolve_factory
 from reference.errors import ScenarioError
 
-
 MAX_DEPTH = 8
 ADVANCES = ("cohort", "per-sequence")
 WORLDS = ("W0", "WA", "WB")

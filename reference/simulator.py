@@ -39,7 +39,7 @@ final hidden rows (`backend.xs_append`): a stand-in that keeps their per-row tok
 rollback and capability rules exercised (the model computes its compressed keys from the raw
 K cache).
 
-Shared choices with the lengths mode are listed in `reference.lengths`' docstring.
+Shared choices with the lengths mode are in `reference.policy` and docs/simulator.md.
 
 `record_tensors=True` fills, for a later comparison of two backends step by step:
 - `trace.tensors`: one record per decode verify forward (`step`, `tokens`, `positions` (the
@@ -64,14 +64,14 @@ from reference.capability import KvAdvance
 from reference.dispatch import MtpHiddenCapture
 from reference.draft import DraftKv, DraftKvMap
 from reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
-from reference.lengths import (ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
-                               ERR_XS_ROLLBACK, NCOL, ROW_DTYPE, advance_latch, guard_error, step_fields, summarize)
+from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS,
+                              ERR_GUARD_LEFT, ERR_XS_ROLLBACK, NCOL, NULL_COLS, ROW_DTYPE, advance_latch,
+                              fill_rows, guard_error, step_fields, summarize)
 from reference.scenario import Scenario, load_scenario, model_config
 from reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
                                  engine_cache_instruction, install_admission, schedule)
 from reference.step import window_guard
 from reference.trace import Trace
-
 
 
 class _StepFailed(Exception):
@@ -239,11 +239,11 @@ class TensorEngine:
                                                   self.state.engine_admission.granted)
                 self.state.last_completion_ids = list(out.completion)
                 fields, rows = self._decode(out.completion, pre.kind == "In", t, trace)
-                committed += int(rows[:, 8].sum())
+                committed += int(rows[:, COL["committed"]].sum())
             if out.prompt:
                 prow, perr = self._prompt(out.prompt, t)
                 self.state.last_completion_ids = []
-                committed += int(prow[:, 8].sum())
+                committed += int(prow[:, COL["committed"]].sum())
                 if fields is None:
                     fields = {"phase": "prompt", "advance": "cohort", "instr": "Reset",
                               "width": sc.requests[out.prompt[0]].prompt_len, "pad": 0.0, "groups": 0,
@@ -286,9 +286,9 @@ class TensorEngine:
         plen = [self.sc.requests[i].prompt_len for i in ids]
         width = max(plen)
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5] = ids, np.arange(b), plen, width, plen
-        rows[:, 4] = width - np.array(plen)
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b), own_len=plen, width=width, u=plen)
+        rows[:, COL["lead"]] = width - np.array(plen)
+        rows[:, NULL_COLS] = -1
         cache = self.new_cache(b)
         capture = MtpHiddenCapture()
         capture.arm()
@@ -302,14 +302,14 @@ class TensorEngine:
             self.caches[i] = pieces[r]
             self.pending[i] = 0
             self.toks[i].append(self.oracle.target(i, self.toks[i]))
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         if self.mtp:
             states = [self.dmap.checkout_draft_kv(i) for i in ids]
             self.be.prime_draft_kv(states, capture.take(), [self.toks[i] for i in ids], b, self.model,
                                    self.messages)
             for i, st in zip(ids, states):
                 self.dmap.checkin(i, st)
-            rows[:, 12] = [self._filled(i) for i in ids]
+            rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)
@@ -319,17 +319,17 @@ class TensorEngine:
     def _decode(self, ids: list[int], go_in: bool, t: int, trace: Trace):
         b = len(ids)
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1] = ids, np.arange(b)
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b))
+        rows[:, NULL_COLS] = -1
         res = {"phase": "decode", "advance": "cohort", "instr": "In" if go_in else "Nothing", "width": 0,
                "pad": 0.0, "groups": 0, "error": None}
         try:
             self._decode_inner(ids, go_in, rows, res, t, trace)
         except _StepFailed as exc:
             res["error"] = self._fail(ids, exc)
-            rows[:, 6:9] = 0
-            rows[:, 9:12] = -1
-            rows[:, 12] = 0
+            fill_rows(rows, drafted=0, accepted=0, committed=0)
+            rows[:, NULL_COLS] = -1
+            rows[:, COL["filled"]] = 0
         return res, rows
 
     def _decode_inner(self, ids, go_in, rows, res, t, trace):
@@ -354,7 +354,7 @@ class TensorEngine:
         c = be.cache_len(batched)
         res["width"] = c
         la = np.array(lead, dtype=np.int64)
-        rows[:, 2], rows[:, 3], rows[:, 4] = c - la, c, la
+        fill_rows(rows, own_len=c - la, width=c, lead=la)
         res["pad"] = float(la.sum() / (b * c)) if c else 0.0
         psa = assembled and self.per_seq and self.mtp
         res["advance"] = "per-sequence" if psa else "cohort"
@@ -365,7 +365,7 @@ class TensorEngine:
         cache_lens = row_lens if row_lens is not None else [c] * b
         tok_lens = [len(self.toks[i]) for i in ids]
         u, ok = be.plan_step_window(cache_lens, tok_lens, w)
-        rows[:, 5] = u
+        rows[:, COL["u"]] = u
         if not ok:
             what = window_guard(row_lens is not None, self.kv)
             if what == "left_aligned_guard":
@@ -392,8 +392,8 @@ class TensorEngine:
                 starts = be.chain_starts([cache_lens[r] for r in drew], [u[r] for r in drew])
                 for r, key, start in zip(drew, keys, starts):
                     drafts[r] = self.oracle.draft(ids[r], self.toks[ids[r]], w - u[r])
-                    rows[r, 9:11] = key
-                    rows[r, 11] = start
+                    rows[r, [COL["group_u"], COL["group_start"]]] = key
+                    rows[r, COL["chain_start"]] = start
         windows = []
         for r, i in enumerate(ids):
             win = self.toks[i][cache_lens[r]:] + drafts[r]
@@ -417,9 +417,9 @@ class TensorEngine:
             rem = req.max_new_tokens - (len(self.toks[i]) - req.prompt_len)
             k = min(a, rem)
             emitted.append(prop[:k] + ([targets[r][a]] if rem > a and budgets[r] > a else []))
-        rows[:, 6] = [len(d) for d in drafts]
-        rows[:, 7] = acc
-        rows[:, 8] = [len(e) for e in emitted]
+        rows[:, COL["drafted"]] = [len(d) for d in drafts]
+        rows[:, COL["accepted"]] = acc
+        rows[:, COL["committed"]] = [len(e) for e in emitted]
         for r, i in enumerate(ids):
             self.toks[i] += emitted[r]
         if not psa:
@@ -447,7 +447,7 @@ class TensorEngine:
         if psa:
             for r, i in enumerate(ids):
                 self._commit(i, lead[r], cache_lens[r], committed[r], c)
-        rows[:, 12] = [self._filled(i) for i in ids]
+        rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)
@@ -478,13 +478,13 @@ class TensorEngine:
                       None, "defer", t, ids)
         for i in ids:
             self.toks[i].append(self.oracle.target(i, self.toks[i]))
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         pieces = self.be.clone_out(batched, len(ids))
         for r, i in enumerate(ids):
             self.caches[i] = pieces[r]
             self.pending[i] = lead[r]
         self.resident = (list(ids), batched, lead)
-        rows[:, 12] = [self._filled(i) for i in ids]
+        rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)
