@@ -46,6 +46,13 @@ CAP, MASKS, ATTN, ROPE = _C + "test_capability.py", _C + "test_masks.py", _C + "
 ACC, SCHED, CACHE = _C + "test_accounting.py", _C + "test_scheduler.py", _C + "test_cache.py"
 KILLS, SPEC_GAPS = _C + "test_mutation_kills.py", _C + "test_spec_gaps.py"
 P_DISP, P_STEP = _C + "test_port_dispatch.py", _C + "test_port_step.py"
+# Test files split by topic: an entry naming the first file runs the whole family, in order.
+TOPIC_FILES = {
+    ALIGN: (ALIGN, _C + "test_align_draft.py"),
+    DRAFT: (DRAFT, _C + "test_draft_loop.py"),
+    STEP: (STEP, _C + "test_step_commit.py"),
+    SCHED: (SCHED, _C + "test_scheduler_admission.py", _C + "test_scheduler_telemetry.py"),
+}
 
 R_DISP, R_STEP, R_CAP, R_ALIGN = "reference/dispatch.py", "reference/step.py", "reference/capability.py", "reference/align.py"
 R_DRAFT, R_MASKS, R_ROPE, R_ACC = "reference/draft.py", "reference/masks.py", "reference/rope.py", "reference/accounting.py"
@@ -53,7 +60,8 @@ R_SCHED = "reference/scheduler.py"
 
 
 def M(name, file, old, new, spec, *tests, expect="caught", subs=()):
-    return Mutant(name, file, old, new, spec, tuple(tests), expect, tuple(subs))
+    files = tuple(f for t in tests for f in TOPIC_FILES.get(t, (t,)))
+    return Mutant(name, file, old, new, spec, files, expect, tuple(subs))
 
 
 CATALOGUE: list[Mutant] = [

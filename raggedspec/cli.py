@@ -309,12 +309,12 @@ def run_mutation(args) -> int:
 
 
 def add_bench(sub) -> argparse.ArgumentParser:
-    from gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
+    from raggedspec.bench.runner import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
 
 
 def run_bench(args) -> int:
-    from gpu.bench import run
+    from raggedspec.bench.runner import run
     return run(args)
 
 

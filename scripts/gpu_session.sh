@@ -11,13 +11,13 @@
 # the script. The device returns at most 8 files from $OUT, so exactly these are written:
 #   summary.md    one line per step (exit code, seconds), then the bench and e2e tables
 #   session.log   everything every step printed
-#   bench.json bench.md bench.png    gpu/bench.py (JSON rewritten after every case)
-#   e2e.json e2e.md                  gpu/bench.py --e2e
+#   bench.json bench.md bench.png    raggedspec/bench (JSON rewritten after every case)
+#   e2e.json e2e.md                  raggedspec/bench --e2e
 #   all.tar.gz    the work folder: per-step logs, junit XML, partial outputs
 # Exit code: 0 when every step passed, 1 otherwise (the files come back either way).
 #
 # Knobs (environment): PYTHON (default python3: on the device it is the one with torch),
-# BENCH_ARGS (extra gpu.bench arguments), CUPY_BACKEND (the --backend spec of the CuPy port for
+# BENCH_ARGS (extra raggedspec.bench arguments), CUPY_BACKEND (the --backend spec of the CuPy port for
 # conformance.runner; default "cupy"), T_PORT, T_KERN, T_RUNNER, T_CUPY, T_BENCH, BENCH_BUDGET,
 # T_E2E (seconds).
 set -uo pipefail
@@ -147,10 +147,10 @@ step kernels "$T_KERN" $PY -m pytest -q -p no:cacheprovider -rfEs --junitxml="$W
 # JSON is rewritten after every case and the headline case runs first, so a timeout keeps it;
 # the replot makes bench.md / bench.png from whatever JSON there is.
 # shellcheck disable=SC2086
-step bench "$T_BENCH" $PY -m gpu.bench "${BENCH_MODE[@]}" --device $DEV --budget-s "$BENCH_BUDGET" \
+step bench "$T_BENCH" $PY -m raggedspec.bench "${BENCH_MODE[@]}" --device $DEV --budget-s "$BENCH_BUDGET" \
     --out "$WORK/bench" ${BENCH_ARGS:-} || FAILED=1
 if [[ -f $WORK/bench/bench.json ]]; then
-    step bench_replot 30 $PY -m gpu.bench --replot "$WORK/bench/bench.json" -q || FAILED=1
+    step bench_replot 30 $PY -m raggedspec.bench --replot "$WORK/bench/bench.json" -q || FAILED=1
 else
     note "the bench wrote no bench.json"
     FAILED=1
@@ -185,14 +185,14 @@ fi
 
 # ------------------------------------------------------------------ 4. end-to-end step time
 if [[ -f reference/backend.py && -f gpu/backend.py ]]; then
-    step e2e "$T_E2E" $PY -m gpu.bench --e2e "${E2E_MODE[@]}" --out "$WORK/e2e" -q || FAILED=1
+    step e2e "$T_E2E" $PY -m raggedspec.bench --e2e "${E2E_MODE[@]}" --out "$WORK/e2e" -q || FAILED=1
     # cut short: e2e.json holds the runs that finished; make e2e.md from it
     if [[ -f $WORK/e2e/e2e.json && ! -f $WORK/e2e/e2e.md ]]; then
-        step e2e_replot 30 $PY -m gpu.bench --replot "$WORK/e2e/e2e.json" -q || FAILED=1
+        step e2e_replot 30 $PY -m raggedspec.bench --replot "$WORK/e2e/e2e.json" -q || FAILED=1
     fi
     if [[ $CUPY_OK == 1 ]]; then
         # the same runs on the cupy backend (attention and RoPE of the forward by the kernels)
-        step e2e_cupy "$T_E2E" $PY -m gpu.bench --e2e "${E2E_MODE[@]}" --e2e-backend cupy --out "$WORK/e2e_cupy" -q \
+        step e2e_cupy "$T_E2E" $PY -m raggedspec.bench --e2e "${E2E_MODE[@]}" --e2e-backend cupy --out "$WORK/e2e_cupy" -q \
             || FAILED=1
     else
         note "e2e on the cupy backend: not run (CuPy absent or without CUDA)"
