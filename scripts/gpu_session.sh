@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared script a GPU session runs with the device tool (issue 5): CUDA conformance,
+# The one prepared script for a run on a CUDA machine: CUDA conformance,
 # then the benchmark, then the end-to-end step time, every result written under $OUT.
 #
 #   device run:  bash scripts/gpu_session.sh            (timeout_s 600; ~9.3 min worst case)
