@@ -44,13 +44,14 @@ from reference.acceptance import build_model, build_oracle
 from reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
 from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
 from reference.capability import KvAdvance
-from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
-                              ERR_XS_ROLLBACK, NCOL, NULL_COLS, ROW_DTYPE, advance_latch, fill_rows,
-                              grown_capacity, ragged_capable, step_fields, summarize)
+from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL,
+                              NULL_COLS, ROW_DTYPE, advance_latch, fill_rows, grown_capacity, ragged_capable,
+                              step_fields, summarize)
 from reference.scenario import Scenario, load_scenario, model_config
 from reference.lengths_scheduler import ScheduleMirror
 from reference.scheduler_telemetry import BucketTelemetry
-from reference.step import verify_proposed
+from reference.scheduler import engine_cache_instruction
+from reference.step import mtp_window, per_seq_advance, verify_proposed, window_guard
 from reference.trace import Trace
 
 # Why a row that could draft (u < w, may draft) did not, counted per row-step in
@@ -71,7 +72,7 @@ class LengthsEngine(ScheduleMirror):
     def __init__(self, sc: Scenario, progress=None) -> None:
         self.sc = sc
         self.progress = progress
-        self.w = sc.depth + 1
+        self.w = mtp_window(sc.depth)
         self.mtp = sc.depth > 0
         self.max = sc.max_seq_len
         self.model = build_model(sc.acceptance, sc.seed, sc)
@@ -80,8 +81,8 @@ class LengthsEngine(ScheduleMirror):
         self.oracle = build_oracle(self.model, sc.seed, cfg.vocab) if self.tokens_mode else None
         self.has_xs = any(r > 0 for r in cfg.compress_ratios)
         self.tier_a = cfg.mtp == "heads"  # no MTP block: no seed is ever stashed, so no row drafts (§7.2 step 3)
-        self.latch, kv = advance_latch(sc)
-        self.per_seq = kv is KvAdvance.PER_SEQUENCE
+        self.latch, self.kv = advance_latch(sc)
+        self.per_seq = self.kv is KvAdvance.PER_SEQUENCE
         self.granted = sc.world == "WB" and self.per_seq
         self.can = ragged_capable(sc)
         n = sc.batch
@@ -273,9 +274,9 @@ class LengthsEngine(ScheduleMirror):
         rows[:, NULL_COLS] = -1
         res = {"phase": "decode", "advance": "cohort", "instr": None, "width": 0, "pad": 0.0, "groups": 0,
                "error": None}
-        changed = ids.tolist() != self.last_completion
-        go_in = changed or (sc.world == "WB" and self.granted)
-        if go_in:
+        pre, post = engine_cache_instruction(sc.world, "completion", ids.tolist(), self.last_completion, False,
+                                             self.granted)
+        if pre.kind == "In":
             res["instr"] = "In"
             self.stored[ids] -= self.pending[ids]
             self.tcap[ids] -= self.pending[ids]
@@ -309,7 +310,7 @@ class LengthsEngine(ScheduleMirror):
         res["width"] = bc
         fill_rows(rows, own_len=bc - lead, width=bc, lead=lead)
         res["pad"] = float(lead.sum() / (b * bc)) if bc else 0.0
-        psa = assembled and self.per_seq and self.mtp
+        psa = per_seq_advance(assembled, post.kind == "Out", self.kv)
         res["advance"] = self._advance_name(psa)
         row_lens = (bc - mtp_lead) if (psa and (mtp_lead > 0).any()) else None
         cache_lens = row_lens if row_lens is not None else np.full(b, bc, dtype=np.int64)
@@ -318,10 +319,9 @@ class LengthsEngine(ScheduleMirror):
         rows[:, COL["u"]] = u
         ok = bool(((cache_lens + u) >= 2).all() and (u >= 1).all() and (u <= w).all())
         if not ok:
-            if row_lens is not None:
-                return self._decode_fail(res, rows, ids, ERR_GUARD_LEFT)
-            if self.per_seq and self.mtp:
-                return self._decode_fail(res, rows, ids, ERR_GUARD_FOLLOWS)
+            what = window_guard(row_lens is not None, self.kv)
+            if what in GUARD_ERRORS:
+                return self._decode_fail(res, rows, ids, GUARD_ERRORS[what])
             return self._defer(res, rows, ids, bc, bcap, lead)
         budget = np.maximum(self.max - L, 0)
         drafts = np.zeros(b, dtype=np.int64)

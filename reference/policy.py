@@ -34,6 +34,8 @@ ERR_CAPACITY = "capacity refused"
 ERR_XS_ROLLBACK = "xs rollback refused"
 ERR_CHAIN = "draft chain refused"
 ERR_COMMIT = "per-sequence commit refused"
+# `step.window_guard`'s refusing answers -> the trace's error kind ("defer" refuses nothing).
+GUARD_ERRORS = {"left_aligned_guard": ERR_GUARD_LEFT, "follows_guard": ERR_GUARD_FOLLOWS}
 
 # Row columns a failed or undrafted row carries as null (-1).
 NULL_COLS = [COL["group_u"], COL["group_start"], COL["chain_start"]]

@@ -64,13 +64,13 @@ from reference.capability import KvAdvance
 from reference.dispatch import MtpHiddenCapture
 from reference.draft import DraftKv, DraftKvMap
 from reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
-from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS,
-                              ERR_GUARD_LEFT, ERR_XS_ROLLBACK, NCOL, NULL_COLS, ROW_DTYPE, advance_latch,
+from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_LEFT,
+                              ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL, NULL_COLS, ROW_DTYPE, advance_latch,
                               fill_rows, guard_error, step_fields, summarize)
 from reference.scenario import Scenario, load_scenario, model_config
 from reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
                                  engine_cache_instruction, install_admission, schedule)
-from reference.step import window_guard
+from reference.step import mtp_window, per_seq_advance, window_guard
 from reference.trace import Trace
 
 
@@ -109,7 +109,7 @@ class TensorEngine:
     def __init__(self, sc: Scenario, progress=None, record_tensors: bool = False, backend=None) -> None:
         self.sc, self.progress, self.record = sc, progress, record_tensors
         self.be = load_backend(backend)
-        self.w = sc.depth + 1
+        self.w = mtp_window(sc.depth)
         self.mtp = sc.depth > 0
         self.cfg = model_config(sc)
         self.model = self.be.build_model(self.cfg)
@@ -234,11 +234,11 @@ class TensorEngine:
             bucket = list(out.key)
             fields, rows, committed = None, np.zeros((0, NCOL), ROW_DTYPE), 0
             if out.completion:
-                pre, _ = engine_cache_instruction(sc.world, "completion", out.completion,
-                                                  self.state.last_completion_ids, False,
-                                                  self.state.engine_admission.granted)
+                pre, post = engine_cache_instruction(sc.world, "completion", out.completion,
+                                                     self.state.last_completion_ids, False,
+                                                     self.state.engine_admission.granted)
                 self.state.last_completion_ids = list(out.completion)
-                fields, rows = self._decode(out.completion, pre.kind == "In", t, trace)
+                fields, rows = self._decode(out.completion, pre.kind == "In", post.kind == "Out", t, trace)
                 committed += int(rows[:, COL["committed"]].sum())
             if out.prompt:
                 prow, perr = self._prompt(out.prompt, t)
@@ -316,7 +316,7 @@ class TensorEngine:
         return rows, None
 
     # ------------------------------------------------------------------ decode (§16)
-    def _decode(self, ids: list[int], go_in: bool, t: int, trace: Trace):
+    def _decode(self, ids: list[int], go_in: bool, post_out: bool, t: int, trace: Trace):
         b = len(ids)
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
         fill_rows(rows, seq=ids, row=np.arange(b))
@@ -324,7 +324,7 @@ class TensorEngine:
         res = {"phase": "decode", "advance": "cohort", "instr": "In" if go_in else "Nothing", "width": 0,
                "pad": 0.0, "groups": 0, "error": None}
         try:
-            self._decode_inner(ids, go_in, rows, res, t, trace)
+            self._decode_inner(ids, go_in, post_out, rows, res, t, trace)
         except _StepFailed as exc:
             res["error"] = self._fail(ids, exc)
             fill_rows(rows, drafted=0, accepted=0, committed=0)
@@ -332,7 +332,7 @@ class TensorEngine:
             rows[:, COL["filled"]] = 0
         return res, rows
 
-    def _decode_inner(self, ids, go_in, rows, res, t, trace):
+    def _decode_inner(self, ids, go_in, post_out, rows, res, t, trace):
         sc, w, b, be = self.sc, self.w, len(ids), self.be
         if go_in:
             try:
@@ -356,7 +356,7 @@ class TensorEngine:
         la = np.array(lead, dtype=np.int64)
         fill_rows(rows, own_len=c - la, width=c, lead=la)
         res["pad"] = float(la.sum() / (b * c)) if c else 0.0
-        psa = assembled and self.per_seq and self.mtp
+        psa = per_seq_advance(assembled, post_out, self.kv)
         res["advance"] = "per-sequence" if psa else "cohort"
         try:
             row_lens = be.resolve_row_cache_lens(psa, c, mtp_lead)
@@ -368,10 +368,8 @@ class TensorEngine:
         rows[:, COL["u"]] = u
         if not ok:
             what = window_guard(row_lens is not None, self.kv)
-            if what == "left_aligned_guard":
-                raise _StepFailed(ERR_GUARD_LEFT, guard_error(what, cache_lens, tok_lens, w))
-            if what == "follows_guard":
-                raise _StepFailed(ERR_GUARD_FOLLOWS, guard_error(what, cache_lens, tok_lens, w))
+            if what in GUARD_ERRORS:
+                raise _StepFailed(GUARD_ERRORS[what], guard_error(what, cache_lens, tok_lens, w))
             return self._defer(ids, batched, lead, rows, res, t)
         budgets = be.token_budget(sc.max_seq_len, tok_lens)
         drafts: list[list[int]] = [[] for _ in range(b)]
