@@ -491,9 +491,14 @@ def engine_cache_instruction(world: str, batch: str, ids: Sequence[int],
     if batch == "prompt":
         pre = IN if first_token_offset != 0 else CacheOp("Reset", load_preallocated_cache=True)
         return pre, post
-    changed = list(ids) != list(last_completion_ids)
+    # order-sensitive list compare; lists are compared as given (no copy: a batch may be 1000s long)
+    changed = _as_list(ids) != _as_list(last_completion_ids)
     go_in = issues_cache_in(no_kv_cache, changed, granted) if world == "WB" else (not no_kv_cache and changed)
     return (IN if go_in else NOTHING), post
+
+
+def _as_list(xs: Sequence[int]) -> list[int]:
+    return xs if isinstance(xs, list) else list(xs)
 
 
 @dataclass(frozen=True)
