@@ -4,32 +4,15 @@ It takes exactly the decisions of the tensor mode (`reference.simulator`), which
 real cache, model and draft-chain functions, but keeps only what decides control flow: per
 sequence its token count, the length, capacity and pending lead of its own target cache, its
 draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
-resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
-per-row rule is a numpy integer expression over the batch's rows; the only Python loops on
-the step path are over draft groups (at most w per step) and scheduler buckets. The trace is
-identical, integer for integer, to the tensor mode's (conformance/test_lengths.py).
+resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every per-
+row rule is a numpy integer expression over the batch's rows; the only Python loops on the step
+path are over draft groups (at most w per step) and scheduler buckets. The trace is identical,
+integer for integer, to the tensor mode's (conformance/test_lengths.py).
 
-Spec flow: masks-and-scheduling.md §15-§20 (scheduler, engine cache instruction), cache-and-
-draft.md §16 (one batched decode step), §7.4 (prompt priming), §9.3 (group loop), §11.2,
-§12, §13, §15, §5.5 (strip policy). Choices where the spec is silent are listed in
-docs/simulator.md and in `reference.simulator`'s docstring (the two modes share them):
-- the prompt forward of a step runs after its completion forward (§20.1 step 3); a prompt
-  step does not clear the draft-KV map (the gate precedes the pre-op, §16 steps 1-2);
-- a step that fails (guard, refused alignment, a capacity refusal, a chain error) fails the
-  requests of that batch ("the requests fail, and the engine survives", §20.1 step 4);
-- the deferral's plain decode feeds one token per row at the row's own position;
-- strip "eager": the per-sequence commit strips then `set_len` (§12.2); "lazy": it sets the
-  padded length `lead + own + committed` and records the lead as pending, stripped by the next
-  `In`; "none" (negative control): it records the padded length `C + committed` as the row's
-  own length (the compounding trap of §9.8 / masks §14).
-
-Beyond the shared trace, a lengths run sets `Trace.draft_stalls`: per reason (STALL_*), the
-row-steps in which a row that could draft (u < w, may draft) did not. It is not written to the
-file (the tensor mode does not count it); the drift sweep uses it to explain a stall.
-
-The scheduler mirror (`reference.lengths_scheduler`) is vectorized too.
-
-Run `python -m reference.lengths --bench` for the B = 1024, 10,000-step benchmark.
+What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
+counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
+`reference.lengths_scheduler`. Run `python -m reference.lengths --bench` for the B = 1024,
+10,000-step benchmark.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Scheduling, ragged admission and the engine's cache instruction.
 
 Spec: masks-and-scheduling.md §0 (the three worlds), §15-§18, §20, §21. Everything here is
-integer bookkeeping over small sequence records; no tensors.
-
-**Worlds** (§0, §20 "World policy"); `SchedulerState.world` picks one, default "W0":
-- "W0": key `(cache_bucket_len, images and is_prompt, token_offset)`, cohort only.
-- "WA": the W0 key, but every completion keys to len 0 while `ragged_decode_supported`
-  (the channel published by the last `clone_in_cache`); plus the prefill floor and cap.
-- "WB": the W0 key plus a fourth `ragged` flag from `RaggedAdmission` (granted: every
-  completion shares `(min cache_bucket_len, imgs, offset, True)`).
-
-**Determinism.** Wherever the spec says "ties arbitrary" this module breaks ties by the
-smallest key tuple (Python tuple order, `False < True`): `min` is `min(keys)` (smallest len,
-then smallest rest); `greedy` is the largest summed priority, ties to the smallest key; the
-floor's forced prompt bucket is the smallest prompt key. Bucket members keep the order in
-which they appear in the running set handed to the bucketing.
-
-**Cross-step state** (urgency per id, the WA floor counter, `last_completion_ids`, the WA
-channel, both copies of the admission decision, telemetry) lives in one `SchedulerState`
-that `schedule`, `bucket_and_waitlist_seqs_waiting` and `plan_engine_iteration` update.
-A simulator calls `schedule` once per engine step, passing back `outcome.running` and
-`outcome.waiting` (with lengths advanced by the step, finished sequences dropped and new
-requests appended to `waiting` as `is_prompt=True, cache_len=None` records), then
-`plan_engine_iteration` for the cache instructions.
+integer bookkeeping over small sequence records; no tensors. The three worlds' keys, how ties
+are broken and the cross-step state (`SchedulerState`) are in docs/simulator.md ("Inside the
+two modes").
 """
 
 from __future__ import annotations

@@ -2,55 +2,11 @@
 
 The simulator owns the control flow; every tensor-side operation is one method of a backend
 (`reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Per engine step
-(masks-and-scheduling.md §20): arrivals join the waiting queue; `scheduler.schedule` picks
-one bucket (keys per world, coalescing, the WA floor); `plan_engine_iteration`-style cache
-instructions (`In` / `Nothing`, prompts `Reset`); the completion forward is one MTP decode
-step exactly as cache-and-draft.md §16 lays it out:
-
-1. pre-op `In`: `backend.clone_in` (= `align.clone_in_cache_reporting_lead`: strip pending
-   leads, front-align under PerSequence, publish `ragged_decode_supported` to the WA
-   channel), `assembled_here`; `Nothing`: the resident batched cache as is;
-2. `per_seq_advance`, `backend.resolve_row_cache_lens`, `backend.plan_step_window` and the
-   two guards (`step.window_guard`): refuse, or defer (clear the draft map, one plain decode);
-3. budgets, draft-state checkout, `backend.draft_groups`, the group loop
-   (`backend.draft_chain` = `draft.group_drafting_loop`: `batch_draft_caches` /
-   `front_align_draft_group`, `propose_chain_batched` with per-row or shared positions,
-   `split_draft_cache`, `drop_dead_prefix`);
-4. the verify forward (`backend.forward` = `TinyModel.forward`: `[B, w]` windows, per-row
-   positions `cache_lens` with `row_q0`, or the shared offset C), capturing the pre-norm
-   hidden;
-5. accept (`backend.verify_accept` on the token oracle's drafts and targets,
-   `backend.budget_clamp`), commit; advance (`backend.plan_batch_step` +
-   `backend.truncate_by`, or `backend.plan_per_sequence_step`); `backend.extend_draft_kvs`;
-   accounting (`record_step`, `record_batch`);
-6. post-op `Out`: `backend.clone_out` (pending leads recorded), and under PerSequence the
-   per-sequence commit per the strip policy (eager: `backend.commit_per_sequence`; lazy /
-   none: `backend.set_lens`).
-Prompt forwards (`Reset`) run the target on the prompt and prime the draft KV
-(`backend.prime_draft_kv`, §7.4). Lengths in the trace are read back off the caches.
-
-Control flow never reads a float: drafts and targets come from the token oracle
-(`reference.acceptance`); the MTP block's own argmax chain is run (it fills the draft KV
-tensors) but its tokens are not used; every length and decision a backend returns is a host
-integer. So two backends take the same path on the same scenario. The tiny model's XsRolling
-slots (one per compressed layer, after the K/V slots, as on V4) are fed the verify forward's
-final hidden rows (`backend.xs_append`): a stand-in that keeps their per-row token counts,
-rollback and capability rules exercised (the model computes its compressed keys from the raw
-K cache).
-
-Shared choices with the lengths mode are in `reference.policy` and docs/simulator.md.
-
-`record_tensors=True` fills, for a later comparison of two backends step by step:
-- `trace.tensors`: one record per decode verify forward (`step`, `tokens`, `positions` (the
-  offsets), `row_q0`, `lead`, `hidden`, `logits`, `target_k0` (layer-0 K of the batched
-  cache), as host arrays);
-- `trace.tensor_log`: every forward (phase "prompt", "decode", "defer"): the same plus
-  `ids`, `rope_positions [B,T]`, `masks` (per target layer, the additive union mask of that
-  forward, `backend.union_mask`) and `target` (the batched cache after the forward,
-  `backend.materialize`); and after every scheduled step a record of phase "state": each
-  scheduled sequence's own target cache and its draft state (`filled`, `poisoned`, seed
-  position and hidden, the draft KV materialized).
+`gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode step
+runs cache-and-draft.md §16 in order, through the backend; control flow never reads a float, so
+two backends take the same path on the same scenario. The step in detail, the shared choices
+(`reference.policy`) and what `record_tensors=True` records are in docs/simulator.md ("Inside
+the two modes").
 """
 
 from __future__ import annotations
