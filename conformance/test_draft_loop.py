@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import reference.draft as draft_mod
-from conformance.test_draft import MODEL, TIER_A, V, StepSpy, state_with
+from conformance.test_draft import MODEL, TIER_A, StepSpy, V, state_with
 from reference.cache import KvCache
 from reference.draft import (
     DraftKv,

@@ -74,7 +74,9 @@ class LengthsEngine(ScheduleMirror):
         self.M = np.array([r.max_new_tokens for r in req], dtype=np.int64)
         self.arrival = np.array([r.arrival for r in req], dtype=np.int64)
         self.may = np.array([r.may_draft for r in req], dtype=bool)
-        z = lambda v=0: np.full(n, v, dtype=np.int64)  # noqa: E731
+        def z(v: int = 0) -> np.ndarray:
+            return np.full(n, v, dtype=np.int64)
+
         self.L, self.stored, self.tcap, self.pending = z(), z(-1), z(PLAIN_CACHE_CAPACITY), z()
         self.is_prompt = np.ones(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)

@@ -5,7 +5,6 @@ same files as the run that wrote the JSON).
 
 from __future__ import annotations
 
-
 import json
 from pathlib import Path
 

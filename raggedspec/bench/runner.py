@@ -13,7 +13,6 @@ does not pay for it.
 
 from __future__ import annotations
 
-
 import argparse
 import importlib
 import importlib.util
@@ -26,10 +25,24 @@ import sys
 import time
 from pathlib import Path
 
-from raggedspec.bench.report import render_e2e, render_markdown, write_reports, wrong_strategies
-from raggedspec.bench.strategies import (HEADLINE, NEGATIVE_CONTROLS, STRATEGIES, TOLERANCE, Case, Strategy,
-                                         make_lens, make_strategies, reference_attention, rel_err)
-
+from raggedspec.bench.report import (
+    render_e2e,
+    render_markdown,
+    write_reports,
+    wrong_strategies,
+)
+from raggedspec.bench.strategies import (
+    HEADLINE,
+    NEGATIVE_CONTROLS,
+    STRATEGIES,
+    TOLERANCE,
+    Case,
+    Strategy,
+    make_lens,
+    make_strategies,
+    reference_attention,
+    rel_err,
+)
 
 SCHEMA = "raggedspec-bench/1"
 FLUSH_BYTES = 256 << 20     # L2 flush between timed repeats on CUDA (H200 L2: 60 MB)

@@ -11,7 +11,6 @@ negative control). What each measures and why is in docs/bench.md.
 
 from __future__ import annotations
 
-
 import abc
 import importlib
 import importlib.util
