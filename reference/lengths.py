@@ -4,10 +4,10 @@ It takes exactly the decisions of the tensor mode (`reference.simulator`), which
 real cache, model and draft-chain functions, but keeps only what decides control flow: per
 sequence its token count, the length, capacity and pending lead of its own target cache, its
 draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
-resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every per-
-row rule is a numpy integer expression over the batch's rows; the only Python loops on the step
-path are over draft groups (at most w per step) and scheduler buckets. The trace is identical,
-integer for integer, to the tensor mode's (conformance/test_lengths.py).
+resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
+per-row rule is a numpy integer expression over the batch's rows; the only Python loops on the
+step path are over draft groups (at most w per step) and scheduler buckets. The trace is
+identical, integer for integer, to the tensor mode's (conformance/test_lengths.py).
 
 What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
 counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
