@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.align import (
+from raggedspec.reference.align import (
     CloneIn,
     batch_can_be_ragged,
     clone_in_cache,
@@ -25,9 +25,9 @@ from reference.align import (
     front_pad_kv_cache,
     front_pad_single,
 )
-from reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
-from reference.errors import AlignRefusal, CacheRefusal
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal
+from raggedspec.reference.xs_rolling import XsRolling
 
 # --- fixtures -------------------------------------------------------------------------------
 

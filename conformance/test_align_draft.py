@@ -10,17 +10,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.test_align import draft_slot, k_row
-from reference.align import (
+from raggedspec.conformance.test_align import draft_slot, k_row
+from raggedspec.reference.align import (
     batch_draft_caches,
     concat_kv,
     drop_dead_prefix,
     front_align_draft_group,
     split_draft_cache,
 )
-from reference.cache import KvCache, OtherSlot, SingleCache
-from reference.dispatch import resolve_draft_leads
-from reference.errors import AlignRefusal, CacheRefusal
+from raggedspec.reference.cache import KvCache, OtherSlot, SingleCache
+from raggedspec.reference.dispatch import resolve_draft_leads
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal
 
 # --- §9.6 batch_draft_caches ----------------------------------------------------------------
 

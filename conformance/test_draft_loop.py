@@ -7,15 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import reference.draft as draft_mod
-from conformance.test_draft import MODEL, TIER_A, StepSpy, V, state_with
-from reference.cache import KvCache
-from reference.draft import (
+import raggedspec.reference.draft as draft_mod
+from raggedspec.conformance.test_draft import MODEL, TIER_A, StepSpy, V, state_with
+from raggedspec.reference.cache import KvCache
+from raggedspec.reference.draft import (
     DraftKv,
     group_drafting_loop,
     propose_chain,
 )
-from reference.errors import CacheRefusal, StepRefusal
+from raggedspec.reference.errors import CacheRefusal, StepRefusal
 
 # --- §9.3 the group drafting loop -------------------------------------------------------------------
 

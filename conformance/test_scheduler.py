@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.scheduler import (
+from raggedspec.reference.scheduler import (
     COALESCE_PAYBACK_STEPS,
     PrefillFloor,
     RaggedAdmission,

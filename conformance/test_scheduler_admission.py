@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from conformance.test_scheduler import GRANT, REFUSE, comp, prompt, state_for
-from reference.errors import CapabilityRefusal, SchedulerRefusal
-from reference.scheduler import (
+from raggedspec.conformance.test_scheduler import GRANT, REFUSE, comp, prompt, state_for
+from raggedspec.reference.errors import CapabilityRefusal, SchedulerRefusal
+from raggedspec.reference.scheduler import (
     DEFAULT_PREFILL_FLOOR_STEPS,
     IN,
     NOTHING,

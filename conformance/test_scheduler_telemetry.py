@@ -6,9 +6,9 @@ Expected values are the spec's quoted lines and counts.
 
 from __future__ import annotations
 
-from conformance.test_scheduler import LENS_64_APART, comp, state_for
-from reference.scheduler import schedule
-from reference.scheduler_telemetry import (
+from raggedspec.conformance.test_scheduler import LENS_64_APART, comp, state_for
+from raggedspec.reference.scheduler import schedule
+from raggedspec.reference.scheduler_telemetry import (
     BucketTelemetry,
     interval_line,
     parse_running_waiting,

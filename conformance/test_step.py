@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.capability import KvAdvance
-from reference.step import (
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.step import (
     CohortPlan,
     PerSequencePlan,
     budget_clamp,
@@ -32,7 +32,7 @@ from reference.step import (
     verify_proposed,
     window_verify_row,
 )
-from reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS
+from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS
 
 VOCAB = 97
 

@@ -7,11 +7,11 @@ Expected values come from the spec's worked examples; lengths are read back off 
 import numpy as np
 import pytest
 
-from reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
-from reference.capability import KvAdvance
-from reference.dispatch import resolve_row_cache_lens
-from reference.errors import StepRefusal
-from reference.step import (
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.dispatch import resolve_row_cache_lens
+from raggedspec.reference.errors import StepRefusal
+from raggedspec.reference.step import (
     commit_per_sequence,
     n_cache_positions_to_drop,
     plan_batch_step,
@@ -21,7 +21,7 @@ from reference.step import (
     verify_proposed,
     window_guard,
 )
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.xs_rolling import XsRolling
 
 # --- §12.3 rollback ---------------------------------------------------------------------------------------------
 

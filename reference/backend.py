@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference import align, dispatch, draft, masks, rope, step
-from reference.attention import Dsv4AttentionConfig, dsv4_attention
-from reference.cache import KvCache, NormalCache, PLAIN_CACHE_CAPACITY, SingleCache
-from reference.errors import require
-from reference.model import Forward, TinyModel
-from reference.xs_rolling import XsRolling
+from raggedspec.reference import align, dispatch, draft, masks, rope, step
+from raggedspec.reference.attention import Dsv4AttentionConfig, dsv4_attention
+from raggedspec.reference.cache import KvCache, NormalCache, PLAIN_CACHE_CAPACITY, SingleCache
+from raggedspec.reference.errors import require
+from raggedspec.reference.model import Forward, TinyModel
+from raggedspec.reference.xs_rolling import XsRolling
 
 BACKENDS = ("numpy", "torch")
 DTYPES = ("float64", "float32", "bfloat16")
@@ -486,14 +486,14 @@ class NumpyBackend(Backend):
 # Named backends, as `module:factory` strings: the reference never imports the port's
 # packages itself (the import arrow runs gpu -> reference only).
 NAMED_BACKENDS = {
-    "torch": "gpu.backend:TorchBackend",
-    "cupy": "gpu.cupy_backend:CupyBackend",
+    "torch": "raggedspec.gpu.backend:TorchBackend",
+    "cupy": "raggedspec.gpu.cupy_backend:CupyBackend",
 }
 
 
 def load_backend(spec=None, device: str | None = None, dtype: str | None = None) -> Backend:
     """A backend from its name: None or "numpy" -> `NumpyBackend`; a name in `NAMED_BACKENDS`
-    ("torch" -> `gpu.backend:TorchBackend`, "cupy" -> `gpu.cupy_backend:CupyBackend`, CUDA
+    ("torch" -> `raggedspec.gpu.backend:TorchBackend`, "cupy" -> `raggedspec.gpu.cupy_backend:CupyBackend`, CUDA
     only: ValueError with the reason elsewhere) or a "package.module:factory" string ->
     `factory(device=, dtype=)` (a class or a function), imported by name. A `Backend` instance
     is returned as is. ValueError (naming the spec) for an unknown name, a module or attribute
@@ -525,5 +525,5 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
     backend = factory(**kwargs)
     if not isinstance(backend, Backend):
         raise ValueError(f"backend {spec!r}: {attr} returned {type(backend).__name__}, not a "
-                         f"reference.backend.Backend")
+                         f"raggedspec.reference.backend.Backend")
     return backend

@@ -11,7 +11,7 @@ identical, integer for integer, to the tensor mode's (conformance/test_lengths.p
 
 What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
 counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
-`reference.lengths_scheduler`. Run `python -m reference.lengths --bench` for the B = 1024,
+`reference.lengths_scheduler`. Run `python -m raggedspec.reference.lengths --bench` for the B = 1024,
 10,000-step benchmark.
 """
 
@@ -23,19 +23,19 @@ import time
 
 import numpy as np
 
-from reference.acceptance import build_model, build_oracle
-from reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
-from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
-from reference.capability import KvAdvance
-from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL,
+from raggedspec.reference.acceptance import build_model, build_oracle
+from raggedspec.reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL,
                               NULL_COLS, ROW_DTYPE, advance_latch, fill_rows, grown_capacity, ragged_capable,
                               step_fields, summarize)
-from reference.scenario import Scenario, load_scenario, model_config
-from reference.lengths_scheduler import ScheduleMirror
-from reference.scheduler_telemetry import BucketTelemetry
-from reference.scheduler import engine_cache_instruction
-from reference.step import mtp_window, per_seq_advance, verify_proposed, window_guard
-from reference.trace import Trace
+from raggedspec.reference.scenario import Scenario, load_scenario, model_config
+from raggedspec.reference.lengths_scheduler import ScheduleMirror
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
+from raggedspec.reference.scheduler import engine_cache_instruction
+from raggedspec.reference.step import mtp_window, per_seq_advance, verify_proposed, window_guard
+from raggedspec.reference.trace import Trace
 
 # Why a row that could draft (u < w, may draft) did not, counted per row-step in
 # `LengthsEngine.stalls` (and `Trace.draft_stalls` of a lengths run; not written to the file).
@@ -517,7 +517,7 @@ def bench(batch: int = 1024, steps: int = 10_000, advance: str = "per-sequence")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reference.lengths", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m raggedspec.reference.lengths", description=__doc__.splitlines()[0])
     p.add_argument("--bench", action="store_true", help="time B=1024 x 10,000 steps (both advance rules)")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10_000)

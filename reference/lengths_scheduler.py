@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from reference.scheduler import COALESCE_PAYBACK_STEPS
+from raggedspec.reference.scheduler import COALESCE_PAYBACK_STEPS
 
 
 def admit_waiting(new: np.ndarray, room: int, cap: int | None) -> np.ndarray:

@@ -14,13 +14,13 @@ import math
 
 import numpy as np
 
-from reference.accounting import AcceptanceTelemetry
-from reference.cache import CACHE_GROW_SIZE, KvCache, NormalCache
-from reference.capability import KvAdvance, KvAdvanceLatch
-from reference.scenario import Scenario, model_config
-from reference.scheduler_telemetry import BucketTelemetry
-from reference.trace import COL, ROW_COLUMNS, Trace
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.accounting import AcceptanceTelemetry
+from raggedspec.reference.cache import CACHE_GROW_SIZE, KvCache, NormalCache
+from raggedspec.reference.capability import KvAdvance, KvAdvanceLatch
+from raggedspec.reference.scenario import Scenario, model_config
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
+from raggedspec.reference.trace import COL, ROW_COLUMNS, Trace
+from raggedspec.reference.xs_rolling import XsRolling
 
 NCOL = len(ROW_COLUMNS)
 ROW_DTYPE = np.int32  # trace rows: lengths fit in 32 bits; halves a long run's memory

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from reference.acceptance import load_accept_file, resolve_factory
-from reference.errors import ScenarioError
+from raggedspec.reference.acceptance import load_accept_file, resolve_factory
+from raggedspec.reference.errors import ScenarioError
 
 MAX_DEPTH = 8
 ADVANCES = ("cohort", "per-sequence")
@@ -487,7 +487,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
 def model_config(sc: Scenario):
     """The `reference.model.ModelConfig` of a scenario: its `model` table, `max_seq_len`,
     and `seed` unless `model.seed` is given. A bad size raises ScenarioError naming it."""
-    from reference.model import ModelConfig
+    from raggedspec.reference.model import ModelConfig
 
     kw = dict(sc.model)
     kw.setdefault("seed", sc.seed)

@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from reference.errors import Refusal, SchedulerRefusal, require
-from reference.scheduler_telemetry import BucketTelemetry
+from raggedspec.reference.errors import Refusal, SchedulerRefusal, require
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 
 WORLDS = ("W0", "WA", "WB")
 COALESCE_PAYBACK_STEPS = 256

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from reference.errors import require
+from raggedspec.reference.errors import require
 
 RUNNING_WAITING_RE = re.compile(r"(\d+) running, (\d+) waiting")
 

@@ -1,8 +1,8 @@
 """Tensor-mode step simulator: the engine loop driving the tensor-side rules through a backend.
 
 The simulator owns the control flow; every tensor-side operation is one method of a backend
-(`reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode step
+(`raggedspec.reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
+`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode step
 runs cache-and-draft.md §16 in order, through the backend; control flow never reads a float, so
 two backends take the same path on the same scenario. The step in detail, the shared choices
 (`reference.policy`) and what `record_tensors=True` records are in docs/simulator.md ("Inside
@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.acceptance import build_model, build_oracle
-from reference.accounting import AcceptanceTelemetry, from_fused_verify
-from reference.backend import Backend, load_backend
-from reference.capability import KvAdvance
-from reference.dispatch import MtpHiddenCapture
-from reference.draft import DraftKv, DraftKvMap
-from reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
-from reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_LEFT,
+from raggedspec.reference.acceptance import build_model, build_oracle
+from raggedspec.reference.accounting import AcceptanceTelemetry, from_fused_verify
+from raggedspec.reference.backend import Backend, load_backend
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.dispatch import MtpHiddenCapture
+from raggedspec.reference.draft import DraftKv, DraftKvMap
+from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
+from raggedspec.reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_LEFT,
                               ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL, NULL_COLS, ROW_DTYPE, advance_latch,
                               fill_rows, guard_error, step_fields, summarize)
-from reference.scenario import Scenario, load_scenario, model_config
-from reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
+from raggedspec.reference.scenario import Scenario, load_scenario, model_config
+from raggedspec.reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
                                  engine_cache_instruction, install_admission, schedule)
-from reference.step import mtp_window, per_seq_advance, window_guard
-from reference.trace import Trace
+from raggedspec.reference.step import mtp_window, per_seq_advance, window_guard
+from raggedspec.reference.trace import Trace
 
 
 class _StepFailed(Exception):

@@ -241,7 +241,7 @@ def run_case(cfg: dict, strategies: list[Strategy], reasons: dict, timer: Timer,
              spread: int, precheck_failed: dict, log) -> dict:
     import torch
 
-    from gpu.align import materialize_front_aligned
+    from raggedspec.gpu.align import materialize_front_aligned
 
     device, dtype = torch.device(cfg["device"]), getattr(torch, cfg["dtype"])
     lens = make_lens(b, L, spread, w, cfg["seed"])
@@ -449,16 +449,16 @@ def e2e_overrides(cfg: dict, advance: str) -> list[str]:
 
 def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
     """Cohort and per-sequence advance through `reference.simulator.run` on the backend
-    `cfg["backend"]` (default torch: `gpu.backend.TorchBackend(device, dtype)`; "cupy": the
+    `cfg["backend"]` (default torch: `raggedspec.gpu.backend.TorchBackend(device, dtype)`; "cupy": the
     kernels); each step's wall time from the simulator's
     progress callback (the device synchronized first), its live KV tokens (sum of the rows'
     own lengths) and padded tokens (rows x batch width) from the trace. Writes e2e.json and
     e2e.md under out_dir; returns the result."""
     import torch
 
-    from reference import simulator
-    from reference.backend import load_backend
-    from reference.scenario import load_scenario
+    from raggedspec.reference import simulator
+    from raggedspec.reference.backend import load_backend
+    from raggedspec.reference.scenario import load_scenario
 
     log = log or (lambda msg: None)
     device = torch.device(cfg["device"])

@@ -24,7 +24,7 @@ STRATEGIES = {
     "cohort": "cohort truncation to the shortest row (LOSSY, reference only)",
     "port": "torch port: dsv4_attention_in_place on RaggedKv (offsets)",
     "inplace_sdpa": "in-place RaggedKv + per-row offset mask, SDPA (no copy)",
-    "cupy": "CuPy kernel (gpu.cupy_kernels.ragged_verify_attention)",
+    "cupy": "CuPy kernel (raggedspec.gpu.cupy_kernels.ragged_verify_attention)",
 }
 NEGATIVE_CONTROLS = {"no_dead_prefix_mask": "NEGATIVE CONTROL: padded SDPA without the dead-prefix mask"}
 LOSSY = ("cohort",)
@@ -54,7 +54,7 @@ def make_lens(b: int, L: int, spread: int, w: int, seed: int) -> list[int]:
 
 def capacity_for(n: int) -> int:
     """The port's capacity rule (512 columns, grown by whole 512-column blocks) for n columns."""
-    from reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+    from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
     return PLAIN_CACHE_CAPACITY + max(0, -(-(n - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
 
 
@@ -66,8 +66,8 @@ class Case:
     def __init__(self, w: int, lens: list[int], hk: int, h: int, d: int, dtype, device, seed: int) -> None:
         import torch
 
-        from gpu.align import materialize_front_aligned
-        from gpu.cache import RaggedKv
+        from raggedspec.gpu.align import materialize_front_aligned
+        from raggedspec.gpu.cache import RaggedKv
 
         self.w, self.lens, self.hk, self.h, self.d = w, list(lens), hk, h, d
         self.b, self.g, self.T = len(lens), h // hk, max(lens)
@@ -308,13 +308,13 @@ class Port(Strategy):
             "are upcast to float32 (more copies); with DSV4's 128-token window the gather is w + 127 columns")
 
     def prepare(self, case):
-        from gpu.cache import RaggedKv
+        from raggedspec.gpu.cache import RaggedKv
         b, hk, cap, d = case.kv.k.shape
         return RaggedKv(case.kv.k.view(b * hk, 1, cap, d), case.kv.v.view(b * hk, 1, cap, d),
                         case.lens_t.repeat_interleave(hk), max_seq_len=case.cap)
 
     def run(self, case, kv_folded):
-        from gpu.attention import dsv4_attention_in_place
+        from raggedspec.gpu.attention import dsv4_attention_in_place
         q = case.q.view(case.b * case.hk, case.g, case.w, case.d)
         out = dsv4_attention_in_place(q, kv_folded, None, 0, sliding_window=case.cap)
         return case.unpack(out)
@@ -336,7 +336,7 @@ class InplaceSdpa(Strategy):
 
 class Cupy(Strategy):
     name = "cupy"
-    MODULE = "gpu.cupy_kernels"
+    MODULE = "raggedspec.gpu.cupy_kernels"
     FUNCTION = "ragged_verify_attention"
 
     def __init__(self) -> None:
@@ -365,7 +365,7 @@ class Cupy(Strategy):
         """On the CPU, the same kernel source run by the g++ emulator (gpu/kernel_emulator.py):
         the bench's layout contract is checked against the reference like every strategy,
         and the timing is the emulator's (marked; no performance claim). Elsewhere: `why`."""
-        from gpu import kernel_emulator
+        from raggedspec.gpu import kernel_emulator
 
         if device.type != "cpu" or kernel_emulator.compilers()["g++"] is None:
             return why
