@@ -1,4 +1,4 @@
-"""`raggedspec bench` (gpu/bench.py) in its CPU smoke mode, so the benchmark never rots: every
+"""`raggedspec bench` (raggedspec/bench/) in its CPU smoke mode, so the benchmark never rots: every
 strategy that can run on the CPU runs and agrees with the float64 reference, a wrong strategy is
 reported WRONG and not timed, the byte accounting follows its formulas, and the reports are
 written. No timing is asserted beyond "measured and positive" (the smoke makes no claims).
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from raggedspec.gpu import bench, kernel_emulator
+from raggedspec.gpu import kernel_emulator
+from raggedspec.bench import report, runner, strategies
 
 CPU_STRATEGIES = ("per_row", "padded_sdpa", "flex", "cohort", "port", "inplace_sdpa")
 EMULATED = kernel_emulator.compilers()["g++"] is not None   # the CuPy slot runs emulated on the CPU
@@ -27,7 +28,7 @@ EMULATED = kernel_emulator.compilers()["g++"] is not None   # the CuPy slot runs
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-smoke")
-    rc = bench.main(["--smoke", "--out", str(out), "-q"])
+    rc = runner.main(["--smoke", "--out", str(out), "-q"])
     return rc, out, json.loads((out / "bench.json").read_text())
 
 
@@ -38,7 +39,7 @@ def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
     assert res["precheck"]["failed"] == {}
     s = res["settings"]
     assert len(res["rows"]) == len(s["batches"]) * len(s["lengths"]) * len(s["spreads"]) * len(s["windows"])
-    tol = bench.TOLERANCE["float32"]
+    tol = strategies.TOLERANCE["float32"]
     for row in res["rows"]:
         for name in CPU_STRATEGIES:
             r = row["strategies"][name]
@@ -66,7 +67,7 @@ def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
     for row in lossy:   # it drops the longer rows' oldest keys: far off the full reference
         assert row["strategies"]["cohort"]["err_full"] > 0.05
     for row in exact:   # a uniform batch loses nothing
-        assert row["strategies"]["cohort"]["err_full"] <= bench.TOLERANCE["float32"]
+        assert row["strategies"]["cohort"]["err_full"] <= strategies.TOLERANCE["float32"]
 
 
 def test_smoke_byte_accounting_follows_the_formulas(smoke):
@@ -84,7 +85,7 @@ def test_smoke_byte_accounting_follows_the_formulas(smoke):
     bw = [m["GBps"] for m in res["copy_bandwidth"]]
     assert len(bw) == 2 and min(bw) > 0
     row = res["rows"][0]
-    assert bench.bound_ms(res, row) == pytest.approx(row["live_kv_bytes"] / (max(bw) * 1e9) * 1e3)
+    assert report.bound_ms(res, row) == pytest.approx(row["live_kv_bytes"] / (max(bw) * 1e9) * 1e3)
 
 
 def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
@@ -101,12 +102,12 @@ def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     copy = tmp_path / "bench.json"
     copy.write_text((out / "bench.json").read_text())
-    assert bench.main(["--replot", str(copy)]) == 0
+    assert runner.main(["--replot", str(copy)]) == 0
     assert (tmp_path / "bench.md").read_text() == md and (tmp_path / "bench.png").stat().st_size > 10_000
 
 
 def test_negative_control_without_dead_prefix_mask_is_wrong_and_not_timed(tmp_path):
-    rc = bench.main(["--smoke", "--strategies", "padded_sdpa,no_dead_prefix_mask", "--batches", "1,4",
+    rc = runner.main(["--smoke", "--strategies", "padded_sdpa,no_dead_prefix_mask", "--batches", "1,4",
                      "--lengths", "40", "--spreads", "0,24", "--windows", "2", "--out", str(tmp_path), "-q"])
     assert rc == 0                                          # negative controls do not fail the run
     res = json.loads((tmp_path / "bench.json").read_text())
@@ -119,11 +120,11 @@ def test_negative_control_without_dead_prefix_mask_is_wrong_and_not_timed(tmp_pa
 
 
 def _case(dtype, w=2, seed=3):
-    lens = bench.make_lens(6, 48, 24, w, seed)
-    return bench.Case(w, lens, hk=2, h=4, d=16, dtype=dtype, device="cpu", seed=seed)
+    lens = strategies.make_lens(6, 48, 24, w, seed)
+    return strategies.Case(w, lens, hk=2, h=4, d=16, dtype=dtype, device="cpu", seed=seed)
 
 
-class _OffByOne(bench.InplaceSdpa):
+class _OffByOne(strategies.InplaceSdpa):
     """Each query also sees the next position (a causal off-by-one)."""
 
     def prepare(self, case):
@@ -132,7 +133,7 @@ class _OffByOne(bench.InplaceSdpa):
         return (c[None, None, :] <= qpos[:, :, None])[:, None]
 
 
-class _ReadsSlack(bench.InplaceSdpa):
+class _ReadsSlack(strategies.InplaceSdpa):
     """The in-place layout read as if every row were T long (slack columns unmasked)."""
 
     def prepare(self, case):
@@ -144,17 +145,17 @@ class _ReadsSlack(bench.InplaceSdpa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
     case = _case(dtype)
-    ref = bench.reference_attention(case)
-    tol = bench.TOLERANCE[str(dtype).removeprefix("torch.")]
-    assert bench.check_strategy(bench.InplaceSdpa(), case, ref, None, tol)["status"] == "ok"   # control
+    ref = strategies.reference_attention(case)
+    tol = strategies.TOLERANCE[str(dtype).removeprefix("torch.")]
+    assert runner.check_strategy(strategies.InplaceSdpa(), case, ref, None, tol)["status"] == "ok"   # control
     for wrong in (_OffByOne(), _ReadsSlack()):
-        res = bench.check_strategy(wrong, case, ref, None, tol)
+        res = runner.check_strategy(wrong, case, ref, None, tol)
         assert res["status"] == "WRONG" and res["err"] > tol, type(wrong).__name__
 
 
 def test_a_strategy_that_disagrees_is_wrong_not_timed_and_fails_the_run(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench.TOLERANCE, "float32", 0.0)    # nothing float32 can meet
-    rc = bench.main(["--smoke", "--strategies", "per_row,padded_sdpa", "--batches", "2", "--lengths", "40",
+    monkeypatch.setitem(strategies.TOLERANCE, "float32", 0.0)    # nothing float32 can meet
+    rc = runner.main(["--smoke", "--strategies", "per_row,padded_sdpa", "--batches", "2", "--lengths", "40",
                      "--spreads", "8", "--windows", "2", "--out", str(tmp_path), "-q"])
     assert rc == 1
     res = json.loads((tmp_path / "bench.json").read_text())
@@ -185,25 +186,25 @@ def _brute_force(q, k, v, lens, w, keep=None):
 
 @pytest.mark.parametrize("keep", [None, 10])
 def test_reference_attention_equals_brute_force(keep):
-    case = bench.Case(3, [13, 10, 12], hk=2, h=4, d=8, dtype=torch.float64, device="cpu", seed=5)
-    got = bench.reference_attention(case, keep=keep).numpy()
+    case = strategies.Case(3, [13, 10, 12], hk=2, h=4, d=8, dtype=torch.float64, device="cpu", seed=5)
+    got = strategies.reference_attention(case, keep=keep).numpy()
     want = _brute_force(case.q.numpy(), case.kv.k.numpy(), case.kv.v.numpy(), case.lens, 3, keep)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_make_lens_rules():
-    lens = bench.make_lens(128, 4096, 64, 4, seed=0)
-    assert lens == bench.make_lens(128, 4096, 64, 4, seed=0)          # seeded
+    lens = strategies.make_lens(128, 4096, 64, 4, seed=0)
+    assert lens == strategies.make_lens(128, 4096, 64, 4, seed=0)          # seeded
     assert lens[0] == 4096 and lens[1] == 4096 - 64 and all(4032 <= n <= 4096 for n in lens)
     assert len(set(lens)) > 10
-    assert bench.make_lens(5, 100, 0, 2, seed=1) == [100] * 5
-    assert bench.make_lens(1, 100, 50, 2, seed=1) == [100]
+    assert strategies.make_lens(5, 100, 0, 2, seed=1) == [100] * 5
+    assert strategies.make_lens(1, 100, 50, 2, seed=1) == [100]
     with pytest.raises(ValueError, match="L 10 - spread 9 < window 2"):
-        bench.make_lens(3, 10, 9, 2, seed=0)
+        strategies.make_lens(3, 10, 9, 2, seed=0)
 
 
 def test_the_headline_case_runs_first():
-    order = bench.case_order(dict(bench.FULL))
+    order = runner.case_order(dict(runner.FULL))
     assert len(order) == 36 and len(set(order)) == 36
     assert [(b, L, s) for (_, b, L, s) in order[:2]] == [(128, 4096, 64)] * 2
     assert sorted(w for (w, *_rest) in order[:2]) == [2, 4]
@@ -215,23 +216,23 @@ def test_the_headline_case_runs_first():
     (["--lengths", "10", "--spreads", "9"], "shorter than the window"),
 ])
 def test_usage_errors_exit_2(argv, needle, tmp_path, capsys):
-    assert bench.main(["--smoke", "--out", str(tmp_path), *argv]) == 2
+    assert runner.main(["--smoke", "--out", str(tmp_path), *argv]) == 2
     assert needle in capsys.readouterr().err
 
 
 def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
     monkeypatch.setattr(kernel_emulator, "compilers", lambda: {"g++": None, "nvcc": None})
-    reason = bench.Cupy().unavailable(torch.device("cpu"))
+    reason = strategies.Cupy().unavailable(torch.device("cpu"))
     assert isinstance(reason, str) and reason      # on the CPU without g++ it never runs
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "raggedspec.gpu.cupy_kernels" else real(name, *a))
-    assert bench.Cupy().unavailable(torch.device("cuda")) == \
+    assert strategies.Cupy().unavailable(torch.device("cuda")) == \
         "no module raggedspec.gpu.cupy_kernels (the CuPy kernels are not written yet)"
 
 
 def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
-    assert bench.main(["--e2e", "--smoke", "--out", str(tmp_path), "-q"]) == 0
+    assert runner.main(["--e2e", "--smoke", "--out", str(tmp_path), "-q"]) == 0
     res = json.loads((tmp_path / "e2e.json").read_text())
     runs = {r["advance"]: r for r in res["runs"]}
     assert set(runs) == {"cohort", "per-sequence"}
@@ -244,7 +245,7 @@ def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     md = (tmp_path / "e2e.md").read_text()
     assert md.startswith("**SMOKE run") and "| cohort | " in md and "| per-sequence | " in md
     (tmp_path / "e2e.md").unlink()                       # a run cut short: the table again from the JSON
-    assert bench.main(["--replot", str(tmp_path / "e2e.json")]) == 0
+    assert runner.main(["--replot", str(tmp_path / "e2e.json")]) == 0
     assert (tmp_path / "e2e.md").read_text() == md
 
 
@@ -253,25 +254,25 @@ def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     (1.20, 40.0, "targets MISSED"),     # over 1.10x the bound
     (1.00, 20.0, "targets MISSED"),     # only 20x the per-row loop
 ])
-def test_headline_verdict_on_the_issue_targets(cupy_ms, per_row_ms, verdict):
+def test_headline_verdict_on_the_targets(cupy_ms, per_row_ms, verdict):
     # bandwidth 1 GB/s and 1e6 live bytes: the bound is exactly 1 ms
     result = {"copy_bandwidth": [{"GBps": 1.0}]}
     row = {"w": 2, "B": 128, "L": 4096, "spread": 64, "live_kv_bytes": 1_000_000,
            "strategies": {"per_row": {"status": "ok", "ms": per_row_ms}, "cupy": {"status": "ok", "ms": cupy_ms}}}
     other = dict(row, spread=0)                      # not the headline case: no line
-    lines = bench.headline_lines(result, [row, other])
+    lines = report.headline_lines(result, [row, other])
     assert len(lines) == 1 and lines[0].endswith(verdict + ".")
     assert f"`cupy` {cupy_ms:.3f} ms = {cupy_ms:.2f}x bound" in lines[0]
     not_run = dict(row, strategies={"per_row": {"status": "ok", "ms": 9.0},
                                     "cupy": {"status": "not run", "reason": "no module"}})
-    assert "targets not assessed (cupy: not run)" in bench.headline_lines(result, [not_run])[0]
+    assert "targets not assessed (cupy: not run)" in report.headline_lines(result, [not_run])[0]
     emulated = dict(result, notes={"cupy": "g++ emulation of the CUDA kernel on the CPU (...)"})
-    assert "targets not assessed (the cupy column is the g++ emulator" in bench.headline_lines(emulated, [row])[0]
+    assert "targets not assessed (the cupy column is the g++ emulator" in report.headline_lines(emulated, [row])[0]
 
 
 @pytest.mark.skipif(not EMULATED, reason="the emulated kernel backend needs g++ on the PATH")
 def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
-    assert bench.main(["--e2e", "--smoke", "--e2e-backend", "raggedspec.gpu.cupy_backend:emulated", "--out", str(tmp_path),
+    assert runner.main(["--e2e", "--smoke", "--e2e-backend", "raggedspec.gpu.cupy_backend:emulated", "--out", str(tmp_path),
                        "-q"]) == 0
     res = json.loads((tmp_path / "e2e.json").read_text())
     assert res["settings"]["backend"] == "raggedspec.gpu.cupy_backend:emulated"
@@ -286,5 +287,5 @@ def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, caps
         argv, needle = ["--device", "cpu"], "runs on CUDA only"
     else:
         argv, needle = [], "needs a CUDA GPU"
-    assert bench.main(["--e2e", "--smoke", "--e2e-backend", "cupy", *argv, "--out", str(tmp_path), "-q"]) == 2
+    assert runner.main(["--e2e", "--smoke", "--e2e-backend", "cupy", *argv, "--out", str(tmp_path), "-q"]) == 2
     assert needle in capsys.readouterr().err

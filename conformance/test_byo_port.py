@@ -37,7 +37,7 @@ def table(stdout: str) -> dict[str, tuple[int, str]]:
 
 
 MASK = "dead-prefix union mask, backend (M §4 steps 5-7, §5)"
-E2E = "end to end: the same scenario on two backends (issue 4 item 3)"
+E2E = "end to end: the same scenario on two backends"
 EXAMPLE = "the spec's worked examples end to end (C §16)"
 ADVANCE = "cohort and per-sequence advance arithmetic, backend (C §12.1, §12.2)"
 

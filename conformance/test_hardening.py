@@ -163,7 +163,7 @@ def test_a_failed_or_interrupted_write_leaves_every_existing_file_and_no_tempora
 def test_simulate_interrupted_while_writing_the_csv_keeps_the_earlier_trace(
     tmp_path, monkeypatch, capsys
 ):
-    import raggedspec.reference.trace
+    from raggedspec.reference import trace as reference_trace
 
     out = tmp_path / "t.jsonl"
     out.write_text("earlier trace\n")
@@ -172,7 +172,7 @@ def test_simulate_interrupted_while_writing_the_csv_keeps_the_earlier_trace(
         Path(path).write_text("partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reference.trace, "write_csv", interrupted)
+    monkeypatch.setattr(reference_trace, "write_csv", interrupted)
     rc, err = run_cli(["simulate", *TINY, "--out", out, "--csv"], capsys)
     assert rc == 130 and "interrupted" in err
     assert out.read_text() == "earlier trace\n"

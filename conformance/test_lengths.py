@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.reference import lengths, simulator
+from raggedspec.reference import lengths, lengths_scheduler, simulator
 from raggedspec.reference.acceptance import OracleError, Profile
 from raggedspec.reference.scenario import load_scenario
 
@@ -337,7 +337,7 @@ def sequential_admission(new, room, cap):
 
 @given(new=st.lists(st.booleans(), max_size=40), room=st.integers(-3, 45), cap=st.none() | st.integers(1, 10))
 def test_the_vectorized_admission_equals_the_sequential_rule(new, room, cap):
-    got = lengths.admit_waiting(np.array(new, dtype=bool), room, cap)
+    got = lengths_scheduler.admit_waiting(np.array(new, dtype=bool), room, cap)
     assert got.tolist() == sequential_admission(new, room, cap)
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from raggedspec.reference.acceptance import (AllAccept, AllReject, CheckedOracle, FileStream, Geometric, Heterogeneous,
                                   ModelOracle, OracleError, Profile, key_hash, threshold)
-from raggedspec.reference.scenario import Request, ScenarioError, load_scenario, parse_acceptance
+from raggedspec.reference.errors import ScenarioError
+from raggedspec.reference.scenario import Request, load_scenario, parse_acceptance
 from raggedspec.reference.step import verify_proposed
 
 # ----------------------------------------------------------------------------- loading

@@ -1,4 +1,4 @@
-"""Rules the review of issue 2 found without a function or a test: the verify-logits argmax,
+"""Rules that had no function or test of their own: the verify-logits argmax,
 the MTP wrapping decision, per-row prompt offsets, the synthetic-acceptance harness, the
 propose/verify loop, the §22 smoke checks, and malformed-input checks of the dispatch and
 mask rules (cache-and-draft.md §17.2, §19.1; masks-and-scheduling.md §1, §3, §22).
@@ -369,7 +369,7 @@ def test_a_merged_ragged_batch_130_97_61_equals_solo_runs():
         assert np.max(np.abs(bad[0, i] - solo[i][0])) > 20 * 1e-12 * max(1.0, float(np.max(np.abs(solo[i][0]))))
 
 
-# --- issue 2: malformed input raises ValueError naming the value -------------------------------------
+# --- malformed input raises ValueError naming the value -------------------------------------
 
 
 def test_resolve_draft_leads_refuses_a_negative_chain_start_whatever_the_flag():

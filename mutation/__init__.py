@@ -1,4 +1,4 @@
-"""Mutation testing for raggedspec (issue 6; docs/mutation.md).
+"""Mutation testing for raggedspec (docs/mutation.md).
 
 `mutation.catalogue` holds the named semantic mutants (one small, exact source substitution
 each, with the spec row it comes from); `raggedspec.mutation.runner` applies them one at a time in a

@@ -46,6 +46,13 @@ CAP, MASKS, ATTN, ROPE = _C + "test_capability.py", _C + "test_masks.py", _C + "
 ACC, SCHED, CACHE = _C + "test_accounting.py", _C + "test_scheduler.py", _C + "test_cache.py"
 KILLS, SPEC_GAPS = _C + "test_mutation_kills.py", _C + "test_spec_gaps.py"
 P_DISP, P_STEP = _C + "test_port_dispatch.py", _C + "test_port_step.py"
+# Test files split by topic: an entry naming the first file runs the whole family, in order.
+TOPIC_FILES = {
+    ALIGN: (ALIGN, _C + "test_align_draft.py"),
+    DRAFT: (DRAFT, _C + "test_draft_loop.py"),
+    STEP: (STEP, _C + "test_step_commit.py"),
+    SCHED: (SCHED, _C + "test_scheduler_admission.py", _C + "test_scheduler_telemetry.py"),
+}
 
 R_DISP, R_STEP, R_CAP, R_ALIGN = "reference/dispatch.py", "reference/step.py", "reference/capability.py", "reference/align.py"
 R_DRAFT, R_MASKS, R_ROPE, R_ACC = "reference/draft.py", "reference/masks.py", "reference/rope.py", "reference/accounting.py"
@@ -53,7 +60,8 @@ R_SCHED = "reference/scheduler.py"
 
 
 def M(name, file, old, new, spec, *tests, expect="caught", subs=()):
-    return Mutant(name, file, old, new, spec, tuple(tests), expect, tuple(subs))
+    files = tuple(f for t in tests for f in TOPIC_FILES.get(t, (t,)))
+    return Mutant(name, file, old, new, spec, files, expect, tuple(subs))
 
 
 CATALOGUE: list[Mutant] = [
@@ -546,36 +554,36 @@ PORT_CATALOGUE: list[Mutant] = [
     M("port RoPE: the gathered table uses offsets[0] for every row", G_ROPE,
       "        positions = offsets[:, None] + torch.arange(t, device=x.device)[None, :]\n",
       "        positions = offsets[:1, None] + torch.arange(t, device=x.device)[None, :]\n", "M§23", P_ROPE),
-    # ------------------------------------------------------------------ the hand-written kernels (issue 5)
+    # ------------------------------------------------------------------ the hand-written kernels
     # Caught on the CPU by the g++-emulated runner of conformance/test_cupy_kernels.py.
     M("kernel rs_front_align: row 0's length for every row", G_KERN,
       "        long long src = j - (T - lens[b]);\n", "        long long src = j - (T - lens[0]);\n",
-      "issue 5", P_KERN),
+      "kernels.cu", P_KERN),
     M("kernel rs_ragged_union_mask: forget the row's dead prefix", G_KERN,
       "ok = kp <= qp && kp > qp - window && kp >= q0 - rows[b];", "ok = kp <= qp && kp > qp - window;",
-      "issue 5; M§5", P_KERN),
+      "kernels.cu; M§5", P_KERN),
     M("kernel rs_rope: row 0's offset for every row", G_KERN,
       "double pos = (double)(offsets[n_off == 1 ? 0 : b] + t);", "double pos = (double)(offsets[0] + t);",
-      "issue 5; M§23", P_KERN),
+      "kernels.cu; M§23", P_KERN),
     M("kernel rs_verify_attention_partial: no causal mask inside the verify window", G_KERN,
       "const bool ok = raw ? (p <= qp && p > qp - window)", "const bool ok = raw ? (p > qp - window)",
-      "issue 5", P_KERN),
+      "kernels.cu", P_KERN),
     M("kernel rs_verify_attention_partial: skip the online-softmax rescale", G_KERN,
       "for (int qi = 0; qi < RS_NQ; ++qi) acc[qi][jd] *= alpha_s[qi];", "for (int qi = 0; qi < RS_NQ; ++qi) {}",
-      "issue 5", P_KERN),
+      "kernels.cu", P_KERN),
     M("kernel rs_verify_attention_partial: the sliding window is not applied", G_KERN,
       "const bool ok = raw ? (p <= qp && p > qp - window)", "const bool ok = raw ? (p <= qp)",
-      "issue 5; M§4", P_KERN),
+      "kernels.cu; M§4", P_KERN),
     M("kernel rs_verify_attention_partial: compressed blocks valid by the batch's longest row", G_KERN,
-      ": (p < (qp + 1) / ratio);", ": (p < (n + 1) / ratio);", "issue 5; M§5", P_KERN),
+      ": (p < (qp + 1) / ratio);", ": (p < (n + 1) / ratio);", "kernels.cu; M§5", P_KERN),
     M("kernel rs_verify_attention_partial: query row b reads KV row b, not rows[b]", G_KERN,
       "const long long row = rows[b], n = (row >= 0", "const long long row = b, n = (row >= 0",
-      "issue 5", P_KERN),
+      "kernels.cu", P_KERN),
     M("kernel rs_verify_attention_combine: drop the sink from the denominator", G_KERN,
-      "den = has_sinks ? rs_exp(sink - mx) : (RS_ACC)0;", "den = (RS_ACC)0;", "issue 5; M§4", P_KERN),
+      "den = has_sinks ? rs_exp(sink - mx) : (RS_ACC)0;", "den = (RS_ACC)0;", "kernels.cu; M§4", P_KERN),
     M("kernel rs_verify_attention_combine: sum the splits without their maxima", G_KERN,
       "RS_ACC f = rs_exp(part_m[s * stride + row] - mx);", "RS_ACC f = (RS_ACC)1;",
-      "issue 5", P_KERN),
+      "kernels.cu", P_KERN),
     # The tensor-core kernel and the emulator's warp semantics it is tested through.
     M("kernel rs_verify_attention_tc: wait one group short (a stage read before its copies land)",
       G_KERN,

@@ -385,12 +385,12 @@ def run_check_kernel(args) -> int:
 
 
 def add_bench(sub) -> argparse.ArgumentParser:
-    from raggedspec.gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
+    from raggedspec.bench.runner import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
 
 
 def run_bench(args) -> int:
-    from raggedspec.gpu.bench import run
+    from raggedspec.bench.runner import run
     return run(args)
 
 

@@ -30,7 +30,7 @@ from raggedspec.gpu import cupy_kernels as ck
 from raggedspec.gpu import kernel_emulator as emu
 
 ARCH = "sm_90"
-BENCH_TC = ((8, 128), (16, 128))  # G * w = 4 * 2 and 4 * 4 at head dim 128 (gpu/bench.py)
+BENCH_TC = ((8, 128), (16, 128))  # G * w = 4 * 2 and 4 * 4 at head dim 128 (raggedspec/bench)
 
 
 @dataclass(frozen=True)

@@ -2,52 +2,9 @@
 
 Control flow must never depend on a floating-point result (DESIGN.md), so accept counts and
 token ids come from seeded **integer** oracles, never from the tiny model's logits: two
-backends then take the same path and every tensor can be compared.
-
-**Keying.** All randomness is a 64-bit splitmix hash of `(seed, seq id, absolute position)`
-(plus a per-model salt), never of the row or the batch: a sequence's accepts and tokens do
-not depend on its batch-mates, which is what the batched == solo tests rely on. A probability
-p is an integer threshold `round(p * 2**32)`; a draft at absolute position k is "right" iff
-`hash(seed, seq, k) >> 32 < threshold`. Vectorized over rows (numpy uint64).
-
-**Acceptance models** (`AcceptanceModel.accepted(seq, pos, n, k) -> a`, arrays; `pos = L` is
-the absolute position the first draft predicts, `n` drafts proposed, `k` the sequence's
-count of earlier verifies that drafted, `0 <= a <= n`):
-- `Geometric(p)`: every draft position is right with probability p; a = the run of right
-  positions from L (so P(a >= j) = p**j).
-- `Profile([p0, p1, ...])`: draft j (position L + j) is right with probability p_j (the last
-  entry repeats), e.g. 0.74, 0.54, 0.41.
-- `Heterogeneous(ps | p_range)`: geometric with a per-sequence probability, `ps[seq % len]`
-  or drawn in `[lo, hi]` from `(seed, seq)`.
-- `AllAccept` (a = n), `AllReject` (a = 0).
-- `FileStream(path)`: accept counts read from a JSON file, either a list used by every
-  sequence or `{"default": [...], "<seq id>": [...]}`; the sequence's k-th drafting verify
-  takes entry `k mod len`, clamped to n. `load_accept_file` reads and checks it (a missing or
-  unreadable file, bad JSON, a negative or non-integer count, a key that is neither "default"
-  nor a sequence id, or a sequence with no list and no default raise `ScenarioError` naming
-  `acceptance.path` and the file).
-
-**Token oracles** (`TokenOracle`, the pluggable interface): `prompt(seq, length)` -> the
-prompt tokens, `target(seq, context) -> token` (what the target's greedy argmax would be
-after `context`), `draft(seq, context, n) -> n tokens` (the MTP chain's proposals after
-`context`). The simulator verifies `verify_proposed(draft(...), [target(ctx ++ drafts[:j])
-for j])`, so the accept count is always `len(verified.accepted)`. `ModelOracle(model)` turns
-any acceptance model into a token oracle: sequence s has a "true" token stream
-`true(s, k) = hash(seed, s, k) % vocab`; `target` returns the true token at `len(context)`;
-`draft` proposes the true tokens where the model accepts and a different token at the first
-rejected position. So the committed stream is always the true stream (speculation is
-lossless), and `len(verify_proposed(...).accepted)` equals the model's count.
-
-**A custom oracle** comes from a factory `"module:callable"` (`resolve_factory`): the module
-is imported with the current working directory first on `sys.path` (so `my_module.py` in the
-folder a run starts from is found, also from the `raggedspec` console script), the attribute
-must exist and be callable; `build_model` calls it with the `Scenario` and checks that the
-result has callable `prompt`, `target` and `draft`. Any failure raises `ScenarioError` naming
-`acceptance.factory` and the factory. Both simulator modes then drive the oracle through
-`CheckedOracle` (`build_oracle` wraps every custom oracle): each call's result is checked
-against the protocol (the right number of tokens, each an int in `[0, vocab)`), and a breach
-raises `OracleError` (a `ScenarioError`) naming the call, the sequence and the bad value, so
-the two modes refuse a broken oracle identically instead of diverging.
+backends then take the same path and every tensor can be compared. The keying, each model, the
+token-oracle protocol and how a custom oracle is loaded and checked are in docs/simulator.md
+("Acceptance models", "Inside the two modes").
 """
 
 from __future__ import annotations
@@ -64,8 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from raggedspec.reference.errors import require
-from raggedspec.reference.scenario import ScenarioError
+from raggedspec.reference.errors import ScenarioError, require
 
 U64 = np.uint64
 _C1, _C2, _C3 = U64(0x9E3779B97F4A7C15), U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)

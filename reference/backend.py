@@ -483,14 +483,22 @@ class NumpyBackend(Backend):
 # ----------------------------------------------------------------------------- selection
 
 
+# Named backends, as `module:factory` strings: the reference never imports the port's
+# packages itself (the import arrow runs gpu -> reference only).
+NAMED_BACKENDS = {
+    "torch": "raggedspec.gpu.backend:TorchBackend",
+    "cupy": "raggedspec.gpu.cupy_backend:CupyBackend",
+}
+
+
 def load_backend(spec=None, device: str | None = None, dtype: str | None = None) -> Backend:
-    """A backend from its name: None or "numpy" -> `NumpyBackend`; "torch" ->
-    `raggedspec.gpu.backend.TorchBackend(device, dtype)`; "cupy" -> `raggedspec.gpu.cupy_backend.CupyBackend(device,
-    dtype)` (CUDA only: ValueError with the reason elsewhere); "package.module:factory" -> `factory(device=,
-    dtype=)` (a class or a function). A `Backend` instance is returned as is. ValueError
-    (naming the spec) for an unknown name, a module or attribute that does not exist, or a
-    factory that does not return a Backend; the backends' own ValueErrors for an unsupported
-    device or dtype (e.g. "cuda" without CUDA)."""
+    """A backend from its name: None or "numpy" -> `NumpyBackend`; a name in `NAMED_BACKENDS`
+    ("torch" -> `raggedspec.gpu.backend:TorchBackend`, "cupy" -> `raggedspec.gpu.cupy_backend:CupyBackend`, CUDA
+    only: ValueError with the reason elsewhere) or a "package.module:factory" string ->
+    `factory(device=, dtype=)` (a class or a function), imported by name. A `Backend` instance
+    is returned as is. ValueError (naming the spec) for an unknown name, a module or attribute
+    that does not exist, or a factory that does not return a Backend; the backends' own
+    ValueErrors for an unsupported device or dtype (e.g. "cuda" without CUDA)."""
     if isinstance(spec, Backend):
         return spec
     kwargs = {}
@@ -500,24 +508,16 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
         kwargs["dtype"] = dtype
     if spec is None or spec == "numpy":
         return NumpyBackend(**kwargs)
-    if spec == "torch":
-        try:
-            from raggedspec.gpu.backend import TorchBackend
-        except ImportError as exc:
-            raise ValueError(f"backend 'torch' needs torch and the gpu package: {exc}") from exc
-        return TorchBackend(**kwargs)
-    if spec == "cupy":
-        try:
-            from raggedspec.gpu.cupy_backend import CupyBackend
-        except ImportError as exc:
-            raise ValueError(f"backend 'cupy' needs torch and the gpu package: {exc}") from exc
-        return CupyBackend(**kwargs)
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"unknown backend {spec!r}: expected numpy, torch, cupy or package.module:factory")
-    mod_name, _, attr = spec.partition(":")
+    named = NAMED_BACKENDS.get(spec) if isinstance(spec, str) else None
+    if named is None and (not isinstance(spec, str) or ":" not in spec):
+        raise ValueError(f"unknown backend {spec!r}: expected numpy, {', '.join(NAMED_BACKENDS)} "
+                         f"or package.module:factory")
+    mod_name, _, attr = (named or spec).partition(":")
     try:
         module = importlib.import_module(mod_name)
     except ImportError as exc:
+        if named is not None:
+            raise ValueError(f"backend {spec!r} needs torch and the gpu package: {exc}") from exc
         raise ValueError(f"backend {spec!r}: cannot import {mod_name!r} ({exc})") from exc
     factory = getattr(module, attr, None)
     if factory is None:

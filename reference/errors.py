@@ -41,6 +41,10 @@ class SchedulerRefusal(Refusal):
     """A scheduler or admission rule refused."""
 
 
+class ScenarioError(ValueError):
+    """A malformed scenario: the message names the key and the allowed range or values."""
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless condition holds: the malformed-input check."""
     if not condition:

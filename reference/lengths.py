@@ -5,38 +5,19 @@ real cache, model and draft-chain functions, but keeps only what decides control
 sequence its token count, the length, capacity and pending lead of its own target cache, its
 draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
 resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
-per-row rule is a numpy integer expression over the batch's rows; the only Python loops on
-the step path are over draft groups (at most w per step) and scheduler buckets. The trace is
+per-row rule is a numpy integer expression over the batch's rows; the only Python loops on the
+step path are over draft groups (at most w per step) and scheduler buckets. The trace is
 identical, integer for integer, to the tensor mode's (conformance/test_lengths.py).
 
-Spec flow: masks-and-scheduling.md §15-§20 (scheduler, engine cache instruction), cache-and-
-draft.md §16 (one batched decode step), §7.4 (prompt priming), §9.3 (group loop), §11.2,
-§12, §13, §15, §5.5 (strip policy). Choices where the spec is silent are listed in
-docs/simulator.md and in `reference.simulator`'s docstring (the two modes share them):
-- the prompt forward of a step runs after its completion forward (§20.1 step 3); a prompt
-  step does not clear the draft-KV map (the gate precedes the pre-op, §16 steps 1-2);
-- a step that fails (guard, refused alignment, a capacity refusal, a chain error) fails the
-  requests of that batch ("the requests fail, and the engine survives", §20.1 step 4);
-- the deferral's plain decode feeds one token per row at the row's own position;
-- strip "eager": the per-sequence commit strips then `set_len` (§12.2); "lazy": it sets the
-  padded length `lead + own + committed` and records the lead as pending, stripped by the next
-  `In`; "none" (negative control): it records the padded length `C + committed` as the row's
-  own length (the compounding trap of §9.8 / masks §14).
-
-Beyond the shared trace, a lengths run sets `Trace.draft_stalls`: per reason (STALL_*), the
-row-steps in which a row that could draft (u < w, may draft) did not. It is not written to the
-file (the tensor mode does not count it); the drift sweep uses it to explain a stall.
-
-The scheduler mirror is vectorized too: admitting the waiting queue next to the running set
-(`admit_waiting`) is a cumulative-sum expression, not a loop over the waiting list.
-
-Run `python -m raggedspec.reference.lengths --bench` for the B = 1024, 10,000-step benchmark.
+What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
+counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
+`reference.lengths_scheduler`. Run `python -m raggedspec.reference.lengths --bench` for the B = 1024,
+10,000-step benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -44,26 +25,17 @@ import numpy as np
 
 from raggedspec.reference.acceptance import build_model, build_oracle
 from raggedspec.reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
-from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, KvCache, NormalCache
-from raggedspec.reference.capability import KvAdvance, KvAdvanceLatch
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL,
+                              NULL_COLS, ROW_DTYPE, advance_latch, fill_rows, grown_capacity, ragged_capable,
+                              step_fields, summarize)
 from raggedspec.reference.scenario import Scenario, load_scenario, model_config
-from raggedspec.reference.scheduler import COALESCE_PAYBACK_STEPS, BucketTelemetry
-from raggedspec.reference.step import verify_proposed
-from raggedspec.reference.trace import ROW_COLUMNS, Trace
-from raggedspec.reference.xs_rolling import XsRolling
-
-NCOL = len(ROW_COLUMNS)
-ROW_DTYPE = np.int32  # trace rows: lengths fit in 32 bits; halves a long run's memory
-
-# The trace's `error` field names the kind of failure (identical in both modes); the detail
-# text goes to `Trace.messages` in the tensor mode.
-ERR_GUARD_LEFT = "left-aligned guard"
-ERR_GUARD_FOLLOWS = "follows guard"
-ERR_CLONE_IN = "clone_in refused"
-ERR_CAPACITY = "capacity refused"
-ERR_XS_ROLLBACK = "xs rollback refused"
-ERR_CHAIN = "draft chain refused"
-ERR_COMMIT = "per-sequence commit refused"
+from raggedspec.reference.lengths_scheduler import ScheduleMirror
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
+from raggedspec.reference.scheduler import engine_cache_instruction
+from raggedspec.reference.step import mtp_window, per_seq_advance, verify_proposed, window_guard
+from raggedspec.reference.trace import Trace
 
 # Why a row that could draft (u < w, may draft) did not, counted per row-step in
 # `LengthsEngine.stalls` (and `Trace.draft_stalls` of a lengths run; not written to the file).
@@ -72,119 +44,18 @@ STALL_RAGGED = "ragged group refused"      # front_align_draft_group refused (§
 STALL_INELIGIBLE = "no usable draft state"  # budget 0, poisoned, no seed at the chain start (§9.3)
 
 
-# ----------------------------------------------------------------------------- shared policy
-
-
-def target_cache_skeleton(sc: Scenario) -> NormalCache:
-    """The simulated V4 target cache's slot layout (no tensors): one Normal K/V slot per
-    target layer, then one XsRolling slot per compressed layer. The capability chain
-    (`per_sequence_refusal`) is evaluated on it."""
-    cfg = model_config(sc)
-    slots = [KvCache.new_normal(sc.max_seq_len) for _ in cfg.compress_ratios]
-    slots += [XsRolling(r, max_seq_len=sc.max_seq_len) for r in cfg.compress_ratios if r > 0]
-    return NormalCache(slots)
-
-
-def advance_latch(sc: Scenario) -> tuple[KvAdvanceLatch, KvAdvance]:
-    """The pipeline's `kv_advance()` latch and its decision for this scenario (depth 0 has no
-    MTP pipeline: Cohort, nothing requested)."""
-    latch = KvAdvanceLatch(sc.per_seq_kv and sc.depth > 0, sc.xs_per_seq, sc.admission)
-    return latch, latch.kv_advance(target_cache_skeleton(sc))
-
-
-def ragged_capable(sc: Scenario) -> bool:
-    """`batch_can_be_ragged` of the target cache: Normal slots always, XsRolling slots only
-    with `xs_per_seq` (the WA channel `ragged_decode_supported`)."""
-    cfg = model_config(sc)
-    return sc.xs_per_seq or not any(r > 0 for r in cfg.compress_ratios)
-
-
-def guard_error(kind: str, cache_lens, tok_lens, w: int) -> str:
-    """The text of a failed step whose window check refused (§16 step 4)."""
-    if kind == "left_aligned_guard":
-        return (f"MTP step refused by the left-aligned guard: per-row cache_lens {list(cache_lens)} and "
-                f"token lengths {list(tok_lens)} leave a tail outside [1, {w}]")
-    return (f"MTP step refused by the follows guard: kv_advance is PerSequence but this step did not "
-            f"assemble the batch (cache_lens {list(cache_lens)}, token lengths {list(tok_lens)}, w {w}); "
-            f"the resident batched cache is C + w wide")
-
-
-def grown_capacity(cap, need):
-    """`SingleCache.append`'s growth: capacity after holding `need` columns (whole 512-column
-    blocks); arrays or ints."""
-    short = np.maximum(np.asarray(need) - np.asarray(cap), 0)
-    return np.asarray(cap) + -(-short // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
-
-
-LENGTH_PHASES = ("decode", "defer")  # steps run on the batched cache: their rows carry leads
-
-
-def summarize(trace: Trace, telemetry: AcceptanceTelemetry, sched: BucketTelemetry,
-              latch: KvAdvanceLatch, errors: int) -> dict:
-    """The summary object (both modes), from the recorded steps. `max_spread` and
-    `mean_padding_fraction` cover every step that ran on the batched cache: decode steps and
-    the window deferral's plain decode (`defer`), which carries the same leads. A step's rows
-    are the scheduled bucket only: `shattered_steps` counts the measured steps whose
-    scheduler formed more than one bucket, whose spread therefore leaves out the rows that
-    waited in the other buckets."""
-    committed = decode = shattered = 0
-    spreads, pads = [], []
-    for i in range(len(trace)):
-        f = trace.step_fields(i)
-        committed += f["committed"]
-        decode += f["phase"] == "decode"
-        if f["phase"] in LENGTH_PHASES:
-            pads.append(f["padding_fraction"])
-            shattered += f["buckets"] > 1
-            own = trace.row_array(i)[:, 2]
-            if own.size:
-                spreads.append(int(own.max() - own.min()))
-    tps = telemetry.total.tokens_per_step()
-    markers = [telemetry.marker("agg")]
-    sm = sched.sched_bucket_marker()
-    if sm is not None:
-        markers.append(sm)
-    return {"steps": len(trace), "decode_steps": decode, "committed": committed,
-            "tok_per_step": 0.0 if tps is None else tps, "max_spread": max(spreads, default=0),
-            "mean_padding_fraction": (math.fsum(pads) / len(pads)) if pads else 0.0,
-            "refusal": latch.refusal and latch.messages[-1], "errors": errors, "markers": markers,
-            "shattered_steps": shattered}
-
-
-def step_fields(step, phase, advance, instr, running, waiting, buckets, groups, width, pad, committed,
-                tps, bucket, prefill, error) -> dict:
-    return {"step": step, "phase": phase, "advance": advance, "cache_instruction": instr,
-            "running": running, "waiting": waiting, "buckets": buckets, "groups": groups, "width": width,
-            "padding_fraction": pad, "committed": committed, "tok_per_step": tps, "bucket": bucket,
-            "prefill": prefill, "error": error}
-
-
-def admit_waiting(new: np.ndarray, room: int, cap: int | None) -> np.ndarray:
-    """`scheduler.schedule`'s admission of the waiting queue (sorted by id) next to running
-    sequences, vectorized: the sequential rule "admit while the running set has room, but at
-    most `cap` never-admitted (`new`) sequences" admits exactly the first `room` of the
-    candidates, where the candidates are every previously admitted sequence and the first
-    `cap` new ones (room and the new count only grow along the queue, so once a sequence is
-    refused for room every later one is too). Returns the admitted mask.
-    conformance/test_lengths.py checks it against the sequential loop."""
-    new = np.asarray(new, dtype=bool)
-    cand = ~new if cap is not None else np.ones(new.shape, dtype=bool)
-    if cap is not None:
-        cand |= new & (np.cumsum(new) <= cap)
-    return cand & (np.cumsum(cand) <= room)
-
-
 # ----------------------------------------------------------------------------- the engine
 
 
-class LengthsEngine:
+class LengthsEngine(ScheduleMirror):
     """The lengths-only engine; `run()` returns the Trace. State arrays are indexed by
-    sequence id (the request's index in the scenario)."""
+    sequence id (the request's index in the scenario). Its scheduler half (`_schedule`) is
+    `reference.lengths_scheduler.ScheduleMirror`."""
 
     def __init__(self, sc: Scenario, progress=None) -> None:
         self.sc = sc
         self.progress = progress
-        self.w = sc.depth + 1
+        self.w = mtp_window(sc.depth)
         self.mtp = sc.depth > 0
         self.max = sc.max_seq_len
         self.model = build_model(sc.acceptance, sc.seed, sc)
@@ -193,8 +64,8 @@ class LengthsEngine:
         self.oracle = build_oracle(self.model, sc.seed, cfg.vocab) if self.tokens_mode else None
         self.has_xs = any(r > 0 for r in cfg.compress_ratios)
         self.tier_a = cfg.mtp == "heads"  # no MTP block: no seed is ever stashed, so no row drafts (§7.2 step 3)
-        self.latch, kv = advance_latch(sc)
-        self.per_seq = kv is KvAdvance.PER_SEQUENCE
+        self.latch, self.kv = advance_latch(sc)
+        self.per_seq = self.kv is KvAdvance.PER_SEQUENCE
         self.granted = sc.world == "WB" and self.per_seq
         self.can = ragged_capable(sc)
         n = sc.batch
@@ -203,7 +74,9 @@ class LengthsEngine:
         self.M = np.array([r.max_new_tokens for r in req], dtype=np.int64)
         self.arrival = np.array([r.arrival for r in req], dtype=np.int64)
         self.may = np.array([r.may_draft for r in req], dtype=bool)
-        z = lambda v=0: np.full(n, v, dtype=np.int64)  # noqa: E731
+        def z(v: int = 0) -> np.ndarray:
+            return np.full(n, v, dtype=np.int64)
+
         self.L, self.stored, self.tcap, self.pending = z(), z(-1), z(PLAIN_CACHE_CAPACITY), z()
         self.is_prompt = np.ones(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)
@@ -230,108 +103,6 @@ class LengthsEngine:
         self.order = np.argsort(self.arrival, kind="stable")
         self.next_arrival = 0
         self.log2 = None
-
-    # ------------------------------------------------------------------ scheduler (§16, §20)
-    def _log2(self, n: np.ndarray) -> np.ndarray:
-        """`math.log2` values (bit-identical to the scheduler's) from a lookup table."""
-        top = int(n.max(initial=1)) + 1
-        if self.log2 is None or self.log2.shape[0] < top:
-            size = max(top, self.max + 2)
-            self.log2 = np.array([0.0] + [math.log2(i) for i in range(1, size)], dtype=np.float64)
-        return self.log2[n]
-
-    def _keys(self, run: np.ndarray) -> np.ndarray:
-        """Scheduler key of each running id, encoded `2 * len + ragged_flag` (tuple order)."""
-        prompt = self.is_prompt[run]
-        klen = np.where(prompt, np.maximum(self.L[run] - 1, 0), self.stored[run])
-        world = self.sc.world
-        if world == "WA" and self.ragged_supported:
-            klen = np.where(prompt, klen, 0)
-        flag = np.zeros(run.shape[0], dtype=np.int64)
-        if world == "WB" and self.granted and (~prompt).any():
-            rl = int(self.stored[run][~prompt].min())
-            klen = np.where(prompt, klen, rl)
-            flag = (~prompt).astype(np.int64)
-        return 2 * klen + flag
-
-    def _key_tuple(self, code: int, any_prompt_imgs=False) -> list:
-        klen, flag = divmod(int(code), 2)
-        key = [klen, False, 0]
-        if self.sc.world == "WB":
-            key.append(bool(flag))
-        return key
-
-    def _schedule(self):
-        """Mirror of `scheduler.schedule` (see conformance/test_lengths.py)."""
-        sc = self.sc
-        running, waiting = self.running, self.waiting
-        if not running and not waiting:
-            return None
-        cap = sc.prefill_max_seqs if sc.world == "WA" else None
-        max_seqs = sc.max_seqs if sc.max_seqs is not None else 1 << 30
-        if running:
-            self.admitted[running] = True
-        held: list[int] = []
-        if not running:
-            discrete = True
-            run = waiting if cap is None else waiting[:cap]
-            held = [] if cap is None else waiting[cap:]
-            run = list(run)
-        else:
-            discrete = not waiting
-            wait = np.sort(np.asarray(waiting, dtype=np.int64))
-            take = admit_waiting(~self.admitted[wait], max_seqs - len(running), cap)
-            run = list(running) + wait[take].tolist()
-            held = wait[~take].tolist()
-        run_arr = np.array(run, dtype=np.int64)
-        self.admitted[run_arr] = True
-        keys = self._keys(run_arr)
-        uniq, first_idx, inv = np.unique(keys, return_index=True, return_inverse=True)
-        n_buckets = uniq.shape[0]
-        if sc.world == "WA":
-            pass  # the WA transition log line is not traced
-        if n_buckets <= 1:
-            key = int(uniq[0])
-        else:
-            key = self._select(uniq, inv, run_arr, discrete)
-            if sc.world == "WA" and sc.prefill_floor is not None and not discrete:
-                prompt_codes = uniq[self.is_prompt[run_arr[first_idx]]]
-                if key in set(prompt_codes.tolist()):
-                    self.floor_count = 0
-                elif self.floor_count >= sc.prefill_floor and prompt_codes.size:
-                    self.floor_count = 0
-                    key = int(prompt_codes.min())
-                else:
-                    self.floor_count += 1
-        chosen_mask = keys == key
-        chosen = run_arr[chosen_mask]
-        rest = run_arr[~chosen_mask]
-        self.urg[chosen] = 0
-        self.urg[rest] += 1
-        self.sched.record_bucketing(int(n_buckets), len(run), int(chosen.shape[0]))
-        self.waiting = held + rest.tolist()
-        return chosen, key, int(n_buckets)
-
-    def _select(self, uniq: np.ndarray, inv: np.ndarray, run: np.ndarray, discrete: bool) -> int:
-        """`select_running_bucket` over encoded keys (ties as reference.scheduler breaks them)."""
-        lo = int(uniq[0])
-        if discrete:
-            return lo
-        prio = np.bincount(inv, weights=self.urg[run].astype(np.float64) + self._log2(self.L[run]),
-                           minlength=uniq.shape[0])
-        best = prio.max()
-        greedy = int(uniq[np.flatnonzero(prio == best)[0]])
-        if greedy == lo:
-            return lo
-        lo_len, lo_flag = divmod(lo, 2)
-        lens, flags = np.divmod(uniq, 2)
-        above = lens[(lens > lo_len) & (flags == lo_flag)]
-        if above.size == 0:
-            return greedy
-        sizes = np.bincount(inv, minlength=uniq.shape[0])
-        n_min, total = int(sizes[0]), int(sizes.sum())
-        gap = int(above.min()) - lo_len
-        return lo if (total - n_min) * gap <= n_min * COALESCE_PAYBACK_STEPS else greedy
 
     # ------------------------------------------------------------------ draft-KV map
     def _checkout(self, ids: np.ndarray) -> None:
@@ -409,11 +180,11 @@ class LengthsEngine:
             committed = 0
             if comp.shape[0]:
                 fields, rows = self._decode(comp)
-                committed += int(rows[:, 8].sum()) if rows.shape[0] else 0
+                committed += int(rows[:, COL["committed"]].sum()) if rows.shape[0] else 0
                 self.last_completion = comp.tolist()
             if prom.shape[0]:
                 prow, perr = self._prompt(prom)
-                committed += int(prow[:, 8].sum())
+                committed += int(prow[:, COL["committed"]].sum())
                 self.last_completion = []
                 if fields is None:
                     fields = {"phase": "prompt", "advance": self._advance_name(False), "instr": "Reset",
@@ -458,9 +229,9 @@ class LengthsEngine:
         plen = self.P[ids]
         width = int(plen.max())
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5] = ids, np.arange(b), plen, width, plen
-        rows[:, 4] = width - plen
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b), own_len=plen, width=width, u=plen)
+        rows[:, COL["lead"]] = width - plen
+        rows[:, NULL_COLS] = -1
         cap = int(grown_capacity(PLAIN_CACHE_CAPACITY, width))
         if width > PLAIN_CACHE_CAPACITY and cap > self.max:
             return rows, self._fail(ids, ERR_CAPACITY)
@@ -471,12 +242,12 @@ class LengthsEngine:
                 ctx = self.toks[i]
                 self.toks[i] = ctx + [self.oracle.target(i, ctx)]
         self.L[ids] = plen + 1
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         if self.mtp:
             self._checkout(ids)
             self._extend(ids, np.zeros(b, dtype=np.int64), width)
             self._checkin(ids)
-            rows[:, 12] = np.where(self.d_in[ids], self.d_filled[ids], 0)
+            rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0)
         self._finish(ids)
         return rows, None
 
@@ -484,13 +255,13 @@ class LengthsEngine:
     def _decode(self, ids: np.ndarray):
         sc, w, b = self.sc, self.w, ids.shape[0]
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1] = ids, np.arange(b)
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b))
+        rows[:, NULL_COLS] = -1
         res = {"phase": "decode", "advance": "cohort", "instr": None, "width": 0, "pad": 0.0, "groups": 0,
                "error": None}
-        changed = ids.tolist() != self.last_completion
-        go_in = changed or (sc.world == "WB" and self.granted)
-        if go_in:
+        pre, post = engine_cache_instruction(sc.world, "completion", ids.tolist(), self.last_completion, False,
+                                             self.granted)
+        if pre.kind == "In":
             res["instr"] = "In"
             self.stored[ids] -= self.pending[ids]
             self.tcap[ids] -= self.pending[ids]
@@ -522,21 +293,20 @@ class LengthsEngine:
             mtp_lead = np.zeros(b, dtype=np.int64)
             assembled = False
         res["width"] = bc
-        rows[:, 2], rows[:, 3], rows[:, 4] = bc - lead, bc, lead
+        fill_rows(rows, own_len=bc - lead, width=bc, lead=lead)
         res["pad"] = float(lead.sum() / (b * bc)) if bc else 0.0
-        psa = assembled and self.per_seq and self.mtp
+        psa = per_seq_advance(assembled, post.kind == "Out", self.kv)
         res["advance"] = self._advance_name(psa)
         row_lens = (bc - mtp_lead) if (psa and (mtp_lead > 0).any()) else None
         cache_lens = row_lens if row_lens is not None else np.full(b, bc, dtype=np.int64)
         L = self.L[ids]
         u = np.maximum(L - cache_lens, 0)
-        rows[:, 5] = u
+        rows[:, COL["u"]] = u
         ok = bool(((cache_lens + u) >= 2).all() and (u >= 1).all() and (u <= w).all())
         if not ok:
-            if row_lens is not None:
-                return self._decode_fail(res, rows, ids, ERR_GUARD_LEFT)
-            if self.per_seq and self.mtp:
-                return self._decode_fail(res, rows, ids, ERR_GUARD_FOLLOWS)
+            what = window_guard(row_lens is not None, self.kv)
+            if what in GUARD_ERRORS:
+                return self._decode_fail(res, rows, ids, GUARD_ERRORS[what])
             return self._defer(res, rows, ids, bc, bcap, lead)
         budget = np.maximum(self.max - L, 0)
         drafts = np.zeros(b, dtype=np.int64)
@@ -560,7 +330,7 @@ class LengthsEngine:
                 k = min(int(a[r]), int(e[r]))
                 self.toks[i] += prop[:k] + ([targets[int(a[r])]] if e[r] > k else [])
         self.L[ids] = L + e
-        rows[:, 6], rows[:, 7], rows[:, 8] = drafts, a, e
+        fill_rows(rows, drafted=drafts, accepted=a, committed=e)
         # advance (§12)
         if not psa:
             keep = int((u + a).min())
@@ -590,15 +360,15 @@ class LengthsEngine:
             else:
                 self.stored[ids] = bc + committed
                 self.pending[ids] = 0
-        rows[:, 12] = np.where(self.d_in[ids], self.d_filled[ids], 0) if self.mtp else 0
+        rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0) if self.mtp else 0
         self._finish(ids)
         return res, rows
 
     def _decode_fail(self, res, rows, ids, kind):
         res["error"] = self._fail(ids, kind)
-        rows[:, 6:9] = 0
-        rows[:, 9:12] = -1
-        rows[:, 12] = 0
+        fill_rows(rows, drafted=0, accepted=0, committed=0)
+        rows[:, NULL_COLS] = -1
+        rows[:, COL["filled"]] = 0
         return res, rows
 
     def _defer(self, res, rows, ids, bc, bcap, lead):
@@ -612,7 +382,7 @@ class LengthsEngine:
             for i in ids.tolist():
                 self.toks[i].append(self.oracle.target(i, self.toks[i]))
         self.L[ids] += 1
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         self.stored[ids], self.tcap[ids], self.pending[ids] = bc + 1, grown, lead
         self.resident = (tuple(ids.tolist()), bc + 1, grown, lead)
         self._finish(ids)
@@ -670,9 +440,9 @@ class LengthsEngine:
             self.d_cap[mids] = bcap - lead
             self.d_filled[mids] = st + 1
             drafts[members] = n_draft
-            rows[members, 9] = gu
-            rows[members, 10] = code & ((1 << 40) - 1)
-            rows[members, 11] = st
+            rows[members, COL["group_u"]] = gu
+            rows[members, COL["group_start"]] = code & ((1 << 40) - 1)
+            rows[members, COL["chain_start"]] = st
         return True
 
     def _accept(self, ids, L, drafts) -> np.ndarray:

@@ -1,29 +1,13 @@
 """Simulator scenarios: what runs, how drafts are accepted, and which engine policy applies.
 
-A scenario is a TOML or JSON file, a dict, or either plus CLI-style overrides. Every key,
-its default and its range is in `FIELDS` below (and docs/simulator.md). Requests are either
-an explicit list (`requests = [{prompt_len, max_new_tokens, arrival, may_draft}, ...]`) or a
+A scenario is a TOML or JSON file, a dict, or either plus CLI-style overrides. Every key, its
+default and its range is in `FIELDS` below (and docs/simulator.md). Requests are either an
+explicit list (`requests = [{prompt_len, max_new_tokens, arrival, may_draft}, ...]`) or a
 generator (`batch`, `prompt_len`, `max_new_tokens`, `arrival`, `stagger`); the generator is
-seeded and integer, so the same scenario always yields the same requests.
-
-**Advance rule, flags and the refusal chain** (cache-and-draft.md §13). `advance =
-"per-sequence"` *requests* PerSequence: it is the `ARC_MTP_PER_SEQ_KV` flag, so `per_seq_kv`
-defaults to `advance == "per-sequence"` and may not contradict it. The request is granted
-only when `capability.per_sequence_refusal(cache, xs_per_seq, admission)` is None for the
-simulated V4 target cache (K/V slots, then one XsRolling slot per compressed layer): that
-needs `xs_per_seq = true` (`ARC_V4_XS_PER_SEQ`), a model with a compressed layer, and
-`admission = "grant"`. When refused the run latches Cohort, exactly as arc does, and the trace
-summary's `refusal` carries the "cannot honour it" line naming the check that refused.
-The WB scheduler admits ragged cohorts (and the engine issues `In` every step) only when the
-pipeline actually runs PerSequence (the pipeline that declares ragged admission Ok is
-unspecified upstream, §19.5; this is the chosen rule).
-
-Malformed scenarios raise `ScenarioError` (a ValueError) whose message names the key and its
-allowed range or values. That includes the acceptance model: a probability model without its
-probabilities (`profile:`, a one-value `heterogeneous`) is refused by `parse_acceptance`, and
-`load_scenario` reads and checks the file model's file and resolves the oracle's factory
-(`check_acceptance`), so a bad `acceptance.path` or `acceptance.factory` is refused before
-anything runs.
+seeded and integer, so the same scenario always yields the same requests. The advance request,
+its flags and refusal chain, and what is refused as malformed are in docs/simulator.md ("Inside
+the two modes"); a malformed scenario raises `ScenarioError` (`reference.errors`) naming the
+key and the allowed values.
 """
 
 from __future__ import annotations
@@ -34,6 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from raggedspec.reference.acceptance import load_accept_file, resolve_factory
+from raggedspec.reference.errors import ScenarioError
 
 MAX_DEPTH = 8
 ADVANCES = ("cohort", "per-sequence")
@@ -46,11 +32,7 @@ MODEL_KEYS = ("vocab", "hidden", "n_heads", "head_dim", "rope_dims", "compress_r
               "seed", "mtp")
 
 
-MAX_LENGTH = 2**31 - 1  # lengths fit the trace's 32-bit row columns (reference.lengths.ROW_DTYPE)
-
-
-class ScenarioError(ValueError):
-    """A malformed scenario: the message names the key and the allowed range or values."""
+MAX_LENGTH = 2**31 - 1  # lengths fit the trace's 32-bit row columns (reference.policy.ROW_DTYPE)
 
 
 def _fail(key: str, allowed: str, got: Any) -> None:
@@ -326,8 +308,6 @@ def check_acceptance(spec: AcceptanceSpec, n_seqs: int) -> None:
     valid accept counts (covering every one of the `n_seqs` sequences when it has no
     default), and the oracle's factory imports and is callable. Raises ScenarioError naming
     `acceptance.path` / `acceptance.factory` and the bad value (reference.acceptance)."""
-    from raggedspec.reference.acceptance import load_accept_file, resolve_factory
-
     if spec.model == "file":
         load_accept_file(spec.path, n_seqs)
     elif spec.model == "oracle":

@@ -1,28 +1,9 @@
-"""Scheduling, ragged admission, the engine's cache instruction, and scheduler telemetry.
+"""Scheduling, ragged admission and the engine's cache instruction.
 
 Spec: masks-and-scheduling.md §0 (the three worlds), §15-§18, §20, §21. Everything here is
-integer bookkeeping over small sequence records; no tensors.
-
-**Worlds** (§0, §20 "World policy"); `SchedulerState.world` picks one, default "W0":
-- "W0": key `(cache_bucket_len, images and is_prompt, token_offset)`, cohort only.
-- "WA": the W0 key, but every completion keys to len 0 while `ragged_decode_supported`
-  (the channel published by the last `clone_in_cache`); plus the prefill floor and cap.
-- "WB": the W0 key plus a fourth `ragged` flag from `RaggedAdmission` (granted: every
-  completion shares `(min cache_bucket_len, imgs, offset, True)`).
-
-**Determinism.** Wherever the spec says "ties arbitrary" this module breaks ties by the
-smallest key tuple (Python tuple order, `False < True`): `min` is `min(keys)` (smallest len,
-then smallest rest); `greedy` is the largest summed priority, ties to the smallest key; the
-floor's forced prompt bucket is the smallest prompt key. Bucket members keep the order in
-which they appear in the running set handed to the bucketing.
-
-**Cross-step state** (urgency per id, the WA floor counter, `last_completion_ids`, the WA
-channel, both copies of the admission decision, telemetry) lives in one `SchedulerState`
-that `schedule`, `bucket_and_waitlist_seqs_waiting` and `plan_engine_iteration` update.
-A simulator calls `schedule` once per engine step, passing back `outcome.running` and
-`outcome.waiting` (with lengths advanced by the step, finished sequences dropped and new
-requests appended to `waiting` as `is_prompt=True, cache_len=None` records), then
-`plan_engine_iteration` for the cache instructions.
+integer bookkeeping over small sequence records; no tensors. The three worlds' keys, how ties
+are broken and the cross-step state (`SchedulerState`) are in docs/simulator.md ("Inside the
+two modes").
 """
 
 from __future__ import annotations
@@ -33,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from raggedspec.reference.errors import Refusal, SchedulerRefusal, require
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 
 WORLDS = ("W0", "WA", "WB")
 COALESCE_PAYBACK_STEPS = 256
 DEFAULT_PREFILL_FLOOR_STEPS = 4
 RAGGED_ADMISSION_ON = "Ragged batch admission is ON"
-RUNNING_WAITING_RE = re.compile(r"(\d+) running, (\d+) waiting")
 _USIZE = re.compile(r"\+?[0-9]+")  # what Rust's `str::parse::<usize>` accepts
 
 
@@ -183,111 +164,6 @@ class PrefillFloor:
             return min(prompt_keys)
         self.steps_since_prompt += 1
         return chosen
-
-
-# --------------------------------------------------------------------------- telemetry
-
-
-@dataclass
-class BucketTelemetry:
-    """§21 `SCHED[...]` counters: cumulative and monotone; rates come from `since`."""
-
-    calls: int = 0
-    buckets: int = 0
-    offered: int = 0
-    chosen: int = 0
-    shattered: int = 0
-
-    def record_bucketing(self, buckets: int, offered: int, chosen: int) -> None:
-        """One bucketing decision; ignored when `offered == 0`. `shattered` counts calls
-        with more than one bucket."""
-        require(min(buckets, offered, chosen) >= 0, f"counts {buckets, offered, chosen} must be >= 0")
-        if offered == 0:
-            return
-        self.calls += 1
-        self.buckets += buckets
-        self.offered += offered
-        self.chosen += chosen
-        if buckets > 1:
-            self.shattered += 1
-
-    def snapshot(self) -> BucketTelemetry:
-        return replace(self)
-
-    def since(self, earlier: BucketTelemetry) -> BucketTelemetry:
-        """`self - earlier`, field by field, saturating at 0 (a reset reads as no work)."""
-        return BucketTelemetry(*(max(a - b, 0) for a, b in zip(
-            (self.calls, self.buckets, self.offered, self.chosen, self.shattered),
-            (earlier.calls, earlier.buckets, earlier.offered, earlier.chosen, earlier.shattered))))
-
-    def _per_call(self, total: int) -> float | None:
-        return total / self.calls if self.calls > 0 else None
-
-    def buckets_per_step(self) -> float | None:
-        return self._per_call(self.buckets)
-
-    def running_bucket_size(self) -> float | None:
-        return self._per_call(self.chosen)
-
-    def offered_per_step(self) -> float | None:
-        return self._per_call(self.offered)
-
-    def preempted_per_step(self) -> float | None:
-        return self._per_call(max(self.offered - self.chosen, 0))
-
-    def shattered_frac(self) -> float | None:
-        return self._per_call(self.shattered)
-
-    def marker(self, scope: str) -> str:
-        """The exact `SCHED[scope] calls=... shattered_frac=...` line; ratios `{:.4f}`, or
-        `n/a` when calls == 0."""
-        def fmt(x: float | None) -> str:
-            return "n/a" if x is None else f"{x:.4f}"
-        return (f"SCHED[{scope}] calls={self.calls} buckets={self.buckets} offered={self.offered} "
-                f"chosen={self.chosen} shattered={self.shattered} "
-                f"buckets_per_step={fmt(self.buckets_per_step())} "
-                f"running_bucket_size={fmt(self.running_bucket_size())} "
-                f"offered_per_step={fmt(self.offered_per_step())} "
-                f"preempted_per_step={fmt(self.preempted_per_step())} "
-                f"shattered_frac={fmt(self.shattered_frac())}")
-
-    def sched_bucket_marker(self) -> str | None:
-        """The emitted `SCHED[agg]` line, or None when nothing was ever scheduled."""
-        return self.marker("agg") if self.calls > 0 else None
-
-
-def interval_line(tokens: int, interval_s: float, new_seqs: int, prefix_hits: int,
-                  running: int, waiting: int, encoder: tuple[int, int] | None = None,
-                  sampler: str | None = None) -> str | None:
-    """§21 engine interval line, or None unless the window saw new sequences and tokens:
-    `Throughput (T/s) {tokens/interval:.2}, Prefix cache hitrate {100*hits/new_seqs:.2}%`
-    `[, Encoder cache hitrate {100*h/(h+m):.2}%], {running} running, {waiting} waiting`
-    `[, {sampler}]`. The encoder part is shown when `encoder=(hits, misses)` has h+m > 0;
-    `sampler` is the SAMPLER suffix text, appended verbatim after ", "."""
-    require(interval_s > 0, f"interval_s {interval_s} must be > 0")
-    require(min(tokens, new_seqs, prefix_hits, running, waiting) >= 0, "counts must be >= 0")
-    if new_seqs == 0 or tokens == 0:
-        return None
-    enc = ""
-    if encoder is not None and sum(encoder) > 0:
-        enc = f", Encoder cache hitrate {100.0 * encoder[0] / sum(encoder):.2f}%"
-    tail = f", {sampler}" if sampler else ""
-    return (f"Throughput (T/s) {tokens / interval_s:.2f}, Prefix cache hitrate "
-            f"{100.0 * prefix_hits / new_seqs:.2f}%{enc}, {running} running, {waiting} waiting{tail}")
-
-
-def parse_running_waiting(line: str) -> tuple[int, int] | None:
-    """The bench harness's reading of an interval line: `(\\d+) running, (\\d+) waiting`."""
-    m = RUNNING_WAITING_RE.search(line)
-    return None if m is None else (int(m.group(1)), int(m.group(2)))
-
-
-def step_debug_line(prompt_lens: Sequence[int], completion_lens: Sequence[int], ms: float) -> str:
-    """§21 per-step DEBUG line `Prompt[l, ...] Completion[l, ...] - {ms}ms`; the lengths are
-    token counts (`len()`), not cache lengths. ms format unspecified: one decimal."""
-    def j(xs: Sequence[int]) -> str:
-        return ", ".join(str(int(x)) for x in xs)
-    return f"Prompt[{j(prompt_lens)}] Completion[{j(completion_lens)}] - {ms:.1f}ms"
 
 
 # --------------------------------------------------------------------------- state
@@ -596,9 +472,14 @@ def engine_cache_instruction(world: str, batch: str, ids: Sequence[int],
     if batch == "prompt":
         pre = IN if first_token_offset != 0 else CacheOp("Reset", load_preallocated_cache=True)
         return pre, post
-    changed = list(ids) != list(last_completion_ids)
+    # order-sensitive list compare; lists are compared as given (no copy: a batch may be 1000s long)
+    changed = _as_list(ids) != _as_list(last_completion_ids)
     go_in = issues_cache_in(no_kv_cache, changed, granted) if world == "WB" else (not no_kv_cache and changed)
     return (IN if go_in else NOTHING), post
+
+
+def _as_list(xs: Sequence[int]) -> list[int]:
+    return xs if isinstance(xs, list) else list(xs)
 
 
 @dataclass(frozen=True)

@@ -2,55 +2,11 @@
 
 The simulator owns the control flow; every tensor-side operation is one method of a backend
 (`raggedspec.reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Per engine step
-(masks-and-scheduling.md §20): arrivals join the waiting queue; `scheduler.schedule` picks
-one bucket (keys per world, coalescing, the WA floor); `plan_engine_iteration`-style cache
-instructions (`In` / `Nothing`, prompts `Reset`); the completion forward is one MTP decode
-step exactly as cache-and-draft.md §16 lays it out:
-
-1. pre-op `In`: `backend.clone_in` (= `align.clone_in_cache_reporting_lead`: strip pending
-   leads, front-align under PerSequence, publish `ragged_decode_supported` to the WA
-   channel), `assembled_here`; `Nothing`: the resident batched cache as is;
-2. `per_seq_advance`, `backend.resolve_row_cache_lens`, `backend.plan_step_window` and the
-   two guards (`step.window_guard`): refuse, or defer (clear the draft map, one plain decode);
-3. budgets, draft-state checkout, `backend.draft_groups`, the group loop
-   (`backend.draft_chain` = `draft.group_drafting_loop`: `batch_draft_caches` /
-   `front_align_draft_group`, `propose_chain_batched` with per-row or shared positions,
-   `split_draft_cache`, `drop_dead_prefix`);
-4. the verify forward (`backend.forward` = `TinyModel.forward`: `[B, w]` windows, per-row
-   positions `cache_lens` with `row_q0`, or the shared offset C), capturing the pre-norm
-   hidden;
-5. accept (`backend.verify_accept` on the token oracle's drafts and targets,
-   `backend.budget_clamp`), commit; advance (`backend.plan_batch_step` +
-   `backend.truncate_by`, or `backend.plan_per_sequence_step`); `backend.extend_draft_kvs`;
-   accounting (`record_step`, `record_batch`);
-6. post-op `Out`: `backend.clone_out` (pending leads recorded), and under PerSequence the
-   per-sequence commit per the strip policy (eager: `backend.commit_per_sequence`; lazy /
-   none: `backend.set_lens`).
-Prompt forwards (`Reset`) run the target on the prompt and prime the draft KV
-(`backend.prime_draft_kv`, §7.4). Lengths in the trace are read back off the caches.
-
-Control flow never reads a float: drafts and targets come from the token oracle
-(`reference.acceptance`); the MTP block's own argmax chain is run (it fills the draft KV
-tensors) but its tokens are not used; every length and decision a backend returns is a host
-integer. So two backends take the same path on the same scenario. The tiny model's XsRolling
-slots (one per compressed layer, after the K/V slots, as on V4) are fed the verify forward's
-final hidden rows (`backend.xs_append`): a stand-in that keeps their per-row token counts,
-rollback and capability rules exercised (the model computes its compressed keys from the raw
-K cache).
-
-Shared choices with the lengths mode are listed in `reference.lengths`' docstring.
-
-`record_tensors=True` fills, for a later comparison of two backends step by step:
-- `trace.tensors`: one record per decode verify forward (`step`, `tokens`, `positions` (the
-  offsets), `row_q0`, `lead`, `hidden`, `logits`, `target_k0` (layer-0 K of the batched
-  cache), as host arrays);
-- `trace.tensor_log`: every forward (phase "prompt", "decode", "defer"): the same plus
-  `ids`, `rope_positions [B,T]`, `masks` (per target layer, the additive union mask of that
-  forward, `backend.union_mask`) and `target` (the batched cache after the forward,
-  `backend.materialize`); and after every scheduled step a record of phase "state": each
-  scheduled sequence's own target cache and its draft state (`filled`, `poisoned`, seed
-  position and hidden, the draft KV materialized).
+`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode step
+runs cache-and-draft.md §16 in order, through the backend; control flow never reads a float, so
+two backends take the same path on the same scenario. The step in detail, the shared choices
+(`reference.policy`) and what `record_tensors=True` records are in docs/simulator.md ("Inside
+the two modes").
 """
 
 from __future__ import annotations
@@ -64,14 +20,14 @@ from raggedspec.reference.capability import KvAdvance
 from raggedspec.reference.dispatch import MtpHiddenCapture
 from raggedspec.reference.draft import DraftKv, DraftKvMap
 from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
-from raggedspec.reference.lengths import (ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
-                               ERR_XS_ROLLBACK, NCOL, ROW_DTYPE, advance_latch, guard_error, step_fields, summarize)
+from raggedspec.reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_LEFT,
+                              ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL, NULL_COLS, ROW_DTYPE, advance_latch,
+                              fill_rows, guard_error, step_fields, summarize)
 from raggedspec.reference.scenario import Scenario, load_scenario, model_config
 from raggedspec.reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
                                  engine_cache_instruction, install_admission, schedule)
-from raggedspec.reference.step import window_guard
+from raggedspec.reference.step import mtp_window, per_seq_advance, window_guard
 from raggedspec.reference.trace import Trace
-
 
 
 class _StepFailed(Exception):
@@ -109,7 +65,7 @@ class TensorEngine:
     def __init__(self, sc: Scenario, progress=None, record_tensors: bool = False, backend=None) -> None:
         self.sc, self.progress, self.record = sc, progress, record_tensors
         self.be = load_backend(backend)
-        self.w = sc.depth + 1
+        self.w = mtp_window(sc.depth)
         self.mtp = sc.depth > 0
         self.cfg = model_config(sc)
         self.model = self.be.build_model(self.cfg)
@@ -234,16 +190,16 @@ class TensorEngine:
             bucket = list(out.key)
             fields, rows, committed = None, np.zeros((0, NCOL), ROW_DTYPE), 0
             if out.completion:
-                pre, _ = engine_cache_instruction(sc.world, "completion", out.completion,
-                                                  self.state.last_completion_ids, False,
-                                                  self.state.engine_admission.granted)
+                pre, post = engine_cache_instruction(sc.world, "completion", out.completion,
+                                                     self.state.last_completion_ids, False,
+                                                     self.state.engine_admission.granted)
                 self.state.last_completion_ids = list(out.completion)
-                fields, rows = self._decode(out.completion, pre.kind == "In", t, trace)
-                committed += int(rows[:, 8].sum())
+                fields, rows = self._decode(out.completion, pre.kind == "In", post.kind == "Out", t, trace)
+                committed += int(rows[:, COL["committed"]].sum())
             if out.prompt:
                 prow, perr = self._prompt(out.prompt, t)
                 self.state.last_completion_ids = []
-                committed += int(prow[:, 8].sum())
+                committed += int(prow[:, COL["committed"]].sum())
                 if fields is None:
                     fields = {"phase": "prompt", "advance": "cohort", "instr": "Reset",
                               "width": sc.requests[out.prompt[0]].prompt_len, "pad": 0.0, "groups": 0,
@@ -286,9 +242,9 @@ class TensorEngine:
         plen = [self.sc.requests[i].prompt_len for i in ids]
         width = max(plen)
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5] = ids, np.arange(b), plen, width, plen
-        rows[:, 4] = width - np.array(plen)
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b), own_len=plen, width=width, u=plen)
+        rows[:, COL["lead"]] = width - np.array(plen)
+        rows[:, NULL_COLS] = -1
         cache = self.new_cache(b)
         capture = MtpHiddenCapture()
         capture.arm()
@@ -302,37 +258,37 @@ class TensorEngine:
             self.caches[i] = pieces[r]
             self.pending[i] = 0
             self.toks[i].append(self.oracle.target(i, self.toks[i]))
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         if self.mtp:
             states = [self.dmap.checkout_draft_kv(i) for i in ids]
             self.be.prime_draft_kv(states, capture.take(), [self.toks[i] for i in ids], b, self.model,
                                    self.messages)
             for i, st in zip(ids, states):
                 self.dmap.checkin(i, st)
-            rows[:, 12] = [self._filled(i) for i in ids]
+            rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)
         return rows, None
 
     # ------------------------------------------------------------------ decode (§16)
-    def _decode(self, ids: list[int], go_in: bool, t: int, trace: Trace):
+    def _decode(self, ids: list[int], go_in: bool, post_out: bool, t: int, trace: Trace):
         b = len(ids)
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
-        rows[:, 0], rows[:, 1] = ids, np.arange(b)
-        rows[:, 9:12] = -1
+        fill_rows(rows, seq=ids, row=np.arange(b))
+        rows[:, NULL_COLS] = -1
         res = {"phase": "decode", "advance": "cohort", "instr": "In" if go_in else "Nothing", "width": 0,
                "pad": 0.0, "groups": 0, "error": None}
         try:
-            self._decode_inner(ids, go_in, rows, res, t, trace)
+            self._decode_inner(ids, go_in, post_out, rows, res, t, trace)
         except _StepFailed as exc:
             res["error"] = self._fail(ids, exc)
-            rows[:, 6:9] = 0
-            rows[:, 9:12] = -1
-            rows[:, 12] = 0
+            fill_rows(rows, drafted=0, accepted=0, committed=0)
+            rows[:, NULL_COLS] = -1
+            rows[:, COL["filled"]] = 0
         return res, rows
 
-    def _decode_inner(self, ids, go_in, rows, res, t, trace):
+    def _decode_inner(self, ids, go_in, post_out, rows, res, t, trace):
         sc, w, b, be = self.sc, self.w, len(ids), self.be
         if go_in:
             try:
@@ -354,9 +310,9 @@ class TensorEngine:
         c = be.cache_len(batched)
         res["width"] = c
         la = np.array(lead, dtype=np.int64)
-        rows[:, 2], rows[:, 3], rows[:, 4] = c - la, c, la
+        fill_rows(rows, own_len=c - la, width=c, lead=la)
         res["pad"] = float(la.sum() / (b * c)) if c else 0.0
-        psa = assembled and self.per_seq and self.mtp
+        psa = per_seq_advance(assembled, post_out, self.kv)
         res["advance"] = "per-sequence" if psa else "cohort"
         try:
             row_lens = be.resolve_row_cache_lens(psa, c, mtp_lead)
@@ -365,13 +321,11 @@ class TensorEngine:
         cache_lens = row_lens if row_lens is not None else [c] * b
         tok_lens = [len(self.toks[i]) for i in ids]
         u, ok = be.plan_step_window(cache_lens, tok_lens, w)
-        rows[:, 5] = u
+        rows[:, COL["u"]] = u
         if not ok:
             what = window_guard(row_lens is not None, self.kv)
-            if what == "left_aligned_guard":
-                raise _StepFailed(ERR_GUARD_LEFT, guard_error(what, cache_lens, tok_lens, w))
-            if what == "follows_guard":
-                raise _StepFailed(ERR_GUARD_FOLLOWS, guard_error(what, cache_lens, tok_lens, w))
+            if what in GUARD_ERRORS:
+                raise _StepFailed(GUARD_ERRORS[what], guard_error(what, cache_lens, tok_lens, w))
             return self._defer(ids, batched, lead, rows, res, t)
         budgets = be.token_budget(sc.max_seq_len, tok_lens)
         drafts: list[list[int]] = [[] for _ in range(b)]
@@ -392,8 +346,8 @@ class TensorEngine:
                 starts = be.chain_starts([cache_lens[r] for r in drew], [u[r] for r in drew])
                 for r, key, start in zip(drew, keys, starts):
                     drafts[r] = self.oracle.draft(ids[r], self.toks[ids[r]], w - u[r])
-                    rows[r, 9:11] = key
-                    rows[r, 11] = start
+                    rows[r, [COL["group_u"], COL["group_start"]]] = key
+                    rows[r, COL["chain_start"]] = start
         windows = []
         for r, i in enumerate(ids):
             win = self.toks[i][cache_lens[r]:] + drafts[r]
@@ -417,9 +371,9 @@ class TensorEngine:
             rem = req.max_new_tokens - (len(self.toks[i]) - req.prompt_len)
             k = min(a, rem)
             emitted.append(prop[:k] + ([targets[r][a]] if rem > a and budgets[r] > a else []))
-        rows[:, 6] = [len(d) for d in drafts]
-        rows[:, 7] = acc
-        rows[:, 8] = [len(e) for e in emitted]
+        rows[:, COL["drafted"]] = [len(d) for d in drafts]
+        rows[:, COL["accepted"]] = acc
+        rows[:, COL["committed"]] = [len(e) for e in emitted]
         for r, i in enumerate(ids):
             self.toks[i] += emitted[r]
         if not psa:
@@ -447,7 +401,7 @@ class TensorEngine:
         if psa:
             for r, i in enumerate(ids):
                 self._commit(i, lead[r], cache_lens[r], committed[r], c)
-        rows[:, 12] = [self._filled(i) for i in ids]
+        rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)
@@ -478,13 +432,13 @@ class TensorEngine:
                       None, "defer", t, ids)
         for i in ids:
             self.toks[i].append(self.oracle.target(i, self.toks[i]))
-        rows[:, 8] = 1
+        rows[:, COL["committed"]] = 1
         pieces = self.be.clone_out(batched, len(ids))
         for r, i in enumerate(ids):
             self.caches[i] = pieces[r]
             self.pending[i] = lead[r]
         self.resident = (list(ids), batched, lead)
-        rows[:, 12] = [self._filled(i) for i in ids]
+        rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)

@@ -21,6 +21,9 @@ SCHEMA = "raggedspec-trace"
 VERSION = 1
 ROW_COLUMNS = ("seq", "row", "own_len", "width", "lead", "u", "drafted", "accepted", "committed",
                "group_u", "group_start", "chain_start", "filled")
+# A row column's index in the `[B, len(ROW_COLUMNS)]` row arrays: every reader and writer
+# addresses the columns by name through this map, never by a bare number.
+COL = {name: i for i, name in enumerate(ROW_COLUMNS)}
 STEP_KEYS = ("step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
              "width", "padding_fraction", "committed", "tok_per_step")
 EXTRA_STEP_KEYS = ("prefill", "error")  # schema v1 extensions (added fields, after "rows")
@@ -40,11 +43,13 @@ _STEP_FLOATS = ("padding_fraction", "tok_per_step")
 
 def row_dict(r: np.ndarray, bucket) -> dict:
     """One schema row object from an int row `[len(ROW_COLUMNS)]`."""
-    v = [int(x) for x in r]
-    return {"seq": v[0], "row": v[1], "own_len": v[2], "width": v[3], "lead": v[4], "u": v[5],
-            "drafted": v[6], "accepted": v[7], "committed": v[8],
-            "group": None if v[9] < 0 else [v[9], v[10]],
-            "chain_start": None if v[11] < 0 else v[11], "filled": v[12], "bucket": bucket}
+    v = {name: int(r[i]) for name, i in COL.items()}
+    return {"seq": v["seq"], "row": v["row"], "own_len": v["own_len"], "width": v["width"],
+            "lead": v["lead"], "u": v["u"], "drafted": v["drafted"], "accepted": v["accepted"],
+            "committed": v["committed"],
+            "group": None if v["group_u"] < 0 else [v["group_u"], v["group_start"]],
+            "chain_start": None if v["chain_start"] < 0 else v["chain_start"], "filled": v["filled"],
+            "bucket": bucket}
 
 
 class Trace:
@@ -82,8 +87,9 @@ class Trace:
         for j, r in enumerate(rows):
             g = r.get("group") or [-1, -1]
             cs = r.get("chain_start")
-            vals = [r.get(c, 0) for c in ROW_COLUMNS[:9]] + [g[0], g[1], -1 if cs is None else cs, r.get("filled", 0)]
-            out[j] = [0 if x is None else x for x in vals]
+            vals = {c: r.get(c, 0) for c in ROW_COLUMNS}
+            vals.update(group_u=g[0], group_start=g[1], chain_start=-1 if cs is None else cs)
+            out[j] = [0 if vals[c] is None else vals[c] for c in ROW_COLUMNS]
         return out
 
     def rows(self, i: int) -> list[dict]:
@@ -152,8 +158,7 @@ def write_csv(trace: Trace, path) -> None:
             head = [_csv_cell(fields.get(k)) for k in CSV_COLUMNS[:10]]
             tail = [_csv_cell(fields.get("bucket"))] + [_csv_cell(fields.get(k)) for k in CSV_STEP_TAIL.values()]
             for r in arr:
-                v = [int(x) for x in r]
-                cells = [str(x) for x in v[:9]] + ["" if x < 0 else str(x) for x in v[9:12]] + [str(v[12])]
+                cells = ["" if c in _NULLABLE and r[i] < 0 else str(int(r[i])) for c, i in COL.items()]
                 w.writerow(head + cells + tail)
 
 

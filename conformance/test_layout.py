@@ -1,0 +1,74 @@
+"""The package layout's import rules: the reference never imports the port (`gpu`), and the
+reference's modules import each other without a cycle, counting imports made inside
+functions too (a lazy import hides a cycle, it does not remove it).
+
+The import graph is read from the source with `ast` (nothing is imported to build it).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module name a file imports, at any depth of its syntax tree."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def reference_graph() -> dict[str, set[str]]:
+    """`reference.x -> {reference.y, ...}` over the modules of reference/."""
+    modules = {f"reference.{p.stem}": p for p in (ROOT / "reference").glob("*.py")
+               if p.stem != "__init__"}
+    return {name: {m for m in imported_modules(path) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a path `[a, b, ..., a]`, or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_reference_never_imports_the_port():
+    offenders = {p.name: sorted(m for m in imported_modules(p) if m.split(".")[0] == "gpu")
+                 for p in (ROOT / "reference").glob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_reference_modules_import_each_other_without_a_cycle():
+    assert find_cycle(reference_graph()) is None
+
+
+def test_the_cycle_finder_finds_a_planted_cycle_and_a_lazy_import(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from reference.acceptance import build_model\n")
+    assert "reference.acceptance" in imported_modules(lazy)
