@@ -1,6 +1,7 @@
-"""The package layout's import rules: the reference never imports the port (`gpu`), and the
-reference's modules import each other without a cycle, counting imports made inside
-functions too (a lazy import hides a cycle, it does not remove it).
+"""The package layout's import rules: every import goes through the one import name
+`raggedspec`, the reference never imports the port (`gpu`) or the tools, and the reference's
+modules import each other without a cycle, counting imports made inside functions too (a
+lazy import hides a cycle, it does not remove it).
 
 The import graph is read from the source with `ast` (nothing is imported to build it).
 """
@@ -13,8 +14,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module name a file imports, at any depth of its syntax tree."""
+PREFIX = "raggedspec."
+PACKAGES = ("reference", "gpu", "conformance", "mutation", "raggedspec")
+
+
+def imported_modules(path: Path, strip: bool = True) -> set[str]:
+    """Every module name a file imports, at any depth of its syntax tree (with `strip`, the
+    `raggedspec.` prefix removed: `reference.x` names the folder the module lives in)."""
+    names = _imports(path)
+    return {n[len(PREFIX):] if strip and n.startswith(PREFIX) else n for n in names}
+
+
+def _imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -56,8 +67,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_reference_never_imports_the_port():
-    offenders = {p.name: sorted(m for m in imported_modules(p) if m.split(".")[0] == "gpu")
+def test_every_import_goes_through_the_raggedspec_name():
+    flat = ("reference", "gpu", "conformance", "mutation")
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p, strip=False)
+                                                  if m.split(".")[0] in flat)
+                 for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_reference_never_imports_the_port_or_the_tools():
+    offenders = {p.name: sorted(m for m in imported_modules(p, strip=False)
+                                if m.startswith(("raggedspec.gpu", "raggedspec.conformance"))
+                                or m.split(".")[:2] == ["raggedspec", "cli"]
+                                or m in ("raggedspec", "raggedspec.drift", "raggedspec.bench"))
                  for p in (ROOT / "reference").glob("*.py")}
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -70,5 +92,5 @@ def test_the_cycle_finder_finds_a_planted_cycle_and_a_lazy_import(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     lazy = tmp_path / "lazy.py"
-    lazy.write_text("def f():\n    from reference.acceptance import build_model\n")
+    lazy.write_text("def f():\n    from raggedspec.reference.acceptance import build_model\n")
     assert "reference.acceptance" in imported_modules(lazy)
