@@ -318,12 +318,19 @@ def run_bench(args) -> int:
     return run(args)
 
 
+def _vectors():
+    """The vectors module (numpy + safetensors), imported when the command is built."""
+    from raggedspec import vectors
+    return vectors
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
     "conformance": (add_conformance, run_conformance),
     "bench": (add_bench, run_bench),
     "mutation": (add_mutation, run_mutation),
+    "vectors": (lambda sub: _vectors().add_parser(sub), lambda args: _vectors().run(args)),
 }
 
 

@@ -1,0 +1,594 @@
+"""The tensor vector functions: masks, RoPE positions and rotation, front-align / strip /
+split of K/V slots, and the ragged verify attention.
+
+Every adapter here takes a backend (`reference.backend.Backend`) and goes through its
+protocol methods where the protocol has one (`union_mask`, `rope_positions`, `apply_rope`,
+`kv_from_arrays`, `front_align`, `strip_dead_prefix`, `concat`, `split`,
+`front_align_draft_group`, `materialize`, `dsv4_attention`), so the same adapter runs on the
+reference (`NumpyBackend`) and on a port's backend. Float inputs are drawn float64 from the
+case's generator; K/V rows are named `k.<i>` / `v.<i>`. Outputs that are arrays become
+tensors of the case; a slot's read-back is its length, capacity and front-aligned K and V.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raggedspec.vectors.registry import Fn, fixed, generated, lengths, plain
+from reference import masks, rope
+from reference.attention import Dsv4AttentionConfig
+from reference.cache import PLAIN_CACHE_CAPACITY
+
+HEADS, DIM = 2, 4  # K/V slot shape of the align cases: [1, HEADS, n, DIM]
+
+
+def _arr(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float64)
+
+
+# ------------------------------------------------------------------------------ masks
+
+
+def _keep_span_cases(rng, n):
+    return fixed(
+        example_csa_rows_6_4_2={"t_q": 1, "window": 4, "t_k_full": 7},
+        example_window_wider_than_keys={"t_q": 3, "window": 128, "t_k_full": 10},
+        example_no_query_row={"t_q": 0, "window": 4, "t_k_full": 7},
+    ) + generated(
+        n,
+        lambda shape, i: {
+            "t_q": int(rng.integers(1, 6)),
+            "window": int(rng.integers(1, 10)),
+            "t_k_full": int(rng.integers(0, 30)),
+        },
+    )
+
+
+def _union_mask_cases(rng, n):
+    def make(shape, i):
+        rows = lengths(rng, shape, 0, 24)
+        t_q = int(rng.integers(1, 4))
+        t_k = max(rows, default=int(rng.integers(0, 24))) + t_q
+        ratio = int(rng.choice([0, 4, 8]))
+        t_c = 0 if ratio == 0 else t_k // ratio
+        return {
+            "t_q": t_q,
+            "t_k_full": t_k,
+            "row_q0": rows if i % 9 != 8 else None,
+            "window": int(rng.integers(1, 12)),
+            "ratio": ratio,
+            "t_c": t_c,
+        }
+
+    return fixed(
+        example_csa_rows_6_4_2={
+            "t_q": 1,
+            "t_k_full": 7,
+            "row_q0": [6, 4, 2],
+            "window": 4,
+            "ratio": 4,
+            "t_c": 1,
+        },
+        example_uniform={
+            "t_q": 1,
+            "t_k_full": 7,
+            "row_q0": [6, 6, 6],
+            "window": 4,
+            "ratio": 4,
+            "t_c": 1,
+        },
+        example_verify_w3={
+            "t_q": 3,
+            "t_k_full": 13,
+            "row_q0": [10, 7],
+            "window": 8,
+            "ratio": 4,
+            "t_c": 3,
+        },
+        refusal_width={
+            "t_q": 1,
+            "t_k_full": 7,
+            "row_q0": [6, 4],
+            "window": 4,
+            "ratio": 4,
+            "t_c": 1,
+        },
+        refusal_ahead={
+            "t_q": 1,
+            "t_k_full": 7,
+            "row_q0": [7, 4, 2],
+            "window": 4,
+            "ratio": 4,
+            "t_c": 1,
+        },
+    ) + generated(n, make)
+
+
+def _union_mask(b, i):
+    return {
+        "mask": b.to_numpy(
+            b.union_mask(i["t_q"], i["t_k_full"], i["row_q0"], i["window"], i["ratio"], i["t_c"])
+        )
+    }
+
+
+def _left_padded_cases(rng, n):
+    def make(shape, i):
+        live = lengths(rng, shape, 0, 16)
+        past = max(live, default=0) + (1 if i % 7 == 6 else 0) - (1 if i % 11 == 10 and live else 0)
+        return {
+            "b": len(live) + (1 if i % 13 == 12 else 0),
+            "t_q": int(rng.integers(1, 4)),
+            "past": max(past, 0),
+            "live": live,
+        }
+
+    return fixed(
+        example_lives_6_2={"b": 2, "t_q": 2, "past": 6, "live": [6, 2]},
+        refusal_width={"b": 3, "t_q": 1, "past": 6, "live": [6, 2]},
+        refusal_live_exceeds_past={"b": 2, "t_q": 1, "past": 6, "live": [7, 2]},
+    ) + generated(n, make)
+
+
+def _graph_mask_cases(rng, n):
+    return fixed(example_cap_8={"positions": [3, 7, 9], "cap": 8}) + generated(
+        n,
+        lambda shape, i: {"positions": lengths(rng, shape, 0, 20), "cap": int(rng.integers(0, 16))},
+    )
+
+
+def _causal_matrix_cases(rng, n):
+    def make(shape, i):
+        lens = lengths(rng, shape, 0, 12)
+        b = max(len(lens), 1)
+        past = max(lens, default=int(rng.integers(0, 12)))
+        lp = [past - x for x in lens] if lens else None
+        mode = i % 3
+        return {
+            "b": b,
+            "t_q": int(rng.integers(1, 3)),
+            "past": past,
+            "per_seq_kv_lens": lens if mode == 0 and lens else None,
+            "channel_lead": lp if mode == 1 else None,
+            "flash_on_cuda": i % 4 == 3,
+        }
+
+    return fixed(
+        example_channel={
+            "b": 2,
+            "t_q": 1,
+            "past": 6,
+            "per_seq_kv_lens": None,
+            "channel_lead": [0, 4],
+            "flash_on_cuda": False,
+        },
+        example_all_zero_lead={
+            "b": 2,
+            "t_q": 1,
+            "past": 6,
+            "per_seq_kv_lens": None,
+            "channel_lead": [0, 0],
+            "flash_on_cuda": False,
+        },
+        example_per_seq_lens_at_decode={
+            "b": 2,
+            "t_q": 1,
+            "past": 6,
+            "per_seq_kv_lens": [6, 3],
+            "channel_lead": None,
+            "flash_on_cuda": False,
+        },
+        example_flash_placeholder={
+            "b": 1,
+            "t_q": 3,
+            "past": 4,
+            "per_seq_kv_lens": None,
+            "channel_lead": None,
+            "flash_on_cuda": True,
+        },
+    ) + generated(n, make)
+
+
+def _causal_matrix(_b, i):
+    return {
+        "mask": masks.make_causal_mask_matrix(
+            i["b"], i["t_q"], i["past"], i["per_seq_kv_lens"], i["channel_lead"], i["flash_on_cuda"]
+        )
+    }
+
+
+# ------------------------------------------------------------------------------ rope
+
+
+def _positions_cases(rng, n):
+    def make(shape, i):
+        off = lengths(rng, shape, 0, 600) or [int(rng.integers(0, 600))]
+        return {
+            "offsets": off if i % 5 != 4 else off[:1],
+            "b": len(off),
+            "t": int(rng.integers(0, 5)),
+        }
+
+    return fixed(
+        example_decode_6_4_2={"offsets": [6, 4, 2], "b": 3, "t": 1},
+        example_verify_10_7_w3={"offsets": [10, 7], "b": 2, "t": 3},
+        example_prefill_at_0={"offsets": [0], "b": 1, "t": 5},
+    ) + generated(n, make)
+
+
+def _rope_cases(rng, n):
+    def make(shape, i):
+        off = lengths(rng, shape, 0, 600) or [int(rng.integers(0, 600))]
+        b = len(off)
+        return {
+            "x": _arr(rng, b, 2, int(rng.integers(1, 4)), 8),
+            "offsets": off if i % 5 != 4 else off[:1],
+            "rope_dims": int(rng.choice([2, 4, 8])),
+            "theta": 10000.0,
+            "inverse": i % 3 == 2,
+        }
+
+    return fixed(
+        example_decode_6_4_2={
+            "x": _arr(rng, 3, 2, 1, 8),
+            "offsets": [6, 4, 2],
+            "rope_dims": 4,
+            "theta": 10000.0,
+            "inverse": False,
+        },
+        example_verify_10_7_w3={
+            "x": _arr(rng, 2, 2, 3, 8),
+            "offsets": [10, 7],
+            "rope_dims": 8,
+            "theta": 10000.0,
+            "inverse": False,
+        },
+        example_inverse={
+            "x": _arr(rng, 2, 1, 2, 4),
+            "offsets": [3, 9],
+            "rope_dims": 4,
+            "theta": 10000.0,
+            "inverse": True,
+        },
+    ) + generated(n, make)
+
+
+def _rope(b, i):
+    return {
+        "y": b.to_numpy(
+            b.apply_rope(i["x"], i["offsets"], i["rope_dims"], i["theta"], i["inverse"])
+        )
+    }
+
+
+def _comp_positions_cases(rng, n):
+    return fixed(
+        example_ratio_4={"t_c": 3, "ratio": 4}, example_none={"t_c": 0, "ratio": 128}
+    ) + generated(
+        n, lambda shape, i: {"t_c": int(rng.integers(0, 6)), "ratio": int(rng.choice([4, 128]))}
+    )
+
+
+# ------------------------------------------------------------------------------ align
+
+
+def _rows_inputs(rng, lens: list[int], **extra) -> dict:
+    inp = {"n_rows": len(lens), "max_seq_len": 4096, **extra}
+    for r, n in enumerate(lens):
+        inp[f"k.{r}"], inp[f"v.{r}"] = _arr(rng, 1, HEADS, n, DIM), _arr(rng, 1, HEADS, n, DIM)
+    return inp
+
+
+def _kvs(b, i) -> list:
+    caps = i.get("capacities") or [PLAIN_CACHE_CAPACITY] * i["n_rows"]
+    return [
+        b.kv_from_arrays(i[f"k.{r}"], i[f"v.{r}"], i["max_seq_len"], caps[r])
+        for r in range(i["n_rows"])
+    ]
+
+
+def _read(b, kvs: list, prefix: str = "") -> dict:
+    out = {f"{prefix}lens": [], f"{prefix}capacities": []}
+    for r, kv in enumerate(kvs):
+        m = b.materialize(kv)
+        out[f"{prefix}lens"].append(int(m["len"]))
+        out[f"{prefix}capacities"].append(int(m["capacity"][0]))
+        k, v = m["kv"][0]
+        out[f"{prefix}k.{r}"] = None if k is None else np.asarray(k, dtype=np.float64)
+        out[f"{prefix}v.{r}"] = None if v is None else np.asarray(v, dtype=np.float64)
+    return out
+
+
+def _align_lens(rng, shape):
+    return lengths(rng, shape, 1, 20, max_rows=4) or [int(rng.integers(1, 20))]
+
+
+def _front_align_cases(rng, n):
+    return fixed(
+        example_lives_12_and_10=_rows_inputs(rng, [12, 10]),
+        example_uniform=_rows_inputs(rng, [5, 5, 5]),
+        example_growth_boundary=_rows_inputs(rng, [513, 3]),
+    ) + generated(n, lambda shape, i: _rows_inputs(rng, _align_lens(rng, shape)))
+
+
+def _front_align(b, i):
+    kvs = _kvs(b, i)
+    return {"leads": [int(x) for x in b.front_align(kvs)], **_read(b, kvs)}
+
+
+def _strip_cases(rng, n):
+    def make(shape, i):
+        lens = _align_lens(rng, shape)
+        return _rows_inputs(rng, lens[:1], lead=int(rng.integers(0, lens[0] + 2)))
+
+    return fixed(
+        example_lead_3=_rows_inputs(rng, [10], lead=3),
+        example_lead_0=_rows_inputs(rng, [4], lead=0),
+        refusal_lead_past_current=_rows_inputs(rng, [4], lead=5),
+    ) + generated(n, make)
+
+
+def _strip(b, i):
+    kvs = _kvs(b, i)
+    b.strip_dead_prefix(kvs[0], i["lead"])
+    return _read(b, kvs)
+
+
+def _concat_cases(rng, n):
+    # rows of one length (concatenation follows front alignment), capacities differing
+    def make(shape, i):
+        lens = _align_lens(rng, shape)
+        caps = [int(rng.choice([512, 1024])) for _ in lens]
+        return _rows_inputs(rng, [lens[0]] * len(lens), capacities=caps)
+
+    return fixed(
+        example_three_rows=_rows_inputs(rng, [6, 6, 6]),
+        example_capacity_slack=_rows_inputs(rng, [6, 6], capacities=[512, 1024]),
+    ) + generated(n, make)
+
+
+def _concat(b, i):
+    return _read(b, [b.concat(_kvs(b, i))])
+
+
+def _split_cases(rng, n):
+    def make(shape, i):
+        lens = _align_lens(rng, shape)
+        return _rows_inputs(
+            rng, [lens[0]], rows_of_batch=int(rng.integers(1, 4)), g=int(rng.integers(1, 5))
+        )
+
+    return fixed(
+        example_three_pieces=_rows_inputs(rng, [7], rows_of_batch=3, g=3),
+        example_piece_count_mismatch=_rows_inputs(rng, [7], rows_of_batch=2, g=3),
+    ) + generated(n, make)
+
+
+def _split(b, i):
+    rows = (
+        np.concatenate([i["k.0"]] * i["rows_of_batch"]),
+        np.concatenate([i["v.0"]] * i["rows_of_batch"]),
+    )
+    pieces = b.split(b.kv_from_arrays(rows[0], rows[1], i["max_seq_len"]), i["g"])
+    return {"pieces": None} if pieces is None else {"pieces": len(pieces), **_read(b, pieces)}
+
+
+def _draft_group_cases(rng, n):
+    def make(shape, i):
+        lens = _align_lens(rng, shape)
+        starts = [int(rng.integers(0, x + 1)) for x in lens]
+        if i % 6 == 5:
+            starts[0] = lens[0] + 1
+        return _rows_inputs(rng, lens, starts=starts if i % 9 != 8 else starts[:-1] + [0, 0])
+
+    return fixed(
+        example_ragged_starts=_rows_inputs(rng, [12, 9, 11], starts=[10, 7, 9]),
+        refusal_count_mismatch=_rows_inputs(rng, [5, 5], starts=[3]),
+        refusal_start_past_held=_rows_inputs(rng, [5, 5], starts=[3, 6]),
+    ) + generated(n, make)
+
+
+def _draft_group(b, i):
+    return _read(b, [b.front_align_draft_group(_kvs(b, i), i["starts"])])
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _attention_inputs(
+    rng,
+    rows: list[int] | None,
+    b: int,
+    t_q: int,
+    t_k: int,
+    ratio: int,
+    window: int,
+    raw_prefix: int = 0,
+    sinks: bool = True,
+) -> dict:
+    t_c = 0 if ratio == 0 else (raw_prefix + t_k) // ratio
+    inp = {
+        "q": _arr(rng, b, 2, t_q, 4),
+        "k": _arr(rng, b, 1, t_k, 4),
+        "v": _arr(rng, b, 1, t_k, 4),
+        "compress_ratio": ratio,
+        "sliding_window": window,
+        "raw_prefix": raw_prefix,
+        "row_q0": rows,
+        "has_compressed_kv": ratio > 0,
+        "has_sinks": sinks,
+    }
+    if ratio > 0:
+        inp["compressed_kv"] = _arr(rng, b, 1, t_c, 4)
+    if sinks:
+        inp["sinks"] = _arr(rng, 2)
+    return inp
+
+
+def _attention_cases(rng, n):
+    def make(shape, i):
+        rows = lengths(rng, shape, 0, 12, max_rows=3)
+        b = max(len(rows), 1)
+        t_q = int(rng.integers(1, 4))
+        t_k = max(rows, default=int(rng.integers(0, 12))) + t_q
+        return _attention_inputs(
+            rng,
+            rows if i % 7 != 6 else None,
+            b,
+            t_q,
+            t_k,
+            int(rng.choice([0, 4])),
+            int(rng.integers(1, 10)),
+            sinks=i % 2 == 0,
+        )
+
+    return fixed(
+        example_csa_rows_6_4_2=_attention_inputs(rng, [6, 4, 2], 3, 1, 7, 4, 4),
+        example_verify_rows_10_7=_attention_inputs(rng, [10, 7], 2, 3, 13, 4, 8),
+        example_standard_layer=_attention_inputs(rng, [5, 3], 2, 1, 6, 0, 128, sinks=False),
+        example_raw_prefix=_attention_inputs(rng, None, 1, 1, 6, 4, 4, raw_prefix=4),
+        refusal_more_queries_than_keys=_attention_inputs(rng, None, 1, 5, 3, 0, 4),
+        refusal_raw_prefix_past_window_base=_attention_inputs(
+            rng, None, 1, 1, 3, 0, 4, raw_prefix=6
+        ),
+        refusal_ragged_width=_attention_inputs(rng, [6, 4], 3, 1, 7, 4, 4),
+    ) + generated(n, make)
+
+
+def _attention(b, i):
+    cfg = Dsv4AttentionConfig(
+        i["compress_ratio"], i["sliding_window"], i["raw_prefix"], i["row_q0"]
+    )
+    out = b.dsv4_attention(i["q"], i["k"], i["v"], i.get("compressed_kv"), cfg, i.get("sinks"))
+    return {"out": b.to_numpy(out)}
+
+
+def tensor_functions() -> list[Fn]:
+    """Every tensor vector function, in manifest order."""
+    m = masks
+    return [
+        Fn(
+            "masks",
+            "raw_keep_span",
+            "M §3",
+            "reference.masks.raw_keep_span",
+            lambda _b, i: dict(
+                zip(
+                    ("raw_base", "keep"),
+                    m.raw_keep_span(i["t_q"], i["window"], i["t_k_full"]),
+                    strict=True,
+                )
+            ),
+            _keep_span_cases,
+        ),
+        Fn(
+            "masks",
+            "union_mask",
+            "M §5",
+            "reference.masks.ragged_union_mask",
+            _union_mask,
+            _union_mask_cases,
+        ),
+        Fn(
+            "masks",
+            "make_left_padded_causal_mask",
+            "M §9.2",
+            "reference.masks.make_left_padded_causal_mask",
+            plain(m.make_left_padded_causal_mask, "mask", "b", "t_q", "past", "live"),
+            _left_padded_cases,
+        ),
+        Fn(
+            "masks",
+            "make_causal_mask_matrix",
+            "M §9.3",
+            "reference.masks.make_causal_mask_matrix",
+            _causal_matrix,
+            _causal_matrix_cases,
+        ),
+        Fn(
+            "masks",
+            "graph_mode_length_mask",
+            "M §8",
+            "reference.masks.graph_mode_length_mask",
+            plain(m.graph_mode_length_mask, "mask", "positions", "cap"),
+            _graph_mask_cases,
+        ),
+        Fn(
+            "masks",
+            "sdpa_sliding_window",
+            "M §7",
+            "reference.masks.sdpa_sliding_window",
+            plain(m.sdpa_sliding_window, "window", "ratio", "w"),
+            lambda rng, n: [
+                (f"example-ratio-{r}-w-{w}", {"ratio": r, "w": w})
+                for r in (0, 1, 4, 128)
+                for w in (0, 128)
+            ],
+        ),
+        Fn(
+            "masks",
+            "mask_must_be_applied_as_bias",
+            "M §10",
+            "reference.masks.mask_must_be_applied_as_bias",
+            plain(m.mask_must_be_applied_as_bias, "bias", "dims"),
+            lambda rng, n: [
+                (f"example-dims-{'x'.join(map(str, d)) if d is not None else 'none'}", {"dims": d})
+                for d in (None, [1, 1], [4, 8], [2, 1, 4], [2, 1, 4, 8], [1, 2, 1, 4, 8])
+            ],
+        ),
+        Fn(
+            "rope",
+            "rope_positions",
+            "M §11",
+            "reference.rope.apply_rope",
+            lambda b, i: {
+                "positions": np.asarray(
+                    b.rope_positions(i["offsets"], i["b"], i["t"]), dtype=np.int64
+                )
+            },
+            _positions_cases,
+        ),
+        Fn("rope", "apply_rope", "M §11", "reference.rope.apply_rope", _rope, _rope_cases),
+        Fn(
+            "rope",
+            "compressed_key_positions",
+            "M §11",
+            "reference.rope.compressed_key_positions",
+            plain(rope.compressed_key_positions, "positions", "t_c", "ratio"),
+            _comp_positions_cases,
+        ),
+        Fn(
+            "align",
+            "front_align",
+            "C §4.5",
+            "reference.align.front_align_batch",
+            _front_align,
+            _front_align_cases,
+        ),
+        Fn(
+            "align",
+            "strip_dead_prefix",
+            "C §4.4",
+            "reference.align.drop_dead_prefix",
+            _strip,
+            _strip_cases,
+        ),
+        Fn("align", "concat", "C §5.2", "reference.align.concat_kv", _concat, _concat_cases),
+        Fn("align", "split", "C §9.8", "reference.align.split_draft_cache", _split, _split_cases),
+        Fn(
+            "align",
+            "front_align_draft_group",
+            "C §9.7",
+            "reference.align.front_align_draft_group",
+            _draft_group,
+            _draft_group_cases,
+        ),
+        Fn(
+            "attention",
+            "dsv4_attention",
+            "M §4",
+            "reference.attention.dsv4_attention",
+            _attention,
+            _attention_cases,
+        ),
+    ]
