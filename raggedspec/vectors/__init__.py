@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -226,6 +227,10 @@ def write(out: Path, rules: str | None = None, cases: int = DEFAULT_CASES, seed:
     that exists and is neither an empty folder nor a previous vectors folder."""
     if cases < 0:
         raise ValueError(f"--cases {cases}: must be >= 0")
+    if importlib.util.find_spec("safetensors") is None:
+        raise ValueError(
+            "raggedspec vectors writes safetensors files: pip install 'raggedspec[vectors]'"
+        )
     fns = select(rules)
     out = Path(out)
     if out.exists() or out.is_symlink():
