@@ -72,12 +72,13 @@ def test_every_vector_passes_on_the_reference(default_set):
     assert report.passed == manifest["case_count"] > 500
 
 
-def test_every_vector_the_port_implements_passes_on_the_port(default_set):
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_every_vector_the_port_implements_passes_on_the_port(default_set, dtype):
     pytest.importorskip("torch")
     from raggedspec.vectors.port import port_table
 
     manifest = json.loads((default_set / "manifest.json").read_text())
-    report = load_consumer().run_vectors(default_set, port_table("cpu", "float64"))
+    report = load_consumer().run_vectors(default_set, port_table("cpu", dtype), dtype=dtype)
     assert report.failed == []
     assert sorted(report.missing) == sorted(PORT_HOST_ONLY)
     port_cases = sum(

@@ -159,8 +159,8 @@ def case_files(fn: Fn, name: str, inputs: dict) -> dict[str, bytes]:
         if compare == "close" and any(a.dtype.kind == "f" for a in t_out.values()):
             case["tolerance"] = TOLERANCE
     files["case.json"] = (
-        json.dumps(case, indent=1, sort_keys=True, allow_nan=False) + "\n"
-    ).encode()
+        json.dumps(case, indent=1, sort_keys=True, allow_nan=False, ensure_ascii=False) + "\n"
+    ).encode("utf-8")
     return files
 
 
@@ -209,7 +209,8 @@ def build(out: Path, fns: list[Fn], cases: int, seed: int) -> dict:
         "functions": entries,
         "content_hash": digest.hexdigest(),
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    (out / "manifest.json").write_bytes(text.encode("utf-8"))
     return manifest
 
 
