@@ -21,6 +21,7 @@ from mutation.runner import mutated_source
 from raggedspec import vectors
 from raggedspec.cli import main
 from raggedspec.vectors.port import PORT_HOST_ONLY, reference_table
+from reference.errors import Refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSUMER = ROOT / "examples" / "vectors_consumer.py"
@@ -99,6 +100,7 @@ def test_the_consumer_command_line_runs_a_table_it_is_given(default_set):
             "raggedspec.vectors.port:reference_table",
             "--require-all",
         ],
+        check=False,
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
@@ -106,9 +108,10 @@ def test_the_consumer_command_line_runs_a_table_it_is_given(default_set):
         timeout=120,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert re.search(r"^\d+ passed, 0 failed, 0 functions missing$", run.stdout, re.M)
+    assert re.search(r"^\d+ passed, 0 failed, 0 functions missing$", run.stdout, re.MULTILINE)
     bad = subprocess.run(
         [sys.executable, str(CONSUMER), str(default_set / "nowhere"), "--table", "x:y"],
+        check=False,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -128,7 +131,7 @@ def test_the_consumer_reports_a_wrong_value_a_missed_refusal_and_a_wrong_message
     def reworded(i):
         try:
             return real(i)
-        except Exception as exc:
+        except Refusal as exc:
             raise type(exc)(str(exc) + "!") from None
 
     table["masks/make_left_padded_causal_mask"] = reworded
@@ -226,6 +229,16 @@ def test_a_failed_build_leaves_the_previous_folder_untouched(tmp_path, monkeypat
         vectors.write(out, "step/*")
     assert files_of(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["v"]
+
+
+def test_case_names_say_what_the_case_expects(default_set):
+    kinds = {}
+    for path in default_set.glob("*/*/*/case.json"):
+        case = json.loads(path.read_text(encoding="utf-8"))
+        prefix = case["case"].split("-")[0]
+        kinds.setdefault(prefix, set()).add(case["expect"])
+    assert kinds["refusal"] == {"refusal"} and kinds["malformed"] == {"malformed"}
+    assert set(kinds) == {"example", "refusal", "malformed", "domain", "gen"}
 
 
 def test_the_default_set_is_small_and_fast_enough_to_commit(default_set):
@@ -362,10 +375,19 @@ def test_the_manifest_spec_sections_are_those_of_docs_rules(default_set):
     assert len(spec_mismatches(wrong)) == 2
 
 
-def test_docs_show_a_generated_case_whole(default_set):
-    text = DOC.read_text()
-    m = re.search(r"<!-- example: (\S+) -->\n```json\n(.*?)```", text, re.S)
-    assert m, "docs/vectors.md has no generated example block"
-    assert (default_set / m.group(1) / "case.json").read_text() == m.group(2)
-    for key in json.loads(m.group(2)):
-        assert f"`{key}`" in text, key
+def test_docs_show_generated_cases_whole_and_list_every_function(default_set):
+    from safetensors.numpy import load_file
+
+    text = DOC.read_text(encoding="utf-8")
+    blocks = re.findall(r"<!-- example: (\S+) -->\n```json\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) >= 2, "docs/vectors.md shows no generated case"
+    for path, shown in blocks:
+        assert (default_set / path / "case.json").read_text(encoding="utf-8") == shown, path
+        for key in json.loads(shown):
+            assert f"| `{key}` |" in text, key
+    mask = load_file(str(default_set / blocks[0][0] / "outputs.safetensors"))["mask"]
+    for i, row in enumerate(mask[:, 0, 0, :]):
+        cells = ", ".join("-inf" if v == float("-inf") else "0" for v in row)
+        assert f"mask[{i}, 0, 0, :] = [{cells}]" in text
+    for e in json.loads((default_set / "manifest.json").read_text())["functions"]:
+        assert f"| `{e['family']}/{e['function']}` | {e['spec']} |" in text

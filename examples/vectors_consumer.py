@@ -10,10 +10,11 @@ raises an exception whose class name is the refusal's (`type(exc).__name__`).
 Comparison (docs/vectors.md): JSON outputs must be equal exactly, types included (a bool is
 not an int, an int is not a float); "exact" tensors equal in shape and every element
 (infinities included; float data is first rounded to the dtype the implementation computes
-in, so a float32 engine must copy K/V bit-exactly in float32); "close" tensors equal in shape, in where they are infinite, and
-elsewhere `|got - want| <= atol + rtol * |want|` with the tolerance of the dtype the
-implementation computes in. An expected refusal must raise that class; in `messages="exact"`
-mode its message must equal the spec's, in `messages="class"` mode only the class is checked.
+in, so a float32 engine must copy K/V bit-exactly in float32); "close" tensors equal in
+shape, in where they are infinite, and elsewhere `|got - want| <= atol + rtol * |want|`
+with the tolerance of the dtype the implementation computes in. An expected refusal must
+raise that class; in `messages="exact"` mode its message must equal the spec's, in
+`messages="class"` mode only the class is checked.
 Malformed input (expect "malformed") must raise ValueError; its message is not compared.
 A function the table lacks is reported as missing, never counted as passed.
 

@@ -140,7 +140,7 @@ def _chain_start_cases(rng, n):
 
     return fixed(
         example_seed_pair={"cache_lens": [40, 33, 37], "uncached": [1, 1, 1]},
-        refusal_no_pair={"cache_lens": [1], "uncached": [0]},
+        malformed_no_pair={"cache_lens": [1], "uncached": [0]},
     ) + generated(n, make)
 
 
@@ -294,7 +294,7 @@ def _rollback(_b, inp):
 def _guard_cases(rng, n):
     return [
         (
-            f"example-{'some' if some else 'none'}-{adv.value}",
+            f"domain-{'some' if some else 'none'}-{adv.value}",
             {"row_cache_lens_is_some": some, "advance": adv.value},
         )
         for some in (False, True)
@@ -305,7 +305,7 @@ def _guard_cases(rng, n):
 def _per_seq_advance_cases(rng, n):
     return [
         (
-            f"example-{int(a)}{int(o)}-{adv.value}",
+            f"domain-{int(a)}{int(o)}-{adv.value}",
             {"assembled_here": a, "post_op_out": o, "advance": adv.value},
         )
         for a in (False, True)
@@ -423,7 +423,7 @@ def length_functions() -> list[Fn]:
             "C §2",
             "reference.step.mtp_window",
             plain(s.mtp_window, "w", "depth"),
-            lambda rng, n: [(f"example-depth-{x}", {"depth": x}) for x in range(-1, 10)],
+            lambda rng, n: [(f"domain-depth-{x}", {"depth": x}) for x in range(-1, 10)],
         ),
         Fn(
             "step",

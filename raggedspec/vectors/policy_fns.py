@@ -56,7 +56,7 @@ def _capability_cases(with_admission: bool, with_xs: bool = True):
                         tag += (f"-xs-{'on' if xs else 'off'}" if with_xs else "") + (
                             f"-{adm}" if adm else ""
                         )
-                        out.append((f"example-{tag}", inp))
+                        out.append((f"domain-{tag}", inp))
         return out
 
     return cases
@@ -97,7 +97,7 @@ FLAG_VALUES = [
 
 
 def _flag_cases(rng, n):
-    return [(f"example-value-{i:02d}", {"value": v}) for i, v in enumerate(FLAG_VALUES)]
+    return [(f"domain-value-{i:02d}", {"value": v}) for i, v in enumerate(FLAG_VALUES)]
 
 
 def _isq_cases(rng, n):
@@ -117,7 +117,7 @@ def _isq_cases(rng, n):
     ]
     return [
         (
-            f"example-{(x or 'none').lower()}-{'allowed' if allow else 'floored'}",
+            f"domain-{(x or 'none').lower()}-{'allowed' if allow else 'floored'}",
             {"isq": x, "allow_sub_int8": allow},
         )
         for x in names
@@ -148,7 +148,7 @@ def _may_draft_cases(rng, n):
         {"dry": True},
         {"custom_processor": True},
     ]
-    return [(f"example-{i:02d}", dict(base, **a)) for i, a in enumerate(alts)]
+    return [(f"domain-{i:02d}", dict(base, **a)) for i, a in enumerate(alts)]
 
 
 def _may_draft(_b, inp):
@@ -184,7 +184,7 @@ def _bucket_len_cases(rng, n):
 
 def _cache_in_cases(rng, n):
     return [
-        (f"example-{int(a)}{int(b)}{int(c)}", {"no_kv": a, "cohort_changed": b, "granted": c})
+        (f"domain-{int(a)}{int(b)}{int(c)}", {"no_kv": a, "cohort_changed": b, "granted": c})
         for a in (False, True)
         for b in (False, True)
         for c in (False, True)
@@ -199,7 +199,7 @@ def _instruction_cases(rng, n):
                 for granted in (False, True):
                     out.append(
                         (
-                            f"example-{world.lower()}-completion-{len(out):02d}",
+                            f"domain-{world.lower()}-completion-{len(out):02d}",
                             {
                                 "world": world,
                                 "batch": "completion",
@@ -214,7 +214,7 @@ def _instruction_cases(rng, n):
         for off in (0, 5):
             out.append(
                 (
-                    f"example-{world.lower()}-prompt-{len(out):02d}",
+                    f"domain-{world.lower()}-prompt-{len(out):02d}",
                     {
                         "world": world,
                         "batch": "prompt",
@@ -407,7 +407,7 @@ def policy_functions() -> list[Fn]:
             cap + "kv_window_retain",
             plain(c.kv_window_retain, "retain", "window"),
             lambda rng, n: [
-                (f"example-window-{w}", {"window": w}) for w in (-1, 0, 1, 2, 128, 4096)
+                (f"domain-window-{w}", {"window": w}) for w in (-1, 0, 1, 2, 128, 4096)
             ],
         ),
         Fn(

@@ -33,7 +33,7 @@ def _keep_span_cases(rng, n):
     return fixed(
         example_csa_rows_6_4_2={"t_q": 1, "window": 4, "t_k_full": 7},
         example_window_wider_than_keys={"t_q": 3, "window": 128, "t_k_full": 10},
-        example_no_query_row={"t_q": 0, "window": 4, "t_k_full": 7},
+        malformed_no_query_row={"t_q": 0, "window": 4, "t_k_full": 7},
     ) + generated(
         n,
         lambda shape, i: {
@@ -84,14 +84,6 @@ def _union_mask_cases(rng, n):
             "window": 8,
             "ratio": 4,
             "t_c": 3,
-        },
-        refusal_width={
-            "t_q": 1,
-            "t_k_full": 7,
-            "row_q0": [6, 4],
-            "window": 4,
-            "ratio": 4,
-            "t_c": 1,
         },
         refusal_ahead={
             "t_q": 1,
@@ -520,7 +512,7 @@ def tensor_functions() -> list[Fn]:
             "reference.masks.sdpa_sliding_window",
             plain(m.sdpa_sliding_window, "window", "ratio", "w"),
             lambda rng, n: [
-                (f"example-ratio-{r}-w-{w}", {"ratio": r, "w": w})
+                (f"domain-ratio-{r}-w-{w}", {"ratio": r, "w": w})
                 for r in (0, 1, 4, 128)
                 for w in (0, 128)
             ],
@@ -532,7 +524,7 @@ def tensor_functions() -> list[Fn]:
             "reference.masks.mask_must_be_applied_as_bias",
             plain(m.mask_must_be_applied_as_bias, "bias", "dims"),
             lambda rng, n: [
-                (f"example-dims-{'x'.join(map(str, d)) if d is not None else 'none'}", {"dims": d})
+                (f"domain-dims-{'x'.join(map(str, d)) if d is not None else 'none'}", {"dims": d})
                 for d in (None, [1, 1], [4, 8], [2, 1, 4], [2, 1, 4, 8], [1, 2, 1, 4, 8])
             ],
         ),
