@@ -16,6 +16,7 @@ says `"format": "raggedspec-vectors"`); anything else is refused, and nothing is
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import hashlib
 import importlib.util
@@ -107,7 +108,7 @@ def _tensor_meta(tensors: dict[str, np.ndarray], compare: str | None = None) -> 
     return meta
 
 
-def run_case(fn: Fn, inputs: dict, backend=None) -> dict:
+def run_case(fn: Fn, inputs: dict, backend: object | None = None) -> dict:
     """The expected result of one case on the reference: `{"outputs", "tensors"}` or
     `{"raises": {"kind", "class", "message"}}` (kind "refusal" for a `Refusal`, "malformed"
     for a ValueError)."""
@@ -261,7 +262,7 @@ def folder_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def add_parser(sub):
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The `vectors` subcommand's parser."""
     p = sub.add_parser(
         "vectors",
@@ -292,7 +293,7 @@ def add_parser(sub):
     return p
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run `raggedspec vectors`: exit 0 after writing; bad arguments raise the CLI's UsageError."""
     from raggedspec.cli import EXIT_OK, UsageError
 
