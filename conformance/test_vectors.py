@@ -216,6 +216,13 @@ def test_the_writer_refuses_to_clobber_and_replaces_only_a_vectors_folder(tmp_pa
     ]  # no temp left
 
 
+def test_the_subcommand_help_names_its_flags(capsys):
+    assert main(["vectors", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in ("--out", "--rules", "--cases", "--seed", "docs/vectors.md"))
+    assert main(["vectors"]) == 2 and "--out" in capsys.readouterr().err
+
+
 def test_a_failed_build_leaves_the_previous_folder_untouched(tmp_path, monkeypatch):
     out = tmp_path / "v"
     vectors.write(out, "step/mtp_window")
