@@ -32,6 +32,7 @@ def _ragged_rows_cases(rng, n):
         example_uniform_wrong_width={"rows": [9, 9], "q0": 9, "b": 3},
         refusal_width={"rows": [6, 4], "q0": 6, "b": 3},
         refusal_ahead={"rows": [7, 4, 2], "q0": 6, "b": 3},
+        refusal_too_many_rows={"rows": [6, 4, 2], "q0": 6, "b": 2},
         refusal_no_row_at_end={"rows": [5, 4, 2], "q0": 6, "b": 3},
     ) + generated(n, make)
 
@@ -201,6 +202,8 @@ def _step_window_cases(rng, n):
         example_per_row={"cache_lens": [40, 33, 37], "tok_lens": [41, 34, 38], "w": 4},
         example_shared_width={"cache_lens": [40, 40, 40], "tok_lens": [41, 34, 38], "w": 4},
         example_not_ok={"cache_lens": [12, 12], "tok_lens": [13, 9], "w": 4},
+        example_u_equals_w={"cache_lens": [10, 10], "tok_lens": [14, 11], "w": 4},
+        example_u_past_w={"cache_lens": [10, 10], "tok_lens": [15, 11], "w": 4},
     ) + generated(n, make)
 
 
@@ -236,6 +239,16 @@ def _verify_cases(rng, n):
             "targets": [[5, 6, 7, 8], [5, 9, 7, 8], [2, 3]],
         }
     ) + generated(n, make)
+
+
+def _verify_rows(_b, inp):
+    rows = [
+        step.verify_proposed(p, t) for p, t in zip(inp["proposed"], inp["targets"], strict=True)
+    ]
+    return {
+        "accepted": [v.accepted for v in rows],
+        "rejections": [None if v.rejection is None else list(v.rejection) for v in rows],
+    }
 
 
 def _budget_cases(rng, n):
@@ -453,6 +466,14 @@ def length_functions() -> list[Fn]:
             "C §11.1",
             "reference.step.verify_proposed",
             lambda b, i: {"accepted": b.verify_accept(i["proposed"], i["targets"])},
+            _verify_cases,
+        ),
+        Fn(
+            "step",
+            "verify_proposed",
+            "C §11.1",
+            "reference.step.verify_proposed",
+            _verify_rows,
             _verify_cases,
         ),
         Fn(

@@ -315,6 +315,13 @@ def _keys_cases(rng, n):
         for w in scheduler.WORLDS
         for g in (False, True)
     }
+    short_prompt = dict(seqs[0], id=3, n_tokens=20)  # a prompt shorter than every completion
+    ex["example_wb_granted_short_prompt"] = {
+        "world": "WB",
+        "granted": True,
+        "ragged_decode_supported": True,
+        "running": seqs + [short_prompt],
+    }
     return fixed(**ex) + generated(n, make)
 
 
@@ -339,6 +346,21 @@ def _select_cases(rng, n):
         }
 
     return fixed(
+        example_payback_bound_equal={
+            "buckets": [[[100, False, 0], 1], [[356, False, 0], 1]],
+            "priorities": [[[100, False, 0], 1.0], [[356, False, 0], 2.0]],
+            "discrete": False,
+        },
+        example_payback_bound_past={
+            "buckets": [[[100, False, 0], 1], [[357, False, 0], 1]],
+            "priorities": [[[100, False, 0], 1.0], [[357, False, 0], 2.0]],
+            "discrete": False,
+        },
+        example_next_len_needs_equal_images_and_offset={
+            "buckets": [[[100, False, 0], 32], [[101, True, 0], 32], [[102, False, 5], 32]],
+            "priorities": [[[100, False, 0], 1.0], [[101, True, 0], 9.0], [[102, False, 5], 3.0]],
+            "discrete": False,
+        },
         example_coalesce_32_at_101_with_32_at_102={
             "buckets": [[[101, False, 0], 32], [[102, False, 0], 32]],
             "priorities": [[[101, False, 0], 100.0], [[102, False, 0], 200.0]],

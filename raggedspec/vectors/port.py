@@ -97,7 +97,42 @@ def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
             "n_drop": _host(gs.n_cache_positions_to_drop([len(i["proposed"])], [commit]))[0],
         }
 
+    def verify(i):
+        import torch
+
+        rows = len(i["proposed"])
+        width_p = max([len(p) for p in i["proposed"]], default=0)
+        width_t = max([len(t) for t in i["targets"]], default=0)
+        prop, targ = torch.full((rows, width_p), -1), torch.full((rows, width_t), -2)
+        for r, (p, t) in enumerate(zip(i["proposed"], i["targets"], strict=True)):
+            prop[r, : len(p)], targ[r, : len(t)] = torch.tensor(p).long(), torch.tensor(t).long()
+        v = gs.verify_proposed(
+            prop, targ, [len(p) for p in i["proposed"]], [len(t) for t in i["targets"]]
+        )
+        acc, rej, tok = v.accepted.tolist(), v.rejected.tolist(), v.rejection_token.tolist()
+        return {
+            "accepted": [p[:a] for p, a in zip(i["proposed"], acc, strict=True)],
+            "rejections": [[a, t] if r else None for a, r, t in zip(acc, rej, tok, strict=True)],
+        }
+
+    def caller(i):
+        import torch
+
+        c = i.get("caller")
+        out = gm.compose_caller_mask(
+            torch.from_numpy(i["local"]),
+            None if c is None else torch.from_numpy(c),
+            i["t_q"],
+            i["t_k_full"],
+            i["raw_base"],
+            i["t_k"],
+            i["t_c"],
+        )
+        return {"mask": _mask(out)}
+
     return {
+        "step/verify_proposed": verify,
+        "masks/compose_caller_mask": caller,
         "dispatch/resolve_ragged_rows": lambda i: {
             "rows": _host(gd.resolve_ragged_rows(i["rows"], i["q0"], i["b"]))
         },

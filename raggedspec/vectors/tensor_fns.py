@@ -189,6 +189,49 @@ def _causal_matrix(_b, i):
     }
 
 
+def _caller_cases(rng, n):
+    def case(t_q, t_k_full, raw_base, t_k, t_c, caller_shape):
+        inp = {
+            "t_q": t_q,
+            "t_k_full": t_k_full,
+            "raw_base": raw_base,
+            "t_k": t_k,
+            "t_c": t_c,
+            "has_caller": caller_shape is not None,
+        }
+        keep = rng.random((1, 1, t_q, t_k + t_c)) < 0.8
+        inp["local"] = np.where(keep, 0.0, -np.inf)
+        if caller_shape is not None:
+            inp["caller"] = np.where(rng.random(caller_shape) < 0.8, 0.0, -np.inf)
+        return inp
+
+    def make(shape, i):
+        t_q, t_c = int(rng.integers(1, 3)), 2 * (i % 2)
+        width = 10 + t_c if rng.random() < 0.5 else 10
+        shapes = [None, (1, 1), (t_q, width), (1, 1, t_q, width), (1, 1, 1, width)]
+        return case(t_q, 10, 4, 6, t_c, shapes[i % len(shapes)])
+
+    return fixed(
+        example_no_caller=case(2, 10, 4, 6, 2, None),
+        example_flash_placeholder=case(2, 10, 4, 6, 2, (1, 1)),
+        example_raw_columns_sliced_and_compressed_padded=case(2, 10, 4, 6, 2, (2, 10)),
+        example_callers_compressed_columns_kept=case(2, 10, 4, 6, 2, (1, 1, 2, 12)),
+        example_one_query_row_broadcast=case(2, 10, 4, 6, 2, (1, 1, 1, 12)),
+        refusal_rank_3=case(2, 10, 4, 6, 2, (1, 2, 10)),
+        refusal_query_axis=case(2, 10, 4, 6, 2, (3, 10)),
+        refusal_key_axis=case(2, 10, 4, 6, 2, (2, 11)),
+    ) + generated(n, make)
+
+
+def _caller(_b, i):
+    caller = i.get("caller")
+    return {
+        "mask": masks.compose_caller_mask(
+            i["local"], caller, i["t_q"], i["t_k_full"], i["raw_base"], i["t_k"], i["t_c"]
+        )
+    }
+
+
 # ------------------------------------------------------------------------------ rope
 
 
@@ -300,6 +343,7 @@ def _front_align_cases(rng, n):
         example_lives_12_and_10=_rows_inputs(rng, [12, 10]),
         example_uniform=_rows_inputs(rng, [5, 5, 5]),
         example_growth_boundary=_rows_inputs(rng, [513, 3]),
+        refusal_capacity_above_max_seq_len=_rows_inputs(rng, [5, 3], max_seq_len=8),
     ) + generated(n, lambda shape, i: _rows_inputs(rng, _align_lens(rng, shape)))
 
 
@@ -504,6 +548,14 @@ def tensor_functions() -> list[Fn]:
             "reference.masks.graph_mode_length_mask",
             plain(m.graph_mode_length_mask, "mask", "positions", "cap"),
             _graph_mask_cases,
+        ),
+        Fn(
+            "masks",
+            "compose_caller_mask",
+            "M §6",
+            "reference.masks.compose_caller_mask",
+            _caller,
+            _caller_cases,
         ),
         Fn(
             "masks",
