@@ -90,7 +90,7 @@ def test_every_vector_the_port_implements_passes_on_the_port(default_set, dtype)
     assert report.passed == port_cases > 300
 
 
-def test_the_consumer_command_line_runs_a_table_it_is_given(default_set):
+def test_the_consumer_command_line_runs_a_table_it_is_given(default_set, tmp_path):
     run = subprocess.run(
         [
             sys.executable,
@@ -118,6 +118,12 @@ def test_the_consumer_command_line_runs_a_table_it_is_given(default_set):
         timeout=60,
     )
     assert bad.returncode == 2 and "manifest.json does not exist" in bad.stderr
+    future = tmp_path / "future"
+    shutil.copytree(default_set, future)
+    manifest = json.loads((future / "manifest.json").read_text())
+    (future / "manifest.json").write_text(json.dumps(dict(manifest, schema_version=2)))
+    with pytest.raises(ValueError, match="schema_version 2"):
+        load_consumer().run_vectors(future, reference_table())
 
 
 def test_the_consumer_reports_a_wrong_value_a_missed_refusal_and_a_wrong_message(default_set):

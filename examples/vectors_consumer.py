@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+FORMAT, SCHEMA_VERSIONS = "raggedspec-vectors", {1}
+
 
 @dataclass
 class Report:
@@ -163,6 +165,12 @@ def run_vectors(
     """Run every case of every manifest function the table has; missing ones are listed."""
     root = Path(root)
     manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    if manifest.get("format") != FORMAT or manifest.get("schema_version") not in SCHEMA_VERSIONS:
+        raise ValueError(
+            f"{root / 'manifest.json'}: format {manifest.get('format')!r} schema_version "
+            f"{manifest.get('schema_version')!r}; this consumer reads {FORMAT!r} "
+            f"versions {sorted(SCHEMA_VERSIONS)}"
+        )
     report = Report()
     for entry in manifest["functions"]:
         key = f"{entry['family']}/{entry['function']}"
@@ -208,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, AttributeError) as exc:
         print(f"vectors_consumer: error: --table {args.table!r}: {exc}", file=sys.stderr)
         return 2
-    report = run_vectors(
-        args.vectors, table() if callable(table) else table, args.dtype, args.messages
-    )
+    try:
+        report = run_vectors(
+            args.vectors, table() if callable(table) else table, args.dtype, args.messages
+        )
+    except ValueError as exc:
+        print(f"vectors_consumer: error: {exc}", file=sys.stderr)
+        return 2
     for where, problem in report.failed:
         print(f"FAIL {where}: {problem}")
     print(
