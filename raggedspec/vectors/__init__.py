@@ -30,6 +30,7 @@ import numpy as np
 
 from raggedspec import __version__
 from raggedspec.vectors.align_fns import align_functions
+from raggedspec.vectors.bookkeeping_fns import bookkeeping_functions
 from raggedspec.vectors.length_fns import length_functions
 from raggedspec.vectors.policy_fns import policy_functions
 from raggedspec.vectors.registry import Fn
@@ -54,9 +55,15 @@ CLOSE = {
 
 
 def functions() -> list[Fn]:
-    """Every vector function, in manifest order: length rules, policy rules, masks / RoPE /
-    attention, K/V slots."""
-    return length_functions() + policy_functions() + tensor_functions() + align_functions()
+    """Every vector function, in manifest order: length rules, policy rules, bookkeeping,
+    masks / RoPE / attention, K/V slots."""
+    return (
+        length_functions()
+        + policy_functions()
+        + bookkeeping_functions()
+        + tensor_functions()
+        + align_functions()
+    )
 
 
 def select(pattern: str | None) -> list[Fn]:

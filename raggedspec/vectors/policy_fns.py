@@ -18,7 +18,7 @@ from reference.xs_rolling import XsRolling
 # ------------------------------------------------------------------------------ capability
 
 
-def _cache_of(slots: list[str], paged: bool):
+def cache_of(slots: list[str], paged: bool):
     """A cache from slot kinds: "Normal", "XsRolling:<ratio>", "Rotating", "TurboQuant"."""
     built = []
     for s in slots:
@@ -69,7 +69,7 @@ def _checked(check: Callable, *args) -> dict:
 
 def _per_sequence_refusal(_b, inp):
     r = capability.per_sequence_refusal(
-        _cache_of(inp["slots"], inp["paged"]), inp["xs_per_seq"], inp["admission"]
+        cache_of(inp["slots"], inp["paged"]), inp["xs_per_seq"], inp["admission"]
     )
     return {"refusal": None if r is None else {"class": type(r).__name__, "message": str(r)}}
 
@@ -455,7 +455,7 @@ def policy_functions() -> list[Fn]:
             cap + "cache_supports_per_sequence_advance",
             lambda _b, i: _checked(
                 c.cache_supports_per_sequence_advance,
-                _cache_of(i["slots"], i["paged"]),
+                cache_of(i["slots"], i["paged"]),
                 i["xs_per_seq"],
             ),
             _capability_cases(False),
@@ -465,7 +465,7 @@ def policy_functions() -> list[Fn]:
             "model_masks_ragged_batches",
             "C §13",
             cap + "model_masks_ragged_batches",
-            lambda _b, i: _checked(c.model_masks_ragged_batches, _cache_of(i["slots"], i["paged"])),
+            lambda _b, i: _checked(c.model_masks_ragged_batches, cache_of(i["slots"], i["paged"])),
             _capability_cases(False, with_xs=False),
         ),
         Fn(
@@ -474,7 +474,7 @@ def policy_functions() -> list[Fn]:
             "C §13",
             cap + "draft_chain_carries_per_sequence_positions",
             lambda _b, i: _checked(
-                c.draft_chain_carries_per_sequence_positions, _cache_of(i["slots"], i["paged"])
+                c.draft_chain_carries_per_sequence_positions, cache_of(i["slots"], i["paged"])
             ),
             _capability_cases(False, with_xs=False),
         ),

@@ -6,8 +6,8 @@ reference. `port_table(device, dtype)` runs the port: the functions of the backe
 through `gpu.backend.TorchBackend` (the same adapter as the reference, a different backend),
 and the other rules the port implements through their `gpu.*` function, with its tensors
 read back as host values. The host-only rules the port takes from the reference unchanged
-(flags, capability, scheduler, step guards; see docs/rules.md "not modelled" port rows) are
-listed in `PORT_HOST_ONLY` and are absent from the port table.
+(flags, capability, scheduler, step guards, capture offsets, accounting; see the port rows
+of docs/rules.md) are listed in `PORT_HOST_ONLY` and are absent from the port table.
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ PORT_HOST_ONLY = {
     "scheduler/bucket_keys",
     "scheduler/select_running_bucket",
     "scheduler/issues_cache_in",
+    "dispatch/resolve_capture_offsets",
+    "capability/kv_advance",
+    "accounting/from_fused_verify",
+    "accounting/from_verify",
+    "accounting/accumulate",
+    "accounting/record_batch",
     "scheduler/engine_cache_instruction",
 }
 
