@@ -277,6 +277,7 @@ MUTANTS = {
     'per_sequence_kv_requested: accept "yes"': "capability/per_sequence_kv_requested",
     "select_running_bucket: max instead of min for next_len": "scheduler/select_running_bucket",
     "front_align_draft_group: pad to the minimum start": "align/front_align_draft_group",
+    "from_fused_verify: reached = a + 1 uncapped by d": "accounting/from_fused_verify",
 }
 
 MUTANT_RUN = """

@@ -32,6 +32,7 @@ def _capture_cases(rng: np.random.Generator, n: int) -> list[tuple[str, dict]]:
         example_empty_is_zero={"offsets": [], "b": 2, "rows": [0, 1, 4]},
         example_one_row={"offsets": [9], "b": 1, "rows": [0, 3]},
         example_other_width={"offsets": [10, 7], "b": 3, "rows": [1]},
+        example_wider_than_the_batch={"offsets": [10, 7, 12], "b": 2, "rows": [2]},
     ) + generated(n, make)
 
 
