@@ -1,5 +1,5 @@
-"""Vector functions of the host bookkeeping: the capture offsets, the kv_advance latch and
-the acceptance accounting.
+"""Vector functions of the host bookkeeping: the capture offsets and the hidden-state
+capture slot, the kv_advance latch and the acceptance accounting.
 
 These rules keep state across calls, so a case is a short sequence of calls and its outputs
 are what each call returned plus the state at the end (counters as a JSON object with the
@@ -43,6 +43,54 @@ def _capture(_b, i: dict) -> dict:
         "describes": c.describes(i["b"]),
         "row": [c.row(r) for r in i["rows"]],
     }
+
+
+def _capture_slot_cases(rng: np.random.Generator, n: int) -> list[tuple[str, dict]]:
+    def make(shape, i):
+        ops = []
+        for k in range(int(rng.integers(2, 8))):
+            kind = str(rng.choice(["arm", "store_rows", "store", "take", "take", "clear"]))
+            if kind == "store_rows":
+                ops.append([kind, lengths(rng, shape, 0, 30), k])
+            elif kind == "store":
+                ops.append([kind, int(rng.integers(0, 30)), k])
+            else:
+                ops.append([kind])
+        return {"ops": ops + [["take"]]}
+
+    return fixed(
+        example_disarmed_stores_nothing={"ops": [["store_rows", [4, 2], 1], ["take"]]},
+        example_store_overwrites_and_take_clears={
+            "ops": [
+                ["arm"],
+                ["store_rows", [4, 2], 1],
+                ["store_rows", [9, 9], 2],
+                ["take"],
+                ["take"],
+            ]
+        },
+        example_store_is_one_shared_offset={"ops": [["arm"], ["store", 6, 3], ["take"]]},
+        example_clear_empties={"ops": [["arm"], ["store_rows", [5, 1, 3], 4], ["clear"], ["take"]]},
+    ) + generated(n, make)
+
+
+def _capture_slot(_b, i: dict) -> dict:
+    """`ops` on one capture slot: ["arm"], ["store_rows", offsets, h], ["store", start, h],
+    ["take"], ["clear"]; `h` is an opaque tag standing for the hidden tensor."""
+    slot, taken = dispatch.MtpHiddenCapture(), []
+    for op in i["ops"]:
+        if op[0] == "arm":
+            slot.arm()
+        elif op[0] == "store_rows":
+            slot.store_rows(op[1], op[2])
+        elif op[0] == "store":
+            slot.store(op[1], op[2])
+        elif op[0] == "clear":
+            slot.clear()
+        else:
+            got = slot.take()
+            taken.append(None if got is None else {"offsets": list(got[0].values), "h": got[1]})
+    return {"taken": taken}
 
 
 # ------------------------------------------------------------------------------ latch
@@ -163,6 +211,14 @@ def bookkeeping_functions() -> list[Fn]:
             "reference.dispatch.resolve_capture_offsets",
             _capture,
             _capture_cases,
+        ),
+        Fn(
+            "dispatch",
+            "mtp_hidden_capture",
+            "C §6.3",
+            "reference.dispatch.MtpHiddenCapture",
+            _capture_slot,
+            _capture_slot_cases,
         ),
         Fn(
             "capability",

@@ -65,6 +65,7 @@ PORT_HOST_ONLY = {
     "scheduler/select_running_bucket",
     "scheduler/issues_cache_in",
     "dispatch/resolve_capture_offsets",
+    "dispatch/mtp_hidden_capture",
     "capability/kv_advance",
     "accounting/from_fused_verify",
     "accounting/from_verify",
