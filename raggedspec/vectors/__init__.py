@@ -1,9 +1,10 @@
 """Language-neutral test vectors: `raggedspec vectors --out DIR`.
 
-Every vector function of `registry` and `tensor_fns` is run on the reference over its
-cases, and each case is written as `DIR/<family>/<function>/<case>/case.json` (JSON inputs,
-the expected JSON outputs or the expected refusal, the comparison rule and tolerance of each
-tensor output) plus `inputs.safetensors` / `outputs.safetensors` when tensors are involved.
+Every vector function (`registry.Fn`; the length, policy, bookkeeping, tensor and K/V slot
+rules of the `*_fns` modules) is run on the reference over its cases, and each case is
+written as `DIR/<family>/<function>/<case>/case.json` (JSON inputs, the expected JSON
+outputs or the expected refusal, the comparison rule and tolerance of each tensor output)
+plus `inputs.safetensors` / `outputs.safetensors` when tensors are involved.
 `DIR/manifest.json` lists every function with its spec section, case counts and content
 hash. The same arguments give a byte-identical folder: JSON is written with sorted keys,
 cases are drawn from a generator seeded by `(seed, crc32(family/function))` only, and no
