@@ -28,17 +28,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.draft as port
-import gpu.model as port_model_mod
-from gpu.cache import RaggedKv
-from gpu.rope import reset_rope_path_stats, rope_path_stats
-from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_same_refusal, host, outcome, to_port)
-from reference import draft as ref
-from reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
-from reference.cache import KvCache
-from reference.dispatch import CaptureOffsets
-from reference.errors import AlignRefusal, CacheRefusal, DispatchRefusal, StepRefusal
-from reference.model import ModelConfig, TinyModel
+import raggedspec.gpu.draft as port
+import raggedspec.gpu.model as port_model_mod
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.rope import reset_rope_path_stats, rope_path_stats
+from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_same_refusal, host, outcome, to_port)
+from raggedspec.reference import draft as ref
+from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
+from raggedspec.reference.cache import KvCache
+from raggedspec.reference.dispatch import CaptureOffsets
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, DispatchRefusal, StepRefusal
+from raggedspec.reference.model import ModelConfig, TinyModel
 
 MODEL = TinyModel()
 TIER_A = TinyModel(ModelConfig(mtp="heads"))

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from mutation.catalogue import ALL
-from mutation.runner import mutated_source
+from raggedspec.mutation.catalogue import ALL
+from raggedspec.mutation.runner import mutated_source
 from raggedspec import vectors
 from raggedspec.cli import main
 from raggedspec.vectors.port import PORT_HOST_ONLY, reference_table
-from reference.errors import Refusal
+from raggedspec.reference.errors import Refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSUMER = ROOT / "examples" / "vectors_consumer.py"

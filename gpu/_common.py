@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from reference.errors import require
+from raggedspec.reference.errors import require
 
 DEVICE_ENV = "RAGGEDSPEC_DEVICE"
 

@@ -1,4 +1,4 @@
-"""The torch backend: `reference.backend.Backend` on the port (`gpu/`), on any device and in
+"""The torch backend: `raggedspec.reference.backend.Backend` on the port (`gpu/`), on any device and in
 float64, float32 or bfloat16.
 
 Every tensor-side method runs the port: masks by broadcast (`gpu.masks`), RoPE by gathered
@@ -55,24 +55,24 @@ import weakref
 import numpy as np
 import torch
 
-from gpu import dispatch as gdispatch
-from gpu import masks as gmasks
-from gpu import step as gstep
-from gpu._common import as_list, neg_inf_where
-from gpu.align import materialize_front_aligned
-from gpu.attention import dsv4_attention as g_dsv4_attention
-from gpu.cache import RaggedKv, chunk_sizes
-from gpu.draft import extend_draft_kv_rows, propose_chain_batched
-from gpu.model import Forward as PortForward
-from gpu.model import TinyModel as PortModel
-from gpu.model import rms_norm, silu
-from gpu.rope import apply_rope, rotate
-from gpu.xs_rolling import XsRolling
-from reference import model as ref_model
-from reference.backend import Backend, CloneIn
-from reference.dispatch import chain_start_of
-from reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
-from reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
+from raggedspec.gpu import dispatch as gdispatch
+from raggedspec.gpu import masks as gmasks
+from raggedspec.gpu import step as gstep
+from raggedspec.gpu._common import as_list, neg_inf_where
+from raggedspec.gpu.align import materialize_front_aligned
+from raggedspec.gpu.attention import dsv4_attention as g_dsv4_attention
+from raggedspec.gpu.cache import RaggedKv, chunk_sizes
+from raggedspec.gpu.draft import extend_draft_kv_rows, propose_chain_batched
+from raggedspec.gpu.model import Forward as PortForward
+from raggedspec.gpu.model import TinyModel as PortModel
+from raggedspec.gpu.model import rms_norm, silu
+from raggedspec.gpu.rope import apply_rope, rotate
+from raggedspec.gpu.xs_rolling import XsRolling
+from raggedspec.reference import model as ref_model
+from raggedspec.reference.backend import Backend, CloneIn
+from raggedspec.reference.dispatch import chain_start_of
+from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
 
 NORMAL, XS = "Normal", "XsRolling"
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu._common import as_list, lengths
-from gpu.cache import RaggedKv
-from gpu.dispatch import resolve_draft_leads, resolve_ragged_chain_starts
-from gpu.rope import rotate
-from reference.errors import AlignRefusal, CacheRefusal, StepRefusal, require
+from raggedspec.gpu._common import as_list, lengths
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.dispatch import resolve_draft_leads, resolve_ragged_chain_starts
+from raggedspec.gpu.rope import rotate
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, StepRefusal, require
 
 draft_chain_stats = {"scalar": 0, "per_row": 0}
 """Chain steps taken by `propose_chain_batched`: "scalar" (`forward_step`, one shared

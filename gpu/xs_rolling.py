@@ -43,11 +43,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu._common import as_list, lengths
-from reference.errors import CacheRefusal, require
-from reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
-from reference.xs_rolling import XsRolling as RefXsRolling
-from reference.xs_rolling import XsRowPlan
+from raggedspec.gpu._common import as_list, lengths
+from raggedspec.reference.errors import CacheRefusal, require
+from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
+from raggedspec.reference.xs_rolling import XsRolling as RefXsRolling
+from raggedspec.reference.xs_rolling import XsRowPlan
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -34,8 +34,8 @@ print(json.dumps(sorted({"/".join(w.split("/")[:2]) for w, _ in report.failed}))
 def sweep(only: str | None = None) -> dict[str, list[str]]:
     """{entry name: the vector functions its mutant fails} for the reference catalogue."""
     sys.path.insert(0, str(ROOT))
-    from mutation.catalogue import CATALOGUE
-    from mutation.runner import mutated_source
+    from raggedspec.mutation.catalogue import CATALOGUE
+    from raggedspec.mutation.runner import mutated_source
 
     entries = [m for m in CATALOGUE if m.scope == "reference" and (not only or only in m.name)]
     base = Path(tempfile.mkdtemp(prefix="raggedspec-vectors-catalogue-"))

@@ -36,8 +36,8 @@ from raggedspec.vectors.length_fns import length_functions
 from raggedspec.vectors.policy_fns import policy_functions
 from raggedspec.vectors.registry import Fn
 from raggedspec.vectors.tensor_fns import tensor_functions
-from reference.backend import NumpyBackend
-from reference.errors import Refusal
+from raggedspec.reference.backend import NumpyBackend
+from raggedspec.reference.errors import Refusal
 
 FORMAT = "raggedspec-vectors"
 SCHEMA_VERSION = 1

@@ -13,7 +13,7 @@ import numpy as np
 
 from raggedspec.vectors.registry import Fn, fixed, generated, lengths
 from raggedspec.vectors.tensor_fns import random_array
-from reference.cache import PLAIN_CACHE_CAPACITY
+from raggedspec.reference.cache import PLAIN_CACHE_CAPACITY
 
 HEADS, DIM = 2, 4  # K/V slot shape of the align cases: [1, HEADS, n, DIM]
 

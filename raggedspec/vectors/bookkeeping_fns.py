@@ -15,8 +15,8 @@ import numpy as np
 
 from raggedspec.vectors.policy_fns import cache_of
 from raggedspec.vectors.registry import Fn, fixed, generated, lengths
-from reference import accounting, dispatch, step
-from reference.capability import KvAdvanceLatch
+from raggedspec.reference import accounting, dispatch, step
+from raggedspec.reference.capability import KvAdvanceLatch
 
 # ------------------------------------------------------------------------------ capture
 

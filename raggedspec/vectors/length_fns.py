@@ -10,8 +10,8 @@ through the backend they are given, so a port's backend runs them unchanged.
 from __future__ import annotations
 
 from raggedspec.vectors.registry import Fn, fixed, generated, leads, lengths, plain
-from reference import dispatch, step
-from reference.capability import KvAdvance
+from raggedspec.reference import dispatch, step
+from raggedspec.reference.capability import KvAdvance
 
 # ------------------------------------------------------------------------------ dispatch
 

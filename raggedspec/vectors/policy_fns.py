@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from raggedspec.vectors.registry import Fn, fixed, generated, lengths, plain
-from reference import capability, scheduler
-from reference.cache import KvCache, NormalCache, OtherSlot
-from reference.xs_rolling import XsRolling
+from raggedspec.reference import capability, scheduler
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot
+from raggedspec.reference.xs_rolling import XsRolling
 
 # ------------------------------------------------------------------------------ capability
 

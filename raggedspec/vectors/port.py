@@ -3,7 +3,7 @@
 A table maps `"<family>/<function>"` to a callable `inputs -> outputs` (what
 examples/vectors_consumer.py is given). `reference_table()` runs every function on the
 reference. `port_table(device, dtype)` runs the port: the functions of the backend protocol
-through `gpu.backend.TorchBackend` (the same adapter as the reference, a different backend),
+through `raggedspec.gpu.backend.TorchBackend` (the same adapter as the reference, a different backend),
 and the other rules the port implements through their `gpu.*` function, with its tensors
 read back as host values. The host-only rules the port takes from the reference unchanged
 (flags, capability, scheduler, step guards, capture offsets, accounting; see the port rows
@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 
 from raggedspec.vectors import functions
-from reference.backend import NumpyBackend
+from raggedspec.reference.backend import NumpyBackend
 
 # functions whose adapter calls only backend protocol methods: a port backend runs them as is
 PROTOCOL = {
@@ -91,11 +91,11 @@ def _mask(x) -> np.ndarray | None:
 
 
 def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
-    from gpu import dispatch as gd
-    from gpu import masks as gm
-    from gpu import rope as gr
-    from gpu import step as gs
-    from reference.step import verify_proposed
+    from raggedspec.gpu import dispatch as gd
+    from raggedspec.gpu import masks as gm
+    from raggedspec.gpu import rope as gr
+    from raggedspec.gpu import step as gs
+    from raggedspec.reference.step import verify_proposed
 
     def rollback(i):
         commit = verify_proposed(i["proposed"], i["target"]).commit_len  # host bookkeeping
@@ -197,7 +197,7 @@ def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
 def port_table(device: str = "cpu", dtype: str = "float64") -> dict[str, Callable[[dict], dict]]:
     """The torch port: protocol functions through `TorchBackend(device, dtype)`, the others
     through their `gpu.*` function; `PORT_HOST_ONLY` functions are left out."""
-    from gpu.backend import TorchBackend
+    from raggedspec.gpu.backend import TorchBackend
 
     backend = TorchBackend(device=device, dtype=dtype)
     table = {fn.key: partial(fn.call, backend) for fn in functions() if fn.key in PROTOCOL}

@@ -1,7 +1,7 @@
 """The tensor vector functions: masks, RoPE positions and rotation, and the ragged verify
 attention (`align_fns` holds the K/V slot rules).
 
-Every adapter here takes a backend (`reference.backend.Backend`) and goes through its
+Every adapter here takes a backend (`raggedspec.reference.backend.Backend`) and goes through its
 protocol methods where the protocol has one (`union_mask`, `rope_positions`, `apply_rope`,
 `dsv4_attention`), so the same adapter runs on the reference (`NumpyBackend`) and on a
 port's backend; the other mask rules call the reference function. Float inputs are drawn
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from raggedspec.vectors.registry import Fn, fixed, generated, lengths, plain
-from reference import masks, rope
-from reference.attention import Dsv4AttentionConfig
+from raggedspec.reference import masks, rope
+from raggedspec.reference.attention import Dsv4AttentionConfig
 
 
 def random_array(rng: np.random.Generator, *shape: int) -> np.ndarray:
