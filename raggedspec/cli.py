@@ -419,6 +419,12 @@ def run_check_trace(args) -> int:
         raise UsageError(str(exc)) from None
 
 
+def _vectors():
+    """The vectors module (numpy + safetensors), imported when the command is built."""
+    from raggedspec import vectors
+    return vectors
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "simulate": (add_simulate, run_simulate),
     "drift": (add_drift, run_drift),
@@ -428,6 +434,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "preflight": (add_preflight, run_preflight),
     "check-trace": (add_check_trace, run_check_trace),
     "check-kernel": (add_check_kernel, run_check_kernel),
+    "vectors": (lambda sub: _vectors().add_parser(sub), lambda args: _vectors().run(args)),
 }
 
 

@@ -1,0 +1,237 @@
+"""Run raggedspec test vectors against any implementation, through a function table.
+
+A standalone consumer: it needs only numpy and safetensors, and imports nothing from
+raggedspec. The implementation under test is a *function table*: a dict mapping
+`"<family>/<function>"` (the names in the vectors' manifest.json) to a callable that takes
+one case's inputs (a dict: the JSON inputs of case.json plus the arrays of
+inputs.safetensors, by name) and returns a dict of outputs (JSON-like values and arrays), or
+raises an exception whose class name is the refusal's (`type(exc).__name__`).
+
+Comparison (docs/vectors.md): JSON outputs must be equal exactly, types included (a bool is
+not an int, an int is not a float); "exact" tensors equal in shape and every element
+(infinities included; float data is first rounded to the dtype the implementation computes
+in, so a float32 engine must copy K/V bit-exactly in float32); "close" tensors equal in
+shape, in where they are infinite, and elsewhere `|got - want| <= atol + rtol * |want|`
+with the tolerance of the dtype the implementation computes in. An expected refusal must
+raise that class; in `messages="exact"` mode its message must equal the spec's, in
+`messages="class"` mode only the class is checked.
+Malformed input (expect "malformed") must raise ValueError; its message is not compared.
+A function the table lacks is reported as missing, never counted as passed.
+
+Command line: `python examples/vectors_consumer.py DIR --table package.module:attr`, where
+`attr` is the table or a function returning it; exit 0 when every case of every function in
+the table passed (and, with `--require-all`, none is missing), 1 otherwise, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+FORMAT, SCHEMA_VERSIONS = "raggedspec-vectors", {1}
+
+
+@dataclass
+class Report:
+    """What a run found: cases passed, failures `(case folder, problem)`, functions missing."""
+
+    passed: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def load_case(folder: Path) -> tuple[dict, dict]:
+    """`(case.json, inputs)` of one case folder: the JSON inputs plus its input tensors."""
+    case = json.loads((folder / "case.json").read_text(encoding="utf-8"))
+    inputs = dict(case["inputs"])
+    if case["tensor_inputs"]:
+        inputs.update(load_file(str(folder / "inputs.safetensors")))
+    return case, inputs
+
+
+def _json(x):
+    """A returned value in JSON form (NumPy scalars and arrays, tuples -> plain values)."""
+    if isinstance(x, np.ndarray):
+        return _json(x.tolist())
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (list, tuple)):
+        return [_json(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _json(v) for k, v in x.items()}
+    if hasattr(x, "tolist"):  # a tensor of another array library
+        return _json(x.tolist())
+    return x
+
+
+def rounded(want: np.ndarray, dtype: str) -> np.ndarray:
+    """`want` (float64) rounded to nearest-even in `dtype`, back as float64: what an exact
+    copy of a float64 input looks like in an implementation computing in `dtype`."""
+    if dtype == "float64" or want.dtype.kind != "f":
+        return want
+    if dtype == "float32":
+        return want.astype(np.float32).astype(np.float64)
+    mant, exp = np.frexp(want)  # bfloat16: 8 significant bits
+    return np.ldexp(np.rint(mant * 256.0) / 256.0, exp)
+
+
+def _close(got: np.ndarray, want: np.ndarray, tol: dict) -> str | None:
+    inf_got, inf_want = np.isinf(got), np.isinf(want)
+    if not np.array_equal(inf_got, inf_want) or not np.array_equal(got[inf_got], want[inf_want]):
+        return "infinite elements differ"
+    if np.isnan(got).any():
+        return "NaN in the output"
+    fin = ~inf_want
+    err = np.abs(got[fin] - want[fin])
+    bound = tol["atol"] + tol["rtol"] * np.abs(want[fin])
+    if (err > bound).any():
+        return (
+            f"max |got - want| {err.max():.3e} above atol {tol['atol']} "
+            f"+ rtol {tol['rtol']} * |want|"
+        )
+    return None
+
+
+def compare(case: dict, want_tensors: dict, got: dict, dtype: str = "float64") -> list[str]:
+    """Problems of `got` (a callable's returned outputs) against one case's expectation."""
+    problems = []
+    for key, want in case["outputs"].items():
+        if key not in got:
+            problems.append(f"output {key!r} missing")
+        elif json.dumps(_json(got[key]), sort_keys=True) != json.dumps(want, sort_keys=True):
+            problems.append(f"output {key!r}: got {_json(got[key])!r}, want {want!r}")
+    for key, meta in case["tensor_outputs"].items():
+        if key not in got or got[key] is None:
+            problems.append(f"tensor output {key!r} missing")
+            continue
+        g = np.asarray(_json(got[key]) if not isinstance(got[key], np.ndarray) else got[key])
+        w = want_tensors[key]
+        if list(g.shape) != list(w.shape):
+            problems.append(f"tensor output {key!r}: shape {list(g.shape)}, want {list(w.shape)}")
+        elif meta["compare"] == "exact":
+            if not np.array_equal(
+                g.astype(w.dtype) if g.dtype != w.dtype else g, rounded(w, dtype)
+            ):
+                problems.append(f"tensor output {key!r}: not equal element for element")
+        else:
+            why = _close(g.astype(np.float64), w.astype(np.float64), case["tolerance"][dtype])
+            if why:
+                problems.append(f"tensor output {key!r}: {why}")
+    return problems
+
+
+def run_case(
+    folder: Path, fn: Callable[[dict], dict], dtype: str = "float64", messages: str = "exact"
+) -> list[str]:
+    """Problems of one case run through `fn` (empty: it passed)."""
+    case, inputs = load_case(folder)
+    try:
+        got = fn(inputs)
+    except Exception as exc:  # noqa: BLE001 - every exception is a candidate refusal
+        want = case["raises"]
+        if want is None:
+            return [f"raised {type(exc).__name__}: {exc}"]
+        if type(exc).__name__ != want["class"]:
+            return [f"raised {type(exc).__name__}: {exc}; want {want['class']}: {want['message']}"]
+        if messages == "exact" and want["kind"] == "refusal" and str(exc) != want["message"]:
+            return [f"{want['class']} message {str(exc)!r}, want {want['message']!r}"]
+        return []
+    if case["raises"] is not None:
+        return [
+            f"returned {_json(got)!r}; want {case['raises']['class']}: {case['raises']['message']}"
+        ]
+    want_tensors = load_file(str(folder / "outputs.safetensors")) if case["tensor_outputs"] else {}
+    return compare(case, want_tensors, got, dtype)
+
+
+def run_vectors(
+    root: Path,
+    table: dict[str, Callable[[dict], dict]],
+    dtype: str = "float64",
+    messages: str = "exact",
+) -> Report:
+    """Run every case of every manifest function the table has; missing ones are listed."""
+    root = Path(root)
+    manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    if manifest.get("format") != FORMAT or manifest.get("schema_version") not in SCHEMA_VERSIONS:
+        raise ValueError(
+            f"{root / 'manifest.json'}: format {manifest.get('format')!r} schema_version "
+            f"{manifest.get('schema_version')!r}; this consumer reads {FORMAT!r} "
+            f"versions {sorted(SCHEMA_VERSIONS)}"
+        )
+    report = Report()
+    for entry in manifest["functions"]:
+        key = f"{entry['family']}/{entry['function']}"
+        if key not in table:
+            report.missing.append(key)
+            continue
+        folders = sorted(
+            p for p in (root / entry["family"] / entry["function"]).iterdir() if p.is_dir()
+        )
+        if len(folders) != entry["cases"]:
+            report.failed.append(
+                (key, f"{len(folders)} case folders, the manifest lists {entry['cases']}")
+            )
+        for folder in folders:
+            problems = run_case(folder, table[key], dtype, messages)
+            if problems:
+                report.failed.extend((str(folder.relative_to(root)), p) for p in problems)
+            else:
+                report.passed += 1
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("vectors", type=Path, help="the vectors folder (with manifest.json)")
+    parser.add_argument(
+        "--table", required=True, help="package.module:attr, the table or a function returning it"
+    )
+    parser.add_argument("--dtype", default="float64", choices=("float64", "float32", "bfloat16"))
+    parser.add_argument("--messages", default="exact", choices=("exact", "class"))
+    parser.add_argument(
+        "--require-all", action="store_true", help="a missing function fails the run"
+    )
+    args = parser.parse_args(argv)
+    if not (args.vectors / "manifest.json").is_file():
+        print(
+            f"vectors_consumer: error: {args.vectors}/manifest.json does not exist", file=sys.stderr
+        )
+        return 2
+    mod_name, _, attr = args.table.partition(":")
+    try:
+        table = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        print(f"vectors_consumer: error: --table {args.table!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = run_vectors(
+            args.vectors, table() if callable(table) else table, args.dtype, args.messages
+        )
+    except ValueError as exc:
+        print(f"vectors_consumer: error: {exc}", file=sys.stderr)
+        return 2
+    for where, problem in report.failed:
+        print(f"FAIL {where}: {problem}")
+    print(
+        f"{report.passed} passed, {len(report.failed)} failed, "
+        f"{len(report.missing)} functions missing"
+        + (f": {', '.join(report.missing)}" if report.missing else "")
+    )
+    return 0 if report.ok and (not args.require_all or not report.missing) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
