@@ -6,7 +6,7 @@ checks skipped with their reason.
 - a tiny `--deadline`: the later steps skipped, each with a note saying why;
 - a step over its clipped limit killed with its children, and the running step taken along
   when the script itself is stopped;
-- a kernel that computes wrong numbers: the preflight names the failed checks, exits 3, the
+- a kernel that computes wrong numbers: the preflight names the failed checks, exits 4, the
   CuPy steps are skipped and the others still run;
 - the per-file JUnit plugin's counts; bad usage exits 2 and writes nothing.
 """
@@ -238,9 +238,9 @@ def test_a_failing_preflight_exits_3_skips_the_cupy_steps_and_runs_the_rest(tmp_
         "preflight,headline,conf_cupy_float64,e2e_cupy",
         env={"PYTHONPATH": str(inject)},
     )
-    assert proc.returncode == 3, proc.stdout[-3000:]
+    assert proc.returncode == 4, proc.stdout[-3000:]
     rows = step_rows((out / "summary.md").read_text())
-    assert rows["preflight"] == "failed (exit 3)"
+    assert rows["preflight"] == "failed (exit 4)"
     for name in ("conf_cupy_float64", "e2e_cupy"):
         assert rows[name].startswith("skipped: the preflight failed"), rows[name]
     assert rows["headline"] == "ok"

@@ -18,7 +18,7 @@ Checks, in order (each one `ok`, `failed` with the reason, or `skipped` with the
 Mode `cupy` needs CuPy with a CUDA device and a CUDA build of torch; `emulate` runs the same
 checks on the CPU through the g++ emulator (the side-stream check is then skipped: it needs
 CUDA). `auto` picks `cupy` where it can run, else `emulate`. Exit code: 0 when no check
-failed, `EXIT_PREFLIGHT_FAILED` (3) when one did (stderr names it), 2 for bad usage. The JSON
+failed, `EXIT_PREFLIGHT_FAILED` (4) when one did (stderr names it), 2 for bad usage. The JSON
 (`--out`) holds the environment and every check, rewritten after each check.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-EXIT_OK, EXIT_USAGE, EXIT_PREFLIGHT_FAILED = 0, 2, 3
+EXIT_OK, EXIT_USAGE, EXIT_PREFLIGHT_FAILED = 0, 2, 4
 SCHEMA = "raggedspec-preflight/1"
 
 # Every kernel variant the launcher is asked for by the benchmark and the end-to-end model:

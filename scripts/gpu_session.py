@@ -28,7 +28,7 @@ every step):
 `summary.md` (the step table, notes, preflight, conformance counts, the tables), `session.log`
 (all output), `preflight.json`, `headline.json`, `bench.json`, `e2e.json`, `all.tar.gz` (the
 work folder: per-step logs, JUnit XML, every partial output). Exit code: 0 every step that ran
-passed; 3 the preflight failed; 1 another step failed; 2 bad usage. Stdlib only, so the driver
+passed; 4 the preflight failed; 1 another step failed; 2 bad usage. Stdlib only, so the driver
 itself costs nothing; the steps are `python -m raggedspec ...` and `python -m pytest` processes.
 """
 
@@ -49,7 +49,7 @@ from pathlib import Path
 from session_report import render_summary
 
 ROOT = Path(__file__).resolve().parents[1]
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREFLIGHT = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREFLIGHT = 0, 1, 2, 4
 DEFAULT_DEADLINE = {"gpu": 330.0, "cpu-smoke": 85.0}
 KILL_GRACE = 3.0  # SIGTERM -> SIGKILL
 FINAL_RESERVE = 3.0  # the last summary and tarball
