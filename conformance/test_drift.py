@@ -284,7 +284,7 @@ def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(t
     ('{"rows": []}', "field 'step'"),
     ('{"step": 3}', "field 'rows'"),
     ('{"step": 0, "rows": []}', "`rows`"),
-    ('not json', "not a schema-v1 trace"),
+    ('not json', "not a JSON object"),
 ])
 def test_a_trace_without_a_required_field_is_refused_by_name(tmp_path, text, field):
     path = tmp_path / "bad.jsonl"

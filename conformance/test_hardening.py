@@ -278,15 +278,21 @@ def test_drift_label_without_a_trace_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize(
     "line, words",
     [
-        ('{"step": "x", "rows": []}', ["`step`", "'x'", "integer"]),
-        ('{"step": 1, "rows": [{"seq": 1, "own_len": "a"}]}', ["rows[].own_len", "'a'", "integer"]),
-        ('{"step": 1, "rows": [{"seq": 1, "own_len": 3}], "buckets": "z"}', ["`buckets`", "'z'"]),
+        ('{"step": "x", "rows": []}', ["t.jsonl:1:", "field 'step'", '"x"', "integer"]),
+        (
+            '{"step": 1, "rows": [{"seq": 1, "own_len": "a"}]}',
+            ["t.jsonl:1:", "field 'rows[].own_len'", '"a"', "integer"],
+        ),
+        (
+            '{"step": 1, "rows": [{"seq": 1, "own_len": 3}], "buckets": "z"}',
+            ["t.jsonl:1:", "field 'buckets'", '"z"'],
+        ),
         (
             '{"step": 1, "rows": [{"seq": 1, "own_len": 3, "drafted": 1.5}]}',
-            ["rows[].drafted", "1.5"],
+            ["t.jsonl:1:", "field 'rows[].drafted'", "1.5"],
         ),
-        ("5", ["not a schema-v1 trace"]),
-        ('{"step": 1, "rows": [7]}', ["not a schema-v1 trace"]),
+        ("5", ["t.jsonl:1:", "not a JSON object"]),
+        ('{"step": 1, "rows": [7]}', ["t.jsonl:1:", "field 'rows[0]'", "row object"]),
     ],
 )
 def test_trace_fields_of_the_wrong_type_exit_2_naming_file_field_and_value(

@@ -46,7 +46,10 @@ class TraceError(ValueError):
         self.problems, self.more = problems, more
         tail = [f"... and {more} more problem(s)"] if more else []
         n = len(problems) + more
-        super().__init__(f"{n} problem(s) in the trace:\n" + "\n".join(problems + tail))
+        if n == 1:  # one problem: one line, FILE:LINE: field = value: what is allowed
+            super().__init__(problems[0])
+        else:
+            super().__init__(f"{n} problems in the trace:\n" + "\n".join(problems + tail))
 
 
 def _show(value) -> str:
@@ -216,6 +219,13 @@ def read_trace_strict(path, limit: int = DEFAULT_LIMIT, int_ids: bool = False) -
     if not path.is_file():
         raise FileNotFoundError(f"trace file {path} does not exist")
     problems = _Problems(path, limit)
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise TraceError([f"{path}:{line}: not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                          "a trace is JSON lines or CSV in UTF-8"]) from None
     reader = _read_csv if path.suffix.lower() == ".csv" else _read_jsonl
     trace, lines = reader(path, problems)
     if not len(trace) and not problems.lines:

@@ -151,7 +151,7 @@ def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     try:
         trace = read_trace_strict(path, int_ids=True)
     except TraceError as exc:  # every schema problem, each FILE:LINE
-        raise TraceFormatError(f"{path}: not a schema-v1 trace ({exc})") from None
+        raise TraceFormatError(str(exc)) from None
     except UnicodeDecodeError as exc:
         raise TraceFormatError(
             f"{path}: not a text file in UTF-8 (byte {exc.start}: {exc.reason})"
