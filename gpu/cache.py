@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu._common import as_list, lengths
@@ -51,8 +52,18 @@ class RaggedKv:
     max_seq_len: int
 
     def __post_init__(self) -> None:
+        """Lengths given as host integers (a list or NumPy array) are checked on the host and
+        then copied to the device once; a device tensor is checked by reading it (a
+        constructor's check, off the step path)."""
         require(self.k.dim() == 4 and self.v.dim() == 4 and self.k.shape[:3] == self.v.shape[:3],
                 f"k {list(self.k.shape)} and v {list(self.v.shape)} must be [B,H,capacity,*]")
+        if not isinstance(self.lens, torch.Tensor):
+            host = np.asarray(self.lens, dtype=np.int64).reshape(-1)
+            require(host.size == self.k.shape[0], f"{host.size} lengths for {self.k.shape[0]} rows")
+            if host.size and (host.min() < 0 or host.max() > self.capacity):
+                raise ValueError(f"lens {host.tolist()} must lie in [0, capacity {self.capacity}]")
+            self.lens = torch.from_numpy(host.copy()).to(self.k.device)
+            return
         self.lens = lengths(self.lens, device=self.k.device, name="lens")
         require(self.lens.numel() == self.k.shape[0],
                 f"{self.lens.numel()} lengths for {self.k.shape[0]} rows")

@@ -285,11 +285,11 @@ class XsRolling:
             blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)   # [B, take_max, D]
             valid = j[None, :] < plan.take[:, None]
             rr = torch.arange(b, device=dev)[:, None].expand(-1, take_max)
-            self.comp[rr[valid], g[valid]] = blocks[valid]
+            self.comp = self.comp.index_put((rr[valid], g[valid]), blocks[valid])
         keep = min(t_new, w)
         if keep:
             cols = torch.remainder(self.tokens[:, None] + torch.arange(t_new - keep, t_new, device=dev), w)
-            self.ring.scatter_(1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep:])
+            self.ring = self.ring.scatter(1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep:])
         self.tokens = plan.tokens_after
         self.base = plan.base_after
 
