@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu._common import neg_inf_where
@@ -176,12 +177,12 @@ def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | N
     b, _, t_q, d = q.shape
     dev, cd = q.device, _compute_dtype(q.dtype)
     lens = kv.lens
-    short = lens < t_q
-    if bool(short.any()):
-        i = int(short.nonzero()[0, 0])
-        raise MaskRefusal(f"{t_q} query rows against only {int(lens[i])} keys")
+    host = kv.host_lens()  # decided on the host copy of the lengths: no device read
+    short = np.flatnonzero(host < t_q)
+    if short.size:
+        raise MaskRefusal(f"{t_q} query rows against only {int(host[short[0]])} keys")
     window = max(sliding_window, 1)
-    top = int(lens.max())
+    top = int(host.max())
     keep = min(t_q + window - 1, top)
     cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]         # [B, keep]
     index = cols.clamp(min=0)[:, None, :, None].expand(b, 1, keep, d)

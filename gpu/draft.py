@@ -37,11 +37,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from gpu._common import as_list, lengths
+from gpu._common import as_list, host_ints, lengths
 from gpu.cache import RaggedKv
-from gpu.dispatch import resolve_draft_leads, resolve_ragged_chain_starts
+from gpu.dispatch import resolve_draft_leads
+from reference.dispatch import resolve_ragged_chain_starts
 from gpu.rope import rotate
 from reference.errors import AlignRefusal, CacheRefusal, StepRefusal, require
 
@@ -120,16 +122,22 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
     dev = model.device
     if n == 0 or g == 0:
         return torch.zeros((g, 0), dtype=torch.int64, device=dev)
-    starts = lengths(chain_starts, device=dev, name="chain_starts")
-    if starts.numel() != g:
-        raise StepRefusal(f"{starts.numel()} chain start(s) for a draft group of {g} row(s): {as_list(starts)}")
+    starts = host_ints(chain_starts)
+    if starts.size != g:
+        raise StepRefusal(f"{starts.size} chain start(s) for a draft group of {g} row(s): {starts.tolist()}")
     block = model.mtp
     if block is not None and cache is None:
         raise StepRefusal(f"the MTP block cannot draft without a draft KV cache (group of {g}, "
-                          f"starts {as_list(starts)})")
-    toks = torch.as_tensor(last_tokens, dtype=torch.int64, device=dev).reshape(-1)
-    require(toks.numel() == g, f"{toks.numel()} last tokens for a draft group of {g}")
-    ragged = resolve_ragged_chain_starts(starts)
+                          f"starts {starts.tolist()})")
+    first = host_ints(last_tokens)
+    require(first.size == g, f"{first.size} last tokens for a draft group of {g}")
+    if first.size and (first.min() < 0 or first.max() >= model.cfg.vocab):
+        raise ValueError(f"tokens must be in [0, {model.cfg.vocab})")
+    toks = torch.from_numpy(first).to(dev)
+    if rows is not None:
+        rows = host_ints(rows)
+    ragged = resolve_ragged_chain_starts(starts.tolist())
+    ragged = None if ragged is None else np.asarray(ragged, dtype=np.int64)
     start_pos = int(starts[0])
     out = torch.empty((g, n), dtype=torch.int64, device=dev)
     prev = seed_hidden.to(device=dev, dtype=model.dtype)
@@ -139,7 +147,7 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
             hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
             logits = hidden @ model.lm_head
         else:
-            fused = block.fuse(prev[:, None, :], toks[:, None])
+            fused = block.fuse_checked(prev[:, None, :], toks[:, None])
             if ragged is None:
                 draft_chain_stats["scalar"] += 1
                 hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]

@@ -195,7 +195,7 @@ class TorchKv(KvMeta):
             lead = np.minimum(self.lead, n)
             own = n - lead
             grow_physical(self.kv, int(own.max()) if own.size else 0)
-            self.kv.lens = torch.from_numpy(own).to(self.kv.k.device)
+            self.kv.lens = own
             self.lead = lead
         self.current = n
 
@@ -430,7 +430,7 @@ def stack_kv(parts: list) -> TorchKv:
     else:
         kv = RaggedKv(k, v, np.zeros(n, dtype=np.int64), first.max_seq_len)
         grow_physical(kv, int(own.max()))
-        kv.lens = torch.from_numpy(own).to(k.device)
+        kv.lens = own
     return TorchKv(first.max_seq_len, cap, first.current, kv, lead)
 
 
@@ -501,12 +501,12 @@ class DraftStore:
             pad = (0, 0, 0, 0, 0, 0, 0, grow)
             self.kv.k = torch.nn.functional.pad(self.kv.k, pad)
             self.kv.v = torch.nn.functional.pad(self.kv.v, pad)
-            self.kv.lens = torch.nn.functional.pad(self.kv.lens, (0, grow))
+            self.kv.lens = np.concatenate([self.kv.host_lens(), np.zeros(grow, dtype=np.int64)])
             self.free = list(range(s + grow - 1, s - 1, -1))
         idx = self.free.pop()
         self.kv.k[idx].zero_()
         self.kv.v[idx].zero_()
-        self.kv.lens[idx] = 0
+        self.kv.set_row_len(idx, 0)
         return idx
 
     def release(self, idx: int) -> None:
@@ -533,7 +533,7 @@ class PoolKv(KvMeta):
         self.try_set_len(n)
         if self.materialized:
             self.store.reserve(n)
-            self.store.kv.lens[self.idx] = n
+            self.store.kv.set_row_len(self.idx, n)
         self.current = n
 
     def front_aligned(self) -> tuple[torch.Tensor, torch.Tensor] | None:
