@@ -48,7 +48,6 @@ view). Loops over layers (slots) or chain steps are not loops over rows.
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import numpy as np
@@ -56,7 +55,6 @@ import torch
 
 from gpu import dispatch as gdispatch
 from gpu import masks as gmasks
-from gpu import step as gstep
 from gpu._common import as_list, neg_inf_where
 from gpu.attention import dsv4_attention as g_dsv4_attention
 from gpu.cache import RaggedKv
@@ -520,23 +518,24 @@ class TorchBackend(Backend):
                 continue
             require(all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
                     "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)")
-            leads = gdispatch.resolve_draft_leads(per_seq_advance, self._ints(starts))
+            leads = dispatch.resolve_draft_leads(per_seq_advance, starts)
             aligned = leads is not None
-            leads = as_list(leads) if aligned else [0] * g
+            leads = leads if aligned else [0] * g
             plan = self._draft_group_plan(caches, starts, aligned, n_draft, (u, _), warnings)
             if plan is None:
                 continue
             entry, cap = plan
             store = caches[0].store
-            idx = self._ints([c.idx for c in caches])
+            idx = np.fromiter((c.idx for c in caches), np.int64, g)
             store.reserve(max(max(starts), entry) + n_draft)
-            before = store.kv.lens
+            before = store.kv.host_lens()
             # the alignment is lengths only: each row its own start (ragged), or the batched
             # set_len(starts[0]) (uniform path; ragged starts there refuse "desync" in the chain)
-            store.kv.lens = before.index_copy(0, idx, self._ints(starts) if aligned else self._ints([entry] * g))
+            aligned_lens = before.copy()
+            aligned_lens[idx] = starts if aligned else entry
+            store.kv.lens = aligned_lens
             try:
-                chains = propose_chain_batched(model, seed_hidden, self._ints(lasts), n_draft, self._ints(starts),
-                                               store.kv, rows=idx).tolist()
+                chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx).tolist()
             except Refusal:
                 store.kv.lens = before  # the reference refused on a batched copy: the rows are untouched
                 raise
@@ -642,7 +641,9 @@ class TorchBackend(Backend):
             for j, (state, p) in enumerate(seed_states):  # host records: views of the one gather
                 state.seed = (p, got[j])
         if trunc_idx:  # the reference's set_len(filled): lengths only
-            store.kv.lens = store.kv.lens.index_copy(0, self._ints(trunc_idx), self._ints(trunc_len))
+            held = store.kv.host_lens().copy()
+            held[np.asarray(trunc_idx, dtype=np.int64)] = trunc_len
+            store.kv.lens = held
         if w_rows:
             store.reserve(max(w_hi))
             width = max(w_hi) + 1
@@ -650,8 +651,7 @@ class TorchBackend(Backend):
             for r, (row, lo, hi) in enumerate(zip(w_rows, w_lo, w_hi)):  # host packing of the token lists
                 tok[r, lo + 1: hi + 1] = toks[row][lo + 1: hi + 1]
             rows_t = self._ints(w_rows)
-            extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi,
-                                 torch.from_numpy(tok).to(self.dev), rows=self._ints(w_idx))
+            extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi, tok, rows=w_idx)
 
     @staticmethod
     def _extend_plan(state, offsets, toks, row, t, seed_rows, seed_cols, seed_states, trunc_idx, trunc_len,
@@ -703,62 +703,44 @@ class TorchBackend(Backend):
                                   "draft KV's end")
 
     # ------------------------------------------------------------------ length vectors
+    # Host integers in, host integers out: the reference's rule functions themselves (the
+    # lengths are host integers once per step; `gpu.step` / `gpu.dispatch` hold the same
+    # rules on device vectors, for a kernel that consumes them there).
     def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
-        out = gdispatch.resolve_row_cache_lens(enabled, cache_len, self._ints(lead_pad))
-        return None if out is None else as_list(out)
+        return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
 
     def ragged_row_q0(self, offsets, per_seq_kv):
-        out = gdispatch.ragged_row_q0(self._ints(offsets), per_seq_kv)
-        return None if out is None else as_list(out)
+        return dispatch.ragged_row_q0(offsets, per_seq_kv)
 
     def plan_step_window(self, cache_lens, tok_lens, w):
-        sw = gstep.plan_step_window(self._ints(cache_lens), self._ints(tok_lens), w)
-        return as_list(sw.uncached), sw.ok
+        sw = step.plan_step_window(cache_lens, tok_lens, w)
+        return list(sw.uncached), sw.ok
 
     def token_budget(self, max_seq_len, tok_lens):
-        return as_list(gstep.token_budget(max_seq_len, self._ints(tok_lens)))
+        return [step.token_budget(max_seq_len, n) for n in tok_lens]
 
     def draft_groups(self, uncached, cache_lens, may_draft, w, per_seq_advance):
-        may = torch.as_tensor([bool(m) for m in may_draft], dtype=torch.bool, device=self.dev)
-        return gdispatch.draft_groups(self._ints(uncached), self._ints(cache_lens), may, w, per_seq_advance).as_dict()
+        return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
 
     def draft_group_keys(self, uncached, cache_lens, carries_per_row):
-        keys = gdispatch.draft_group_keys(self._ints(uncached), self._ints(cache_lens), carries_per_row)
-        return [(int(a), int(s)) for a, s in keys.tolist()]
+        return [dispatch.draft_group_key(u, c, carries_per_row) for u, c in zip(uncached, cache_lens)]
 
     def chain_starts(self, cache_lens, uncached):
-        return as_list(gdispatch.chain_start_of(self._ints(cache_lens), self._ints(uncached)))
+        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached)]
 
     def verify_accept(self, proposed, targets):
-        b = len(proposed)
-        p = max((len(x) for x in proposed), default=0)
-        q = max((len(x) for x in targets), default=0)
-        lp = np.fromiter((len(x) for x in proposed), np.int64, b)
-        lq = np.fromiter((len(y) for y in targets), np.int64, b)
-        prop, targ = _pack_ragged(proposed, lp, p, -1), _pack_ragged(targets, lq, q, -2)
-        out = gstep.verify_proposed(torch.from_numpy(prop).to(self.dev), torch.from_numpy(targ).to(self.dev),
-                                    torch.from_numpy(lp).to(self.dev), torch.from_numpy(lq).to(self.dev))
-        return as_list(out.accepted)
+        return [len(step.verify_proposed(p, t).accepted) for p, t in zip(proposed, targets)]
 
     def budget_clamp(self, accepted, budgets):
-        return as_list(gstep.budget_clamp(self._ints(accepted), self._ints(budgets)))
+        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets)]
 
     def plan_batch_step(self, uncached, accepted, w):
-        plan = gstep.plan_batch_step(self._ints(uncached), self._ints(accepted), w)
-        return int(plan.keep), int(plan.n_drop), as_list(plan.next_uncached)
+        plan = step.plan_batch_step(uncached, accepted, w)
+        return plan.keep, plan.n_drop, list(plan.next_uncached)
 
     def plan_per_sequence_step(self, uncached, accepted, w):
-        plan = gstep.plan_per_sequence_step(self._ints(uncached), self._ints(accepted), w)
-        return as_list(plan.committed), as_list(plan.dropped), as_list(plan.next_uncached)
-
-
-def _pack_ragged(lists, lens: np.ndarray, width: int, fill: int) -> np.ndarray:
-    """Host packing of ragged integer lists into `[B, width]` (padding `fill`): one flat
-    copy and one masked assignment (row-major, so each row's values land in order)."""
-    out = np.full((len(lists), width), fill, dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
-    out[np.arange(width)[None, :] < lens[:, None]] = flat
-    return out
+        plan = step.plan_per_sequence_step(uncached, accepted, w)
+        return list(plan.committed), list(plan.dropped), list(plan.next_uncached)
 
 
 def _warn(warnings, text: str) -> None:

@@ -254,52 +254,66 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     over `[R, max(hi - lo)]`, one masked scatter (only `j < hi - lo` lands; nothing is
     written past a row's `hi`), lengths `= hi`. The K is token-local, so no attention runs.
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
+    if isinstance(tokens, torch.Tensor):
+        bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= block.cfg.vocab)
+    else:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        bad = tokens.size and (tokens.min() < 0 or tokens.max() >= block.cfg.vocab)
+        tokens = torch.from_numpy(tokens)
+    if bad:  # the committed tokens, checked on the host when given there
+        raise ValueError(f"tokens must be in [0, {block.cfg.vocab})")
     dev = kv.k.device
-    off = lengths(off, device=dev, name="off")
-    lo = lengths(lo, device=dev, name="lo")
-    hi = lengths(hi, device=dev, name="hi")
-    r_n = lo.numel()
-    idx = torch.arange(r_n, device=dev) if rows is None else lengths(rows, device=dev, name="rows")
-    require(off.numel() == r_n == hi.numel() == idx.numel() and hidden.dim() == 3 and hidden.shape[0] == r_n
-            and tokens.dim() == 2 and tokens.shape[0] == r_n,
-            f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
-            f"({off.numel()}, {r_n}, {hi.numel()}, {idx.numel()}) must all have one entry per row")
+    host_off, host_lo, host_hi = host_ints(off), host_ints(lo), host_ints(hi)  # the plan: host integers
+    host_idx = np.arange(host_lo.size) if rows is None else host_ints(rows)
+    r_n = host_lo.size
+    if not (host_off.size == r_n == host_hi.size == host_idx.size and hidden.dim() == 3 and hidden.shape[0] == r_n
+            and tokens.dim() == 2 and tokens.shape[0] == r_n):
+        raise ValueError(f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
+                         f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry per row")
     hidden, tokens = hidden.to(dev), tokens.to(device=dev, dtype=torch.int64)
-    n = (hi - lo).clamp(min=0)
+    host_n = np.maximum(host_hi - host_lo, 0)
     if write is not None:
-        write = torch.as_tensor(write, dtype=torch.bool, device=dev).reshape(-1)
-        require(write.numel() == r_n, f"write mask of {write.numel()} for {r_n} rows")
-        n = torch.where(write, n, torch.zeros_like(n))
-    write = n > 0
-    if not bool(write.any()):
+        host_write = host_ints(write).astype(bool)
+        require(host_write.size == r_n, f"write mask of {host_write.size} for {r_n} rows")
+        host_n = np.where(host_write, host_n, 0)
+    host_write = host_n > 0
+    if not host_write.any():
         return
     t_cap = hidden.shape[1]
-    require(not bool((write & ((lo < off) | (hi > off + t_cap) | (hi + 1 > tokens.shape[1]))).any()),
-            f"extension spans lo {as_list(lo)}, hi {as_list(hi)} lie outside the capture (off {as_list(off)}, "
-            f"T {t_cap}) or the tokens ({tokens.shape[1]})")
-    over = write & (lo > kv.capacity)
-    if bool(over.any()):
-        r = int(over.nonzero()[0, 0])
-        raise CacheRefusal(f"MTP draft KV truncate to {int(lo[r])} failed: set_len({int(lo[r])}) exceeds "
+    outside = host_write & ((host_lo < host_off) | (host_hi > host_off + t_cap) | (host_hi + 1 > tokens.shape[1]))
+    if outside.any():
+        raise ValueError(f"extension spans lo {host_lo.tolist()}, hi {host_hi.tolist()} lie outside the capture "
+                         f"(off {host_off.tolist()}, T {t_cap}) or the tokens ({tokens.shape[1]})")
+    over = np.flatnonzero(host_write & (host_lo > kv.capacity))
+    if over.size:
+        bad = int(host_lo[over[0]])
+        raise CacheRefusal(f"MTP draft KV truncate to {bad} failed: set_len({bad}) exceeds "
                            f"current capacity {kv.capacity} (first cached 0)")
-    kv._grow_to(int(hi[write].max()))            # refused (above max_seq_len) before any change
-    kv.lens = kv.lens.index_copy(0, idx[write], lo[write])
-    width = int(n.max())
+    kv._grow_to(int(host_hi[host_write].max()))            # refused (above max_seq_len) before any change
+    held = kv.host_lens().copy()
+    held[host_idx[host_write]] = host_lo[host_write]
+    kv.lens = held
+    width = int(host_n.max())
+    off, lo = torch.from_numpy(host_off).to(dev), torch.from_numpy(host_lo).to(dev)
+    n, idx = torch.from_numpy(host_n).to(dev), torch.from_numpy(host_idx).to(dev)
     j = torch.arange(width, device=dev)[None, :]
     valid = j < n[:, None]                                                         # [R, width]
     src = (lo - off)[:, None] + j
     h = hidden.gather(1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2]))
     nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
-    fused = block.fuse(h.to(block.dtype), nxt)
+    fused = block.fuse_checked(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
     pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
-    cos, sin = layer.ropes.get(layer.theta, int(pos.max()) + 1).lookup(pos)
+    top = int((host_lo + np.maximum(host_n - 1, 0)).max())
+    cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos, top)
     k = rotate(layer.key(fused)[:, 0], cos, sin, cfg.rope_dims)                    # [R, width, hd]
     rr = idx[:, None].expand(-1, width)[valid]
     cc = pos[valid]
     kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.k.dtype)
     kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.v.dtype)
-    kv.lens = kv.lens.index_copy(0, idx[write], hi[write])
+    held = held.copy()
+    held[host_idx[host_write]] = host_hi[host_write]
+    kv.lens = held
 
 
 __all__ = ["draft_chain_stats", "reset_draft_chain_stats", "argmax_tokens", "DraftPool", "align_draft_rows",

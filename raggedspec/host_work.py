@@ -9,8 +9,9 @@ simulator's `_decode`: clone-in to clone-out and the per-sequence commit; prompt
 not counted), per decode step.
 
 The reads are counted by wrapping those `torch.Tensor` methods (a read that calls another,
-e.g. a `tolist` inside `bool()`, counts once); the ops by a `TorchDispatchMode` that counts
-every aten call. Scenario: `examples/per-sequence-b128.toml` or `examples/cohort-b128.toml`
+e.g. a `tolist` inside `bool()`, counts once), plus the syncs aten runs on its own (a
+boolean-mask index or `nonzero` inside aten: counted by the aten op's name); the ops by a
+`TorchDispatchMode` that counts every aten call. Scenario: `examples/per-sequence-b128.toml` or `examples/cohort-b128.toml`
 (depth 3, profile 0.74/0.54/0.41) with the batch and step count overridden. Run
 `python -m raggedspec.host_work` (or `scripts/count_host_work.py`) for the table in
 docs/benchmarks.md.
@@ -32,6 +33,21 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SCENARIOS = {"per-sequence": EXAMPLES / "per-sequence-b128.toml", "cohort": EXAMPLES / "cohort-b128.toml"}
 
 
+# ops whose output size or value the host must wait for, when no wrapped method called them
+# (a boolean-mask index runs `nonzero` inside aten)
+_IMPLICIT_SYNCS = {torch.ops.aten.nonzero, torch.ops.aten.masked_select, torch.ops.aten._local_scalar_dense}
+
+
+_INDEX_OPS = {torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_}
+
+
+def _bool_index(func, args) -> bool:
+    """An advanced index by a boolean mask: its size is the mask's count, a sync on a GPU."""
+    if func.overloadpacket not in _INDEX_OPS or len(args) < 2:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+
+
 class _Counter(TorchDispatchMode):
     """Counts aten ops while `on`; reads are counted by the method wrappers."""
 
@@ -45,6 +61,8 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.on:
             self.ops += 1
+            if self.depth == 0 and (func.overloadpacket in _IMPLICIT_SYNCS or _bool_index(func, args)):
+                self.reads[f"aten.{func.overloadpacket.__name__}"] += 1
         return func(*args, **(kwargs or {}))
 
 
