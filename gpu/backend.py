@@ -63,7 +63,7 @@ from gpu.model import Forward as PortForward
 from gpu.model import TinyModel as PortModel
 from gpu.model import rms_norm, silu
 from gpu.rope import apply_rope, rotate
-from gpu.slots import (NORMAL, XS, DraftStore, KvMeta, PoolKv, RowKv, RowXs, TorchKv, grow_physical, stack_kv,
+from gpu.slots import (NORMAL, XS, DraftStore, KvMeta, PoolKv, RowXs, TorchKv, grow_physical, stack_kv,
                        stack_layer, xs_rows)
 from gpu.xs_rolling import XsRolling
 from reference import align, dispatch, step
@@ -748,5 +748,4 @@ def _warn(warnings, text: str) -> None:
         warnings.append(text)
 
 
-__all__ = ["TorchBackend", "TorchKv", "TorchCache", "DraftStore", "PoolKv", "concat_slots", "chunk_slot", "xs_split",
-           "xs_stack", "front_align_batch", "clone_in_cache", "drop_dead_prefix"]
+__all__ = ["TorchBackend", "DTYPES"]

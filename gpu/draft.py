@@ -2,50 +2,36 @@
 
 Layout: the draft KV of every sequence lives in ONE `gpu.cache.RaggedKv` pool
 `[S, 1, capacity, head_dim]` with per-row lengths (row = sequence slot, its own positions
-start-anchored at column 0), plus a `filled [S]` int64 vector (`DraftPool`). A draft group
-is an index vector `rows` into the pool, so nothing is batched, front-aligned, split or
-stripped by copying:
+start-anchored at column 0; `gpu.slots.DraftStore`). A draft group is a row-index vector into
+the pool, so nothing is batched, front-aligned, split or stripped by copying: the group loop
+(`gpu.backend.TorchBackend.draft_chain`, the reference's membership, alignment arithmetic and
+warnings on host integers) sets the group rows' lengths to their chain starts, then
 
-- `align_draft_rows` is `front_align_draft_group` (same AlignRefusals): it sets the group
-  rows' lengths to their chain starts (the speculative tail is dropped by length);
 - `propose_chain_batched` runs one batched MTP step per chain step for the whole group
   (no loop over rows): the scalar step (`forward_step`, one position, `[1, T]` RoPE table)
   when `resolve_ragged_chain_starts` says the group is uniform, the per-row step
   (`forward_step_rows`, `[G, T]` table) otherwise; every row's new entry is written at
   its own offset; the attention gathers only the group rows' windows;
-- `write_back_draft_rows` is the group loop's write-back: `filled = start + 1`; the held
-  length is already `start + n` (the reference reaches it by `split_draft_cache` +
-  `drop_dead_prefix`);
 - `extend_draft_kv_rows` is `extend_draft_kv_row`'s tensor side for a batch of rows whose
   `(lo, hi)` differ: one fuse + key projection over `[R, max(hi - lo)]` pairs, one masked
-  scatter at each row's own positions `lo ..`; `plan_draft_extension` is its index
-  arithmetic (checks 8-10 of the reference) on vectors.
+  scatter at each row's own positions `lo ..`.
 
 The MTP layer's K (== V) is token-local (`kv_norm(attn_norm(fused) @ wkv)` rotated at its
 position), so extending the draft KV needs no attention: the reference runs the layer's
-forward and discards its output; only the appended K/V are kept.
-
-Not ported (host bookkeeping, no tensor side): `DraftKv`/`DraftKvMap` (the map, LRU,
-poisoning, seeds), `group_drafting_loop`'s membership and warnings, `prime_draft_kv`,
-`propose_chain` (a one-row `propose_chain_batched`). Known divergence: a uniform group under
-per-sequence advance takes the reference's `batch_draft_caches`, which refuses members
-whose held lengths or capacities differ (a candle concat artifact); the pool batches any
-group, so `run_draft_group` replicates only the held-length part of that check.
+forward and discards its output; only the appended K/V are kept. Positions, starts, rows and
+the extension plan arrive as host integers; the device is read once per chain (its tokens).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from gpu._common import as_list, host_ints, lengths
+from gpu._common import host_ints
 from gpu.cache import RaggedKv
-from gpu.dispatch import resolve_draft_leads
 from reference.dispatch import resolve_ragged_chain_starts
 from gpu.rope import rotate
-from reference.errors import AlignRefusal, CacheRefusal, StepRefusal, require
+from reference.errors import CacheRefusal, StepRefusal, require
 
 draft_chain_stats = {"scalar": 0, "per_row": 0}
 """Chain steps taken by `propose_chain_batched`: "scalar" (`forward_step`, one shared
@@ -62,44 +48,6 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     documented tie rule on CPU and CUDA, as `reference.draft.argmax_token`)."""
     require(logits.dim() >= 1 and logits.shape[-1] > 0, f"logits shape {list(logits.shape)} must be [..., V], V >= 1")
     return logits.argmax(dim=-1)
-
-
-@dataclass
-class DraftPool:
-    """The draft KV of S sequences: `kv` (`RaggedKv [S,1,cap,hd]`, row s's held length
-    `kv.lens[s]`) and `filled [S]` (committed slots `0..filled`). Invariant (as
-    `DraftKv`): `filled <= held` after every write-back."""
-
-    kv: RaggedKv
-    filled: torch.Tensor
-
-    @staticmethod
-    def empty(block, slots: int, capacity: int | None = None) -> "DraftPool":
-        kv = block.new_draft_cache(slots) if capacity is None else block.new_draft_cache(slots, capacity)
-        return DraftPool(kv, torch.zeros(slots, dtype=torch.int64, device=kv.k.device))
-
-
-def align_draft_rows(kv: RaggedKv, rows, starts) -> None:
-    """`front_align_draft_group` on the pool: the group rows `rows` get lengths `starts`
-    (in place, shared buffers; the speculative tail past a start is dropped by length).
-    Refused (AlignRefusal, the reference's messages; draft row r = group index r) before
-    anything changes: "{n} cache(s) for {m} chain start(s)"; no rows; "chain start {s} is
-    past the {held} position(s) draft row {r} holds". ValueError on a negative start or
-    repeated rows."""
-    rows = lengths(rows, device=kv.k.device, name="rows")
-    starts = lengths(starts, device=kv.k.device, name="starts")
-    require(not bool((starts < 0).any()), f"chain starts {as_list(starts)} must be >= 0")
-    if rows.numel() != starts.numel():
-        raise AlignRefusal(f"{rows.numel()} cache(s) for {starts.numel()} chain start(s)")
-    if rows.numel() == 0:
-        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
-    require(torch.unique(rows).numel() == rows.numel(), f"draft rows {as_list(rows)} must be distinct")
-    held = kv.lens[rows]
-    past = starts > held
-    if bool(past.any()):
-        r = int(past.nonzero()[0, 0])
-        raise AlignRefusal(f"chain start {int(starts[r])} is past the {int(held[r])} position(s) draft row {r} holds")
-    kv.lens = kv.lens.index_copy(0, rows, starts)
 
 
 def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int, chain_starts, cache: RaggedKv | None,
@@ -161,81 +109,6 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
             trace.append(hidden.clone())
         toks, prev = nxt, hidden
     return out
-
-
-def write_back_draft_rows(pool: DraftPool, rows, starts) -> None:
-    """The group loop's write-back: `filled[rows] = starts + 1` (only the chain's first
-    entry, the real context pair, is committed). The rows' held lengths are already
-    `starts + n` (each step appended at the row's own offset): nothing is split or stripped."""
-    rows = lengths(rows, device=pool.filled.device, name="rows")
-    starts = lengths(starts, device=pool.filled.device, name="starts")
-    require(rows.numel() == starts.numel(), f"{rows.numel()} rows for {starts.numel()} starts")
-    pool.filled = pool.filled.index_copy(0, rows, starts + 1)
-
-
-def run_draft_group(model, pool: DraftPool, rows, seed_hidden: torch.Tensor, last_tokens, n: int, starts,
-                    per_seq_advance: bool, trace: list | None = None) -> torch.Tensor | None:
-    """One draft group of the group loop, tensor side: alignment, chain, write-back.
-    `resolve_draft_leads(per_seq_advance, starts)` None (uniform starts, or the flag off)
-    -> every member must hold the same length (the reference's `batch_draft_caches`; None
-    = group skipped) and the rows are set to `starts[0]`; else `align_draft_rows` (its
-    AlignRefusal propagates: the caller warns and skips). Then `propose_chain_batched` on
-    the pool rows (errors propagate) and `write_back_draft_rows`. Returns `[G, n]` or None."""
-    rows = lengths(rows, device=pool.kv.k.device, name="rows")
-    starts = lengths(starts, device=pool.kv.k.device, name="starts")
-    if model.mtp is None:
-        return propose_chain_batched(model, seed_hidden, last_tokens, n, starts, None, trace)
-    leads = resolve_draft_leads(per_seq_advance, starts)
-    if leads is None:
-        held = pool.kv.lens[rows]
-        if bool((held != held[0]).any()):
-            return None
-        if int(starts[0]) > pool.kv.capacity:
-            raise CacheRefusal(f"set_len({int(starts[0])}) exceeds current capacity {pool.kv.capacity} "
-                               f"(first cached 0)")
-        pool.kv.lens = pool.kv.lens.index_copy(0, rows, starts[:1].expand(rows.numel()))
-    else:
-        align_draft_rows(pool.kv, rows, starts)
-    chains = propose_chain_batched(model, seed_hidden, last_tokens, n, starts, pool.kv, trace, rows)
-    write_back_draft_rows(pool, rows, starts)
-    return chains
-
-
-# --- extend_draft_kv_row, tensor side ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DraftExtensionPlan:
-    """Per row (int64 / bool `[R]`): `contiguous` (`off <= filled`, else the reference
-    returns False), `lo = max(filled, off)`, `hi = min(off + T, sat(L - 1))`, `write`
-    (`contiguous and hi > lo`), `has_seed` (`L >= 2 and off <= L - 2 < off + T`) and
-    `seed_index = L - 2 - off` (the captured column of the new seed, valid where has_seed)."""
-
-    contiguous: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-    write: torch.Tensor
-    has_seed: torch.Tensor
-    seed_index: torch.Tensor
-
-
-def plan_draft_extension(filled, off, t: int, big_l) -> DraftExtensionPlan:
-    """Checks 8-10 of `extend_draft_kv_row` for every row at once (elementwise, no host
-    read): `filled`, `off` (the capture's per-row offset), `big_l` (committed tokens) int64
-    `[R]`, `t` the capture's width. ValueError on negative inputs or unequal lengths."""
-    filled = lengths(filled, name="filled")
-    off = lengths(off, device=filled.device, name="off")
-    big_l = lengths(big_l, device=filled.device, name="big_l")
-    require(filled.numel() == off.numel() == big_l.numel(),
-            f"filled ({filled.numel()}), off ({off.numel()}) and L ({big_l.numel()}) must have one entry per row")
-    require(t >= 0 and not bool((filled < 0).any() or (off < 0).any() or (big_l < 0).any()),
-            "filled, off, L and t must be >= 0")
-    contiguous = off <= filled
-    lo = torch.maximum(filled, off)
-    hi = torch.minimum(off + t, (big_l - 1).clamp(min=0))
-    p = big_l - 2
-    has_seed = contiguous & (big_l >= 2) & (off <= p) & (p < off + t)
-    return DraftExtensionPlan(contiguous, lo, hi, contiguous & (hi > lo), has_seed, p - off)
 
 
 def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi, tokens: torch.Tensor,
@@ -316,6 +189,5 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     kv.lens = held
 
 
-__all__ = ["draft_chain_stats", "reset_draft_chain_stats", "argmax_tokens", "DraftPool", "align_draft_rows",
-           "propose_chain_batched", "write_back_draft_rows", "run_draft_group", "DraftExtensionPlan",
-           "plan_draft_extension", "extend_draft_kv_rows"]
+__all__ = ["draft_chain_stats", "reset_draft_chain_stats", "argmax_tokens", "propose_chain_batched",
+           "extend_draft_kv_rows"]
