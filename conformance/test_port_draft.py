@@ -61,6 +61,14 @@ def pool_of(ks: list[np.ndarray]) -> RaggedKv:
     return RaggedKv.from_rows([to_port(k[None]) for k in ks], [to_port(k[None]) for k in ks], 4096, cap)
 
 
+def align_rows(pool: RaggedKv, rows, starts) -> None:
+    """The group alignment the backend's loop does on the pool: the rows' lengths become their
+    chain starts (host integers; the data stays put)."""
+    held = pool.host_lens().copy()
+    held[np.asarray(rows, dtype=np.int64)] = starts
+    pool.lens = held
+
+
 def held_k(cache: KvCache) -> np.ndarray:
     """The held K `[n, hd]` (an unmaterialized cache holds none)."""
     data = cache.k.current_data()
@@ -89,7 +97,7 @@ def chain_group(draw):
 @given(case=chain_group())
 def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     """Reference: `front_align_draft_group`, `propose_chain_batched`, `split_draft_cache`,
-    `drop_dead_prefix`. Port: `align_draft_rows` + `propose_chain_batched` on the pool rows.
+    `drop_dead_prefix`. Port: the rows' lengths set to their starts (the backend's group alignment) + `propose_chain_batched` on the pool rows.
     Same tokens, same hidden per step (1e-12), same draft caches (history bit-exact, the n
     new entries 1e-12), the other pool rows untouched; the branch taken is the scalar one
     iff the starts are uniform (`draft_chain_stats`)."""
@@ -114,7 +122,7 @@ def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     rows = torch.tensor(order[:g])
     pool = pool_of(slots)
     before = pool.clone()
-    port.align_draft_rows(pool, rows, starts)
+    align_rows(pool, rows, starts)
     port.reset_draft_chain_stats()
     port_trace: list = []
     got = port.propose_chain_batched(PORT, to_port(seeds), torch.from_numpy(lasts), n, torch.tensor(starts), pool,
@@ -156,7 +164,7 @@ def test_a_uniform_group_takes_the_scalar_step_and_a_ragged_group_per_row_positi
     for starts in ([7, 7, 7], [7, 4, 6]):
         calls["scalar"].clear(), calls["rows"].clear()
         pool = pool_of([rng.standard_normal((9, HD)) for _ in range(3)])
-        port.align_draft_rows(pool, torch.arange(3), starts)
+        align_rows(pool, torch.arange(3), starts)
         port.reset_draft_chain_stats()
         reset_rope_path_stats()
         port.propose_chain_batched(PORT, torch.ones((3, H), dtype=torch.float64), [1, 2, 3], 3, starts, pool)
@@ -187,7 +195,7 @@ def test_chain_refusals_and_empty_cases_match_the_reference():
             ref_cache.append(np.stack([k[None] for k in ks]), np.stack([k[None] for k in ks]))
         pool = pool_of(ks) if with_cache else None
         if aligned:
-            port.align_draft_rows(pool, torch.arange(2), starts)
+            align_rows(pool, torch.arange(2), starts)
         r = outcome(ref.propose_chain_batched, MODEL, seeds, [1, 2], 3, starts, ref_cache)
         p = outcome(port.propose_chain_batched, PORT, to_port(seeds), [1, 2], 3, starts, pool)
         if assert_same_refusal(p, r, f"chain {starts}"):

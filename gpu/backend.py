@@ -486,6 +486,7 @@ class TorchBackend(Backend):
         block = model.mtp
         drafts: list[list[int]] = [[] for _ in range(b)]
         warned_empty = False
+        pending = []  # (members, chain tokens on the device) per drafted group
         for (u, _), rows in groups.items():  # groups: at most w of them (one per uncached count)
             n_draft = w - u
             members, seeds, lasts, starts = [], [], [], []
@@ -535,7 +536,7 @@ class TorchBackend(Backend):
             aligned_lens[idx] = starts if aligned else entry
             store.kv.lens = aligned_lens
             try:
-                chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx).tolist()
+                chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx)
             except Refusal:
                 store.kv.lens = before  # the reference refused on a batched copy: the rows are untouched
                 raise
@@ -545,7 +546,15 @@ class TorchBackend(Backend):
                 c.capacity = cap - leads[slot]      # split (batched metadata) + strip of the row's lead
                 c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
                 states[i].filled = starts[slot] + 1
-                drafts[i] = chains[slot]
+            pending.append((members, chains))
+        if pending:  # every group's chain tokens in one device read
+            flat = torch.cat([c.reshape(-1) for _, c in pending]).tolist()
+            at = 0
+            for members, c in pending:
+                n = c.shape[1]
+                for i in members:
+                    drafts[i] = flat[at: at + n]
+                    at += n
         return drafts
 
     @staticmethod
