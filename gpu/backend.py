@@ -1,49 +1,26 @@
 """The torch backend: `reference.backend.Backend` on the port (`gpu/`), on any device and in
 float64, float32 or bfloat16.
 
-Every tensor-side method runs the port: masks by broadcast (`gpu.masks`), RoPE by gathered
-tables (`gpu.rope`), attention in place (`gpu.attention`, `gpu.model.dsv4_attention_rows`),
-the model forward and the MTP chain (`gpu.model`, `gpu.draft`), the compressor history
-(`gpu.xs_rolling`), length-vector arithmetic (`gpu.dispatch`, `gpu.step`). Nothing falls
-back to NumPy: the reference is used only for the model's weights (`build_model` converts
-the reference `TinyModel`'s seeded weights once) and for host-side records
-(`reference.draft.DraftKv`, `reference.dispatch.MtpHiddenCapture`).
+A thin adapter: each protocol method is one call. The host-side rules (clone-in order,
+pending-lead strip, front alignment, first mismatch, per-sequence commit, cohort truncation,
+length vectors, draft-group membership and the capacity arithmetic) are the reference's
+functions, run on host integers or on the port's slots (`gpu.slots`, which implement the slot
+protocol `reference.align` uses); the tensor side is the port's: masks by broadcast
+(`gpu.masks`), RoPE by gathered tables (`gpu.rope`), attention in place (`gpu.attention`,
+`gpu.model.dsv4_attention_rows`), the model forward and the MTP chain (`gpu.model`,
+`gpu.draft`), the compressor history (`gpu.xs_rolling`). The reference is used for the model's
+weights (`build_model` converts the reference `TinyModel`'s seeded weights once) and for host
+records (`reference.draft.DraftKv`, `reference.dispatch.MtpHiddenCapture`).
 
-Physical layout (the port's, not the reference's): a K/V slot (`TorchKv`) keeps its rows
-**in place**, start-anchored, in one `gpu.cache.RaggedKv` (row i's own tokens at physical
-columns `[0, lens_i)`), plus a per-row *alignment offset* `lead_i`. The reference's
-front-aligned view of row i is `lead_i` dead (zero) columns, then its own run, so the slot's
-shared length is `current = lead_i + lens_i` for every row. Front alignment, the pending
-lead of the lazy strip, and the dead-prefix strip change `lead` only (no data motion);
-`materialize` builds the reference's front-aligned tensors by one gather, for conformance.
-Data moves only where the reference's semantics make dead columns *live* (a forward that
-treats a row's dead prefix as keys, or a strip that cuts into a row's own run): the row is
-then physically front-padded ("baked") by one gather.
-
-Host metadata: each slot also carries the reference's allocation arithmetic as host
-integers (`capacity`: start 512, or 16 for a draft KV; grown by whole 512-column blocks;
-refused above `max_seq_len`; `max(capacity, T)` on a front pad; `capacity - lead` after a
-strip; the batched value after a split; `T` after a draft-group alignment) and whether the
-slot was ever written (`materialized`). Refusals are decided on that metadata, before any
-tensor is touched, with the reference's classes and messages; the physical buffers grow on
-their own (by 512-column blocks, never refused) and are never narrowed.
-
-Draft KV: every sequence's draft KV is a row of ONE pooled buffer (`DraftStore`, the
-`gpu.draft.DraftPool` layout); the simulator's `DraftKvMap` holds a `PoolKv` handle per
-sequence (its row index and the reference's metadata as host integers). A draft group is a
-row-index vector: alignment, split and dead-prefix strip are host metadata plus one
-`index_copy` of the rows' lengths, the chain is one batched MTP step per chain step, and
-the extension of a whole batch is one fuse + key projection and one masked scatter
-(`gpu.draft.extend_draft_kv_rows`). The capacity arithmetic and refusals stay the
-reference's, on the host integers, decided before any tensor changes.
-
-Loops that remain touch per-sequence host records, not tensors on the step's hot path:
-the group loop's membership and write-back (flags, seed positions, `filled`, warnings in
-row order), the extension's checks 7-13 (host integers), the packing of the simulator's
-per-sequence token lists, and the clone-in / clone-out of per-sequence target caches (the
-protocol hands the simulator one cache per sequence: `concat_slots`, `chunk_slot`,
-`xs_split`, `xs_stack` build or take apart those B objects; each tensor is one `cat` or a
-view). Loops over layers (slots) or chain steps are not loops over rows.
+Layout and host work (docs/benchmarks.md "Host work per decode step"): a batched K/V slot keeps
+its rows in place with per-row alignment offsets as host integers; per-sequence caches are row
+handles (host integers, no tensors), so clone-out and the per-sequence commit launch nothing
+and the clone-in gathers once per source buffer; lengths known on the host are decided on the
+host (`gpu.cache.RaggedKv.host_lens`, `gpu.xs_rolling.XsRolling.host_tokens`), so the device is
+read for what the algorithm produces there (the chain's tokens, once per step). Every sequence's
+draft KV is a row of ONE pooled buffer (`gpu.slots.DraftStore`); a draft group is a row-index
+vector, its alignment the rows' lengths, its chain one batched MTP step per chain step, and the
+draft-KV extension of a whole batch one masked scatter (`gpu.draft.extend_draft_kv_rows`).
 """
 
 from __future__ import annotations
@@ -58,7 +35,8 @@ from gpu import masks as gmasks
 from gpu._common import as_list, neg_inf_where
 from gpu.attention import dsv4_attention as g_dsv4_attention
 from gpu.cache import RaggedKv
-from gpu.draft import extend_draft_kv_rows, propose_chain_batched
+from gpu.draft import propose_chain_batched
+from gpu.draft_loop import draft_group_loop, extend_draft_kvs
 from gpu.model import Forward as PortForward
 from gpu.model import TinyModel as PortModel
 from gpu.model import rms_norm, silu
@@ -70,8 +48,7 @@ from reference import align, dispatch, step
 from reference import model as ref_model
 from reference.backend import Backend, CloneIn
 from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, NormalCache
-from reference.dispatch import chain_start_of
-from reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
+from reference.errors import AlignRefusal, require
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -473,243 +450,16 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ draft orchestration
     def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None):
-        """`group_drafting_loop` (same membership, warnings, refusals and order) on the pooled
-        draft KV: a group is the row-index vector of its members' `PoolKv` rows. The
-        reference's batch / front-align / set_len / split / strip become host metadata
-        (the same capacity arithmetic and refusals, decided before any tensor changes) plus
-        one `index_copy` of the rows' lengths to their chain starts; the chain is one
-        `propose_chain_batched` on the pool rows (one batched MTP step per chain step)."""
-        b = len(states)
-        require(len(toks) == b and len(cache_lens) == b and len(budgets) == b,
-                f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
-                f"({len(budgets)}) must have one entry per row")
-        block = model.mtp
-        drafts: list[list[int]] = [[] for _ in range(b)]
-        warned_empty = False
-        pending = []  # (members, chain tokens on the device) per drafted group
-        for (u, _), rows in groups.items():  # groups: at most w of them (one per uncached count)
-            n_draft = w - u
-            members, seeds, lasts, starts = [], [], [], []
-            for i in rows:  # host membership: per-state metadata (flags, seed positions), no tensor
-                state = states[i]
-                if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
-                    continue
-                start = chain_start_of(int(cache_lens[i]), u)
-                if state.seed[0] != start or state.filled < start:
-                    continue
-                members.append(i)
-                seeds.append(state.seed[1])
-                lasts.append(int(toks[i][-1]))
-                starts.append(start)
-            if not members:
-                if block is not None and not warned_empty:
-                    _warn(warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)")
-                    warned_empty = True
-                continue
-            seed_hidden = torch.stack(seeds)  # [G, H]: the seeds are per-sequence host records
-            g = len(members)
-            if block is None:
-                chains = self.propose_chain(model, seed_hidden, lasts, n_draft, starts, None)
-                for slot, i in enumerate(members):
-                    drafts[i] = chains[slot]
-                continue
-            caches = [states[i].cache for i in members]
-            if any(c is None for c in caches):
-                _warn(warnings, f"draft group {(u, _)}: a member has no draft KV cache; group skipped")
-                continue
-            require(all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
-                    "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)")
-            leads = dispatch.resolve_draft_leads(per_seq_advance, starts)
-            aligned = leads is not None
-            leads = leads if aligned else [0] * g
-            plan = self._draft_group_plan(caches, starts, aligned, n_draft, (u, _), warnings)
-            if plan is None:
-                continue
-            entry, cap = plan
-            store = caches[0].store
-            idx = np.fromiter((c.idx for c in caches), np.int64, g)
-            store.reserve(max(max(starts), entry) + n_draft)
-            before = store.kv.host_lens()
-            # the alignment is lengths only: each row its own start (ragged), or the batched
-            # set_len(starts[0]) (uniform path; ragged starts there refuse "desync" in the chain)
-            aligned_lens = before.copy()
-            aligned_lens[idx] = starts if aligned else entry
-            store.kv.lens = aligned_lens
-            try:
-                chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx)
-            except Refusal:
-                store.kv.lens = before  # the reference refused on a batched copy: the rows are untouched
-                raise
-            for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
-                c = caches[slot]
-                c.materialized = True
-                c.capacity = cap - leads[slot]      # split (batched metadata) + strip of the row's lead
-                c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
-                states[i].filled = starts[slot] + 1
-            pending.append((members, chains))
-        if pending:  # every group's chain tokens in one device read
-            flat = torch.cat([c.reshape(-1) for _, c in pending]).tolist()
-            at = 0
-            for members, c in pending:
-                n = c.shape[1]
-                for i in members:
-                    drafts[i] = flat[at: at + n]
-                    at += n
-        return drafts
+        return draft_group_loop(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance,
+                                warnings)
 
-    @staticmethod
-    def _draft_group_plan(caches, starts, aligned, n, key, warnings):
-        """The reference's group alignment on host metadata: the batched slot's length on
-        entry to the chain and its capacity after it, or None (warned) when the reference
-        skips the group. Uniform (no leads): `batch_draft_caches` (one member always; more
-        need equal (length, capacity) and materialized buffers) then `set_len(starts[0])`.
-        Ragged: `front_align_draft_group`'s AlignRefusals, length and capacity `T =
-        max(starts)`. Then the chain's n one-column appends (`check_append`, CacheRefusal
-        propagates, as the reference's `propose_chain`)."""
-        if not aligned:
-            first = caches[0]
-            if len(caches) > 1 and any(not c.materialized or (c.current, c.capacity) != (first.current, first.capacity)
-                                       for c in caches):
-                _warn(warnings, f"draft group {key}: draft caches cannot be batched; group skipped")
-                return None
-            if starts[0] > first.capacity:
-                _warn(warnings, f"draft group {key}: set_len({starts[0]}) refused (set_len({starts[0]}) exceeds "
-                                f"current capacity {first.capacity} (first cached 0)); group skipped")
-                return None
-            entry, cap = starts[0], first.capacity
-        else:
-            refusal = None
-            for r, (c, s) in enumerate(zip(caches, starts)):  # first refusing row, host integers
-                if not c.materialized:
-                    refusal = f"draft row {r}'s buffer is unmaterialized"
-                elif s > c.current:
-                    refusal = f"chain start {s} is past the {c.current} position(s) draft row {r} holds"
-                if refusal is not None:
-                    _warn(warnings, f"draft group {key}: front-alignment refused ({refusal}); group skipped")
-                    return None
-            entry = cap = max(starts)
-        for i in range(n):  # the reference's n one-column appends (chain steps, not rows)
-            cap = TorchKv(caches[0].max_seq_len, cap, entry + i).check_append(1)
-        return entry, cap
-
-    def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None,
-                         why="capture misaligned with the draft KV"):
-        """`extend_draft_kv_row` for every row: checks 1-13 and the metadata (capacity,
-        refusals, filled, poisoning, warnings in row order) on host integers, then the
-        tensor side for the whole batch at once: one gather of the new seeds, one
-        `index_copy` of the truncated lengths, and one `gpu.draft.extend_draft_kv_rows`
-        (one fuse + key projection, one masked scatter into the pool rows; the MTP layer's
-        K is token-local, so the reference's discarded attention output is not computed)."""
-        block = None if capture is None else model.mtp
-        hidden = offsets = None
-        batch_fail = None  # a capture-wide outcome: an exception (every row poisoned) or False
-        if block is not None:
-            offsets, hidden = capture
-            hidden = self._t(hidden)
-            if hidden.dim() == 2:
-                hidden = hidden[None]
-            if hidden.dim() != 3:
-                batch_fail = StepRefusal(f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
-                                         f"expected [B,T,H] or [T,H]")
-            elif hidden.shape[0] != batch or not offsets.describes(batch):
-                batch_fail = False
-        seed_rows, seed_cols, seed_states = [], [], []
-        trunc_idx, trunc_len = [], []
-        w_rows, w_idx, w_off, w_lo, w_hi = [], [], [], [], []
-        store = None
-        for row in range(batch):  # host: per-state integer checks and metadata, no tensor touched
-            state = states[row]
-            if state is None:
-                continue
-            ok, err = True, None
-            if state.poisoned:
-                ok = False
-            elif block is None:
-                ok = True
-            elif isinstance(batch_fail, Exception):
-                err = batch_fail
-            else:
-                if batch_fail is False:
-                    ok = False
-                else:
-                    try:
-                        ok = self._extend_plan(state, offsets, toks[row], row, hidden.shape[1], seed_rows, seed_cols,
-                                               seed_states, trunc_idx, trunc_len, w_rows, w_idx, w_off, w_lo, w_hi)
-                    except Refusal as exc:
-                        err = exc
-                    if isinstance(state.cache, PoolKv):
-                        store = state.cache.store
-            if err is not None:
-                state.poisoned = True
-                _warn(warnings, f"row {row}: draft KV extension failed ({err}); draft KV poisoned")
-            elif not ok:
-                state.poisoned = True
-                _warn(warnings, f"row {row}: {why}; draft KV poisoned")
-        if seed_rows:  # the new seeds: one gather
-            got = hidden[self._ints(seed_rows), self._ints(seed_cols)]
-            for j, (state, p) in enumerate(seed_states):  # host records: views of the one gather
-                state.seed = (p, got[j])
-        if trunc_idx:  # the reference's set_len(filled): lengths only
-            held = store.kv.host_lens().copy()
-            held[np.asarray(trunc_idx, dtype=np.int64)] = trunc_len
-            store.kv.lens = held
-        if w_rows:
-            store.reserve(max(w_hi))
-            width = max(w_hi) + 1
-            tok = np.zeros((len(w_rows), width), dtype=np.int64)
-            for r, (row, lo, hi) in enumerate(zip(w_rows, w_lo, w_hi)):  # host packing of the token lists
-                tok[r, lo + 1: hi + 1] = toks[row][lo + 1: hi + 1]
-            rows_t = self._ints(w_rows)
-            extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi, tok, rows=w_idx)
-
-    @staticmethod
-    def _extend_plan(state, offsets, toks, row, t, seed_rows, seed_cols, seed_states, trunc_idx, trunc_len,
-                     w_rows, w_idx, w_off, w_lo, w_hi) -> bool:
-        """`extend_draft_kv_row`'s checks 7-13 for one row on host integers: False where the
-        reference returns False; a CacheRefusal as the reference's; otherwise the row's
-        metadata updated and its tensor work queued (seed, truncation, write)."""
-        off = offsets.row(row)
-        if off is None or off > state.filled:
-            return False
-        big_l = len(toks)
-        if big_l >= 2:
-            p = big_l - 2
-            if off <= p < off + t:
-                seed_rows.append(row)
-                seed_cols.append(p - off)
-                seed_states.append((state, p))
-        lo = max(state.filled, off)
-        hi = min(off + t, max(big_l - 1, 0))
-        if hi <= lo:
-            return True
-        cache = state.cache
-        if cache is None:
-            state.filled = hi
-            return True
-        try:
-            cache.try_set_len(state.filled)
-        except Refusal as exc:
-            raise CacheRefusal(f"MTP draft KV truncate to {state.filled} failed: {exc}") from exc
-        cache.current = state.filled  # lo == filled == current: forward_tokens' desync check holds
-        if cache.materialized:
-            trunc_idx.append(cache.idx)
-            trunc_len.append(state.filled)
-        cache.check_append(hi - lo)
-        cache.materialized = True
-        cache.grow_meta(hi - lo)
-        cache.current = hi
-        state.filled = hi
-        w_rows.append(row)
-        w_idx.append(cache.idx)
-        w_off.append(off)
-        w_lo.append(lo)
-        w_hi.append(hi)
-        return True
+    def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None):
+        extend_draft_kvs(self, states, capture, toks, batch, model, warnings)
 
     def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
-        self.extend_draft_kvs(states, capture, toks, batch, model, warnings,
-                              why="prefix-cache hit / chunked prefill: the prompt capture does not start at the "
-                                  "draft KV's end")
+        extend_draft_kvs(self, states, capture, toks, batch, model, warnings,
+                         why="prefix-cache hit / chunked prefill: the prompt capture does not start at the "
+                             "draft KV's end")
 
     # ------------------------------------------------------------------ length vectors
     # Host integers in, host integers out: the reference's rule functions themselves (the
@@ -752,9 +502,6 @@ class TorchBackend(Backend):
         return list(plan.committed), list(plan.dropped), list(plan.next_uncached)
 
 
-def _warn(warnings, text: str) -> None:
-    if warnings is not None:
-        warnings.append(text)
 
 
 __all__ = ["TorchBackend", "DTYPES"]

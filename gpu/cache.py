@@ -98,7 +98,7 @@ class RaggedKv:
     @staticmethod
     def empty(b: int, heads: int, dim: int, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY,
               dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
-              v_dim: int | None = None) -> "RaggedKv":
+              v_dim: int | None = None) -> RaggedKv:
         """B empty rows of `capacity` zero columns."""
         k = torch.zeros((b, heads, capacity, dim), dtype=dtype, device=device)
         v = torch.zeros((b, heads, capacity, dim if v_dim is None else v_dim), dtype=dtype, device=device)
@@ -106,7 +106,7 @@ class RaggedKv:
 
     @staticmethod
     def from_rows(ks: list[torch.Tensor], vs: list[torch.Tensor], max_seq_len: int,
-                  capacity: int | None = None) -> "RaggedKv":
+                  capacity: int | None = None) -> RaggedKv:
         """Rows `ks[i] [H, n_i, D]` (and `vs[i]`) placed at column 0 of one buffer of width
         `capacity` (default: the smallest `512 + k*512` holding the longest row). A
         constructor (not a hot path): it loops over the rows once."""

@@ -214,7 +214,7 @@ class XsRolling:
 
     # --- conversion (conformance) -------------------------------------------------------
     @staticmethod
-    def from_reference(ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None) -> "XsRolling":
+    def from_reference(ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None) -> XsRolling:
         """The port slot holding the reference slot's state: its end-anchored tail scattered
         into the ring (column c -> `(tokens - W + c) mod W`, one scatter), comp copied."""
         out = XsRolling(ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device)
@@ -391,7 +391,7 @@ class XsRolling:
         self.ring = None
         self.comp = None
 
-    def clone(self) -> "XsRolling":
+    def clone(self) -> XsRolling:
         out = XsRolling(self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin,
                         self.device)
         out.tokens = self.host_tokens().copy() if self._tokens_h is not None else self.tokens.clone()

@@ -314,14 +314,14 @@ class XsRolling:
         self.comp = None
 
     # --- batch assembly ------------------------------------------------------------------
-    def clone(self) -> "XsRolling":
+    def clone(self) -> XsRolling:
         """A deep copy."""
         return copy.deepcopy(self)
 
-    def _empty_like(self, batch: int) -> "XsRolling":
+    def _empty_like(self, batch: int) -> XsRolling:
         return XsRolling(self.ratio, self.span, self.window, self.max_seq_len, batch, self.dim, self.margin)
 
-    def split_rows(self) -> list["XsRolling"]:
+    def split_rows(self) -> list[XsRolling]:
         """`split_row` for every row: B one-row slots, each with its own `(tokens, base)`, tail
         (zeros behind base) and compressed rows."""
         out = []
@@ -335,7 +335,7 @@ class XsRolling:
         return out
 
     @staticmethod
-    def stack(rows: list["XsRolling"], reconcile_bases: bool = False) -> "XsRolling":
+    def stack(rows: list[XsRolling], reconcile_bases: bool = False) -> XsRolling:
         """Stack slots along dim 0 with per-row `(tokens, base)`; comp padded with zeros at the
         end to the widest. `reconcile_bases` (the flag-off `reconcile_xs_bases`, unspecified
         upstream) gives every row the batch's largest base, which needs uniform tokens."""
