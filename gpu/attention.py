@@ -193,7 +193,7 @@ def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | N
     if is_standard_layer(compress_ratio) or compressed_kv is None:
         valid, k_all, v_all = raw, k_raw, v_raw
     else:
-        comp = compressed_validity(t_q, lens - t_q, compressed_kv.shape[2], compress_ratio)
+        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev)
         valid = torch.cat([raw, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)

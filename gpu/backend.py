@@ -343,7 +343,7 @@ class TorchBackend(Backend):
         own = first.own
         toks = torch.as_tensor(tokens, device=self.dev)
         if (np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) == own).all() and not comp_start.any():
-            fwd = model.forward(toks, [s.kv for s in kvs], offs, capture)
+            fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture)
         else:
             fwd = self._forward_general(model, toks, [s.kv for s in kvs], self._ints(offs),
                                         torch.from_numpy(comp_start).to(self.dev))

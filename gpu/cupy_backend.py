@@ -35,7 +35,8 @@ import torch
 from gpu import cupy_kernels as ck
 from gpu import kernel_emulator
 from gpu._common import lengths
-from gpu.backend import TorchBackend, TorchKv
+from gpu.backend import TorchBackend
+from gpu.slots import TorchKv
 from gpu.model import dsv4_attention_rows
 from gpu.rope import _check_x
 from reference.errors import require

@@ -136,7 +136,7 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     valid = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     k_all, v_all = k_raw, v_raw
     if not is_standard_layer(compress_ratio) and compressed_kv is not None:
-        comp = compressed_validity(t_q, lens - t_q, compressed_kv.shape[2], compress_ratio)
+        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev)
         valid = torch.cat([valid, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)
@@ -186,10 +186,11 @@ class DecoderLayer:
             return None
         width = t_c * r
         dev = kv.k.device
-        cos, sin = self.ropes.get(self.theta, width).lookup(torch.arange(width, device=dev))
+        cos, sin = self.ropes.get(self.theta, width).lookup(torch.arange(width, device=dev), width - 1)
         raw = rotate(kv.k[:, :, :width], cos, sin, cfg.rope_dims, inverse=True)
         blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)                              # [B,1,t_c,hd]
-        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r)
+        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r,
+                                                                         (t_c - 1) * r)
         blocks = rotate(blocks, cos, sin, cfg.rope_dims)
         live = (torch.arange(t_c, device=dev)[None, :] < n[:, None])[:, None, :, None]
         return torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))

@@ -354,8 +354,9 @@ class RowXs:
 
 
 def xs_rows(slot: XsRolling) -> list[RowXs]:
-    """`XsRolling.split_rows` as handles: one read of the rows' tokens and bases."""
-    tokens, base = slot.tokens.tolist(), slot.base.tolist()
+    """`XsRolling.split_rows` as handles (the rows' tokens and bases from the slot's host
+    copies; read from the device only when they were computed there)."""
+    tokens, base = slot.host_tokens().tolist(), slot.host_base().tolist()
     return [RowXs(slot, slot.ring, slot.comp, i, int(t), int(b)) for i, (t, b) in enumerate(zip(tokens, base))]
 
 
@@ -452,8 +453,7 @@ def stack_xs(parts: list, reconcile_bases: bool = False) -> XsRolling:
             raise ValueError(f"reconciling xs bases needs uniform tokens, got {tokens.tolist()}")
         base = np.full_like(base, base.max())
     out = XsRolling(g0.ratio, g0.span, g0.window, g0.max_seq_len, 0, g0.dim, g0.margin, g0.device)
-    out.tokens = torch.from_numpy(tokens).to(g0.device)
-    out.base = torch.from_numpy(base).to(g0.device)
+    out.tokens, out.base = tokens, base  # host integers: the slot keeps a host copy
     live = [r for r in rows if r.ring is not None]
     dims = {r.ring.shape[2] for r in live}
     require(len(dims) <= 1, f"xs slots with hidden widths {sorted(dims)} cannot be stacked")
