@@ -18,7 +18,7 @@ handles (host integers, no tensors), so clone-out and the per-sequence commit la
 and the clone-in gathers once per source buffer; lengths known on the host are decided on the
 host (`gpu.cache.RaggedKv.host_lens`, `gpu.xs_rolling.XsRolling.host_tokens`), so the device is
 read for what the algorithm produces there (the chain's tokens, once per step). Every sequence's
-draft KV is a row of ONE pooled buffer (`gpu.slots.DraftStore`); a draft group is a row-index
+draft KV is a row of ONE pooled buffer (`gpu.draft_store.DraftStore`); a draft group is a row-index
 vector, its alignment the rows' lengths, its chain one batched MTP step per chain step, and the
 draft-KV extension of a whole batch one masked scatter (`gpu.draft.extend_draft_kv_rows`).
 """
@@ -37,12 +37,22 @@ from gpu.attention import dsv4_attention as g_dsv4_attention
 from gpu.cache import RaggedKv
 from gpu.draft import propose_chain_batched
 from gpu.draft_loop import draft_group_loop, extend_draft_kvs
+from gpu.draft_store import DraftStore, PoolKv
 from gpu.model import Forward as PortForward
 from gpu.model import TinyModel as PortModel
 from gpu.model import rms_norm, silu
 from gpu.rope import apply_rope, rotate
-from gpu.slots import (NORMAL, XS, DraftStore, KvMeta, PoolKv, RowXs, TorchKv, grow_physical, stack_kv,
-                       stack_layer, xs_rows)
+from gpu.slots import (
+    NORMAL,
+    XS,
+    KvMeta,
+    RowXs,
+    TorchKv,
+    grow_physical,
+    stack_kv,
+    stack_layer,
+    xs_rows,
+)
 from gpu.xs_rolling import XsRolling
 from reference import align, dispatch, step
 from reference import model as ref_model

@@ -2,7 +2,7 @@
 
 Layout: the draft KV of every sequence lives in ONE `gpu.cache.RaggedKv` pool
 `[S, 1, capacity, head_dim]` with per-row lengths (row = sequence slot, its own positions
-start-anchored at column 0; `gpu.slots.DraftStore`). A draft group is a row-index vector into
+start-anchored at column 0; `gpu.draft_store.DraftStore`). A draft group is a row-index vector into
 the pool, so nothing is batched, front-aligned, split or stripped by copying: the group loop
 (`gpu.backend.TorchBackend.draft_chain`, the reference's membership, alignment arithmetic and
 warnings on host integers) sets the group rows' lengths to their chain starts, then

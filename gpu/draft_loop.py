@@ -1,7 +1,7 @@
 """The torch backend's draft-group loop and draft-KV extension on the pooled draft KV.
 
 `draft_group_loop` is `reference.draft.group_drafting_loop` (same membership, warnings,
-refusals and order) on rows of one `gpu.slots.DraftStore`: the reference's batch /
+refusals and order) on rows of one `gpu.draft_store.DraftStore`: the reference's batch /
 front-align / set_len / split / strip become host metadata (the same capacity arithmetic and
 refusals, decided before any tensor changes) plus the rows' lengths set to their chain
 starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
@@ -16,14 +16,25 @@ import numpy as np
 import torch
 
 from gpu.draft import extend_draft_kv_rows, propose_chain_batched
-from gpu.slots import KvMeta, PoolKv
+from gpu.draft_store import PoolKv
+from gpu.slots import KvMeta
 from reference import dispatch
 from reference.dispatch import chain_start_of
 from reference.errors import CacheRefusal, Refusal, StepRefusal, require
 
 
-def draft_group_loop(be, model, groups: dict, states: list, toks: list, cache_lens: list[int], budgets: list[int],
-                     w: int, per_seq_advance: bool, warnings: list | None = None) -> list[list[int]]:
+def draft_group_loop(
+    be,
+    model,
+    groups: dict,
+    states: list,
+    toks: list,
+    cache_lens: list[int],
+    budgets: list[int],
+    w: int,
+    per_seq_advance: bool,
+    warnings: list | None = None,
+) -> list[list[int]]:
     """`group_drafting_loop` (same membership, warnings, refusals and order) on the pooled
     draft KV: a group is the row-index vector of its members' `PoolKv` rows. The
     reference's batch / front-align / set_len / split / strip become host metadata
@@ -31,9 +42,11 @@ def draft_group_loop(be, model, groups: dict, states: list, toks: list, cache_le
     one `index_copy` of the rows' lengths to their chain starts; the chain is one
     `propose_chain_batched` on the pool rows (one batched MTP step per chain step)."""
     b = len(states)
-    require(len(toks) == b and len(cache_lens) == b and len(budgets) == b,
-            f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
-            f"({len(budgets)}) must have one entry per row")
+    require(
+        len(toks) == b and len(cache_lens) == b and len(budgets) == b,
+        f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
+        f"({len(budgets)}) must have one entry per row",
+    )
     block = model.mtp
     drafts: list[list[int]] = [[] for _ in range(b)]
     warned_empty = False
@@ -54,7 +67,9 @@ def draft_group_loop(be, model, groups: dict, states: list, toks: list, cache_le
             starts.append(start)
         if not members:
             if block is not None and not warned_empty:
-                _warn(warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)")
+                _warn(
+                    warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)"
+                )
                 warned_empty = True
             continue
         seed_hidden = torch.stack(seeds)  # [G, H]: the seeds are per-sequence host records
@@ -68,8 +83,10 @@ def draft_group_loop(be, model, groups: dict, states: list, toks: list, cache_le
         if any(c is None for c in caches):
             _warn(warnings, f"draft group {(u, _)}: a member has no draft KV cache; group skipped")
             continue
-        require(all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
-                "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)")
+        require(
+            all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
+            "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)",
+        )
         leads = dispatch.resolve_draft_leads(per_seq_advance, starts)
         aligned = leads is not None
         leads = leads if aligned else [0] * g
@@ -87,14 +104,18 @@ def draft_group_loop(be, model, groups: dict, states: list, toks: list, cache_le
         aligned_lens[idx] = starts if aligned else entry
         store.kv.lens = aligned_lens
         try:
-            chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx)
+            chains = propose_chain_batched(
+                model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx
+            )
         except Refusal:
-            store.kv.lens = before  # the reference refused on a batched copy: the rows are untouched
+            store.kv.lens = (
+                before  # the reference refused on a batched copy: the rows are untouched
+            )
             raise
         for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
             c = caches[slot]
             c.materialized = True
-            c.capacity = cap - leads[slot]      # split (batched metadata) + strip of the row's lead
+            c.capacity = cap - leads[slot]  # split (batched metadata) + strip of the row's lead
             c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
             states[i].filled = starts[slot] + 1
         pending.append((members, chains))
@@ -104,7 +125,7 @@ def draft_group_loop(be, model, groups: dict, states: list, toks: list, cache_le
         for members, c in pending:
             n = c.shape[1]
             for i in members:
-                drafts[i] = flat[at: at + n]
+                drafts[i] = flat[at : at + n]
                 at += n
     return drafts
 
@@ -119,13 +140,18 @@ def _draft_group_plan(caches, starts, aligned, n, key, warnings):
     propagates, as the reference's `propose_chain`)."""
     if not aligned:
         first = caches[0]
-        if len(caches) > 1 and any(not c.materialized or (c.current, c.capacity) != (first.current, first.capacity)
-                                   for c in caches):
+        if len(caches) > 1 and any(
+            not c.materialized or (c.current, c.capacity) != (first.current, first.capacity)
+            for c in caches
+        ):
             _warn(warnings, f"draft group {key}: draft caches cannot be batched; group skipped")
             return None
         if starts[0] > first.capacity:
-            _warn(warnings, f"draft group {key}: set_len({starts[0]}) refused (set_len({starts[0]}) exceeds "
-                            f"current capacity {first.capacity} (first cached 0)); group skipped")
+            _warn(
+                warnings,
+                f"draft group {key}: set_len({starts[0]}) refused (set_len({starts[0]}) exceeds "
+                f"current capacity {first.capacity} (first cached 0)); group skipped",
+            )
             return None
         entry, cap = starts[0], first.capacity
     else:
@@ -136,7 +162,10 @@ def _draft_group_plan(caches, starts, aligned, n, key, warnings):
             elif s > c.current:
                 refusal = f"chain start {s} is past the {c.current} position(s) draft row {r} holds"
             if refusal is not None:
-                _warn(warnings, f"draft group {key}: front-alignment refused ({refusal}); group skipped")
+                _warn(
+                    warnings,
+                    f"draft group {key}: front-alignment refused ({refusal}); group skipped",
+                )
                 return None
         entry = cap = max(starts)
     for i in range(n):  # the reference's n one-column appends (chain steps, not rows)
@@ -144,8 +173,16 @@ def _draft_group_plan(caches, starts, aligned, n, key, warnings):
     return entry, cap
 
 
-def extend_draft_kvs(be, states, capture, toks, batch, model, warnings=None,
-                     why="capture misaligned with the draft KV"):
+def extend_draft_kvs(
+    be,
+    states,
+    capture,
+    toks,
+    batch,
+    model,
+    warnings=None,
+    why="capture misaligned with the draft KV",
+):
     """`extend_draft_kv_row` for every row: checks 1-13 and the metadata (capacity,
     refusals, filled, poisoning, warnings in row order) on host integers, then the
     tensor side for the whole batch at once: one gather of the new seeds, one
@@ -161,8 +198,10 @@ def extend_draft_kvs(be, states, capture, toks, batch, model, warnings=None,
         if hidden.dim() == 2:
             hidden = hidden[None]
         if hidden.dim() != 3:
-            batch_fail = StepRefusal(f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
-                                     f"expected [B,T,H] or [T,H]")
+            batch_fail = StepRefusal(
+                f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
+                f"expected [B,T,H] or [T,H]"
+            )
         elif hidden.shape[0] != batch or not offsets.describes(batch):
             batch_fail = False
     seed_rows, seed_cols, seed_states = [], [], []
@@ -185,8 +224,23 @@ def extend_draft_kvs(be, states, capture, toks, batch, model, warnings=None,
                 ok = False
             else:
                 try:
-                    ok = _extend_plan(state, offsets, toks[row], row, hidden.shape[1], seed_rows, seed_cols,
-                                           seed_states, trunc_idx, trunc_len, w_rows, w_idx, w_off, w_lo, w_hi)
+                    ok = _extend_plan(
+                        state,
+                        offsets,
+                        toks[row],
+                        row,
+                        hidden.shape[1],
+                        seed_rows,
+                        seed_cols,
+                        seed_states,
+                        trunc_idx,
+                        trunc_len,
+                        w_rows,
+                        w_idx,
+                        w_off,
+                        w_lo,
+                        w_hi,
+                    )
                 except Refusal as exc:
                     err = exc
                 if isinstance(state.cache, PoolKv):
@@ -209,14 +263,31 @@ def extend_draft_kvs(be, states, capture, toks, batch, model, warnings=None,
         store.reserve(max(w_hi))
         width = max(w_hi) + 1
         tok = np.zeros((len(w_rows), width), dtype=np.int64)
-        for r, (row, lo, hi) in enumerate(zip(w_rows, w_lo, w_hi)):  # host packing of the token lists
-            tok[r, lo + 1: hi + 1] = toks[row][lo + 1: hi + 1]
+        for r, (row, lo, hi) in enumerate(
+            zip(w_rows, w_lo, w_hi)
+        ):  # host packing of the token lists
+            tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]
         rows_t = be._ints(w_rows)
         extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi, tok, rows=w_idx)
 
 
-def _extend_plan(state, offsets, toks, row, t, seed_rows, seed_cols, seed_states, trunc_idx, trunc_len,
-                 w_rows, w_idx, w_off, w_lo, w_hi) -> bool:
+def _extend_plan(
+    state,
+    offsets,
+    toks,
+    row,
+    t,
+    seed_rows,
+    seed_cols,
+    seed_states,
+    trunc_idx,
+    trunc_len,
+    w_rows,
+    w_idx,
+    w_off,
+    w_lo,
+    w_hi,
+) -> bool:
     """`extend_draft_kv_row`'s checks 7-13 for one row on host integers: False where the
     reference returns False; a CacheRefusal as the reference's; otherwise the row's
     metadata updated and its tensor work queued (seed, truncation, write)."""

@@ -23,15 +23,13 @@ ring is replaced, not written in place, by an append).
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
 from gpu.align import materialize_front_aligned
 from gpu.cache import RaggedKv
 from gpu.xs_rolling import XsRolling
-from reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
 from reference.errors import CacheRefusal, require
 from reference.xs_rolling import rollback_refusal
 
@@ -48,13 +46,16 @@ def grow_physical(kv: RaggedKv, needed: int) -> None:
         kv.v = torch.nn.functional.pad(kv.v, (0, 0, 0, pad))
 
 
-def shift_rows(k: torch.Tensor, v: torch.Tensor, own: np.ndarray, shift: np.ndarray,
-               max_seq_len: int) -> RaggedKv:
+def shift_rows(
+    k: torch.Tensor, v: torch.Tensor, own: np.ndarray, shift: np.ndarray, max_seq_len: int
+) -> RaggedKv:
     """Row i's own run (`own_i` columns from physical 0) moved by `shift_i` (> 0: right, zeros
     in front; < 0: left, the first `-shift_i` columns dropped): one gather per buffer; the
     host lengths `own + shift`."""
     after = own + shift
-    width = max(k.shape[2], int(after.max()) if after.size else 0, int(own.max()) if own.size else 0)
+    width = max(
+        k.shape[2], int(after.max()) if after.size else 0, int(own.max()) if own.size else 0
+    )
     if width > k.shape[2]:
         pad = -(-(width - k.shape[2]) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
@@ -63,7 +64,7 @@ def shift_rows(k: torch.Tensor, v: torch.Tensor, own: np.ndarray, shift: np.ndar
     dev = k.device
     sh = torch.from_numpy(shift.astype(np.int64)).to(dev)
     n = torch.from_numpy(own.astype(np.int64)).to(dev)
-    src = torch.arange(width, device=dev)[None, :] - sh[:, None]                   # [B, W]
+    src = torch.arange(width, device=dev)[None, :] - sh[:, None]  # [B, W]
     live = ((src >= 0) & (src < n[:, None]))[:, None, :, None]
     cols = src.clamp(min=0, max=max(width - 1, 0))[:, None, :, None]
     b, h, _, d = k.shape
@@ -83,7 +84,11 @@ class KvMeta:
     materialized: bool
 
     def __init__(self, max_seq_len: int, capacity: int, current: int) -> None:
-        self.max_seq_len, self.capacity, self.current = int(max_seq_len), int(capacity), int(current)
+        self.max_seq_len, self.capacity, self.current = (
+            int(max_seq_len),
+            int(capacity),
+            int(current),
+        )
 
     @property
     def current_seq_len(self) -> int:
@@ -101,9 +106,14 @@ class KvMeta:
         {grown} would be above max_seq_len {max}") above `max_seq_len`; nothing changes."""
         if self.current + s <= self.capacity:
             return self.capacity
-        grown = self.capacity + -(-(self.current + s - self.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+        grown = (
+            self.capacity
+            + -(-(self.current + s - self.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+        )
         if grown > self.max_seq_len:
-            raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}")
+            raise CacheRefusal(
+                f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}"
+            )
         return grown
 
     def grow_meta(self, s: int) -> None:
@@ -112,7 +122,9 @@ class KvMeta:
     def try_set_len(self, n: int) -> None:
         require(n >= 0, f"set_len length {n} must be >= 0")
         if n > self.capacity:
-            raise CacheRefusal(f"set_len({n}) exceeds current capacity {self.capacity} (first cached 0)")
+            raise CacheRefusal(
+                f"set_len({n}) exceeds current capacity {self.capacity} (first cached 0)"
+            )
 
     def pad_refusal(self, target: int) -> CacheRefusal | None:
         live = self.current
@@ -121,20 +133,31 @@ class KvMeta:
         if target == live:
             return None
         if not self.materialized:
-            return CacheRefusal(f"front_pad to {target}: the slot's buffer is unmaterialized ({live} live positions)")
+            return CacheRefusal(
+                f"front_pad to {target}: the slot's buffer is unmaterialized "
+                f"({live} live positions)"
+            )
         cap = max(self.capacity, target)
         if cap > self.max_seq_len:
-            return CacheRefusal(f"front_pad to {target}: capacity {cap} would be above max_seq_len {self.max_seq_len}")
+            return CacheRefusal(
+                f"front_pad to {target}: capacity {cap} would be above max_seq_len "
+                f"{self.max_seq_len}"
+            )
         return None
 
     def drop_refusal(self, lead: int) -> CacheRefusal | None:
         if lead == 0:
             return None
         if lead > self.current:
-            return CacheRefusal(f"cannot drop a {lead}-column dead prefix from a slot that holds only {self.current}")
+            return CacheRefusal(
+                f"cannot drop a {lead}-column dead prefix from a slot that holds only "
+                f"{self.current}"
+            )
         if not self.materialized:
-            return CacheRefusal(f"cannot drop a {lead}-column dead prefix from an unmaterialized slot "
-                                f"({self.current} positions)")
+            return CacheRefusal(
+                f"cannot drop a {lead}-column dead prefix from an unmaterialized slot "
+                f"({self.current} positions)"
+            )
         return None
 
 
@@ -144,8 +167,14 @@ class TorchKv(KvMeta):
     Invariant: `lead_i + kv.lens_i == current` for every row of a materialized slot, so the
     rows' own lengths are known on the host (`own`)."""
 
-    def __init__(self, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY, current: int = 0,
-                 kv: RaggedKv | None = None, lead=None) -> None:
+    def __init__(
+        self,
+        max_seq_len: int,
+        capacity: int = PLAIN_CACHE_CAPACITY,
+        current: int = 0,
+        kv: RaggedKv | None = None,
+        lead=None,
+    ) -> None:
         super().__init__(max_seq_len, capacity, current)
         self.kv = kv
         self.lead = None if lead is None else np.asarray(lead, dtype=np.int64).reshape(-1).copy()
@@ -164,8 +193,13 @@ class TorchKv(KvMeta):
         return self.current - self.lead
 
     def clone(self) -> TorchKv:
-        return TorchKv(self.max_seq_len, self.capacity, self.current,
-                       None if self.kv is None else self.kv.clone(), self.lead)
+        return TorchKv(
+            self.max_seq_len,
+            self.capacity,
+            self.current,
+            None if self.kv is None else self.kv.clone(),
+            self.lead,
+        )
 
     def front_aligned(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The reference's `current_data()` of K and V `[B, H, current, D]`: one gather."""
@@ -180,7 +214,9 @@ class TorchKv(KvMeta):
         self.check_append(s)
         if self.kv is None:
             b, h, _, d = k.shape
-            self.kv = RaggedKv.empty(b, h, d, self.max_seq_len, max(self.capacity, s, 1), k.dtype, k.device, v.shape[3])
+            self.kv = RaggedKv.empty(
+                b, h, d, self.max_seq_len, max(self.capacity, s, 1), k.dtype, k.device, v.shape[3]
+            )
             self.lead = np.zeros(b, dtype=np.int64)
         self.grow_meta(s)
         grow_physical(self.kv, int(self.own.max()) + s if self.kv.batch else s)
@@ -233,8 +269,10 @@ class TorchKv(KvMeta):
         columns become physical zeros (one gather; the reference's view is unchanged)."""
         extra = self.lead - dead
         if (extra < 0).any():
-            raise ValueError(f"rows would need dead prefixes {dead.tolist()} longer than their alignment "
-                             f"offsets {self.lead.tolist()}")
+            raise ValueError(
+                f"rows would need dead prefixes {dead.tolist()} longer than their alignment "
+                f"offsets {self.lead.tolist()}"
+            )
         if extra.any():
             self.kv = shift_rows(self.kv.k, self.kv.v, self.own, extra, self.max_seq_len)
             self.lead = np.asarray(dead, dtype=np.int64).copy()
@@ -244,7 +282,10 @@ class TorchKv(KvMeta):
         b = self.kv.batch if self.kv is not None else 1
         lead = self.lead if self.lead is not None else np.zeros(b, dtype=np.int64)
         k, v = (None, None) if self.kv is None else (self.kv.k, self.kv.v)
-        return [RowKv(self.max_seq_len, self.capacity, self.current, k, v, i, int(lead[i]), 0) for i in range(b)]
+        return [
+            RowKv(self.max_seq_len, self.capacity, self.current, k, v, i, int(lead[i]), 0)
+            for i in range(b)
+        ]
 
 
 class RowKv(KvMeta):
@@ -253,8 +294,9 @@ class RowKv(KvMeta):
     (a strip that cuts into the run moves the start, not the data), as host integers.
     Invariant: `lead + own == current`; own column j at physical column `shift + j`."""
 
-    def __init__(self, max_seq_len: int, capacity: int, current: int, k, v, row: int, lead: int,
-                 shift: int) -> None:
+    def __init__(
+        self, max_seq_len: int, capacity: int, current: int, k, v, row: int, lead: int, shift: int
+    ) -> None:
         super().__init__(max_seq_len, capacity, current)
         self.k, self.v, self.row, self.lead, self.shift = k, v, row, lead, shift
 
@@ -267,7 +309,16 @@ class RowKv(KvMeta):
         return self.current - self.lead
 
     def clone(self) -> RowKv:
-        return RowKv(self.max_seq_len, self.capacity, self.current, self.k, self.v, self.row, self.lead, self.shift)
+        return RowKv(
+            self.max_seq_len,
+            self.capacity,
+            self.current,
+            self.k,
+            self.v,
+            self.row,
+            self.lead,
+            self.shift,
+        )
 
     def set_len(self, n: int) -> None:
         """`KvCache.set_len`: refused past the capacity; keeps `min(lead, n)` dead columns."""
@@ -302,7 +353,10 @@ class RowKv(KvMeta):
         if self.k is None:
             return None
         own = self.own
-        k, v = self.k[self.row: self.row + 1, :, self.shift:], self.v[self.row: self.row + 1, :, self.shift:]
+        k, v = (
+            self.k[self.row : self.row + 1, :, self.shift :],
+            self.v[self.row : self.row + 1, :, self.shift :],
+        )
         if k.shape[2] < max(own, 1):
             pad = (0, 0, 0, max(own, 1) - k.shape[2])
             k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
@@ -349,7 +403,10 @@ class RowXs:
         out.tokens = torch.tensor([self.tokens], dtype=torch.int64, device=g.device)
         out.base = torch.tensor([self.base], dtype=torch.int64, device=g.device)
         if self.ring is not None:
-            out.ring, out.comp = self.ring[self.row: self.row + 1], self.comp[self.row: self.row + 1]
+            out.ring, out.comp = (
+                self.ring[self.row : self.row + 1],
+                self.comp[self.row : self.row + 1],
+            )
         return out
 
 
@@ -357,7 +414,10 @@ def xs_rows(slot: XsRolling) -> list[RowXs]:
     """`XsRolling.split_rows` as handles (the rows' tokens and bases from the slot's host
     copies; read from the device only when they were computed there)."""
     tokens, base = slot.host_tokens().tolist(), slot.host_base().tolist()
-    return [RowXs(slot, slot.ring, slot.comp, i, int(t), int(b)) for i, (t, b) in enumerate(zip(tokens, base))]
+    return [
+        RowXs(slot, slot.ring, slot.comp, i, int(t), int(b))
+        for i, (t, b) in enumerate(zip(tokens, base))
+    ]
 
 
 # --- clone-in: handles back into one batch -------------------------------------------------------
@@ -376,11 +436,16 @@ def _source_rows(parts: list) -> tuple[list, list[np.ndarray], list[np.ndarray]]
             rows.append([])
         pos[where[key]].append(p)
         rows[where[key]].append(part.row)
-    return sources, [np.asarray(x, dtype=np.int64) for x in pos], [np.asarray(x, dtype=np.int64) for x in rows]
+    return (
+        sources,
+        [np.asarray(x, dtype=np.int64) for x in pos],
+        [np.asarray(x, dtype=np.int64) for x in rows],
+    )
 
 
-def _gather(buffers: list[torch.Tensor], pos: list[np.ndarray], rows: list[np.ndarray], n: int,
-            seq_dim: int) -> torch.Tensor:
+def _gather(
+    buffers: list[torch.Tensor], pos: list[np.ndarray], rows: list[np.ndarray], n: int, seq_dim: int
+) -> torch.Tensor:
     """Rows `rows[s]` of `buffers[s]` placed at `pos[s]` of an n-row batch (each buffer padded
     to the widest along `seq_dim`): one `index_select` per source, one `cat`, and one
     permutation when the sources interleave."""
@@ -413,7 +478,9 @@ def stack_kv(parts: list) -> TorchKv:
     if not any(mat):
         return TorchKv(first.max_seq_len, cap, first.current)
     if any(r.current != first.current for r in rows):
-        raise ValueError(f"the port concatenates slots of one length only, got {[r.current for r in rows]}")
+        raise ValueError(
+            f"the port concatenates slots of one length only, got {[r.current for r in rows]}"
+        )
     lead = np.fromiter((r.lead for r in rows), np.int64, len(rows))
     shift = np.fromiter((r.shift for r in rows), np.int64, len(rows))
     own = first.current - lead
@@ -444,8 +511,10 @@ def stack_xs(parts: list, reconcile_bases: bool = False) -> XsRolling:
     g0 = rows[0].geometry
     for r in rows:
         g = r.geometry
-        require((g.ratio, g.span, g.window, g.margin) == (g0.ratio, g0.span, g0.window, g0.margin),
-                "xs slots in one layer must share ratio, span, window and margin")
+        require(
+            (g.ratio, g.span, g.window, g.margin) == (g0.ratio, g0.span, g0.window, g0.margin),
+            "xs slots in one layer must share ratio, span, window and margin",
+        )
     tokens = np.fromiter((r.tokens for r in rows), np.int64, len(rows))
     base = np.fromiter((r.base for r in rows), np.int64, len(rows))
     if reconcile_bases:
@@ -460,10 +529,20 @@ def stack_xs(parts: list, reconcile_bases: bool = False) -> XsRolling:
     if live:
         like = live[0]
         if len(live) < len(rows):  # rows never appended to: one zero row each, as the reference's
-            zero = RowXs(like.geometry, like.ring.new_zeros((1, *like.ring.shape[1:])),
-                         like.comp.new_zeros((1, 0, like.comp.shape[2])), 0, 0, 0)
-            rows = [r if r.ring is not None else RowXs(r.geometry, zero.ring, zero.comp, 0, r.tokens, r.base)
-                    for r in rows]
+            zero = RowXs(
+                like.geometry,
+                like.ring.new_zeros((1, *like.ring.shape[1:])),
+                like.comp.new_zeros((1, 0, like.comp.shape[2])),
+                0,
+                0,
+                0,
+            )
+            rows = [
+                r
+                if r.ring is not None
+                else RowXs(r.geometry, zero.ring, zero.comp, 0, r.tokens, r.base)
+                for r in rows
+            ]
         sources, pos, idx = _source_rows(rows)
         n = len(rows)
         out.ring = _gather([s.ring for s in sources], pos, idx, n, 1)
@@ -479,70 +558,18 @@ def stack_layer(slots: list, layer: int, xs_per_seq: bool):
     return stack_kv(slots) if slots[0].kind == NORMAL else stack_xs(slots, not xs_per_seq)
 
 
-# --- the pooled draft KV (one buffer for every sequence's draft KV) ------------------------------
-
-
-class DraftStore:
-    """The draft KV of every sequence of one backend (per MTP head width) in ONE physical
-    `RaggedKv` `[S, 1, width, head_dim]` (the `gpu.draft.DraftPool` layout): row s is a
-    sequence's draft KV, start-anchored, `kv.lens[s]` its held length. Rows are allocated by
-    `alloc` (zeroed; the row count doubles when full) and returned by the handle's finalizer.
-    The physical width grows by whole 512-column blocks and is never refused (refusals are the
-    handles' host metadata)."""
-
-    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.kv = RaggedKv.empty(0, 1, head_dim, 1 << 62, DRAFT_CACHE_CAPACITY, dtype, device)
-        self.free: list[int] = []
-
-    def alloc(self) -> int:
-        if not self.free:
-            s = self.kv.batch
-            grow = max(s, 8)
-            pad = (0, 0, 0, 0, 0, 0, 0, grow)
-            self.kv.k = torch.nn.functional.pad(self.kv.k, pad)
-            self.kv.v = torch.nn.functional.pad(self.kv.v, pad)
-            self.kv.lens = np.concatenate([self.kv.host_lens(), np.zeros(grow, dtype=np.int64)])
-            self.free = list(range(s + grow - 1, s - 1, -1))
-        idx = self.free.pop()
-        self.kv.k[idx].zero_()
-        self.kv.v[idx].zero_()
-        self.kv.set_row_len(idx, 0)
-        return idx
-
-    def release(self, idx: int) -> None:
-        self.free.append(idx)
-
-    def reserve(self, width: int) -> None:
-        """Make every row hold `width` physical columns (never refused)."""
-        grow_physical(self.kv, width)
-
-
-class PoolKv(KvMeta):
-    """One sequence's draft KV: row `idx` of a `DraftStore`, with the reference's metadata as
-    host integers (`current` = the held length = `store.kv.lens[idx]` once materialized).
-    Invariant: no alignment offset (a draft row is always start-anchored)."""
-
-    def __init__(self, store: DraftStore, max_seq_len: int, capacity: int = DRAFT_CACHE_CAPACITY) -> None:
-        super().__init__(max_seq_len, capacity, 0)
-        self.store, self.idx = store, store.alloc()
-        self.materialized = False
-        weakref.finalize(self, store.release, self.idx)
-
-    def set_len(self, n: int) -> None:
-        """`KvCache.set_len`: refused past the capacity; the row's length only."""
-        self.try_set_len(n)
-        if self.materialized:
-            self.store.reserve(n)
-            self.store.kv.set_row_len(self.idx, n)
-        self.current = n
-
-    def front_aligned(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The reference's `current_data()` `[1, 1, current, D]` (views of the pool row)."""
-        if not self.materialized:
-            return None
-        kv = self.store.kv
-        return kv.k[self.idx: self.idx + 1, :, : self.current], kv.v[self.idx: self.idx + 1, :, : self.current]
-
-
-__all__ = ["TorchKv", "RowKv", "RowXs", "KvMeta", "DraftStore", "PoolKv", "stack_kv", "stack_xs", "stack_layer",
-           "xs_rows", "shift_rows", "grow_physical", "concat_stats", "NORMAL", "XS"]
+__all__ = [
+    "TorchKv",
+    "RowKv",
+    "RowXs",
+    "KvMeta",
+    "stack_kv",
+    "stack_xs",
+    "stack_layer",
+    "xs_rows",
+    "shift_rows",
+    "grow_physical",
+    "concat_stats",
+    "NORMAL",
+    "XS",
+]

@@ -11,7 +11,8 @@ not counted), per decode step.
 The reads are counted by wrapping those `torch.Tensor` methods (a read that calls another,
 e.g. a `tolist` inside `bool()`, counts once), plus the syncs aten runs on its own (a
 boolean-mask index or `nonzero` inside aten: counted by the aten op's name); the ops by a
-`TorchDispatchMode` that counts every aten call. Scenario: `examples/per-sequence-b128.toml` or `examples/cohort-b128.toml`
+`TorchDispatchMode` that counts every aten call. Scenario: `examples/per-sequence-b128.toml`
+or `examples/cohort-b128.toml`
 (depth 3, profile 0.74/0.54/0.41) with the batch and step count overridden. Run
 `python -m raggedspec.host_work` (or `scripts/count_host_work.py`) for the table in
 docs/benchmarks.md.
@@ -28,14 +29,31 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-READ_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+READ_METHODS = (
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "cpu",
+    "numpy",
+    "nonzero",
+)
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SCENARIOS = {"per-sequence": EXAMPLES / "per-sequence-b128.toml", "cohort": EXAMPLES / "cohort-b128.toml"}
+SCENARIOS = {
+    "per-sequence": EXAMPLES / "per-sequence-b128.toml",
+    "cohort": EXAMPLES / "cohort-b128.toml",
+}
 
 
 # ops whose output size or value the host must wait for, when no wrapped method called them
 # (a boolean-mask index runs `nonzero` inside aten)
-_IMPLICIT_SYNCS = {torch.ops.aten.nonzero, torch.ops.aten.masked_select, torch.ops.aten._local_scalar_dense}
+_IMPLICIT_SYNCS = {
+    torch.ops.aten.nonzero,
+    torch.ops.aten.masked_select,
+    torch.ops.aten._local_scalar_dense,
+}
 
 
 _INDEX_OPS = {torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_}
@@ -61,7 +79,9 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.on:
             self.ops += 1
-            if self.depth == 0 and (func.overloadpacket in _IMPLICIT_SYNCS or _bool_index(func, args)):
+            if self.depth == 0 and (
+                func.overloadpacket in _IMPLICIT_SYNCS or _bool_index(func, args)
+            ):
                 self.reads[f"aten.{func.overloadpacket.__name__}"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -80,6 +100,7 @@ def _wrapped_reads(counter: _Counter):
                 return fn(self, *args, **kwargs)
             finally:
                 counter.depth -= 1
+
         return method
 
     try:
@@ -101,7 +122,9 @@ def count_decode_steps(batch: int, advance: str, steps: int = 8, backend: str = 
 
     if advance not in SCENARIOS:
         raise ValueError(f"advance {advance!r} must be one of {sorted(SCENARIOS)}")
-    sc = load_scenario(SCENARIOS[advance], [f"batch={batch}", f"steps={steps}", f"max_draft_kv_seqs={batch}"])
+    sc = load_scenario(
+        SCENARIOS[advance], [f"batch={batch}", f"steps={steps}", f"max_draft_kv_seqs={batch}"]
+    )
     engine = TensorEngine(sc, backend=backend)
     counter = _Counter()
     phases: list[str] = []
@@ -121,29 +144,50 @@ def count_decode_steps(batch: int, advance: str, steps: int = 8, backend: str = 
         trace = engine.run()
     bad = [p for p in phases if p != "decode"]
     if not phases or bad:
-        raise ValueError(f"B={batch} {advance}: decode steps ran as {phases} (messages {trace.messages[:3]})")
+        raise ValueError(
+            f"B={batch} {advance}: decode steps ran as {phases} (messages {trace.messages[:3]})"
+        )
     n = len(phases)
     reads = sum(counter.reads.values())
-    return {"batch": batch, "advance": advance, "decode_steps": n, "reads": reads, "ops": counter.ops,
-            "reads_per_step": reads / n, "ops_per_step": counter.ops / n, "read_kinds": dict(counter.reads)}
+    return {
+        "batch": batch,
+        "advance": advance,
+        "decode_steps": n,
+        "reads": reads,
+        "ops": counter.ops,
+        "reads_per_step": reads / n,
+        "ops_per_step": counter.ops / n,
+        "read_kinds": dict(counter.reads),
+    }
 
 
 def table(results: list[dict]) -> str:
     """The markdown table of `count_decode_steps` results."""
-    lines = ["| B | advance | decode steps | host reads / step | aten ops / step |", "|---|---|---|---|---|"]
+    lines = [
+        "| B | advance | decode steps | host reads / step | aten ops / step |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['batch']} | {r['advance']} | {r['decode_steps']} | {r['reads_per_step']:,.1f} | "
-                     f"{r['ops_per_step']:,.1f} |")
+        lines.append(
+            f"| {r['batch']} | {r['advance']} | {r['decode_steps']} | {r['reads_per_step']:,.1f} | "
+            f"{r['ops_per_step']:,.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: `python -m raggedspec.host_work [--batch 8 32 128] [--advance cohort per-sequence]
     [--steps 8]`; prints the table and the read kinds."""
-    p = argparse.ArgumentParser(prog="python -m raggedspec.host_work", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m raggedspec.host_work", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
-    p.add_argument("--advance", nargs="+", choices=sorted(SCENARIOS), default=["cohort", "per-sequence"])
-    p.add_argument("--steps", type=int, default=8, help="engine steps per run (the first is the prompt)")
+    p.add_argument(
+        "--advance", nargs="+", choices=sorted(SCENARIOS), default=["cohort", "per-sequence"]
+    )
+    p.add_argument(
+        "--steps", type=int, default=8, help="engine steps per run (the first is the prompt)"
+    )
     args = p.parse_args(argv)
     results = [count_decode_steps(b, a, args.steps) for b in args.batch for a in args.advance]
     print(table(results))
