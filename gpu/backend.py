@@ -514,4 +514,4 @@ class TorchBackend(Backend):
 
 
 
-__all__ = ["TorchBackend", "DTYPES"]
+__all__ = ["DTYPES", "TorchBackend"]

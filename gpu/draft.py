@@ -29,8 +29,8 @@ import torch
 
 from gpu._common import host_ints
 from gpu.cache import RaggedKv
-from reference.dispatch import resolve_ragged_chain_starts
 from gpu.rope import rotate
+from reference.dispatch import resolve_ragged_chain_starts
 from reference.errors import CacheRefusal, StepRefusal, require
 
 draft_chain_stats = {"scalar": 0, "per_row": 0}
@@ -189,5 +189,10 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     kv.lens = held
 
 
-__all__ = ["draft_chain_stats", "reset_draft_chain_stats", "argmax_tokens", "propose_chain_batched",
-           "extend_draft_kv_rows"]
+__all__ = [
+    "argmax_tokens",
+    "draft_chain_stats",
+    "extend_draft_kv_rows",
+    "propose_chain_batched",
+    "reset_draft_chain_stats",
+]

@@ -155,8 +155,8 @@ def _draft_group_plan(caches, starts, aligned, n, key, warnings):
             return None
         entry, cap = starts[0], first.capacity
     else:
-        refusal = None
-        for r, (c, s) in enumerate(zip(caches, starts)):  # first refusing row, host integers
+        refusal = None  # the first refusing row, host integers
+        for r, (c, s) in enumerate(zip(caches, starts, strict=True)):
             if not c.materialized:
                 refusal = f"draft row {r}'s buffer is unmaterialized"
             elif s > c.current:
@@ -264,7 +264,7 @@ def extend_draft_kvs(
         width = max(w_hi) + 1
         tok = np.zeros((len(w_rows), width), dtype=np.int64)
         for r, (row, lo, hi) in enumerate(
-            zip(w_rows, w_lo, w_hi)
+            zip(w_rows, w_lo, w_hi, strict=True)
         ):  # host packing of the token lists
             tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]
         rows_t = be._ints(w_rows)

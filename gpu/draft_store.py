@@ -16,7 +16,6 @@ from gpu.slots import KvMeta, grow_physical
 from reference.cache import DRAFT_CACHE_CAPACITY
 
 
-
 class DraftStore:
     """The draft KV of every sequence of one backend (per MTP head width) in ONE physical
     `RaggedKv` `[S, 1, width, head_dim]` (the `gpu.draft.DraftPool` layout): row s is a

@@ -416,7 +416,7 @@ def xs_rows(slot: XsRolling) -> list[RowXs]:
     tokens, base = slot.host_tokens().tolist(), slot.host_base().tolist()
     return [
         RowXs(slot, slot.ring, slot.comp, i, int(t), int(b))
-        for i, (t, b) in enumerate(zip(tokens, base))
+        for i, (t, b) in enumerate(zip(tokens, base, strict=True))
     ]
 
 
@@ -452,7 +452,7 @@ def _gather(
     width = max(b.shape[seq_dim] for b in buffers)
     dev = buffers[0].device
     pieces = []
-    for buf, r in zip(buffers, rows):
+    for buf, r in zip(buffers, rows, strict=True):
         if buf.shape[seq_dim] < width:
             pad = [0, 0] * (buf.dim() - 1 - seq_dim) + [0, width - buf.shape[seq_dim]]
             buf = torch.nn.functional.pad(buf, pad)
@@ -559,17 +559,17 @@ def stack_layer(slots: list, layer: int, xs_per_seq: bool):
 
 
 __all__ = [
-    "TorchKv",
-    "RowKv",
-    "RowXs",
-    "KvMeta",
-    "stack_kv",
-    "stack_xs",
-    "stack_layer",
-    "xs_rows",
-    "shift_rows",
-    "grow_physical",
-    "concat_stats",
     "NORMAL",
     "XS",
+    "KvMeta",
+    "RowKv",
+    "RowXs",
+    "TorchKv",
+    "concat_stats",
+    "grow_physical",
+    "shift_rows",
+    "stack_kv",
+    "stack_layer",
+    "stack_xs",
+    "xs_rows",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raggedspec.host_work import main  # noqa: E402
+from raggedspec.host_work import main
 
 if __name__ == "__main__":
     raise SystemExit(main())
