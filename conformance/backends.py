@@ -1,10 +1,10 @@
 """The backend under test and the comparison policy of backend conformance (array-api-tests
 style: the implementation under test is chosen by environment variables, the reference is
-always `reference.backend.NumpyBackend`).
+always `raggedspec.reference.backend.NumpyBackend`).
 
 - `RAGGEDSPEC_BACKEND`: `torch` (default), `numpy` (the reference against itself), or
   `package.module:factory` (your own port: `factory(device=..., dtype=...)` returns a
-  `reference.backend.Backend`; see docs/conformance.md "Bring your own port");
+  `raggedspec.reference.backend.Backend`; see docs/conformance.md "Bring your own port");
 - `RAGGEDSPEC_DEVICE`: `cpu` (default), `cuda`, `cuda:N`, ... (passed to the factory);
 - `RAGGEDSPEC_DTYPE`: `float64` (default), `float32`, `bfloat16`.
 
@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from reference.backend import Backend, NumpyBackend, load_backend
+from raggedspec.reference.backend import Backend, NumpyBackend, load_backend
 
 BACKEND_ENV, DEVICE_ENV, DTYPE_ENV = "RAGGEDSPEC_BACKEND", "RAGGEDSPEC_DEVICE", "RAGGEDSPEC_DTYPE"
 DEFAULT_BACKEND = "torch"

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from reference.accounting import (
+from raggedspec.reference.accounting import (
     LOG_EVERY,
     POSITION_CAP,
     AcceptanceTelemetry,
@@ -18,7 +18,7 @@ from reference.accounting import (
     from_verify,
     skipped_step,
 )
-from reference.step import verify_proposed
+from raggedspec.reference.step import verify_proposed
 
 ffv = from_fused_verify
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.align import (
+from raggedspec.reference.align import (
     CloneIn,
     batch_can_be_ragged,
     batch_draft_caches,
@@ -29,10 +29,10 @@ from reference.align import (
     front_pad_single,
     split_draft_cache,
 )
-from reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
-from reference.dispatch import resolve_draft_leads
-from reference.errors import AlignRefusal, CacheRefusal
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
+from raggedspec.reference.dispatch import resolve_draft_leads
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal
+from raggedspec.reference.xs_rolling import XsRolling
 
 # --- fixtures -------------------------------------------------------------------------------
 

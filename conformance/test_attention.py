@@ -25,9 +25,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.strategies import leads_of, ragged_lengths, uniform_lengths
-from reference.errors import DispatchRefusal, MaskRefusal
-from reference.attention import (
+from raggedspec.conformance.strategies import leads_of, ragged_lengths, uniform_lengths
+from raggedspec.reference.errors import DispatchRefusal, MaskRefusal
+from raggedspec.reference.attention import (
     Dsv4AttentionConfig,
     absorbed_decode_eligible,
     attention,
@@ -37,7 +37,7 @@ from reference.attention import (
     v4_paged_dispatch_precheck,
     xs_history_should_reset,
 )
-from reference.masks import compressed_validity, raw_keep_span
+from raggedspec.reference.masks import compressed_validity, raw_keep_span
 
 TOL = 1e-12
 

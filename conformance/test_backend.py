@@ -14,15 +14,15 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conformance.backends import (assert_close, assert_exact, assert_same_cache, backend_under_test,
+from raggedspec.conformance.backends import (assert_close, assert_exact, assert_same_cache, backend_under_test,
                                   reference_backend)
-from conformance.strategies import accept_steps, corner_lengths, lead_pads, verify_blocks
-from reference.attention import Dsv4AttentionConfig
-from reference.backend import PROTOCOL_METHODS, missing_methods
-from reference.dispatch import MtpHiddenCapture
-from reference.draft import DraftKv
-from reference.errors import Refusal
-from reference.model import ModelConfig
+from raggedspec.conformance.strategies import accept_steps, corner_lengths, lead_pads, verify_blocks
+from raggedspec.reference.attention import Dsv4AttentionConfig
+from raggedspec.reference.backend import PROTOCOL_METHODS, missing_methods
+from raggedspec.reference.dispatch import MtpHiddenCapture
+from raggedspec.reference.draft import DraftKv
+from raggedspec.reference.errors import Refusal
+from raggedspec.reference.model import ModelConfig
 
 
 def port():
@@ -56,7 +56,7 @@ def both(method: str, *args, **kwargs):
 
 
 def test_the_backend_under_test_implements_every_protocol_method():
-    """A port must override every method of `reference.backend.Backend` (none left to the
+    """A port must override every method of `raggedspec.reference.backend.Backend` (none left to the
     abstract base, whose methods raise NotImplementedError naming themselves)."""
     assert missing_methods(port()) == []
     assert missing_methods(REF) == []
@@ -488,8 +488,8 @@ def test_clone_in_of_the_last_clone_outs_pieces_moves_no_kv():
     (host integer) and the clone-in gathers the runs to column 0."""
     import torch
 
-    from gpu.cache import RaggedKv
-    from gpu.slots import TorchKv, concat_stats, stack_kv
+    from raggedspec.gpu.cache import RaggedKv
+    from raggedspec.gpu.slots import TorchKv, concat_stats, stack_kv
 
     k = torch.arange(3 * 1 * 8 * 2, dtype=torch.float64).reshape(3, 1, 8, 2)
     slot = TorchKv(4096, 8, 5, RaggedKv(k, -k, [5, 5, 5], 4096), [0, 0, 0])

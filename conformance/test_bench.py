@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu import bench, kernel_emulator
+from raggedspec.gpu import bench, kernel_emulator
 
 CPU_STRATEGIES = ("per_row", "padded_sdpa", "flex", "cohort", "port", "inplace_sdpa")
 EMULATED = kernel_emulator.compilers()["g++"] is not None   # the CuPy slot runs emulated on the CPU
@@ -225,9 +225,9 @@ def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
     assert isinstance(reason, str) and reason      # on the CPU without g++ it never runs
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gpu.cupy_kernels" else real(name, *a))
+                        lambda name, *a: None if name == "raggedspec.gpu.cupy_kernels" else real(name, *a))
     assert bench.Cupy().unavailable(torch.device("cuda")) == \
-        "no module gpu.cupy_kernels (the CuPy kernels are not written yet)"
+        "no module raggedspec.gpu.cupy_kernels (the CuPy kernels are not written yet)"
 
 
 def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
@@ -271,16 +271,16 @@ def test_headline_verdict_on_the_issue_targets(cupy_ms, per_row_ms, verdict):
 
 @pytest.mark.skipif(not EMULATED, reason="the emulated kernel backend needs g++ on the PATH")
 def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
-    assert bench.main(["--e2e", "--smoke", "--e2e-backend", "gpu.cupy_backend:emulated", "--out", str(tmp_path),
+    assert bench.main(["--e2e", "--smoke", "--e2e-backend", "raggedspec.gpu.cupy_backend:emulated", "--out", str(tmp_path),
                        "-q"]) == 0
     res = json.loads((tmp_path / "e2e.json").read_text())
-    assert res["settings"]["backend"] == "gpu.cupy_backend:emulated"
+    assert res["settings"]["backend"] == "raggedspec.gpu.cupy_backend:emulated"
     assert {r["advance"] for r in res["runs"] if r.get("median_ms", 0) > 0} == {"cohort", "per-sequence"}
-    assert "on the gpu.cupy_backend:emulated backend" in (tmp_path / "e2e.md").read_text()
+    assert "on the raggedspec.gpu.cupy_backend:emulated backend" in (tmp_path / "e2e.md").read_text()
 
 
 def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, capsys):
-    from gpu.cupy_backend import cupy_unavailable
+    from raggedspec.gpu.cupy_backend import cupy_unavailable
 
     if cupy_unavailable() is None:  # a CUDA machine: ask for the cupy backend on the CPU instead
         argv, needle = ["--device", "cpu"], "runs on CUDA only"

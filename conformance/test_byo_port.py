@@ -1,5 +1,5 @@
 """Bring your own port (docs/conformance.md): the conformance runner, in a subprocess, on the
-example backend `conformance.examples.buggy_backend` (the reference with masks that forget
+example backend `raggedspec.conformance.examples.buggy_backend` (the reference with masks that forget
 the dead prefix) fails exactly the rules that bug breaks and passes the others; the same
 run on the reference passes. Unknown backends and unavailable devices exit 2."""
 
@@ -17,7 +17,7 @@ SUBSET = ["--tests", "conformance/test_backend.py", "conformance/test_end_to_end
 
 def runner(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGGEDSPEC_") and k != "HYPOTHESIS_PROFILE"}
-    return subprocess.run([sys.executable, "-m", "conformance.runner", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "raggedspec.conformance.runner", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -43,7 +43,7 @@ ADVANCE = "cohort and per-sequence advance arithmetic, backend (C §12.1, §12.2
 
 
 def test_the_suite_names_the_rule_an_example_port_breaks():
-    bad = runner("--backend", "conformance.examples.buggy_backend:BuggyBackend", "--profile", "mutmut", *SUBSET)
+    bad = runner("--backend", "raggedspec.conformance.examples.buggy_backend:BuggyBackend", "--profile", "mutmut", *SUBSET)
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-2000:]
     rows = table(bad.stdout)
     assert "backend buggy-example (cpu, float64)" in bad.stdout
@@ -71,7 +71,7 @@ def test_the_runner_reads_example_counts_in_both_hypothesis_wordings():
     """Hypothesis reworded its statistics ("60 passing examples, 0 failing examples" became
     "60 passing, 0 failing, and 2 invalid test cases"); the per-rule table must count both,
     and must not count the shrink phase."""
-    from conformance.runner import _examples
+    from raggedspec.conformance.runner import _examples
 
     old = ("t:\n  - during generate phase (1.3 seconds):\n    - 60 passing examples, 0 failing examples, "
            "2 invalid examples\n  - during shrink phase (0.1 seconds):\n    - 5 passing examples, 1 failing examples\n")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.cache import (
+from raggedspec.reference.cache import (
     CACHE_GROW_SIZE,
     WINDOW_COMPACTION,
     KvCache,
@@ -16,7 +16,7 @@ from reference.cache import (
     SingleCache,
     window_target_first_cached,
 )
-from reference.errors import CacheRefusal
+from raggedspec.reference.errors import CacheRefusal
 
 
 def cols(values, d=1):

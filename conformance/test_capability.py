@@ -3,8 +3,8 @@ latch (cache-and-draft.md §2, §9.2, §13)."""
 
 import pytest
 
-from reference.cache import KvCache, NormalCache, OtherSlot
-from reference.capability import (
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot
+from raggedspec.reference.capability import (
     ISQ_BITS,
     KvAdvance,
     KvAdvanceLatch,
@@ -21,8 +21,8 @@ from reference.capability import (
     seq_may_draft,
     xs_per_sequence_enabled,
 )
-from reference.errors import CapabilityRefusal
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.errors import CapabilityRefusal
+from raggedspec.reference.xs_rolling import XsRolling
 
 
 def normal():

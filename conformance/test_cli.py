@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance.test_drift import brute_spread, engine_trace, minimal_engine_lines, section_17_3, write_jsonl
+from raggedspec.conformance.test_drift import brute_spread, engine_trace, minimal_engine_lines, section_17_3, write_jsonl
 from raggedspec import cli
-from reference.errors import StepRefusal
-from reference.trace import read_trace
+from raggedspec.reference.errors import StepRefusal
+from raggedspec.reference.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -193,7 +193,7 @@ def test_drift_from_a_scenario_writes_three_runs_and_the_sweep(tmp_path, capsys)
 
 
 def drift_figures():
-    from reference.drift import FIGURE_NAMES
+    from raggedspec.reference.drift import FIGURE_NAMES
     return FIGURE_NAMES
 
 
@@ -272,7 +272,7 @@ def test_a_simulation_on_a_tty_shows_the_bar_on_stderr(tmp_path, monkeypatch, ca
 
 
 def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
-    from reference.scenario import ACCEPTANCE_MODELS, FIELDS, MODEL_KEYS
+    from raggedspec.reference.scenario import ACCEPTANCE_MODELS, FIELDS, MODEL_KEYS
 
     text = (ROOT / "docs" / "simulator.md").read_text()
     for key in FIELDS:
@@ -366,7 +366,7 @@ def test_the_documented_oracle_example_runs_from_the_console_script(tmp_path):
 
 def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path, capsys):
     for mode in ("lengths", "tensor"):
-        code = cli.main(["simulate", "--acceptance", "oracle:conformance.test_scenario:make_short_drafter",
+        code = cli.main(["simulate", "--acceptance", "oracle:raggedspec.conformance.test_scenario:make_short_drafter",
                          "--batch", "2", "--steps", "6", "--mode", mode, "--out", str(tmp_path / "t.jsonl")])
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err

@@ -20,15 +20,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpu.align as galign
-import gpu.cupy_kernels as ck
-import reference.attention as ratt
-import reference.masks as rmasks
-import reference.rope as rrope
-from gpu import kernel_emulator
-from gpu.cache import RaggedKv
-from gpu.testing import outcome
-from reference.errors import CacheRefusal, MaskRefusal
+import raggedspec.gpu.align as galign
+import raggedspec.gpu.cupy_kernels as ck
+import raggedspec.reference.attention as ratt
+import raggedspec.reference.masks as rmasks
+import raggedspec.reference.rope as rrope
+from raggedspec.gpu import kernel_emulator
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.testing import outcome
+from raggedspec.reference.errors import CacheRefusal, MaskRefusal
 
 
 _WHY = ck.cupy_unavailable()
@@ -312,9 +312,9 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
     assert not kern.fits(16, 4096, "float64")                  # q alone would need 512 KiB of shared memory
     if kern.mode != "emulate":
         return
-    from gpu.cache import RaggedKv
-    from gpu.cupy_backend import emulated
-    from gpu.model import dsv4_attention_rows
+    from raggedspec.gpu.cache import RaggedKv
+    from raggedspec.gpu.cupy_backend import emulated
+    from raggedspec.gpu.model import dsv4_attention_rows
 
     backend = emulated()
     rng = np.random.default_rng(0)
@@ -363,8 +363,8 @@ def test_the_torch_entry_point_matches_the_reference_on_cuda():
 
 # --------------------------------------------------------------------------- the backend
 def test_the_cupy_backend_overrides_every_protocol_method_through_the_torch_port():
-    from gpu.cupy_backend import CupyBackend
-    from reference.backend import missing_methods
+    from raggedspec.gpu.cupy_backend import CupyBackend
+    from raggedspec.reference.backend import missing_methods
 
     assert missing_methods(CupyBackend.__new__(CupyBackend)) == []
     for method in ("apply_rope", "_ragged_union_mask", "_front_aligned"):
@@ -372,9 +372,9 @@ def test_the_cupy_backend_overrides_every_protocol_method_through_the_torch_port
 
 
 def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
-    from gpu.cupy_backend import cupy_unavailable
+    from raggedspec.gpu.cupy_backend import cupy_unavailable
     from raggedspec import cli
-    from reference.backend import load_backend
+    from raggedspec.reference.backend import load_backend
 
     why = cupy_unavailable()
     if why is None:  # a CUDA machine: the backend loads, on CUDA, under its own name
@@ -393,19 +393,19 @@ def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
 @pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH")
 @pytest.mark.parametrize("case", [0, 8])
 def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_reference(case, monkeypatch):
-    """The whole step simulator on `gpu.cupy_backend:emulated` (every attention and RoPE of the
+    """The whole step simulator on `raggedspec.gpu.cupy_backend:emulated` (every attention and RoPE of the
     model forward, the ragged masks and the KV read-back run by the kernels, under g++) against
     the reference, tensor for tensor: a granted per-sequence scenario and one with compressed
     layers of ratio 4 and 128. The launches are counted, so the kernels are known to have run.
     The full property (200 generated scenarios, three dtypes) runs with
-    `RAGGEDSPEC_BACKEND=gpu.cupy_backend:emulated` (docs/conformance.md)."""
+    `RAGGEDSPEC_BACKEND=raggedspec.gpu.cupy_backend:emulated` (docs/conformance.md)."""
     from collections import Counter
 
-    from conformance.backends import compare_runs, reference_backend
-    from conformance.test_end_to_end import FIXED
-    from gpu.cupy_backend import emulated
-    from reference import simulator
-    from reference.scenario import load_scenario
+    from raggedspec.conformance.backends import compare_runs, reference_backend
+    from raggedspec.conformance.test_end_to_end import FIXED
+    from raggedspec.gpu.cupy_backend import emulated
+    from raggedspec.reference import simulator
+    from raggedspec.reference.scenario import load_scenario
 
     launches = Counter()
     real = ck.Kernels._launch

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.strategies import lead_pads, ragged_lengths, uniform_lengths
-from reference.dispatch import (
+from raggedspec.conformance.strategies import lead_pads, ragged_lengths, uniform_lengths
+from raggedspec.reference.dispatch import (
     CaptureOffsets,
     MtpHiddenCapture,
     chain_start_of,
@@ -26,7 +26,7 @@ from reference.dispatch import (
     resolve_row_cache_lens,
     uniform_seqlen_offset,
 )
-from reference.errors import DispatchRefusal
+from raggedspec.reference.errors import DispatchRefusal
 
 # --- masks §2: resolve_ragged_rows ---------------------------------------------------------
 

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference.draft as draft_mod
-from reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
-from reference.attention import dsv4_mask_stats, reset_dsv4_mask_stats
-from reference.cache import KvCache
-from reference.dispatch import CaptureOffsets, MtpHiddenCapture, resolve_capture_offsets
-from reference.draft import (
+import raggedspec.reference.draft as draft_mod
+from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
+from raggedspec.reference.attention import dsv4_mask_stats, reset_dsv4_mask_stats
+from raggedspec.reference.cache import KvCache
+from raggedspec.reference.dispatch import CaptureOffsets, MtpHiddenCapture, resolve_capture_offsets
+from raggedspec.reference.draft import (
     MAX_DRAFT_KV_SEQS,
     DraftKv,
     DraftKvMap,
@@ -32,8 +32,8 @@ from reference.draft import (
     propose_chain,
     propose_chain_batched,
 )
-from reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal
-from reference.model import MtpBlock, ModelConfig, TinyModel
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal
+from raggedspec.reference.model import MtpBlock, ModelConfig, TinyModel
 
 MODEL = TinyModel()
 TIER_A = TinyModel(ModelConfig(mtp="heads"))

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import drift
-from reference.drift import MissingField, TraceData, TraceFormatError
+from raggedspec.reference import drift
+from raggedspec.reference.drift import MissingField, TraceData, TraceFormatError
 
 CSV_COLUMNS = ("step,phase,advance,cache_instruction,running,waiting,buckets,groups,padding_fraction,"
                "tok_per_step,seq,row,own_len,width,lead,u,drafted,accepted,committed,group_u,group_start,"
@@ -477,7 +477,7 @@ def test_the_sweep_explains_the_b2_drop_and_names_its_ratio():
     their draft caches' capacities differ when they meet at equal lengths, and
     batch_draft_caches refuses the uniform group (§9.6). The figure says so in plain words
     and the y axis names the MTP accounting ratio (§15)."""
-    from reference.lengths import STALL_UNIFORM
+    from raggedspec.reference.lengths import STALL_UNIFORM
 
     sweep = drift.sweep_tok_per_step(None, batches=[1, 2])
     label = drift.DRIFT_RUNS[1][0]

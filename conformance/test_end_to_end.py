@@ -21,10 +21,10 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from conformance.backends import Mismatch, backend_under_test, compare_runs, reference_backend
-from reference import simulator
-from reference.backend import NumpyBackend
-from reference.scenario import load_scenario
+from raggedspec.conformance.backends import Mismatch, backend_under_test, compare_runs, reference_backend
+from raggedspec.reference import simulator
+from raggedspec.reference.backend import NumpyBackend
+from raggedspec.reference.scenario import load_scenario
 
 GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", "world": "WB"}
 FLAVOURS = {

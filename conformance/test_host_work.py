@@ -26,7 +26,7 @@ def test_the_counter_sees_a_read_per_row():
     """Negative control: a step path that reads one length per row is counted as such."""
     import torch
 
-    from gpu.slots import TorchKv
+    from raggedspec.gpu.slots import TorchKv
     from raggedspec import host_work
 
     counter = host_work._Counter()

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import lengths, simulator
-from reference.acceptance import OracleError, Profile
-from reference.scenario import load_scenario
+from raggedspec.reference import lengths, simulator
+from raggedspec.reference.acceptance import OracleError, Profile
+from raggedspec.reference.scenario import load_scenario
 
 GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", "world": "WB"}
 
@@ -289,11 +289,11 @@ def test_bench_smoke():
 
 
 def test_a_custom_token_oracle_drives_both_modes_alike():
-    """A user's TokenOracle (conformance.test_scenario._ConstantOracle: of n drafts the
+    """A user's TokenOracle (raggedspec.conformance.test_scenario._ConstantOracle: of n drafts the
     first n - 1 agree) decides accepts through verify_proposed in both modes."""
     for extra in ({}, GRANTED):
         sc = load_scenario({"batch": 3, "prompt_len": [4, 7], "max_new_tokens": 30, "steps": 12,
-                            "acceptance": "oracle:conformance.test_scenario:make_oracle", **extra})
+                            "acceptance": "oracle:raggedspec.conformance.test_scenario:make_oracle", **extra})
         tr = lengths.run(sc)
         assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
         assert all(r["accepted"] == r["drafted"] - 1 for _, r in decode_rows(tr) if r["drafted"])
@@ -365,14 +365,14 @@ def test_a_broken_custom_oracle_is_refused_identically_in_both_modes(factory, wo
     same OracleError in lengths and tensor mode, instead of the two modes diverging (the
     lengths mode never looks at a token's value; the tensor mode feeds it to the model)."""
     sc = load_scenario({"batch": 2, "prompt_len": 6, "max_new_tokens": 20, "steps": 8, "arrival": "staggered",
-                        "stagger": 1, "acceptance": f"oracle:conformance.test_scenario:{factory}"})
+                        "stagger": 1, "acceptance": f"oracle:raggedspec.conformance.test_scenario:{factory}"})
     messages = []
     for mode in (lengths, simulator):
         with pytest.raises(OracleError) as err:
             mode.run(sc)
         messages.append(str(err.value))
     assert messages[0] == messages[1]
-    assert f"conformance.test_scenario:{factory}" in messages[0] and "'acceptance.factory'" in messages[0]
+    assert f"raggedspec.conformance.test_scenario:{factory}" in messages[0] and "'acceptance.factory'" in messages[0]
     for w in words:
         assert w in messages[0], f"{w!r} not in {messages[0]!r}"
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.strategies import lead_pads, leads_of, ragged_lengths
-from reference.cache import KvCache, NormalCache
-from reference.errors import MaskRefusal
-from reference.masks import (
+from raggedspec.conformance.strategies import lead_pads, leads_of, ragged_lengths
+from raggedspec.reference.cache import KvCache, NormalCache
+from raggedspec.reference.errors import MaskRefusal
+from raggedspec.reference.masks import (
     RaggedKvLens,
     check_flash_placeholder_mask,
     compose_caller_mask,

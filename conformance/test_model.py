@@ -17,18 +17,18 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from reference.attention import dsv4_mask_stats, reset_dsv4_mask_stats
-from reference.cache import KvCache, NormalCache, SingleCache
-from reference.dispatch import MtpHiddenCapture
-from reference.errors import Refusal
-from reference.model import (
+from raggedspec.reference.attention import dsv4_mask_stats, reset_dsv4_mask_stats
+from raggedspec.reference.cache import KvCache, NormalCache, SingleCache
+from raggedspec.reference.dispatch import MtpHiddenCapture
+from raggedspec.reference.errors import Refusal
+from raggedspec.reference.model import (
     DecoderLayer,
     ModelConfig,
     TinyModel,
     extend_draft_cache,
     rms_norm,
 )
-from reference.rope import reset_rope_cohort_stats, rope_cohort_stats
+from raggedspec.reference.rope import reset_rope_cohort_stats, rope_cohort_stats
 
 MODEL = TinyModel()
 NARROW = TinyModel(ModelConfig(compress_ratios=(4, 0, 3), sliding_window=5, seed=1))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mutation import runner
-from mutation.catalogue import ALL, CATALOGUE, Mutant
+from raggedspec.mutation import runner
+from raggedspec.mutation.catalogue import ALL, CATALOGUE, Mutant
 
 ROOT = Path(__file__).resolve().parent.parent
 

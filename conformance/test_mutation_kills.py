@@ -16,8 +16,8 @@ import re
 import numpy as np
 import pytest
 
-from reference.cache import KvCache, NormalCache, OtherSlot
-from reference.dispatch import (
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot
+from raggedspec.reference.dispatch import (
     CaptureOffsets,
     MtpHiddenCapture,
     chain_start_of,
@@ -29,7 +29,7 @@ from reference.dispatch import (
     resolve_row_cache_lens,
     resolve_row_offsets,
 )
-from reference.step import (
+from raggedspec.reference.step import (
     Verified,
     budget_clamp,
     commit_per_sequence,

@@ -17,15 +17,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.align as port
-from conformance.strategies import corner_lengths
-from gpu.cache import RaggedKv
-from gpu.step import plan_batch_step
-from gpu.testing import (DEVICE, FLOAT_DTYPES, assert_bit_exact, assert_same_refusal, host, outcome,
+import raggedspec.gpu.align as port
+from raggedspec.conformance.strategies import corner_lengths
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.step import plan_batch_step
+from raggedspec.gpu.testing import (DEVICE, FLOAT_DTYPES, assert_bit_exact, assert_same_refusal, host, outcome,
                          representable, to_port)
-from reference import align as ref
-from reference.cache import DRAFT_CACHE_CAPACITY, KvCache, NormalCache, SingleCache
-from reference.step import commit_per_sequence, plan_batch_step as ref_plan_batch_step, truncate_cache_by
+from raggedspec.reference import align as ref
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, KvCache, NormalCache, SingleCache
+from raggedspec.reference.step import commit_per_sequence, plan_batch_step as ref_plan_batch_step, truncate_cache_by
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).split(".")[-1])
 H, D = 1, 2

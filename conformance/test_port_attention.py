@@ -19,11 +19,11 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-import gpu.attention as port
-import reference.attention as ref
-from conformance.strategies import corner_lengths, compress_ratios
-from gpu.cache import RaggedKv
-from gpu.testing import (DEVICE, assert_close64, assert_dtype_bound, assert_same_refusal, outcome,
+import raggedspec.gpu.attention as port
+import raggedspec.reference.attention as ref
+from raggedspec.conformance.strategies import corner_lengths, compress_ratios
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.testing import (DEVICE, assert_close64, assert_dtype_bound, assert_same_refusal, outcome,
                          representable, to_port)
 
 LOW = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

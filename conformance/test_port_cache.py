@@ -11,13 +11,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.strategies import GROWTH_BOUNDARIES, corner_lengths
-from gpu.align import materialize_front_aligned
-from gpu.cache import RaggedKv, chunk_sizes, concat_rows, split_rows
-from gpu.testing import DEVICE, assert_bit_exact, assert_same_refusal, host, outcome, to_port
-from reference import align as ref_align
-from reference.cache import KvCache, SingleCache
-from reference.errors import CacheRefusal
+from raggedspec.conformance.strategies import GROWTH_BOUNDARIES, corner_lengths
+from raggedspec.gpu.align import materialize_front_aligned
+from raggedspec.gpu.cache import RaggedKv, chunk_sizes, concat_rows, split_rows
+from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_same_refusal, host, outcome, to_port
+from raggedspec.reference import align as ref_align
+from raggedspec.reference.cache import KvCache, SingleCache
+from raggedspec.reference.errors import CacheRefusal
 
 
 def filled(lens, seed=0, max_seq_len=4096, capacity=None):

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.dispatch as port
-import reference.dispatch as ref
-from conformance.strategies import corner_lengths, lead_pads, uniform_lengths
-from gpu._common import as_list
-from gpu.testing import DEVICE, assert_same_refusal, outcome
+import raggedspec.gpu.dispatch as port
+import raggedspec.reference.dispatch as ref
+from raggedspec.conformance.strategies import corner_lengths, lead_pads, uniform_lengths
+from raggedspec.gpu._common import as_list
+from raggedspec.gpu.testing import DEVICE, assert_same_refusal, outcome
 
 
 def vec(xs):
@@ -148,7 +148,7 @@ def test_the_port_draft_step_end_column_is_the_maximum_not_row_0():
     # a valid ragged vector whose row 0 is not the maximum is rare: the catalogue's "row 0's
     # position instead of the maximum" survived it under the mutmut profile (moved here from
     # test_mutation_kills.py)
-    from reference.errors import DispatchRefusal
+    from raggedspec.reference.errors import DispatchRefusal
 
     pos = torch.tensor([3, 7, 5], dtype=torch.int64)
     assert port.draft_step_end_column(pos, 3, 7) == 7

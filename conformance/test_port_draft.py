@@ -28,17 +28,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.draft as port
-import gpu.model as port_model_mod
-from gpu.cache import RaggedKv
-from gpu.rope import reset_rope_path_stats, rope_path_stats
-from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_same_refusal, host, outcome, to_port)
-from reference import draft as ref
-from reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
-from reference.cache import KvCache
-from reference.dispatch import CaptureOffsets
-from reference.errors import CacheRefusal, DispatchRefusal, StepRefusal
-from reference.model import ModelConfig, TinyModel
+import raggedspec.gpu.draft as port
+import raggedspec.gpu.model as port_model_mod
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.rope import reset_rope_path_stats, rope_path_stats
+from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_same_refusal, host, outcome, to_port)
+from raggedspec.reference import draft as ref
+from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
+from raggedspec.reference.cache import KvCache
+from raggedspec.reference.dispatch import CaptureOffsets
+from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, StepRefusal
+from raggedspec.reference.model import ModelConfig, TinyModel
 
 MODEL = TinyModel()
 TIER_A = TinyModel(ModelConfig(mtp="heads"))
@@ -253,7 +253,7 @@ def test_the_backend_group_loop_on_pool_rows_is_the_reference_group_loop(case):
     lengths is skipped by both; a start past a row's held entries refuses the alignment);
     `filled = start + 1`; each draft KV's length and capacity exact, its history bit-exact,
     its drafted entries within 1e-12."""
-    from gpu.backend import TorchBackend
+    from raggedspec.gpu.backend import TorchBackend
 
     starts, tails, n, per_seq, seed = case
     g = len(starts)
@@ -290,7 +290,7 @@ def test_the_backend_propose_chain_runs_on_its_own_draft_cache(n1, n2, seed):
     a row (the second chain starts where the first ended), against the reference's
     `propose_chain_batched` on its own draft cache: the same tokens, lengths and capacities,
     the draft KV within 1e-12."""
-    from gpu.backend import TorchBackend
+    from raggedspec.gpu.backend import TorchBackend
 
     rng = np.random.default_rng(seed)
     be = TorchBackend(str(DEVICE), "float64")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gpu.dispatch as dispatch
-import gpu.step as step
-from gpu.testing import DEVICE
+import raggedspec.gpu.dispatch as dispatch
+import raggedspec.gpu.step as step
+from raggedspec.gpu.testing import DEVICE
 
 
 def vec(xs, dtype=torch.int64):

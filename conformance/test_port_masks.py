@@ -10,10 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.masks as port
-import reference.masks as ref
-from conformance.strategies import corner_lengths, lead_pads
-from gpu.testing import DEVICE, FLOAT_DTYPES, assert_bit_exact, assert_same_refusal, outcome, to_port
+import raggedspec.gpu.masks as port
+import raggedspec.reference.masks as ref
+from raggedspec.conformance.strategies import corner_lengths, lead_pads
+from raggedspec.gpu.testing import DEVICE, FLOAT_DTYPES, assert_bit_exact, assert_same_refusal, outcome, to_port
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).split(".")[-1])
 

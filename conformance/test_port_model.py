@@ -39,18 +39,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpu.model as port
-from conformance.strategies import corner_lengths
-from gpu.align import materialize_front_aligned
-from gpu.cache import RaggedKv
-from gpu.rope import reset_rope_path_stats, rope_path_stats
-from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, assert_same_refusal, host,
+import raggedspec.gpu.model as port
+from raggedspec.conformance.strategies import corner_lengths
+from raggedspec.gpu.align import materialize_front_aligned
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.rope import reset_rope_path_stats, rope_path_stats
+from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, assert_same_refusal, host,
                          outcome, representable, to_port)
-from reference.cache import KvCache, NormalCache, SingleCache
-from reference.dispatch import MtpHiddenCapture
-from reference.draft import extend_draft_cache
-from reference.errors import CacheRefusal, DispatchRefusal, MaskRefusal
-from reference.model import ModelConfig, TinyModel
+from raggedspec.reference.cache import KvCache, NormalCache, SingleCache
+from raggedspec.reference.dispatch import MtpHiddenCapture
+from raggedspec.reference.draft import extend_draft_cache
+from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, MaskRefusal
+from raggedspec.reference.model import ModelConfig, TinyModel
 
 MODEL = TinyModel()                                                           # ratios (0, 4), window 16
 NARROW = TinyModel(ModelConfig(compress_ratios=(4, 0, 3), sliding_window=5, seed=1))

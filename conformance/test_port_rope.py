@@ -16,10 +16,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.rope as port
-import reference.rope as ref
-from conformance.strategies import corner_lengths, uniform_lengths
-from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, host,
+import raggedspec.gpu.rope as port
+import raggedspec.reference.rope as ref
+from raggedspec.conformance.strategies import corner_lengths, uniform_lengths
+from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, host,
                          representable, to_port)
 
 THETA = 10000.0

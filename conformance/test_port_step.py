@@ -8,11 +8,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.step as port
-import reference.step as ref
-from conformance.strategies import accept_steps, verify_blocks
-from gpu._common import as_list
-from gpu.testing import DEVICE
+import raggedspec.gpu.step as port
+import raggedspec.reference.step as ref
+from raggedspec.conformance.strategies import accept_steps, verify_blocks
+from raggedspec.gpu._common import as_list
+from raggedspec.gpu.testing import DEVICE
 
 
 def vec(xs):

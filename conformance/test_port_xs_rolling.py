@@ -27,11 +27,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gpu.xs_rolling as port
-from gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, assert_same_refusal, host,
+import raggedspec.gpu.xs_rolling as port
+from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, assert_same_refusal, host,
                          outcome, representable, to_port)
-from reference import xs_rolling as ref
-from reference.errors import CacheRefusal
+from raggedspec.reference import xs_rolling as ref
+from raggedspec.reference.errors import CacheRefusal
 
 D = 3
 RATIOS = [2, 3, 4, 8, 128]

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.strategies import ragged_lengths, uniform_lengths
-from reference.rope import (
+from raggedspec.conformance.strategies import ragged_lengths, uniform_lengths
+from raggedspec.reference.rope import (
     apply_rope,
     apply_rope_at_positions,
     compressed_key_positions,

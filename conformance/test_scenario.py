@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.acceptance import (AllAccept, AllReject, CheckedOracle, FileStream, Geometric, Heterogeneous,
+from raggedspec.reference.acceptance import (AllAccept, AllReject, CheckedOracle, FileStream, Geometric, Heterogeneous,
                                   ModelOracle, OracleError, Profile, key_hash, threshold)
-from reference.scenario import Request, ScenarioError, load_scenario, parse_acceptance
-from reference.step import verify_proposed
+from raggedspec.reference.scenario import Request, ScenarioError, load_scenario, parse_acceptance
+from raggedspec.reference.step import verify_proposed
 
 # ----------------------------------------------------------------------------- loading
 
@@ -185,7 +185,7 @@ def test_acceptance_shorthands():
     assert parse_acceptance("all-accept").model == "all-accept"
     assert parse_acceptance("heterogeneous:0.2,0.9").p == (0.2, 0.9)
     assert parse_acceptance("file:x.json").path == "x.json"
-    assert parse_acceptance("oracle:conformance.test_scenario:make_oracle").factory.endswith(":make_oracle")
+    assert parse_acceptance("oracle:raggedspec.conformance.test_scenario:make_oracle").factory.endswith(":make_oracle")
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -370,9 +370,9 @@ def test_the_checked_oracle_refuses_every_breach_of_the_protocol():
     ("make_raising", ["make_raising", "RuntimeError", "weights are missing"]),
 ])
 def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error(factory, words):
-    from reference.acceptance import build_model
+    from raggedspec.reference.acceptance import build_model
 
-    sc = load_scenario({"acceptance": f"oracle:conformance.test_scenario:{factory}"})
+    sc = load_scenario({"acceptance": f"oracle:raggedspec.conformance.test_scenario:{factory}"})
     with pytest.raises(ScenarioError) as err:
         build_model(sc.acceptance, sc.seed, sc)
     assert "'acceptance.factory'" in str(err.value)
@@ -381,9 +381,9 @@ def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error(factory, wo
 
 
 def test_a_custom_token_oracle_loads_from_a_factory():
-    from reference.acceptance import build_model, build_oracle
+    from raggedspec.reference.acceptance import build_model, build_oracle
 
-    sc = load_scenario({"acceptance": "oracle:conformance.test_scenario:make_oracle"})
+    sc = load_scenario({"acceptance": "oracle:raggedspec.conformance.test_scenario:make_oracle"})
     model = build_model(sc.acceptance, sc.seed, sc)
     assert model.needs_tokens
     oracle = build_oracle(model, 0, 64)

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.errors import CapabilityRefusal, SchedulerRefusal
-from reference.scheduler import (
+from raggedspec.reference.errors import CapabilityRefusal, SchedulerRefusal
+from raggedspec.reference.scheduler import (
     COALESCE_PAYBACK_STEPS,
     DEFAULT_PREFILL_FLOOR_STEPS,
     IN,

@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from reference import lengths, simulator
-from reference import step as step_mod
-from reference.acceptance import AllAccept, ModelOracle
-from reference.scenario import load_scenario
-from reference.step import verify_proposed, window_verify_row
-from reference.trace import CSV_COLUMNS, read_trace, write_csv, write_jsonl
+from raggedspec.reference import lengths, simulator
+from raggedspec.reference import step as step_mod
+from raggedspec.reference.acceptance import AllAccept, ModelOracle
+from raggedspec.reference.scenario import load_scenario
+from raggedspec.reference.step import verify_proposed, window_verify_row
+from raggedspec.reference.trace import CSV_COLUMNS, read_trace, write_csv, write_jsonl
 
 
 def steps_of(trace):

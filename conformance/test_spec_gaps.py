@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.accounting import MtpAcceptance, from_verify
-from reference.align import clone_in_cache, clone_out_cache
-from reference.dispatch import (
+from raggedspec.reference.accounting import MtpAcceptance, from_verify
+from raggedspec.reference.align import clone_in_cache, clone_out_cache
+from raggedspec.reference.dispatch import (
     CaptureOffsets,
     chain_start_of,
     draft_group_key,
@@ -32,10 +32,10 @@ from reference.dispatch import (
     resolve_row_offsets,
     uniform_seqlen_offset,
 )
-from reference.draft import propose_chain
-from reference.masks import raw_keep_span
-from reference.model import ModelConfig, TinyModel
-from reference.pipeline import (
+from raggedspec.reference.draft import propose_chain
+from raggedspec.reference.masks import raw_keep_span
+from raggedspec.reference.model import ModelConfig, TinyModel
+from raggedspec.reference.pipeline import (
     MtpSpeculativePipeline,
     SyntheticAcceptance,
     TargetPipeline,
@@ -43,7 +43,7 @@ from reference.pipeline import (
     try_wrap_pipeline_with_mtp,
     verify_proposed_simulated,
 )
-from reference.step import verify_proposed
+from raggedspec.reference.step import verify_proposed
 
 
 def close(a, b, rel: float = 1e-12) -> bool:

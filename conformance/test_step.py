@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
-from reference.capability import KvAdvance
-from reference.errors import StepRefusal
-from reference.step import (
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.errors import StepRefusal
+from raggedspec.reference.step import (
     CohortPlan,
     PerSequencePlan,
     budget_clamp,
@@ -37,8 +37,8 @@ from reference.step import (
     window_guard,
     window_verify_row,
 )
-from reference.dispatch import resolve_row_cache_lens
-from reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, XsRolling
+from raggedspec.reference.dispatch import resolve_row_cache_lens
+from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, XsRolling
 
 VOCAB = 97
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.cache import KvCache
-from reference.errors import CacheRefusal
-from reference.xs_rolling import (
+from raggedspec.reference.cache import KvCache
+from raggedspec.reference.errors import CacheRefusal
+from raggedspec.reference.xs_rolling import (
     MTP_DEPTH_CAP,
     XS_TAIL_MARGIN_TOKENS,
     XsRolling,

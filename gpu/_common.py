@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from reference.errors import require
+from raggedspec.reference.errors import require
 
 DEVICE_ENV = "RAGGEDSPEC_DEVICE"
 

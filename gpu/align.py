@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu._common import as_list, lengths
-from gpu.cache import RaggedKv, concat_rows, split_rows
-from reference.errors import AlignRefusal, CacheRefusal, require
+from raggedspec.gpu._common import as_list, lengths
+from raggedspec.gpu.cache import RaggedKv, concat_rows, split_rows
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, require
 
 
 def front_align_leads(lens) -> tuple[int, torch.Tensor]:

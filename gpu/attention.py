@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu._common import neg_inf_where
-from gpu.dispatch import resolve_ragged_rows
-from gpu.masks import compose_caller_mask, compressed_validity, ragged_union_mask, raw_keep_span, raw_validity
-from reference.errors import MaskRefusal, require  # noqa: F401 (MaskRefusal re-exported)
+from raggedspec.gpu._common import neg_inf_where
+from raggedspec.gpu.dispatch import resolve_ragged_rows
+from raggedspec.gpu.masks import compose_caller_mask, compressed_validity, ragged_union_mask, raw_keep_span, raw_validity
+from raggedspec.reference.errors import MaskRefusal, require  # noqa: F401 (MaskRefusal re-exported)
 
 dsv4_mask_stats = {"uniform": 0, "ragged": 0}
 """Which mask path `dsv4_attention` built (a uniform batch must never reach "ragged")."""

@@ -1,4 +1,4 @@
-"""The torch backend: `reference.backend.Backend` on the port (`gpu/`), on any device and in
+"""The torch backend: `raggedspec.reference.backend.Backend` on the port (`gpu/`), on any device and in
 float64, float32 or bfloat16.
 
 A thin adapter: each protocol method is one call. The host-side rules (clone-in order,
@@ -30,19 +30,19 @@ import os
 import numpy as np
 import torch
 
-from gpu import dispatch as gdispatch
-from gpu import masks as gmasks
-from gpu._common import as_list, neg_inf_where
-from gpu.attention import dsv4_attention as g_dsv4_attention
-from gpu.cache import RaggedKv
-from gpu.draft import propose_chain_batched
-from gpu.draft_loop import draft_group_loop, extend_draft_kvs
-from gpu.draft_store import DraftStore, PoolKv
-from gpu.model import Forward as PortForward
-from gpu.model import TinyModel as PortModel
-from gpu.model import rms_norm, silu
-from gpu.rope import apply_rope, rotate
-from gpu.slots import (
+from raggedspec.gpu import dispatch as gdispatch
+from raggedspec.gpu import masks as gmasks
+from raggedspec.gpu._common import as_list, neg_inf_where
+from raggedspec.gpu.attention import dsv4_attention as g_dsv4_attention
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.draft import propose_chain_batched
+from raggedspec.gpu.draft_loop import draft_group_loop, extend_draft_kvs
+from raggedspec.gpu.draft_store import DraftStore, PoolKv
+from raggedspec.gpu.model import Forward as PortForward
+from raggedspec.gpu.model import TinyModel as PortModel
+from raggedspec.gpu.model import rms_norm, silu
+from raggedspec.gpu.rope import apply_rope, rotate
+from raggedspec.gpu.slots import (
     NORMAL,
     XS,
     KvMeta,
@@ -53,12 +53,12 @@ from gpu.slots import (
     stack_layer,
     xs_rows,
 )
-from gpu.xs_rolling import XsRolling
-from reference import align, dispatch, step
-from reference import model as ref_model
-from reference.backend import Backend, CloneIn
-from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, NormalCache
-from reference.errors import AlignRefusal, require
+from raggedspec.gpu.xs_rolling import XsRolling
+from raggedspec.reference import align, dispatch, step
+from raggedspec.reference import model as ref_model
+from raggedspec.reference.backend import Backend, CloneIn
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, NormalCache
+from raggedspec.reference.errors import AlignRefusal, require
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 

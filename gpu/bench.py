@@ -1,8 +1,8 @@
 """`raggedspec bench`: ragged verify attention over a front-aligned batch, the strategies side
 by side in one run, against the live-KV bound (issue 5, item 3; docs/benchmarks.md).
 
-    python -m gpu.bench [--smoke] [--device cuda] [--dtype bfloat16] [--out out/bench] ...
-    python -m gpu.bench --replot out/bench/bench.json     # table and plot again from the JSON
+    python -m raggedspec.gpu.bench [--smoke] [--device cuda] [--dtype bfloat16] [--out out/bench] ...
+    python -m raggedspec.gpu.bench --replot out/bench/bench.json     # table and plot again from the JSON
 
 The problem. B rows; row i holds `lens[i]` live KV positions (this step's `w` verify tokens
 included: its queries sit at positions `lens[i] - w + r`, r < w). Each query attends, causally,
@@ -32,11 +32,11 @@ Strategies (each computes `out [B, H, w, D]`):
   one-KV-head DSV4 form; sliding window = capacity, i.e. full attention);
 - `inplace_sdpa`: the in-place layout read directly by SDPA with a mask from the per-row
   offsets (alignment by index, no gather, no copy);
-- `cupy`: the CuPy kernel, when a module `gpu.cupy_kernels` exists and CUDA is available, else
+- `cupy`: the CuPy kernel, when a module `raggedspec.gpu.cupy_kernels` exists and CUDA is available, else
   reported as "not run: <reason>" (never a made-up number). Contract, for the session that
   writes it:
 
-      gpu.cupy_kernels.ragged_verify_attention(q, k, v, lens) -> out
+      raggedspec.gpu.cupy_kernels.ragged_verify_attention(q, k, v, lens) -> out
         q    torch [B, H, w, D] on CUDA (bf16, fp16 or fp32), contiguous
         k, v torch [B, Hk, cap, D]: the RaggedKv buffers (row i's position p at column p;
              live iff p < lens[i]; columns past lens[i] hold stale values and must not be read)
@@ -90,7 +90,7 @@ STRATEGIES = {
     "cohort": "cohort truncation to the shortest row (LOSSY, reference only)",
     "port": "torch port: dsv4_attention_in_place on RaggedKv (offsets)",
     "inplace_sdpa": "in-place RaggedKv + per-row offset mask, SDPA (no copy)",
-    "cupy": "CuPy kernel (gpu.cupy_kernels.ragged_verify_attention)",
+    "cupy": "CuPy kernel (raggedspec.gpu.cupy_kernels.ragged_verify_attention)",
 }
 NEGATIVE_CONTROLS = {"no_dead_prefix_mask": "NEGATIVE CONTROL: padded SDPA without the dead-prefix mask"}
 LOSSY = ("cohort",)
@@ -234,7 +234,7 @@ def make_lens(b: int, L: int, spread: int, w: int, seed: int) -> list[int]:
 
 def capacity_for(n: int) -> int:
     """The port's capacity rule (512 columns, grown by whole 512-column blocks) for n columns."""
-    from reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+    from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
     return PLAIN_CACHE_CAPACITY + max(0, -(-(n - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
 
 
@@ -246,8 +246,8 @@ class Case:
     def __init__(self, w: int, lens: list[int], hk: int, h: int, d: int, dtype, device, seed: int) -> None:
         import torch
 
-        from gpu.align import materialize_front_aligned
-        from gpu.cache import RaggedKv
+        from raggedspec.gpu.align import materialize_front_aligned
+        from raggedspec.gpu.cache import RaggedKv
 
         self.w, self.lens, self.hk, self.h, self.d = w, list(lens), hk, h, d
         self.b, self.g, self.T = len(lens), h // hk, max(lens)
@@ -488,13 +488,13 @@ class Port(Strategy):
             "are upcast to float32 (more copies); with DSV4's 128-token window the gather is w + 127 columns")
 
     def prepare(self, case):
-        from gpu.cache import RaggedKv
+        from raggedspec.gpu.cache import RaggedKv
         b, hk, cap, d = case.kv.k.shape
         return RaggedKv(case.kv.k.view(b * hk, 1, cap, d), case.kv.v.view(b * hk, 1, cap, d),
                         case.lens_t.repeat_interleave(hk), max_seq_len=case.cap)
 
     def run(self, case, kv_folded):
-        from gpu.attention import dsv4_attention_in_place
+        from raggedspec.gpu.attention import dsv4_attention_in_place
         q = case.q.view(case.b * case.hk, case.g, case.w, case.d)
         out = dsv4_attention_in_place(q, kv_folded, None, 0, sliding_window=case.cap)
         return case.unpack(out)
@@ -516,7 +516,7 @@ class InplaceSdpa(Strategy):
 
 class Cupy(Strategy):
     name = "cupy"
-    MODULE = "gpu.cupy_kernels"
+    MODULE = "raggedspec.gpu.cupy_kernels"
     FUNCTION = "ragged_verify_attention"
 
     def __init__(self) -> None:
@@ -545,7 +545,7 @@ class Cupy(Strategy):
         """On the CPU, the same kernel source run by the g++ emulator (gpu/kernel_emulator.py):
         the bench's layout contract is checked against the reference like every strategy,
         and the timing is the emulator's (marked; no performance claim). Elsewhere: `why`."""
-        from gpu import kernel_emulator
+        from raggedspec.gpu import kernel_emulator
 
         if device.type != "cpu" or kernel_emulator.compilers()["g++"] is None:
             return why
@@ -642,7 +642,7 @@ def run_case(cfg: dict, strategies: list[Strategy], reasons: dict, timer: Timer,
              spread: int, precheck_failed: dict, log) -> dict:
     import torch
 
-    from gpu.align import materialize_front_aligned
+    from raggedspec.gpu.align import materialize_front_aligned
 
     device, dtype = torch.device(cfg["device"]), getattr(torch, cfg["dtype"])
     lens = make_lens(b, L, spread, w, cfg["seed"])
@@ -1040,16 +1040,16 @@ def e2e_overrides(cfg: dict, advance: str) -> list[str]:
 
 def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
     """Cohort and per-sequence advance through `reference.simulator.run` on the backend
-    `cfg["backend"]` (default torch: `gpu.backend.TorchBackend(device, dtype)`; "cupy": the
+    `cfg["backend"]` (default torch: `raggedspec.gpu.backend.TorchBackend(device, dtype)`; "cupy": the
     kernels); each step's wall time from the simulator's
     progress callback (the device synchronized first), its live KV tokens (sum of the rows'
     own lengths) and padded tokens (rows x batch width) from the trace. Writes e2e.json and
     e2e.md under out_dir; returns the result."""
     import torch
 
-    from reference import simulator
-    from reference.backend import load_backend
-    from reference.scenario import load_scenario
+    from raggedspec.reference import simulator
+    from raggedspec.reference.backend import load_backend
+    from raggedspec.reference.scenario import load_scenario
 
     log = log or (lambda msg: None)
     device = torch.device(cfg["device"])
@@ -1180,7 +1180,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpu.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m raggedspec.gpu.bench", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     try:
         args = p.parse_args(argv)

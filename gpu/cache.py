@@ -34,9 +34,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu._common import as_list, lengths
-from reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
-from reference.errors import CacheRefusal, require
+from raggedspec.gpu._common import as_list, lengths
+from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.errors import CacheRefusal, require
 
 
 class RaggedKv:

@@ -1,7 +1,7 @@
 """`--backend cupy`: the torch backend with its hot rules run by the hand-written kernels of
 gpu/kernels.cu (issue 5).
 
-`CupyBackend` is `gpu.backend.TorchBackend` (torch owns the buffers and every host decision)
+`CupyBackend` is `raggedspec.gpu.backend.TorchBackend` (torch owns the buffers and every host decision)
 with these operations replaced by kernel launches over all rows at once:
 - in the model forward the simulator drives (target layers and the MTP layer): the attention
   of every verify / decode / draft forward (`rs_verify_attention_*`: DSV4's window, compressed
@@ -18,7 +18,7 @@ Two ways to run it:
 - `CupyBackend(device="cuda")` (`load_backend("cupy")`, `raggedspec conformance --backend
   cupy`): CuPy/NVRTC on the GPU; the kernels read torch's CUDA buffers zero-copy through DLPack,
   on torch's current stream;
-- `emulated(device="cpu")` (`--backend gpu.cupy_backend:emulated`): the same kernel source under
+- `emulated(device="cpu")` (`--backend raggedspec.gpu.cupy_backend:emulated`): the same kernel source under
   the g++ emulator on the CPU, through NumPy views of torch's CPU buffers, so the whole suite
   (per method and end to end) checks the kernels where there is no GPU. Slow (real threads per
   launch); meant for conformance, not for speed.
@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from gpu import cupy_kernels as ck
-from gpu import kernel_emulator
-from gpu._common import lengths
-from gpu.backend import TorchBackend
-from gpu.slots import TorchKv
-from gpu.model import dsv4_attention_rows
-from gpu.rope import _check_x
-from reference.errors import require
+from raggedspec.gpu import cupy_kernels as ck
+from raggedspec.gpu import kernel_emulator
+from raggedspec.gpu._common import lengths
+from raggedspec.gpu.backend import TorchBackend
+from raggedspec.gpu.slots import TorchKv
+from raggedspec.gpu.model import dsv4_attention_rows
+from raggedspec.gpu.rope import _check_x
+from raggedspec.reference.errors import require
 
 
 DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -151,5 +151,5 @@ class CupyBackend(TorchBackend):
 
 def emulated(device: str | None = None, dtype: str = "float64") -> CupyBackend:
     """The kernel backend on the CPU through the g++ emulator (`--backend
-    gpu.cupy_backend:emulated`)."""
+    raggedspec.gpu.cupy_backend:emulated`)."""
     return CupyBackend(device=device, dtype=dtype, emulate=True)

@@ -3,7 +3,7 @@ emulator on the CPU (issue 5). Same rules, same refusals as the torch port.
 
 Two runners, one set of operations:
 - `Kernels("cupy")`: CuPy arrays on the current device, NVRTC through `cupy.RawModule`;
-- `Kernels("emulate")`: NumPy arrays, `gpu.kernel_emulator` (g++), every block run as real
+- `Kernels("emulate")`: NumPy arrays, `raggedspec.gpu.kernel_emulator` (g++), every block run as real
   threads at a real barrier: what conformance uses where there is no GPU.
 
 bf16 arrays travel as their bits (`uint16`/`int16`; neither NumPy nor CuPy has a bf16 dtype);
@@ -30,8 +30,8 @@ import math
 
 import numpy as np
 
-from gpu import kernel_emulator as emu
-from reference.errors import CacheRefusal, MaskRefusal, require
+from raggedspec.gpu import kernel_emulator as emu
+from raggedspec.reference.errors import CacheRefusal, MaskRefusal, require
 
 # storage dtype name -> (RS_ELEM, RS_ACC)
 ELEM = {"float32": ("float", "float"), "float64": ("double", "double"), "bfloat16": ("rs_bf16", "float")}

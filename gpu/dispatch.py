@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu._common import as_list, flags_like, lengths, lengths_like
-from reference.errors import DispatchRefusal, require
+from raggedspec.gpu._common import as_list, flags_like, lengths, lengths_like
+from raggedspec.reference.errors import DispatchRefusal, require
 
 
 def resolve_ragged_rows(rows, q0: int, b: int) -> torch.Tensor | None:

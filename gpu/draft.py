@@ -4,7 +4,7 @@ Layout: the draft KV of every sequence lives in ONE `gpu.cache.RaggedKv` pool
 `[S, 1, capacity, head_dim]` with per-row lengths (row = sequence slot, its own positions
 start-anchored at column 0; `gpu.draft_store.DraftStore`). A draft group is a row-index vector into
 the pool, so nothing is batched, front-aligned, split or stripped by copying: the group loop
-(`gpu.backend.TorchBackend.draft_chain`, the reference's membership, alignment arithmetic and
+(`raggedspec.gpu.backend.TorchBackend.draft_chain`, the reference's membership, alignment arithmetic and
 warnings on host integers) sets the group rows' lengths to their chain starts, then
 
 - `propose_chain_batched` runs one batched MTP step per chain step for the whole group
@@ -27,11 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu._common import host_ints
-from gpu.cache import RaggedKv
-from gpu.rope import rotate
-from reference.dispatch import resolve_ragged_chain_starts
-from reference.errors import CacheRefusal, StepRefusal, require
+from raggedspec.gpu._common import host_ints
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.rope import rotate
+from raggedspec.reference.dispatch import resolve_ragged_chain_starts
+from raggedspec.reference.errors import CacheRefusal, StepRefusal, require
 
 draft_chain_stats = {"scalar": 0, "per_row": 0}
 """Chain steps taken by `propose_chain_batched`: "scalar" (`forward_step`, one shared

@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.draft import extend_draft_kv_rows, propose_chain_batched
-from gpu.draft_store import PoolKv
-from gpu.slots import KvMeta
-from reference import dispatch
-from reference.dispatch import chain_start_of
-from reference.errors import CacheRefusal, Refusal, StepRefusal, require
+from raggedspec.gpu.draft import extend_draft_kv_rows, propose_chain_batched
+from raggedspec.gpu.draft_store import PoolKv
+from raggedspec.gpu.slots import KvMeta
+from raggedspec.reference import dispatch
+from raggedspec.reference.dispatch import chain_start_of
+from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal, require
 
 
 def draft_group_loop(

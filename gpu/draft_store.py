@@ -11,9 +11,9 @@ import weakref
 import numpy as np
 import torch
 
-from gpu.cache import RaggedKv
-from gpu.slots import KvMeta, grow_physical
-from reference.cache import DRAFT_CACHE_CAPACITY
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.slots import KvMeta, grow_physical
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY
 
 
 class DraftStore:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.errors import require
+from raggedspec.reference.errors import require
 
 SOURCE_PATH = Path(__file__).with_name("kernels.cu")
 

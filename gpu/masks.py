@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu._common import as_list, lengths, neg_inf_where
-from reference.errors import MaskRefusal, require
+from raggedspec.gpu._common import as_list, lengths, neg_inf_where
+from raggedspec.reference.errors import MaskRefusal, require
 
 
 def raw_keep_span(t_q: int, window: int, t_k_full: int) -> tuple[int, int]:

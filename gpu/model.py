@@ -39,14 +39,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu._common import host_ints, lengths, neg_inf_where
-from gpu.attention import attention, dsv4_attention_in_place, is_standard_layer
-from gpu.cache import RaggedKv
-from gpu.masks import compressed_validity
-from gpu.rope import RopeTable, apply_rope, rotate
-from reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
-from reference.dispatch import draft_step_end_column
-from reference.errors import DispatchRefusal, MaskRefusal, require
+from raggedspec.gpu._common import host_ints, lengths, neg_inf_where
+from raggedspec.gpu.attention import attention, dsv4_attention_in_place, is_standard_layer
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.masks import compressed_validity
+from raggedspec.gpu.rope import RopeTable, apply_rope, rotate
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.dispatch import draft_step_end_column
+from raggedspec.reference.errors import DispatchRefusal, MaskRefusal, require
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -162,7 +162,7 @@ class DecoderLayer:
         for name in self.WEIGHTS:
             setattr(self, name, _tensor(getattr(ref_layer, name), dtype, device))
         # the two hot operations, replaceable by a backend with its own kernels
-        # (gpu.cupy_backend): same signatures, same rules, same refusals
+        # (raggedspec.gpu.cupy_backend): same signatures, same rules, same refusals
         self.attend = dsv4_attention_rows
         self.rope = apply_rope
 

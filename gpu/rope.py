@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu._common import lengths
-from gpu.dispatch import uniform_seqlen_offset
-from reference.errors import require
+from raggedspec.gpu._common import lengths
+from raggedspec.gpu.dispatch import uniform_seqlen_offset
+from raggedspec.reference.errors import require
 
 rope_path_stats = {"uniform": 0, "gathered": 0}
 """Which table shape `apply_rope` built: "uniform" (`[1, T]`, one offset) or "gathered"."""

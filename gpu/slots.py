@@ -26,12 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.align import materialize_front_aligned
-from gpu.cache import RaggedKv
-from gpu.xs_rolling import XsRolling
-from reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
-from reference.errors import CacheRefusal, require
-from reference.xs_rolling import rollback_refusal
+from raggedspec.gpu.align import materialize_front_aligned
+from raggedspec.gpu.cache import RaggedKv
+from raggedspec.gpu.xs_rolling import XsRolling
+from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.errors import CacheRefusal, require
+from raggedspec.reference.xs_rolling import rollback_refusal
 
 NORMAL, XS = "Normal", "XsRolling"
 concat_stats = {"view": 0, "copy": 0}

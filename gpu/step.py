@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu._common import as_list, lengths, lengths_like, on_device_of
-from reference.errors import require
+from raggedspec.gpu._common import as_list, lengths, lengths_like, on_device_of
+from raggedspec.reference.errors import require
 
 
 def _sat(x: torch.Tensor) -> torch.Tensor:

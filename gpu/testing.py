@@ -26,8 +26,8 @@ import os
 import numpy as np
 import torch
 
-from gpu._common import env_device
-from reference.errors import Refusal
+from raggedspec.gpu._common import env_device
+from raggedspec.reference.errors import Refusal
 
 DEVICE = env_device()
 

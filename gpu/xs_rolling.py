@@ -43,12 +43,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu._common import as_list, host_ints, lengths
-from reference.errors import CacheRefusal, require
-from reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
-from reference.xs_rolling import XsRolling as RefXsRolling
-from reference.xs_rolling import XsRowPlan, rollback_refusal
-from reference.xs_rolling import plan_xs_advance as ref_plan_xs_advance
+from raggedspec.gpu._common import as_list, host_ints, lengths
+from raggedspec.reference.errors import CacheRefusal, require
+from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
+from raggedspec.reference.xs_rolling import XsRolling as RefXsRolling
+from raggedspec.reference.xs_rolling import XsRowPlan, rollback_refusal
+from raggedspec.reference.xs_rolling import plan_xs_advance as ref_plan_xs_advance
 
 
 def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:

@@ -13,7 +13,7 @@ against the mutant, most specific first, with `-x`: the first failing test is th
 (the equivalence claim would then be wrong) as well as if any other entry survives.
 
 Adding a rule: add its entries here (name "function: what the mutant does"), run
-`python -m mutation.runner --catalogue-only --only "function:"` and make every entry CAUGHT.
+`python -m raggedspec.mutation.runner --catalogue-only --only "function:"` and make every entry CAUGHT.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Mutation runner: the named catalogue and mutmut, in a temporary copy of the tree.
 
-    python -m mutation.runner                    # full: catalogue + mutmut on dispatch + step,
+    python -m raggedspec.mutation.runner                    # full: catalogue + mutmut on dispatch + step,
                                                  # reference and port (= --scope all)
-    python -m mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
-    python -m mutation.runner --catalogue-only   # the named mutants only
-    python -m mutation.runner --scope gpu        # the port's entries / modules only
+    python -m raggedspec.mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
+    python -m raggedspec.mutation.runner --catalogue-only   # the named mutants only
+    python -m raggedspec.mutation.runner --scope gpu        # the port's entries / modules only
 
 Nothing is ever written into the checkout's source or tests: every mutant is applied in a
 private copy (one per worker, under the system temp dir, removed on exit, interrupts
@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mutation.catalogue import Mutant, select
+from raggedspec.mutation.catalogue import Mutant, select
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = Path(__file__).resolve().parent / "equivalent.toml"
@@ -776,7 +776,7 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mutation.runner", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m raggedspec.mutation.runner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
                     help="all (default): the reference and the port; reference: the reference rules; "
                          "gpu: the torch port and the kernels")
@@ -852,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         if opt in shown and shown.index(opt) + 1 < len(shown):
             i = shown.index(opt)
             del shown[i: i + 2]
-    command = "python -m mutation.runner " + " ".join(shown)
+    command = "python -m raggedspec.mutation.runner " + " ".join(shown)
     when = time.strftime("%Y-%m-%d")
     full_run = not args.fast and not args.only and not args.from_mutants
     docs = args.docs or (root / "docs" / "mutation.md" if full_run and not args.no_docs else None)

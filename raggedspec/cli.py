@@ -163,8 +163,8 @@ def add_simulate(sub) -> argparse.ArgumentParser:
 
 
 def run_simulate(args) -> int:
-    from reference.drift import simulate
-    from reference.trace import write_csv, write_jsonl
+    from raggedspec.reference.drift import simulate
+    from raggedspec.reference.trace import write_csv, write_jsonl
 
     if args.scenario is not None and not args.scenario.is_file():
         raise UsageError(f"scenario file {args.scenario} does not exist")
@@ -172,7 +172,7 @@ def run_simulate(args) -> int:
     if args.backend is not None or args.device is not None or args.dtype is not None:
         if args.mode != "tensor":
             raise UsageError("--backend, --device and --dtype need --mode tensor (lengths mode has no tensors)")
-        from reference.backend import load_backend
+        from raggedspec.reference.backend import load_backend
         try:
             backend = load_backend(args.backend, args.device, args.dtype)
         except ValueError as exc:
@@ -252,7 +252,7 @@ def parse_batches(text: str) -> list[int]:
 
 
 def run_drift(args) -> int:
-    from reference import drift
+    from raggedspec.reference import drift
 
     if args.trace:
         if args.label and len(args.label) != len(args.trace):
@@ -285,36 +285,36 @@ def run_drift(args) -> int:
 
 # name -> (add its parser, run it). Later: "conformance", "mutation", "bench".
 def add_conformance(sub) -> argparse.ArgumentParser:
-    from conformance.runner import add_parser
+    from raggedspec.conformance.runner import add_parser
     return add_parser(sub)
 
 
 def run_conformance(args) -> int:
-    from conformance.runner import run
+    from raggedspec.conformance.runner import run
     return run(args)
 
 
 def add_mutation(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "mutation", add_help=False, prefix_chars="\0",
-        help="mutation testing: the named catalogue and mutmut (arguments go to mutation.runner; "
+        help="mutation testing: the named catalogue and mutmut (arguments go to raggedspec.mutation.runner; "
              "`raggedspec mutation --help` lists them)")
     p.add_argument("runner_args", nargs=argparse.REMAINDER)
     return p
 
 
 def run_mutation(args) -> int:
-    from mutation.runner import main as mutation_main
+    from raggedspec.mutation.runner import main as mutation_main
     return mutation_main(args.runner_args)
 
 
 def add_bench(sub) -> argparse.ArgumentParser:
-    from gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
+    from raggedspec.gpu.bench import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
 
 
 def run_bench(args) -> int:
-    from gpu.bench import run
+    from raggedspec.gpu.bench import run
     return run(args)
 
 
@@ -344,9 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
-    from reference.drift import TraceFormatError
-    from reference.errors import Refusal
-    from reference.scenario import ScenarioError
+    from raggedspec.reference.drift import TraceFormatError
+    from raggedspec.reference.errors import Refusal
+    from raggedspec.reference.scenario import ScenarioError
 
     parser = build_parser()
     try:

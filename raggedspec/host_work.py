@@ -117,8 +117,8 @@ def count_decode_steps(batch: int, advance: str, steps: int = 8, backend: str = 
     and return `{"batch", "advance", "decode_steps", "reads", "ops", "reads_per_step",
     "ops_per_step", "read_kinds"}` counted inside decode steps only. ValueError for an unknown
     advance or a run without a decode step."""
-    from reference.scenario import load_scenario
-    from reference.simulator import TensorEngine
+    from raggedspec.reference.scenario import load_scenario
+    from raggedspec.reference.simulator import TensorEngine
 
     if advance not in SCENARIOS:
         raise ValueError(f"advance {advance!r} must be one of {sorted(SCENARIOS)}")

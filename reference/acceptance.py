@@ -64,8 +64,8 @@ from typing import Protocol
 
 import numpy as np
 
-from reference.errors import require
-from reference.scenario import ScenarioError
+from raggedspec.reference.errors import require
+from raggedspec.reference.scenario import ScenarioError
 
 U64 = np.uint64
 _C1, _C2, _C3 = U64(0x9E3779B97F4A7C15), U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)

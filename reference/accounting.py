@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from reference.errors import require
+from raggedspec.reference.errors import require
 
 POSITION_CAP = 8
 LOG_EVERY = 64

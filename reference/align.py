@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.cache import SEQ_DIM, KvCache, NormalCache, OtherSlot, SingleCache
-from reference.errors import AlignRefusal, CacheRefusal, require
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.cache import SEQ_DIM, KvCache, NormalCache, OtherSlot, SingleCache
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, require
+from raggedspec.reference.xs_rolling import XsRolling
 
 NORMAL = "Normal"
 XS = "XsRolling"

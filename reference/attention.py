@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.dispatch import resolve_ragged_rows
-from reference.errors import DispatchRefusal, MaskRefusal, require
-from reference.masks import (
+from raggedspec.reference.dispatch import resolve_ragged_rows
+from raggedspec.reference.errors import DispatchRefusal, MaskRefusal, require
+from raggedspec.reference.masks import (
     compose_caller_mask,
     compressed_validity,
     ragged_union_mask,

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference import align, dispatch, draft, masks, rope, step
-from reference.attention import Dsv4AttentionConfig, dsv4_attention
-from reference.cache import KvCache, NormalCache, PLAIN_CACHE_CAPACITY, SingleCache
-from reference.errors import require
-from reference.model import Forward, TinyModel
-from reference.xs_rolling import XsRolling
+from raggedspec.reference import align, dispatch, draft, masks, rope, step
+from raggedspec.reference.attention import Dsv4AttentionConfig, dsv4_attention
+from raggedspec.reference.cache import KvCache, NormalCache, PLAIN_CACHE_CAPACITY, SingleCache
+from raggedspec.reference.errors import require
+from raggedspec.reference.model import Forward, TinyModel
+from raggedspec.reference.xs_rolling import XsRolling
 
 BACKENDS = ("numpy", "torch")
 DTYPES = ("float64", "float32", "bfloat16")
@@ -485,7 +485,7 @@ class NumpyBackend(Backend):
 
 def load_backend(spec=None, device: str | None = None, dtype: str | None = None) -> Backend:
     """A backend from its name: None or "numpy" -> `NumpyBackend`; "torch" ->
-    `gpu.backend.TorchBackend(device, dtype)`; "cupy" -> `gpu.cupy_backend.CupyBackend(device,
+    `raggedspec.gpu.backend.TorchBackend(device, dtype)`; "cupy" -> `raggedspec.gpu.cupy_backend.CupyBackend(device,
     dtype)` (CUDA only: ValueError with the reason elsewhere); "package.module:factory" -> `factory(device=,
     dtype=)` (a class or a function). A `Backend` instance is returned as is. ValueError
     (naming the spec) for an unknown name, a module or attribute that does not exist, or a
@@ -502,13 +502,13 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
         return NumpyBackend(**kwargs)
     if spec == "torch":
         try:
-            from gpu.backend import TorchBackend
+            from raggedspec.gpu.backend import TorchBackend
         except ImportError as exc:
             raise ValueError(f"backend 'torch' needs torch and the gpu package: {exc}") from exc
         return TorchBackend(**kwargs)
     if spec == "cupy":
         try:
-            from gpu.cupy_backend import CupyBackend
+            from raggedspec.gpu.cupy_backend import CupyBackend
         except ImportError as exc:
             raise ValueError(f"backend 'cupy' needs torch and the gpu package: {exc}") from exc
         return CupyBackend(**kwargs)
@@ -525,5 +525,5 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
     backend = factory(**kwargs)
     if not isinstance(backend, Backend):
         raise ValueError(f"backend {spec!r}: {attr} returned {type(backend).__name__}, not a "
-                         f"reference.backend.Backend")
+                         f"raggedspec.reference.backend.Backend")
     return backend

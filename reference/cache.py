@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reference.errors import CacheRefusal, require
+from raggedspec.reference.errors import CacheRefusal, require
 
 CACHE_GROW_SIZE = 512
 WINDOW_COMPACTION = 128

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from reference.errors import CapabilityRefusal, require
+from raggedspec.reference.errors import CapabilityRefusal, require
 
 # --- §2 flags ------------------------------------------------------------------------------
 

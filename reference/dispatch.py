@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reference.errors import DispatchRefusal, require
+from raggedspec.reference.errors import DispatchRefusal, require
 
 
 def resolve_ragged_rows(rows: Sequence[int] | None, q0: int, b: int) -> list[int] | None:

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.align import batch_draft_caches, drop_dead_prefix, front_align_draft_group, split_draft_cache
-from reference.cache import KvCache
-from reference.dispatch import chain_start_of, resolve_draft_leads, resolve_ragged_chain_starts
-from reference.errors import CacheRefusal, Refusal, StepRefusal, require
+from raggedspec.reference.align import batch_draft_caches, drop_dead_prefix, front_align_draft_group, split_draft_cache
+from raggedspec.reference.cache import KvCache
+from raggedspec.reference.dispatch import chain_start_of, resolve_draft_leads, resolve_ragged_chain_starts
+from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal, require
 
 MAX_DRAFT_KV_SEQS = 64
 

@@ -89,7 +89,7 @@ def read_trace_file(path: str | Path, label: str | None = None) -> TraceData:
     `reference.trace.read_trace`, then check the required fields (`step`, `rows[].seq`,
     `rows[].own_len`); optional fields may be absent. Raises TraceFormatError naming the
     file and the field."""
-    from reference.trace import read_trace
+    from raggedspec.reference.trace import read_trace
 
     path = Path(path)
     if not path.is_file():
@@ -413,17 +413,17 @@ def override_list(overrides) -> list[str]:
 def simulate(scenario=None, overrides=None, mode: str = "lengths", progress=None, backend=None):
     """Run the simulator on a scenario (file, dict or None for the defaults) plus overrides
     (a dict or "key=value" strings); returns its `reference.trace.Trace`. ScenarioError
-    names a bad key. `backend` (a `reference.backend.Backend`) is for the tensor mode only."""
-    from reference.scenario import load_scenario
+    names a bad key. `backend` (a `raggedspec.reference.backend.Backend`) is for the tensor mode only."""
+    from raggedspec.reference.scenario import load_scenario
 
     sc = load_scenario(scenario, override_list(overrides))
     if mode == "lengths":
         if backend is not None:
             raise ValueError("a backend applies to --mode tensor only (lengths mode has no tensors)")
-        from reference.lengths import run
+        from raggedspec.reference.lengths import run
         return run(sc, progress=progress)
     if mode == "tensor":
-        from reference.simulator import run
+        from raggedspec.reference.simulator import run
         return run(sc, progress=progress, backend=backend)
     raise ValueError(f"mode {mode!r} must be lengths or tensor")
 
@@ -515,7 +515,7 @@ def drift_from_scenario(scenario, out_dir: str | Path, overrides=None,
     """Simulate the three drift runs and the batch sweep of a scenario (None: the built-in
     one) and write the report. A scenario that lists its requests explicitly has no batch
     key to sweep: the sweep is skipped and the summary says so."""
-    from reference.scenario import load_scenario
+    from raggedspec.reference.scenario import load_scenario
 
     runs = scenario_runs(scenario, overrides, progress)
     notes, sweep = [], None
@@ -767,7 +767,7 @@ def figure_groups_buckets(runs: list[TraceData]):
 
 def _uniform_stall(stalls: dict) -> bool:
     """True when rows stopped drafting mainly because a uniform draft group was refused."""
-    from reference.lengths import STALL_UNIFORM
+    from raggedspec.reference.lengths import STALL_UNIFORM
 
     total = sum(stalls.values()) if stalls else 0
     return bool(total) and stalls.get(STALL_UNIFORM, 0) * 2 > total

@@ -30,7 +30,7 @@ file (the tensor mode does not count it); the drift sweep uses it to explain a s
 The scheduler mirror is vectorized too: admitting the waiting queue next to the running set
 (`admit_waiting`) is a cumulative-sum expression, not a loop over the waiting list.
 
-Run `python -m reference.lengths --bench` for the B = 1024, 10,000-step benchmark.
+Run `python -m raggedspec.reference.lengths --bench` for the B = 1024, 10,000-step benchmark.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ import time
 
 import numpy as np
 
-from reference.acceptance import build_model, build_oracle
-from reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
-from reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, KvCache, NormalCache
-from reference.capability import KvAdvance, KvAdvanceLatch
-from reference.scenario import Scenario, load_scenario, model_config
-from reference.scheduler import COALESCE_PAYBACK_STEPS, BucketTelemetry
-from reference.step import verify_proposed
-from reference.trace import ROW_COLUMNS, Trace
-from reference.xs_rolling import XsRolling
+from raggedspec.reference.acceptance import build_model, build_oracle
+from raggedspec.reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
+from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, KvCache, NormalCache
+from raggedspec.reference.capability import KvAdvance, KvAdvanceLatch
+from raggedspec.reference.scenario import Scenario, load_scenario, model_config
+from raggedspec.reference.scheduler import COALESCE_PAYBACK_STEPS, BucketTelemetry
+from raggedspec.reference.step import verify_proposed
+from raggedspec.reference.trace import ROW_COLUMNS, Trace
+from raggedspec.reference.xs_rolling import XsRolling
 
 NCOL = len(ROW_COLUMNS)
 ROW_DTYPE = np.int32  # trace rows: lengths fit in 32 bits; halves a long run's memory
@@ -747,7 +747,7 @@ def bench(batch: int = 1024, steps: int = 10_000, advance: str = "per-sequence")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reference.lengths", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m raggedspec.reference.lengths", description=__doc__.splitlines()[0])
     p.add_argument("--bench", action="store_true", help="time B=1024 x 10,000 steps (both advance rules)")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10_000)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.errors import MaskRefusal, require
+from raggedspec.reference.errors import MaskRefusal, require
 
 NEG_INF = -np.inf
 

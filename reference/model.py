@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.attention import Dsv4AttentionConfig, dsv4_attention
-from reference.cache import DRAFT_CACHE_CAPACITY, KvCache, NormalCache
-from reference.dispatch import draft_step_end_column
-from reference.errors import require
-from reference.rope import apply_rope, apply_rope_at_positions, compressed_key_positions
-from reference.xs_rolling import compress_blocks
+from raggedspec.reference.attention import Dsv4AttentionConfig, dsv4_attention
+from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, KvCache, NormalCache
+from raggedspec.reference.dispatch import draft_step_end_column
+from raggedspec.reference.errors import require
+from raggedspec.reference.rope import apply_rope, apply_rope_at_positions, compressed_key_positions
+from raggedspec.reference.xs_rolling import compress_blocks
 
 
 @dataclass(frozen=True)
@@ -349,7 +349,7 @@ class TinyModel:
         return Forward(self.logits(x), x)
 
 
-from reference.draft import (  # noqa: E402  (re-export; reference.draft does not import this module)
+from raggedspec.reference.draft import (  # noqa: E402  (re-export; reference.draft does not import this module)
     MAX_DRAFT_KV_SEQS,
     DraftKv,
     argmax_token,

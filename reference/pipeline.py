@@ -17,8 +17,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from reference.errors import require
-from reference.step import Verified, mtp_window
+from raggedspec.reference.errors import require
+from raggedspec.reference.step import Verified, mtp_window
 
 
 # --- §17.2 argmax over verify logits ---------------------------------------------------------

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from reference.dispatch import uniform_seqlen_offset
-from reference.errors import require
+from raggedspec.reference.dispatch import uniform_seqlen_offset
+from raggedspec.reference.errors import require
 
 rope_cohort_stats = {"uniform": 0, "cohort": 0, "per_sequence": 0}
 """Branch counters: "uniform" (batched single offset), "cohort" (gathered table,

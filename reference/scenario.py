@@ -323,7 +323,7 @@ def check_acceptance(spec: AcceptanceSpec, n_seqs: int) -> None:
     valid accept counts (covering every one of the `n_seqs` sequences when it has no
     default), and the oracle's factory imports and is callable. Raises ScenarioError naming
     `acceptance.path` / `acceptance.factory` and the bad value (reference.acceptance)."""
-    from reference.acceptance import load_accept_file, resolve_factory
+    from raggedspec.reference.acceptance import load_accept_file, resolve_factory
 
     if spec.model == "file":
         load_accept_file(spec.path, n_seqs)
@@ -507,7 +507,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
 def model_config(sc: Scenario):
     """The `reference.model.ModelConfig` of a scenario: its `model` table, `max_seq_len`,
     and `seed` unless `model.seed` is given. A bad size raises ScenarioError naming it."""
-    from reference.model import ModelConfig
+    from raggedspec.reference.model import ModelConfig
 
     kw = dict(sc.model)
     kw.setdefault("seed", sc.seed)

@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from reference.errors import Refusal, SchedulerRefusal, require
+from raggedspec.reference.errors import Refusal, SchedulerRefusal, require
 
 WORLDS = ("W0", "WA", "WB")
 COALESCE_PAYBACK_STEPS = 256

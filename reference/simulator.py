@@ -1,8 +1,8 @@
 """Tensor-mode step simulator: the engine loop driving the tensor-side rules through a backend.
 
 The simulator owns the control flow; every tensor-side operation is one method of a backend
-(`reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Per engine step
+(`raggedspec.reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
+`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Per engine step
 (masks-and-scheduling.md §20): arrivals join the waiting queue; `scheduler.schedule` picks
 one bucket (keys per world, coalescing, the WA floor); `plan_engine_iteration`-style cache
 instructions (`In` / `Nothing`, prompts `Reset`); the completion forward is one MTP decode
@@ -57,20 +57,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.acceptance import build_model, build_oracle
-from reference.accounting import AcceptanceTelemetry, from_fused_verify
-from reference.backend import Backend, load_backend
-from reference.capability import KvAdvance
-from reference.dispatch import MtpHiddenCapture
-from reference.draft import DraftKv, DraftKvMap
-from reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
-from reference.lengths import (ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
+from raggedspec.reference.acceptance import build_model, build_oracle
+from raggedspec.reference.accounting import AcceptanceTelemetry, from_fused_verify
+from raggedspec.reference.backend import Backend, load_backend
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.dispatch import MtpHiddenCapture
+from raggedspec.reference.draft import DraftKv, DraftKvMap
+from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
+from raggedspec.reference.lengths import (ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_FOLLOWS, ERR_GUARD_LEFT,
                                ERR_XS_ROLLBACK, NCOL, ROW_DTYPE, advance_latch, guard_error, step_fields, summarize)
-from reference.scenario import Scenario, load_scenario, model_config
-from reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
+from raggedspec.reference.scenario import Scenario, load_scenario, model_config
+from raggedspec.reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
                                  engine_cache_instruction, install_admission, schedule)
-from reference.step import window_guard
-from reference.trace import Trace
+from raggedspec.reference.step import window_guard
+from raggedspec.reference.trace import Trace
 
 
 

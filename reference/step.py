@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reference.align import drop_dead_prefix
-from reference.cache import NormalCache
-from reference.capability import KvAdvance
-from reference.errors import CacheRefusal, StepRefusal, require
-from reference.xs_rolling import MTP_DEPTH_CAP
+from raggedspec.reference.align import drop_dead_prefix
+from raggedspec.reference.cache import NormalCache
+from raggedspec.reference.capability import KvAdvance
+from raggedspec.reference.errors import CacheRefusal, StepRefusal, require
+from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP
 
 
 def _sat(x: int) -> int:

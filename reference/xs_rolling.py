@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from reference.errors import CacheRefusal, require
+from raggedspec.reference.errors import CacheRefusal, require
 
 XS_TAIL_MARGIN_TOKENS = 16
 """Rollback margin kept behind the newest token; >= the MTP depth cap (8)."""

@@ -18,7 +18,7 @@
 #
 # Knobs (environment): PYTHON (default python3: on the device it is the one with torch),
 # BENCH_ARGS (extra gpu.bench arguments), CUPY_BACKEND (the --backend spec of the CuPy port for
-# conformance.runner; default "cupy"), T_PORT, T_KERN, T_RUNNER, T_CUPY, T_BENCH, BENCH_BUDGET,
+# raggedspec.conformance.runner; default "cupy"), T_PORT, T_KERN, T_RUNNER, T_CUPY, T_BENCH, BENCH_BUDGET,
 # T_E2E (seconds).
 set -uo pipefail
 
@@ -156,25 +156,25 @@ else
     FAILED=1
 fi
 
-# ------------------------------------------------------------------ 3. conformance.runner (backend protocol)
+# ------------------------------------------------------------------ 3. raggedspec.conformance.runner (backend protocol)
 if [[ -f conformance/runner.py ]]; then
     mapfile -t BACKEND_TESTS < <(grep -l "conformance.backends\|RAGGEDSPEC_BACKEND" conformance/test_*.py 2>/dev/null)
     if ((${#BACKEND_TESTS[@]})); then
-        step runner_torch "$T_RUNNER" $PY -m conformance.runner --backend torch --device $DEV \
+        step runner_torch "$T_RUNNER" $PY -m raggedspec.conformance.runner --backend torch --device $DEV \
             --tests "${BACKEND_TESTS[@]}" || FAILED=1
         if [[ $CUPY_OK == 1 || $MODE == cpu-smoke ]]; then
             # exit 2 = the runner does not know the backend (no CuPy port yet) or CuPy cannot use
             # the device: logged, not a failure of this script
-            step runner_cupy "$T_CUPY" $PY -m conformance.runner --backend "${CUPY_BACKEND:-cupy}" --device $DEV \
+            step runner_cupy "$T_CUPY" $PY -m raggedspec.conformance.runner --backend "${CUPY_BACKEND:-cupy}" --device $DEV \
                 --tests "${BACKEND_TESTS[@]}"
             rc=$?
             if [[ $rc == 2 ]]; then
-                note "conformance.runner --backend ${CUPY_BACKEND:-cupy}: not run (exit 2: the backend cannot load or cannot use $DEV; see runner_cupy.log)"
+                note "raggedspec.conformance.runner --backend ${CUPY_BACKEND:-cupy}: not run (exit 2: the backend cannot load or cannot use $DEV; see runner_cupy.log)"
             elif [[ $rc != 0 ]]; then
                 FAILED=1
             fi
         else
-            note "conformance.runner --backend cupy: not run (CuPy absent or without CUDA)"
+            note "raggedspec.conformance.runner --backend cupy: not run (CuPy absent or without CUDA)"
         fi
     else
         note "conformance/runner.py present but no backend-parametrized test file found"

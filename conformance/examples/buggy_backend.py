@@ -1,9 +1,9 @@
 """An example "bring your own port" backend with one deliberate bug, for
 docs/conformance.md and `conformance/test_byo_port.py`.
 
-A port implements `reference.backend.Backend` (every method) and is run with
+A port implements `raggedspec.reference.backend.Backend` (every method) and is run with
 
-    raggedspec conformance --backend conformance.examples.buggy_backend:BuggyBackend
+    raggedspec conformance --backend raggedspec.conformance.examples.buggy_backend:BuggyBackend
 
 This one is the NumPy reference with a classic ragged-batch defect: **its masks forget the
 dead prefix**. `union_mask` builds the shared (uniform-path) mask for every row, and the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.backend import NumpyBackend
+from raggedspec.reference.backend import NumpyBackend
 
 
 class BuggyBackend(NumpyBackend):
@@ -36,5 +36,5 @@ class BuggyBackend(NumpyBackend):
 
 
 def factory(device: str = "cpu", dtype: str = "float64") -> BuggyBackend:
-    """What `--backend conformance.examples.buggy_backend:factory` calls."""
+    """What `--backend raggedspec.conformance.examples.buggy_backend:factory` calls."""
     return BuggyBackend(device, dtype)
