@@ -37,7 +37,7 @@ from raggedspec.reference import draft as ref
 from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
 from raggedspec.reference.cache import KvCache
 from raggedspec.reference.dispatch import CaptureOffsets
-from raggedspec.reference.errors import AlignRefusal, CacheRefusal, DispatchRefusal, StepRefusal
+from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, StepRefusal
 from raggedspec.reference.model import ModelConfig, TinyModel
 
 MODEL = TinyModel()
@@ -59,6 +59,14 @@ def pool_of(ks: list[np.ndarray]) -> RaggedKv:
     """The port pool: row s holds `ks[s]` at columns [0, n_s) (capacity 16 + 512 blocks)."""
     cap = 16 if max(len(k) for k in ks) <= 16 else 16 + 512 * (-(-(max(len(k) for k in ks) - 16) // 512))
     return RaggedKv.from_rows([to_port(k[None]) for k in ks], [to_port(k[None]) for k in ks], 4096, cap)
+
+
+def align_rows(pool: RaggedKv, rows, starts) -> None:
+    """The group alignment the backend's loop does on the pool: the rows' lengths become their
+    chain starts (host integers; the data stays put)."""
+    held = pool.host_lens().copy()
+    held[np.asarray(rows, dtype=np.int64)] = starts
+    pool.lens = held
 
 
 def held_k(cache: KvCache) -> np.ndarray:
@@ -89,7 +97,7 @@ def chain_group(draw):
 @given(case=chain_group())
 def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     """Reference: `front_align_draft_group`, `propose_chain_batched`, `split_draft_cache`,
-    `drop_dead_prefix`. Port: `align_draft_rows` + `propose_chain_batched` on the pool rows.
+    `drop_dead_prefix`. Port: the rows' lengths set to their starts (the backend's group alignment) + `propose_chain_batched` on the pool rows.
     Same tokens, same hidden per step (1e-12), same draft caches (history bit-exact, the n
     new entries 1e-12), the other pool rows untouched; the branch taken is the scalar one
     iff the starts are uniform (`draft_chain_stats`)."""
@@ -114,7 +122,7 @@ def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     rows = torch.tensor(order[:g])
     pool = pool_of(slots)
     before = pool.clone()
-    port.align_draft_rows(pool, rows, starts)
+    align_rows(pool, rows, starts)
     port.reset_draft_chain_stats()
     port_trace: list = []
     got = port.propose_chain_batched(PORT, to_port(seeds), torch.from_numpy(lasts), n, torch.tensor(starts), pool,
@@ -156,7 +164,7 @@ def test_a_uniform_group_takes_the_scalar_step_and_a_ragged_group_per_row_positi
     for starts in ([7, 7, 7], [7, 4, 6]):
         calls["scalar"].clear(), calls["rows"].clear()
         pool = pool_of([rng.standard_normal((9, HD)) for _ in range(3)])
-        port.align_draft_rows(pool, torch.arange(3), starts)
+        align_rows(pool, torch.arange(3), starts)
         port.reset_draft_chain_stats()
         reset_rope_path_stats()
         port.propose_chain_batched(PORT, torch.ones((3, H), dtype=torch.float64), [1, 2, 3], 3, starts, pool)
@@ -187,7 +195,7 @@ def test_chain_refusals_and_empty_cases_match_the_reference():
             ref_cache.append(np.stack([k[None] for k in ks]), np.stack([k[None] for k in ks]))
         pool = pool_of(ks) if with_cache else None
         if aligned:
-            port.align_draft_rows(pool, torch.arange(2), starts)
+            align_rows(pool, torch.arange(2), starts)
         r = outcome(ref.propose_chain_batched, MODEL, seeds, [1, 2], 3, starts, ref_cache)
         p = outcome(port.propose_chain_batched, PORT, to_port(seeds), [1, 2], 3, starts, pool)
         if assert_same_refusal(p, r, f"chain {starts}"):
@@ -212,28 +220,19 @@ def test_a_tier_a_chain_matches_the_reference_without_any_cache():
         assert_close64(a, b, what="tier A hidden")
 
 
-@given(held=st.lists(st.integers(1, 20), min_size=1, max_size=5), data=st.data())
-def test_align_draft_rows_refuses_what_front_align_draft_group_refuses(held, data):
-    """Same AlignRefusals (class and message) before anything changes; otherwise the rows'
-    lengths become the starts and their data stays put. Rows hold >= 1 entry: the
-    reference's "unmaterialized buffer" refusal (a never-written candle tensor) has no
-    counterpart in the pool, where an empty row is an ordinary row of length 0 (and no draft
-    group member is ever empty: a member's seed implies a written pair)."""
-    starts = [data.draw(st.integers(0, h + 1)) for h in held]
-    if data.draw(st.booleans()):
-        starts = starts[:-1] if data.draw(st.booleans()) else starts + [0]
-    rng = np.random.default_rng(len(held))
-    ks = [rng.standard_normal((h, HD)) for h in held]
-    pool = pool_of(ks + [rng.standard_normal((3, HD))])
-    before = pool.clone()
-    rows = torch.arange(len(held))
-    r = outcome(front_align_draft_group, [ref_draft_cache(k) for k in ks], starts)
-    p = outcome(port.align_draft_rows, pool, rows, starts)
-    if assert_same_refusal(p, r, "align"):
-        assert pool.lens.tolist() == starts + [3]
-    else:
-        assert r[1] is AlignRefusal and pool.lens.tolist() == before.lens.tolist()
-    assert torch.equal(pool.k, before.k)
+def pool_state(be, k: np.ndarray, filled: int, seed) -> ref.DraftKv:
+    """A draft state whose KV is a row of the backend's own pool holding `k [n, hd]` (the
+    capacity the reference's draft cache of `k` has)."""
+    cache = be.new_draft_cache(PORT)
+    n = len(k)
+    if n:
+        cache.store.reserve(n)
+        cache.store.kv.k[cache.idx, 0, :n] = to_port(k)
+        cache.store.kv.v[cache.idx, 0, :n] = to_port(k)
+        cache.store.kv.set_row_len(cache.idx, n)
+        cache.current, cache.materialized = n, True
+        cache.capacity = ref_draft_cache(k).k.capacity_seq_len
+    return ref.DraftKv(cache=cache, filled=filled, seed=seed)
 
 
 @st.composite
@@ -242,40 +241,71 @@ def write_back_group(draw):
     starts = draw(st.lists(st.integers(1, 14), min_size=g, max_size=g))
     if draw(st.booleans()):
         starts = [starts[0]] * g
-    tails = draw(st.lists(st.integers(0, 3), min_size=g, max_size=g))
-    return starts, tails, draw(st.integers(1, 4)), draw(st.integers(0, 2**32 - 1))
+    tails = draw(st.lists(st.integers(-2, 3), min_size=g, max_size=g))  # < 0: a start past the held rows
+    return starts, tails, draw(st.integers(1, 4)), draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
 
 
 @given(case=write_back_group())
-def test_run_draft_group_writes_back_as_the_reference_group_loop(case):
-    """One group under per-sequence advance, the reference's `group_drafting_loop` (u = 1,
-    w = n + 1, seeds at the chain starts) vs `run_draft_group` on the pool: the same drafts;
-    `filled = start + 1`, held `start + n`, equal draft caches; a uniform group whose
-    members hold different lengths is skipped by both (`batch_draft_caches`)."""
-    starts, tails, n, seed = case
+def test_the_backend_group_loop_on_pool_rows_is_the_reference_group_loop(case):
+    """The group loop the torch backend runs (`TorchBackend.draft_chain` on rows of its
+    draft-KV pool) against `group_drafting_loop` (u = 1, w = n + 1, seeds at the chain
+    starts): the same drafts and warnings (a uniform group whose members hold different
+    lengths is skipped by both; a start past a row's held entries refuses the alignment);
+    `filled = start + 1`; each draft KV's length and capacity exact, its history bit-exact,
+    its drafted entries within 1e-12."""
+    from raggedspec.gpu.backend import TorchBackend
+
+    starts, tails, n, per_seq, seed = case
     g = len(starts)
     rng = np.random.default_rng(seed)
-    ks = [rng.standard_normal((s + t, HD)) for s, t in zip(starts, tails)]
+    ks = [rng.standard_normal((max(s + t, 1), HD)) for s, t in zip(starts, tails)]
     seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
-    states = [ref.DraftKv(cache=ref_draft_cache(k), filled=s, seed=(s, seeds[r]))
-              for r, (k, s) in enumerate(zip(ks, starts))]
     toks = [[0] * s + [int(lasts[r])] for r, s in enumerate(starts)]
-    warnings: list[str] = []
-    drafts = ref.group_drafting_loop(MODEL, {(1, 0): list(range(g))}, states, toks, [s + 1 for s in starts],
-                                     [99] * g, n + 1, True, warnings)
-    pool = port.DraftPool(pool_of(ks), torch.tensor(starts))
-    got = port.run_draft_group(PORT, pool, torch.arange(g), to_port(seeds), torch.from_numpy(lasts), n, starts, True)
-    if got is None:
-        assert drafts == [[]] * g and len(warnings) == 1
-        assert pool.kv.lens.tolist() == [len(k) for k in ks] and pool.filled.tolist() == starts
+    args = ({(1, 0): list(range(g))}, None, toks, [s + 1 for s in starts], [99] * g, n + 1, per_seq)
+    r_states = [ref.DraftKv(cache=ref_draft_cache(k), filled=s, seed=(s, seeds[r]))
+                for r, (k, s) in enumerate(zip(ks, starts))]
+    r_warn: list[str] = []
+    r_out = outcome(ref.group_drafting_loop, MODEL, args[0], r_states, *args[2:], r_warn)
+    be = TorchBackend(str(DEVICE), "float64")
+    p_states = [pool_state(be, k, s, (s, to_port(seeds[r]))) for r, (k, s) in enumerate(zip(ks, starts))]
+    p_warn: list[str] = []
+    p_out = outcome(be.draft_chain, PORT, args[0], p_states, *args[2:], p_warn)
+    if not assert_same_refusal(p_out, r_out, "group loop"):
         return
-    assert host(got).tolist() == drafts and warnings == []
-    assert pool.filled.tolist() == [st_.filled for st_ in states] == [s + 1 for s in starts]
-    for r, (st_, s) in enumerate(zip(states, starts)):
-        k_row, _ = pool.kv.row(r)
-        assert k_row.shape[1] == st_.cache.current_seq_len == s + n
-        assert_bit_exact(k_row[0, :s], held_k(st_.cache)[:s], "history")
-        assert_close64(k_row[0, s:], held_k(st_.cache)[s:], what="drafted entries")
+    assert p_out[1] == r_out[1] and p_warn == r_warn
+    for r, (p_st, r_st) in enumerate(zip(p_states, r_states)):
+        assert (p_st.filled, p_st.poisoned) == (r_st.filled, r_st.poisoned)
+        view = be.materialize(p_st.cache)
+        held = held_k(r_st.cache)
+        assert (view["len"], view["capacity"]) == (r_st.cache.current_seq_len, [r_st.cache.k.capacity_seq_len])
+        k_row = view["kv"][0][0][0, 0]
+        s = min(starts[r], len(held))
+        assert_bit_exact(k_row[:s], held[:s], f"row {r}: history")
+        assert_close64(k_row[s:], held[s:], what=f"row {r}: drafted entries")
+
+
+@given(n1=st.integers(0, 3), n2=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_the_backend_propose_chain_runs_on_its_own_draft_cache(n1, n2, seed):
+    """`TorchBackend.propose_chain` on the backend's `new_draft_cache` (a pool row), twice in
+    a row (the second chain starts where the first ended), against the reference's
+    `propose_chain_batched` on its own draft cache: the same tokens, lengths and capacities,
+    the draft KV within 1e-12."""
+    from raggedspec.gpu.backend import TorchBackend
+
+    rng = np.random.default_rng(seed)
+    be = TorchBackend(str(DEVICE), "float64")
+    p_cache, r_cache = be.new_draft_cache(PORT), MODEL.mtp.new_draft_cache()
+    start = 0
+    for n in (n1, n2):
+        seed_h, last = rng.standard_normal((1, H)), int(rng.integers(0, V))
+        r_chain = ref.propose_chain_batched(MODEL, seed_h, [last], n, [start], r_cache)
+        p_chain = be.propose_chain(PORT, to_port(seed_h), [last], n, [start], p_cache)
+        assert p_chain == [list(map(int, c)) for c in r_chain]
+        start += n
+        view = be.materialize(p_cache)
+        assert (view["len"], view["capacity"]) == (r_cache.current_seq_len, [r_cache.k.capacity_seq_len])
+        if start:
+            assert_close64(view["kv"][0][0][0, 0], held_k(r_cache), what="draft KV")
 
 
 # --- extend_draft_kv_row, tensor side ------------------------------------------------------------
@@ -301,10 +331,10 @@ def extension_batch(draw):
 
 @given(case=extension_batch())
 def test_extend_draft_kv_rows_is_extend_draft_kv_row_for_every_row_at_once(case):
-    """Reference: `extend_draft_kv_row` row by row. Port: `plan_draft_extension` (vectors)
-    and one `extend_draft_kv_rows` call for all rows (their (lo, hi) differ: masked
-    scatter) at shuffled pool rows. Same verdict (misaligned rows), filled, seed, held
-    lengths; draft KV history bit-exact, written pairs 1e-12; the extra pool row untouched."""
+    """Reference: `extend_draft_kv_row` row by row. Port: one `extend_draft_kv_rows` call for
+    all rows (their (lo, hi) differ: masked scatter) at shuffled pool rows, the reference's
+    misaligned rows left out. Same filled and held lengths; draft KV history bit-exact,
+    written pairs 1e-12; the extra pool row untouched."""
     t, spec, order, seed = case
     r_n = len(spec)
     rng = np.random.default_rng(seed)
@@ -316,36 +346,31 @@ def test_extend_draft_kv_rows_is_extend_draft_kv_row_for_every_row_at_once(case)
     states = [ref.DraftKv(cache=ref_draft_cache(k), filled=f) for k, (f, *_rest) in zip(ks, spec)]
     verdicts = [ref.extend_draft_kv_row(st_, capture, toks[i], i, r_n, MODEL) for i, st_ in enumerate(states)]
 
-    filled = torch.tensor([f for f, *_ in spec])
-    big_l = torch.tensor([len(x) for x in toks])
-    plan = port.plan_draft_extension(filled, torch.tensor(offs), t, big_l)
-    assert plan.contiguous.tolist() == verdicts
-    for i, st_ in enumerate(states):
-        if bool(plan.has_seed[i]):
-            assert st_.seed is not None and st_.seed[0] == int(big_l[i]) - 2
-            assert_bit_exact(to_port(hidden)[i, int(plan.seed_index[i])], st_.seed[1], "seed")
-        else:
-            assert st_.seed is None
+    # the plan the backend derives per row (host integers): write [lo, hi) where the reference
+    # found the capture contiguous
+    big_l = [len(x) for x in toks]
+    lo = [max(f, off) for (f, *_), off in zip(spec, offs)]
+    hi = [min(off + t, max(n - 1, 0)) for off, n in zip(offs, big_l)]
+    write = [bool(v) and h > lo_ for v, lo_, h in zip(verdicts, lo, hi)]
     slots = [None] * (r_n + 1)
     for j, k in enumerate(ks + [rng.standard_normal((5, HD))]):
         slots[order[j]] = k
     pool = pool_of(slots)
     before = pool.clone()
     rows = torch.tensor(order[:r_n])
-    tokens = torch.zeros((r_n, max(1, int(big_l.max()))), dtype=torch.int64)
+    tokens = np.zeros((r_n, max(1, max(big_l))), dtype=np.int64)
     for i, x in enumerate(toks):
-        tokens[i, : len(x)] = torch.tensor(x, dtype=torch.int64)
-    port.extend_draft_kv_rows(PORT.mtp, pool, to_port(hidden), torch.tensor(offs), plan.lo, plan.hi, tokens, rows,
-                              plan.write)
-    new_filled = torch.where(plan.write, plan.hi, filled)
-    assert new_filled.tolist() == [st_.filled for st_ in states]
+        tokens[i, : len(x)] = x
+    port.extend_draft_kv_rows(PORT.mtp, pool, to_port(hidden), offs, lo, hi, tokens, rows, write)
     for i, st_ in enumerate(states):
+        if write[i]:
+            assert hi[i] == st_.filled
         k_row, v_row = pool.row(int(rows[i]))
         assert k_row.shape[1] == st_.cache.current_seq_len
         assert_bit_exact(v_row, k_row, "V == K")
-        lo = int(plan.lo[i]) if bool(plan.write[i]) else k_row.shape[1]
-        assert_bit_exact(k_row[0, :lo], held_k(st_.cache)[:lo], f"row {i}: history")
-        assert_close64(k_row[0, lo:], held_k(st_.cache)[lo:], what=f"row {i}: written pairs")
+        lo_i = lo[i] if write[i] else k_row.shape[1]
+        assert_bit_exact(k_row[0, :lo_i], held_k(st_.cache)[:lo_i], f"row {i}: history")
+        assert_close64(k_row[0, lo_i:], held_k(st_.cache)[lo_i:], what=f"row {i}: written pairs")
     extra = order[r_n]
     assert int(pool.lens[extra]) == 5 and torch.equal(pool.k[extra, :, :5], before.k[extra, :, :5])
 

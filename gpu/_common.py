@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from raggedspec.reference.errors import require
@@ -64,3 +65,12 @@ def neg_inf_where(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exact in every float dtype, so masks compare bit-exactly across dtypes."""
     zero = torch.zeros((), dtype=dtype, device=keep.device)
     return torch.where(keep, zero, torch.full((), float("-inf"), dtype=dtype, device=keep.device))
+
+
+def host_ints(x, flat: bool = True) -> np.ndarray:
+    """`x` (a tensor, array or sequence of ints) as a host int64 array (1-D when `flat`). A
+    tensor is read from its device once: callers on the step path pass host integers."""
+    if isinstance(x, torch.Tensor):
+        x = x.tolist()
+    a = np.asarray(x, dtype=np.int64)
+    return a.reshape(-1) if flat else a

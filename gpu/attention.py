@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from raggedspec.gpu._common import neg_inf_where
@@ -176,12 +177,12 @@ def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | N
     b, _, t_q, d = q.shape
     dev, cd = q.device, _compute_dtype(q.dtype)
     lens = kv.lens
-    short = lens < t_q
-    if bool(short.any()):
-        i = int(short.nonzero()[0, 0])
-        raise MaskRefusal(f"{t_q} query rows against only {int(lens[i])} keys")
+    host = kv.host_lens()  # decided on the host copy of the lengths: no device read
+    short = np.flatnonzero(host < t_q)
+    if short.size:
+        raise MaskRefusal(f"{t_q} query rows against only {int(host[short[0]])} keys")
     window = max(sliding_window, 1)
-    top = int(lens.max())
+    top = int(host.max())
     keep = min(t_q + window - 1, top)
     cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]         # [B, keep]
     index = cols.clamp(min=0)[:, None, :, None].expand(b, 1, keep, d)
@@ -192,7 +193,7 @@ def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | N
     if is_standard_layer(compress_ratio) or compressed_kv is None:
         valid, k_all, v_all = raw, k_raw, v_raw
     else:
-        comp = compressed_validity(t_q, lens - t_q, compressed_kv.shape[2], compress_ratio)
+        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev)
         valid = torch.cat([raw, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)

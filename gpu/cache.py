@@ -31,8 +31,7 @@ bookkeeping (a port cache is one `RaggedKv` per layer, all sharing `lens`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
 from raggedspec.gpu._common import as_list, lengths
@@ -40,29 +39,66 @@ from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
 from raggedspec.reference.errors import CacheRefusal, require
 
 
-@dataclass
 class RaggedKv:
     """K/V buffers `[B, H, capacity, D]` (V may have its own last dim) and own lengths
-    `lens [B]`. Invariant: `0 <= lens[i] <= capacity`; row i's position p at column p."""
+    `lens [B]`. Invariant: `0 <= lens[i] <= capacity`; row i's position p at column p.
 
-    k: torch.Tensor
-    v: torch.Tensor
-    lens: torch.Tensor
-    max_seq_len: int
+    The lengths live on the device (`lens`, what kernels index with) and, whenever they were
+    set from host integers, also on the host (`host_lens()`): the step path decides growth,
+    windows and refusals on the host copy, so it reads the device only when a length was
+    computed there (then once, and the copy is kept). Assigning `lens` a tensor forgets the
+    host copy; assigning host integers keeps both."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, lens, max_seq_len: int) -> None:
+        """Lengths given as host integers (a list or NumPy array) are checked on the host and
+        copied to the device once; a device tensor is checked by reading it (a constructor's
+        check, off the step path)."""
+        self.k, self.v, self.max_seq_len = k, v, max_seq_len
         require(self.k.dim() == 4 and self.v.dim() == 4 and self.k.shape[:3] == self.v.shape[:3],
                 f"k {list(self.k.shape)} and v {list(self.v.shape)} must be [B,H,capacity,*]")
-        self.lens = lengths(self.lens, device=self.k.device, name="lens")
-        require(self.lens.numel() == self.k.shape[0],
-                f"{self.lens.numel()} lengths for {self.k.shape[0]} rows")
-        require(not bool((self.lens < 0).any() or (self.lens > self.capacity).any()),
-                f"lens {as_list(self.lens)} must lie in [0, capacity {self.capacity}]")
+        if not isinstance(lens, torch.Tensor):
+            host = np.asarray(lens, dtype=np.int64).reshape(-1)
+            if host.size != self.k.shape[0]:
+                raise ValueError(f"{host.size} lengths for {self.k.shape[0]} rows")
+            if host.size and (host.min() < 0 or host.max() > self.capacity):
+                raise ValueError(f"lens {host.tolist()} must lie in [0, capacity {self.capacity}]")
+            self.lens = host
+            return
+        lens = lengths(lens, device=self.k.device, name="lens")
+        require(lens.numel() == self.k.shape[0], f"{lens.numel()} lengths for {self.k.shape[0]} rows")
+        require(not bool((lens < 0).any() or (lens > self.capacity).any()),
+                f"lens {as_list(lens)} must lie in [0, capacity {self.capacity}]")
+        self.lens = lens
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self._lens
+
+    @lens.setter
+    def lens(self, value) -> None:
+        if isinstance(value, torch.Tensor):
+            self._lens, self._host = value, None
+        else:
+            self._host = np.array(value, dtype=np.int64).reshape(-1)
+            self._lens = torch.from_numpy(self._host.copy()).to(self.k.device)
+
+    def host_lens(self) -> np.ndarray:
+        """The lengths as host integers (read from the device once if they were computed
+        there). The caller must not modify the array."""
+        if self._host is None:
+            self._host = np.asarray(self._lens.tolist(), dtype=np.int64).reshape(-1)
+        return self._host
+
+    def set_row_len(self, row: int, n: int) -> None:
+        """Row `row`'s length to `n` (host and device)."""
+        host = self.host_lens().copy()
+        host[row] = n
+        self.lens = host
 
     @staticmethod
     def empty(b: int, heads: int, dim: int, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY,
               dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
-              v_dim: int | None = None) -> "RaggedKv":
+              v_dim: int | None = None) -> RaggedKv:
         """B empty rows of `capacity` zero columns."""
         k = torch.zeros((b, heads, capacity, dim), dtype=dtype, device=device)
         v = torch.zeros((b, heads, capacity, dim if v_dim is None else v_dim), dtype=dtype, device=device)
@@ -70,7 +106,7 @@ class RaggedKv:
 
     @staticmethod
     def from_rows(ks: list[torch.Tensor], vs: list[torch.Tensor], max_seq_len: int,
-                  capacity: int | None = None) -> "RaggedKv":
+                  capacity: int | None = None) -> RaggedKv:
         """Rows `ks[i] [H, n_i, D]` (and `vs[i]`) placed at column 0 of one buffer of width
         `capacity` (default: the smallest `512 + k*512` holding the longest row). A
         constructor (not a hot path): it loops over the rows once."""
@@ -119,6 +155,8 @@ class RaggedKv:
         per buffer) and advance `lens` by t. `rows` (int64 `[B']`, distinct) restricts the
         append to a subset of rows (a draft group), in place in the shared buffers.
         Refusals: capacity growth above `max_seq_len` (CacheRefusal), before any write."""
+        host_rows = None if rows is None or isinstance(rows, torch.Tensor) else \
+            np.asarray(rows, dtype=np.int64).reshape(-1)
         idx = torch.arange(self.batch, device=self.k.device) if rows is None \
             else lengths(rows, device=self.k.device, name="rows")
         require(k_new.dim() == 4 and v_new.dim() == 4 and k_new.shape[0] == idx.numel()
@@ -129,19 +167,45 @@ class RaggedKv:
         t = k_new.shape[2]
         if t == 0 or idx.numel() == 0:
             return
-        start = self.lens[idx]
-        self._grow_to(int(start.max()) + t)
+        known = self._host is not None and (rows is None or host_rows is not None)
+        if known:
+            host_start = self._host if rows is None else self._host[host_rows]
+            self._grow_to(int(host_start.max()) + t)
+            start = self._lens if rows is None else self._lens[idx]
+        else:
+            start = self.lens[idx]
+            self._grow_to(int(start.max()) + t)
         cols = start[:, None] + torch.arange(t, device=self.k.device)[None, :]      # [B', t]
         r = idx[:, None].expand(-1, t)
         # one advanced-index write per buffer: [B', t] (row, column) pairs, all heads at once
         self.k.permute(0, 2, 1, 3)[r, cols] = k_new.to(self.k.dtype).permute(0, 2, 1, 3)
         self.v.permute(0, 2, 1, 3)[r, cols] = v_new.to(self.v.dtype).permute(0, 2, 1, 3)
-        self.lens = self.lens.index_add(0, idx, torch.full_like(idx, t))
+        if known:
+            host = self._host.copy()
+            if rows is None:
+                host += t
+            else:
+                np.add.at(host, host_rows, t)
+            self._lens, self._host = self._lens.index_add(0, idx, torch.full_like(idx, t)), host
+        else:
+            self.lens = self.lens.index_add(0, idx, torch.full_like(idx, t))
 
     def set_len(self, lens) -> None:
         """Per-row lengths (grow into slack or shrink); no tensor data is touched. Refused
         (CacheRefusal, first offending row's value named as `SingleCache.try_set_len`
         names it) past the capacity. ValueError on a wrong count or a negative length."""
+        if not isinstance(lens, torch.Tensor):  # host integers: checked on the host
+            host = np.asarray(lens, dtype=np.int64).reshape(-1)
+            if host.size != self.batch:
+                raise ValueError(f"{host.size} lengths for a batch of {self.batch}")
+            if (host < 0).any():
+                raise ValueError(f"set_len lengths {host.tolist()} must be >= 0")
+            over = np.flatnonzero(host > self.capacity)
+            if over.size:
+                raise CacheRefusal(f"set_len({int(host[over[0]])}) exceeds current capacity {self.capacity} "
+                                   f"(first cached 0)")
+            self.lens = host
+            return
         lens = lengths(lens, device=self.k.device, name="lens")
         require(lens.numel() == self.batch, f"{lens.numel()} lengths for a batch of {self.batch}")
         require(not bool((lens < 0).any()), f"set_len lengths {as_list(lens)} must be >= 0")
@@ -155,6 +219,9 @@ class RaggedKv:
     def truncate_by(self, n_drop) -> None:
         """Cohort rollback (`truncate_cache_by`): every row `sat(lens - n_drop)`; `n_drop`
         an int or a 0-dim tensor (e.g. `gpu.step.plan_batch_step(...).n_drop`, no host read)."""
+        if isinstance(n_drop, int) and self._host is not None:
+            self.lens = np.maximum(self._host - n_drop, 0)
+            return
         n = torch.as_tensor(n_drop, dtype=torch.int64, device=self.k.device)
         require(n.dim() == 0, f"n_drop must be a scalar, got shape {list(n.shape)}")
         self.lens = (self.lens - n).clamp(min=0)
@@ -168,8 +235,9 @@ class RaggedKv:
         require(not bool((c < 0).any() or (m < 0).any()), "cache_lens and committed must be >= 0")
         self.set_len(c + m)
 
-    def clone(self) -> "RaggedKv":
-        return RaggedKv(self.k.clone(), self.v.clone(), self.lens.clone(), self.max_seq_len)
+    def clone(self) -> RaggedKv:
+        return RaggedKv(self.k.clone(), self.v.clone(), self._lens.clone() if self._host is None else self._host,
+                        self.max_seq_len)
 
 
 def chunk_sizes(n: int, g: int) -> list[int]:

@@ -35,7 +35,8 @@ import torch
 from raggedspec.gpu import cupy_kernels as ck
 from raggedspec.gpu import kernel_emulator
 from raggedspec.gpu._common import lengths
-from raggedspec.gpu.backend import TorchBackend, TorchKv
+from raggedspec.gpu.backend import TorchBackend
+from raggedspec.gpu.slots import TorchKv
 from raggedspec.gpu.model import dsv4_attention_rows
 from raggedspec.gpu.rope import _check_x
 from raggedspec.reference.errors import require

@@ -2,48 +2,36 @@
 
 Layout: the draft KV of every sequence lives in ONE `gpu.cache.RaggedKv` pool
 `[S, 1, capacity, head_dim]` with per-row lengths (row = sequence slot, its own positions
-start-anchored at column 0), plus a `filled [S]` int64 vector (`DraftPool`). A draft group
-is an index vector `rows` into the pool, so nothing is batched, front-aligned, split or
-stripped by copying:
+start-anchored at column 0; `gpu.draft_store.DraftStore`). A draft group is a row-index vector into
+the pool, so nothing is batched, front-aligned, split or stripped by copying: the group loop
+(`raggedspec.gpu.backend.TorchBackend.draft_chain`, the reference's membership, alignment arithmetic and
+warnings on host integers) sets the group rows' lengths to their chain starts, then
 
-- `align_draft_rows` is `front_align_draft_group` (same AlignRefusals): it sets the group
-  rows' lengths to their chain starts (the speculative tail is dropped by length);
 - `propose_chain_batched` runs one batched MTP step per chain step for the whole group
   (no loop over rows): the scalar step (`forward_step`, one position, `[1, T]` RoPE table)
   when `resolve_ragged_chain_starts` says the group is uniform, the per-row step
   (`forward_step_rows`, `[G, T]` table) otherwise; every row's new entry is written at
   its own offset; the attention gathers only the group rows' windows;
-- `write_back_draft_rows` is the group loop's write-back: `filled = start + 1`; the held
-  length is already `start + n` (the reference reaches it by `split_draft_cache` +
-  `drop_dead_prefix`);
 - `extend_draft_kv_rows` is `extend_draft_kv_row`'s tensor side for a batch of rows whose
   `(lo, hi)` differ: one fuse + key projection over `[R, max(hi - lo)]` pairs, one masked
-  scatter at each row's own positions `lo ..`; `plan_draft_extension` is its index
-  arithmetic (checks 8-10 of the reference) on vectors.
+  scatter at each row's own positions `lo ..`.
 
 The MTP layer's K (== V) is token-local (`kv_norm(attn_norm(fused) @ wkv)` rotated at its
 position), so extending the draft KV needs no attention: the reference runs the layer's
-forward and discards its output; only the appended K/V are kept.
-
-Not ported (host bookkeeping, no tensor side): `DraftKv`/`DraftKvMap` (the map, LRU,
-poisoning, seeds), `group_drafting_loop`'s membership and warnings, `prime_draft_kv`,
-`propose_chain` (a one-row `propose_chain_batched`). Known divergence: a uniform group under
-per-sequence advance takes the reference's `batch_draft_caches`, which refuses members
-whose held lengths or capacities differ (a candle concat artifact); the pool batches any
-group, so `run_draft_group` replicates only the held-length part of that check.
+forward and discards its output; only the appended K/V are kept. Positions, starts, rows and
+the extension plan arrive as host integers; the device is read once per chain (its tokens).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
-from raggedspec.gpu._common import as_list, lengths
+from raggedspec.gpu._common import host_ints
 from raggedspec.gpu.cache import RaggedKv
-from raggedspec.gpu.dispatch import resolve_draft_leads, resolve_ragged_chain_starts
 from raggedspec.gpu.rope import rotate
-from raggedspec.reference.errors import AlignRefusal, CacheRefusal, StepRefusal, require
+from raggedspec.reference.dispatch import resolve_ragged_chain_starts
+from raggedspec.reference.errors import CacheRefusal, StepRefusal, require
 
 draft_chain_stats = {"scalar": 0, "per_row": 0}
 """Chain steps taken by `propose_chain_batched`: "scalar" (`forward_step`, one shared
@@ -60,44 +48,6 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     documented tie rule on CPU and CUDA, as `reference.draft.argmax_token`)."""
     require(logits.dim() >= 1 and logits.shape[-1] > 0, f"logits shape {list(logits.shape)} must be [..., V], V >= 1")
     return logits.argmax(dim=-1)
-
-
-@dataclass
-class DraftPool:
-    """The draft KV of S sequences: `kv` (`RaggedKv [S,1,cap,hd]`, row s's held length
-    `kv.lens[s]`) and `filled [S]` (committed slots `0..filled`). Invariant (as
-    `DraftKv`): `filled <= held` after every write-back."""
-
-    kv: RaggedKv
-    filled: torch.Tensor
-
-    @staticmethod
-    def empty(block, slots: int, capacity: int | None = None) -> "DraftPool":
-        kv = block.new_draft_cache(slots) if capacity is None else block.new_draft_cache(slots, capacity)
-        return DraftPool(kv, torch.zeros(slots, dtype=torch.int64, device=kv.k.device))
-
-
-def align_draft_rows(kv: RaggedKv, rows, starts) -> None:
-    """`front_align_draft_group` on the pool: the group rows `rows` get lengths `starts`
-    (in place, shared buffers; the speculative tail past a start is dropped by length).
-    Refused (AlignRefusal, the reference's messages; draft row r = group index r) before
-    anything changes: "{n} cache(s) for {m} chain start(s)"; no rows; "chain start {s} is
-    past the {held} position(s) draft row {r} holds". ValueError on a negative start or
-    repeated rows."""
-    rows = lengths(rows, device=kv.k.device, name="rows")
-    starts = lengths(starts, device=kv.k.device, name="starts")
-    require(not bool((starts < 0).any()), f"chain starts {as_list(starts)} must be >= 0")
-    if rows.numel() != starts.numel():
-        raise AlignRefusal(f"{rows.numel()} cache(s) for {starts.numel()} chain start(s)")
-    if rows.numel() == 0:
-        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
-    require(torch.unique(rows).numel() == rows.numel(), f"draft rows {as_list(rows)} must be distinct")
-    held = kv.lens[rows]
-    past = starts > held
-    if bool(past.any()):
-        r = int(past.nonzero()[0, 0])
-        raise AlignRefusal(f"chain start {int(starts[r])} is past the {int(held[r])} position(s) draft row {r} holds")
-    kv.lens = kv.lens.index_copy(0, rows, starts)
 
 
 def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int, chain_starts, cache: RaggedKv | None,
@@ -120,16 +70,22 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
     dev = model.device
     if n == 0 or g == 0:
         return torch.zeros((g, 0), dtype=torch.int64, device=dev)
-    starts = lengths(chain_starts, device=dev, name="chain_starts")
-    if starts.numel() != g:
-        raise StepRefusal(f"{starts.numel()} chain start(s) for a draft group of {g} row(s): {as_list(starts)}")
+    starts = host_ints(chain_starts)
+    if starts.size != g:
+        raise StepRefusal(f"{starts.size} chain start(s) for a draft group of {g} row(s): {starts.tolist()}")
     block = model.mtp
     if block is not None and cache is None:
         raise StepRefusal(f"the MTP block cannot draft without a draft KV cache (group of {g}, "
-                          f"starts {as_list(starts)})")
-    toks = torch.as_tensor(last_tokens, dtype=torch.int64, device=dev).reshape(-1)
-    require(toks.numel() == g, f"{toks.numel()} last tokens for a draft group of {g}")
-    ragged = resolve_ragged_chain_starts(starts)
+                          f"starts {starts.tolist()})")
+    first = host_ints(last_tokens)
+    require(first.size == g, f"{first.size} last tokens for a draft group of {g}")
+    if first.size and (first.min() < 0 or first.max() >= model.cfg.vocab):
+        raise ValueError(f"tokens must be in [0, {model.cfg.vocab})")
+    toks = torch.from_numpy(first).to(dev)
+    if rows is not None:
+        rows = host_ints(rows)
+    ragged = resolve_ragged_chain_starts(starts.tolist())
+    ragged = None if ragged is None else np.asarray(ragged, dtype=np.int64)
     start_pos = int(starts[0])
     out = torch.empty((g, n), dtype=torch.int64, device=dev)
     prev = seed_hidden.to(device=dev, dtype=model.dtype)
@@ -139,7 +95,7 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
             hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
             logits = hidden @ model.lm_head
         else:
-            fused = block.fuse(prev[:, None, :], toks[:, None])
+            fused = block.fuse_checked(prev[:, None, :], toks[:, None])
             if ragged is None:
                 draft_chain_stats["scalar"] += 1
                 hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
@@ -153,81 +109,6 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
             trace.append(hidden.clone())
         toks, prev = nxt, hidden
     return out
-
-
-def write_back_draft_rows(pool: DraftPool, rows, starts) -> None:
-    """The group loop's write-back: `filled[rows] = starts + 1` (only the chain's first
-    entry, the real context pair, is committed). The rows' held lengths are already
-    `starts + n` (each step appended at the row's own offset): nothing is split or stripped."""
-    rows = lengths(rows, device=pool.filled.device, name="rows")
-    starts = lengths(starts, device=pool.filled.device, name="starts")
-    require(rows.numel() == starts.numel(), f"{rows.numel()} rows for {starts.numel()} starts")
-    pool.filled = pool.filled.index_copy(0, rows, starts + 1)
-
-
-def run_draft_group(model, pool: DraftPool, rows, seed_hidden: torch.Tensor, last_tokens, n: int, starts,
-                    per_seq_advance: bool, trace: list | None = None) -> torch.Tensor | None:
-    """One draft group of the group loop, tensor side: alignment, chain, write-back.
-    `resolve_draft_leads(per_seq_advance, starts)` None (uniform starts, or the flag off)
-    -> every member must hold the same length (the reference's `batch_draft_caches`; None
-    = group skipped) and the rows are set to `starts[0]`; else `align_draft_rows` (its
-    AlignRefusal propagates: the caller warns and skips). Then `propose_chain_batched` on
-    the pool rows (errors propagate) and `write_back_draft_rows`. Returns `[G, n]` or None."""
-    rows = lengths(rows, device=pool.kv.k.device, name="rows")
-    starts = lengths(starts, device=pool.kv.k.device, name="starts")
-    if model.mtp is None:
-        return propose_chain_batched(model, seed_hidden, last_tokens, n, starts, None, trace)
-    leads = resolve_draft_leads(per_seq_advance, starts)
-    if leads is None:
-        held = pool.kv.lens[rows]
-        if bool((held != held[0]).any()):
-            return None
-        if int(starts[0]) > pool.kv.capacity:
-            raise CacheRefusal(f"set_len({int(starts[0])}) exceeds current capacity {pool.kv.capacity} "
-                               f"(first cached 0)")
-        pool.kv.lens = pool.kv.lens.index_copy(0, rows, starts[:1].expand(rows.numel()))
-    else:
-        align_draft_rows(pool.kv, rows, starts)
-    chains = propose_chain_batched(model, seed_hidden, last_tokens, n, starts, pool.kv, trace, rows)
-    write_back_draft_rows(pool, rows, starts)
-    return chains
-
-
-# --- extend_draft_kv_row, tensor side ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DraftExtensionPlan:
-    """Per row (int64 / bool `[R]`): `contiguous` (`off <= filled`, else the reference
-    returns False), `lo = max(filled, off)`, `hi = min(off + T, sat(L - 1))`, `write`
-    (`contiguous and hi > lo`), `has_seed` (`L >= 2 and off <= L - 2 < off + T`) and
-    `seed_index = L - 2 - off` (the captured column of the new seed, valid where has_seed)."""
-
-    contiguous: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-    write: torch.Tensor
-    has_seed: torch.Tensor
-    seed_index: torch.Tensor
-
-
-def plan_draft_extension(filled, off, t: int, big_l) -> DraftExtensionPlan:
-    """Checks 8-10 of `extend_draft_kv_row` for every row at once (elementwise, no host
-    read): `filled`, `off` (the capture's per-row offset), `big_l` (committed tokens) int64
-    `[R]`, `t` the capture's width. ValueError on negative inputs or unequal lengths."""
-    filled = lengths(filled, name="filled")
-    off = lengths(off, device=filled.device, name="off")
-    big_l = lengths(big_l, device=filled.device, name="big_l")
-    require(filled.numel() == off.numel() == big_l.numel(),
-            f"filled ({filled.numel()}), off ({off.numel()}) and L ({big_l.numel()}) must have one entry per row")
-    require(t >= 0 and not bool((filled < 0).any() or (off < 0).any() or (big_l < 0).any()),
-            "filled, off, L and t must be >= 0")
-    contiguous = off <= filled
-    lo = torch.maximum(filled, off)
-    hi = torch.minimum(off + t, (big_l - 1).clamp(min=0))
-    p = big_l - 2
-    has_seed = contiguous & (big_l >= 2) & (off <= p) & (p < off + t)
-    return DraftExtensionPlan(contiguous, lo, hi, contiguous & (hi > lo), has_seed, p - off)
 
 
 def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi, tokens: torch.Tensor,
@@ -246,54 +127,72 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     over `[R, max(hi - lo)]`, one masked scatter (only `j < hi - lo` lands; nothing is
     written past a row's `hi`), lengths `= hi`. The K is token-local, so no attention runs.
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
+    if isinstance(tokens, torch.Tensor):
+        bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= block.cfg.vocab)
+    else:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        bad = tokens.size and (tokens.min() < 0 or tokens.max() >= block.cfg.vocab)
+        tokens = torch.from_numpy(tokens)
+    if bad:  # the committed tokens, checked on the host when given there
+        raise ValueError(f"tokens must be in [0, {block.cfg.vocab})")
     dev = kv.k.device
-    off = lengths(off, device=dev, name="off")
-    lo = lengths(lo, device=dev, name="lo")
-    hi = lengths(hi, device=dev, name="hi")
-    r_n = lo.numel()
-    idx = torch.arange(r_n, device=dev) if rows is None else lengths(rows, device=dev, name="rows")
-    require(off.numel() == r_n == hi.numel() == idx.numel() and hidden.dim() == 3 and hidden.shape[0] == r_n
-            and tokens.dim() == 2 and tokens.shape[0] == r_n,
-            f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
-            f"({off.numel()}, {r_n}, {hi.numel()}, {idx.numel()}) must all have one entry per row")
+    host_off, host_lo, host_hi = host_ints(off), host_ints(lo), host_ints(hi)  # the plan: host integers
+    host_idx = np.arange(host_lo.size) if rows is None else host_ints(rows)
+    r_n = host_lo.size
+    if not (host_off.size == r_n == host_hi.size == host_idx.size and hidden.dim() == 3 and hidden.shape[0] == r_n
+            and tokens.dim() == 2 and tokens.shape[0] == r_n):
+        raise ValueError(f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
+                         f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry per row")
     hidden, tokens = hidden.to(dev), tokens.to(device=dev, dtype=torch.int64)
-    n = (hi - lo).clamp(min=0)
+    host_n = np.maximum(host_hi - host_lo, 0)
     if write is not None:
-        write = torch.as_tensor(write, dtype=torch.bool, device=dev).reshape(-1)
-        require(write.numel() == r_n, f"write mask of {write.numel()} for {r_n} rows")
-        n = torch.where(write, n, torch.zeros_like(n))
-    write = n > 0
-    if not bool(write.any()):
+        host_write = host_ints(write).astype(bool)
+        require(host_write.size == r_n, f"write mask of {host_write.size} for {r_n} rows")
+        host_n = np.where(host_write, host_n, 0)
+    host_write = host_n > 0
+    if not host_write.any():
         return
     t_cap = hidden.shape[1]
-    require(not bool((write & ((lo < off) | (hi > off + t_cap) | (hi + 1 > tokens.shape[1]))).any()),
-            f"extension spans lo {as_list(lo)}, hi {as_list(hi)} lie outside the capture (off {as_list(off)}, "
-            f"T {t_cap}) or the tokens ({tokens.shape[1]})")
-    over = write & (lo > kv.capacity)
-    if bool(over.any()):
-        r = int(over.nonzero()[0, 0])
-        raise CacheRefusal(f"MTP draft KV truncate to {int(lo[r])} failed: set_len({int(lo[r])}) exceeds "
+    outside = host_write & ((host_lo < host_off) | (host_hi > host_off + t_cap) | (host_hi + 1 > tokens.shape[1]))
+    if outside.any():
+        raise ValueError(f"extension spans lo {host_lo.tolist()}, hi {host_hi.tolist()} lie outside the capture "
+                         f"(off {host_off.tolist()}, T {t_cap}) or the tokens ({tokens.shape[1]})")
+    over = np.flatnonzero(host_write & (host_lo > kv.capacity))
+    if over.size:
+        bad = int(host_lo[over[0]])
+        raise CacheRefusal(f"MTP draft KV truncate to {bad} failed: set_len({bad}) exceeds "
                            f"current capacity {kv.capacity} (first cached 0)")
-    kv._grow_to(int(hi[write].max()))            # refused (above max_seq_len) before any change
-    kv.lens = kv.lens.index_copy(0, idx[write], lo[write])
-    width = int(n.max())
+    kv._grow_to(int(host_hi[host_write].max()))            # refused (above max_seq_len) before any change
+    held = kv.host_lens().copy()
+    held[host_idx[host_write]] = host_lo[host_write]
+    kv.lens = held
+    width = int(host_n.max())
+    off, lo = torch.from_numpy(host_off).to(dev), torch.from_numpy(host_lo).to(dev)
+    n, idx = torch.from_numpy(host_n).to(dev), torch.from_numpy(host_idx).to(dev)
     j = torch.arange(width, device=dev)[None, :]
     valid = j < n[:, None]                                                         # [R, width]
     src = (lo - off)[:, None] + j
     h = hidden.gather(1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2]))
     nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
-    fused = block.fuse(h.to(block.dtype), nxt)
+    fused = block.fuse_checked(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
     pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
-    cos, sin = layer.ropes.get(layer.theta, int(pos.max()) + 1).lookup(pos)
+    top = int((host_lo + np.maximum(host_n - 1, 0)).max())
+    cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos, top)
     k = rotate(layer.key(fused)[:, 0], cos, sin, cfg.rope_dims)                    # [R, width, hd]
     rr = idx[:, None].expand(-1, width)[valid]
     cc = pos[valid]
     kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.k.dtype)
     kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.v.dtype)
-    kv.lens = kv.lens.index_copy(0, idx[write], hi[write])
+    held = held.copy()
+    held[host_idx[host_write]] = host_hi[host_write]
+    kv.lens = held
 
 
-__all__ = ["draft_chain_stats", "reset_draft_chain_stats", "argmax_tokens", "DraftPool", "align_draft_rows",
-           "propose_chain_batched", "write_back_draft_rows", "run_draft_group", "DraftExtensionPlan",
-           "plan_draft_extension", "extend_draft_kv_rows"]
+__all__ = [
+    "argmax_tokens",
+    "draft_chain_stats",
+    "extend_draft_kv_rows",
+    "propose_chain_batched",
+    "reset_draft_chain_stats",
+]

@@ -15,6 +15,7 @@ the port module is complete.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from raggedspec.gpu._common import as_list, lengths, neg_inf_where
@@ -48,9 +49,11 @@ def compressed_validity(t_q: int, q0, t_c: int, ratio: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """`bool [t_q, t_c]` (or `[B, t_q, t_c]` for a `[B]` vector `q0`): block b valid iff
     `b < floor((q0 + r + 1) / ratio)`. ValueError on `ratio < 1` with `t_c > 0`."""
+    host = None if isinstance(q0, torch.Tensor) else np.asarray(q0, dtype=np.int64)  # host: checked there
     q0 = torch.as_tensor(q0, dtype=torch.int64, device=device)
-    require(t_q >= 0 and t_c >= 0 and not bool((q0 < 0).any()),
-            f"t_q {t_q}, q0 {as_list(q0.reshape(-1))}, t_c {t_c} must be >= 0")
+    negative = bool((host < 0).any()) if host is not None else bool((q0 < 0).any())
+    if t_q < 0 or t_c < 0 or negative:
+        raise ValueError(f"t_q {t_q}, q0 {as_list(q0.reshape(-1))}, t_c {t_c} must be >= 0")
     if t_c == 0:
         return torch.zeros(q0.shape + (t_q, 0), dtype=torch.bool, device=q0.device)
     require(ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")

@@ -39,13 +39,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import as_list, lengths, neg_inf_where
+from raggedspec.gpu._common import host_ints, lengths, neg_inf_where
 from raggedspec.gpu.attention import attention, dsv4_attention_in_place, is_standard_layer
 from raggedspec.gpu.cache import RaggedKv
-from raggedspec.gpu.dispatch import draft_step_end_column
 from raggedspec.gpu.masks import compressed_validity
 from raggedspec.gpu.rope import RopeTable, apply_rope, rotate
 from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.dispatch import draft_step_end_column
 from raggedspec.reference.errors import DispatchRefusal, MaskRefusal, require
 
 
@@ -113,18 +113,20 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`."""
     if rows is None:
         return dsv4_attention_in_place(q, kv, compressed_kv, compress_ratio, sliding_window, sinks)
+    host_rows = host_ints(rows)
     rows = lengths(rows, device=kv.k.device, name="rows")
-    require(q.dim() == 4 and kv.k.shape[1] == 1 and q.shape[0] == rows.numel() and q.shape[3] == kv.k.shape[3],
-            f"q {list(q.shape)} for rows {rows.numel()} of kv {list(kv.k.shape)}: need [G,H,t_q,D], [B,1,cap,D]")
+    if not (q.dim() == 4 and kv.k.shape[1] == 1 and q.shape[0] == rows.numel() and q.shape[3] == kv.k.shape[3]):
+        raise ValueError(f"q {list(q.shape)} for rows {rows.numel()} of kv {list(kv.k.shape)}: need [G,H,t_q,D], "
+                         f"[B,1,cap,D]")
     g, _, t_q, d = q.shape
     dev, cd = q.device, compute_dtype(q.dtype)
     lens = kv.lens[rows]
-    short = lens < t_q
-    if bool(short.any()):
-        i = int(short.nonzero()[0, 0])
-        raise MaskRefusal(f"{t_q} query rows against only {int(lens[i])} keys")
+    host = kv.host_lens()[host_rows]
+    short = np.flatnonzero(host < t_q)
+    if short.size:
+        raise MaskRefusal(f"{t_q} query rows against only {int(host[short[0]])} keys")
     window = max(sliding_window, 1)
-    keep = min(t_q + window - 1, int(lens.max()))
+    keep = min(t_q + window - 1, int(host.max()))
     cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]          # [G, keep]
     src = cols.clamp(min=0)
     k_raw = _gather_columns(kv.k, rows, src)                                          # [G, 1, keep, D]
@@ -134,7 +136,7 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     valid = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     k_all, v_all = k_raw, v_raw
     if not is_standard_layer(compress_ratio) and compressed_kv is not None:
-        comp = compressed_validity(t_q, lens - t_q, compressed_kv.shape[2], compress_ratio)
+        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev)
         valid = torch.cat([valid, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)
@@ -178,15 +180,17 @@ class DecoderLayer:
         cover slack, never valid for that row: the mask kills them)."""
         cfg, r = self.cfg, self.ratio
         n = torch.div(kv.lens, r, rounding_mode="floor")
-        t_c = int(n.max()) if n.numel() else 0
+        host = kv.host_lens()
+        t_c = int((host // r).max()) if host.size else 0
         if t_c == 0:
             return None
         width = t_c * r
         dev = kv.k.device
-        cos, sin = self.ropes.get(self.theta, width).lookup(torch.arange(width, device=dev))
+        cos, sin = self.ropes.get(self.theta, width).lookup(torch.arange(width, device=dev), width - 1)
         raw = rotate(kv.k[:, :, :width], cos, sin, cfg.rope_dims, inverse=True)
         blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)                              # [B,1,t_c,hd]
-        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r)
+        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r,
+                                                                         (t_c - 1) * r)
         blocks = rotate(blocks, cos, sin, cfg.rope_dims)
         live = (torch.arange(t_c, device=dev)[None, :] < n[:, None])[:, None, :, None]
         return torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
@@ -200,8 +204,13 @@ class DecoderLayer:
         cfg = self.cfg
         b, t, _ = x.shape
         nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
-        lens = kv.lens if rows is None else kv.lens[lengths(rows, device=kv.k.device, name="rows")]
-        offs = lens if offsets is None else lengths(offsets, device=x.device, name="offsets")
+        if rows is not None and isinstance(rows, torch.Tensor):
+            rows = host_ints(rows)
+        held = kv.host_lens() if rows is None else kv.host_lens()[np.asarray(rows, dtype=np.int64)]
+        offs = held if offsets is None else offsets
+        if isinstance(offs, torch.Tensor):
+            offs = host_ints(offs)
+        offs = np.asarray(offs, dtype=np.int64).reshape(-1)
         table = self.ropes.get(self.theta, int(offs.max()) + t)
         h = rms_norm(x, self.attn_norm, eps)
         q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(1, 2), self.q_norm, eps)
@@ -255,6 +264,11 @@ class MtpBlock:
                 f"hidden {tuple(h.shape)} and tokens {tuple(tokens.shape)} disagree (hidden {self.cfg.hidden})")
         require(tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab),
                 f"tokens must be in [0, {self.cfg.vocab})")
+        return self.fuse_checked(h, tokens)
+
+    def fuse_checked(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`fuse` of tokens already known to be in range (the chain's own argmax tokens, or
+        tokens checked on the host): no device read."""
         eps = self.cfg.eps
         return (rms_norm(h, self.hnorm, eps) @ self.heads.h_proj
                 + rms_norm(self.embed[tokens], self.enorm, eps) @ self.heads.e_proj)
@@ -279,16 +293,18 @@ class MtpBlock:
         require(fused.dim() == 3 and fused.shape[2] == self.cfg.hidden,
                 f"fused {tuple(fused.shape)} must be [G,T,{self.cfg.hidden}]")
         g = fused.shape[0]
-        pos = lengths(start_pos, device=cache.k.device, name="start_pos")
-        held = cache.lens if rows is None else cache.lens[lengths(rows, device=cache.k.device, name="rows")]
-        require(held.numel() == g, f"{held.numel()} draft rows for a step of {g}")
-        draft_step_end_column(pos, g, int(held.max()) if held.numel() else 0)
-        off = held != pos
-        if bool(off.any()):
-            r = int(off.nonzero()[0, 0])
+        pos = host_ints(start_pos)
+        if rows is not None:
+            rows = host_ints(rows)
+        held = cache.host_lens() if rows is None else cache.host_lens()[rows]
+        require(held.size == g, f"{held.size} draft rows for a step of {g}")
+        draft_step_end_column(pos.tolist(), g, int(held.max()) if held.size else 0)
+        off = np.flatnonzero(held != pos)
+        if off.size:
+            r = int(off[0])
             raise DispatchRefusal(
                 f"MTP draft KV desync: draft row {r} holds {int(held[r])} entries but its step starts at "
-                f"absolute position {int(pos[r if pos.numel() > 1 else 0])} (start_pos {as_list(pos)})")
+                f"absolute position {int(pos[r if pos.size > 1 else 0])} (start_pos {pos.tolist()})")
         return self.layer.forward(fused, cache, offsets=pos, rows=rows)
 
     def forward_tokens(self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None) -> torch.Tensor:
@@ -355,30 +371,34 @@ class TinyModel:
         reference's "disagrees with the layout"). After the last layer the pre-norm hidden
         is stored with `capture.store_rows(lens, hidden)` when a capture is given.
         Refusals: those of the layers (CacheRefusal on growth, MaskRefusal)."""
+        host_tokens = host_ints(tokens, flat=False)
+        require(host_tokens.ndim == 2 and host_tokens.size > 0,
+                f"tokens {tuple(host_tokens.shape)} must be [B,T], B, T >= 1")
+        if host_tokens.min() < 0 or host_tokens.max() >= self.cfg.vocab:
+            raise ValueError(f"tokens must be in [0, {self.cfg.vocab}), got [{int(host_tokens.min())}, "
+                             f"{int(host_tokens.max())}]")
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
-        require(tokens.dim() == 2 and tokens.numel() > 0, f"tokens {tuple(tokens.shape)} must be [B,T], B, T >= 1")
-        require(int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab,
-                f"tokens must be in [0, {self.cfg.vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
         b, _ = tokens.shape
         require(len(cache) >= self.n_layers, f"cache has {len(cache)} layers for {self.n_layers} layers")
-        lens = cache[0].lens
+        lens = cache[0].host_lens()
         for i, kv in enumerate(cache[: self.n_layers]):
-            require(kv.batch == b and torch.equal(kv.lens, lens),
-                    f"layer {i}'s cache ({kv.batch} rows, lens {as_list(kv.lens)}) disagrees with a batch of "
-                    f"{b} at lens {as_list(lens)}")
+            if kv.batch != b or not np.array_equal(kv.host_lens(), lens):
+                raise ValueError(f"layer {i}'s cache ({kv.batch} rows, lens {kv.host_lens().tolist()}) disagrees "
+                                 f"with a batch of {b} at lens {lens.tolist()}")
         if seqlen_offsets is not None:
-            offs = lengths(seqlen_offsets, device=lens.device, name="seqlen_offsets")
-            require(offs.numel() in (1, b), f"{offs.numel()} seqlen offsets for a batch of {b}")
-            bad = offs != lens
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                raise ValueError(f"row {i}: seqlen offset {int(offs[i if offs.numel() > 1 else 0])} disagrees "
+            offs = host_ints(seqlen_offsets)
+            require(offs.size in (1, b), f"{offs.size} seqlen offsets for a batch of {b}")
+            bad = np.flatnonzero(np.broadcast_to(offs, (b,)) != lens)
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"row {i}: seqlen offset {int(offs[i if offs.size > 1 else 0])} disagrees "
                                  f"with the layout (own length {int(lens[i])})")
+        lens = lens.tolist()
         x = self.embed[tokens]
         for layer, kv in zip(self.layers, cache):
             x = layer.forward(x, kv)
         if capture is not None:
-            capture.store_rows(as_list(lens), x.clone())
+            capture.store_rows(lens, x.clone())
         return Forward(self.logits(x), x)
 
 

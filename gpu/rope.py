@@ -17,6 +17,7 @@ cast once to the working dtype; the rotation runs in the working dtype.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from raggedspec.gpu._common import lengths
@@ -62,11 +63,14 @@ class RopeTable:
         self.cos, self.sin = rope_cos_sin(torch.arange(n_positions, device=device), rope_dims, theta,
                                           dtype, device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos, sin)` at `positions` (any shape), each `[*shape, rope_dims/2]`."""
-        require(positions.numel() == 0 or int(positions.max()) < self.n_positions,
-                f"position {int(positions.max()) if positions.numel() else None} is past the "
-                f"table's {self.n_positions} positions")
+    def lookup(self, positions: torch.Tensor, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` at `positions` (any shape), each `[*shape, rope_dims/2]`. `top`, the
+        largest position when the caller knows it on the host, spares the device read of the
+        range check."""
+        if top is None and positions.numel():
+            top = int(positions.max())
+        if top is not None and top >= self.n_positions:
+            raise ValueError(f"position {top} is past the table's {self.n_positions} positions")
         flat = positions.reshape(-1)
         shape = positions.shape + (self.rope_dims // 2,)
         return (self.cos.index_select(0, flat).reshape(shape),
@@ -102,10 +106,16 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
     length, a negative offset, a bad `rope_dims`."""
     _check_x(x, rope_dims)
     b, _, t, _ = x.shape
+    host = None if isinstance(offsets, torch.Tensor) else np.asarray(offsets, dtype=np.int64).reshape(-1)
     offsets = lengths(offsets, device=x.device, name="offsets")
     require(offsets.numel() in (1, b), f"{offsets.numel()} offsets for a batch of {b} (need 1 or B)")
-    require(not bool((offsets < 0).any()), f"offsets {offsets.tolist()} must be >= 0")
-    shared = uniform_seqlen_offset(offsets)
+    if host is not None:  # host offsets: every check on the host, the device only indexes
+        if host.size and host.min() < 0:
+            raise ValueError(f"offsets {host.tolist()} must be >= 0")
+        shared = int(host[0]) if host.size and (host == host[0]).all() else None
+    else:
+        require(not bool((offsets < 0).any()), f"offsets {offsets.tolist()} must be >= 0")
+        shared = uniform_seqlen_offset(offsets)
     if shared is not None:
         rope_path_stats["uniform"] += 1
         positions = (shared + torch.arange(t, device=x.device))[None, :]
@@ -113,7 +123,8 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
         rope_path_stats["gathered"] += 1
         positions = offsets[:, None] + torch.arange(t, device=x.device)[None, :]
     if table is not None:
-        cos, sin = table.lookup(positions)
+        top = int(host.max()) + t - 1 if host is not None and host.size and t else None
+        cos, sin = table.lookup(positions, top)
     else:
         cos, sin = rope_cos_sin(positions, rope_dims, theta, x.dtype, x.device)
     return rotate(x, cos[:, None], sin[:, None], rope_dims, inverse)

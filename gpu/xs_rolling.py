@@ -43,11 +43,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import as_list, lengths
+from raggedspec.gpu._common import as_list, host_ints, lengths
 from raggedspec.reference.errors import CacheRefusal, require
 from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
 from raggedspec.reference.xs_rolling import XsRolling as RefXsRolling
-from raggedspec.reference.xs_rolling import XsRowPlan
+from raggedspec.reference.xs_rolling import XsRowPlan, rollback_refusal
+from raggedspec.reference.xs_rolling import plan_xs_advance as ref_plan_xs_advance
+
+
+def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:
+    """A length vector as (device tensor, host copy or None when only the device has it)."""
+    if isinstance(value, torch.Tensor):
+        return value, None
+    host = np.array(value, dtype=np.int64).reshape(-1)
+    return torch.from_numpy(host.copy()).to(device), host
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -169,14 +178,43 @@ class XsRolling:
                 f"span {self.span}, window {self.window}, max_seq_len {self.max_seq_len}, batch {batch} out of range")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dim = dim
-        self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        self.base = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.tokens = np.zeros(batch, dtype=np.int64)
+        self.base = np.zeros(batch, dtype=np.int64)
         self.ring: torch.Tensor | None = None
         self.comp: torch.Tensor | None = None
 
+    # --- host copies of the row lengths ----------------------------------------------------
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value) -> None:
+        self._tokens, self._tokens_h = _device_and_host(value, self.device)
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self._base
+
+    @base.setter
+    def base(self, value) -> None:
+        self._base, self._base_h = _device_and_host(value, self.device)
+
+    def host_tokens(self) -> np.ndarray:
+        """`tokens` as host integers (read from the device once if computed there)."""
+        if self._tokens_h is None:
+            self._tokens_h = np.asarray(self._tokens.tolist(), dtype=np.int64).reshape(-1)
+        return self._tokens_h
+
+    def host_base(self) -> np.ndarray:
+        """`base` as host integers (read from the device once if computed there)."""
+        if self._base_h is None:
+            self._base_h = np.asarray(self._base.tolist(), dtype=np.int64).reshape(-1)
+        return self._base_h
+
     # --- conversion (conformance) -------------------------------------------------------
     @staticmethod
-    def from_reference(ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None) -> "XsRolling":
+    def from_reference(ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None) -> XsRolling:
         """The port slot holding the reference slot's state: its end-anchored tail scattered
         into the ring (column c -> `(tokens - W + c) mod W`, one scatter), comp copied."""
         out = XsRolling(ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device)
@@ -218,7 +256,7 @@ class XsRolling:
     @property
     def current_seq_len(self) -> int:
         """`max(tokens)` (0 for an empty batch)."""
-        return int(self.tokens.max()) if self.batch else 0
+        return int(self.host_tokens().max()) if self.batch else 0
 
     @property
     def comp_seq_len(self) -> int:
@@ -256,14 +294,20 @@ class XsRolling:
                 f"hidden width {x_new.shape[2]} differs from the slot's {None if self.ring is None else self.ring.shape[2]}")
         b, t_new, d = x_new.shape
         w, r = self.window, self.ratio
-        plan = plan_xs_advance(self.tokens, self.base, w, t_new, r, self.span, self.margin)
-        over = plan.tokens_after > self.max_seq_len
-        if bool(over.any()):
-            i = int(over.nonzero()[0, 0])
-            raise CacheRefusal(f"xs row {i} would hold {int(plan.tokens_after[i])} tokens, above max_seq_len "
+        # the plan is the reference's, on the host copies of the lengths (no device read)
+        rows = ref_plan_xs_advance(self.host_tokens().tolist(), self.host_base().tolist(), w, t_new, r, self.span,
+                                   self.margin).rows
+        tok_after = np.fromiter((p.tokens_after for p in rows), np.int64, b)
+        over = np.flatnonzero(tok_after > self.max_seq_len)
+        if over.size:
+            i = int(over[0])
+            raise CacheRefusal(f"xs row {i} would hold {int(tok_after[i])} tokens, above max_seq_len "
                                f"{self.max_seq_len}")
+        g_done_h = np.fromiter((p.g_done for p in rows), np.int64, b)
+        take_h = np.fromiter((p.take for p in rows), np.int64, b)
+        base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
         x_new = x_new.to(self.device)
-        g_needed = int(plan.g_target.max()) if b else 0
+        g_needed = int((g_done_h + take_h).max()) if b else 0
         if self.ring is None:
             self.dim = d
             self.ring = torch.zeros((b, w, d), dtype=x_new.dtype, device=self.device)
@@ -271,11 +315,12 @@ class XsRolling:
         if self.comp.shape[1] < g_needed:
             self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
         x_new = x_new.to(self.ring.dtype)
-        take_max = int(plan.take.max()) if b else 0
+        take_max = int(take_h.max()) if b else 0
         dev = self.device
         if take_max > 0:
+            g_done = torch.from_numpy(g_done_h).to(dev)
             j = torch.arange(take_max, device=dev)
-            g = plan.g_done[:, None] + j                                                 # [B, take_max]
+            g = g_done[:, None] + j                                                      # [B, take_max]
             p = (g[:, :, None] * r + torch.arange(r, device=dev)).reshape(b, -1)        # [B, take_max * r]
             fresh = p >= self.tokens[:, None]
             from_new = x_new.gather(1, (p - self.tokens[:, None]).clamp(0, max(t_new - 1, 0))[:, :, None]
@@ -283,78 +328,74 @@ class XsRolling:
             from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
             rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
             blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)   # [B, take_max, D]
-            valid = j[None, :] < plan.take[:, None]
-            rr = torch.arange(b, device=dev)[:, None].expand(-1, take_max)
-            self.comp[rr[valid], g[valid]] = blocks[valid]
+            valid = (j[None, :] < torch.from_numpy(take_h).to(dev)[:, None])[:, :, None]
+            # every (row, g) pair is distinct: write all of them into a buffer wide enough,
+            # the pairs past a row's take with the values they had (no mask-sized index)
+            width = self.comp.shape[1]
+            room = int(g_done_h.max()) + take_max
+            comp = self.comp if room <= width else torch.nn.functional.pad(self.comp, (0, 0, 0, room - width))
+            at = g[:, :, None].expand(-1, -1, d)
+            comp = comp.scatter(1, at, torch.where(valid, blocks, comp.gather(1, at)))
+            self.comp = comp[:, :width]
         keep = min(t_new, w)
         if keep:
             cols = torch.remainder(self.tokens[:, None] + torch.arange(t_new - keep, t_new, device=dev), w)
-            self.ring.scatter_(1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep:])
-        self.tokens = plan.tokens_after
-        self.base = plan.base_after
+            self.ring = self.ring.scatter(1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep:])
+        self.tokens = tok_after
+        self.base = base_after
 
     # --- length setters -----------------------------------------------------------------------
-    def _rollback_refusal(self, lens: torch.Tensor) -> CacheRefusal | None:
-        """The reference's per-row checks for every row at once; the first offending row's
-        first failing check, with the reference's message."""
-        tok, b = self.tokens, self.base
-        past = lens > tok
-        behind = lens < b
-        resume = resumable_from(lens, self.ratio, self.span)
-        gap = resume < b
-        wide = b + self.window < lens
-        bad = past | behind | gap | wide
-        if not bool(bad.any()):
-            return None
-        i = int(bad.nonzero()[0, 0])
-        n, t, bi = int(lens[i]), int(tok[i]), int(b[i])
-        if bool(past[i]):
-            return CacheRefusal(f"xs row {i}: set length {n} is past the {t} tokens seen")
-        if bool(behind[i]):
-            return CacheRefusal(f"xs row {i}: set length {n} is behind base {bi} (history starts at {bi})")
-        if bool(gap[i]):
-            return CacheRefusal(f"xs row {i}: set length {n} needs resume point {int(resume[i])}, behind base {bi} "
-                                f"(compressor history gap)")
-        return CacheRefusal(f"xs row {i}: base {bi} + window {self.window} < length {n}")
+    def _rollback_refusal(self, lens: np.ndarray) -> CacheRefusal | None:
+        """The reference's per-row checks (`reference.xs_rolling.rollback_refusal`) on the
+        host lengths; the first offending row's first failing check."""
+        tok, base = self.host_tokens(), self.host_base()
+        for i, n in enumerate(lens.tolist()):
+            refusal = rollback_refusal(i, n, int(tok[i]), int(base[i]), self.ratio, self.span, self.window)
+            if refusal is not None:
+                return refusal
+        return None
 
     def set_row_lens(self, lens) -> None:
         """Per-row rollback to `lens[i]` (the per-sequence commit): the reference's refusals,
         before any change; then `tokens = lens`. No data moves (the ring keeps every token
         in `[base, lens)` where it is); `base` and `comp` are kept."""
-        lens = lengths(lens, device=self.device, name="lens")
-        require(lens.numel() == self.batch, f"{lens.numel()} row lengths for a batch of {self.batch}")
-        require(not bool((lens < 0).any()), f"row lengths {as_list(lens)} must be >= 0")
+        lens = host_ints(lens)
+        require(lens.size == self.batch, f"{lens.size} row lengths for a batch of {self.batch}")
+        if (lens < 0).any():
+            raise ValueError(f"row lengths {lens.tolist()} must be >= 0")
         refusal = self._rollback_refusal(lens)
         if refusal is not None:
             raise refusal
-        self.tokens = lens.clone()
+        self.tokens = lens.copy()
 
     def try_set_len(self, length: int) -> None:
         """Check a uniform `set_len(length)`: "non-uniform" rows refused first, then the
         per-row checks of `set_row_lens`."""
         require(length >= 0, f"set_len length {length} must be >= 0")
-        if self.batch and bool((self.tokens != self.tokens[0]).any()):
-            raise CacheRefusal(f"xs set_len({length}) refused: non-uniform rows with tokens {as_list(self.tokens)}")
-        refusal = self._rollback_refusal(torch.full_like(self.tokens, int(length)))
+        tok = self.host_tokens()
+        if self.batch and (tok != tok[0]).any():
+            raise CacheRefusal(f"xs set_len({length}) refused: non-uniform rows with tokens {tok.tolist()}")
+        refusal = self._rollback_refusal(np.full(self.batch, int(length), dtype=np.int64))
         if refusal is not None:
             raise refusal
 
     def set_len(self, length: int) -> None:
         """Uniform rollback: `try_set_len`, then `set_row_lens([length] * B)`."""
         self.try_set_len(length)
-        self.set_row_lens(torch.full_like(self.tokens, int(length)))
+        self.set_row_lens(np.full(self.batch, int(length), dtype=np.int64))
 
     def reset(self) -> None:
         """tokens = base = 0; buffers dropped."""
-        self.tokens = torch.zeros_like(self.tokens)
-        self.base = torch.zeros_like(self.base)
+        self.tokens = np.zeros(self.batch, dtype=np.int64)
+        self.base = np.zeros(self.batch, dtype=np.int64)
         self.ring = None
         self.comp = None
 
-    def clone(self) -> "XsRolling":
+    def clone(self) -> XsRolling:
         out = XsRolling(self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin,
                         self.device)
-        out.tokens, out.base = self.tokens.clone(), self.base.clone()
+        out.tokens = self.host_tokens().copy() if self._tokens_h is not None else self.tokens.clone()
+        out.base = self.host_base().copy() if self._base_h is not None else self.base.clone()
         out.ring = None if self.ring is None else self.ring.clone()
         out.comp = None if self.comp is None else self.comp.clone()
         return out

@@ -124,6 +124,8 @@ def _slot_pad_refusal(slot, target: int, xs_per_seq: bool) -> CacheRefusal | Non
         return None
     if slot.kind != NORMAL:
         return CacheRefusal(f"front_pad to {target}: a {slot.kind} slot cannot be front-padded")
+    if not isinstance(slot, KvCache):  # a port's K/V slot: its own layout, the same refusals
+        return slot.pad_refusal(target)
     require(slot.k.current_seq_len == slot.v.current_seq_len,
             f"K length {slot.k.current_seq_len} and V length {slot.v.current_seq_len} disagree")
     return _front_pad_refusal(slot.k, target) or _front_pad_refusal(slot.v, target)
@@ -139,6 +141,8 @@ def front_pad_kv_cache(slot, target: int, xs_per_seq: bool) -> int:
         raise refusal
     if slot.kind == XS:
         return 0
+    if not isinstance(slot, KvCache):
+        return slot.front_pad(target)
     lead_k = front_pad_single(slot.k, target)
     lead_v = front_pad_single(slot.v, target)
     require(lead_k == lead_v, f"K lead {lead_k} and V lead {lead_v} disagree")
@@ -151,6 +155,8 @@ def _dead_prefix_refusal(slot, lead: int) -> CacheRefusal | None:
         return None
     if slot.kind != NORMAL:
         return CacheRefusal(f"cannot drop a {lead}-column dead prefix from a {slot.kind} slot")
+    if not isinstance(slot, KvCache):
+        return slot.drop_refusal(lead)
     return _drop_front_refusal(slot.k, lead) or _drop_front_refusal(slot.v, lead)
 
 
@@ -163,6 +169,9 @@ def drop_dead_prefix(slot, lead: int) -> None:
     if refusal is not None:
         raise refusal
     if slot.kind == XS or lead == 0:
+        return
+    if not isinstance(slot, KvCache):
+        slot.drop_front(lead)
         return
     drop_front_single(slot.k, lead)
     drop_front_single(slot.v, lead)
@@ -359,7 +368,8 @@ def _stack_layer(slots: list, layer: int, xs_per_seq: bool):
     return OtherSlot(kind, slots[0].current_seq_len)
 
 
-def clone_in_cache(caches: list[NormalCache], pending_leads: list[int], xs_per_seq: bool) -> CloneIn:
+def clone_in_cache(caches: list[NormalCache], pending_leads: list[int], xs_per_seq: bool,
+                   stack_layer=None) -> CloneIn:
     """Assemble per-sequence caches into one batched cache (the lazy-strip policy, §5.2).
 
     In order: (1) strip each sequence's pending lead (`drop_dead_prefix` on every slot;
@@ -371,7 +381,8 @@ def clone_in_cache(caches: list[NormalCache], pending_leads: list[int], xs_per_s
     the flag off), other kinds as a length record. The batched current is `seqs[0]`'s.
     Mutates the per-sequence caches (strip, alignment) as the engine does; a pending strip
     that some slot refuses is refused (CacheRefusal naming sequence and slot) before any
-    slot is stripped."""
+    slot is stripped. `stack_layer(slots, layer, xs_per_seq)` builds step (5)'s batched slot
+    (default the reference's; a port passes its own layout's, every check above is shared)."""
     require(len(caches) > 0, "clone_in_cache needs at least one sequence")
     _strip_pending(caches, pending_leads)
     can = batch_can_be_ragged(caches, xs_per_seq)
@@ -381,13 +392,14 @@ def clone_in_cache(caches: list[NormalCache], pending_leads: list[int], xs_per_s
         lead_pad = front_align_batch(caches, xs_per_seq)
     ensure_uniform_batch_cache_lens(caches, xs_per_seq)
     n_layers = len(caches[0].slots)
-    batched = NormalCache([_stack_layer([c.slots[layer] for c in caches], layer, xs_per_seq)
+    stack = _stack_layer if stack_layer is None else stack_layer
+    batched = NormalCache([stack([c.slots[layer] for c in caches], layer, xs_per_seq)
                            for layer in range(n_layers)], caches[0].paged)
     return CloneIn(batched, lead_pad, can)
 
 
 def clone_in_cache_reporting_lead(caches: list[NormalCache], pending_leads: list[int], xs_per_seq: bool,
-                                  per_sequence: bool) -> CloneIn:
+                                  per_sequence: bool, stack_layer=None) -> CloneIn:
     """The MTP pipeline's `In` (eager policy, §5.4): strip pending leads; under PerSequence run
     `front_align_batch` BEFORE `clone_in_cache` (its refusal propagates) and report those
     leads (all 0 for a uniform batch); otherwise report all-0 leads. Internals unspecified
@@ -396,7 +408,7 @@ def clone_in_cache_reporting_lead(caches: list[NormalCache], pending_leads: list
     rather than zeros, since a zero lead on a padded row would be an unmasked dead prefix."""
     _strip_pending(caches, pending_leads)
     leads = front_align_batch(caches, xs_per_seq) if per_sequence else None
-    inner = clone_in_cache(caches, [], xs_per_seq)
+    inner = clone_in_cache(caches, [], xs_per_seq, stack_layer)
     if leads is None:
         leads = inner.lead_pad if inner.lead_pad is not None else [0] * len(caches)
     return CloneIn(inner.batched, leads, inner.ragged_decode_supported)

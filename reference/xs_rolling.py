@@ -66,6 +66,26 @@ def resumable_from(length: int, ratio: int, span: int) -> int:
     return max(0, length // ratio + 1 - span) * ratio
 
 
+def rollback_refusal(i: int, length: int, tokens: int, base: int, ratio: int, span: int,
+                     window: int) -> CacheRefusal | None:
+    """Why row `i` (holding `tokens`, history from `base`) cannot be set to `length`, or None:
+    past the tokens seen, behind base, a resume point (`resumable_from`) behind base, or
+    `base + window < length`, checked in that order. Host integers only; the one rule every
+    XsRolling layout (the reference's tail, a port's ring) refuses by."""
+    if length > tokens:
+        return CacheRefusal(f"xs row {i}: set length {length} is past the {tokens} tokens seen")
+    if length < base:
+        return CacheRefusal(f"xs row {i}: set length {length} is behind base {base} (history starts at {base})")
+    resume = resumable_from(length, ratio, span)
+    if resume < base:
+        return CacheRefusal(
+            f"xs row {i}: set length {length} needs resume point {resume}, behind base {base} "
+            f"(compressor history gap)")
+    if base + window < length:
+        return CacheRefusal(f"xs row {i}: base {base} + window {window} < length {length}")
+    return None
+
+
 @dataclass(frozen=True)
 class XsRowPlan:
     """One row's advance. `take` new compressed rows are written at `dest = g_done`, taken
@@ -247,19 +267,7 @@ class XsRolling:
 
     # --- length setters ------------------------------------------------------------------
     def _rollback_refusal(self, i: int, length: int) -> CacheRefusal | None:
-        tok, b = self.tokens[i], self.base[i]
-        if length > tok:
-            return CacheRefusal(f"xs row {i}: set length {length} is past the {tok} tokens seen")
-        if length < b:
-            return CacheRefusal(f"xs row {i}: set length {length} is behind base {b} (history starts at {b})")
-        resume = resumable_from(length, self.ratio, self.span)
-        if resume < b:
-            return CacheRefusal(
-                f"xs row {i}: set length {length} needs resume point {resume}, behind base {b} "
-                f"(compressor history gap)")
-        if b + self.window < length:
-            return CacheRefusal(f"xs row {i}: base {b} + window {self.window} < length {length}")
-        return None
+        return rollback_refusal(i, length, self.tokens[i], self.base[i], self.ratio, self.span, self.window)
 
     def set_row_lens(self, lens: list[int]) -> None:
         """Per-row rollback to `lens[i]` tokens (the per-sequence commit). Refused, before
@@ -306,14 +314,14 @@ class XsRolling:
         self.comp = None
 
     # --- batch assembly ------------------------------------------------------------------
-    def clone(self) -> "XsRolling":
+    def clone(self) -> XsRolling:
         """A deep copy."""
         return copy.deepcopy(self)
 
-    def _empty_like(self, batch: int) -> "XsRolling":
+    def _empty_like(self, batch: int) -> XsRolling:
         return XsRolling(self.ratio, self.span, self.window, self.max_seq_len, batch, self.dim, self.margin)
 
-    def split_rows(self) -> list["XsRolling"]:
+    def split_rows(self) -> list[XsRolling]:
         """`split_row` for every row: B one-row slots, each with its own `(tokens, base)`, tail
         (zeros behind base) and compressed rows."""
         out = []
@@ -327,7 +335,7 @@ class XsRolling:
         return out
 
     @staticmethod
-    def stack(rows: list["XsRolling"], reconcile_bases: bool = False) -> "XsRolling":
+    def stack(rows: list[XsRolling], reconcile_bases: bool = False) -> XsRolling:
         """Stack slots along dim 0 with per-row `(tokens, base)`; comp padded with zeros at the
         end to the widest. `reconcile_bases` (the flag-off `reconcile_xs_bases`, unspecified
         upstream) gives every row the batch's largest base, which needs uniform tokens."""

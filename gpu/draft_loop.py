@@ -1,0 +1,335 @@
+"""The torch backend's draft-group loop and draft-KV extension on the pooled draft KV.
+
+`draft_group_loop` is `reference.draft.group_drafting_loop` (same membership, warnings,
+refusals and order) on rows of one `gpu.draft_store.DraftStore`: the reference's batch /
+front-align / set_len / split / strip become host metadata (the same capacity arithmetic and
+refusals, decided before any tensor changes) plus the rows' lengths set to their chain
+starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
+every group's tokens come back in one read. `extend_draft_kvs` is `extend_draft_kv_row` for a
+whole batch: the checks and metadata per row on host integers, then one gather of the new
+seeds and one `gpu.draft.extend_draft_kv_rows`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from raggedspec.gpu.draft import extend_draft_kv_rows, propose_chain_batched
+from raggedspec.gpu.draft_store import PoolKv
+from raggedspec.gpu.slots import KvMeta
+from raggedspec.reference import dispatch
+from raggedspec.reference.dispatch import chain_start_of
+from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal, require
+
+
+def draft_group_loop(
+    be,
+    model,
+    groups: dict,
+    states: list,
+    toks: list,
+    cache_lens: list[int],
+    budgets: list[int],
+    w: int,
+    per_seq_advance: bool,
+    warnings: list | None = None,
+) -> list[list[int]]:
+    """`group_drafting_loop` (same membership, warnings, refusals and order) on the pooled
+    draft KV: a group is the row-index vector of its members' `PoolKv` rows. The
+    reference's batch / front-align / set_len / split / strip become host metadata
+    (the same capacity arithmetic and refusals, decided before any tensor changes) plus
+    one `index_copy` of the rows' lengths to their chain starts; the chain is one
+    `propose_chain_batched` on the pool rows (one batched MTP step per chain step)."""
+    b = len(states)
+    require(
+        len(toks) == b and len(cache_lens) == b and len(budgets) == b,
+        f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
+        f"({len(budgets)}) must have one entry per row",
+    )
+    block = model.mtp
+    drafts: list[list[int]] = [[] for _ in range(b)]
+    warned_empty = False
+    pending = []  # (members, chain tokens on the device) per drafted group
+    for (u, _), rows in groups.items():  # groups: at most w of them (one per uncached count)
+        n_draft = w - u
+        members, seeds, lasts, starts = [], [], [], []
+        for i in rows:  # host membership: per-state metadata (flags, seed positions), no tensor
+            state = states[i]
+            if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
+                continue
+            start = chain_start_of(int(cache_lens[i]), u)
+            if state.seed[0] != start or state.filled < start:
+                continue
+            members.append(i)
+            seeds.append(state.seed[1])
+            lasts.append(int(toks[i][-1]))
+            starts.append(start)
+        if not members:
+            if block is not None and not warned_empty:
+                _warn(
+                    warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)"
+                )
+                warned_empty = True
+            continue
+        seed_hidden = torch.stack(seeds)  # [G, H]: the seeds are per-sequence host records
+        g = len(members)
+        if block is None:
+            chains = be.propose_chain(model, seed_hidden, lasts, n_draft, starts, None)
+            for slot, i in enumerate(members):
+                drafts[i] = chains[slot]
+            continue
+        caches = [states[i].cache for i in members]
+        if any(c is None for c in caches):
+            _warn(warnings, f"draft group {(u, _)}: a member has no draft KV cache; group skipped")
+            continue
+        require(
+            all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
+            "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)",
+        )
+        leads = dispatch.resolve_draft_leads(per_seq_advance, starts)
+        aligned = leads is not None
+        leads = leads if aligned else [0] * g
+        plan = _draft_group_plan(caches, starts, aligned, n_draft, (u, _), warnings)
+        if plan is None:
+            continue
+        entry, cap = plan
+        store = caches[0].store
+        idx = np.fromiter((c.idx for c in caches), np.int64, g)
+        store.reserve(max(max(starts), entry) + n_draft)
+        before = store.kv.host_lens()
+        # the alignment is lengths only: each row its own start (ragged), or the batched
+        # set_len(starts[0]) (uniform path; ragged starts there refuse "desync" in the chain)
+        aligned_lens = before.copy()
+        aligned_lens[idx] = starts if aligned else entry
+        store.kv.lens = aligned_lens
+        try:
+            chains = propose_chain_batched(
+                model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx
+            )
+        except Refusal:
+            store.kv.lens = (
+                before  # the reference refused on a batched copy: the rows are untouched
+            )
+            raise
+        for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
+            c = caches[slot]
+            c.materialized = True
+            c.capacity = cap - leads[slot]  # split (batched metadata) + strip of the row's lead
+            c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
+            states[i].filled = starts[slot] + 1
+        pending.append((members, chains))
+    if pending:  # every group's chain tokens in one device read
+        flat = torch.cat([c.reshape(-1) for _, c in pending]).tolist()
+        at = 0
+        for members, c in pending:
+            n = c.shape[1]
+            for i in members:
+                drafts[i] = flat[at : at + n]
+                at += n
+    return drafts
+
+
+def _draft_group_plan(caches, starts, aligned, n, key, warnings):
+    """The reference's group alignment on host metadata: the batched slot's length on
+    entry to the chain and its capacity after it, or None (warned) when the reference
+    skips the group. Uniform (no leads): `batch_draft_caches` (one member always; more
+    need equal (length, capacity) and materialized buffers) then `set_len(starts[0])`.
+    Ragged: `front_align_draft_group`'s AlignRefusals, length and capacity `T =
+    max(starts)`. Then the chain's n one-column appends (`check_append`, CacheRefusal
+    propagates, as the reference's `propose_chain`)."""
+    if not aligned:
+        first = caches[0]
+        if len(caches) > 1 and any(
+            not c.materialized or (c.current, c.capacity) != (first.current, first.capacity)
+            for c in caches
+        ):
+            _warn(warnings, f"draft group {key}: draft caches cannot be batched; group skipped")
+            return None
+        if starts[0] > first.capacity:
+            _warn(
+                warnings,
+                f"draft group {key}: set_len({starts[0]}) refused (set_len({starts[0]}) exceeds "
+                f"current capacity {first.capacity} (first cached 0)); group skipped",
+            )
+            return None
+        entry, cap = starts[0], first.capacity
+    else:
+        refusal = None  # the first refusing row, host integers
+        for r, (c, s) in enumerate(zip(caches, starts, strict=True)):
+            if not c.materialized:
+                refusal = f"draft row {r}'s buffer is unmaterialized"
+            elif s > c.current:
+                refusal = f"chain start {s} is past the {c.current} position(s) draft row {r} holds"
+            if refusal is not None:
+                _warn(
+                    warnings,
+                    f"draft group {key}: front-alignment refused ({refusal}); group skipped",
+                )
+                return None
+        entry = cap = max(starts)
+    for i in range(n):  # the reference's n one-column appends (chain steps, not rows)
+        cap = KvMeta(caches[0].max_seq_len, cap, entry + i).check_append(1)
+    return entry, cap
+
+
+def extend_draft_kvs(
+    be,
+    states,
+    capture,
+    toks,
+    batch,
+    model,
+    warnings=None,
+    why="capture misaligned with the draft KV",
+):
+    """`extend_draft_kv_row` for every row: checks 1-13 and the metadata (capacity,
+    refusals, filled, poisoning, warnings in row order) on host integers, then the
+    tensor side for the whole batch at once: one gather of the new seeds, one
+    `index_copy` of the truncated lengths, and one `gpu.draft.extend_draft_kv_rows`
+    (one fuse + key projection, one masked scatter into the pool rows; the MTP layer's
+    K is token-local, so the reference's discarded attention output is not computed)."""
+    block = None if capture is None else model.mtp
+    hidden = offsets = None
+    batch_fail = None  # a capture-wide outcome: an exception (every row poisoned) or False
+    if block is not None:
+        offsets, hidden = capture
+        hidden = be._t(hidden)
+        if hidden.dim() == 2:
+            hidden = hidden[None]
+        if hidden.dim() != 3:
+            batch_fail = StepRefusal(
+                f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
+                f"expected [B,T,H] or [T,H]"
+            )
+        elif hidden.shape[0] != batch or not offsets.describes(batch):
+            batch_fail = False
+    seed_rows, seed_cols, seed_states = [], [], []
+    trunc_idx, trunc_len = [], []
+    w_rows, w_idx, w_off, w_lo, w_hi = [], [], [], [], []
+    store = None
+    for row in range(batch):  # host: per-state integer checks and metadata, no tensor touched
+        state = states[row]
+        if state is None:
+            continue
+        ok, err = True, None
+        if state.poisoned:
+            ok = False
+        elif block is None:
+            ok = True
+        elif isinstance(batch_fail, Exception):
+            err = batch_fail
+        else:
+            if batch_fail is False:
+                ok = False
+            else:
+                try:
+                    ok = _extend_plan(
+                        state,
+                        offsets,
+                        toks[row],
+                        row,
+                        hidden.shape[1],
+                        seed_rows,
+                        seed_cols,
+                        seed_states,
+                        trunc_idx,
+                        trunc_len,
+                        w_rows,
+                        w_idx,
+                        w_off,
+                        w_lo,
+                        w_hi,
+                    )
+                except Refusal as exc:
+                    err = exc
+                if isinstance(state.cache, PoolKv):
+                    store = state.cache.store
+        if err is not None:
+            state.poisoned = True
+            _warn(warnings, f"row {row}: draft KV extension failed ({err}); draft KV poisoned")
+        elif not ok:
+            state.poisoned = True
+            _warn(warnings, f"row {row}: {why}; draft KV poisoned")
+    if seed_rows:  # the new seeds: one gather
+        got = hidden[be._ints(seed_rows), be._ints(seed_cols)]
+        for j, (state, p) in enumerate(seed_states):  # host records: views of the one gather
+            state.seed = (p, got[j])
+    if trunc_idx:  # the reference's set_len(filled): lengths only
+        held = store.kv.host_lens().copy()
+        held[np.asarray(trunc_idx, dtype=np.int64)] = trunc_len
+        store.kv.lens = held
+    if w_rows:
+        store.reserve(max(w_hi))
+        width = max(w_hi) + 1
+        tok = np.zeros((len(w_rows), width), dtype=np.int64)
+        for r, (row, lo, hi) in enumerate(
+            zip(w_rows, w_lo, w_hi, strict=True)
+        ):  # host packing of the token lists
+            tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]
+        rows_t = be._ints(w_rows)
+        extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi, tok, rows=w_idx)
+
+
+def _extend_plan(
+    state,
+    offsets,
+    toks,
+    row,
+    t,
+    seed_rows,
+    seed_cols,
+    seed_states,
+    trunc_idx,
+    trunc_len,
+    w_rows,
+    w_idx,
+    w_off,
+    w_lo,
+    w_hi,
+) -> bool:
+    """`extend_draft_kv_row`'s checks 7-13 for one row on host integers: False where the
+    reference returns False; a CacheRefusal as the reference's; otherwise the row's
+    metadata updated and its tensor work queued (seed, truncation, write)."""
+    off = offsets.row(row)
+    if off is None or off > state.filled:
+        return False
+    big_l = len(toks)
+    if big_l >= 2:
+        p = big_l - 2
+        if off <= p < off + t:
+            seed_rows.append(row)
+            seed_cols.append(p - off)
+            seed_states.append((state, p))
+    lo = max(state.filled, off)
+    hi = min(off + t, max(big_l - 1, 0))
+    if hi <= lo:
+        return True
+    cache = state.cache
+    if cache is None:
+        state.filled = hi
+        return True
+    try:
+        cache.try_set_len(state.filled)
+    except Refusal as exc:
+        raise CacheRefusal(f"MTP draft KV truncate to {state.filled} failed: {exc}") from exc
+    cache.current = state.filled  # lo == filled == current: forward_tokens' desync check holds
+    if cache.materialized:
+        trunc_idx.append(cache.idx)
+        trunc_len.append(state.filled)
+    cache.check_append(hi - lo)
+    cache.materialized = True
+    cache.grow_meta(hi - lo)
+    cache.current = hi
+    state.filled = hi
+    w_rows.append(row)
+    w_idx.append(cache.idx)
+    w_off.append(off)
+    w_lo.append(lo)
+    w_hi.append(hi)
+    return True
+
+
+def _warn(warnings, text: str) -> None:
+    if warnings is not None:
+        warnings.append(text)
