@@ -115,8 +115,8 @@ class CupyBackend(TorchBackend):
             return dsv4_attention_rows(q, kv, rows, comp, ratio, window, sinks)
         self.kernel_attentions += 1
         a = self._arr
-        out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), a(kv.lens),
-                        None if rows is None else a(torch.as_tensor(rows, dtype=torch.int64, device=q.device)),
+        out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), kv.host_lens(),
+                        None if rows is None else [int(r) for r in rows],
                         None if comp is None else a(comp.to(kv.k.dtype)), ratio, window,
                         None if sinks is None else a(sinks.to(q.dtype)))
         return self._tensor(out, q.dtype)
