@@ -22,8 +22,11 @@ def table_rows():
 
 
 def resolve(dotted: str):
-    """`reference.dispatch.f` (the table names functions by folder) under the import name."""
-    parts = ["raggedspec", *dotted.split(".")]
+    """`reference.dispatch.f` (the table names functions by folder; the tools beside the CLI as
+    `raggedspec.x`) under the import name."""
+    parts = dotted.split(".")
+    if parts[0] != "raggedspec":  # the rules' folders, under the import name
+        parts = ["raggedspec", *parts]
     for cut in range(len(parts), 1, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
