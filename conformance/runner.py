@@ -1,22 +1,11 @@
 """`raggedspec conformance`: run the conformance suite against a backend and print a per-rule
 table (rule, examples run, result).
 
-    raggedspec conformance [--backend numpy|torch|cupy|package.module:factory]
-                           [--device cpu|cuda|cuda:N] [--dtype float64|float32|bfloat16]
-                           [--profile ci|dev|thorough|mutmut] [--tests PATH ...] [-k EXPR]
-
-(or `python -m raggedspec.conformance.runner ...`). The backend is selected for the tests through the
-environment (`RAGGEDSPEC_BACKEND`, `RAGGEDSPEC_DEVICE`, `RAGGEDSPEC_DTYPE`: see
-`conformance/backends.py`) and the Hypothesis profile through `HYPOTHESIS_PROFILE` and
-`--hypothesis-profile`; the suite runs in this process with `pytest.main`, and a small
-plugin records each test's outcome and, for Hypothesis tests, the examples it ran (from
-Hypothesis's own statistics). Tests map to rules through the tables of docs/rules.md
-(`| rule | function | tests | invariant |`); a test named by no row
-is listed under "(no rule row) FILE".
-
-Exit code: 0 all passed, 1 some failed (pytest's); 2 for bad usage, a missing --tests path,
-a selection that matches no test, an unknown or unloadable backend, or a device the backend
-cannot use (e.g. `--device cuda` without CUDA); 3 pytest's own internal error.
+Usage `raggedspec conformance [--backend numpy|torch|cupy|package.module:factory] [--device
+...] [--dtype ...] [--profile ...] [--tests PATH ...] [-k EXPR]`; tests map to rules through
+the tables of docs/rules.md. Exit 0 all passed, 1 some failed, 2 bad usage or an unusable
+backend, 3 pytest's internal error. Options, the environment it sets, how examples are
+counted and every exit code: docs/conformance.md, section "conformance/runner.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Front alignment as per-row offsets (port of `reference.align`).
 
-In the port's layout (`gpu.cache.RaggedKv`) a row's KV never moves: the reference's
-front-aligned batch (row i's live run ending at the shared column `T = max(lens)`, after a
-`lead_i = T - lens[i]` dead prefix of zeros) is an index map, front-aligned column j of
-row i = physical column `j - lead_i`, dead when negative. So:
-
-- `front_align_leads` is the port of `front_align_batch`: the leads, no data motion;
-- `front_align_draft_group` is the port of the reference function of that name: it checks
-  the same refusals and sets the group's lengths to the chain starts (the speculative
-  tail is dropped by length, as `set_len` does), sharing the buffers;
-- `materialize_front_aligned` produces exactly the reference's front-aligned tensors
-  (`front_align_batch` + `clone_in_cache`, or `front_align_draft_group`) by one gather
-  per buffer. It exists for conformance and for a kernel that insists on the
-  front-aligned form; the step itself never calls it;
-- `strip_dead_prefix` is the inverse map (`drop_dead_prefix` of every row at once): a
-  front-aligned batch back to the in-place layout, one gather per buffer;
-- `split_draft_cache` / `concat_kv` are the row-set split and stack (`gpu.cache`).
-
-Not ported: multi-slot `NormalCache` assembly (`clone_in_cache*`, `clone_out_cache`,
-`first_mismatched_cache_len`, `batch_can_be_ragged`: host bookkeeping over slot kinds) and
-the XsRolling slots.
+In the port's in-place layout (`gpu.cache.RaggedKv`) a row's KV never moves: the reference's
+front-aligned batch is an index map (front-aligned column j of row i = physical column
+`j - lead_i`, dead when negative), materialized by one gather only for conformance. What each
+function ports and what is not ported: docs/conformance.md, section "gpu/align.py".
 """
 
 from __future__ import annotations

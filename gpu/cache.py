@@ -1,32 +1,10 @@
 """`RaggedKv`: the port's physical KV layout (the port of `reference.cache`'s K/V slot).
 
-Layout: one K and one V buffer `[B, H, capacity, D]` per layer, plus an int64 vector
-`lens [B]` of each row's OWN length. Row i keeps its KV **in place, start-anchored**: its
-own position p lives at physical column p, for `p < lens[i]`; columns past `lens[i]` are
-slack (stale or zero, never read unmasked). Nothing is ever shifted:
-
-- append writes each row's new tokens at its own offset `lens[i]` (one scatter), so rows of
-  different lengths share one buffer without a front-alignment copy;
-- the reference's front alignment (row i's live run ending at the shared column T, with a
-  `lead_i = T - lens[i]` dead prefix) is only an *index map* here: front-aligned column j of
-  row i is physical column `j - lead_i` (dead when negative). Masks and attention use the
-  per-row offsets directly (`gpu.align`, `gpu.attention_in_place`), and
-  `gpu.align.materialize_front_aligned` builds the reference's tensors, by one gather,
-  for conformance only;
-- rollback (`truncate_by`, cohort) and commit (`set_len`, per-sequence) change `lens` only;
-  the per-sequence commit's dead-prefix strip moves no data (there is no prefix to strip);
-- a row subset (a draft group) is an index vector into the same buffers.
-
-Why: on an H200 at B=128, L=4096, copying the whole cache into front-aligned form took
-~8.9 ms while the attention over it took ~0.5 ms. A per-step front-alignment copy would
-cost ~18x the attention it feeds; in place, a step's data movement is the new tokens'
-K/V only (`B * t * H * D` elements), independent of L.
-
-Capacity follows the reference's growth rule (start at 512, grow by whole 512-column blocks
-when `max(lens) + t` exceeds it, refused above `max_seq_len`), so the same appends are
-refused by both. Not modelled: windowed eviction (`first_cached > 0`, the reference's
-`retain_window`), the compressor (XsRolling) slots, and multi-layer `NormalCache`
-bookkeeping (a port cache is one `RaggedKv` per layer, all sharing `lens`).
+One K and one V buffer `[B, H, capacity, D]` per layer plus `lens [B]`, each row's own
+length: row i keeps its KV in place, start-anchored, and nothing is ever shifted (append
+scatters at `lens[i]`, rollback and commit change `lens` only, front alignment is an index
+map). The layout's rules, the measured reason for it, the capacity rule and what is not
+modelled: docs/conformance.md, section "gpu/cache.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """`--backend cupy`: the torch backend with its hot rules run by the hand-written kernels of
-gpu/kernels.cu (issue 5).
+gpu/kernels.cu.
 
-`CupyBackend` is `raggedspec.gpu.backend.TorchBackend` (torch owns the buffers and every host decision)
-with these operations replaced by kernel launches over all rows at once:
-- in the model forward the simulator drives (target layers and the MTP layer): the attention
-  of every verify / decode / draft forward (`rs_verify_attention_*`: DSV4's window, compressed
-  blocks and sinks, each row read in place over its own live window; a prefill with more
-  queries than the kernel takes goes to the torch port, counted in `prefill_fallbacks`) and
-  every RoPE rotation (`rs_rope`: q, k, and the inverse on the output);
-- the protocol's `apply_rope` (`rs_rope`) and the ragged half of `union_mask`
-  (`rs_ragged_union_mask`, through `TorchBackend._ragged_union_mask`; the uniform path is one
-  shared validity, left to torch);
-- `materialize` of a K/V slot (`rs_front_align`, through `TorchBackend._front_aligned`: the
-  in-place rows read out front-aligned, the form conformance compares).
-
-Two ways to run it:
-- `CupyBackend(device="cuda")` (`load_backend("cupy")`, `raggedspec conformance --backend
-  cupy`): CuPy/NVRTC on the GPU; the kernels read torch's CUDA buffers zero-copy through DLPack,
-  on torch's current stream;
-- `emulated(device="cpu")` (`--backend raggedspec.gpu.cupy_backend:emulated`): the same kernel source under
-  the g++ emulator on the CPU, through NumPy views of torch's CPU buffers, so the whole suite
-  (per method and end to end) checks the kernels where there is no GPU. Slow (real threads per
-  launch); meant for conformance, not for speed.
-
-Refusals: as the torch port (the kernels' hosts raise the same classes and messages).
-Construction refuses (ValueError, with the reason) CUDA mode on a machine without CuPy or a
-CUDA device, or on a device that is not CUDA, and emulated mode without g++ or off the CPU.
+`CupyBackend` is `raggedspec.gpu.backend.TorchBackend` with attention, RoPE, the ragged union
+mask and K/V materialize replaced by kernel launches over all rows at once; `emulated()`
+runs the same kernel source under the g++ emulator on the CPU. Which operations, the two
+ways to run it, refusals and construction errors: docs/conformance.md, section
+"gpu/cupy_backend.py".
 """
 
 from __future__ import annotations

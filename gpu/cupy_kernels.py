@@ -1,33 +1,12 @@
 """The hand-written kernels of `gpu/kernels.cu`, launched by CuPy on a CUDA GPU or by the g++
 emulator on the CPU. Same rules, same refusals as the torch port.
 
-Two runners, one set of operations:
-- `Kernels("cupy")`: CuPy arrays on the current device, NVRTC through `cupy.RawModule`;
-- `Kernels("emulate")`: NumPy arrays, `raggedspec.gpu.kernel_emulator` (g++), every block run as real
-  threads at a real barrier: what conformance uses where there is no GPU.
-
-bf16 arrays travel as their bits (`uint16`/`int16`; neither NumPy nor CuPy has a bf16 dtype);
-float32 and float64 as themselves. Every operation is one launch over all rows (attention:
-two, the split-K partials and their combine), and reads rows through per-row offsets:
-- `front_align`: in-place KV `[B,H,C,D]` -> front-aligned `[B,H,T,D]` (materialize, for
-  conformance; the attention below never needs it);
-- `strip_dead_prefix`: front-aligned -> in-place;
-- `ragged_union_mask`: the additive per-row union mask `[B,1,t_q,t_k+t_c]`;
-- `rope`: per-row RoPE;
-- `verify_attention` / `dsv4_attention_rows`: attention of the `w` verify queries of each row
-  over its KV in place, GQA, with DSV4's rules (causal, sliding window, start-anchored
-  compressed blocks, sinks), reading only the live keys some query of the window can see,
-  never a column at or past `lens[b]`; at most 64 queries per KV head (`fits`). bf16 at head
-  dims 16..256 (multiples of 16) runs on tensor cores (`rs_verify_attention_tc`: mma.sync,
-  a cp.async pipeline, dynamic shared memory), everything else on the CUDA-core kernel.
-  No device->host read per call: lengths and rows given as host integers are checked on the
-  host and uploaded; given as device arrays they are not read back, and a value the host
-  could not check (a length outside `[w, cap]`, a row outside the KV batch) makes its output
-  rows NaN instead of a refusal. The split count comes from host-known sizes (the capacity).
-
-`ragged_verify_attention(q, k, v, lens)` is the torch-facing entry point `raggedspec bench`
-calls (the contract of raggedspec/bench/strategies.py): torch CUDA tensors in and out, zero-copy through DLPack,
-launched on torch's current stream.
+`Kernels("cupy")` and `Kernels("emulate")` run one set of operations (`front_align`,
+`strip_dead_prefix`, `ragged_union_mask`, `rope`, `verify_attention` /
+`dsv4_attention_rows`), each one launch over all rows through per-row offsets;
+`ragged_verify_attention` is the torch-facing entry point `raggedspec bench` calls. The
+operations, dtypes, tensor-core path and host-check rules: docs/conformance.md, section
+"gpu/cupy_kernels.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Dispatch predicates on length vectors (port of `reference.dispatch`).
 
-Each predicate decides between the scalar (uniform) path and the per-row (ragged) path and,
-exactly like the reference, returns `None` for a uniform batch: never a vector of equal
-values. The vectors are int64 tensors; the decision itself is a host branch (an engine
-picks a kernel on the host), so each predicate reads its vector's reduction once.
-Draft-group partition is vectorized: keys for every row at once, `torch.unique` for the
-sorted keys, one sort of `group * N + row` (unique keys, so no reliance on a stable sort,
-which CUDA's sort is not) for the rows of each group.
-
-Malformed input (ValueError) names the parameter and its values; no `device=` or `dtype=`
-argument appears here: second vectors go to the first one's device through
-`gpu._common.lengths_like`, and new tensors are made `*_like` an existing one.
-
-Not ported (host-only, no tensor side): `CaptureOffsets`, `resolve_capture_offsets`,
-`MtpHiddenCapture` (bookkeeping of a captured block; the reference objects are used as is).
+Each predicate picks the scalar (uniform) or per-row (ragged) path and, like the reference,
+returns `None` for a uniform batch; the decision is a host branch reading one reduction.
+The vectorized draft-group partition, the input conventions and what is not ported:
+docs/conformance.md, section "gpu/dispatch.py".
 """
 
 from __future__ import annotations

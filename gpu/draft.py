@@ -1,25 +1,10 @@
 """The MTP draft chain and the draft KV's tensor side on the port (port of `reference.draft`).
 
-Layout: the draft KV of every sequence lives in ONE `gpu.cache.RaggedKv` pool
-`[S, 1, capacity, head_dim]` with per-row lengths (row = sequence slot, its own positions
-start-anchored at column 0; `gpu.draft_store.DraftStore`). A draft group is a row-index vector into
-the pool, so nothing is batched, front-aligned, split or stripped by copying: the group loop
-(`raggedspec.gpu.backend.TorchBackend.draft_chain`, the reference's membership, alignment arithmetic and
-warnings on host integers) sets the group rows' lengths to their chain starts, then
-
-- `propose_chain_batched` runs one batched MTP step per chain step for the whole group
-  (no loop over rows): the scalar step (`forward_step`, one position, `[1, T]` RoPE table)
-  when `resolve_ragged_chain_starts` says the group is uniform, the per-row step
-  (`forward_step_rows`, `[G, T]` table) otherwise; every row's new entry is written at
-  its own offset; the attention gathers only the group rows' windows;
-- `extend_draft_kv_rows` is `extend_draft_kv_row`'s tensor side for a batch of rows whose
-  `(lo, hi)` differ: one fuse + key projection over `[R, max(hi - lo)]` pairs, one masked
-  scatter at each row's own positions `lo ..`.
-
-The MTP layer's K (== V) is token-local (`kv_norm(attn_norm(fused) @ wkv)` rotated at its
-position), so extending the draft KV needs no attention: the reference runs the layer's
-forward and discards its output; only the appended K/V are kept. Positions, starts, rows and
-the extension plan arrive as host integers; the device is read once per chain (its tokens).
+Every sequence's draft KV lives in ONE `gpu.cache.RaggedKv` pool; a draft group is a
+row-index vector into it, so nothing is batched, aligned, split or stripped by copying.
+`propose_chain_batched` runs one batched MTP step per chain step for the whole group and
+`extend_draft_kv_rows` extends many rows at once. Layout, paths and host reads:
+docs/conformance.md, section "gpu/draft.py".
 """
 
 from __future__ import annotations

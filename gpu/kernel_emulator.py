@@ -1,29 +1,11 @@
 """Run `gpu/kernels.cu` on the CPU: the same source compiled by g++ under a CUDA-subset prelude.
 
-Why: CuPy needs a GPU, and most machines that build and test raggedspec have none. The
-kernels use blockIdx / threadIdx / blockDim / gridDim, `__shared__` arrays, dynamic shared
-memory and `__syncthreads()`, so a block is executed as CUDA defines it: `blockDim.x` real
-threads meeting at a real barrier (`std::barrier`), `__shared__` arrays shared by them, one
-block after another (the same threads run every block of a launch and meet at the barrier
-between blocks, so a block never sees its predecessor's shared arrays in use).
-
-The tensor-core kernel also needs warp-level semantics, and the prelude gives them as the PTX
-ISA states them: threads 32 i .. 32 i + 31 are warp i, with a barrier of their own
-(`__syncwarp`); `__shfl_xor_sync`; `ldmatrix` (.x2, .x4, .trans: the lanes' row addresses, each
-lane's registers); `mma.sync.m16n8k16` bf16 -> float with the ISA's A/B/C fragment layouts;
-`cp.async` as a deferred copy that lands only at `cp.async.wait_group` (dynamic shared
-memory is poisoned with 0xFF, a NaN in bf16 and float, before every block, so a missing wait
-reads NaN or the previous stage). conformance/test_kernel_warp.py pins each against the ISA.
-
-Index arithmetic, masks, fragments, pipelines, the split-K online softmax and its combine
-are then tested against the reference on any machine with g++ (conformance/test_cupy_kernels.py,
-conformance/test_tc_kernel.py); what only a GPU can show (speed, the hardware's own
-accumulation order, the CUDA math library's last bits) is left to the CUDA run.
-
-    lib = build(defines)                  # a shared library, cached by content hash
-    launch(lib, "rs_front_align", grid, block, args)   # args as the kernel's signature reads
-
-Refuses (ValueError) an argument list that does not match the kernel's parameters.
+A block runs as CUDA defines it (`blockDim.x` real threads at a real barrier, shared arrays,
+warp-level `__shfl_xor_sync`, `ldmatrix`, `mma.sync`, `cp.async` as the PTX ISA states
+them), so the kernels are tested against the reference on any machine with g++.
+`build(defines)` gives a cached shared library, `launch(lib, name, grid, block, args)` runs
+a kernel; an argument list that does not match the kernel's parameters is refused
+(ValueError). Detail: docs/conformance.md, section "gpu/kernel_emulator.py".
 """
 
 from __future__ import annotations

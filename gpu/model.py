@@ -1,35 +1,10 @@
 """The tiny V4-like model on the port's in-place KV layout (port of `reference.model`).
 
-The port computes with the reference `TinyModel`'s own weights: `TinyModel(ref_model,
-dtype, device)` converts every numpy array once (float64 -> `dtype`), so a port model and
-its reference compare output for output. What differs is the layout and the batching:
-
-- the target cache is one `gpu.cache.RaggedKv` per layer (all layers share the row
-  lengths): row i keeps its K/V in place, start-anchored, and its own length `lens[i]`
-  IS its RoPE offset. Nothing is front-aligned; a forward appends each row's new K at its
-  own offset (one scatter per layer) and attends with `gpu.attention.dsv4_attention_in_place`
-  (per-row window gather, per-row masks by broadcast);
-- RoPE reads one precomputed cos/sin table per theta (`gpu.rope.RopeTable`, grown on
-  demand) by gather: positions `[1, T]` for a uniform batch, `[B, T]` otherwise;
-- a compressed layer's keys are rebuilt per row from the row's own live run in one go:
-  the first `t_c * ratio` columns of every row are un-rotated (one table gather), averaged
-  by a reshape-mean over complete blocks, rotated at `j * ratio`, and the blocks past a
-  row's own count `lens[i] // ratio` are zeroed by one `where` (masked per row anyway);
-- the MTP block's draft step may address a subset of a pool's rows (`rows`, an index
-  vector into the same buffers): `dsv4_attention_rows` gathers only those rows' window.
-
-No Python loop over rows anywhere on these paths; the only host reads are the shape
-decisions (`max(lens)`, `t_c`) and the uniform-vs-ragged predicates (as in the reference).
-
-Precision: weights and activations live in `dtype`; for bfloat16/float16 the reductions
-(RMS norms, SiLU, the attention softmax) run in float32 and are cast back (the fused-kernel
-convention), matmuls run in `dtype`. In float64 every op is the reference's op.
-
-Not modelled here: `raw_prefix` / windowed eviction (`first_cached > 0`; the reference's
-compressed layer refuses it too), a caller attention mask, the reference's `lead_pad`
-argument (there is no dead prefix in this layout). Computing compressed keys from the whole
-history every step is the reference's semantics, not an engine's (an engine keeps them in
-the compressor slot, `gpu.xs_rolling`).
+The port computes with the reference `TinyModel`'s own weights (converted once to `dtype`),
+so a port model and its reference compare output for output; what differs is the layout
+(one `gpu.cache.RaggedKv` per layer, no front alignment) and the batching (no Python loop
+over rows). Layout, RoPE tables, compressed keys, precision and what is not modelled:
+docs/conformance.md, section "gpu/model.py".
 """
 
 from __future__ import annotations

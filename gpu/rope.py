@@ -1,18 +1,9 @@
 """RoPE by one gathered cos/sin table (port of `reference.rope`).
 
-The port has one kernel shape for every batch: positions `[B or 1, T]` (row i, token t at
-`offsets[i] + t`) index one precomputed `[n_positions, rope_dims/2]` cos/sin table (one
-gather each), and the rotation is a broadcast over heads. The reference's three branches
-(batched, gathered, per-row loop) collapse into this one; the dispatch predicate is kept
-and observable: a uniform batch builds a `[1, T]` table that broadcasts over rows
-("uniform"), a ragged batch a `[B, T]` one ("gathered"); `rope_path_stats` counts which.
-
-Only the last `rope_dims` dims rotate, as interleaved adjacent pairs of that tail; the
-inverse uses the same positions with `-sin`.
-
-Precision: the table is computed in float64 (angle `position * theta**(-2k/rope_dims)`,
-with the inverse frequencies computed as Python floats exactly as the reference does) and
-cast once to the working dtype; the rotation runs in the working dtype.
+One kernel shape for every batch: positions `[B or 1, T]` index one precomputed float64
+cos/sin table, and the reference's three branches collapse into this one; the dispatch
+predicate stays observable (`rope_path_stats`). Detail: docs/conformance.md, section
+"gpu/rope.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """MTP step arithmetic on length vectors (port of `reference.step`).
 
-Every rule is elementwise or one reduction over int64 tensors, so a batch of any size is
-one kernel launch per rule and nothing reads back to the host, except `plan_step_window`'s
-`ok` (a host guard decision, as in the engine). Verify's first mismatch for a whole batch
-is an `argmax` over a mismatch mask (argmax returns the first maximal index on CPU and
-CUDA).
-
-The cache side of the rollback and commit (`truncate_cache_by`, `commit_per_sequence`) is
-`gpu.cache.RaggedKv.truncate_by` / `set_len`: in the port's in-place layout the dead-prefix
-strip of the per-sequence commit moves no data at all.
-
-Not ported (host-only, no tensor side): `mtp_window`, `per_seq_advance`, `window_guard`.
-
-Malformed input (ValueError) names the parameter and its values. As in `gpu.dispatch`, no
-`device=`/`dtype=` argument appears: second vectors follow the first through
-`gpu._common.lengths_like`, new tensors are made `*_like` an existing one, and results are
-int64 (`.long()`) whatever integer dtype the caller's tokens use.
+Every rule is elementwise or one reduction over int64 tensors, one launch per rule with no
+host read except `plan_step_window`'s `ok`; malformed input (ValueError) names the parameter
+and its values. The cache side, what is not ported and the input conventions:
+docs/conformance.md, section "gpu/step.py".
 """
 
 from __future__ import annotations

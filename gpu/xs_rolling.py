@@ -1,39 +1,11 @@
 """XsRolling on the port: the compressor history of one compressed layer, per-row lengths
 (port of `reference.xs_rolling`; masks-and-scheduling.md §13).
 
-State per batch row i (int64 vectors `tokens [B]`, `base [B]`, as the reference), and the
-physical layout chosen for a GPU:
-
-- `ring [B, W, D]`: a **ring buffer**. Token p of row i lives at column `p mod W`. An append
-  writes each row's new rows at its own `(tokens_i + j) mod W` (one scatter: the last
-  `min(t_new, W)` of them); a rollback moves nothing (only `tokens` changes: the rolled-back
-  tokens' columns become dead and are overwritten by the next append). The reference's
-  end-anchored tail (column c = token `tokens_i - W + c`, zeros below `base_i`) is an index
-  map: `materialize_tail` builds it with one gather, for conformance.
-  Why a ring: the end-anchored tail shifts the whole `[B, W, D]` window on every append and
-  every per-row rollback; the ring touches only the new rows.
-- `comp [B, G, D]`: start-anchored compressed rows, exactly as the reference (row i's valid
-  rows `[0, tokens_i // ratio)`; rows past that are stale, the mask's business). G grows to
-  the largest `g_target` ever planned, as the reference's buffer.
-
-`plan_xs_advance` is the reference's per-row plan on vectors (same numbers; `None` fields
-are -1 where `take == 0`). The reference groups rows with equal `(off, length, take)` into
-one compressor call each; the port makes ONE call for all rows: every row's new blocks
-`g_done .. g_target` are gathered (history rows from the ring, new rows from `x_new`) into
-`[B, max(take), ratio, D]`, averaged, and scattered to `comp` where `j < take_i`. As in the
-reference, block g's value is the plain mean of its own `ratio` rows (the overlap of ratio 4
-is a history *requirement*, checked by the plan's gap refusal, not a different value).
-
-Refusals: the reference's, same classes and messages, first offending row first
-(`plan_xs_advance`: "compressor history gap", "does not fit the window"; `append_rows`:
-"above max_seq_len"; `set_row_lens` / `try_set_len`: past the tokens seen, behind base,
-resume point behind base, `base + W < length`, "non-uniform"). Every refusal happens
-before any state changes.
-
-Precision: the tail is data movement (bit-exact in every dtype); a compressed row is a
-mean (float64: within 1e-12 of the reference; half dtypes average in float32).
-Not ported: `split_rows` / `stack` (batch assembly; `from_reference` converts a reference
-slot, `to_reference` gives one back).
+The tail is a ring buffer `ring [B, W, D]` (token p at column `p mod W`: appends touch only
+the new rows, rollbacks move nothing), `comp` is start-anchored as in the reference, and one
+compressor call serves all rows. Refusals are the reference's, before any state changes.
+Layout, plan, refusals, precision and what is not ported: docs/conformance.md, section
+"gpu/xs_rolling.py".
 """
 
 from __future__ import annotations

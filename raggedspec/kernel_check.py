@@ -2,16 +2,9 @@
 ptxas made of each kernel: registers, static shared memory, stack, spills; plus the dynamic
 shared memory the launcher gives the tensor-core kernel and the instructions its SASS holds.
 
-No GPU is needed: NVRTC (the `nvidia-cuda-nvrtc` and `cuda-bindings` wheels, the `nvrtc`
-extra) compiles for sm_90 on any machine, with `--ptxas-options=-v` for the resource report,
-and `cuobjdump` (the `nvidia-cuda-cuobjdump` wheel, or one on the PATH) disassembles the
-cubin. Each tool's absence is a reason (`nvrtc_unavailable`, `cuobjdump_path`), never a pass.
-
-    python -m raggedspec.kernel_check            # the launcher's variants, one line a kernel
-    python -m raggedspec.kernel_check --all      # every (head dim, padded query count) too
-
-Exit 0 when every build compiles without spills, 1 when one spills or fails, 2 when NVRTC
-is absent.
+`python -m raggedspec.kernel_check [--all]`: no GPU needed; a missing tool is a reason,
+never a pass. Exit 0 no spills, 1 a spill or failure, 2 NVRTC absent. Detail:
+docs/conformance.md, section "raggedspec/kernel_check.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """`raggedspec preflight`: the first-run checks of the hand-written kernels, in seconds, before
 any long GPU job spends its window on them.
 
-    raggedspec preflight [--mode auto|cupy|emulate] [--out preflight.json] [--env-only]
-
-Checks, in order (each one `ok`, `failed` with the reason, or `skipped` with the reason):
-- `compile:<variant>`: every kernel variant of `KERNEL_VARIANTS` built and launched once
-  through `raggedspec.gpu.cupy_kernels.Kernels` (NVRTC through CuPy on a GPU; g++ under the emulator);
-- `side_stream`: a kernel launched by `ragged_verify_attention` on torch's current
-  non-default stream, behind a pending write to its K/V on that stream, reads the written
-  data (a kernel on another stream reads the old zeros and fails);
-- `reference:<dtype>`: the torch-facing entry point on one small ragged batch (slack columns
-  loud) against the float64 reference, in float64, float32 and bfloat16 (bf16 crosses DLPack
-  as int16 bits);
-- `timing`: the kernel's own time per call against the wrapper's wall time per call at the
-  benchmark's headline shape (SMOKE sizes and no claim under the emulator).
-
-Mode `cupy` needs CuPy with a CUDA device and a CUDA build of torch; `emulate` runs the same
-checks on the CPU through the g++ emulator (the side-stream check is then skipped: it needs
-CUDA). `auto` picks `cupy` where it can run, else `emulate`. Exit code: 0 when no check
-failed, `EXIT_PREFLIGHT_FAILED` (4) when one did (stderr names it), 2 for bad usage. The JSON
-(`--out`) holds the environment and every check, rewritten after each check.
+`raggedspec preflight [--mode auto|cupy|emulate] [--out preflight.json] [--env-only]` runs
+`compile:<variant>`, `side_stream`, `reference:<dtype>` and `timing`, each `ok`, `failed` or
+`skipped` with the reason; exit 0 when none failed, 4 when one did, 2 for bad usage. The
+checks, the modes and the JSON: docs/conformance.md, section "raggedspec/preflight.py".
 """
 
 from __future__ import annotations

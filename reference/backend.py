@@ -1,35 +1,11 @@
 """The backend protocol: every tensor-side operation the step simulator uses, one method each;
 and `NumpyBackend`, the reference (each method is the `reference/` function of that rule).
 
-DESIGN.md "Shape": the simulator (`reference.simulator`) owns the control flow (scheduler,
-guards, accept/advance decisions, the trace); a backend owns the tensors. Control flow never
-reads a float, and every length or decision a backend returns is a host integer, so two
-backends run the same scenario down the same path and their states can be compared step by
-step (`conformance/test_end_to_end.py`). A port implements `Backend` (subclass it and
-override every method; see docs/conformance.md "Bring your own port") and returns
-front-aligned NumPy tensors from `materialize`, whatever its own physical layout is.
-
-Object kinds a backend hands out and receives back (opaque to the simulator):
-- *model*: `build_model(cfg)`; equal configs give equal weights (the reference's seeded
-  draw; a port copies the reference's weights, so both backends run the same model);
-- *target cache*: `new_target_cache` (one K/V slot per target layer, then one XsRolling slot
-  per compressed layer); per-sequence caches and the batched cache are the same kind;
-- *K/V slot* (`kv_*`, `front_align`, `strip_dead_prefix`, `concat`, `split`): one layer's
-  K and V; also the draft KV of one sequence (`new_draft_cache`);
-- *tensors* (hidden states, logits, seeds): `to_numpy` turns one into a float64 array;
-- draft states are `reference.draft.DraftKv` records (host ints `filled`, `poisoned`,
-  `seed = (position, hidden)`) whose `cache` and seed hidden are the backend's.
-
-Arguments: lengths, offsets, token ids and leads are host integers (lists or NumPy arrays);
-float inputs (`x`, `q`, `k`, `v`, `fused`, `seed_hidden`, K/V rows) may be host arrays or the
-backend's own tensors (a backend converts what it is given); float outputs are the backend's
-tensors (`to_numpy` reads them).
-
-Refusals: a backend raises the same `reference.errors` classes as the reference, with
-messages naming the same values (the simulator turns them into the trace's error kinds).
-
-Selecting a backend: `load_backend("numpy" | "torch" | "package.module:factory", device,
-dtype)`; the factory is called as `factory(device=..., dtype=...)` and returns a `Backend`.
+The simulator owns the control flow, a backend the tensors; every length or decision a
+backend returns is a host integer, so two backends can be compared step by step. A backend
+is picked with `load_backend("numpy" | "torch" | "package.module:factory", device, dtype)`.
+Object kinds, argument conventions and refusals: docs/conformance.md, section
+"reference/backend.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """An example "bring your own port" backend with one deliberate bug, for
 docs/conformance.md and `conformance/test_byo_port.py`.
 
-A port implements `raggedspec.reference.backend.Backend` (every method) and is run with
-
-    raggedspec conformance --backend raggedspec.conformance.examples.buggy_backend:BuggyBackend
-
-This one is the NumPy reference with a classic ragged-batch defect: **its masks forget the
-dead prefix**. `union_mask` builds the shared (uniform-path) mask for every row, and the
-verify forward drops `row_q0`, so a front-aligned row attends the zero-filled columns in
-front of its own run. Uniform batches are unaffected (their masks are the same either way),
-which is exactly why no output shows the bug in production: the acceptance rate only drops.
-The suite names it: the union-mask property and the end-to-end comparison fail (the first
-ragged per-sequence step's mask and hidden state), every other rule passes.
+The NumPy reference with a classic ragged-batch defect: its masks forget the dead prefix, so
+a front-aligned row attends the zero-filled columns in front of its own run. The suite's
+union-mask property and end-to-end comparison fail, every other rule passes. The command
+that runs it and why production never shows the bug: docs/conformance.md, section
+"conformance/examples/buggy_backend.py".
 """
 
 from __future__ import annotations

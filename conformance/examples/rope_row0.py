@@ -1,13 +1,9 @@
 """An example port with one deliberate defect: **every row is rotated at row 0's offset**.
 
-`rope_positions` and `apply_rope` take `offsets[0]` for every row, so a ragged batch's rows
-other than row 0 get the wrong RoPE positions; a uniform batch is unaffected. Run with
-
-    raggedspec conformance --backend conformance.examples.rope_row0:factory
-
-The per-rule table marks the RoPE row FAIL (its own property test fails, and the end-to-end
-comparison's first differing tensor is the RoPE positions of the first ragged step), while
-the dead-prefix union-mask row, which also lists an end-to-end test, passes.
+A ragged batch's rows other than row 0 get the wrong RoPE positions (a uniform batch is
+unaffected); run it with `raggedspec conformance --backend
+conformance.examples.rope_row0:factory`. What the per-rule table shows: docs/conformance.md,
+section "conformance/examples/rope_row0.py".
 """
 
 from __future__ import annotations
