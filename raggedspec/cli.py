@@ -1,18 +1,10 @@
-"""The `raggedspec` command line.
+"""The `raggedspec` command line: `simulate`, `drift`, `conformance`, `bench`, `mutation` and
+the other subcommands, each one entry of COMMANDS (a function that adds its parser and a
+function that runs it).
 
-    raggedspec simulate [SCENARIO] [--batch B ...] [--out trace.jsonl] [--csv [trace.csv]]
-    raggedspec drift [--scenario FILE | --trace FILE ...] [--out DIR]
-    raggedspec conformance | bench | mutation ...
-
-Exit codes (EXIT_CODES, printed by every --help): 0 ok; 1 a rule of the spec refused
-(reference.errors.Refusal; simulate also exits 1 after writing the trace when a step failed
-its requests); 2 bad input: the one-line message names the file (and line), the field or
-flag, the value and what is allowed; 3 an internal error, a bug in raggedspec itself: the
-traceback is saved to a file whose path is printed. No input error prints a traceback.
-
-Outputs are written atomically (raggedspec.outputs): a failed or interrupted run leaves
-existing files as they were. Each subcommand is one entry of COMMANDS: a function that adds
-its parser and a function that runs it.
+Exit codes (EXIT_CODES): 0 ok; 1 a rule of the spec refused; 2 bad input, named in one
+line; 3 an internal error (traceback saved to a file). Outputs are written atomically.
+Detail: docs/simulator.md, section "raggedspec/cli.py".
 """
 
 from __future__ import annotations

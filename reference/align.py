@@ -1,17 +1,9 @@
 """Front padding / stripping, batch assembly, and draft-group alignment.
 
-Spec: cache-and-draft.md §4 (front pad / strip), §5 (batch assembly, §5.5 strip policy),
-§9.6-§9.8 (draft-group batching, alignment, split and strip); masks-and-scheduling.md §14.
-
-A batched cache has ONE write offset per slot, so rows of different lengths can share it
-only left-aligned: row i's live run is moved to END at the batch's widest column T, with
-`lead_i = T - live_i` zero columns (the dead prefix) in front. The strip (`drop_dead_prefix`)
-undoes it so each row's recorded length is its OWN, never the padded width (§9.8).
-
-Slot kinds: `KvCache` ("Normal"), `XsRolling` ("XsRolling"), `OtherSlot` ("Rotating",
-"TurboQuant"); tests on `slot.kind`. Windowed slots (`first_cached > 0`) come from a later
-snapshot than these rules: padding or stripping one that has evicted its front is refused
-(unspecified upstream; stated here).
+Spec: cache-and-draft.md §4, §5, §9.6-§9.8; masks-and-scheduling.md §14. Rows of different
+lengths share a batched cache only front-aligned (a dead prefix of zeros), and the strip
+(`drop_dead_prefix`) gives each row back its OWN length. Slot kinds and the windowed-slot
+refusal: docs/simulator.md, section "reference/align.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Draft KV and the MTP draft chain: the per-sequence `DraftKv` state and its LRU map,
-`extend_draft_kv_row` / `extend_draft_cache`, prompt-time priming, the batched chain
-`propose_chain_batched` (scalar and per-row positions), the single-sequence `propose_chain`,
-and the group drafting loop of `step`.
+"""Draft KV and the MTP draft chain: the per-sequence `DraftKv` state and its LRU map, its
+extension, prompt-time priming, the batched and single-sequence chains, and the group
+drafting loop of `step`.
 
-Spec: cache-and-draft.md §1 (draft KV, filled, seed, poisoned, chain start), §7, §9.3,
-§10.2, §16 (the PerSequence example's draft side), §17.2.
-
-The model is duck-typed (a `reference.model.TinyModel`): `model.mtp` is the `MtpBlock` or
-None (Tier A), `model.mtp_heads`, `model.embed`, `model.lm_head`. This module does not import
-`reference.model` (which re-exports it).
-
-Draft-KV invariant: slot k holds the MTP state of `(h_k, tok_{k+1})` at **absolute**
-position k, and slots `0..filled` are committed (each written pair has `tok_{k+1}`
-committed). A chain may start at `chain_start = L - 2` only if the seed sits there and
-`filled >= chain_start`.
+Spec: cache-and-draft.md §1, §7, §9.3, §10.2, §16, §17.2. The model is duck-typed (this
+module does not import `reference.model`). The functions, the model's attributes and the
+draft-KV invariant: docs/simulator.md, section "reference/draft.py".
 """
 
 from __future__ import annotations

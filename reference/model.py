@@ -1,23 +1,10 @@
 """A tiny seeded DeepSeek-V4-like model: embedding, target decoder layers over a batched
 `NormalCache`, and the MTP block with its own single-layer draft KV.
 
-Spec: cache-and-draft.md §6.3 (what V4 captures), §10.1 (`forward_tokens_rows`), §17.2
-(`mtp_decode_kit_step_shape`, `argmax_token_picks_max`); masks-and-scheduling.md §4
-(`dsv4_attention`), §11 (RoPE positions), §12 (V4 forward rules).
-
-The model exists so the cache, mask, position and draft-chain rules can be exercised on real
-float64 tensors: its weights are random (`np.random.default_rng(seed)`), its outputs mean
-nothing, and every forward is deterministic. V4-like shape:
-- one KV head with V == K (the cache's `v` half holds the same tensor as `k`);
-- per-head RMS norm on q and on the KV head, RoPE on the last `rope_dims` dims of each head
-  (interleaved pairs), the inverse RoPE on the attention output;
-- a per-head sink logit; RMSNorm before attention and before a SiLU MLP (pre-norm residual);
-- target layer i has `compress_ratios[i]`: 0 = Standard (raw sliding-window keys only,
-  `rope_theta`), r > 0 = compressed (raw window keys plus one compressed key per complete
-  r-block of the row's own history, `compress_rope_theta`).
-
-The draft-KV rules (DraftKv, `extend_draft_kv_row`, the chain, the group loop) live in
-`reference.draft` and are re-exported here, so `reference.model` offers the whole contract.
+Spec: cache-and-draft.md §6.3, §10.1, §17.2; masks-and-scheduling.md §4, §11, §12. Random
+seeded weights, deterministic float64 forwards, so the rules run on real tensors; the
+draft-KV rules of `reference.draft` are re-exported. The V4-like shape: docs/simulator.md,
+section "reference/model.py".
 """
 
 from __future__ import annotations

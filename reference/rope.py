@@ -1,22 +1,9 @@
 """RoPE positions (spec: masks-and-scheduling.md §11).
 
-Only the last `rope_dims` dims of each head rotate, as interleaved adjacent pairs
-`(x[2k], x[2k+1])` of that tail; the leading dims are copied untouched. Row i, token t sits
-at position `offsets[i] + t`. The inverse tail uses the same positions with the conjugate
-rotation `(cos, -sin)`.
-
-Dispatch (the "new" layers.rs): `uniform_seqlen_offset(offsets)` is Some -> one batched
-rotation with that offset (`rope_batched`); else, when `rope_cohort` (env
-`ARC_ROPE_COHORT=1`) -> one gathered rotation with a `[B, T, rope_dims/2]` table
-(`rope_gathered`); else the per-row loop (`rope_per_row`). All three are
-bit-identical; `rope_cohort_stats` records which one ran, so the predicate can be tested.
-
-Bit-identity across branches is by construction: every cos/sin value is computed by scalar
-`math.cos`/`math.sin` of the same float64 angle `position * inv_freq[k]`, so no branch
-depends on how a vectorized transcendental splits its array.
-
-Not modelled: YaRN scaling of the compressed layers (factor 16, original 65536); the plain
-base `theta` is used for every layer (callers pass `compress_rope_theta` for compressed keys).
+Only the last `rope_dims` dims of each head rotate, as interleaved pairs; row i, token t sits
+at `offsets[i] + t`. Three dispatch branches (batched, gathered, per-row), bit-identical by
+construction. Dispatch, bit-identity and what is not modelled: docs/simulator.md, section
+"reference/rope.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """XsRolling: the compressor history of one compressed attention layer, with per-row lengths.
 
-Spec: masks-and-scheduling.md §13 (and §14, cache-and-draft.md §4.2/§4.4, §12.3). A V4
-compressed layer turns every complete block of `ratio` hidden rows into one compressed key.
-The slot keeps, per batch row i:
-
-- `tokens[i]`: the tokens seen;
-- `base[i]`: the first token row i can still resume from (history behind it is gone);
-- `tail [B, W, D]`: end-anchored, row i column c holds token `tokens[i] - W + c`; columns
-  for tokens below `base[i]` (or below 0) are held as zeros, which is this reference's way
-  of saying "not kept" (the engine's `split_row` keeps only the last `tokens - base`);
-- `comp [B, G, D]`: start-anchored compressed keys; row i's valid rows are
-  `[0, tokens[i] // ratio)`. The batched width is `comp_seq_len = max(tokens) // ratio`;
-  rows past a row's own count are stale (a rollback leaves them for the next append to
-  overwrite) and are the mask's business, not the slot's.
-
-Invariant: `0 <= base[i] <= tokens[i] <= base[i] + W` for every row.
-
-The compressor (`compress_blocks`) is the plain mean over each complete `ratio`-sized block.
-For ratio 4 the engine's blocks overlap (`span_groups = 2`): this reference keeps the
-*history requirement* of the overlap (a new block needs the previous block's hidden rows,
-so `need_start` reaches one block further back and is refused behind `base`), and feeds that
-longer slice to the compressor, but the output of block g is still the plain mean of block
-g (the extra leading block's output is discarded). So a slot's compressed rows always equal
-`compress_blocks` of the row's committed hidden rows computed from scratch.
+Spec: masks-and-scheduling.md §13 (and §14, cache-and-draft.md §4.2/§4.4, §12.3).
+Invariant: `0 <= base[i] <= tokens[i] <= base[i] + W` for every row. The slot's fields
+(`tokens`, `base`, the end-anchored `tail`, the start-anchored `comp`) and the compressor:
+docs/simulator.md, section "reference/xs_rolling.py".
 """
 
 from __future__ import annotations

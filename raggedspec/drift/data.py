@@ -1,34 +1,9 @@
 """Length-drift diagnostics: what happens to the rows' KV-cache lengths, step after step.
 
-Input is a trace in schema v1 (docs/trace.md): the simulator's own `Trace`, or a trace file
-(JSONL or CSV) written by this simulator or by any engine. Only `step`, `rows[].seq` and
-`rows[].own_len` are required (the spread plot); every other plot uses its fields when they
-are present and otherwise says which field is missing instead of failing.
-
-Quantities (all integers come straight from the trace; nothing here recomputes a rule):
-- spread of row i at a step = own_len_i - min over the step's rows of own_len. Under the
-  cohort rule every row's own length is the batched width C, so the spread is 0; under
-  per-sequence advance it grows; a per-sequence run that records the padded width as its
-  own length (no dead-prefix strip) keeps it bounded by w - 1 (cache-and-draft §17.3).
-- padding fraction = dead (lead) columns / all columns of the batched cache (step field).
-- draft groups and scheduler buckets per step (step fields).
-- tok_per_step = the MTP[agg] accounting ratio: committed (1 + a per row-step, §15) / row-steps
-  of decode.
-- per-position acceptance, draft position j counted from 0: p_j = #(accepted > j) /
-  #(drafted > j) over decode row-steps, and the MTP marker's conditional p_pos[j] =
-  accepted_at[j] / reached_at[j] (§15). The figures number positions from 1.
-
-Which steps count, when a step has a `phase` field: lengths (spread, padding, groups, buckets)
-are measured on every step that ran on the batched cache, `decode` and `defer` (the window
-deferral's plain decode carries the same leads); acceptance (per-position, drafting fraction,
-tok_per_step from rows) only on `decode` steps, the ones that verify drafts. Prompt and idle
-steps are never measured; a trace without `phase` has every step measured.
-
-Honesty about coverage: a step's rows are the scheduled bucket only. When the scheduler formed
-several buckets (W0 shatters a ragged batch into one bucket per cache length) the spread
-leaves out the rows that waited; `rows_cover` says so. A run that a refusal ended early (the
-no-strip control) is labelled "refused at step N" wherever its averages are shown, since they
-cover only its few steps.
+Input is a trace in schema v1 (docs/trace.md), the simulator's own or any engine's; only
+`step`, `rows[].seq` and `rows[].own_len` are required, and every quantity comes straight
+from the trace (nothing recomputes a rule). The quantities, which steps count and the
+coverage labels: docs/simulator.md, section "raggedspec/drift/data.py".
 """
 
 from __future__ import annotations
