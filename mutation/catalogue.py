@@ -1,19 +1,10 @@
 """The named semantic mutant catalogue.
 
-Each `Mutant` is one small change to one rule, written as an exact source substitution:
-`old` must occur exactly once in `file` (the runner refuses the entry otherwise, so a
-refactor makes an entry fail loudly instead of silently mutating nothing). `spec` names the
-row it comes from: "PR" for the 22 mutations the source PR lists
-(source/mtp-draft-chain-per-row-positions.txt), "C§18" for cache-and-draft.md §18, "M§23" for
-masks-and-scheduling.md §23, or another section. `tests` are the test files (or node ids) run
-against the mutant, most specific first, with `-x`: the first failing test is the one recorded.
-
-`expect = "survive"` marks the spec's known true equivalent; every such entry must also be in
-`mutation/equivalent.toml` with its justification, and the gate fails if it is ever caught
-(the equivalence claim would then be wrong) as well as if any other entry survives.
-
-Adding a rule: add its entries here (name "function: what the mutant does"), run
-`python -m raggedspec.mutation.runner --catalogue-only --only "function:"` and make every entry CAUGHT.
+Each `Mutant` is one small change to one rule as an exact source substitution (`old` must
+occur exactly once in `file`), with the spec row it comes from and the tests run against it;
+`expect = "survive"` marks a documented equivalent (also in `mutation/equivalent.toml`).
+Fields, the gate and how to add a rule's entries: docs/mutation.md, section
+"mutation/catalogue.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Mutation runner: the named catalogue and mutmut, in a temporary copy of the tree.
 
-    python -m raggedspec.mutation.runner                    # full: catalogue + mutmut on dispatch + step,
-                                                 # reference and port (= --scope all)
-    python -m raggedspec.mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
-    python -m raggedspec.mutation.runner --catalogue-only   # the named mutants only
-    python -m raggedspec.mutation.runner --scope gpu        # the port's entries / modules only
-
-Nothing is ever written into the checkout's source or tests: every mutant is applied in a
-private copy (one per worker, under the system temp dir, removed on exit, interrupts
-included), and mutmut runs in its own copy. The checkout only receives `docs/mutation.md`
-(full runs, or `--docs PATH`) and, with `--json PATH`, a machine-readable result.
-
-Gate (exit 1): a catalogue entry that is not CAUGHT (unless it is a documented equivalent
-that SURVIVED), an entry whose `old` snippet does not occur exactly once, a mutmut score
-under the threshold (95%), or a mutmut survivor that is not in `mutation/equivalent.toml`.
-Score = (killed + timeout) / (total - skipped), as mutmut's own badge computes it.
+`python -m raggedspec.mutation.runner [--fast | --catalogue-only | --scope gpu]`; nothing
+is written into the checkout's source or tests. The modes, what the checkout
+receives, the gate (exit 1) and the score: docs/mutation.md, section "mutation/runner.py".
 """
 
 from __future__ import annotations
