@@ -1,26 +1,10 @@
 """Run raggedspec test vectors against any implementation, through a function table.
 
-A standalone consumer: it needs only numpy and safetensors, and imports nothing from
-raggedspec. The implementation under test is a *function table*: a dict mapping
-`"<family>/<function>"` (the names in the vectors' manifest.json) to a callable that takes
-one case's inputs (a dict: the JSON inputs of case.json plus the arrays of
-inputs.safetensors, by name) and returns a dict of outputs (JSON-like values and arrays), or
-raises an exception whose class name is the refusal's (`type(exc).__name__`).
-
-Comparison (docs/vectors.md): JSON outputs must be equal exactly, types included (a bool is
-not an int, an int is not a float); "exact" tensors equal in shape and every element
-(infinities included; float data is first rounded to the dtype the implementation computes
-in, so a float32 engine must copy K/V bit-exactly in float32); "close" tensors equal in
-shape, in where they are infinite, and elsewhere `|got - want| <= atol + rtol * |want|`
-with the tolerance of the dtype the implementation computes in. An expected refusal must
-raise that class; in `messages="exact"` mode its message must equal the spec's, in
-`messages="class"` mode only the class is checked.
-Malformed input (expect "malformed") must raise ValueError; its message is not compared.
-A function the table lacks is reported as missing, never counted as passed.
-
-Command line: `python examples/vectors_consumer.py DIR --table package.module:attr`, where
-`attr` is the table or a function returning it; exit 0 when every case of every function in
-the table passed (and, with `--require-all`, none is missing), 1 otherwise, 2 on bad usage.
+Standalone (numpy and safetensors only, nothing from raggedspec): the table maps
+`"<family>/<function>"` to a callable from one case's inputs to its outputs, or raising the
+refusal's class. `python examples/vectors_consumer.py DIR --table package.module:attr`
+exits 0 when every case passed, 1 otherwise, 2 on bad usage. The table's contract, the
+comparison rules and `--require-all`: docs/vectors.md, section "examples/vectors_consumer.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Traces of engines with known bugs: the reference lengths model with one bug injected.
 
 Each bug class is a small scenario and one change to `reference.lengths.LengthsEngine`'s
-decode step (a subclass: the reference itself is untouched), so the trace is what an engine
-with that bug would record, every later step following from the bug's effect:
-
-- `uniform-advance`: after a per-sequence step every row advances by the batch's smallest
-  commit, as one shared offset would (a uniform offset advance after ragged accepts);
-- `position-holes`: the KV lengths are right but each row's RoPE start (`q0`) advances by the
-  batch's largest commit, leaving holes in the positions of rows that accepted less;
-- `no-strip`: the dead prefix is never stripped, so the padded length is recorded as the
-  row's own and the rows re-converge on the batch width (the header still claims eager strip);
-- `stuck-drafter`: the draft chain start stops advancing after the row's first draft step;
-- `scalar-group-keys`: per-sequence steps key draft groups by (u, chain start), the cohort
-  key, giving one group per distinct start: more groups than depth + 1;
-- `uniform-ragged-path`: a batch whose rows hold one length is still front-padded (one dead
-  column per row), as if sent down the ragged path.
-
-`python -m raggedspec.trace_bugs --out DIR` writes one `NAME.jsonl` per class; the checked-in
-copies are conformance/traces/, the checker's output on each is docs/trace-check.md.
+decode step (a subclass; the reference is untouched). `python -m raggedspec.trace_bugs --out
+DIR` writes one `NAME.jsonl` per class; the classes: docs/trace-check.md, section
+"raggedspec/trace_bugs.py".
 """
 
 from __future__ import annotations

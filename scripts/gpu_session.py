@@ -1,35 +1,9 @@
 """The one prepared script a GPU window runs: the most valuable numbers first, a hard deadline,
 every result written under the output folder as it exists.
 
-    OUT=/tmp/gpu-smoke python3 scripts/gpu_session.py --cpu-smoke     # here, first (< 90 s)
-    bash scripts/gpu_session.sh                                        # the device tool's command
-
-Steps, in order (`plan`): (a) `env`: GPU, driver, clocks, torch / CuPy / NVRTC versions;
-(b) `preflight` (`raggedspec preflight`): every kernel variant compiled through CuPy, the
-side-stream check, the kernel against the reference in float64 / float32 / bfloat16, kernel
-vs wrapper time; (c) `headline`: the benchmark's headline case (B 128, L 4096, spread 64,
-w 2 and 4: CuPy kernel, padded SDPA, flex_attention); (d) `conf_*`: CUDA conformance of the
-torch and cupy backends, short Hypothesis profile, no emulated test, one JUnit XML per test
-file as it finishes; (e) `bench`: the rest of the benchmark in the time left; (f) `e2e`,
-`e2e_cupy`: the end-to-end step time. `--cpu-smoke` runs the same plan on the CPU at smoke
-sizes (the kernel under the g++ emulator).
-
-The deadline (`--deadline S`, default 330 s; smoke 85 s) is hard: each step's timeout is its
-own cap clipped to the time left (less what it keeps for the steps after it and the final
-collect); a step that would get less than its minimum is skipped with a note saying why.
-A step over its timeout gets SIGTERM, then SIGKILL 3 s later, its whole process group (each
-step runs in its own process session); the script itself stopped by SIGTERM takes the running step
-along, notes it and collects what finished.
-When the preflight fails, the CuPy steps (the headline's kernel column, the cupy conformance,
-`e2e_cupy`) are skipped with a note and the rest still run.
-
-Output (a new or empty folder; at most 8 files, the device tool's limit; rewritten after
-every step):
-`summary.md` (the step table, notes, preflight, conformance counts, the tables), `session.log`
-(all output), `preflight.json`, `headline.json`, `bench.json`, `e2e.json`, `all.tar.gz` (the
-work folder: per-step logs, JUnit XML, every partial output). Exit code: 0 every step that ran
-passed; 4 the preflight failed; 1 another step failed; 2 bad usage. Stdlib only, so the driver
-itself costs nothing; the steps are `python -m raggedspec ...` and `python -m pytest` processes.
+`OUT=/tmp/gpu-smoke python3 scripts/gpu_session.py --cpu-smoke` here first (< 90 s); `bash
+scripts/gpu_session.sh` is the device tool's command. Stdlib only. The steps, the deadline,
+the output files and the exit codes: docs/bench.md, section "scripts/gpu_session.py".
 """
 
 from __future__ import annotations
