@@ -5,7 +5,8 @@ table (rule, examples run, result).
                            [--device cpu|cuda|cuda:N] [--dtype float64|float32|bfloat16]
                            [--profile ci|dev|thorough|mutmut] [--tests PATH ...] [-k EXPR]
 
-(or `python -m raggedspec.conformance.runner ...`). The backend is selected for the tests through the
+(or `python -m raggedspec.conformance.runner ...`). The backend is selected for the tests through
+the
 environment (`RAGGEDSPEC_BACKEND`, `RAGGEDSPEC_DEVICE`, `RAGGEDSPEC_DTYPE`: see
 `conformance/backends.py`) and the Hypothesis profile through `HYPOTHESIS_PROFILE` and
 `--hypothesis-profile`; the suite runs in this process with `pytest.main`, and a small

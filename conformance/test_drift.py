@@ -20,9 +20,32 @@ from hypothesis import strategies as st
 from raggedspec import drift
 from raggedspec.drift import MissingField, TraceData, TraceFormatError
 
-CSV_COLUMNS = ("step,phase,advance,cache_instruction,running,waiting,buckets,groups,padding_fraction,"
-               "tok_per_step,seq,row,own_len,width,lead,u,drafted,accepted,committed,group_u,group_start,"
-               "chain_start,filled,bucket").split(",")
+CSV_COLUMNS = [
+    "step",
+    "phase",
+    "advance",
+    "cache_instruction",
+    "running",
+    "waiting",
+    "buckets",
+    "groups",
+    "padding_fraction",
+    "tok_per_step",
+    "seq",
+    "row",
+    "own_len",
+    "width",
+    "lead",
+    "u",
+    "drafted",
+    "accepted",
+    "committed",
+    "group_u",
+    "group_start",
+    "chain_start",
+    "filled",
+    "bucket",
+]
 
 
 # --------------------------------------------------------------------- a hand-made engine
@@ -37,27 +60,62 @@ def engine_trace(lengths_by_step, accepts=None, depth=3, phases=None, extra_rows
         rows = []
         for i, (seq, n) in enumerate(sorted(lens.items())):
             d, a = accepts[t][seq] if accepts else (depth, 0)
-            rows.append({"seq": seq, "row": i, "own_len": n, "width": width, "lead": width - n, "u": 1,
-                         "drafted": d, "accepted": a, "committed": a + 1, "group": [1, 0],
-                         "chain_start": n - 1, "filled": n - 1, "bucket": [0, 0, 0, 1]})
+            rows.append(
+                {
+                    "seq": seq,
+                    "row": i,
+                    "own_len": n,
+                    "width": width,
+                    "lead": width - n,
+                    "u": 1,
+                    "drafted": d,
+                    "accepted": a,
+                    "committed": a + 1,
+                    "group": [1, 0],
+                    "chain_start": n - 1,
+                    "filled": n - 1,
+                    "bucket": [0, 0, 0, 1],
+                }
+            )
             rows[-1].update((extra_rows or {}).get(seq, {}))
         committed = sum(r["committed"] for r in rows)
         cum += committed
         row_steps += len(rows)
-        steps.append({"type": "step", "step": t, "phase": (phases or {}).get(t, "decode"),
-                      "advance": "per-sequence", "cache_instruction": "In", "running": len(rows), "waiting": 0,
-                      "buckets": 1, "groups": 1, "width": width,
-                      "padding_fraction": sum(r["lead"] for r in rows) / (len(rows) * width) if rows and width else 0.0,
-                      "committed": committed, "tok_per_step": cum / row_steps if row_steps else 0.0,
-                      "rows": rows})
+        steps.append(
+            {
+                "type": "step",
+                "step": t,
+                "phase": (phases or {}).get(t, "decode"),
+                "advance": "per-sequence",
+                "cache_instruction": "In",
+                "running": len(rows),
+                "waiting": 0,
+                "buckets": 1,
+                "groups": 1,
+                "width": width,
+                "padding_fraction": sum(r["lead"] for r in rows) / (len(rows) * width)
+                if rows and width
+                else 0.0,
+                "committed": committed,
+                "tok_per_step": cum / row_steps if row_steps else 0.0,
+                "rows": rows,
+            }
+        )
     return steps
 
 
 def write_jsonl(steps, path, header=True, summary=None):
     lines = []
     if header:
-        lines.append({"type": "header", "schema": "raggedspec-trace", "version": 1, "mode": "lengths",
-                      "scenario": {}})
+        lines.append(
+            {
+                "type": "header",
+                "schema": "raggedspec-trace",
+                "version": 1,
+                "mode": "lengths",
+                "scenario": {},
+            }
+        )
     lines += steps
     if summary:
         lines.append({"type": "summary"} | summary)
@@ -88,7 +146,7 @@ def section_17_3(k_steps, strip):
     out = []
     for _ in range(k_steps + 1):
         out.append({i: n for i, n in enumerate(lens)})
-        lens = [n + a for n, a in zip(lens, adv)] if strip else [max(lens) + a for a in adv]
+        lens = [n + a for n, a in zip(lens, adv, strict=False)] if strip else [max(lens) + a for a in adv]
     return out
 
 
@@ -109,8 +167,14 @@ def brute_spread(steps):
     return out
 
 
-@given(st.lists(st.dictionaries(st.integers(0, 20), st.integers(0, 500), max_size=9), min_size=1, max_size=25),
-       st.sets(st.integers(0, 24), max_size=5))
+@given(
+    st.lists(
+        st.dictionaries(st.integers(0, 20), st.integers(0, 500), max_size=9),
+        min_size=1,
+        max_size=25,
+    ),
+    st.sets(st.integers(0, 24), max_size=5),
+)
 def test_spread_band_equals_a_brute_force_recomputation(lengths_by_step, prompt_steps):
     steps = engine_trace(lengths_by_step, phases={t: "prompt" for t in prompt_steps})
     band = drift.spread_band(steps)
@@ -121,7 +185,7 @@ def test_spread_band_equals_a_brute_force_recomputation(lengths_by_step, prompt_
     assert list(band.hi) == [e[3] for e in expected]
     assert band.max_spread == max((e[3] for e in expected), default=0)
     for seq, (xs, ys) in band.rows.items():
-        for x, y in zip(xs, ys):
+        for x, y in zip(xs, ys, strict=False):
             lens = lengths_by_step[x]
             assert y == lens[seq] - min(lens.values())
 
@@ -154,7 +218,9 @@ def test_the_section_17_3_control_collapses_to_spread_2_and_the_stripped_run_kee
 
 
 def test_only_decode_steps_are_measured_when_the_trace_has_phases():
-    steps = engine_trace([{0: 5, 1: 90}, {0: 10, 1: 12}, {0: 20, 1: 20}], phases={0: "prompt", 2: "idle"})
+    steps = engine_trace(
+        [{0: 5, 1: 90}, {0: 10, 1: 12}, {0: 20, 1: 20}], phases={0: "prompt", 2: "idle"}
+    )
     band = drift.spread_band(steps)
     assert list(band.step) == [1] and band.max_spread == 2
     for s in steps:
@@ -163,7 +229,9 @@ def test_only_decode_steps_are_measured_when_the_trace_has_phases():
 
 
 def test_the_row_lines_start_with_the_row_that_drifts_furthest():
-    steps = engine_trace([{0: 10, 1: 10, 2: 10, 3: 10}, {0: 11, 1: 19, 2: 12, 3: 13}, {0: 12, 2: 14, 3: 15}])
+    steps = engine_trace(
+        [{0: 10, 1: 10, 2: 10, 3: 10}, {0: 11, 1: 19, 2: 12, 3: 13}, {0: 12, 2: 14, 3: 15}]
+    )
     band = drift.spread_band(steps)
     assert drift.pick_row_lines(band) == [1, 0, 2]
 
@@ -218,7 +286,9 @@ def test_per_position_counts_equal_a_brute_force_count(pairs):
 
 
 def test_tok_per_step_prefers_the_summary_then_the_steps_then_the_rows():
-    steps = engine_trace([{0: 10, 1: 10}, {0: 12, 1: 11}], accepts=[{0: (3, 3), 1: (3, 0)}, {0: (3, 1), 1: (3, 2)}])
+    steps = engine_trace(
+        [{0: 10, 1: 10}, {0: 12, 1: 11}], accepts=[{0: (3, 3), 1: (3, 0)}, {0: (3, 1), 1: (3, 2)}]
+    )
     # committed = a + 1: (4 + 1 + 2 + 3) / 4 row-steps = 2.5
     assert drift.tok_per_step(TraceData("t", steps)) == 2.5
     assert drift.tok_per_step(TraceData("t", steps, summary={"tok_per_step": 1.25})) == 1.25
@@ -243,7 +313,10 @@ def test_the_summary_reports_the_plotted_values():
     s = drift.summarize(TraceData("run", steps))
     assert s["max_spread"] == max(e[3] for e in brute_spread(steps))
     assert s["mean_padding_fraction"] == pytest.approx(
-        sum(sum(max(l.values()) - n for n in l.values()) / (6 * max(l.values())) for l in lens) / 40, abs=1e-6)
+        sum(sum(max(l.values()) - n for n in l.values()) / (6 * max(l.values())) for l in lens)
+        / 40,
+        abs=1e-6,
+    )
     assert s["groups"] == {"min": 1, "mean": 1.0, "max": 1}
     assert s["missing"] == []
     assert s["measured_steps"] == 40 and s["rows_max"] == 6
@@ -259,12 +332,18 @@ def test_a_jsonl_and_a_csv_trace_read_back_to_the_same_data(tmp_path):
     b = drift.read_trace_file(write_csv(steps, tmp_path / "t.csv"))
     assert a.header["schema"] == "raggedspec-trace" and a.summary == {"type": "summary", "steps": 7}
     assert [s["rows"] for s in a.steps] == [s["rows"] for s in b.steps]
-    assert drift.summarize(a) | {"source": "", "label": ""} == drift.summarize(b) | {"source": "", "label": ""}
+    assert drift.summarize(a) | {"source": "", "label": ""} == drift.summarize(b) | {
+        "source": "",
+        "label": "",
+    }
 
 
 def minimal_engine_lines(n_steps=10):
     """What a bare engine might log: only the required fields."""
-    return [{"step": t, "rows": [{"seq": q, "own_len": 10 + t * (q + 1)} for q in range(3)]} for t in range(n_steps)]
+    return [
+        {"step": t, "rows": [{"seq": q, "own_len": 10 + t * (q + 1)} for q in range(3)]}
+        for t in range(n_steps)
+    ]
 
 
 def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(tmp_path):
@@ -275,7 +354,11 @@ def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(t
     missing = " ".join(s["missing"])
     for field in ("padding_fraction", "groups", "buckets", "rows[].committed", "rows[].drafted"):
         assert f"`{field}`" in missing
-    assert s["mean_padding_fraction"] is None and s["tok_per_step"] is None and s["per_position"] is None
+    assert (
+        s["mean_padding_fraction"] is None
+        and s["tok_per_step"] is None
+        and s["per_position"] is None
+    )
 
 
 @pytest.mark.parametrize("text, field", [
@@ -323,7 +406,10 @@ def test_the_no_strip_control_rebuilds_section_17_3_from_the_stripped_run():
     assert [{r["seq"]: r["own_len"] for r in s["rows"]} for s in control] == expected
     # A row that joins later enters at its own length and then moves with the widest row.
     lens = [{0: 10}, {0: 12, 1: 5}, {0: 13, 1: 9}, {0: 16, 1: 10}]
-    got = [{r["seq"]: r["own_len"] for r in s["rows"]} for s in drift.no_strip_control(engine_trace(lens))]
+    got = [
+        {r["seq"]: r["own_len"] for r in s["rows"]}
+        for s in drift.no_strip_control(engine_trace(lens))
+    ]
     assert got == [{0: 10}, {0: 12, 1: 5}, {0: 13, 1: 16}, {0: 19, 1: 17}]
 
 
@@ -334,9 +420,16 @@ SMALL_W0 = {"batch": 4, "prompt_len": 16, "max_new_tokens": 24, "steps": 20, "wo
 
 def test_scenario_runs_grant_per_sequence_and_explain_a_world_that_splits_ragged_rows():
     runs = drift.scenario_runs(SMALL_W0)
-    assert [r.header["scenario"]["advance"] for r in runs] == ["cohort", "per-sequence", "per-sequence"]
+    assert [r.header["scenario"]["advance"] for r in runs] == [
+        "cohort",
+        "per-sequence",
+        "per-sequence",
+    ]
     assert [r.header["scenario"]["strip"] for r in runs] == ["eager", "eager", "none"]
-    assert all(r.header["scenario"]["admission"] == "grant" and r.header["scenario"]["xs_per_seq"] for r in runs)
+    assert all(
+        r.header["scenario"]["admission"] == "grant" and r.header["scenario"]["xs_per_seq"]
+        for r in runs
+    )
     assert not any("world W0" in n for n in runs[0].notes)
     assert all(any("world W0" in n and "world WB" in n for n in r.notes) for r in runs[1:])
     assert runs[2].control is not None and runs[0].control is None
@@ -352,7 +445,9 @@ def test_the_sweep_reports_both_rules_per_batch_and_drives_the_progress_bar():
         def close(self):
             calls.append("closed")
 
-    sweep = drift.sweep_tok_per_step(SMALL_W0 | {"world": "WB"}, batches=[1, 3], progress=lambda label: Bar())
+    sweep = drift.sweep_tok_per_step(
+        SMALL_W0 | {"world": "WB"}, batches=[1, 3], progress=lambda label: Bar()
+    )
     assert sweep["batch"] == [1, 3]
     cohort, per_seq = sweep["tok_per_step"].values()
     assert cohort[0] == per_seq[0]  # the two advance rules are identical at batch 1 (§17.2)
@@ -366,9 +461,11 @@ def test_the_sweep_reports_both_rules_per_batch_and_drives_the_progress_bar():
 def test_deferred_steps_carry_leads_and_count_in_spread_and_padding_but_not_in_acceptance():
     """A `defer` step (the window deferral's plain decode) runs on the batched cache with
     its leads, so spread and padding count it; acceptance counts only `decode` steps."""
-    steps = engine_trace([{0: 10, 1: 10}, {0: 14, 1: 11}, {0: 17, 1: 12}],
-                         accepts=[{0: (3, 3), 1: (3, 0)}, {0: (0, 0), 1: (0, 0)}, {0: (3, 2), 1: (3, 1)}],
-                         phases={1: "defer"})
+    steps = engine_trace(
+        [{0: 10, 1: 10}, {0: 14, 1: 11}, {0: 17, 1: 12}],
+        accepts=[{0: (3, 3), 1: (3, 0)}, {0: (0, 0), 1: (0, 0)}, {0: (3, 2), 1: (3, 1)}],
+        phases={1: "defer"},
+    )
     band = drift.spread_band(steps)
     assert list(band.step) == [0, 1, 2] and list(band.hi) == [0, 3, 5]
     s = drift.summarize(TraceData("t", steps))
@@ -376,7 +473,9 @@ def test_deferred_steps_carry_leads_and_count_in_spread_and_padding_but_not_in_a
     assert s["mean_padding_fraction"] == pytest.approx((0 + 3 / 28 + 5 / 34) / 3, abs=1e-6)
     pp = drift.per_position_acceptance(steps)
     assert pp.drafted_beyond == [4, 4, 4] and pp.accepted_beyond == [3, 2, 1]
-    assert s["drafting_fraction"] == 1.0  # the deferred rows did not verify, so they are not counted
+    assert (
+        s["drafting_fraction"] == 1.0
+    )  # the deferred rows did not verify, so they are not counted
     # tok_per_step from rows: committed = a + 1 over the decode row-steps only
     for t in steps:
         del t["tok_per_step"]
@@ -422,11 +521,16 @@ def test_a_w0_run_that_shatters_does_not_claim_every_row_holds_the_same_length()
 def test_a_run_a_refusal_ended_is_labelled_in_every_figure_and_the_summary():
     """The no-strip control is refused after a few steps; its panel title says so, the
     dotted line says it is computed (not simulated), and its averages are labelled."""
-    runs = drift.scenario_runs({"batch": 6, "prompt_len": 24, "max_new_tokens": 60, "steps": 40, "world": "WB"})
+    runs = drift.scenario_runs(
+        {"batch": 6, "prompt_len": 24, "max_new_tokens": 60, "steps": 40, "world": "WB"}
+    )
     none = drift.summarize(runs[2])
     n, step = none["measured_steps"], none["refused_at_step"]
     assert none["ended_by_refusal"] and step is not None and n < 10
-    assert drift.summarize(runs[1])["refused_at_step"] is None and not drift.summarize(runs[1])["ended_by_refusal"]
+    assert (
+        drift.summarize(runs[1])["refused_at_step"] is None
+        and not drift.summarize(runs[1])["ended_by_refusal"]
+    )
     spread = figure_text(drift.figure_spread(runs))
     assert f"simulated run refused at step {step} (left-aligned guard)" in spread
     assert f"over its {n} steps" in spread
@@ -454,13 +558,17 @@ def test_the_spread_legend_matches_the_panels_and_rows_do_not_overdraw_the_max_l
         mx = [ln for ln in lines if ln.get_linestyle() == "-"]
         rows = [ln for ln in lines if ln.get_color() == drift.ROW_LINE["color"]]
         assert len(mx) == 1 and mcolors.to_hex(mx[0].get_color()) == mcolors.to_hex(f"C{i}")
-        assert rows and all(r.get_zorder() < mx[0].get_zorder() and r.get_linestyle() != "-" for r in rows)
+        assert rows and all(
+            r.get_zorder() < mx[0].get_zorder() and r.get_linestyle() != "-" for r in rows
+        )
 
 
 def test_a_constant_bucket_series_is_explained_not_plotted():
     flat = [TraceData("a", engine_trace([{0: 10 + t, 1: 9 + t} for t in range(5)]))]
     fig = drift.figure_groups_buckets(flat)
-    assert len(fig.axes) == 1 and "buckets per step are not plotted: 1 at every measured step" in figure_text(fig)
+    assert len(
+        fig.axes
+    ) == 1 and "buckets per step are not plotted: 1 at every measured step" in figure_text(fig)
     varied = engine_trace([{0: 10 + t, 1: 9 + t} for t in range(5)])
     varied[2]["buckets"] = 3
     fig = drift.figure_groups_buckets(flat + [TraceData("b", varied)])
@@ -468,7 +576,9 @@ def test_a_constant_bucket_series_is_explained_not_plotted():
 
 
 def test_the_per_position_titles_are_plain_words():
-    text = figure_text(drift.figure_per_position([TraceData("t", steps_with_accepts([(3, 2), (3, 0)]))]))
+    text = figure_text(
+        drift.figure_per_position([TraceData("t", steps_with_accepts([(3, 2), (3, 0)]))])
+    )
     assert "Of the rows that drafted position j, the fraction" in text
     assert "Of the drafts that reached position j" in text and "the fraction accepted" in text
 

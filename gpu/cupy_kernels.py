@@ -3,7 +3,8 @@ emulator on the CPU. Same rules, same refusals as the torch port.
 
 Two runners, one set of operations:
 - `Kernels("cupy")`: CuPy arrays on the current device, NVRTC through `cupy.RawModule`;
-- `Kernels("emulate")`: NumPy arrays, `raggedspec.gpu.kernel_emulator` (g++), every block run as real
+- `Kernels("emulate")`: NumPy arrays, `raggedspec.gpu.kernel_emulator` (g++), every block run as
+real
   threads at a real barrier: what conformance uses where there is no GPU.
 
 bf16 arrays travel as their bits (`uint16`/`int16`; neither NumPy nor CuPy has a bf16 dtype);
@@ -26,7 +27,8 @@ two, the split-K partials and their combine), and reads rows through per-row off
   rows NaN instead of a refusal. The split count comes from host-known sizes (the capacity).
 
 `ragged_verify_attention(q, k, v, lens)` is the torch-facing entry point `raggedspec bench`
-calls (the contract of raggedspec/bench/strategies.py): torch CUDA tensors in and out, zero-copy through DLPack,
+calls (the contract of raggedspec/bench/strategies.py): torch CUDA tensors in and out, zero-copy
+through DLPack,
 launched on torch's current stream.
 """
 
@@ -501,7 +503,8 @@ def _verify_attention_torch(mode: str, q, k, v, lens):
 
 
 def ragged_verify_attention(q, k, v, lens):
-    """The bench's contract (raggedspec/bench/strategies.py): torch CUDA tensors `q [B,H,w,D]`, in-place
+    """The bench's contract (raggedspec/bench/strategies.py): torch CUDA tensors `q [B,H,w,D]`,
+    in-place
     `k, v [B,Hk,cap,D]`, int64 `lens [B]` -> `out [B,H,w,D]` in q's dtype, on torch's current
     stream, no copy of KV (DLPack views; bf16 travels as int16 bits)."""
     import cupy

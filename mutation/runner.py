@@ -1,8 +1,10 @@
 """Mutation runner: the named catalogue and mutmut, in a temporary copy of the tree.
 
-    python -m raggedspec.mutation.runner                    # full: catalogue + mutmut on dispatch + step,
+    python -m raggedspec.mutation.runner                    # full: catalogue + mutmut on dispatch +
+    step,
                                                  # reference and port (= --scope all)
-    python -m raggedspec.mutation.runner --fast             # CI gate: catalogue + mutmut on reference/dispatch.py
+    python -m raggedspec.mutation.runner --fast             # CI gate: catalogue + mutmut on
+    reference/dispatch.py
     python -m raggedspec.mutation.runner --catalogue-only   # the named mutants only
     python -m raggedspec.mutation.runner --scope gpu        # the port's entries / modules only
 
@@ -47,8 +49,19 @@ EQUIVALENT = Path(__file__).resolve().parent / "equivalent.toml"
 # caught mutant usually costs one test. Rewritten by full runs, read by every run.
 KILLERS = Path(__file__).resolve().parent / "killers.json"
 THRESHOLD = 95.0
-COPY_IGNORE = shutil.ignore_patterns(".git", "mutants", "__pycache__", ".hypothesis", ".pytest_cache",
-                                     "*.egg-info", "build", "out", ".venv", "venv", "*.pyc")
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git",
+    "mutants",
+    "__pycache__",
+    ".hypothesis",
+    ".pytest_cache",
+    "*.egg-info",
+    "build",
+    "out",
+    ".venv",
+    "venv",
+    "*.pyc",
+)
 PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--no-header",
                "--hypothesis-profile=mutmut", "-n", "0"]
 
@@ -133,7 +146,9 @@ def in_tree(workdir: Path, rel: str) -> str:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a same-size mutant within the same second must not hit a stale .pyc
+    env["PYTHONDONTWRITEBYTECODE"] = (
+        "1"  # a same-size mutant within the same second must not hit a stale .pyc
+    )
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("HYPOTHESIS_PROFILE", None)
     env.pop("PYTEST_ADDOPTS", None)
@@ -178,7 +193,9 @@ def check_catalogue(entries: list[Mutant], root: Path = ROOT) -> dict[str, str]:
             problems[m.name] = str(err)
         missing = [t for t in m.tests if not (root / t.split("::")[0]).is_file()]
         if missing or not m.tests:
-            problems.setdefault(m.name, f"test file(s) missing: {missing}" if missing else "no tests")
+            problems.setdefault(
+                m.name, f"test file(s) missing: {missing}" if missing else "no tests"
+            )
     return problems
 
 
@@ -264,13 +281,23 @@ class WarmPytest:
         env = _env()
         if torch:
             env["RAGGEDSPEC_MUTATION_TORCH"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=workdir, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            cwd=workdir,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         self.out = workdir.parent / "pytest.out"
 
     def run(self, args: list[str], timeout: float) -> tuple[int | None, str, float]:
-        self.proc.stdin.write(json.dumps({"cwd": str(self.workdir), "args": args, "out": str(self.out),
-                                          "timeout": timeout}) + "\n")
+        self.proc.stdin.write(
+            json.dumps(
+                {"cwd": str(self.workdir), "args": args, "out": str(self.out), "timeout": timeout}
+            )
+            + "\n"
+        )
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -297,8 +324,14 @@ def _pytest_args(tests: list[str], deselect: list[str] = (), extra: list[str] = 
     return args
 
 
-def run_pytest(workdir: Path, tests: list[str], deselect: list[str] = (), timeout: float = 600,
-               extra: list[str] = (), server: WarmPytest | None = None) -> tuple[int | None, str, float]:
+def run_pytest(
+    workdir: Path,
+    tests: list[str],
+    deselect: list[str] = (),
+    timeout: float = 600,
+    extra: list[str] = (),
+    server: WarmPytest | None = None,
+) -> tuple[int | None, str, float]:
     """pytest in `workdir` (through `server` when given, else a fresh `python -m pytest`);
     (returncode or None on timeout, output, seconds)."""
     args = _pytest_args(tests, deselect, extra, workdir)
@@ -309,17 +342,32 @@ def run_pytest(workdir: Path, tests: list[str], deselect: list[str] = (), timeou
         p = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=workdir, env=_env(),
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out = (
+            exc.stdout.decode(errors="replace")
+            if isinstance(exc.stdout, bytes)
+            else (exc.stdout or "")
+        )
         return None, out, time.monotonic() - t0
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
 
 
-def run_one(mutant: Mutant, workdir: Path, root: Path = ROOT, deselect: list[str] = (),
-            timeout: float = 300, server: WarmPytest | None = None, hint: str | None = None) -> MutantResult:
+def run_one(
+    mutant: Mutant,
+    workdir: Path,
+    root: Path = ROOT,
+    deselect: list[str] = (),
+    timeout: float = 300,
+    server: WarmPytest | None = None,
+    hint: str | None = None,
+) -> MutantResult:
     """Apply `mutant` in `workdir` (a copy of `root`), run its tests (the `hint` node first,
     when it still exists and is not deselected), restore the file."""
     tests = list(mutant.tests)
-    if hint and hint not in deselect and (workdir / in_tree(workdir, hint.split("::")[0])).is_file():
+    if (
+        hint
+        and hint not in deselect
+        and (workdir / in_tree(workdir, hint.split("::")[0])).is_file()
+    ):
         tests = [hint] + tests
     target = workdir / in_tree(workdir, mutant.file)
     original = (root / mutant.file).read_text()
@@ -327,7 +375,9 @@ def run_one(mutant: Mutant, workdir: Path, root: Path = ROOT, deselect: list[str
     try:
         mutated = mutated_source(mutant, original)
     except CatalogueError as err:
-        return MutantResult(mutant.name, mutant.file, mutant.spec, "BROKEN", str(err), 0.0, mutant.expect)
+        return MutantResult(
+            mutant.name, mutant.file, mutant.spec, "BROKEN", str(err), 0.0, mutant.expect
+        )
     target.write_text(mutated)
     try:
         code, out, secs = run_pytest(workdir, tests, deselect, timeout, server=server)
@@ -341,8 +391,9 @@ def run_one(mutant: Mutant, workdir: Path, root: Path = ROOT, deselect: list[str
         status, detail = "CAUGHT", _first_failure(out)
     else:  # 4: usage error, 5: no tests collected
         status, detail = "ERROR", f"pytest exit {code}: {_first_failure(out)}"
-    return MutantResult(mutant.name, mutant.file, mutant.spec, status, detail, time.monotonic() - t0,
-                        mutant.expect)
+    return MutantResult(
+        mutant.name, mutant.file, mutant.spec, status, detail, time.monotonic() - t0, mutant.expect
+    )
 
 
 def baseline(entries: list[Mutant], workdir: Path, jobs: int) -> tuple[list[str], float]:
@@ -375,9 +426,15 @@ def save_killers(results: list[MutantResult], path: Path = KILLERS) -> None:
     Path(path).write_text(json.dumps(dict(sorted(killers.items())), indent=1) + "\n")
 
 
-def run_catalogue(entries: list[Mutant], root: Path = ROOT, jobs: int = 2, check_baseline: bool = True,
-                  log=print, hints: dict[str, str] | None = None,
-                  equivalents: dict | None = None) -> tuple[list[MutantResult], list[str]]:
+def run_catalogue(
+    entries: list[Mutant],
+    root: Path = ROOT,
+    jobs: int = 2,
+    check_baseline: bool = True,
+    log=print,
+    hints: dict[str, str] | None = None,
+    equivalents: dict | None = None,
+) -> tuple[list[MutantResult], list[str]]:
     """Every entry in its own mutated copy, `jobs` at a time; (results in catalogue order,
     baseline failures). `hints`: entry name -> a test to run first."""
     hints = hints or {}
@@ -466,7 +523,9 @@ def read_stats(path: Path) -> dict:
     return stats
 
 
-_KEY = re.compile(r"^(?P<module>.+?)\.(?:x_(?P<func>\w+?)|xǁ(?P<cls>\w+)ǁ(?P<meth>\w+?))__mutmut_(?P<n>\d+)$")
+_KEY = re.compile(
+    r"^(?P<module>.+?)\.(?:x_(?P<func>\w+?)|xǁ(?P<cls>\w+)ǁ(?P<meth>\w+?))__mutmut_(?P<n>\d+)$"
+)
 
 
 def function_of(key: str) -> str:
@@ -495,15 +554,24 @@ def mutated_lines(mutated_file_source: str | dict[str, str], key: str) -> list[s
     """The statements of mutant `key` that differ from the original function, each on one
     line (a multi-line simple statement is joined; a compound one shows its changed lines).
     `mutated_file_source` is the mutated file's text or its `_functions_in` (parse once)."""
-    funcs = mutated_file_source if isinstance(mutated_file_source, dict) else _functions_in(mutated_file_source)
+    funcs = (
+        mutated_file_source
+        if isinstance(mutated_file_source, dict)
+        else _functions_in(mutated_file_source)
+    )
     local = key.rsplit(".", 1)[1]
     orig = re.sub(r"__mutmut_\d+$", "__mutmut_orig", local)
     a, b = funcs.get(orig, ""), funcs.get(local, "")
     if not b:
         return ["<mutant not found>"]
-    a_lines, b_lines = a.splitlines()[1:], b.splitlines()[1:]  # the def lines differ only in the name
+    a_lines, b_lines = (
+        a.splitlines()[1:],
+        b.splitlines()[1:],
+    )  # the def lines differ only in the name
     changed: list[int] = []  # 0-based indices into b_lines
-    for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, a_lines, b_lines, autojunk=False).get_opcodes():
+    for tag, _, _, j1, j2 in difflib.SequenceMatcher(
+        None, a_lines, b_lines, autojunk=False
+    ).get_opcodes():
         if tag in ("replace", "insert"):
             changed.extend(range(j1, j2))
         elif tag == "delete":
@@ -512,7 +580,11 @@ def mutated_lines(mutated_file_source: str | dict[str, str], key: str) -> list[s
         body = ast.parse(textwrap.dedent(b)).body[0]
     except SyntaxError:
         body = None
-    simple = [n for n in ast.walk(body) if isinstance(n, ast.stmt) and not hasattr(n, "body")] if body else []
+    simple = (
+        [n for n in ast.walk(body) if isinstance(n, ast.stmt) and not hasattr(n, "body")]
+        if body
+        else []
+    )
     out: list[str] = []
     for i in changed:
         line_no = i + 2  # 1-based, in the function including its def line
@@ -536,7 +608,9 @@ def read_mutants_dir(mutants: Path) -> MutmutReport:
         data = json.loads(meta.read_text())
         src_path = meta.with_suffix("")  # drop .meta
         src = _functions_in(src_path.read_text()) if src_path.is_file() else {}
-        for key, code in sorted(data.get("exit_code_by_key", {}).items(), key=lambda kv: _natural(kv[0])):
+        for key, code in sorted(
+            data.get("exit_code_by_key", {}).items(), key=lambda kv: _natural(kv[0])
+        ):
             status = STATUS_BY_EXIT_CODE.get(code, "suspicious")
             func = function_of(key)
             row = rows.setdefault(func, FunctionRow(func))
@@ -556,12 +630,20 @@ def read_mutants_dir(mutants: Path) -> MutmutReport:
     if stats_path.is_file():
         stats = read_stats(stats_path)
     else:  # derive from the meta files
-        stats = {"killed": sum(r.killed for r in rows.values()), "survived": sum(r.survived for r in rows.values()),
-                 "timeout": sum(r.timeouts for r in rows.values()), "total": sum(r.mutants for r in rows.values()),
-                 "skipped": 0}
+        stats = {
+            "killed": sum(r.killed for r in rows.values()),
+            "survived": sum(r.survived for r in rows.values()),
+            "timeout": sum(r.timeouts for r in rows.values()),
+            "total": sum(r.mutants for r in rows.values()),
+            "skipped": 0,
+        }
         stats["score"] = score_of(stats)
-    mutated = sorted(str(m.relative_to(mutants).with_suffix("")) for m in mutants.rglob("*.py.meta"))
-    return MutmutReport(stats, sorted(rows.values(), key=lambda r: r.function), survivors, 0.0, mutated)
+    mutated = sorted(
+        str(m.relative_to(mutants).with_suffix("")) for m in mutants.rglob("*.py.meta")
+    )
+    return MutmutReport(
+        stats, sorted(rows.values(), key=lambda r: r.function), survivors, 0.0, mutated
+    )
 
 
 def split_report(report: MutmutReport) -> dict[str, MutmutReport]:
@@ -574,8 +656,13 @@ def split_report(report: MutmutReport) -> dict[str, MutmutReport]:
                  "timeout": sum(r.timeouts for r in rows), "total": sum(r.mutants for r in rows),
                  "skipped": 0, "no_tests": sum(r.other for r in rows), "suspicious": 0}
         stats["score"] = score_of(stats)
-        out[scope] = MutmutReport(stats, rows, [s for s in report.survivors if s["function"].startswith(scope + ".")],
-                                  report.seconds, [p for p in report.only_mutate if p.startswith(scope + "/")])
+        out[scope] = MutmutReport(
+            stats,
+            rows,
+            [s for s in report.survivors if s["function"].startswith(scope + ".")],
+            report.seconds,
+            [p for p in report.only_mutate if p.startswith(scope + "/")],
+        )
     return out
 
 
@@ -592,10 +679,15 @@ def _set_mutmut_config(workdir: Path, only_mutate: list[str], selection: list[st
     selection. Only ever called on a workspace copy."""
     py = workdir / "pyproject.toml"
     text = py.read_text()
-    text = re.sub(r"(?m)^only_mutate = .*$", lambda _: "only_mutate = " + json.dumps(only_mutate), text)
+    text = re.sub(
+        r"(?m)^only_mutate = .*$", lambda _: "only_mutate = " + json.dumps(only_mutate), text
+    )
     if selection is not None:
-        text = re.sub(r"(?m)^pytest_add_cli_args_test_selection = .*$",
-                      lambda _: "pytest_add_cli_args_test_selection = " + json.dumps(selection), text)
+        text = re.sub(
+            r"(?m)^pytest_add_cli_args_test_selection = .*$",
+            lambda _: "pytest_add_cli_args_test_selection = " + json.dumps(selection),
+            text,
+        )
     py.write_text(text)
 
 
@@ -621,11 +713,19 @@ def run_mutmut(scopes: list[str], fast: bool, root: Path = ROOT, jobs: int = 2, 
     t0 = time.monotonic()
     red, secs = _baseline_run(ws, selection, jobs)
     log(f"mutmut baseline: {'green' if not red else 'RED: ' + ', '.join(red)} ({secs:.1f} s)")
-    _set_mutmut_config(ws, [nested_path(p) for p in only], selection + [f"--deselect={t}" for t in red])
+    _set_mutmut_config(
+        ws, [nested_path(p) for p in only], selection + [f"--deselect={t}" for t in red]
+    )
     log(f"mutmut: mutating {', '.join(only)}")
     env = _env()
-    p = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)], cwd=ws, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
+        cwd=ws,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     tail = "\n".join(p.stdout.replace("\r", "\n").splitlines()[-8:])
     if p.returncode != 0:
         raise RuntimeError(f"mutmut run failed (exit {p.returncode}):\n{tail}\n{p.stderr[-3000:]}")
@@ -643,7 +743,9 @@ def _baseline_run(workdir: Path, selection: list[str], jobs: int) -> tuple[list[
     """Run a test selection (paths and pytest options) unmutated; the failing node ids."""
     args = [a for a in PYTEST_ARGS if a not in ("-x",)]
     i = args.index("-n")
-    args = args[:i] + args[i + 2:] + (["-n", str(jobs)] if jobs > 1 and _has_xdist() else ["-n", "0"])
+    args = (
+        args[:i] + args[i + 2 :] + (["-n", str(jobs)] if jobs > 1 and _has_xdist() else ["-n", "0"])
+    )
     t0 = time.monotonic()
     selection = [in_tree(workdir, t) for t in selection]
     p = subprocess.run([sys.executable, "-m", "pytest", *args, *selection], cwd=workdir, env=_env(),
@@ -699,20 +801,30 @@ class Verdict:
     reasons: list[str]
 
 
-def gate(results: list[MutantResult] | None, report: MutmutReport | None, equivalents: dict,
-         threshold: float = THRESHOLD, baseline_red: list[str] = (), allow_red: bool = False) -> Verdict:
+def gate(
+    results: list[MutantResult] | None,
+    report: MutmutReport | None,
+    equivalents: dict,
+    threshold: float = THRESHOLD,
+    baseline_red: list[str] = (),
+    allow_red: bool = False,
+) -> Verdict:
     reasons = []
     if baseline_red and not allow_red:
         reasons.append(f"the unmutated tests are red: {', '.join(baseline_red)}")
     for r in results or []:
         if r.ok:
             if r.expect == "survive" and r.name not in equivalents["catalogue"]:
-                reasons.append(f"catalogue: '{r.name}' is expected to survive but has no justification "
-                               f"in equivalent.toml")
+                reasons.append(
+                    f"catalogue: '{r.name}' is expected to survive but has no justification "
+                    f"in equivalent.toml"
+                )
             continue
         if r.expect == "survive":
-            reasons.append(f"catalogue: '{r.name}' was expected to survive (a documented equivalent) but is "
-                           f"{r.status} ({r.detail}): the equivalence claim is wrong")
+            reasons.append(
+                f"catalogue: '{r.name}' was expected to survive (a documented equivalent) but is "
+                f"{r.status} ({r.detail}): the equivalence claim is wrong"
+            )
         elif r.status == "SURVIVED" and r.name in equivalents["catalogue"]:
             continue
         else:
@@ -722,7 +834,9 @@ def gate(results: list[MutantResult] | None, report: MutmutReport | None, equiva
             reasons.append(f"mutmut: score {report.score:.1f}% is under {threshold:.0f}%")
         for s in report.survivors:
             if equivalent_for(s, equivalents) is None:
-                reasons.append(f"mutmut: {s['key']} {s['status']} and is not in equivalent.toml: {s['line']}")
+                reasons.append(
+                    f"mutmut: {s['key']} {s['status']} and is not in equivalent.toml: {s['line']}"
+                )
     return Verdict(not reasons, reasons)
 
 
@@ -730,21 +844,35 @@ def gate(results: list[MutantResult] | None, report: MutmutReport | None, equiva
 
 
 def catalogue_table(results: list[MutantResult]) -> list[str]:
-    lines = ["| # | mutant | file | spec | result | first failing test |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| # | mutant | file | spec | result | first failing test |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(results, 1):
-        status = r.status + (" (equivalent)" if r.expect == "survive" and r.status == "SURVIVED" else "")
+        status = r.status + (
+            " (equivalent)" if r.expect == "survive" and r.status == "SURVIVED" else ""
+        )
         lines.append(f"| {i} | {r.name} | `{r.file}` | {r.spec} | {status} | "
                      f"{'`' + r.detail + '`' if r.status == 'CAUGHT' else r.detail} |")
     return lines
 
 
 def mutmut_table(report: MutmutReport) -> list[str]:
-    lines = ["| function | mutants | killed | survived | timeouts | other |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| function | mutants | killed | survived | timeouts | other |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in report.rows:
-        lines.append(f"| `{r.function}` | {r.mutants} | {r.killed} | {r.survived} | {r.timeouts} | {r.other} |")
+        lines.append(
+            f"| `{r.function}` | {r.mutants} | {r.killed} | {r.survived} | {r.timeouts} | "
+            f"{r.other} |"
+        )
     s = report.stats
-    lines.append(f"| **total** | {s.get('total', 0)} | {s.get('killed', 0)} | {s.get('survived', 0)} | "
-                 f"{s.get('timeout', 0)} | {s.get('no_tests', 0) + s.get('suspicious', 0) + s.get('skipped', 0)} |")
+    lines.append(
+        f"| **total** | {s.get('total', 0)} | {s.get('killed', 0)} | {s.get('survived', 0)} | "
+        f"{s.get('timeout', 0)} | "
+        f"{s.get('no_tests', 0) + s.get('suspicious', 0) + s.get('skipped', 0)} |"
+    )
     return lines
 
 
@@ -752,15 +880,24 @@ def print_mutmut(report: MutmutReport, equivalents: dict, log=print) -> None:
     w = max([len(r.function) for r in report.rows] + [8])
     log(f"{'function':{w}}  mutants  killed  survived  timeouts  other")
     for r in report.rows:
-        log(f"{r.function:{w}}  {r.mutants:7}  {r.killed:6}  {r.survived:8}  {r.timeouts:8}  {r.other:5}")
+        log(
+            f"{r.function:{w}}  {r.mutants:7}  {r.killed:6}  {r.survived:8}  {r.timeouts:8}  "
+            f"{r.other:5}"
+        )
     s = report.stats
     log(f"{'total':{w}}  {s.get('total', 0):7}  {s.get('killed', 0):6}  {s.get('survived', 0):8}  "
         f"{s.get('timeout', 0):8}  {s.get('no_tests', 0) + s.get('suspicious', 0):5}")
-    log(f"mutmut score: {report.score:.1f}% = (killed + timeout) / (total - skipped) "
-        f"= ({s.get('killed', 0)} + {s.get('timeout', 0)}) / ({s.get('total', 0)} - {s.get('skipped', 0)})")
+    log(
+        f"mutmut score: {report.score:.1f}% = (killed + timeout) / (total - skipped) "
+        f"= ({s.get('killed', 0)} + {s.get('timeout', 0)}) / ({s.get('total', 0)} - "
+        f"{s.get('skipped', 0)})"
+    )
     for sv in report.survivors:
         why = equivalent_for(sv, equivalents)
-        log(f"  {sv['status']}: {sv['key']}: {sv['line']}  -> {'equivalent: ' + why if why else 'NOT JUSTIFIED'}")
+        log(
+            f"  {sv['status']}: {sv['key']}: {sv['line']}  -> "
+            f"{'equivalent: ' + why if why else 'NOT JUSTIFIED'}"
+        )
 
 
 BEGIN, END = "<!-- BEGIN generated:{} -->", "<!-- END generated:{} -->"
@@ -787,9 +924,13 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
         caught = sum(r.status in ("CAUGHT", "TIMEOUT") for r in rs)
         survived = sum(r.status == "SURVIVED" for r in rs)
         eq = sum(r.expect == "survive" and r.status == "SURVIVED" for r in rs)
-        body = [f"`{command}` ({when}; the whole run took {seconds:.0f} s wall): {len(rs)} entries, "
-                f"**{caught} caught, {survived} survived** ({eq} of them the documented equivalent), "
-                f"{len(rs) - caught - survived} other.", "", *catalogue_table(rs)]
+        body = [
+            f"`{command}` ({when}; the whole run took {seconds:.0f} s wall): {len(rs)} entries, "
+            f"**{caught} caught, {survived} survived** ({eq} of them the documented equivalent), "
+            f"{len(rs) - caught - survived} other.",
+            "",
+            *catalogue_table(rs),
+        ]
         doc = _replace_section(doc, f"catalogue-{scope}", body)
     for scope, rep in (split_report(report) if report is not None else {}).items():
         s = rep.stats
@@ -810,7 +951,9 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
         doc = _replace_section(doc, f"mutmut-{scope}", body)
     eq = ["| kind | mutant | why it cannot be caught |", "|---|---|---|"]
     eq += [f"| catalogue | {name} | {why} |" for name, why in equivalents["catalogue"].items()]
-    eq += [f"| mutmut | `{e['function']}`: `{e['line']}` | {e['why']} |" for e in equivalents["mutmut"]]
+    eq += [
+        f"| mutmut | `{e['function']}`: `{e['line']}` | {e['why']} |" for e in equivalents["mutmut"]
+    ]
     doc = _replace_section(doc, "equivalents", eq)
     path.write_text(doc)
 
@@ -823,9 +966,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m raggedspec.mutation.runner", description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 the gate passed; 1 it failed (the reasons are listed); 2 bad "
                "input (an --only matching no entry) or mutmut did not complete.")
-    ap.add_argument("--scope", choices=("reference", "gpu", "all"), default="all",
-                    help="all (default): the reference and the port; reference: the reference rules; "
-                         "gpu: the torch port and the kernels")
+    ap.add_argument(
+        "--scope",
+        choices=("reference", "gpu", "all"),
+        default="all",
+        help="all (default): the reference and the port; reference: the reference rules; "
+        "gpu: the torch port and the kernels",
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--catalogue-only", action="store_true", help="run only the named catalogue")
     mode.add_argument("--mutmut-only", action="store_true", help="run only mutmut")
@@ -834,14 +981,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="catalogue entries whose name contains this text")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--threshold", type=float, default=THRESHOLD)
-    ap.add_argument("--no-baseline", action="store_true", help="skip the catalogue's unmutated baseline run")
+    ap.add_argument(
+        "--no-baseline", action="store_true", help="skip the catalogue's unmutated baseline run"
+    )
     ap.add_argument("--no-hints", action="store_true",
                     help="ignore mutation/killers.json (run each entry's test files in order)")
-    ap.add_argument("--allow-red", action="store_true",
-                    help="do not fail the gate when unmutated tests fail (they are deselected either way)")
-    ap.add_argument("--from-mutants", type=Path, help="read an existing mutmut mutants/ dir instead of running mutmut")
+    ap.add_argument(
+        "--allow-red",
+        action="store_true",
+        help="do not fail the gate when unmutated tests fail (they are deselected either way)",
+    )
+    ap.add_argument(
+        "--from-mutants",
+        type=Path,
+        help="read an existing mutmut mutants/ dir instead of running mutmut",
+    )
     ap.add_argument("--equivalent", type=Path, default=EQUIVALENT)
-    ap.add_argument("--docs", type=Path, help="write the report here (default: docs/mutation.md on a full run)")
+    ap.add_argument(
+        "--docs", type=Path, help="write the report here (default: docs/mutation.md on a full run)"
+    )
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
     ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
@@ -869,21 +1027,29 @@ def main(argv: list[str] | None = None) -> int:
         if not args.mutmut_only:
             entries = select(args.scope, args.only)
             if args.only is not None and not entries:
-                print(f"python -m raggedspec.mutation.runner: error: --only {args.only!r} matches no "
-                      f"catalogue entry in scope {args.scope} (mutation/catalogue.py names them)",
-                      file=sys.stderr)
+                print(
+                    f"python -m raggedspec.mutation.runner: error: --only {args.only!r} matches no "
+                    f"catalogue entry in scope {args.scope} (mutation/catalogue.py names them)",
+                    file=sys.stderr,
+                )
                 return 2
             broken = check_catalogue(entries, root)
             for name, why in broken.items():
                 print(f"BROKEN {name}: {why}")
             runnable = [m for m in entries if m.name not in broken]
-            print(f"catalogue: {len(entries)} entries ({len(runnable)} runnable), scope {args.scope}, "
-                  f"{args.jobs} job(s)")
+            print(
+                f"catalogue: {len(entries)} entries ({len(runnable)} runnable), scope "
+                f"{args.scope}, "
+                f"{args.jobs} job(s)"
+            )
             hints = {} if args.no_hints else load_killers()
             results, red = run_catalogue(runnable, root, args.jobs, not args.no_baseline,
                                          hints=hints, equivalents=equivalents)
-            results += [MutantResult(m.name, m.file, m.spec, "BROKEN", broken[m.name], 0.0, m.expect)
-                        for m in entries if m.name in broken]
+            results += [
+                MutantResult(m.name, m.file, m.spec, "BROKEN", broken[m.name], 0.0, m.expect)
+                for m in entries
+                if m.name in broken
+            ]
             n_c = sum(r.status in ("CAUGHT", "TIMEOUT") for r in results)
             n_s = sum(r.status == "SURVIVED" for r in results)
             print(f"catalogue: {len(results)} entries, {n_c} caught, {n_s} survived, "
@@ -916,7 +1082,9 @@ def main(argv: list[str] | None = None) -> int:
     when = time.strftime("%Y-%m-%d")
     full_run = not args.fast and not args.only and not args.from_mutants
     checkout = (root / "raggedspec").is_dir()  # not an installed package: docs/ is the repo's
-    docs = args.docs or (root / "docs" / "mutation.md" if full_run and checkout and not args.no_docs else None)
+    docs = args.docs or (
+        root / "docs" / "mutation.md" if full_run and checkout and not args.no_docs else None
+    )
     if docs is not None and not args.no_docs:
         write_docs(docs, results, report, equivalents, command.strip(), seconds, when)
         print(f"wrote {docs}")

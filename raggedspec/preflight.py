@@ -5,7 +5,8 @@ any long GPU job spends its window on them.
 
 Checks, in order (each one `ok`, `failed` with the reason, or `skipped` with the reason):
 - `compile:<variant>`: every kernel variant of `KERNEL_VARIANTS` built and launched once
-  through `raggedspec.gpu.cupy_kernels.Kernels` (NVRTC through CuPy on a GPU; g++ under the emulator);
+  through `raggedspec.gpu.cupy_kernels.Kernels` (NVRTC through CuPy on a GPU; g++ under the
+  emulator);
 - `side_stream`: a kernel launched by `ragged_verify_attention` on torch's current
   non-default stream, behind a pending write to its K/V on that stream, reads the written
   data (a kernel on another stream reads the old zeros and fails);

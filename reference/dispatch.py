@@ -163,7 +163,9 @@ class MtpHiddenCapture:
 # --- §8.2 per-row cache lengths -----------------------------------------------------------
 
 
-def resolve_row_cache_lens(enabled: bool, cache_len: int, lead_pad: Sequence[int]) -> list[int] | None:
+def resolve_row_cache_lens(
+    enabled: bool, cache_len: int, lead_pad: Sequence[int]
+) -> list[int] | None:
     """Each row's own committed-KV length `C - lead_i`, or None for the scalar dispatch
     (cache-and-draft.md §8.2).
 
@@ -281,7 +283,9 @@ def draft_step_end_column(start_pos: Sequence[int], b: int, cached: int) -> int:
     require(b >= 0 and cached >= 0, f"b {b} and cached {cached} must be >= 0")
     pos = [int(p) for p in start_pos]
     if not pos:
-        raise DispatchRefusal(f"the MTP draft step was given no absolute position at all (batch of {b})")
+        raise DispatchRefusal(
+            f"the MTP draft step was given no absolute position at all (batch of {b})"
+        )
     if len(pos) != 1 and len(pos) != b:
         raise DispatchRefusal(f"{len(pos)} absolute position(s) for a batch of {b}: {pos}")
     end = max(pos)
