@@ -709,10 +709,11 @@ CATALOGUE: list[Mutant] = [
     M(
         "plan_per_sequence_step: committed = min(u + a, batch min)",
         R_STEP,
-        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted)]\n",
+        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, strict=False)]"
+        "\n",
         "    committed = [min(int(u) + int(a), w, min(int(x) + int(y) for x, y in zip(uncached, "
-        "accepted)))"
-        " for u, a in zip(uncached, accepted)]\n",
+        "accepted, strict=False)))"
+        " for u, a in zip(uncached, accepted, strict=False)]\n",
         "C§18; M§23",
         STEP,
     ),
@@ -727,8 +728,9 @@ CATALOGUE: list[Mutant] = [
     M(
         "plan_per_sequence_step: committed not capped at w",
         R_STEP,
-        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted)]\n",
-        "    committed = [int(u) + int(a) for u, a in zip(uncached, accepted)]\n",
+        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, strict=False)]"
+        "\n",
+        "    committed = [int(u) + int(a) for u, a in zip(uncached, accepted, strict=False)]\n",
         "C§18",
         STEP,
     ),
