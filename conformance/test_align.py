@@ -529,9 +529,9 @@ def test_eager_and_lazy_strip_policies_give_every_row_its_own_length(lens, seed)
             for i, (o, n) in enumerate(zip(originals, lens, strict=False))
         ]
         if policy == "eager":  # strip right after Out
-            for r, l in zip(rows, lead, strict=False):
+            for r, pad in zip(rows, lead, strict=False):
                 for slot in r.slots:
-                    drop_dead_prefix(slot, l)
+                    drop_dead_prefix(slot, pad)
             for i, r in enumerate(rows):
                 assert r.current_seq_len == lens[i] + 1
                 assert [k_row(slot) for slot in r.slots] == expected[i]

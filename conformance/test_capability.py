@@ -172,7 +172,7 @@ def test_the_draft_chain_check_is_implied_by_the_mask_check_today():
               NormalCache([OtherSlot("Rotating")])]
     outcomes = []
     for cache in shapes:
-        def ok(check):
+        def ok(check, cache=cache):
             try:
                 check(cache)
                 return True

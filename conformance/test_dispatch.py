@@ -172,10 +172,10 @@ def test_a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name():
 def test_resolve_row_cache_lens_dispatch_property(leads, extra):
     c = max(leads) + extra
     got = resolve_row_cache_lens(True, c, leads)
-    if all(l == 0 for l in leads):
+    if all(lead == 0 for lead in leads):
         assert got is None
     else:
-        assert got == [c - l for l in leads]
+        assert got == [c - lead for lead in leads]
     assert resolve_row_cache_lens(False, c, leads) is None
 
 

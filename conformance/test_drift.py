@@ -146,7 +146,11 @@ def section_17_3(k_steps, strip):
     out = []
     for _ in range(k_steps + 1):
         out.append({i: n for i, n in enumerate(lens)})
-        lens = [n + a for n, a in zip(lens, adv, strict=False)] if strip else [max(lens) + a for a in adv]
+        lens = (
+            [n + a for n, a in zip(lens, adv, strict=False)]
+            if strip
+            else [max(lens) + a for a in adv]
+        )
     return out
 
 
@@ -313,7 +317,8 @@ def test_the_summary_reports_the_plotted_values():
     s = drift.summarize(TraceData("run", steps))
     assert s["max_spread"] == max(e[3] for e in brute_spread(steps))
     assert s["mean_padding_fraction"] == pytest.approx(
-        sum(sum(max(l.values()) - n for n in l.values()) / (6 * max(l.values())) for l in lens)
+        sum(sum(max(row.values()) - n for n in row.values()) / (6 * max(row.values()))
+            for row in lens)
         / 40,
         abs=1e-6,
     )

@@ -404,9 +404,10 @@ def test_deferred_steps_count_in_the_summarys_spread_and_padding():
     for tr in (lengths.run(sc), simulator.run(sc)):
         steps = list(tr.steps())
         measured = [s for s in steps if s["phase"] in ("decode", "defer")]
-        spread = lambda s: (
-            max(r["own_len"] for r in s["rows"]) - min(r["own_len"] for r in s["rows"])
-        )  # noqa: E731
+
+        def spread(s):
+            return max(r["own_len"] for r in s["rows"]) - min(r["own_len"] for r in s["rows"])
+
         assert any(s["phase"] == "defer" and s["padding_fraction"] > 0 for s in measured)
         assert max(spread(s) for s in steps if s["phase"] == "decode") == 0
         assert tr.summary["max_spread"] == max(spread(s) for s in measured) > 0

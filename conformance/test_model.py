@@ -227,7 +227,7 @@ def test_the_repository_ragged_fixture():
     # (d) non-degenerate: every lead is inside the raw window, per-row compressed thresholds differ
     assert leads == [0, 2, 5]
     assert raw_base_of(t, MODEL.cfg.sliding_window, 12) == 0
-    assert [(l + 1) // 4 for l in lens] == [2, 2, 1]
+    assert [(n + 1) // 4 for n in lens] == [2, 2, 1]
     # (a)
     for i in range(3):
         assert close(fb.logits[i], alone[i].logits[0]) and close(fb.hidden[i], alone[i].hidden[0])

@@ -257,8 +257,14 @@ def test_strip_dead_prefix_matches_drop_front_single(dtype, data, seed):
     ]
 
     def ref_strip():
-        refusal = next((ref._drop_front_refusal(sk, lead) for (sk, _), lead in zip(singles, leads, strict=False)
-                        if ref._drop_front_refusal(sk, lead) is not None), None)
+        refusal = next(
+            (
+                ref._drop_front_refusal(sk, lead)
+                for (sk, _), lead in zip(singles, leads, strict=False)
+                if ref._drop_front_refusal(sk, lead) is not None
+            ),
+            None,
+        )
         if refusal is not None:
             raise refusal
         for (sk, sv), lead in zip(singles, leads, strict=False):

@@ -36,7 +36,7 @@ def row_positions(draw):
     refusal (wrong length, a row ahead, nobody at q0)."""
     leads = draw(lead_pads(1, 6, 12))
     q0 = draw(st.integers(max(leads), 60))
-    rows = [q0 - l for l in leads]
+    rows = [q0 - lead for lead in leads]
     b = len(rows)
     kind = draw(
         st.sampled_from(

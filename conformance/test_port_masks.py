@@ -73,7 +73,7 @@ def test_vector_validity_is_the_per_row_reference_stacked(rows, t_q, t_c, ratio)
        window=st.integers(1, 30), ratio=st.sampled_from([0, 4, 8, 128]), data=st.data())
 def test_ragged_union_mask_matches_the_reference(dtype, leads, extra, t_q, window, ratio, data):
     q0 = max(leads) + extra
-    rows = [q0 - l for l in leads]
+    rows = [q0 - lead for lead in leads]
     t_k_full = q0 + t_q
     raw_base, keep = ref.raw_keep_span(t_q, window, t_k_full)
     t_c = data.draw(st.integers(0, t_k_full // ratio + 2)) if ratio > 1 else 0
@@ -171,7 +171,10 @@ def test_masker_entry_points_match_the_reference(data):
     flash = data.draw(st.booleans())
     window = data.draw(st.integers(1, 8))
     policy = data.draw(st.sampled_from(port.SLIDING_WINDOW_RAGGED_POLICIES))
-    as_vec = (lambda x: None if x is None else vec(x))
+
+    def as_vec(x):
+        return None if x is None else vec(x)
+
     for pf, rf, extra in ((port.make_causal_mask_matrix, ref.make_causal_mask_matrix, ()),
                           (port.make_sliding_window_causal_mask_matrix,
                            ref.make_sliding_window_causal_mask_matrix, (window, policy))):

@@ -245,8 +245,8 @@ def test_float64_forward_matches_the_reference(case):
         appended: list = []
         original = RaggedKv.append
 
-        def spy(kv, k_new, v_new, rows=None):
-            appended.append((k_new.clone(), v_new.clone()))
+        def spy(kv, k_new, v_new, rows=None, *, log=appended, original=original):
+            log.append((k_new.clone(), v_new.clone()))
             return original(kv, k_new, v_new, rows)
 
         with mock.patch.object(RaggedKv, "append", spy):

@@ -84,7 +84,9 @@ def test_budget_and_clamp_match_the_reference(accepted, data, max_seq_len):
     budgets = port.token_budget(max_seq_len, vec(toks))
     assert as_list(budgets) == [ref.token_budget(max_seq_len, t) for t in toks]
     clamped = port.budget_clamp(vec(accepted), budgets)
-    assert as_list(clamped) == [ref.budget_clamp(a, b) for a, b in zip(accepted, as_list(budgets), strict=False)]
+    assert as_list(clamped) == [
+        ref.budget_clamp(a, b) for a, b in zip(accepted, as_list(budgets), strict=False)
+    ]
 
 
 @given(step=accept_steps())

@@ -240,7 +240,9 @@ def test_a_ragged_batch_rolls_each_row_back_to_its_own_commit_on_the_port(ratio,
             p,
             r,
             "append_rows",
-            np.stack([h[n + c : n + c + w] for n, c, h in zip(prefills, commits, truths, strict=False)]),
+            np.stack(
+                [h[n + c : n + c + w] for n, c, h in zip(prefills, commits, truths, strict=False)]
+            ),
         )
         for i, (n, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
             assert_close64(p.row_comp(i), scratch_blocks(h[: n + c + w], ratio), what=f"row {i}")

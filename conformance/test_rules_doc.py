@@ -97,9 +97,9 @@ def test_unmodelled_rules_say_why():
 
 def spec_names() -> list[str]:
     return [
-        l.strip()
-        for l in SPEC_NAMES.read_text().splitlines()
-        if l.strip() and not l.startswith("#")
+        line.strip()
+        for line in SPEC_NAMES.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
     ]
 
 

@@ -302,7 +302,9 @@ def oracle_select(buckets, priorities, discrete):
     if greedy == mn:
         return mn
     cands = sorted(
-        k[0] for k in ordered if k[0] > mn[0] and all(x == y for x, y in zip(k[1:], mn[1:], strict=False))
+        k[0]
+        for k in ordered
+        if k[0] > mn[0] and all(x == y for x, y in zip(k[1:], mn[1:], strict=False))
     )
     if not cands:
         return greedy

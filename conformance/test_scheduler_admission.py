@@ -114,7 +114,9 @@ def test_the_floor_logs_once_when_it_fires():
     for _ in range(6):
         logs += bucket_and_waitlist_seqs_waiting(running, False, st_).logs
     fired = [
-        l for l in logs if l.startswith("ARC prefill floor: forced a prompt bucket after 1 passes")
+        line
+        for line in logs
+        if line.startswith("ARC prefill floor: forced a prompt bucket after 1 passes")
     ]
     assert len(fired) == 1
 
@@ -123,7 +125,9 @@ def test_wa_prefill_cap_bounds_promotions_in_queue_order_when_nothing_runs():
     st_ = state_for("WA", prefill_cap=2)
     out = schedule([], [prompt(i, 20) for i in [4, 1, 3]], st_)
     assert out.promoted == [4, 1] and out.held == [3]
-    assert any(l.startswith("ARC prefill cap: held a waiting sequence back") for l in out.logs)
+    assert any(
+        line.startswith("ARC prefill cap: held a waiting sequence back") for line in out.logs
+    )
     out0 = schedule([], [prompt(i, 20) for i in [4, 1, 3]], state_for("W0", prefill_cap=2))
     assert out0.promoted == [4, 1, 3] and out0.held == [], "the cap is a WA rule"
 

@@ -165,7 +165,8 @@ def test_the_window_invariant_is_what_keeps_the_verify_slice_in_range():
             got = plan_step_window(cache_lens, toks, 4)
             verdicts.append(got.ok)
             if got.ok:
-                assert all(c < t for c, t in zip(cache_lens, toks, strict=False))  # toks[c:] is non-empty
+                # toks[c:] is non-empty
+                assert all(c < t for c, t in zip(cache_lens, toks, strict=False))
     assert True in verdicts and False in verdicts
     assert not plan_step_window([12, 12], [13, 9], 4).ok
 
@@ -188,7 +189,9 @@ def test_plan_step_window_ok_implies_the_cache_is_behind_the_tokens(data):
     toks = data.draw(st.lists(st.integers(0, 50), min_size=b, max_size=b))
     got = plan_step_window(cache, toks, w)
     assert got.uncached == [max(t - c, 0) for c, t in zip(cache, toks, strict=False)]
-    brute = all(c + max(t - c, 0) >= 2 and 1 <= t - c <= w for c, t in zip(cache, toks, strict=False))
+    brute = all(
+        c + max(t - c, 0) >= 2 and 1 <= t - c <= w for c, t in zip(cache, toks, strict=False)
+    )
     assert got.ok == brute
     if got.ok:
         assert all(c < t for c, t in zip(cache, toks, strict=False))

@@ -260,7 +260,7 @@ def test_split_and_stack_round_trip_with_per_row_tokens_and_base():
     for i, h in enumerate(hs):
         assert_row_matches(batched, i, h)
     back = batched.split_rows()
-    for i, (row, h) in enumerate(zip(back, hs, strict=False)):
+    for row, h in zip(back, hs, strict=False):
         assert row.batch == 1
         assert_row_matches(row, 0, h)
         assert not row.tail[
@@ -305,7 +305,7 @@ def test_mtp_verify_rollback_restores_the_compressor_rows_exactly(ratio, prefill
             kv = [KvCache.new_normal(4096), KvCache.new_normal(4096)]
             xs = XsRolling(ratio)
 
-            def feed(rows):
+            def feed(rows, xs=xs, kv=kv):
                 xs.append_rows(rows[None])
                 for slot in kv:
                     block = rows[None, None]
@@ -347,12 +347,17 @@ def test_a_ragged_xs_batch_rolls_each_row_back_to_its_own_commit(ratio, prefills
         block = np.stack([np.concatenate([h[p : p + c], rng.standard_normal((w - c, D)) - 40])
                           for p, h, c in zip(prefills, truths, commits, strict=False)])
         xs.append_rows(block)
-        xs.set_row_lens([p + c for p, c in zip(prefills, commits, strict=False)])   # per-sequence commit
-        assert xs.comp_seq_len == max(p + c for p, c in zip(prefills, commits, strict=False)) // ratio
+        # per-sequence commit
+        xs.set_row_lens([p + c for p, c in zip(prefills, commits, strict=False)])
+        assert (
+            xs.comp_seq_len == max(p + c for p, c in zip(prefills, commits, strict=False)) // ratio
+        )
         for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
             assert_row_matches(xs, i, h[: p + c])
         # onward: every row feeds w more true rows from its own position
-        nxt = np.stack([h[p + c : p + c + w] for p, c, h in zip(prefills, commits, truths, strict=False)])
+        nxt = np.stack(
+            [h[p + c : p + c + w] for p, c, h in zip(prefills, commits, truths, strict=False)]
+        )
         xs.append_rows(nxt)
         for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
             assert_row_matches(xs, i, h[: p + c + w])
@@ -383,7 +388,10 @@ def test_random_ragged_feeds_and_rollbacks_match_a_from_scratch_compression(data
         xs.append_rows(x)
         fed = [np.concatenate([h, x[i]]) for i, h in enumerate(history)]
         floor = [max(fl, len(f) - XS_TAIL_MARGIN_TOKENS) for fl, f in zip(floor, fed, strict=False)]
-        drops = [data.draw(st.integers(0, len(f) - max(fl, 0))) for f, fl in zip(fed, floor, strict=False)]
+        drops = [
+            data.draw(st.integers(0, len(f) - max(fl, 0)))
+            for f, fl in zip(fed, floor, strict=False)
+        ]
         xs.set_row_lens([len(f) - d for f, d in zip(fed, drops, strict=False)])
         history = [f[: len(f) - d] for f, d in zip(fed, drops, strict=False)]
         assert xs.comp_seq_len == max(len(h) for h in history) // ratio

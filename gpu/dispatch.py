@@ -137,7 +137,10 @@ class DraftGroups:
 
     def as_dict(self) -> dict[tuple[int, int], list[int]]:
         """The reference's `{(u, s): [rows]}` form (host lists), for conformance."""
-        return {(int(k[0]), int(k[1])): as_list(r) for k, r in zip(self.keys.tolist(), self.rows, strict=False)}
+        return {
+            (int(k[0]), int(k[1])): as_list(r)
+            for k, r in zip(self.keys.tolist(), self.rows, strict=False)
+        }
 
 
 def draft_groups(uncached, cache_lens, may_draft, w: int, per_seq_advance: bool) -> DraftGroups:

@@ -436,7 +436,7 @@ CATALOGUE: list[Mutant] = [
     M(
         "resolve_row_cache_lens: Some for all-zero leads",
         R_DISP,
-        "    if not enabled or all(l == 0 for l in leads):\n",
+        "    if not enabled or all(pad == 0 for pad in leads):\n",
         "    if not enabled:\n",
         "C§18",
         DISP,
@@ -444,8 +444,8 @@ CATALOGUE: list[Mutant] = [
     M(
         "resolve_row_cache_lens: skip the !enabled gate",
         R_DISP,
-        "    if not enabled or all(l == 0 for l in leads):\n",
-        "    if all(l == 0 for l in leads):\n",
+        "    if not enabled or all(pad == 0 for pad in leads):\n",
+        "    if all(pad == 0 for pad in leads):\n",
         "C§18",
         DISP,
     ),
@@ -468,8 +468,8 @@ CATALOGUE: list[Mutant] = [
     M(
         "resolve_row_cache_lens: return C + lead",
         R_DISP,
-        "    return [cache_len - l for l in leads]\n",
-        "    return [cache_len + l for l in leads]\n",
+        "    return [cache_len - pad for pad in leads]\n",
+        "    return [cache_len + pad for pad in leads]\n",
         "C§18",
         DISP,
     ),
@@ -709,8 +709,8 @@ CATALOGUE: list[Mutant] = [
     M(
         "plan_per_sequence_step: committed = min(u + a, batch min)",
         R_STEP,
-        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, strict=False)]"
-        "\n",
+        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, "
+        "strict=False)]\n",
         "    committed = [min(int(u) + int(a), w, min(int(x) + int(y) for x, y in zip(uncached, "
         "accepted, strict=False)))"
         " for u, a in zip(uncached, accepted, strict=False)]\n",
@@ -728,8 +728,8 @@ CATALOGUE: list[Mutant] = [
     M(
         "plan_per_sequence_step: committed not capped at w",
         R_STEP,
-        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, strict=False)]"
-        "\n",
+        "    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, "
+        "strict=False)]\n",
         "    committed = [int(u) + int(a) for u, a in zip(uncached, accepted, strict=False)]\n",
         "C§18",
         STEP,

@@ -590,7 +590,9 @@ def mutated_lines(mutated_file_source: str | dict[str, str], key: str) -> list[s
         line_no = i + 2  # 1-based, in the function including its def line
         stmt = next((n for n in simple if n.lineno <= line_no <= n.end_lineno), None)
         if stmt is not None:
-            text = " ".join(l.strip() for l in b.splitlines()[stmt.lineno - 1: stmt.end_lineno])
+            text = " ".join(
+                line.strip() for line in b.splitlines()[stmt.lineno - 1: stmt.end_lineno]
+            )
         else:
             text = b_lines[i].strip()
         text = re.sub(r"\(\s+", "(", re.sub(r"\s+\)", ")", text))
@@ -785,7 +787,10 @@ def _need_why(e: dict) -> None:
 def equivalent_for(survivor: dict, equivalents: dict) -> str | None:
     """The justification of a mutmut survivor: an entry whose function matches and whose
     `line` equals the mutated line (whitespace-insensitive)."""
-    norm = lambda s: re.sub(r"\s+", "", s)
+
+    def norm(s: str) -> str:
+        return re.sub(r"\s+", "", s)
+
     for e in equivalents["mutmut"]:
         if e["function"] == survivor["function"] and norm(e["line"]) == norm(survivor["line"]):
             return e["why"]

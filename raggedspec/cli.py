@@ -361,8 +361,8 @@ def add_mutation(sub) -> argparse.ArgumentParser:
         "mutation",
         add_help=False,
         prefix_chars="\0",
-        help="mutation testing: the named catalogue and mutmut (arguments go to raggedspec.mutation.runner; "
-        "`raggedspec mutation --help` lists them)",
+        help="mutation testing: the named catalogue and mutmut (arguments go to "
+        "raggedspec.mutation.runner; `raggedspec mutation --help` lists them)",
     )
     p.add_argument("runner_args", nargs=argparse.REMAINDER)
     return p

@@ -15,7 +15,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Protocol
 
@@ -309,10 +309,8 @@ def _cwd_on_path():
     try:
         yield
     finally:
-        try:
+        with suppress(ValueError):
             sys.path.remove(cwd)  # the first occurrence: the one inserted above
-        except ValueError:
-            pass
 
 
 def resolve_factory(factory: str):

@@ -62,7 +62,9 @@ class MtpAcceptance:
         self.committed += other.committed
         self.batch_steps += other.batch_steps
         self.pos_over_cap += other.pos_over_cap
-        self.accepted_at = [x + y for x, y in zip(self.accepted_at, other.accepted_at, strict=False)]
+        self.accepted_at = [
+            x + y for x, y in zip(self.accepted_at, other.accepted_at, strict=False)
+        ]
         self.reached_at = [x + y for x, y in zip(self.reached_at, other.reached_at, strict=False)]
 
     def accumulate(self, step: MtpAcceptance, every: int = LOG_EVERY) -> bool:

@@ -175,21 +175,21 @@ def resolve_row_cache_lens(
     cohort always has its widest row at column C.
     """
     require(cache_len >= 0, f"cache_len {cache_len} must be >= 0")
-    leads = [int(l) for l in lead_pad]
-    require(all(l >= 0 for l in leads), f"lead_pad {leads} must be >= 0")
-    if not enabled or all(l == 0 for l in leads):
+    leads = [int(pad) for pad in lead_pad]
+    require(all(pad >= 0 for pad in leads), f"lead_pad {leads} must be >= 0")
+    if not enabled or all(pad == 0 for pad in leads):
         return None
-    wide = [(i, l) for i, l in enumerate(leads) if l > cache_len]
+    wide = [(i, pad) for i, pad in enumerate(leads) if pad > cache_len]
     if wide:
-        i, l = wide[0]
+        i, pad = wide[0]
         raise DispatchRefusal(
-            f"row {i}'s lead pad {l} is wider than the batched cache_len {cache_len}: "
+            f"row {i}'s lead pad {pad} is wider than the batched cache_len {cache_len}: "
             f"lead_pad {leads} and the cache disagree")
     if min(leads) != 0:
         raise DispatchRefusal(
             f"every row carries a dead prefix (lead_pad {leads}, cache_len {cache_len}): "
             f"no row ends at the shared end column, so this is not a left-aligned cohort")
-    return [cache_len - l for l in leads]
+    return [cache_len - pad for pad in leads]
 
 
 # --- §9 draft groups -----------------------------------------------------------------------

@@ -258,7 +258,8 @@ def prime_draft_kv(
         batch,
         model,
         warnings,
-        why="prefix-cache hit / chunked prefill: the prompt capture does not start at the draft KV's end",
+        why="prefix-cache hit / chunked prefill: the prompt capture does not start at the draft "
+        "KV's end",
     )
 
 

@@ -355,7 +355,7 @@ class TinyModel:
                 f"cache has {len(cache.slots)} slots for {self.n_layers} layers")
         offsets = [int(o) for o in seqlen_offsets]
         require(len(offsets) in (1, b), f"{len(offsets)} seqlen offsets for a batch of {b}")
-        leads = [0] * b if lead_pad is None else [int(l) for l in lead_pad]
+        leads = [0] * b if lead_pad is None else [int(pad) for pad in lead_pad]
         require(len(leads) == b, f"{len(leads)} leads for a batch of {b}")
         c = cache.current_seq_len
         for i in range(b):

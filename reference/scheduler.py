@@ -215,7 +215,10 @@ def install_admission(state: SchedulerState, decision: RaggedAdmission) -> str |
     state.admission = decision
     state.engine_admission = decision
     if decision.granted:
-        return f"{RAGGED_ADMISSION_ON}: completions share one bucket and the batch is re-assembled every step"
+        return (
+            f"{RAGGED_ADMISSION_ON}: completions share one bucket and the batch is re-assembled "
+            "every step"
+        )
     return None
 
 

@@ -48,9 +48,10 @@ class BucketTelemetry:
 
     def since(self, earlier: BucketTelemetry) -> BucketTelemetry:
         """`self - earlier`, field by field, saturating at 0 (a reset reads as no work)."""
-        return BucketTelemetry(*(max(a - b, 0) for a, b in zip(
-            (self.calls, self.buckets, self.offered, self.chosen, self.shattered),
-            (earlier.calls, earlier.buckets, earlier.offered, earlier.chosen, earlier.shattered), strict=False)))
+        e = earlier
+        now = (self.calls, self.buckets, self.offered, self.chosen, self.shattered)
+        before = (e.calls, e.buckets, e.offered, e.chosen, e.shattered)
+        return BucketTelemetry(*(max(a - b, 0) for a, b in zip(now, before, strict=False)))
 
     def _per_call(self, total: int) -> float | None:
         return total / self.calls if self.calls > 0 else None

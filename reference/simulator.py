@@ -147,7 +147,7 @@ class TensorEngine:
             t_c = 0
             if ratio > 1:  # compressed keys (start-anchored): max over rows of floor(live / ratio)
                 leads = [0] * b if lead_pad is None else list(lead_pad)
-                t_c = max((after - l) // ratio for l in leads)
+                t_c = max((after - lead) // ratio for lead in leads)
             masks.append(be.to_numpy(be.union_mask(width, after, row_q0, max(cfg.sliding_window, 1),
                                                    ratio, t_c)))
         target = be.materialize(cache)
@@ -475,7 +475,9 @@ class TensorEngine:
             ctx, prop = self.toks[i], drafts[r]
             proposed.append(prop)
             targets.append([self.oracle.target(i, ctx + prop[:j]) for j in range(len(prop) + 1)])
-        verified = be.verify_accept(proposed, [tg[: len(p)] for p, tg in zip(proposed, targets, strict=False)])
+        verified = be.verify_accept(
+            proposed, [tg[: len(p)] for p, tg in zip(proposed, targets, strict=False)]
+        )
         acc = be.budget_clamp(verified, budgets)
         emitted = []
         for r, i in enumerate(ids):
@@ -540,7 +542,7 @@ class TensorEngine:
         res["phase"] = "defer"
         self.dmap.clear_draft_kv()
         c = self.be.cache_len(batched)
-        offsets = [c - l for l in lead]
+        offsets = [c - pad for pad in lead]
         tokens = np.array([[self.toks[i][-1]] for i in ids], dtype=np.int64)
         self._forward(
             tokens,

@@ -185,8 +185,8 @@ def headline_lines(result: dict, rows: list[dict]) -> list[str]:
         out.append(
             f"- headline w={r['w']} (B=128, L=4096, spread 64; bound {bound:.3f} ms): "
             + "; ".join(parts)
-            + f". CuPy targets (<= {TARGET_X_BOUND:.2f}x bound and >= {TARGET_SPEEDUP:.0f}x the per-row "
-            f"loop): {verdict}."
+            + f". CuPy targets (<= {TARGET_X_BOUND:.2f}x bound and >= {TARGET_SPEEDUP:.0f}x the "
+            f"per-row loop): {verdict}."
         )
     return out
 
@@ -218,7 +218,12 @@ def render_plot(result: dict, path: Path) -> Path | None:
                 if "ms" in r["strategies"].get(n, {})
             ]
             if pts:
-                ax.plot(*zip(*pts, strict=False), "o-", ms=3, label=n + (" (lossy)" if n in LOSSY else ""))
+                ax.plot(
+                    *zip(*pts, strict=False),
+                    "o-",
+                    ms=3,
+                    label=n + (" (lossy)" if n in LOSSY else ""),
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"w={w} L={L} spread={spread}", fontsize=9)

@@ -192,8 +192,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="ragged verify attention: strategies vs the live-KV bound (table, JSON, plot)",
-        description="Ragged verify attention over a front-aligned batch: per-row loop, padded SDPA, "
-        "flex_attention, cohort truncation (lossy), the torch port, the in-place layout "
+        description="Ragged verify attention over a front-aligned batch: per-row loop, padded "
+        "SDPA, flex_attention, cohort truncation (lossy), the torch port, the in-place layout "
         "with SDPA and the CuPy kernel side by side; each checked against a float64 "
         "reference first (WRONG ones are not timed), then timed against the live-KV bound "
         "(live K+V bytes / copy bandwidth measured in the same run). Writes bench.json, "

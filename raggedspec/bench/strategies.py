@@ -416,7 +416,10 @@ class Cupy(Strategy):
         if device.type != "cpu" or kernel_emulator.compilers()["g++"] is None:
             return why
         self._fn = importlib.import_module(self.MODULE).ragged_verify_attention_emulated
-        self.note = f"g++ emulation of the CUDA kernel on the CPU ({why}): correctness only, the time is meaningless"
+        self.note = (
+            f"g++ emulation of the CUDA kernel on the CPU ({why}): correctness only, "
+            "the time is meaningless"
+        )
         return None
 
     def run(self, case, ctx):
