@@ -27,8 +27,11 @@ def table_rows():
 
 
 def resolve(dotted: str):
-    """`reference.dispatch.f` (the table names functions by folder) under the import name."""
-    parts = ["raggedspec", *dotted.split(".")]
+    """`reference.dispatch.f` (the table names functions by folder) under the import name; a
+    name already under it (`raggedspec.drift.f`, a module of the command-line package) as is."""
+    parts = dotted.split(".")
+    if parts[0] != "raggedspec":
+        parts = ["raggedspec", *parts]
     for cut in range(len(parts), 1, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
