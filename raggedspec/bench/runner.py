@@ -1,5 +1,6 @@
-"""`raggedspec bench`: arguments, timing, the checked-then-timed run of every case, the
-end-to-end simulator run, and the entry points.
+"""`raggedspec bench`: arguments, the checked-then-timed run of every case, and the entry
+points; the timing and the result file live in bench/timing.py, the end-to-end simulator run
+(`--e2e`) in bench/e2e.py.
 
     python -m raggedspec.bench [--smoke] [--device cuda] [--dtype bfloat16] [--out out/bench] ...
     python -m raggedspec.bench --replot out/bench/bench.json   # table and plot again from the JSON
@@ -14,17 +15,13 @@ does not pay for it.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
-import math
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
+from raggedspec.bench.e2e import e2e_settings, run_e2e
 from raggedspec.bench.report import (
     render_e2e,
     render_markdown,
@@ -43,9 +40,7 @@ from raggedspec.bench.strategies import (
     reference_attention,
     rel_err,
 )
-
-SCHEMA = "raggedspec-bench/1"
-FLUSH_BYTES = 256 << 20     # L2 flush between timed repeats on CUDA (H200 L2: 60 MB)
+from raggedspec.bench.timing import SCHEMA, Timer, copy_bandwidth, machine_info, write_json
 
 FULL = dict(device="cuda", dtype="bfloat16", batches=[1, 32, 128], lengths=[2048, 4096],
             spreads=[0, 64, 1024], windows=[2, 4], kv_heads=8, q_heads=32, head_dim=128,
@@ -53,31 +48,6 @@ FULL = dict(device="cuda", dtype="bfloat16", batches=[1, 32, 128], lengths=[2048
 SMOKE = dict(device="cpu", dtype="float32", batches=[1, 5], lengths=[40, 72],
              spreads=[0, 24], windows=[2, 4], kv_heads=2, q_heads=4, head_dim=16,
              warmup=1, reps=3, copy_mib=32)
-# End-to-end (--e2e): the scenario keys given to the simulator. A uniform prompt, so every
-# request is prefilled in the first step and the batch runs all B rows from then on; under
-# per-sequence advance the rows' own lengths then drift apart, under cohort they do not.
-E2E_FULL = dict(
-    device="cuda",
-    dtype="float32",
-    batch=128,
-    prompt=1024,
-    steps=24,
-    depth=3,
-    acceptance="profile:0.74,0.54,0.41",
-    max_seq_len=4096,
-    model={
-        "vocab": 1024,
-        "hidden": 1024,
-        "n_heads": 8,
-        "head_dim": 128,
-        "rope_dims": 64,
-        "sliding_window": 128,
-        "compress_ratios": [0, 4],
-    },
-)
-E2E_SMOKE = dict(device="cpu", dtype="float64", batch=8, prompt=32, steps=6, depth=3,
-                 acceptance="profile:0.74,0.54,0.41", max_seq_len=4096, model={})
-
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -254,60 +224,6 @@ def settings_from(args) -> dict:
     return base
 
 
-# ----------------------------------------------------------------------------- timing
-
-
-class Timer:
-    """Median milliseconds of `fn()`: CUDA events (warm-up, L2 flush before each repeat) or
-    `time.perf_counter` on the CPU."""
-
-    def __init__(self, device, warmup: int, reps: int) -> None:
-        import torch
-        self.device, self.warmup, self.reps = device, warmup, reps
-        self.cuda = device.type == "cuda"
-        self.flush = (
-            torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
-        )
-
-    def __call__(self, fn, reps: int | None = None, warmup: int | None = None) -> float:
-        import torch
-        reps = self.reps if reps is None else reps
-        for _ in range(self.warmup if warmup is None else warmup):
-            fn()
-        times = []
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            pairs = []
-            for _ in range(reps):
-                self.flush.zero_()
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn()
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize(self.device)
-            times = [s.elapsed_time(e) for s, e in pairs]
-        else:
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-
-def copy_bandwidth(device, mib: int, timer: Timer) -> dict:
-    """A large device-to-device copy: bytes read + written over the median time, GB/s."""
-    import torch
-    n = mib << 20
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src), reps=max(5, min(timer.reps, 20)), warmup=2)
-    return {"bytes": 2 * n, "ms": ms, "GBps": 2 * n / (ms * 1e-3) / 1e9}
-
-
 # ----------------------------------------------------------------------------- one case
 
 
@@ -451,34 +367,6 @@ def precheck(cfg: dict, strategies: list[Strategy], reasons: dict) -> tuple[dict
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def machine_info(device) -> dict:
-    import torch
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info.update(
-            gpu=p.name,
-            sm_count=p.multi_processor_count,
-            gpu_mem_gib=round(p.total_memory / 2**30, 1),
-            cuda=torch.version.cuda,
-            capability=f"{p.major}.{p.minor}",
-        )
-    try:
-        info["cupy"] = importlib.import_module("cupy").__version__
-    except Exception:  # noqa: BLE001
-        info["cupy"] = None
-    return info
-
-
 def case_order(cfg: dict) -> list[tuple[int, int, int, int]]:
     """(w, B, L, spread) for the whole grid, the headline case (B=128, L=4096, spread 64,
     every w) first, then whole plot panels (every B of one (w, L, spread)), the longest L and the
@@ -569,161 +457,13 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
             if s.note:
                 notes[s.name] = s.note
         result["notes"] = notes
-        _write_json(result, path)
+        write_json(result, path)
     result["copy_bandwidth"].append(copy_bandwidth(device, cfg["copy_mib"], timer))
     result["elapsed_s"] = time.monotonic() - t_start
     result["complete"] = True
-    _write_json(result, path)
+    write_json(result, path)
     write_reports(result, out_dir)
     return result
-
-
-def _write_json(result: dict, path: Path) -> None:
-    from raggedspec.outputs import write_text_atomic
-
-    write_text_atomic(path, json.dumps(result, indent=1, default=_json_default))
-
-
-def _json_default(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
-
-
-# ----------------------------------------------------------------------------- end to end
-
-
-def e2e_settings(args) -> dict:
-    cfg = dict(E2E_SMOKE if args.smoke else E2E_FULL)
-    cfg["model"] = dict(cfg["model"])
-    for flag, key in (
-        ("device", "device"),
-        ("dtype", "dtype"),
-        ("e2e_batch", "batch"),
-        ("e2e_prompt", "prompt"),
-        ("e2e_steps", "steps"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            cfg[key] = value
-    if cfg["dtype"] not in ("float64", "float32", "bfloat16"):
-        raise ValueError(
-            f"--e2e runs the torch backend in float64, float32 or bfloat16, not {cfg['dtype']}"
-        )
-    if min(cfg["batch"], cfg["prompt"], cfg["steps"]) < 1:
-        raise ValueError("--e2e-batch, --e2e-prompt and --e2e-steps must be >= 1")
-    cfg.update(smoke=bool(args.smoke), seed=args.seed, backend=args.e2e_backend)
-    return cfg
-
-
-def e2e_overrides(cfg: dict, advance: str) -> list[str]:
-    """The scenario (load_scenario overrides) of one e2e run."""
-    out = [
-        f"batch={cfg['batch']}",
-        f"prompt_len={cfg['prompt']}",
-        "max_new_tokens=1000000",
-        f"steps={cfg['steps']}",
-        f"depth={cfg['depth']}",
-        f"max_seq_len={cfg['max_seq_len']}",
-        f"seed={cfg['seed']}",
-        f"acceptance={json.dumps(cfg['acceptance'])}",
-        f"advance={json.dumps(advance)}",
-    ]
-    if advance == "per-sequence":
-        out += ['world="WB"', 'admission="grant"', "xs_per_seq=true"]
-    out += [f"model.{k}={json.dumps(v)}" for k, v in cfg["model"].items()]
-    return out
-
-
-def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
-    """Cohort and per-sequence advance through `reference.simulator.run` on the backend
-    `cfg["backend"]` (default torch: `raggedspec.gpu.backend.TorchBackend(device, dtype)`; "cupy":
-    the
-    kernels); each step's wall time from the simulator's
-    progress callback (the device synchronized first), its live KV tokens (sum of the rows'
-    own lengths) and padded tokens (rows x batch width) from the trace. Writes e2e.json and
-    e2e.md under out_dir; returns the result."""
-    import torch
-
-    from raggedspec.reference import simulator
-    from raggedspec.reference.backend import load_backend
-    from raggedspec.reference.scenario import load_scenario
-
-    log = log or (lambda msg: None)
-    device = torch.device(cfg["device"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch.cuda.is_available() is False")
-    load_backend(
-        cfg.get("backend", "torch"), cfg["device"], cfg["dtype"]
-    )  # a backend that cannot run: exit 2 now
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = {
-        "schema": SCHEMA + "/e2e",
-        "smoke": cfg["smoke"],
-        "settings": cfg,
-        "machine": machine_info(device),
-        "runs": [],
-    }
-    for advance in ("cohort", "per-sequence"):
-        sc = load_scenario(None, e2e_overrides(cfg, advance))
-        backend = load_backend(cfg.get("backend", "torch"), cfg["device"], cfg["dtype"])
-        stamps = []
-
-        def progress(done, total, stamps=stamps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
-
-        t0 = time.perf_counter()
-        try:
-            trace = simulator.run(sc, progress=progress, backend=backend)
-        except Exception as exc:  # noqa: BLE001 - reported, the other run still goes
-            result["runs"].append(
-                {"advance": advance, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            )
-            log(f"e2e {advance}: failed: {result['runs'][-1]['error']}")
-            continue
-        wall = [(b - a) * 1e3 for a, b in zip([t0] + stamps, stamps, strict=False)]
-        steps = []
-        for st, ms in zip(trace.steps(), wall, strict=False):
-            rows = st["rows"]
-            steps.append(
-                {
-                    "step": st["step"],
-                    "phase": st["phase"],
-                    "running": st["running"],
-                    "width": st["width"],
-                    "live_tokens": sum(r["own_len"] for r in rows),
-                    "padded_tokens": len(rows) * st["width"],
-                    "committed": st["committed"],
-                    "ms": ms,
-                    "error": st.get("error"),
-                }
-            )
-        # steady state: decode steps after the first two (warm-up, allocator growth)
-        dec = [x for x in steps if x["phase"] == "decode"][2:]
-        run = {"advance": advance, "steps": steps, "summary": trace.summary}
-        if dec:
-            run.update(decode_steps=len(dec), median_ms=statistics.median(x["ms"] for x in dec),
-                       mean_live_tokens=statistics.mean(x["live_tokens"] for x in dec),
-                       mean_padded_tokens=statistics.mean(x["padded_tokens"] for x in dec),
-                       committed_per_step=statistics.mean(x["committed"] for x in dec),
-                       max_rows=max(x["running"] for x in dec))
-            run["ms_per_committed_token"] = run["median_ms"] / max(run["committed_per_step"], 1e-9)
-        result["runs"].append(run)
-        log(
-            f"e2e {advance}: {len(steps)} steps, decode median "
-            f"{run.get('median_ms', float('nan')):.2f} ms"
-        )
-        _write_json(result, out_dir / "e2e.json")
-    _write_json(result, out_dir / "e2e.json")
-    from raggedspec.outputs import write_text_atomic
-
-    write_text_atomic(out_dir / "e2e.md", render_e2e(result))
-    return result
-
 
 # ----------------------------------------------------------------------------- entry points
 
@@ -826,3 +566,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
