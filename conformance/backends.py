@@ -143,7 +143,9 @@ def assert_close(port, ref, dtype: str, what: str) -> float:
     return err / scale if scale else 0.0
 
 
-def assert_same_cache(port: dict, ref: dict, dtype: str, what: str, committed: int | None = None) -> int:
+def assert_same_cache(
+    port: dict, ref: dict, dtype: str, what: str, committed: int | None = None
+) -> int:
     """Two `Backend.materialize` views: lengths and capacities exact, K/V front-aligned
     within the policy (only the first `committed` columns when given), XsRolling tokens and
     bases exact, compressed rows and histories within the policy. Returns tensors compared."""
@@ -151,19 +153,24 @@ def assert_same_cache(port: dict, ref: dict, dtype: str, what: str, committed: i
     assert_exact(port["capacity"], ref["capacity"], f"{what} capacities")
     assert_exact(len(port["kv"]), len(ref["kv"]), f"{what} K/V slot count")
     n = 0
-    for layer, ((pk, pv), (rk, rv)) in enumerate(zip(port["kv"], ref["kv"])):
+    for layer, ((pk, pv), (rk, rv)) in enumerate(zip(port["kv"], ref["kv"], strict=False)):
         if committed is not None and rk is not None and pk is not None:
-            pk, pv, rk, rv = pk[:, :, :committed], pv[:, :, :committed], rk[:, :, :committed], rv[:, :, :committed]
+            pk, pv, rk, rv = (
+                pk[:, :, :committed],
+                pv[:, :, :committed],
+                rk[:, :, :committed],
+                rv[:, :, :committed],
+            )
         assert_close(pk, rk, dtype, f"{what} K slot {layer}")
         assert_close(pv, rv, dtype, f"{what} V slot {layer}")
         n += 2
     assert_exact(len(port["xs"]), len(ref["xs"]), f"{what} XsRolling slot count")
-    for j, (px, rx) in enumerate(zip(port["xs"], ref["xs"])):
+    for j, (px, rx) in enumerate(zip(port["xs"], ref["xs"], strict=False)):
         assert_exact(px["tokens"], rx["tokens"], f"{what} xs slot {j} tokens")
         assert_exact(px["base"], rx["base"], f"{what} xs slot {j} base")
-        for i, (a, b) in enumerate(zip(px["comp"], rx["comp"])):
+        for i, (a, b) in enumerate(zip(px["comp"], rx["comp"], strict=False)):
             assert_close(a, b, dtype, f"{what} xs slot {j} row {i} compressed rows")
-        for i, (a, b) in enumerate(zip(px["history"], rx["history"])):
+        for i, (a, b) in enumerate(zip(px["history"], rx["history"], strict=False)):
             assert_close(a, b, dtype, f"{what} xs slot {j} row {i} history")
         n += 2 * len(rx["comp"])
     return n
@@ -190,14 +197,16 @@ def compare_runs(port, ref, dtype: str) -> dict:
 
 def _compare_runs(port, ref, dtype: str) -> dict:
     p_lines, r_lines = list(port.lines()), list(ref.lines())
-    for k, (a, b) in enumerate(zip(p_lines, r_lines)):
+    for k, (a, b) in enumerate(zip(p_lines, r_lines, strict=False)):
         if a != b:
-            raise Mismatch(f"integer trace line {k} differs:\n  port      {a[:400]}\n  reference {b[:400]}")
+            raise Mismatch(
+                f"integer trace line {k} differs:\n  port      {a[:400]}\n  reference {b[:400]}"
+            )
     assert_exact(len(p_lines), len(r_lines), "integer trace length")
     assert_exact(port.messages, ref.messages, "warnings and failure messages")
     assert_exact(len(port.tensor_log), len(ref.tensor_log), "tensor records")
     counts = {"forwards": 0, "states": 0, "tensors": 0}
-    for p, r in zip(port.tensor_log, ref.tensor_log):
+    for p, r in zip(port.tensor_log, ref.tensor_log, strict=False):
         where = f"step {r['step']} ({r['phase']})"
         assert_exact(p["phase"], r["phase"], f"{where} record kind")
         assert_exact(p["ids"], r["ids"], f"{where} sequence ids")
@@ -205,9 +214,17 @@ def _compare_runs(port, ref, dtype: str) -> dict:
             counts["states"] += 1
             assert_exact(sorted(p["seqs"]), sorted(r["seqs"]), f"{where} sequences with a cache")
             for i in r["seqs"]:
-                assert_exact(p["seqs"][i]["pending"], r["seqs"][i]["pending"], f"{where} seq {i} pending lead")
-                counts["tensors"] += assert_same_cache(p["seqs"][i], r["seqs"][i], dtype, f"{where} seq {i} cache")
-            assert_exact(sorted(p["drafts"]), sorted(r["drafts"]), f"{where} sequences with a draft state")
+                assert_exact(
+                    p["seqs"][i]["pending"],
+                    r["seqs"][i]["pending"],
+                    f"{where} seq {i} pending lead",
+                )
+                counts["tensors"] += assert_same_cache(
+                    p["seqs"][i], r["seqs"][i], dtype, f"{where} seq {i} cache"
+                )
+            assert_exact(
+                sorted(p["drafts"]), sorted(r["drafts"]), f"{where} sequences with a draft state"
+            )
             for i, rd in r["drafts"].items():
                 pd = p["drafts"][i]
                 for key in ("filled", "poisoned", "seed_pos"):
@@ -217,17 +234,21 @@ def _compare_runs(port, ref, dtype: str) -> dict:
                     raise Mismatch(f"{where} seq {i}: draft KV present in one backend only")
                 if rd["kv"] is not None:
                     committed = None if dtype == "float64" else rd["filled"]
-                    counts["tensors"] += 1 + assert_same_cache(pd["kv"], rd["kv"], dtype, f"{where} seq {i} draft KV",
-                                                               committed)
+                    counts["tensors"] += 1 + assert_same_cache(
+                        pd["kv"], rd["kv"], dtype, f"{where} seq {i} draft KV", committed
+                    )
             continue
         counts["forwards"] += 1
         for key in ("tokens", "positions", "row_q0", "lead", "rope_positions"):
             assert_exact(p[key], r[key], f"{where} {key}")
         assert_exact(len(p["masks"]), len(r["masks"]), f"{where} mask count")
-        for layer, (pm, rm) in enumerate(zip(p["masks"], r["masks"])):
+        for layer, (pm, rm) in enumerate(zip(p["masks"], r["masks"], strict=False)):
             assert_exact(np.asarray(pm, dtype=np.float64), rm, f"{where} layer {layer} mask")
         assert_close(p["hidden"], r["hidden"], dtype, f"{where} hidden")
         assert_close(p["logits"], r["logits"], dtype, f"{where} logits")
-        counts["tensors"] += 2 + len(r["masks"]) + assert_same_cache(p["target"], r["target"], dtype,
-                                                                     f"{where} batched target cache")
+        counts["tensors"] += (
+            2
+            + len(r["masks"])
+            + assert_same_cache(p["target"], r["target"], dtype, f"{where} batched target cache")
+        )
     return counts

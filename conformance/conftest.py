@@ -16,6 +16,8 @@ settings.register_profile("dev", max_examples=100, **_fixed)
 settings.register_profile("ci", max_examples=200, **_fixed)
 settings.register_profile("short", max_examples=20, **_fixed)
 settings.register_profile("thorough", max_examples=2000, **_fixed)
-settings.register_profile("mutmut", max_examples=60, phases=[Phase.explicit, Phase.generate], **_fixed)
+settings.register_profile(
+    "mutmut", max_examples=60, phases=[Phase.explicit, Phase.generate], **_fixed
+)
 settings.register_profile("explore", max_examples=500, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

@@ -114,7 +114,9 @@ def verify_blocks(draw, min_rows: int = 1, max_rows: int = 8, max_width: int = 9
     for _ in range(n):
         p = draw(st.lists(st.integers(0, vocab - 1), max_size=max_width))
         if draw(st.booleans()):
-            t = p[: draw(st.integers(0, len(p)))] + draw(st.lists(st.integers(0, vocab - 1), max_size=2))
+            t = p[: draw(st.integers(0, len(p)))] + draw(
+                st.lists(st.integers(0, vocab - 1), max_size=2)
+            )
         else:
             t = draw(st.lists(st.integers(0, vocab - 1), max_size=max_width))
         proposed.append(p)

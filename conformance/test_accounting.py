@@ -81,14 +81,21 @@ def test_a_non_drafting_sequence_accounts_as_plain_decode():
     assert s.reached_at == [0] * 8
 
 
-# --- counters and ratios -------------------------------------------------------------------------------
+# --- counters and ratios
+# -------------------------------------------------------------------------------
 
 
 def test_acceptance_counters_increment():
     acc = MtpAcceptance()
     acc.accumulate(step_of(2, 1))
     acc.accumulate(step_of(2, 2))
-    assert (acc.accepted, acc.proposed, acc.steps, acc.drafted_steps, acc.committed) == (3, 4, 2, 2, 6)
+    assert (acc.accepted, acc.proposed, acc.steps, acc.drafted_steps, acc.committed) == (
+        3,
+        4,
+        2,
+        2,
+        6,
+    )
     assert acc.reached_at[:2] == [2, 2] and acc.accepted_at[:2] == [2, 1]
     acc.reset()
     assert acc == MtpAcceptance()
@@ -115,7 +122,11 @@ def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
         assert all(acc.reached_at[j] <= acc.accepted_at[j - 1] for j in range(1, 8))
     assert flat.accepted_at[:3] == [100, 0, 0] and flat.reached_at[:3] == [100, 100, 0]
     assert flat.per_position_rates() == [1.0, 0.0]
-    assert alternating.accepted_at[:3] == [50, 50, 0] and alternating.reached_at[:3] == [100, 50, 50]
+    assert alternating.accepted_at[:3] == [50, 50, 0] and alternating.reached_at[:3] == [
+        100,
+        50,
+        50,
+    ]
     assert alternating.per_position_rates() == [0.5, 1.0, 0.0]
 
 
@@ -155,7 +166,8 @@ def test_skipped_draft_steps_count_as_steps_and_pull_the_multiplier_to_one():
     assert acc.rate() == 1.0 and acc.tokens_per_step() == 2.0
 
 
-# --- accumulate / the log period --------------------------------------------------------------------------
+# --- accumulate / the log period
+# --------------------------------------------------------------------------
 
 
 def test_acceptance_report_fires_once_per_log_period():
@@ -176,7 +188,8 @@ def test_acceptance_report_fires_once_per_log_period():
     assert not any(acc.accumulate(step_of(2, 1), every=0) for _ in range(100))
 
 
-# --- report text --------------------------------------------------------------------------------------------
+# --- report text
+# --------------------------------------------------------------------------------------------
 
 
 def test_acceptance_report_states_the_counted_ratio():

@@ -44,7 +44,9 @@ def kv_slot(length, mark, extra=0, max_seq_len=4096, h=1, d=1):
     K, mark + 0.5 + j in V) and setting the length back to `length` (stale columns beyond)."""
     kv = KvCache.new_normal(max_seq_len)
     n = length + extra
-    k = np.broadcast_to(np.arange(n, dtype=np.float64)[None, None, :, None] + mark, (1, h, n, d)).copy()
+    k = np.broadcast_to(
+        np.arange(n, dtype=np.float64)[None, None, :, None] + mark, (1, h, n, d)
+    ).copy()
     kv.append(k, k + 0.5)
     kv.set_len(length)
     return kv
@@ -156,7 +158,11 @@ def test_drop_front_single_narrows_to_width_minus_lead():
     sc = kv_slot(10, 100).k
     front_pad_single(sc, 12)
     drop_front_single(sc, 2)
-    assert (sc.current_seq_len, sc.capacity_seq_len, sc.data.shape[2]) == (10, 510, 510)  # width - lead, not current - lead
+    assert (sc.current_seq_len, sc.capacity_seq_len, sc.data.shape[2]) == (
+        10,
+        510,
+        510,
+    )  # width - lead, not current - lead
     assert list(sc.data[0, 0, :10, 0]) == list(range(100, 110))
 
 
@@ -169,7 +175,9 @@ def test_drop_front_single_lead_zero_is_a_no_op():
 
 def test_drop_front_single_refusals():
     sc = kv_slot(12, 100).k
-    with pytest.raises(CacheRefusal, match="cannot drop a 13-column dead prefix from a slot that holds only 12"):
+    with pytest.raises(
+        CacheRefusal, match="cannot drop a 13-column dead prefix from a slot that holds only 12"
+    ):
         drop_front_single(sc, 13)
     assert sc.current_seq_len == 12 and sc.capacity_seq_len == 512
     with pytest.raises(CacheRefusal, match="unmaterialized"):
@@ -204,7 +212,9 @@ def test_drop_dead_prefix_refuses_other_kinds_and_over_long_leads():
     with pytest.raises(CacheRefusal, match="Rotating"):
         drop_dead_prefix(OtherSlot("Rotating", 4), 1)
     kv = kv_slot(4, 100)
-    with pytest.raises(CacheRefusal, match="cannot drop a 5-column dead prefix from a slot that holds only 4"):
+    with pytest.raises(
+        CacheRefusal, match="cannot drop a 5-column dead prefix from a slot that holds only 4"
+    ):
         drop_dead_prefix(kv, 5)
     assert kv.k.current_seq_len == 4 and kv.v.current_seq_len == 4
 
@@ -251,7 +261,9 @@ def test_front_align_would_succeed_is_a_non_mutating_check():
     buf = b.slots[0].k.data
     assert front_align_would_succeed([a, b], False)
     assert b.slots[0].k.data is buf and b.slots[0].current_seq_len == 10
-    assert not front_align_would_succeed([a, NormalCache([kv_slot(10, 1), OtherSlot("Rotating", 10)])], True)
+    assert not front_align_would_succeed(
+        [a, NormalCache([kv_slot(10, 1), OtherSlot("Rotating", 10)])], True
+    )
     assert not front_align_would_succeed([NormalCache([kv_slot(12, 1), xs_slot(12)]),
                                           NormalCache([kv_slot(10, 1), xs_slot(10)])], False)
     assert front_align_would_succeed([NormalCache([kv_slot(12, 1), xs_slot(12)]),
@@ -270,7 +282,7 @@ def normal_batches(draw, uniform=False):
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     caches = []
-    for n, extra in zip(lens, extras):
+    for n, extra in zip(lens, extras, strict=False):
         slots = []
         for _ in range(n_layers):
             kv = KvCache.new_normal(4096)
@@ -289,19 +301,19 @@ def test_front_align_batch_ends_every_row_at_t_and_the_strip_undoes_it(batch):
     target = max(lens)
     leads = front_align_batch(caches, xs_per_seq=False)
     assert leads == [target - n for n in lens]
-    for c, orig, n, lead in zip(caches, before, lens, leads):
-        for slot, o in zip(c.slots, orig.slots):
+    for c, orig, n, lead in zip(caches, before, lens, leads, strict=False):
+        for slot, o in zip(c.slots, orig.slots, strict=False):
             for half, oh in ((slot.k, o.k), (slot.v, o.v)):
                 assert half.current_seq_len == target
                 assert np.array_equal(half.data[:, :, lead:target], oh.data[:, :, :n])  # bit-exact
-                assert not half.data[:, :, :lead].any()                                  # dead prefix zero
+                assert not half.data[:, :, :lead].any()  # dead prefix zero
                 if lead > 0:
                     assert half.capacity_seq_len == max(oh.capacity_seq_len, target)
-    for c, lead in zip(caches, leads):
+    for c, lead in zip(caches, leads, strict=False):
         for slot in c.slots:
             drop_dead_prefix(slot, lead)
-    for c, orig, n in zip(caches, before, lens):
-        for slot, o in zip(c.slots, orig.slots):
+    for c, orig, n in zip(caches, before, lens, strict=False):
+        for slot, o in zip(c.slots, orig.slots, strict=False):
             for half, oh in ((slot.k, o.k), (slot.v, o.v)):
                 assert half.current_seq_len == n
                 assert np.array_equal(half.data[:, :, :n], oh.data[:, :, :n])
@@ -319,12 +331,22 @@ def test_front_align_batch_leaves_a_uniform_batch_structurally_untouched(batch):
 # --- §5.1 / §14 uniformity and capability ---------------------------------------------------
 
 def test_first_mismatched_cache_len_names_layer_expected_got_and_sequence():
-    assert first_mismatched_cache_len([seq([5, 5]), seq([5, 5]), seq([5, 7])], False) == (1, 5, 7, 2)
+    assert first_mismatched_cache_len([seq([5, 5]), seq([5, 5]), seq([5, 7])], False) == (
+        1,
+        5,
+        7,
+        2,
+    )
     assert first_mismatched_cache_len([seq([5, 5]), seq([5, 5])], False) is None
     assert first_mismatched_cache_len([seq([5])], False) is None
     assert first_mismatched_cache_len([], False) is None
     # sequences in order, layers within each: sequence 1's layer 1 before sequence 2's layer 0
-    assert first_mismatched_cache_len([seq([5, 5]), seq([5, 6]), seq([4, 5])], False) == (1, 5, 6, 1)
+    assert first_mismatched_cache_len([seq([5, 5]), seq([5, 6]), seq([4, 5])], False) == (
+        1,
+        5,
+        6,
+        1,
+    )
 
 
 def test_first_mismatched_cache_len_skips_xs_slots_only_with_the_flag_on():
@@ -336,7 +358,9 @@ def test_first_mismatched_cache_len_skips_xs_slots_only_with_the_flag_on():
 
 def test_ensure_uniform_batch_cache_lens_refuses_naming_the_values():
     ensure_uniform_batch_cache_lens([seq([5, 5]), seq([5, 5])], False)
-    with pytest.raises(AlignRefusal, match="sequences in one batch must share current_seq_len") as e:
+    with pytest.raises(
+        AlignRefusal, match="sequences in one batch must share current_seq_len"
+    ) as e:
         ensure_uniform_batch_cache_lens([seq([5, 5]), seq([5, 5]), seq([5, 7])], False)
     msg = str(e.value)
     assert "layer 1" in msg and "5" in msg and "7" in msg and "sequence 2" in msg
@@ -345,7 +369,9 @@ def test_ensure_uniform_batch_cache_lens_refuses_naming_the_values():
 def test_batch_can_be_ragged_requires_every_slot_to_carry_its_own_length():
     assert batch_can_be_ragged([seq([5, 5]), seq([7, 7])], False)
     for kind in ("Rotating", "TurboQuant"):
-        assert not batch_can_be_ragged([seq([5]), NormalCache([kv_slot(5, 1), OtherSlot(kind, 5)])], True)
+        assert not batch_can_be_ragged(
+            [seq([5]), NormalCache([kv_slot(5, 1), OtherSlot(kind, 5)])], True
+        )
     v4 = [NormalCache([kv_slot(5, 1), xs_slot(5)]), NormalCache([kv_slot(3, 1), xs_slot(3)])]
     assert not batch_can_be_ragged(v4, False)
     assert batch_can_be_ragged(v4, True)
@@ -374,7 +400,9 @@ def test_clone_in_cache_refuses_a_ragged_batch_that_cannot_be_ragged():
     a = NormalCache([kv_slot(12, 1), OtherSlot("Rotating", 12)])
     b = NormalCache([kv_slot(10, 2), OtherSlot("Rotating", 10)])
     buf = b.slots[0].k.data
-    with pytest.raises(AlignRefusal, match="sequences in one batch must share current_seq_len") as e:
+    with pytest.raises(
+        AlignRefusal, match="sequences in one batch must share current_seq_len"
+    ) as e:
         clone_in_cache([a, b], [], xs_per_seq=True)
     assert "12" in str(e.value) and "10" in str(e.value)
     assert b.slots[0].k.data is buf and b.slots[0].current_seq_len == 10  # not aligned
@@ -496,18 +524,22 @@ def test_eager_and_lazy_strip_policies_give_every_row_its_own_length(lens, seed)
         appended = one_decode_step(out.batched, np.random.default_rng(seed))
         rows = clone_out_cache(out.batched, len(caches))
         assert [r.current_seq_len for r in rows] == [max(lens) + 1] * len(rows)  # the batched width
-        expected = [[list(o.slots[layer].k.data[0, 0, :n, 0]) + [appended[layer][i]] for layer in range(2)]
-                    for i, (o, n) in enumerate(zip(originals, lens))]
+        expected = [
+            [list(o.slots[layer].k.data[0, 0, :n, 0]) + [appended[layer][i]] for layer in range(2)]
+            for i, (o, n) in enumerate(zip(originals, lens, strict=False))
+        ]
         if policy == "eager":  # strip right after Out
-            for r, l in zip(rows, lead):
+            for r, pad in zip(rows, lead, strict=False):
                 for slot in r.slots:
-                    drop_dead_prefix(slot, l)
+                    drop_dead_prefix(slot, pad)
             for i, r in enumerate(rows):
                 assert r.current_seq_len == lens[i] + 1
                 assert [k_row(slot) for slot in r.slots] == expected[i]
         elif policy == "lazy":  # the next In strips the pending leads, then re-aligns
             again = clone_in_cache(rows, lead, False)
-            assert again.lead_pad == (lead if ragged else None)  # the spread is kept, not compounded
+            assert again.lead_pad == (
+                lead if ragged else None
+            )  # the spread is kept, not compounded
             for i in range(len(rows)):
                 for layer, slot in enumerate(again.batched.slots):
                     assert list(slot.k.data[i, 0, lead[i] : max(lens) + 1, 0]) == expected[i][layer]

@@ -29,27 +29,33 @@ def test_batch_draft_caches_concatenates_a_uniform_group():
     out = batch_draft_caches(slots)
     assert out.current_seq_len == 6 and out.k.capacity_seq_len == 16
     assert out.k.data.shape == (3, 1, 16, 1)
-    assert [list(out.k.data[r, 0, :6, 0]) for r in range(3)] == [list(range(m, m + 6)) for m in (100, 200, 300)]
+    assert [list(out.k.data[r, 0, :6, 0]) for r in range(3)] == [
+        list(range(m, m + 6)) for m in (100, 200, 300)
+    ]
     assert list(out.v.data[2, 0, :2, 0]) == [1300, 1301]
 
 
 def test_batch_draft_caches_refusals_return_none():
     assert batch_draft_caches([]) is None
-    assert batch_draft_caches([draft_slot(6, 16, 1), draft_slot(7, 16, 2)]) is None          # length
-    assert batch_draft_caches([draft_slot(6, 16, 1), draft_slot(6, 528, 2)]) is None         # capacity history
+    assert batch_draft_caches([draft_slot(6, 16, 1), draft_slot(7, 16, 2)]) is None  # length
+    assert (
+        batch_draft_caches([draft_slot(6, 16, 1), draft_slot(6, 528, 2)]) is None
+    )  # capacity history
     assert batch_draft_caches([draft_slot(6, 16, 1), OtherSlot("Rotating", 6)]) is None       # kind
     assert batch_draft_caches([OtherSlot("Rotating", 6), draft_slot(6, 16, 1)]) is None
     bare = KvCache(SingleCache(4096, 16, 6), SingleCache(4096, 16, 6))
-    assert batch_draft_caches([draft_slot(6, 16, 1), bare]) is None                          # unmaterialized
+    assert batch_draft_caches([draft_slot(6, 16, 1), bare]) is None  # unmaterialized
     wide = draft_slot(6, 16, 2)
     wide.k.data = np.zeros((1, 1, 16, 2))
-    assert batch_draft_caches([draft_slot(6, 16, 1), wide]) is None                          # concat fails
+    assert batch_draft_caches([draft_slot(6, 16, 1), wide]) is None  # concat fails
 
 
 def test_batch_draft_caches_one_member_is_a_plain_clone_and_metadata_is_the_first():
     one = draft_slot(6, 16, 100)
     out = batch_draft_caches([one])
-    assert out is not one and out.k.data is not one.k.data and np.array_equal(out.k.data, one.k.data)
+    assert (
+        out is not one and out.k.data is not one.k.data and np.array_equal(out.k.data, one.k.data)
+    )
     a, b = draft_slot(6, 16, 1), draft_slot(6, 16, 2)
     b.k.max_seq_len = b.v.max_seq_len = 8192
     assert batch_draft_caches([a, b]).k.max_seq_len == 4096
@@ -82,7 +88,9 @@ def test_front_align_draft_group_refuses_a_mismatched_or_over_long_group():
     with pytest.raises(AlignRefusal, match="Rotating"):
         front_align_draft_group([slots[0], OtherSlot("Rotating", 9)], [7, 4])
     with pytest.raises(AlignRefusal, match="unmaterialized"):
-        front_align_draft_group([slots[0], KvCache(SingleCache(4096, 16, 9), SingleCache(4096, 16, 9))], [7, 4])
+        front_align_draft_group(
+            [slots[0], KvCache(SingleCache(4096, 16, 9), SingleCache(4096, 16, 9))], [7, 4]
+        )
 
 
 def test_front_align_draft_group_pad_refusal_propagates():
@@ -116,12 +124,15 @@ def test_a_uniform_draft_group_round_trips_through_the_batched_cache_unchanged()
     batched = batch_draft_caches(slots)
     batched.set_len(starts[0])
     rows = split_draft_cache(batched, 3)
-    for row, orig in zip(rows, slots):
+    for row, orig in zip(rows, slots, strict=False):
         k, v = row.k.data, row.v.data
         drop_dead_prefix(row, 0)
         assert row.k.data is k and row.v.data is v  # structurally untouched
         assert row.current_seq_len == 6
-        assert row.k.data.tobytes() == orig.k.data.tobytes() and row.v.data.tobytes() == orig.v.data.tobytes()
+        assert (
+            row.k.data.tobytes() == orig.k.data.tobytes()
+            and row.v.data.tobytes() == orig.v.data.tobytes()
+        )
 
 
 # --- §17.3 the draft dead prefix does not survive ----------------------------------------------
@@ -134,7 +145,7 @@ def run_draft_group_loop(steps, strip, n_draft=3, advance=(3, 1, 2)):
     for k in range(1, steps + 1):
         starts = [s.current_seq_len for s in slots]                    # 1. starts = current lengths
         leads = resolve_draft_leads(True, starts)
-        if leads is None:                                               # 2. align, then the chain block
+        if leads is None:  # 2. align, then the chain block
             batched = batch_draft_caches(slots)
             batched.set_len(starts[0])
         else:
@@ -180,10 +191,13 @@ def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
     caps = data.draw(st.lists(st.sampled_from([16, 40, 100]), min_size=n_rows, max_size=n_rows))
     steps = data.draw(st.integers(1, 4))
     # row r: live = start + a speculative tail the alignment must drop; capacity >= live
-    slots = [draft_slot(s + t, max(c, s + t), 10_000 * (r + 1)) for r, (s, t, c) in enumerate(zip(starts, spec_tail, caps))]
+    slots = [
+        draft_slot(s + t, max(c, s + t), 10_000 * (r + 1))
+        for r, (s, t, c) in enumerate(zip(starts, spec_tail, caps, strict=False))
+    ]
     originals = [s.clone() for s in slots]
-    expect_k = [list(o.k.data[0, 0, :s, 0]) for o, s in zip(originals, starts)]
-    expect_v = [list(o.v.data[0, 0, :s, 0]) for o, s in zip(originals, starts)]
+    expect_k = [list(o.k.data[0, 0, :s, 0]) for o, s in zip(originals, starts, strict=False)]
+    expect_v = [list(o.v.data[0, 0, :s, 0]) for o, s in zip(originals, starts, strict=False)]
     chain_starts = list(starts)
     for k in range(1, steps + 1):
         top = max(chain_starts)
@@ -191,7 +205,9 @@ def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
         batched = front_align_draft_group(slots, chain_starts)
         assert batched.current_seq_len == top
         for j in range(n_draft):  # the chain: one column per step, row r marked
-            col = np.array([-(1000 * k + 100 * r + j) for r in range(n_rows)], dtype=np.float64).reshape(n_rows, 1, 1, 1)
+            col = np.array(
+                [-(1000 * k + 100 * r + j) for r in range(n_rows)], dtype=np.float64
+            ).reshape(n_rows, 1, 1, 1)
             batched.append(col, col - 0.5)
         rows = split_draft_cache(batched, n_rows)
         for r, row in enumerate(rows):
@@ -203,7 +219,7 @@ def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
             expect_v[r] += [c - 0.5 for c in chain]
         slots = rows
         chain_starts = [s.current_seq_len for s in slots]
-        assert chain_starts == [s + a * k for s, a in zip(starts, adv)]
+        assert chain_starts == [s + a * k for s, a in zip(starts, adv, strict=False)]
         for r, s in enumerate(slots):
             assert list(s.k.data[0, 0, : s.current_seq_len, 0]) == expect_k[r]
             assert list(s.v.data[0, 0, : s.current_seq_len, 0]) == expect_v[r]

@@ -51,7 +51,7 @@ def softmax_oracle(logits: list[float], values: list[np.ndarray], sink: float | 
     weights = [math.exp(x - top) for x in logits]
     denom = sum(weights) + (math.exp(sink - top) if sink is not None else 0.0)
     out = np.zeros_like(values[0]) if values else np.zeros(0)
-    for w, v in zip(weights, values):
+    for w, v in zip(weights, values, strict=False):
         out = out + w * v
     return out / denom
 
@@ -174,7 +174,11 @@ def test_attention_equals_the_loop_oracle(b, hk, group, t_q, t_k, with_sinks, se
 
 def test_the_sink_is_a_denominator_only_column():
     rng = np.random.default_rng(7)
-    q, k, v = rng.normal(size=(1, 2, 3, 4)), rng.normal(size=(1, 1, 5, 4)), rng.normal(size=(1, 1, 5, 4))
+    q, k, v = (
+        rng.normal(size=(1, 2, 3, 4)),
+        rng.normal(size=(1, 1, 5, 4)),
+        rng.normal(size=(1, 1, 5, 4)),
+    )
     plain = attention(q, k, v, None, None)
     # a -inf sink is no sink at all, bit for bit
     assert np.array_equal(attention(q, k, v, None, np.full(2, -np.inf)), plain)
@@ -190,7 +194,11 @@ def test_the_sink_is_a_denominator_only_column():
 
 def test_masked_keys_never_reach_the_output_and_never_make_nan():
     rng = np.random.default_rng(8)
-    q, k, v = rng.normal(size=(2, 2, 3, 4)), rng.normal(size=(2, 1, 6, 4)), rng.normal(size=(2, 1, 6, 4))
+    q, k, v = (
+        rng.normal(size=(2, 2, 3, 4)),
+        rng.normal(size=(2, 1, 6, 4)),
+        rng.normal(size=(2, 1, 6, 4)),
+    )
     mask = np.zeros((2, 1, 3, 6))
     mask[..., :2] = -np.inf
     base = attention(q, k, v, mask)

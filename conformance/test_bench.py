@@ -38,7 +38,9 @@ def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
     assert res["smoke"] is True and res["complete"] is True
     assert res["precheck"]["failed"] == {}
     s = res["settings"]
-    assert len(res["rows"]) == len(s["batches"]) * len(s["lengths"]) * len(s["spreads"]) * len(s["windows"])
+    assert len(res["rows"]) == len(s["batches"]) * len(s["lengths"]) * len(s["spreads"]) * len(
+        s["windows"]
+    )
     tol = strategies.TOLERANCE["float32"]
     for row in res["rows"]:
         for name in CPU_STRATEGIES:
@@ -56,7 +58,7 @@ def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
             assert cupy["status"] == "not run" and "ms" not in cupy and cupy["reason"]
     if EMULATED:
         assert "g++ emulation" in res["notes"]["cupy"] and "meaningless" in res["notes"]["cupy"]
-    assert "eager" in res["notes"]["flex"]          # the table says flex was not compiled on the CPU
+    assert "eager" in res["notes"]["flex"]  # the table says flex was not compiled on the CPU
 
 
 def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
@@ -76,7 +78,11 @@ def test_smoke_byte_accounting_follows_the_formulas(smoke):
     hk, d, es = s["kv_heads"], s["head_dim"], 4            # float32
     for row in res["rows"]:
         lens, b, w = row["lens"], row["B"], row["w"]
-        assert len(lens) == b and max(lens) == row["L"] and min(lens) == row["L"] - (row["spread"] if b > 1 else 0)
+        assert (
+            len(lens) == b
+            and max(lens) == row["L"]
+            and min(lens) == row["L"] - (row["spread"] if b > 1 else 0)
+        )
         assert row["live_kv_bytes"] == 2 * sum(lens) * hk * d * es
         assert row["align_bytes"] == 2 * 2 * b * max(lens) * hk * d * es
         assert row["append_bytes"] == 2 * b * w * hk * d * es     # the new tokens' K/V only
@@ -93,8 +99,8 @@ def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     md = (out / "bench.md").read_text()
     assert md.startswith("**SMOKE run")
     table = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(table) == 2 * len(res["rows"])               # the timing table and the data-movement table
-    if EMULATED:                                            # the CuPy slot's note or reason is in the table
+    assert len(table) == 2 * len(res["rows"])  # the timing table and the data-movement table
+    if EMULATED:  # the CuPy slot's note or reason is in the table
         assert res["notes"]["cupy"] in md
     else:
         assert f"not run: {res['not_run']['cupy']}" in md
@@ -103,12 +109,30 @@ def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     copy = tmp_path / "bench.json"
     copy.write_text((out / "bench.json").read_text())
     assert runner.main(["--replot", str(copy)]) == 0
-    assert (tmp_path / "bench.md").read_text() == md and (tmp_path / "bench.png").stat().st_size > 10_000
+    assert (tmp_path / "bench.md").read_text() == md and (
+        tmp_path / "bench.png"
+    ).stat().st_size > 10_000
 
 
 def test_negative_control_without_dead_prefix_mask_is_wrong_and_not_timed(tmp_path):
-    rc = runner.main(["--smoke", "--strategies", "padded_sdpa,no_dead_prefix_mask", "--batches", "1,4",
-                     "--lengths", "40", "--spreads", "0,24", "--windows", "2", "--out", str(tmp_path), "-q"])
+    rc = runner.main(
+        [
+            "--smoke",
+            "--strategies",
+            "padded_sdpa,no_dead_prefix_mask",
+            "--batches",
+            "1,4",
+            "--lengths",
+            "40",
+            "--spreads",
+            "0,24",
+            "--windows",
+            "2",
+            "--out",
+            str(tmp_path),
+            "-q",
+        ]
+    )
     assert rc == 0                                          # negative controls do not fail the run
     res = json.loads((tmp_path / "bench.json").read_text())
     assert "no_dead_prefix_mask" in res["precheck"]["failed"]
@@ -147,16 +171,34 @@ def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
     case = _case(dtype)
     ref = strategies.reference_attention(case)
     tol = strategies.TOLERANCE[str(dtype).removeprefix("torch.")]
-    assert runner.check_strategy(strategies.InplaceSdpa(), case, ref, None, tol)["status"] == "ok"   # control
+    assert (
+        runner.check_strategy(strategies.InplaceSdpa(), case, ref, None, tol)["status"] == "ok"
+    )  # control
     for wrong in (_OffByOne(), _ReadsSlack()):
         res = runner.check_strategy(wrong, case, ref, None, tol)
         assert res["status"] == "WRONG" and res["err"] > tol, type(wrong).__name__
 
 
 def test_a_strategy_that_disagrees_is_wrong_not_timed_and_fails_the_run(tmp_path, monkeypatch):
-    monkeypatch.setitem(strategies.TOLERANCE, "float32", 0.0)    # nothing float32 can meet
-    rc = runner.main(["--smoke", "--strategies", "per_row,padded_sdpa", "--batches", "2", "--lengths", "40",
-                     "--spreads", "8", "--windows", "2", "--out", str(tmp_path), "-q"])
+    monkeypatch.setitem(strategies.TOLERANCE, "float32", 0.0)  # nothing float32 can meet
+    rc = runner.main(
+        [
+            "--smoke",
+            "--strategies",
+            "per_row,padded_sdpa",
+            "--batches",
+            "2",
+            "--lengths",
+            "40",
+            "--spreads",
+            "8",
+            "--windows",
+            "2",
+            "--out",
+            str(tmp_path),
+            "-q",
+        ]
+    )
     assert rc == 1
     res = json.loads((tmp_path / "bench.json").read_text())
     assert set(res["precheck"]["failed"]) == {"per_row", "padded_sdpa"}
@@ -180,13 +222,15 @@ def _brute_force(q, k, v, lens, w, keep=None):
                 logits = np.array([q[i, hh, r] @ k[i, kh, p] for p in ks]) / math.sqrt(d)
                 p_ = np.exp(logits - logits.max())
                 p_ /= p_.sum()
-                out[i, hh, r] = sum(pp * v[i, kh, p] for pp, p in zip(p_, ks))
+                out[i, hh, r] = sum(pp * v[i, kh, p] for pp, p in zip(p_, ks, strict=False))
     return out
 
 
 @pytest.mark.parametrize("keep", [None, 10])
 def test_reference_attention_equals_brute_force(keep):
-    case = strategies.Case(3, [13, 10, 12], hk=2, h=4, d=8, dtype=torch.float64, device="cpu", seed=5)
+    case = strategies.Case(
+        3, [13, 10, 12], hk=2, h=4, d=8, dtype=torch.float64, device="cpu", seed=5
+    )
     got = strategies.reference_attention(case, keep=keep).numpy()
     want = _brute_force(case.q.numpy(), case.kv.k.numpy(), case.kv.v.numpy(), case.lens, 3, keep)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
@@ -225,8 +269,11 @@ def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
     reason = strategies.Cupy().unavailable(torch.device("cpu"))
     assert isinstance(reason, str) and reason      # on the CPU without g++ it never runs
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "raggedspec.gpu.cupy_kernels" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "raggedspec.gpu.cupy_kernels" else real(name, *a),
+    )
     assert strategies.Cupy().unavailable(torch.device("cuda")) == \
         "no module raggedspec.gpu.cupy_kernels (the CuPy kernels are not written yet)"
 
@@ -237,14 +284,18 @@ def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     runs = {r["advance"]: r for r in res["runs"]}
     assert set(runs) == {"cohort", "per-sequence"}
     for r in runs.values():
-        assert r["median_ms"] > 0 and r["decode_steps"] >= 1 and r["max_rows"] == res["settings"]["batch"]
+        assert (
+            r["median_ms"] > 0
+            and r["decode_steps"] >= 1
+            and r["max_rows"] == res["settings"]["batch"]
+        )
         for st in r["steps"]:
             assert st["live_tokens"] <= st["padded_tokens"]
     # cohort keeps every row at one length: nothing padded
     assert all(st["live_tokens"] == st["padded_tokens"] for st in runs["cohort"]["steps"])
     md = (tmp_path / "e2e.md").read_text()
     assert md.startswith("**SMOKE run") and "| cohort | " in md and "| per-sequence | " in md
-    (tmp_path / "e2e.md").unlink()                       # a run cut short: the table again from the JSON
+    (tmp_path / "e2e.md").unlink()  # a run cut short: the table again from the JSON
     assert runner.main(["--replot", str(tmp_path / "e2e.json")]) == 0
     assert (tmp_path / "e2e.md").read_text() == md
 
@@ -257,8 +308,17 @@ def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
 def test_headline_verdict_on_the_targets(cupy_ms, per_row_ms, verdict):
     # bandwidth 1 GB/s and 1e6 live bytes: the bound is exactly 1 ms
     result = {"copy_bandwidth": [{"GBps": 1.0}]}
-    row = {"w": 2, "B": 128, "L": 4096, "spread": 64, "live_kv_bytes": 1_000_000,
-           "strategies": {"per_row": {"status": "ok", "ms": per_row_ms}, "cupy": {"status": "ok", "ms": cupy_ms}}}
+    row = {
+        "w": 2,
+        "B": 128,
+        "L": 4096,
+        "spread": 64,
+        "live_kv_bytes": 1_000_000,
+        "strategies": {
+            "per_row": {"status": "ok", "ms": per_row_ms},
+            "cupy": {"status": "ok", "ms": cupy_ms},
+        },
+    }
     other = dict(row, spread=0)                      # not the headline case: no line
     lines = report.headline_lines(result, [row, other])
     assert len(lines) == 1 and lines[0].endswith(verdict + ".")
@@ -267,17 +327,37 @@ def test_headline_verdict_on_the_targets(cupy_ms, per_row_ms, verdict):
                                     "cupy": {"status": "not run", "reason": "no module"}})
     assert "targets not assessed (cupy: not run)" in report.headline_lines(result, [not_run])[0]
     emulated = dict(result, notes={"cupy": "g++ emulation of the CUDA kernel on the CPU (...)"})
-    assert "targets not assessed (the cupy column is the g++ emulator" in report.headline_lines(emulated, [row])[0]
+    assert (
+        "targets not assessed (the cupy column is the g++ emulator"
+        in report.headline_lines(emulated, [row])[0]
+    )
 
 
 @pytest.mark.skipif(not EMULATED, reason="the emulated kernel backend needs g++ on the PATH")
 def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
-    assert runner.main(["--e2e", "--smoke", "--e2e-backend", "raggedspec.gpu.cupy_backend:emulated", "--out", str(tmp_path),
-                       "-q"]) == 0
+    assert (
+        runner.main(
+            [
+                "--e2e",
+                "--smoke",
+                "--e2e-backend",
+                "raggedspec.gpu.cupy_backend:emulated",
+                "--out",
+                str(tmp_path),
+                "-q",
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "e2e.json").read_text())
     assert res["settings"]["backend"] == "raggedspec.gpu.cupy_backend:emulated"
-    assert {r["advance"] for r in res["runs"] if r.get("median_ms", 0) > 0} == {"cohort", "per-sequence"}
-    assert "on the raggedspec.gpu.cupy_backend:emulated backend" in (tmp_path / "e2e.md").read_text()
+    assert {r["advance"] for r in res["runs"] if r.get("median_ms", 0) > 0} == {
+        "cohort",
+        "per-sequence",
+    }
+    assert (
+        "on the raggedspec.gpu.cupy_backend:emulated backend" in (tmp_path / "e2e.md").read_text()
+    )
 
 
 def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, capsys):
@@ -287,5 +367,10 @@ def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, caps
         argv, needle = ["--device", "cpu"], "runs on CUDA only"
     else:
         argv, needle = [], "needs a CUDA GPU"
-    assert runner.main(["--e2e", "--smoke", "--e2e-backend", "cupy", *argv, "--out", str(tmp_path), "-q"]) == 2
+    assert (
+        runner.main(
+            ["--e2e", "--smoke", "--e2e-backend", "cupy", *argv, "--out", str(tmp_path), "-q"]
+        )
+        == 2
+    )
     assert needle in capsys.readouterr().err

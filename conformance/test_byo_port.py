@@ -1,5 +1,6 @@
 """Bring your own port (docs/conformance.md): the conformance runner, in a subprocess, on the
-example backend `raggedspec.conformance.examples.buggy_backend` (the reference with masks that forget
+example backend `raggedspec.conformance.examples.buggy_backend` (the reference with masks that
+forget
 the dead prefix) fails exactly the rules that bug breaks and passes the others; the same
 run on the reference passes. Unknown backends and unavailable devices exit 2."""
 
@@ -11,14 +12,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBSET = ["--tests", "conformance/test_backend.py", "conformance/test_end_to_end.py",
-          "-k", "union_mask or advance or verify_first or generated_scenario or per_sequence_example"]
+SUBSET = [
+    "--tests",
+    "conformance/test_backend.py",
+    "conformance/test_end_to_end.py",
+    "-k",
+    "union_mask or advance or verify_first or generated_scenario or per_sequence_example",
+]
 
 
 def runner(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGGEDSPEC_") and k != "HYPOTHESIS_PROFILE"}
-    return subprocess.run([sys.executable, "-m", "raggedspec.conformance.runner", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("RAGGEDSPEC_") and k != "HYPOTHESIS_PROFILE"
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "raggedspec.conformance.runner", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def table(stdout: str) -> dict[str, tuple[int, str]]:
@@ -43,13 +59,23 @@ ADVANCE = "cohort and per-sequence advance arithmetic, backend (C §12.1, §12.2
 
 
 def test_the_suite_names_the_rule_an_example_port_breaks():
-    bad = runner("--backend", "raggedspec.conformance.examples.buggy_backend:BuggyBackend", "--profile", "mutmut", *SUBSET)
+    bad = runner(
+        "--backend",
+        "raggedspec.conformance.examples.buggy_backend:BuggyBackend",
+        "--profile",
+        "mutmut",
+        *SUBSET,
+    )
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-2000:]
     rows = table(bad.stdout)
     assert "backend buggy-example (cpu, float64)" in bad.stdout
     assert rows[MASK][1] == "FAIL" and rows[E2E][1] == "FAIL" and rows[EXAMPLE][1] == "FAIL"
     assert rows[ADVANCE] == (60, "pass")  # the mutmut profile: 60 examples
-    assert "Falsifying example" in bad.stdout or "@reproduce_failure" in bad.stdout or "Mismatch" in bad.stdout
+    assert (
+        "Falsifying example" in bad.stdout
+        or "@reproduce_failure" in bad.stdout
+        or "Mismatch" in bad.stdout
+    )
     good = runner("--backend", "numpy", "--profile", "mutmut", *SUBSET)
     assert good.returncode == 0, good.stdout[-3000:]
     rows = table(good.stdout)
@@ -73,10 +99,18 @@ def test_the_runner_reads_example_counts_in_both_hypothesis_wordings():
     and must not count the shrink phase."""
     from raggedspec.conformance.runner import _examples
 
-    old = ("t:\n  - during generate phase (1.3 seconds):\n    - 60 passing examples, 0 failing examples, "
-           "2 invalid examples\n  - during shrink phase (0.1 seconds):\n    - 5 passing examples, 1 failing examples\n")
-    new = "t:\n  - during reuse phase (0.1 seconds):\n    - 3 passing, 0 failing, and 0 invalid test cases\n" \
-          "  - during generate phase (1.5 seconds):\n    - 57 passing, 1 failing, and 2 invalid test cases\n"
+    old = (
+        "t:\n  - during generate phase (1.3 seconds):\n    - 60 passing examples, 0 failing "
+        "examples, "
+        "2 invalid examples\n  - during shrink phase (0.1 seconds):\n    - 5 passing examples, 1 "
+        "failing examples\n"
+    )
+    new = (
+        "t:\n  - during reuse phase (0.1 seconds):\n    - 3 passing, 0 failing, and 0 invalid "
+        "test cases\n"
+        "  - during generate phase (1.5 seconds):\n    - 57 passing, 1 failing, and 2 invalid "
+        "test cases\n"
+    )
     assert _examples(old) == 60
     assert _examples(new) == 61
     assert _examples(None) is None

@@ -45,9 +45,18 @@ def test_window_target_first_cached_example():
     assert window_target_first_cached(300, 144) == 128
 
 
-@pytest.mark.parametrize("length,retain,expected", [
-    (0, 144, 0), (143, 144, 0), (271, 144, 0), (272, 144, 128), (400, 8, 384), (136, 8, 128), (135, 8, 0),
-])
+@pytest.mark.parametrize(
+    "length,retain,expected",
+    [
+        (0, 144, 0),
+        (143, 144, 0),
+        (271, 144, 0),
+        (272, 144, 128),
+        (400, 8, 384),
+        (136, 8, 128),
+        (135, 8, 0),
+    ],
+)
 def test_window_target_first_cached_by_hand(length, retain, expected):
     # over = sat(len - retain); result = over - over % 128, worked by hand.
     assert window_target_first_cached(length, retain) == expected
@@ -129,7 +138,9 @@ def test_preallocation_is_rebuilt_while_empty_when_the_layout_changes():
     assert sc.data.dtype == np.float32
 
 
-@pytest.mark.parametrize("other", [cols([1], d=3), cols([1], d=2).astype(np.float32), np.zeros((2, 1, 1, 2))])
+@pytest.mark.parametrize(
+    "other", [cols([1], d=3), cols([1], d=2).astype(np.float32), np.zeros((2, 1, 1, 2))]
+)
 def test_a_layout_change_mid_sequence_is_refused(other):
     sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
     sc.append(cols(range(3), d=2))
@@ -188,8 +199,10 @@ def test_windowed_store_retain_8_keeps_the_right_tail_and_base():
             assert sc.capacity_seq_len == retain + 128
         assert sc.first_cached == expected_base
         assert sc.current_seq_len == p + 1
-        assert sc.physical >= min(sc.current_seq_len, retain)       # never fewer than retain rows
-        assert live_values(sc) == list(range(sc.first_cached, p + 1))  # written at physical, not current
+        assert sc.physical >= min(sc.current_seq_len, retain)  # never fewer than retain rows
+        assert live_values(sc) == list(
+            range(sc.first_cached, p + 1)
+        )  # written at physical, not current
     assert narrowed >= 4 and sc.first_cached > 0  # the fixture crossed the threshold (D12)
 
 

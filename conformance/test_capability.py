@@ -126,7 +126,8 @@ def test_a_temperature_request_does_not_take_the_mtp_path():
     assert not seq_may_draft(None, None, None, None, custom_processor=True)
 
 
-# --- §13 capability predicates -----------------------------------------------------------------------
+# --- §13 capability predicates
+# -----------------------------------------------------------------------
 
 
 def test_the_capability_probe_names_the_slot_that_cannot_carry_its_own_length():
@@ -141,9 +142,13 @@ def test_the_capability_probe_names_the_slot_that_cannot_carry_its_own_length():
             msg = refusal_text(cache_supports_per_sequence_advance, cache, flag)
             assert f"cache slot 2 is a `{kind}`" in msg
     # the FIRST incapable slot is named
-    msg = refusal_text(cache_supports_per_sequence_advance, NormalCache([OtherSlot("Rotating"), xs()]), False)
+    msg = refusal_text(
+        cache_supports_per_sequence_advance, NormalCache([OtherSlot("Rotating"), xs()]), False
+    )
     assert "slot 0" in msg and "Rotating" in msg
-    assert "paged" in refusal_text(cache_supports_per_sequence_advance, NormalCache([normal()], paged=True), True)
+    assert "paged" in refusal_text(
+        cache_supports_per_sequence_advance, NormalCache([normal()], paged=True), True
+    )
 
 
 def test_the_mask_capability_passes_for_v4_and_still_refuses_for_everyone_else():
@@ -157,7 +162,9 @@ def test_the_draft_chain_capability_passes_for_v4_and_still_refuses_for_everyone
     assert draft_chain_carries_per_sequence_positions(v4_cache()) is None
     msg = refusal_text(draft_chain_carries_per_sequence_positions, plain_cache())
     assert "left-aligns" in msg and "draft" in msg
-    refusal_text(draft_chain_carries_per_sequence_positions, NormalCache([normal(), xs()], paged=True))
+    refusal_text(
+        draft_chain_carries_per_sequence_positions, NormalCache([normal(), xs()], paged=True)
+    )
 
 
 def test_the_draft_chain_check_is_implied_by_the_mask_check_today():
@@ -165,7 +172,7 @@ def test_the_draft_chain_check_is_implied_by_the_mask_check_today():
               NormalCache([OtherSlot("Rotating")])]
     outcomes = []
     for cache in shapes:
-        def ok(check):
+        def ok(check, cache=cache):
             try:
                 check(cache)
                 return True
@@ -224,7 +231,8 @@ def test_a_plain_cache_is_refused_by_the_mask_check_not_the_draft_chain_check():
     assert "MTP draft chain" not in msg
 
 
-# --- §13 kv_advance latch --------------------------------------------------------------------------
+# --- §13 kv_advance latch
+# --------------------------------------------------------------------------
 
 
 def test_kv_advance_not_requested_is_cohort():

@@ -334,7 +334,12 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
             "the varlen layout has no argument for sinks",
         ),
         (
-            ["--layout", "padded", "raggedspec.conformance.test_check_kernel:modulo_heads_padded", "--sinks"],
+            [
+                "--layout",
+                "padded",
+                "raggedspec.conformance.test_check_kernel:modulo_heads_padded",
+                "--sinks",
+            ],
             "unexpected keyword argument 'sinks'",
         ),
     ],

@@ -1,5 +1,6 @@
-"""The `raggedspec` command line: help, exit codes, simulate -> a readable trace, drift ->
-figures and summary.json from a hand-made trace and from a scenario, the progress bar."""
+"""The `raggedspec` command line: help, exit codes, simulate -> a readable trace, the progress
+bar, the documented oracle example; `raggedspec drift` (figures and summary.json from a
+hand-made trace and from a scenario) is tested in test_cli_drift.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from raggedspec.conformance.test_drift import brute_spread, engine_trace, minimal_engine_lines, section_17_3, write_jsonl
 from raggedspec import cli
 from raggedspec.reference.errors import StepRefusal
 from raggedspec.reference.trace import read_trace
@@ -25,8 +25,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def run_module(*args, cwd=None):
     """`python -m raggedspec ARGS` in a subprocess (stderr is a pipe, not a TTY)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "raggedspec", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "raggedspec", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env=env,
+        timeout=120,
+    )
 
 
 SMALL = ["--batch", "4", "--steps", "30", "--set", "max_new_tokens=[20,40]"]
@@ -39,17 +45,37 @@ def test_help_works_on_every_command():
     top = run_module("--help")
     assert top.returncode == 0
     assert "simulate" in top.stdout and "drift" in top.stdout and "Exit codes" in top.stdout
-    for command, flags in (("simulate", ["--batch", "--depth", "--advance", "--world", "--admission", "--strip",
-                                         "--acceptance", "--seed", "--steps", "--mode", "--out", "--csv",
-                                         "--quiet", "--set"]),
-                           ("drift", ["--scenario", "--trace", "--out", "--batches", "--label", "--quiet"])):
+    for command, flags in (
+        (
+            "simulate",
+            [
+                "--batch",
+                "--depth",
+                "--advance",
+                "--world",
+                "--admission",
+                "--strip",
+                "--acceptance",
+                "--seed",
+                "--steps",
+                "--mode",
+                "--out",
+                "--csv",
+                "--quiet",
+                "--set",
+            ],
+        ),
+        ("drift", ["--scenario", "--trace", "--out", "--batches", "--label", "--quiet"]),
+    ):
         out = run_module(command, "--help")
         assert out.returncode == 0, out.stderr
         for flag in flags:
             assert flag in out.stdout, f"{command} --help does not mention {flag}"
 
 
-@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["simulate", "--depth", "three"], ["drift", "--bogus"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["frobnicate"], ["simulate", "--depth", "three"], ["drift", "--bogus"]]
+)
 def test_bad_usage_exits_2(argv, capsys):
     assert cli.main(argv) == 2
     assert "usage: raggedspec" in capsys.readouterr().err
@@ -98,27 +124,43 @@ def test_simulate_writes_a_trace_that_read_trace_reads_back(tmp_path, capsys):
     assert cli.main(["simulate", *SMALL, "--out", str(out), "--csv"]) == 0
     stdout = capsys.readouterr().out.splitlines()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert lines[0]["type"] == "header" and lines[0]["version"] == 1 and lines[0]["scenario"]["batch"] == 4
+    assert (
+        lines[0]["type"] == "header"
+        and lines[0]["version"] == 1
+        and lines[0]["scenario"]["batch"] == 4
+    )
     assert lines[-1]["type"] == "summary"
     steps = [x for x in lines if x["type"] == "step"]
     assert 0 < len(steps) <= 30 and lines[-1]["steps"] == len(steps)
     back = read_trace(out)
     assert list(back.steps()) == steps
     from_csv = list(read_trace(out.with_suffix(".csv")).steps())
-    assert [[(r["seq"], r["own_len"], r["accepted"]) for r in s["rows"]] for s in from_csv] == \
-           [[(r["seq"], r["own_len"], r["accepted"]) for r in s["rows"]] for s in steps if s["rows"]]
+    assert [[(r["seq"], r["own_len"], r["accepted"]) for r in s["rows"]] for s in from_csv] == [
+        [(r["seq"], r["own_len"], r["accepted"]) for r in s["rows"]] for s in steps if s["rows"]
+    ]
     # The markers are printed exactly as the run records them, MTP first.
     assert stdout == back.markers()
-    assert stdout[0].startswith("MTP[agg] accept_rate=") and stdout[1].startswith("SCHED[agg] calls=")
+    assert stdout[0].startswith("MTP[agg] accept_rate=") and stdout[1].startswith(
+        "SCHED[agg] calls="
+    )
 
 
 def test_simulate_flags_reach_the_scenario_and_override_the_file(tmp_path, capsys):
     sc = tmp_path / "s.json"
     sc.write_text(json.dumps({"batch": 3, "depth": 2, "steps": 12, "max_new_tokens": 30}))
     out = tmp_path / "t.jsonl"
-    assert cli.main(["simulate", str(sc), "--depth", "5", "--acceptance", "all-accept", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            ["simulate", str(sc), "--depth", "5", "--acceptance", "all-accept", "--out", str(out)]
+        )
+        == 0
+    )
     header = json.loads(out.read_text().splitlines()[0])["scenario"]
-    assert header["depth"] == 5 and header["batch"] == 3 and header["acceptance"]["model"] == "all-accept"
+    assert (
+        header["depth"] == 5
+        and header["batch"] == 3
+        and header["acceptance"]["model"] == "all-accept"
+    )
     decode = [s for s in read_trace(out).steps() if s["phase"] == "decode"]
     # all-accept at depth 5 (w = 6): a u = 1 row drafts 5 and accepts all 5.
     assert decode and all(r["accepted"] == r["drafted"] for s in decode for r in s["rows"])
@@ -128,8 +170,23 @@ def test_simulate_flags_reach_the_scenario_and_override_the_file(tmp_path, capsy
 def test_simulate_exits_1_when_a_rule_refuses_a_step_and_still_writes_the_trace(tmp_path, capsys):
     # The no-strip negative control records padded lengths until the left-aligned guard refuses.
     out = tmp_path / "t.jsonl"
-    code = cli.main(["simulate", *SMALL, "--advance", "per-sequence", "--xs-per-seq", "--admission", "grant",
-                     "--world", "WB", "--strip", "none", "--out", str(out)])
+    code = cli.main(
+        [
+            "simulate",
+            *SMALL,
+            "--advance",
+            "per-sequence",
+            "--xs-per-seq",
+            "--admission",
+            "grant",
+            "--world",
+            "WB",
+            "--strip",
+            "none",
+            "--out",
+            str(out),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "refused" in err and "left-aligned guard" in err
@@ -137,97 +194,12 @@ def test_simulate_exits_1_when_a_rule_refuses_a_step_and_still_writes_the_trace(
 
 
 def test_a_refused_per_sequence_request_is_a_warning_naming_the_check(tmp_path, capsys):
-    code = cli.main(["simulate", *SMALL, "--advance", "per-sequence", "--out", str(tmp_path / "t.jsonl")])
+    code = cli.main(
+        ["simulate", *SMALL, "--advance", "per-sequence", "--out", str(tmp_path / "t.jsonl")]
+    )
     err = capsys.readouterr().err
     assert code == 0
     assert "warning" in err and "cannot honour it" in err and "ARC_V4_XS_PER_SEQ" in err
-
-
-# --------------------------------------------------------------------------------- drift
-
-
-def test_drift_plots_a_hand_made_engine_trace_and_a_bare_one_side_by_side(tmp_path, capsys):
-    steps = engine_trace(section_17_3(10, strip=True), accepts=[{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 11)
-    full = write_jsonl(steps, tmp_path / "engine.jsonl")
-    bare = tmp_path / "bare.jsonl"
-    bare.write_text("".join(json.dumps(x) + "\n" for x in minimal_engine_lines()))
-    out = tmp_path / "plots"
-    assert cli.main(["drift", "--trace", str(full), "--trace", str(bare), "--label", "my engine",
-                     "--label", "bare", "--out", str(out)]) == 0
-    for name in ("spread", "padding", "groups_buckets", "per_position"):
-        assert (out / f"{name}.png").read_bytes()[:8] == PNG
-        assert b"<svg" in (out / f"{name}.svg").read_bytes()[:500]
-    assert not (out / "tok_per_step_vs_batch.png").exists()  # a sweep needs a scenario
-    summary = json.loads((out / "summary.json").read_text())
-    assert (summary["schema"], summary["version"]) == ("raggedspec-drift-summary", 1)  # not a trace
-    mine, plain = summary["runs"]
-    assert mine["label"] == "my engine" and plain["label"] == "bare"
-    assert mine["max_spread"] == max(e[3] for e in brute_spread(steps)) == 3 + 2 * 10
-    assert mine["per_position"]["accepted_beyond"] == [22, 11, 0] and mine["missing"] == []
-    assert plain["max_spread"] == 18 and plain["per_position"] is None
-    assert sorted(summary["files"]) == sorted(p.name for p in out.iterdir())  # relative to --out
-    captured = capsys.readouterr()
-    assert "my engine: max_spread=23" in captured.out
-    assert "not plotted" in captured.err and "`padding_fraction`" in captured.err
-    assert "`rows[].drafted`" in captured.err
-
-
-def test_drift_from_a_scenario_writes_three_runs_and_the_sweep(tmp_path, capsys):
-    sc = tmp_path / "s.toml"
-    sc.write_text('batch = 6\nprompt_len = 24\nmax_new_tokens = 60\nsteps = 40\nworld = "WB"\n'
-                  'acceptance = "geometric:0.7"\n')
-    out = tmp_path / "d"
-    assert cli.main(["drift", "--scenario", str(sc), "--batches", "1,4", "--out", str(out)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    cohort, strip, none = summary["runs"]
-    assert cohort["max_spread"] == 0                       # every row holds the batched width
-    assert strip["max_spread"] > none["no_strip_control_max_spread"]
-    assert none["no_strip_control_max_spread"] <= 3        # §17.3: at most w - 1 = depth
-    assert strip["max_spread"] > 3                         # the fixture does drift (non-degenerate)
-    sweep = summary["sweep"]
-    assert sweep["batch"] == [1, 4]
-    cohort_tps, per_seq_tps = sweep["tok_per_step"].values()
-    assert cohort_tps[0] == per_seq_tps[0]                 # the two rules agree at batch 1
-    for name in drift_figures():
-        assert (out / f"{name}.png").read_bytes()[:8] == PNG
-
-
-def drift_figures():
-    from raggedspec.drift import FIGURE_NAMES
-    return FIGURE_NAMES
-
-
-def test_drift_with_no_scenario_uses_the_built_in_one(tmp_path, capsys):
-    out = tmp_path / "d"
-    assert cli.main(["drift", "--out", str(out), "--steps", "30", "--batches", "none", "--quiet"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert [r["label"] for r in summary["runs"]] == ["cohort advance", "per-sequence advance, dead prefix stripped",
-                                                    "per-sequence, no strip (negative control)"]
-    assert summary["sweep"] is None and summary["runs"][0]["rows_max"] == 32
-    # the printout says which run a refusal ended, and over how few steps its values are
-    lines = capsys.readouterr().out.splitlines()
-    none = summary["runs"][2]
-    assert none["ended_by_refusal"] and none["refused_at_step"] is not None
-    assert lines[2].endswith(f"(refused at step {none['refused_at_step']}: over its {none['measured_steps']} "
-                             "measured steps only)")
-    assert "refused" not in lines[0] + lines[1]
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--trace", "missing.jsonl"], ["missing.jsonl", "does not exist"]),
-    (["--batches", "0,2"], ["--batches", ">= 1"]),
-    (["--trace", "{bad}", "--label", "a", "--label", "b"], ["--label given 2 times for 1 --trace"]),
-    (["--trace", "{bad}", "--batch", "3"], ["--scenario runs"]),
-    (["--trace", "{bad}"], ["rows[].own_len", "required"]),
-])
-def test_drift_bad_input_exits_2_and_says_why(argv, words, tmp_path, capsys):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"step": 0, "rows": [{"seq": 1, "width": 4}]}\n')
-    argv = [a.replace("{bad}", str(bad)) for a in argv]
-    assert cli.main(["drift", *argv, "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    for w in words:
-        assert w in err, f"{w!r} not in {err!r}"
 
 
 # ------------------------------------------------------------------------------ progress
@@ -298,24 +270,40 @@ def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
 # ------------------------------------------------------------------------- review fixes
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda d: "file:/nonexistent", ["'acceptance.path'", "/nonexistent", "does not exist"]),
-    (lambda d: "file:" + str(write(d / "neg.json", "[1,-2]")), ["'acceptance.path'", "neg.json", "[1, -2]"]),
-    (lambda d: "file:" + str(write(d / "bad.json", "not json")), ["'acceptance.path'", "bad.json", "not valid JSON"]),
-    (lambda d: "oracle:nosuchmod:f", ["'acceptance.factory'", "nosuchmod:f", "cannot import"]),
-    (lambda d: "oracle:os:sep", ["'acceptance.factory'", "os:sep", "not callable"]),
-    (lambda d: "profile:", ["'acceptance'", "profile:", "after the colon"]),
-    (lambda d: "heterogeneous:", ["'acceptance'", "after the colon"]),
-    (lambda d: "profile", ["'acceptance.p'", "profile needs"]),
-    (lambda d: "heterogeneous:0.4", ["'acceptance.p'", "at least two", "[0.4]"]),
-])
-def test_bad_acceptance_configuration_exits_2_naming_the_key_and_value(make, words, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: "file:/nonexistent", ["'acceptance.path'", "/nonexistent", "does not exist"]),
+        (
+            lambda d: "file:" + str(write(d / "neg.json", "[1,-2]")),
+            ["'acceptance.path'", "neg.json", "[1, -2]"],
+        ),
+        (
+            lambda d: "file:" + str(write(d / "bad.json", "not json")),
+            ["'acceptance.path'", "bad.json", "not valid JSON"],
+        ),
+        (lambda d: "oracle:nosuchmod:f", ["'acceptance.factory'", "nosuchmod:f", "cannot import"]),
+        (lambda d: "oracle:os:sep", ["'acceptance.factory'", "os:sep", "not callable"]),
+        (lambda d: "profile:", ["'acceptance'", "profile:", "after the colon"]),
+        (lambda d: "heterogeneous:", ["'acceptance'", "after the colon"]),
+        (lambda d: "profile", ["'acceptance.p'", "profile needs"]),
+        (lambda d: "heterogeneous:0.4", ["'acceptance.p'", "at least two", "[0.4]"]),
+    ],
+)
+def test_bad_acceptance_configuration_exits_2_naming_the_key_and_value(
+    make, words, tmp_path, capsys
+):
     """Never a traceback: a missing or malformed accept file, an oracle factory that does
     not import or is not callable, and a probability model without its probabilities are
     refused before anything runs."""
     out = tmp_path / "t.jsonl"
     for mode in ("lengths", "tensor"):
-        assert cli.main(["simulate", "--acceptance", make(tmp_path), "--mode", mode, "--out", str(out)]) == 2
+        assert (
+            cli.main(
+                ["simulate", "--acceptance", make(tmp_path), "--mode", mode, "--out", str(out)]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "Traceback" not in err and err.startswith("raggedspec simulate: error: scenario key")
         for w in words:
@@ -338,8 +326,15 @@ def console_script(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
 
     def run(*args, cwd):
-        return subprocess.run([sys.executable, str(launcher), *args], capture_output=True, text=True, cwd=cwd,
-                              env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, str(launcher), *args],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
+            timeout=120,
+        )
+
     return run
 
 
@@ -360,21 +355,51 @@ def test_the_documented_oracle_example_runs_from_the_console_script(tmp_path):
     (work / "my_module.py").write_text(docs_oracle_example())
     run = console_script(tmp_path)
     for mode in ("lengths", "tensor"):
-        out = run("simulate", "--acceptance", "oracle:my_module:make_oracle", "--batch", "2", "--steps", "12",
-                  "--mode", mode, "--out", f"t-{mode}.jsonl", cwd=work)
+        out = run(
+            "simulate",
+            "--acceptance",
+            "oracle:my_module:make_oracle",
+            "--batch",
+            "2",
+            "--steps",
+            "12",
+            "--mode",
+            mode,
+            "--out",
+            f"t-{mode}.jsonl",
+            cwd=work,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("MTP[agg] accept_rate=")
     lines = [(work / f"t-{m}.jsonl").read_text().splitlines() for m in ("lengths", "tensor")]
     assert lines[0][1:] == lines[1][1:]
-    rows = [r for s in read_trace(work / "t-lengths.jsonl").steps() if s["phase"] == "decode" for r in s["rows"]]
+    rows = [
+        r
+        for s in read_trace(work / "t-lengths.jsonl").steps()
+        if s["phase"] == "decode"
+        for r in s["rows"]
+    ]
     assert rows and all(r["drafted"] == 3 and r["accepted"] < 3 for r in rows)
     assert {r["accepted"] for r in rows} >= {0, 2} or {r["accepted"] for r in rows} >= {1, 2}
 
 
 def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path, capsys):
     for mode in ("lengths", "tensor"):
-        code = cli.main(["simulate", "--acceptance", "oracle:raggedspec.conformance.test_scenario:make_short_drafter",
-                         "--batch", "2", "--steps", "6", "--mode", mode, "--out", str(tmp_path / "t.jsonl")])
+        code = cli.main(
+            [
+                "simulate",
+                "--acceptance",
+                "oracle:raggedspec.conformance.test_scenario:make_short_drafter",
+                "--batch",
+                "2",
+                "--steps",
+                "6",
+                "--mode",
+                mode,
+                "--out",
+                str(tmp_path / "t.jsonl"),
+            ]
+        )
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err
         assert "'acceptance.factory'" in err and "exactly 3 token(s) (got 2)" in err
@@ -384,17 +409,41 @@ def test_the_csv_carries_the_step_fields_with_their_types(tmp_path):
     """CSV: step-level width, committed, prefill and error are columns; read back, every
     step with rows equals the JSONL step (ints, floats, bucket booleans, lists, null)."""
     out = tmp_path / "t.jsonl"
-    argv = ["simulate", "--batch", "5", "--steps", "16", "--set", "prompt_len=[3,9]", "--set", "max_new_tokens=25",
-            "--advance", "per-sequence", "--xs-per-seq", "--admission", "grant", "--world", "WB", "--strip", "none",
-            "--out", str(out), "--csv"]
-    assert cli.main(argv) == 1  # the no-strip control is refused by a rule (exit 1), the trace is written
+    argv = [
+        "simulate",
+        "--batch",
+        "5",
+        "--steps",
+        "16",
+        "--set",
+        "prompt_len=[3,9]",
+        "--set",
+        "max_new_tokens=25",
+        "--advance",
+        "per-sequence",
+        "--xs-per-seq",
+        "--admission",
+        "grant",
+        "--world",
+        "WB",
+        "--strip",
+        "none",
+        "--out",
+        str(out),
+        "--csv",
+    ]
+    assert (
+        cli.main(argv) == 1
+    )  # the no-strip control is refused by a rule (exit 1), the trace is written
     header = out.with_suffix(".csv").read_text().splitlines()[0].split(",")
     assert header[-4:] == ["step_width", "step_committed", "prefill", "error"]
     want = [s for s in read_trace(out).steps() if s["rows"]]
     got = list(read_trace(out.with_suffix(".csv")).steps())
     assert got == want
     assert any(s["error"] for s in got) and any(s["prefill"] for s in got)
-    assert all(isinstance(s["rows"][0]["bucket"][3], bool) and isinstance(s["width"], int) for s in got)
+    assert all(
+        isinstance(s["rows"][0]["bucket"][3], bool) and isinstance(s["width"], int) for s in got
+    )
     assert all(s["rows"][0]["bucket"][1] is False for s in got)
 
 
@@ -416,12 +465,32 @@ def test_the_progress_bar_finishes_when_the_run_ends_early(tmp_path, monkeypatch
 def test_max_seq_len_arrival_and_no_xs_per_seq_flags(tmp_path, capsys):
     sc = write(tmp_path / "s.json", json.dumps({"batch": 3, "xs_per_seq": True, "steps": 4}))
     out = tmp_path / "t.jsonl"
-    assert cli.main(["simulate", str(sc), "--max-seq-len", "1040", "--arrival", "staggered", "--no-xs-per-seq",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                str(sc),
+                "--max-seq-len",
+                "1040",
+                "--arrival",
+                "staggered",
+                "--no-xs-per-seq",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     scenario = json.loads(out.read_text().splitlines()[0])["scenario"]
-    assert (scenario["max_seq_len"], scenario["arrival"], scenario["xs_per_seq"]) == (1040, "staggered", False)
+    assert (scenario["max_seq_len"], scenario["arrival"], scenario["xs_per_seq"]) == (
+        1040,
+        "staggered",
+        False,
+    )
     assert cli.main(["simulate", str(sc), "--out", str(out)]) == 0
-    assert json.loads(out.read_text().splitlines()[0])["scenario"]["xs_per_seq"] is True  # untouched without the flag
+    assert (
+        json.loads(out.read_text().splitlines()[0])["scenario"]["xs_per_seq"] is True
+    )  # untouched without the flag
     assert cli.main(["simulate", "--max-seq-len", "1", "--out", str(out)]) == 2
     assert "'max_seq_len'" in capsys.readouterr().err
     assert cli.main(["simulate", "--arrival", "sometimes", "--out", str(out)]) == 2
@@ -439,7 +508,9 @@ def test_simulate_runs_the_tensor_mode_on_the_torch_backend_with_the_same_trace(
     torch_lines = (tmp_path / "t.jsonl").read_text().splitlines()[1:]
     assert numpy_lines == torch_lines and len(numpy_lines) > 5
     capsys.readouterr()
-    assert cli.main(["simulate", "--backend", "torch", "--out", str(tmp_path / "x.jsonl"), "-q"]) == 2
+    assert (
+        cli.main(["simulate", "--backend", "torch", "--out", str(tmp_path / "x.jsonl"), "-q"]) == 2
+    )
     assert "need --mode tensor" in capsys.readouterr().err
     assert cli.main(common + ["--backend", "nope", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "unknown backend 'nope'" in capsys.readouterr().err

@@ -36,8 +36,13 @@ NO_CUPY = None if _WHY is None else f"CuPy needs a CUDA GPU: {_WHY}"   # the ski
 
 
 MODES = [
-    pytest.param("emulate", marks=pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,
-                                                     reason="the kernel emulator needs g++ on the PATH")),
+    pytest.param(
+        "emulate",
+        marks=pytest.mark.skipif(
+            kernel_emulator.compilers()["g++"] is None,
+            reason="the kernel emulator needs g++ on the PATH",
+        ),
+    ),
     pytest.param("cupy", marks=pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")),
 ]
 _RUNNERS: dict[str, ck.Kernels] = {}
@@ -78,7 +83,9 @@ def test_front_align_places_each_live_run_at_the_end_in_one_launch(kern, case, e
     target = max(lens) + extra
     ko, vo = (get(kern, a) for a in kern.front_align(put(kern, k), put(kern, v), lens, target))
     for b, n in enumerate(lens):
-        assert np.array_equal(ko[b, :, target - n:], k[b, :, :n]) and np.array_equal(vo[b, :, target - n:], v[b, :, :n])
+        assert np.array_equal(ko[b, :, target - n :], k[b, :, :n]) and np.array_equal(
+            vo[b, :, target - n :], v[b, :, :n]
+        )
         assert not ko[b, :, : target - n].any() and not vo[b, :, : target - n].any()
     port = galign.materialize_front_aligned(RaggedKv(torch.from_numpy(k), torch.from_numpy(v),
                                                      torch.tensor(lens), k.shape[2] + 4), target)
@@ -95,7 +102,9 @@ def test_strip_returns_the_front_aligned_rows_to_their_place(kern, case):
     ks, vs = get(kern, ks), get(kern, vs)
     assert get(kern, new_lens).tolist() == lens
     for b, n in enumerate(lens):
-        assert np.array_equal(ks[b, :, :n], k[b, :, :n]) and np.array_equal(vs[b, :, :n], v[b, :, :n])
+        assert np.array_equal(ks[b, :, :n], k[b, :, :n]) and np.array_equal(
+            vs[b, :, :n], v[b, :, :n]
+        )
         assert not ks[b, :, n:].any() and not vs[b, :, n:].any()
 
 
@@ -106,7 +115,9 @@ def test_a_strided_view_is_read_by_value_not_by_its_memory(kern):
     view = put(kern, k)[:, :, :, ::2]
     assert not view.flags.c_contiguous
     ko, vo = kern.front_align(view, view, [3, 5])
-    want, _ = kern.front_align(put(kern, np.ascontiguousarray(k[:, :, :, ::2])), put(kern, k[:, :, :, ::2]), [3, 5])
+    want, _ = kern.front_align(
+        put(kern, np.ascontiguousarray(k[:, :, :, ::2])), put(kern, k[:, :, :, ::2]), [3, 5]
+    )
     assert np.array_equal(get(kern, ko), get(kern, want))
 
 
@@ -149,7 +160,11 @@ def test_ragged_union_mask_refuses_rows_that_skipped_resolve_ragged_rows(kern):
 @FEW
 @given(data=st.data())
 def test_per_row_rope_equals_the_reference(kern, data):
-    b, h, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4))
+    b, h, t = (
+        data.draw(st.integers(1, 3)),
+        data.draw(st.integers(1, 2)),
+        data.draw(st.integers(1, 4)),
+    )
     rope_dims = data.draw(st.sampled_from([2, 4, 6]))
     d = rope_dims + data.draw(st.integers(0, 3))
     offsets = data.draw(st.lists(st.integers(0, 5000), min_size=1, max_size=1) | st.lists(
@@ -177,7 +192,9 @@ def reference_verify_attention(q, k, v, lens) -> np.ndarray:
     out = np.empty((b, h, w, d))
     for i, n in enumerate(lens):
         mask = np.where(np.arange(n)[None, :] <= (n - w + np.arange(w))[:, None], 0.0, -np.inf)
-        out[i] = ratt.attention(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask[None, None])[0]
+        out[i] = ratt.attention(
+            q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], mask[None, None]
+        )[0]
     return out
 
 
@@ -212,7 +229,12 @@ def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64
     b, hk, g, w, d, cap, lens, nt, n_split, seed = case
     q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed)
     want = reference_verify_attention(q, k, v, lens)
-    got = get(kern, kern.verify_attention(put(kern, q), put(kern, k), put(kern, v), lens, n_split=n_split, nt=nt))
+    got = get(
+        kern,
+        kern.verify_attention(
+            put(kern, q), put(kern, k), put(kern, v), lens, n_split=n_split, nt=nt
+        ),
+    )
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (lens, nt, n_split)
 
 
@@ -236,7 +258,11 @@ def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch
         k_place[i, :, n:], v_place[i, :, n:] = 40.0, 1e6       # slack: loud if ever read
     t_c = n_max // ratio if ratio > 1 else 0
     comp = rng.normal(size=(b, 1, t_c, d)) if t_c else None
-    rows = [int(r) for r in rng.permutation(b)[: data.draw(st.integers(1, b))]] if subset and ratio <= 1 else None
+    rows = (
+        [int(r) for r in rng.permutation(b)[: data.draw(st.integers(1, b))]]
+        if subset and ratio <= 1
+        else None
+    )
     picked = list(range(b)) if rows is None else rows
     q = rng.normal(size=(len(picked), h, t_q, d))
     sinks = rng.normal(size=h) if with_sinks else None
@@ -244,14 +270,29 @@ def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch
     top = max(lens)
     k_front, v_front = np.zeros((len(picked), 1, top, d)), np.zeros((len(picked), 1, top, d))
     for g, i in enumerate(picked):
-        k_front[g, 0, top - own[i]:], v_front[g, 0, top - own[i]:] = k_place[i, 0, :own[i]], v_place[i, 0, :own[i]]
+        k_front[g, 0, top - own[i] :], v_front[g, 0, top - own[i] :] = (
+            k_place[i, 0, : own[i]],
+            v_place[i, 0, : own[i]],
+        )
     sub_comp = None if comp is None else comp[picked][:, :, : top // ratio]
     cfg = ratt.Dsv4AttentionConfig(ratio, window, 0, [n - t_q for n in lens])
     want = ratt.dsv4_attention(q, k_front, v_front, sub_comp, None, cfg, sinks)
-    got = get(kern, kern.dsv4_attention_rows(put(kern, q), put(kern, k_place), put(kern, v_place), own, rows,
-                                             None if comp is None else put(kern, comp), ratio, window,
-                                             None if sinks is None else put(kern, sinks),
-                                             n_split=data.draw(st.integers(1, 3)), nt=8))
+    got = get(
+        kern,
+        kern.dsv4_attention_rows(
+            put(kern, q),
+            put(kern, k_place),
+            put(kern, v_place),
+            own,
+            rows,
+            None if comp is None else put(kern, comp),
+            ratio,
+            window,
+            None if sinks is None else put(kern, sinks),
+            n_split=data.draw(st.integers(1, 3)),
+            nt=8,
+        ),
+    )
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (own, rows, ratio, window)
 
 
@@ -263,13 +304,19 @@ def test_query_rows_read_the_kv_rows_they_name(kern):
     own, t_q, window, d = [9, 4, 13], 2, 4, 8
     k, v = rng.normal(size=(3, 1, 16, d)), rng.normal(size=(3, 1, 16, d))
     q = rng.normal(size=(2, 2, t_q, d))
-    got = get(kern, kern.dsv4_attention_rows(put(kern, q), put(kern, k), put(kern, v), own, [2, 0], None, 0, window,
-                                             nt=8))
+    got = get(
+        kern,
+        kern.dsv4_attention_rows(
+            put(kern, q), put(kern, k), put(kern, v), own, [2, 0], None, 0, window, nt=8
+        ),
+    )
     for g, i in enumerate([2, 0]):
         n = own[i]
         qp = n - t_q + np.arange(t_q)
         kp = np.arange(n)
-        mask = np.where((kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window), 0.0, -np.inf)
+        mask = np.where(
+            (kp[None, :] <= qp[:, None]) & (kp[None, :] > qp[:, None] - window), 0.0, -np.inf
+        )
         want = ratt.attention(q[g:g + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n], mask[None, None])[0]
         assert np.max(np.abs(got[g] - want)) <= 1e-12 * np.max(np.abs(want)), (g, i)
 
@@ -285,10 +332,13 @@ def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, 
         args = [a.astype(np.float32) for a in (q, k, v)]
         q, k, v = (a.astype(np.float64) for a in args)
     want = reference_verify_attention(q, k, v, lens)
-    naive = reference_verify_attention(*(torch.from_numpy(a).to(getattr(torch, dtype)).double().numpy()
-                                         for a in (q, k, v)), lens)
+    naive = reference_verify_attention(
+        *(torch.from_numpy(a).to(getattr(torch, dtype)).double().numpy() for a in (q, k, v)), lens
+    )
     torch_dtype = getattr(torch, dtype)
-    naive = torch.from_numpy(naive).to(torch_dtype).double().numpy()   # one final rounding, like the kernel
+    naive = (
+        torch.from_numpy(naive).to(torch_dtype).double().numpy()
+    )  # one final rounding, like the kernel
     out = kern.verify_attention(*(put(kern, a) for a in args), lens, n_split=2, nt=32)
     got = get(kern, out)
     got = ck.bf16_values(got).astype(np.float64) if dtype == "bfloat16" else got.astype(np.float64)
@@ -300,16 +350,22 @@ def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, 
 def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does(kern):
     q, k, v = _qkv(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
     got = outcome(kern.verify_attention, put(kern, q), put(kern, k), put(kern, v), [8, 2])
-    assert got[0] == "refused" and got[1] is MaskRefusal and got[2] == "3 query rows against only 2 keys"
+    assert (
+        got[0] == "refused"
+        and got[1] is MaskRefusal
+        and got[2] == "3 query rows against only 2 keys"
+    )
 
 
-def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_routes_it_to_torch(kern):
+def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_routes_it_to_torch(
+    kern,
+):
     q = np.zeros((1, 65, 1, 8))
     kv = np.zeros((1, 1, 4, 8))
     with pytest.raises(ValueError, match=r"65 queries per KV head .* at most .* 64 queries"):
         kern.verify_attention(put(kern, q), put(kern, kv), put(kern, kv), [4])
     assert kern.fits(64, 8, "float64") and not kern.fits(65, 8, "float64")
-    assert not kern.fits(16, 4096, "float64")                  # q alone would need 512 KiB of shared memory
+    assert not kern.fits(16, 4096, "float64")  # q alone would need 512 KiB of shared memory
     if kern.mode != "emulate":
         return
     from raggedspec.gpu.cache import RaggedKv
@@ -326,7 +382,10 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
     assert torch.equal(got, dsv4_attention_rows(big_q, cache, None, None, 0, 8))
     small = backend._attend(big_q[:, :, :4], cache, None, None, 0, 8)
     assert backend.kernel_attentions == 1
-    assert float((small - dsv4_attention_rows(big_q[:, :, :4], cache, None, None, 0, 8)).abs().max()) <= 1e-12
+    assert (
+        float((small - dsv4_attention_rows(big_q[:, :, :4], cache, None, None, 0, 8)).abs().max())
+        <= 1e-12
+    )
 
 
 # --------------------------------------------------------------------------- NVRTC front end
@@ -348,7 +407,9 @@ def test_the_torch_entry_point_matches_the_reference_on_cuda():
     got = ck.ragged_verify_attention(*(torch.from_numpy(a).cuda() for a in (q, k, v)),
                                      torch.tensor(lens, device="cuda"))
     assert got.dtype == torch.float64
-    assert float((got.cpu() - torch.from_numpy(want)).abs().max()) <= 1e-12 * float(np.abs(want).max())
+    assert float((got.cpu() - torch.from_numpy(want)).abs().max()) <= 1e-12 * float(
+        np.abs(want).max()
+    )
     assert math.isfinite(float(got.abs().max()))
 
 
@@ -381,10 +442,15 @@ def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH")
+@pytest.mark.skipif(
+    kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"
+)
 @pytest.mark.parametrize("case", [0, 8])
-def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_reference(case, monkeypatch):
-    """The whole step simulator on `raggedspec.gpu.cupy_backend:emulated` (every attention and RoPE of the
+def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_reference(
+    case, monkeypatch
+):
+    """The whole step simulator on `raggedspec.gpu.cupy_backend:emulated` (every attention and RoPE
+    of the
     model forward, the ragged masks and the KV read-back run by the kernels, under g++) against
     the reference, tensor for tensor: a granted per-sequence scenario and one with compressed
     layers of ratio 4 and 128. The launches are counted, so the kernels are known to have run.
@@ -400,8 +466,11 @@ def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_referenc
 
     launches = Counter()
     real = ck.Kernels._launch
-    monkeypatch.setattr(ck.Kernels, "_launch", lambda self, name, *a, **k: (launches.update([name]),
-                                                                           real(self, name, *a, **k))[1])
+    monkeypatch.setattr(
+        ck.Kernels,
+        "_launch",
+        lambda self, name, *a, **k: (launches.update([name]), real(self, name, *a, **k))[1],
+    )
     sc = load_scenario(FIXED[case])
     backend = emulated()
     port = simulator.run(sc, record_tensors=True, backend=backend)
@@ -409,5 +478,8 @@ def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_referenc
     counts = compare_runs(port, ref, backend.dtype)
     assert counts["forwards"] >= 3 and counts["tensors"] > 20
     assert launches["rs_verify_attention_partial"] >= counts["forwards"] and launches["rs_rope"] > 0
-    assert backend.kernel_attentions == launches["rs_verify_attention_partial"] and backend.prefill_fallbacks == 0
+    assert (
+        backend.kernel_attentions == launches["rs_verify_attention_partial"]
+        and backend.prefill_fallbacks == 0
+    )
     assert launches["rs_front_align"] > 0

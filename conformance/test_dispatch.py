@@ -67,7 +67,9 @@ def test_resolve_ragged_rows_check_order():
 def test_a_vector_with_more_rows_than_the_batch_is_a_width_refusal():
     # the catalogue mutant "!= to <" let a vector LONGER than b through the width check;
     # the existing tables only had shorter ones (moved here from test_mutation_kills.py)
-    with pytest.raises(DispatchRefusal, match=re.escape("4 per-row query positions for a batch of 3")):
+    with pytest.raises(
+        DispatchRefusal, match=re.escape("4 per-row query positions for a batch of 3")
+    ):
         resolve_ragged_rows([6, 4, 5, 6], 6, 3)
 
 
@@ -170,10 +172,10 @@ def test_a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name():
 def test_resolve_row_cache_lens_dispatch_property(leads, extra):
     c = max(leads) + extra
     got = resolve_row_cache_lens(True, c, leads)
-    if all(l == 0 for l in leads):
+    if all(lead == 0 for lead in leads):
         assert got is None
     else:
-        assert got == [c - l for l in leads]
+        assert got == [c - lead for lead in leads]
     assert resolve_row_cache_lens(False, c, leads) is None
 
 
@@ -228,7 +230,9 @@ def test_the_draft_group_partition_stops_collapsing_once_the_rows_carry_their_ow
 
 
 def test_a_sequence_that_may_not_draft_is_in_no_draft_group():
-    assert draft_groups([1, 1, 1], [10, 10, 10], [True, True, True], 3, False) == {(1, 9): [0, 1, 2]}
+    assert draft_groups([1, 1, 1], [10, 10, 10], [True, True, True], 3, False) == {
+        (1, 9): [0, 1, 2]
+    }
     assert draft_groups([1, 1, 1], [10, 10, 10], [True, False, True], 3, False) == {(1, 9): [0, 2]}
     assert draft_groups([1, 1, 1], [10, 10, 10], [False, False, False], 3, False) == {}
     assert draft_groups([3], [10], [True], 3, False) == {}  # u == w has no draft slot
@@ -282,7 +286,8 @@ def test_scalar_keys_put_one_chain_start_in_each_group(data):
         assert all(key_start == chain_start_of(lens[i], u[i]) for i in rows)
 
 
-# --- §10.1 / masks §12 ------------------------------------------------------------------------------
+# --- §10.1 / masks §12
+# ------------------------------------------------------------------------------
 
 
 def test_the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_layout():
@@ -322,7 +327,8 @@ def test_ragged_row_q0_is_opt_in():
     assert resolve_ragged_rows(ragged_row_q0([9, 9], True), 9, 2) is None
 
 
-# --- §14: every resolver returns the scalar form for a uniform batch -------------------------------
+# --- §14: every resolver returns the scalar form for a uniform batch
+# -------------------------------
 
 
 @given(lengths=uniform_lengths(min_rows=1, max_rows=16, min_len=2, max_len=500))

@@ -65,7 +65,10 @@ def oracle_slot_k(h: np.ndarray, tok: int, pos: int) -> np.ndarray:
     K is token-local (no attention): RoPE_pos(kv_norm(attn_norm(fused) @ wkv))."""
     block = MODEL.mtp
     layer = block.layer
-    fused = my_rms(h, block.hnorm) @ block.heads.h_proj + my_rms(MODEL.embed[tok], block.enorm) @ block.heads.e_proj
+    fused = (
+        my_rms(h, block.hnorm) @ block.heads.h_proj
+        + my_rms(MODEL.embed[tok], block.enorm) @ block.heads.e_proj
+    )
     kv = my_rms(my_rms(fused, layer.attn_norm) @ layer.wkv, layer.kv_norm)
     return my_rope(kv, pos, MODEL.cfg.rope_dims, MODEL.cfg.rope_theta)
 
@@ -122,7 +125,9 @@ def test_smoke_a_prefill_of_five_context_positions_then_two_drafts():
     """masks §22 smoke: prefill of 5 context positions -> cache 5, two drafts -> 7."""
     rng = np.random.default_rng(4)
     cache = MODEL.mtp.new_draft_cache()
-    assert extend_draft_cache(MODEL.mtp, cache, rng.standard_normal((5, H)), [1, 2, 3, 4, 5], 0) == 5
+    assert (
+        extend_draft_cache(MODEL.mtp, cache, rng.standard_normal((5, H)), [1, 2, 3, 4, 5], 0) == 5
+    )
     assert cache.current_seq_len == 5
     assert len(propose_chain(MODEL, rng.standard_normal(H), 5, 2, 16, 5, cache)) == 2
     assert cache.current_seq_len == 7
@@ -136,7 +141,11 @@ def test_smoke_a_stale_start_on_an_empty_cache_is_a_desync():
 
 def test_propose_chain_batched_empty_cases_and_refusals():
     cache = history(4, 0)
-    assert propose_chain_batched(MODEL, np.ones((3, H)), [1, 2, 3], 0, [4, 4, 4], cache) == [[], [], []]
+    assert propose_chain_batched(MODEL, np.ones((3, H)), [1, 2, 3], 0, [4, 4, 4], cache) == [
+        [],
+        [],
+        [],
+    ]
     assert propose_chain_batched(MODEL, np.ones((0, H)), [], 3, [], cache) == []
     assert cache.current_seq_len == 4  # nothing ran
     with pytest.raises(StepRefusal, match="1 chain start\\(s\\) for a draft group of 2"):
@@ -162,7 +171,7 @@ def test_the_chain_feeds_the_pre_norm_hidden_and_the_drafted_token_forward():
         hs.append(hidden)
         prev = hidden
     assert chains == want
-    assert all(np.array_equal(a, b) for a, b in zip(trace, hs))
+    assert all(np.array_equal(a, b) for a, b in zip(trace, hs, strict=False))
     assert c1.current_seq_len == 10 and np.array_equal(c1.k.current_data(), c2.k.current_data())
 
 
@@ -182,7 +191,8 @@ def test_a_tier_a_chain_uses_no_position_and_no_cache():
     assert propose_chain(TIER_A, seed_h[0], 1, 3, 16, 999, None) == want[0]
 
 
-# --- the chain's dispatch: uniform vs per-row ------------------------------------------------------
+# --- the chain's dispatch: uniform vs per-row
+# ------------------------------------------------------
 
 
 class StepSpy:
@@ -230,12 +240,14 @@ def test_a_ragged_draft_group_runs_every_step_at_each_rows_own_position(monkeypa
 def test_a_ragged_draft_group_drafts_each_row_as_if_alone(data):
     g = data.draw(st.integers(1, 4), label="G")
     starts = data.draw(st.lists(st.integers(1, 14), min_size=g, max_size=g), label="starts")
-    tails = data.draw(st.lists(st.integers(0, 3), min_size=g, max_size=g), label="speculative tails")
+    tails = data.draw(
+        st.lists(st.integers(0, 3), min_size=g, max_size=g), label="speculative tails"
+    )
     n = data.draw(st.integers(1, 4), label="n")
     seed = data.draw(st.integers(0, 2 ** 31), label="seed")
     rng = np.random.default_rng(seed)
     seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
-    caches = [history(s + t, seed + r) for r, (s, t) in enumerate(zip(starts, tails))]
+    caches = [history(s + t, seed + r) for r, (s, t) in enumerate(zip(starts, tails, strict=False))]
     batched = front_align_draft_group(caches, starts)
     trace: list = []
     chains = propose_chain_batched(MODEL, seeds, lasts, n, starts, batched, trace)
@@ -245,7 +257,9 @@ def test_a_ragged_draft_group_drafts_each_row_as_if_alone(data):
         alone_cache = caches[r].clone()
         alone_cache.set_len(starts[r])
         alone_trace: list = []
-        alone = propose_chain_batched(MODEL, seeds[r:r + 1], lasts[r:r + 1], n, [starts[r]], alone_cache, alone_trace)
+        alone = propose_chain_batched(
+            MODEL, seeds[r : r + 1], lasts[r : r + 1], n, [starts[r]], alone_cache, alone_trace
+        )
         assert chains[r] == alone[0]
         for step in range(n):
             assert close(trace[step][r], alone_trace[step][0]), f"row {r} step {step}"
@@ -253,21 +267,42 @@ def test_a_ragged_draft_group_drafts_each_row_as_if_alone(data):
         assert pieces[r].current_seq_len == starts[r] + n
         assert close(pieces[r].k.current_data(), alone_cache.k.current_data())
     # the same group through the group loop (u = 1, w = n + 1, own KV = start + 1)
-    states = [DraftKv(cache=c, filled=s, seed=(s, seeds[r])) for r, (c, s) in enumerate(zip(caches, starts))]
+    states = [
+        DraftKv(cache=c, filled=s, seed=(s, seeds[r]))
+        for r, (c, s) in enumerate(zip(caches, starts, strict=False))
+    ]
     toks = [[0] * s + [int(lasts[r])] for r, s in enumerate(starts)]
     warnings: list[str] = []
-    drafts = group_drafting_loop(MODEL, {(1, 0): list(range(g))}, states, toks, [s + 1 for s in starts], [99] * g,
-                                 n + 1, True, warnings)
-    unbatchable = g > 1 and len(set(starts)) == 1 and len({(c.current_seq_len, c.k.capacity_seq_len) for c in caches}) > 1
+    drafts = group_drafting_loop(
+        MODEL,
+        {(1, 0): list(range(g))},
+        states,
+        toks,
+        [s + 1 for s in starts],
+        [99] * g,
+        n + 1,
+        True,
+        warnings,
+    )
+    unbatchable = (
+        g > 1
+        and len(set(starts)) == 1
+        and len({(c.current_seq_len, c.k.capacity_seq_len) for c in caches}) > 1
+    )
     if unbatchable:  # a uniform group takes batch_draft_caches, which refuses unequal histories
-        assert drafts == [[]] * g and len(warnings) == 1 and all(st_.filled == s for st_, s in zip(states, starts))
+        assert (
+            drafts == [[]] * g
+            and len(warnings) == 1
+            and all(st_.filled == s for st_, s in zip(states, starts, strict=False))
+        )
     else:
         assert drafts == chains and warnings == []
         assert [st_.filled for st_ in states] == [s + 1 for s in starts]
         assert [st_.cache.current_seq_len for st_ in states] == [s + n for s in starts]
 
 
-# --- §7.1 the map ------------------------------------------------------------------------------------
+# --- §7.1 the map
+# ------------------------------------------------------------------------------------
 
 
 def test_checkout_creates_a_fresh_state_with_an_empty_draft_cache():
@@ -311,7 +346,8 @@ def test_drop_removes_and_flushes_and_clear_empties_the_whole_map():
     assert m.entries == {}
 
 
-# --- §7.2 extend_draft_kv_row ----------------------------------------------------------------------
+# --- §7.2 extend_draft_kv_row
+# ----------------------------------------------------------------------
 
 
 def test_the_cohort_worked_example():
@@ -331,7 +367,7 @@ def test_the_cohort_worked_example():
     for slot, j in ((11, 1), (12, 2)):
         assert close(k[0, 0, slot], oracle_slot_k(hidden[1, j], toks[slot + 1], slot))
     # next step (another row pinned keep = 1): C' = 11, u' = 3 -> chain start 12 = the seed
-    assert 11 + 3 - 2 == state.seed[0] and state.filled >= 12
+    assert state.seed[0] == 11 + 3 - 2 and state.filled >= 12
 
 
 def test_per_row_capture_offsets_extend_each_row_from_its_own_offset():
@@ -384,7 +420,11 @@ def cap(offsets, shape):
 def test_every_early_return_of_extend_draft_kv_row(case, state, capture, row, batch, model, result):
     before = (state.filled, state.seed, state.cache.current_seq_len)
     assert extend_draft_kv_row(state, capture, list(range(9)), row, batch, model) is result, case
-    assert (state.filled, state.seed, state.cache.current_seq_len) == before  # nothing written or seeded
+    assert (
+        state.filled,
+        state.seed,
+        state.cache.current_seq_len,
+    ) == before  # nothing written or seeded
 
 
 def test_a_capture_of_any_other_rank_is_an_error():
@@ -407,12 +447,18 @@ def test_nothing_to_write_keeps_filled_but_may_move_the_seed():
     rng = np.random.default_rng(1)
     state, hidden = fresh(filled=6), rng.standard_normal((1, 3, H))
     # off 3, T 3: positions 3..5 all below filled 6; L = 7 -> p = 5 in [3, 6)
-    assert extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(7)), 0, 1, MODEL) is True
+    assert (
+        extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(7)), 0, 1, MODEL)
+        is True
+    )
     assert state.filled == 6 and state.cache.current_seq_len == 6
     assert state.seed[0] == 5 and np.array_equal(state.seed[1], hidden[0, 2])
     # a seed outside the captured block keeps the old seed
     old = state.seed
-    assert extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(12)), 0, 1, MODEL) is True
+    assert (
+        extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(12)), 0, 1, MODEL)
+        is True
+    )
     assert state.seed is old
 
 
@@ -421,7 +467,10 @@ def test_hi_never_exceeds_l_minus_1():
     writes position L-1 (its next token is not committed)."""
     rng = np.random.default_rng(2)
     state, hidden = fresh(filled=4), rng.standard_normal((1, 4, H))
-    assert extend_draft_kv_row(state, (CaptureOffsets([4]), hidden), list(range(8)), 0, 1, MODEL) is True
+    assert (
+        extend_draft_kv_row(state, (CaptureOffsets([4]), hidden), list(range(8)), 0, 1, MODEL)
+        is True
+    )
     assert state.filled == 7 and state.cache.current_seq_len == 7
 
 
@@ -443,7 +492,12 @@ def test_extend_draft_cache_without_a_block_or_tokens():
 def test_a_block_state_without_a_cache_only_advances_filled():
     """Check 11, the (unreachable in practice) cache-less branch: filled = hi, nothing run."""
     state = DraftKv(cache=None, filled=2)
-    assert extend_draft_kv_row(state, (CaptureOffsets([2]), np.ones((1, 3, H))), list(range(9)), 0, 1, MODEL) is True
+    assert (
+        extend_draft_kv_row(
+            state, (CaptureOffsets([2]), np.ones((1, 3, H))), list(range(9)), 0, 1, MODEL
+        )
+        is True
+    )
     assert state.filled == 5 and state.seed is None  # p = 7 is outside [2, 5)
 
 
@@ -452,19 +506,27 @@ def test_a_seeded_tier_a_group_drafts_without_any_cache():
     nothing back (Tier A never gets a seed from the capture, so only a hand-seeded state
     reaches this)."""
     s = DraftKv(cache=None, filled=11, seed=(11, np.ones(H)))
-    drafts = group_drafting_loop(TIER_A, {(1, 11): [0]}, [s], [list(range(13))], [12], [9], 4, False)
-    assert drafts == [propose_chain(TIER_A, np.ones(H), 12, 3, 99, 11, None)] and len(drafts[0]) == 3
+    drafts = group_drafting_loop(
+        TIER_A, {(1, 11): [0]}, [s], [list(range(13))], [12], [9], 4, False
+    )
+    assert (
+        drafts == [propose_chain(TIER_A, np.ones(H), 12, 3, 99, 11, None)] and len(drafts[0]) == 3
+    )
     assert s.filled == 11 and s.cache is None
 
 
 def test_a_tier_a_row_never_gets_a_seed():
     state = DraftKv(cache=None)
     hidden = np.ones((1, 5, H))
-    assert extend_draft_kv_row(state, (CaptureOffsets([0]), hidden), list(range(6)), 0, 1, TIER_A) is True
+    assert (
+        extend_draft_kv_row(state, (CaptureOffsets([0]), hidden), list(range(6)), 0, 1, TIER_A)
+        is True
+    )
     assert state.seed is None and state.filled == 0
 
 
-# --- §7.4 prompt priming ------------------------------------------------------------------------------
+# --- §7.4 prompt priming
+# ------------------------------------------------------------------------------
 
 
 def test_prompt_priming_fills_l_minus_1_and_seeds_l_minus_2():
@@ -486,24 +548,48 @@ def test_prompt_priming_fills_l_minus_1_and_seeds_l_minus_2():
         assert s.seed[0] == 6 and np.array_equal(s.seed[1], fwd.hidden[i, 6])
         assert close(s.cache.k.data[0, 0, 3], oracle_slot_k(fwd.hidden[i, 3], toks[i][4], 3))
     # the next decode step (C = 7, u = 1) can draft: its chain start is the seed
-    drafts = group_drafting_loop(MODEL, {(1, 6): [0, 1]}, states, toks, [7, 7], [100, 100], 4, False)
+    drafts = group_drafting_loop(
+        MODEL, {(1, 6): [0, 1]}, states, toks, [7, 7], [100, 100], 4, False
+    )
     assert [len(d) for d in drafts] == [3, 3]
-    assert [s.filled for s in states] == [7, 7] and [s.cache.current_seq_len for s in states] == [9, 9]
+    assert [s.filled for s in states] == [7, 7] and [s.cache.current_seq_len for s in states] == [
+        9,
+        9,
+    ]
 
 
 def test_a_prefix_cache_hit_poisons_the_sequence_for_good():
     state = DraftKvMap(MODEL.mtp).checkout_draft_kv("p")
     warnings: list[str] = []
-    prime_draft_kv([state], (resolve_capture_offsets([5]), np.zeros((1, 3, H))), list(range(9)), 1, MODEL, warnings)
+    prime_draft_kv(
+        [state],
+        (resolve_capture_offsets([5]), np.zeros((1, 3, H))),
+        list(range(9)),
+        1,
+        MODEL,
+        warnings,
+    )
     assert state.poisoned and state.filled == 0 and state.seed is None
     assert len(warnings) == 1 and "prefix-cache hit / chunked prefill" in warnings[0]
-    assert extend_draft_kv_row(state, (resolve_capture_offsets([0]), np.zeros((1, 3, H))), list(range(4)), 0, 1, MODEL) is False
+    assert (
+        extend_draft_kv_row(
+            state, (resolve_capture_offsets([0]), np.zeros((1, 3, H))), list(range(4)), 0, 1, MODEL
+        )
+        is False
+    )
 
 
 def test_an_extension_error_poisons_only_that_row():
     good, bad = fresh(filled=4), DraftKv(cache=history(12, 0), filled=20)
     warnings: list[str] = []
     hidden = np.zeros((2, 3, H))
-    extend_draft_kvs([good, bad], (CaptureOffsets([4, 20]), hidden), [list(range(9)), list(range(25))], 2, MODEL, warnings)
+    extend_draft_kvs(
+        [good, bad],
+        (CaptureOffsets([4, 20]), hidden),
+        [list(range(9)), list(range(25))],
+        2,
+        MODEL,
+        warnings,
+    )
     assert bad.poisoned and not good.poisoned and good.filled == 7
     assert len(warnings) == 1 and "row 1" in warnings[0] and "truncate to 20" in warnings[0]

@@ -17,7 +17,8 @@ from raggedspec.reference.draft import (
 )
 from raggedspec.reference.errors import CacheRefusal, StepRefusal
 
-# --- §9.3 the group drafting loop -------------------------------------------------------------------
+# --- §9.3 the group drafting loop
+# -------------------------------------------------------------------
 
 
 def two_row_group(per_seq: bool):
@@ -57,21 +58,33 @@ def test_the_per_sequence_example_drafts_a_ragged_group_in_one_forward(monkeypat
 
 
 def test_a_uniform_group_takes_batch_draft_caches_and_the_scalar_chain(monkeypatch):
-    states = [state_with(14, 13, 11, s) for s in range(3)]  # last chain's speculative tail beyond filled
+    states = [
+        state_with(14, 13, 11, s) for s in range(3)
+    ]  # last chain's speculative tail beyond filled
     toks = [list(range(13))] * 3
-    monkeypatch.setattr(draft_mod, "front_align_draft_group", lambda *a: pytest.fail("ragged path taken"))
+    monkeypatch.setattr(
+        draft_mod, "front_align_draft_group", lambda *a: pytest.fail("ragged path taken")
+    )
     spy = StepSpy(monkeypatch)
-    drafts = group_drafting_loop(MODEL, {(1, 11): [0, 1, 2]}, states, toks, [12] * 3, [9] * 3, 4, True)
+    drafts = group_drafting_loop(
+        MODEL, {(1, 11): [0, 1, 2]}, states, toks, [12] * 3, [9] * 3, 4, True
+    )
     assert spy.scalar == [11, 12, 13] and spy.rows == []
     assert all(len(d) == 3 for d in drafts)
-    assert [s.filled for s in states] == [12] * 3 and [s.cache.current_seq_len for s in states] == [14] * 3
+    assert [s.filled for s in states] == [12] * 3 and [s.cache.current_seq_len for s in states] == [
+        14
+    ] * 3
 
 
 def test_with_the_flag_off_a_group_is_never_front_aligned(monkeypatch):
     """resolve_draft_leads is gated on per_seq_advance: even unequal starts take
     batch_draft_caches + set_len(starts[0]) (nothing would mask the padding)."""
     a, b = state_with(12, 12, 11, 0), state_with(12, 12, 9, 1)
-    monkeypatch.setattr(draft_mod, "front_align_draft_group", lambda *a: pytest.fail("front-aligned with the flag off"))
+    monkeypatch.setattr(
+        draft_mod,
+        "front_align_draft_group",
+        lambda *a: pytest.fail("front-aligned with the flag off"),
+    )
     batched = []
     orig = draft_mod.batch_draft_caches
 
@@ -80,12 +93,22 @@ def test_with_the_flag_off_a_group_is_never_front_aligned(monkeypatch):
         return orig(caches)
 
     monkeypatch.setattr(draft_mod, "batch_draft_caches", spy_batch)
-    drafts = group_drafting_loop(MODEL, {(1, 0): [0, 1]}, [a, b], [list(range(13)), list(range(11))], [12, 10],
-                                 [9, 9], 4, False)
+    drafts = group_drafting_loop(
+        MODEL,
+        {(1, 0): [0, 1]},
+        [a, b],
+        [list(range(13)), list(range(11))],
+        [12, 10],
+        [9, 9],
+        4,
+        False,
+    )
     assert batched == [2] and all(len(d) == 3 for d in drafts)
 
 
-@pytest.mark.parametrize("defect", ["budget 0", "no state", "poisoned", "no seed", "stale seed", "filled short"])
+@pytest.mark.parametrize(
+    "defect", ["budget 0", "no state", "poisoned", "no seed", "stale seed", "filled short"]
+)
 def test_a_member_that_cannot_draft_is_skipped(defect):
     good, bad = state_with(12, 12, 11, 0), state_with(12, 12, 11, 1)
     budgets = [9, 9]
@@ -101,7 +124,9 @@ def test_a_member_that_cannot_draft_is_skipped(defect):
         bad.filled = 10
     states = [good, None if defect == "no state" else bad]
     before = None if states[1] is None else (states[1].filled, states[1].cache.current_seq_len)
-    drafts = group_drafting_loop(MODEL, {(1, 11): [0, 1]}, states, [list(range(13))] * 2, [12, 12], budgets, 4, False)
+    drafts = group_drafting_loop(
+        MODEL, {(1, 11): [0, 1]}, states, [list(range(13))] * 2, [12, 12], budgets, 4, False
+    )
     assert len(drafts[0]) == 3 and drafts[1] == []
     assert good.filled == 12 and good.cache.current_seq_len == 14
     if states[1] is not None:
@@ -112,11 +137,22 @@ def test_nothing_to_draft_warns_once_and_only_with_a_block():
     states = [state_with(12, 12, None, 0), state_with(12, 12, None, 1)]
     groups = {(1, 11): [0], (2, 12): [1]}
     warnings: list[str] = []
-    drafts = group_drafting_loop(MODEL, groups, states, [list(range(13))] * 2, [12, 12], [9, 9], 4, False, warnings)
+    drafts = group_drafting_loop(
+        MODEL, groups, states, [list(range(13))] * 2, [12, 12], [9, 9], 4, False, warnings
+    )
     assert drafts == [[], []] and len(warnings) == 1
     quiet: list[str] = []
-    group_drafting_loop(TIER_A, groups, [DraftKv(None), DraftKv(None)], [list(range(13))] * 2, [12, 12], [9, 9], 4,
-                        False, quiet)
+    group_drafting_loop(
+        TIER_A,
+        groups,
+        [DraftKv(None), DraftKv(None)],
+        [list(range(13))] * 2,
+        [12, 12],
+        [9, 9],
+        4,
+        False,
+        quiet,
+    )
     assert quiet == []
 
 
@@ -124,8 +160,17 @@ def test_an_unbatchable_uniform_group_is_skipped_with_a_warning():
     a, b = state_with(12, 12, 11, 0), state_with(20, 12, 11, 1)  # capacity 16 vs 528
     b.cache.set_len(12)
     warnings: list[str] = []
-    drafts = group_drafting_loop(MODEL, {(1, 11): [0, 1]}, [a, b], [list(range(13))] * 2, [12, 12], [9, 9], 4,
-                                 False, warnings)
+    drafts = group_drafting_loop(
+        MODEL,
+        {(1, 11): [0, 1]},
+        [a, b],
+        [list(range(13))] * 2,
+        [12, 12],
+        [9, 9],
+        4,
+        False,
+        warnings,
+    )
     assert drafts == [[], []] and len(warnings) == 1 and "batched" in warnings[0]
     assert (a.filled, a.cache.current_seq_len, b.filled) == (12, 12, 12)
 
@@ -134,14 +179,25 @@ def test_a_refused_set_len_or_front_alignment_skips_the_group(monkeypatch):
     states, toks, key = two_row_group(per_seq=True)
     states[1].cache.set_len(8)  # holds 8 < chain start 9: front_align_draft_group refuses
     warnings: list[str] = []
-    drafts = group_drafting_loop(MODEL, {key: [0, 1]}, states, toks, [12, 10], [9, 9], 4, True, warnings)
+    drafts = group_drafting_loop(
+        MODEL, {key: [0, 1]}, states, toks, [12, 10], [9, 9], 4, True, warnings
+    )
     assert drafts == [[], []] and "chain start 9" in warnings[0]
     tiny = KvCache.new_normal(4096, 4)
     monkeypatch.setattr(draft_mod, "batch_draft_caches", lambda caches: tiny)
     states = [state_with(12, 12, 11, s) for s in range(2)]
     warnings = []
-    drafts = group_drafting_loop(MODEL, {(1, 11): [0, 1]}, states, [list(range(13))] * 2, [12, 12], [9, 9], 4,
-                                 False, warnings)
+    drafts = group_drafting_loop(
+        MODEL,
+        {(1, 11): [0, 1]},
+        states,
+        [list(range(13))] * 2,
+        [12, 12],
+        [9, 9],
+        4,
+        False,
+        warnings,
+    )
     assert drafts == [[], []] and "set_len(11)" in warnings[0]
 
 
@@ -152,15 +208,26 @@ def test_a_chain_error_propagates(monkeypatch):
     monkeypatch.setattr(draft_mod, "propose_chain_batched", boom)
     states = [state_with(12, 12, 11, s) for s in range(2)]
     with pytest.raises(StepRefusal, match="chain failed"):
-        group_drafting_loop(MODEL, {(1, 11): [0, 1]}, states, [list(range(13))] * 2, [12, 12], [9, 9], 4, False)
+        group_drafting_loop(
+            MODEL, {(1, 11): [0, 1]}, states, [list(range(13))] * 2, [12, 12], [9, 9], 4, False
+        )
 
 
 def test_a_split_failure_gives_the_group_no_drafts(monkeypatch):
     monkeypatch.setattr(draft_mod, "split_draft_cache", lambda batched, g: None)
     states = [state_with(12, 12, 11, s) for s in range(2)]
     warnings: list[str] = []
-    drafts = group_drafting_loop(MODEL, {(1, 11): [0, 1]}, states, [list(range(13))] * 2, [12, 12], [9, 9], 4,
-                                 False, warnings)
+    drafts = group_drafting_loop(
+        MODEL,
+        {(1, 11): [0, 1]},
+        states,
+        [list(range(13))] * 2,
+        [12, 12],
+        [9, 9],
+        4,
+        False,
+        warnings,
+    )
     assert drafts == [[], []] and [s.filled for s in states] == [12, 12] and len(warnings) == 1
 
 
@@ -178,7 +245,9 @@ def test_a_failed_strip_poisons_the_row_but_still_records_its_draft(monkeypatch)
     states, toks, key = two_row_group(per_seq=True)
     old_cache = states[1].cache
     warnings: list[str] = []
-    drafts = group_drafting_loop(MODEL, {key: [0, 1]}, states, toks, [12, 10], [9, 9], 4, True, warnings)
+    drafts = group_drafting_loop(
+        MODEL, {key: [0, 1]}, states, toks, [12, 10], [9, 9], 4, True, warnings
+    )
     assert seen == [0, 2]
     assert states[1].poisoned and states[1].cache is old_cache and states[1].filled == 10
     assert not states[0].poisoned and states[0].filled == 12

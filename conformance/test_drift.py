@@ -1,96 +1,31 @@
 """Length-drift diagnostics (raggedspec/drift/): the plot data are right, and any trace in
 schema v1 can be plotted, including a hand-made one from "another engine".
 
-`engine_trace` below is such an engine: a few lines that write a schema-v1 trace of their own
-(it proves a user's engine trace plots, and it is the oracle's input). Expected values come
-from the spec (§15, §17.3) or from brute-force recomputation over the raw JSON here.
+`engine_trace` (conformance/drift_traces.py) is such an engine: a few lines that write a
+schema-v1 trace of their own (it proves a user's engine trace plots, and it is the oracle's
+input). Expected values come from the spec (§15, §17.3) or from brute-force recomputation
+over the raw JSON here. The report, its figures and the scenario runs are tested in
+test_drift_report.py.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from raggedspec import drift
+from raggedspec.conformance.drift_traces import (
+    engine_trace,
+    section_17_3,
+    steps_with_accepts,
+    write_csv,
+    write_jsonl,
+)
 from raggedspec.drift import MissingField, TraceData, TraceFormatError
-
-CSV_COLUMNS = ("step,phase,advance,cache_instruction,running,waiting,buckets,groups,padding_fraction,"
-               "tok_per_step,seq,row,own_len,width,lead,u,drafted,accepted,committed,group_u,group_start,"
-               "chain_start,filled,bucket").split(",")
-
-
-# --------------------------------------------------------------------- a hand-made engine
-
-
-def engine_trace(lengths_by_step, accepts=None, depth=3, phases=None, extra_rows=None):
-    """Schema-v1 step objects from per-step own lengths {seq: own_len} (what an engine
-    would log). accepts[t][seq] = (drafted, accepted) when given; committed = accepted + 1."""
-    steps, cum, row_steps = [], 0, 0
-    for t, lens in enumerate(lengths_by_step):
-        width = max(lens.values(), default=0)
-        rows = []
-        for i, (seq, n) in enumerate(sorted(lens.items())):
-            d, a = accepts[t][seq] if accepts else (depth, 0)
-            rows.append({"seq": seq, "row": i, "own_len": n, "width": width, "lead": width - n, "u": 1,
-                         "drafted": d, "accepted": a, "committed": a + 1, "group": [1, 0],
-                         "chain_start": n - 1, "filled": n - 1, "bucket": [0, 0, 0, 1]})
-            rows[-1].update((extra_rows or {}).get(seq, {}))
-        committed = sum(r["committed"] for r in rows)
-        cum += committed
-        row_steps += len(rows)
-        steps.append({"type": "step", "step": t, "phase": (phases or {}).get(t, "decode"),
-                      "advance": "per-sequence", "cache_instruction": "In", "running": len(rows), "waiting": 0,
-                      "buckets": 1, "groups": 1, "width": width,
-                      "padding_fraction": sum(r["lead"] for r in rows) / (len(rows) * width) if rows and width else 0.0,
-                      "committed": committed, "tok_per_step": cum / row_steps if row_steps else 0.0,
-                      "rows": rows})
-    return steps
-
-
-def write_jsonl(steps, path, header=True, summary=None):
-    lines = []
-    if header:
-        lines.append({"type": "header", "schema": "raggedspec-trace", "version": 1, "mode": "lengths",
-                      "scenario": {}})
-    lines += steps
-    if summary:
-        lines.append({"type": "summary"} | summary)
-    Path(path).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return path
-
-
-def write_csv(steps, path):
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(CSV_COLUMNS)
-        for s in steps:
-            for r in s["rows"]:
-                cells = {**{k: s.get(k) for k in CSV_COLUMNS[:10]}, **r}
-                g = r.get("group")
-                cells["group_u"], cells["group_start"] = (g if g else (None, None))
-                cells["bucket"] = ":".join(map(str, r["bucket"])) if r.get("bucket") else None
-                w.writerow(["" if cells.get(k) is None else cells[k] for k in CSV_COLUMNS])
-    return path
-
-
-def section_17_3(k_steps, strip):
-    """cache-and-draft §17.3: starts [7,4,6], per-step advance [3,1,2], n_draft 3. Stripped:
-    start_i + adv_i*k. Not stripped: the row records the aligned width, live - 3 + adv_i =
-    max(start) + adv_i."""
-    lens = [7, 4, 6]
-    adv = [3, 1, 2]
-    out = []
-    for _ in range(k_steps + 1):
-        out.append({i: n for i, n in enumerate(lens)})
-        lens = [n + a for n, a in zip(lens, adv)] if strip else [max(lens) + a for a in adv]
-    return out
-
 
 # ------------------------------------------------------------------------------ spread
 
@@ -109,8 +44,14 @@ def brute_spread(steps):
     return out
 
 
-@given(st.lists(st.dictionaries(st.integers(0, 20), st.integers(0, 500), max_size=9), min_size=1, max_size=25),
-       st.sets(st.integers(0, 24), max_size=5))
+@given(
+    st.lists(
+        st.dictionaries(st.integers(0, 20), st.integers(0, 500), max_size=9),
+        min_size=1,
+        max_size=25,
+    ),
+    st.sets(st.integers(0, 24), max_size=5),
+)
 def test_spread_band_equals_a_brute_force_recomputation(lengths_by_step, prompt_steps):
     steps = engine_trace(lengths_by_step, phases={t: "prompt" for t in prompt_steps})
     band = drift.spread_band(steps)
@@ -121,7 +62,7 @@ def test_spread_band_equals_a_brute_force_recomputation(lengths_by_step, prompt_
     assert list(band.hi) == [e[3] for e in expected]
     assert band.max_spread == max((e[3] for e in expected), default=0)
     for seq, (xs, ys) in band.rows.items():
-        for x, y in zip(xs, ys):
+        for x, y in zip(xs, ys, strict=False):
             lens = lengths_by_step[x]
             assert y == lens[seq] - min(lens.values())
 
@@ -154,7 +95,9 @@ def test_the_section_17_3_control_collapses_to_spread_2_and_the_stripped_run_kee
 
 
 def test_only_decode_steps_are_measured_when_the_trace_has_phases():
-    steps = engine_trace([{0: 5, 1: 90}, {0: 10, 1: 12}, {0: 20, 1: 20}], phases={0: "prompt", 2: "idle"})
+    steps = engine_trace(
+        [{0: 5, 1: 90}, {0: 10, 1: 12}, {0: 20, 1: 20}], phases={0: "prompt", 2: "idle"}
+    )
     band = drift.spread_band(steps)
     assert list(band.step) == [1] and band.max_spread == 2
     for s in steps:
@@ -163,18 +106,14 @@ def test_only_decode_steps_are_measured_when_the_trace_has_phases():
 
 
 def test_the_row_lines_start_with_the_row_that_drifts_furthest():
-    steps = engine_trace([{0: 10, 1: 10, 2: 10, 3: 10}, {0: 11, 1: 19, 2: 12, 3: 13}, {0: 12, 2: 14, 3: 15}])
+    steps = engine_trace(
+        [{0: 10, 1: 10, 2: 10, 3: 10}, {0: 11, 1: 19, 2: 12, 3: 13}, {0: 12, 2: 14, 3: 15}]
+    )
     band = drift.spread_band(steps)
     assert drift.pick_row_lines(band) == [1, 0, 2]
 
 
 # ---------------------------------------------------------------- per-position acceptance
-
-
-def steps_with_accepts(pairs_per_step):
-    """One row per step with (drafted, accepted)."""
-    return engine_trace([{0: 10 + t} for t in range(len(pairs_per_step))],
-                        accepts=[{0: pa} for pa in pairs_per_step])
 
 
 def test_per_position_acceptance_of_the_spec_marker_example():
@@ -218,7 +157,9 @@ def test_per_position_counts_equal_a_brute_force_count(pairs):
 
 
 def test_tok_per_step_prefers_the_summary_then_the_steps_then_the_rows():
-    steps = engine_trace([{0: 10, 1: 10}, {0: 12, 1: 11}], accepts=[{0: (3, 3), 1: (3, 0)}, {0: (3, 1), 1: (3, 2)}])
+    steps = engine_trace(
+        [{0: 10, 1: 10}, {0: 12, 1: 11}], accepts=[{0: (3, 3), 1: (3, 0)}, {0: (3, 1), 1: (3, 2)}]
+    )
     # committed = a + 1: (4 + 1 + 2 + 3) / 4 row-steps = 2.5
     assert drift.tok_per_step(TraceData("t", steps)) == 2.5
     assert drift.tok_per_step(TraceData("t", steps, summary={"tok_per_step": 1.25})) == 1.25
@@ -243,7 +184,11 @@ def test_the_summary_reports_the_plotted_values():
     s = drift.summarize(TraceData("run", steps))
     assert s["max_spread"] == max(e[3] for e in brute_spread(steps))
     assert s["mean_padding_fraction"] == pytest.approx(
-        sum(sum(max(l.values()) - n for n in l.values()) / (6 * max(l.values())) for l in lens) / 40, abs=1e-6)
+        sum(sum(max(row.values()) - n for n in row.values()) / (6 * max(row.values()))
+            for row in lens)
+        / 40,
+        abs=1e-6,
+    )
     assert s["groups"] == {"min": 1, "mean": 1.0, "max": 1}
     assert s["missing"] == []
     assert s["measured_steps"] == 40 and s["rows_max"] == 6
@@ -259,12 +204,18 @@ def test_a_jsonl_and_a_csv_trace_read_back_to_the_same_data(tmp_path):
     b = drift.read_trace_file(write_csv(steps, tmp_path / "t.csv"))
     assert a.header["schema"] == "raggedspec-trace" and a.summary == {"type": "summary", "steps": 7}
     assert [s["rows"] for s in a.steps] == [s["rows"] for s in b.steps]
-    assert drift.summarize(a) | {"source": "", "label": ""} == drift.summarize(b) | {"source": "", "label": ""}
+    assert drift.summarize(a) | {"source": "", "label": ""} == drift.summarize(b) | {
+        "source": "",
+        "label": "",
+    }
 
 
 def minimal_engine_lines(n_steps=10):
     """What a bare engine might log: only the required fields."""
-    return [{"step": t, "rows": [{"seq": q, "own_len": 10 + t * (q + 1)} for q in range(3)]} for t in range(n_steps)]
+    return [
+        {"step": t, "rows": [{"seq": q, "own_len": 10 + t * (q + 1)} for q in range(3)]}
+        for t in range(n_steps)
+    ]
 
 
 def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(tmp_path):
@@ -275,7 +226,11 @@ def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(t
     missing = " ".join(s["missing"])
     for field in ("padding_fraction", "groups", "buckets", "rows[].committed", "rows[].drafted"):
         assert f"`{field}`" in missing
-    assert s["mean_padding_fraction"] is None and s["tok_per_step"] is None and s["per_position"] is None
+    assert (
+        s["mean_padding_fraction"] is None
+        and s["tok_per_step"] is None
+        and s["per_position"] is None
+    )
 
 
 @pytest.mark.parametrize("text, field", [
@@ -323,254 +278,8 @@ def test_the_no_strip_control_rebuilds_section_17_3_from_the_stripped_run():
     assert [{r["seq"]: r["own_len"] for r in s["rows"]} for s in control] == expected
     # A row that joins later enters at its own length and then moves with the widest row.
     lens = [{0: 10}, {0: 12, 1: 5}, {0: 13, 1: 9}, {0: 16, 1: 10}]
-    got = [{r["seq"]: r["own_len"] for r in s["rows"]} for s in drift.no_strip_control(engine_trace(lens))]
+    got = [
+        {r["seq"]: r["own_len"] for r in s["rows"]}
+        for s in drift.no_strip_control(engine_trace(lens))
+    ]
     assert got == [{0: 10}, {0: 12, 1: 5}, {0: 13, 1: 16}, {0: 19, 1: 17}]
-
-
-# ------------------------------------------------------------------------- from a scenario
-
-SMALL_W0 = {"batch": 4, "prompt_len": 16, "max_new_tokens": 24, "steps": 20, "world": "W0"}
-
-
-def test_scenario_runs_grant_per_sequence_and_explain_a_world_that_splits_ragged_rows():
-    runs = drift.scenario_runs(SMALL_W0)
-    assert [r.header["scenario"]["advance"] for r in runs] == ["cohort", "per-sequence", "per-sequence"]
-    assert [r.header["scenario"]["strip"] for r in runs] == ["eager", "eager", "none"]
-    assert all(r.header["scenario"]["admission"] == "grant" and r.header["scenario"]["xs_per_seq"] for r in runs)
-    assert not any("world W0" in n for n in runs[0].notes)
-    assert all(any("world W0" in n and "world WB" in n for n in r.notes) for r in runs[1:])
-    assert runs[2].control is not None and runs[0].control is None
-
-
-def test_the_sweep_reports_both_rules_per_batch_and_drives_the_progress_bar():
-    calls = []
-
-    class Bar:
-        def __call__(self, done, total):
-            calls.append((done, total))
-
-        def close(self):
-            calls.append("closed")
-
-    sweep = drift.sweep_tok_per_step(SMALL_W0 | {"world": "WB"}, batches=[1, 3], progress=lambda label: Bar())
-    assert sweep["batch"] == [1, 3]
-    cohort, per_seq = sweep["tok_per_step"].values()
-    assert cohort[0] == per_seq[0]  # the two advance rules are identical at batch 1 (§17.2)
-    assert len(cohort) == len(per_seq) == 2
-    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4), "closed"]
-
-
-# ------------------------------------------------------------------------- review fixes
-
-
-def test_deferred_steps_carry_leads_and_count_in_spread_and_padding_but_not_in_acceptance():
-    """A `defer` step (the window deferral's plain decode) runs on the batched cache with
-    its leads, so spread and padding count it; acceptance counts only `decode` steps."""
-    steps = engine_trace([{0: 10, 1: 10}, {0: 14, 1: 11}, {0: 17, 1: 12}],
-                         accepts=[{0: (3, 3), 1: (3, 0)}, {0: (0, 0), 1: (0, 0)}, {0: (3, 2), 1: (3, 1)}],
-                         phases={1: "defer"})
-    band = drift.spread_band(steps)
-    assert list(band.step) == [0, 1, 2] and list(band.hi) == [0, 3, 5]
-    s = drift.summarize(TraceData("t", steps))
-    assert s["measured_steps"] == 3 and s["decode_steps"] == 2
-    assert s["mean_padding_fraction"] == pytest.approx((0 + 3 / 28 + 5 / 34) / 3, abs=1e-6)
-    pp = drift.per_position_acceptance(steps)
-    assert pp.drafted_beyond == [4, 4, 4] and pp.accepted_beyond == [3, 2, 1]
-    assert s["drafting_fraction"] == 1.0  # the deferred rows did not verify, so they are not counted
-    # tok_per_step from rows: committed = a + 1 over the decode row-steps only
-    for t in steps:
-        del t["tok_per_step"]
-    assert drift.tok_per_step(TraceData("t", steps)) == (4 + 1 + 3 + 2) / 4
-
-
-def test_rows_cover_says_when_only_the_running_bucket_is_measured():
-    one = engine_trace([{0: 10, 1: 10}, {0: 11, 1: 11}])
-    assert drift.rows_cover(one) == "every running sequence"
-    split = engine_trace([{0: 10}, {1: 12}, {0: 11}])
-    split[1]["buckets"] = split[2]["buckets"] = 2
-    assert drift.rows_cover(split).startswith("running bucket only: on 2 of 3 measured steps")
-    bare = [{"step": 0, "rows": [{"seq": 0, "own_len": 3}]}]
-    assert drift.rows_cover(bare).startswith("unknown")
-    assert drift.summarize(TraceData("t", split))["rows_cover"] == drift.rows_cover(split)
-
-
-def figure_text(fig):
-    out = [t.get_text() for t in fig.texts]
-    for ax in fig.axes:
-        out += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()] + [t.get_text() for t in ax.texts]
-        leg = ax.get_legend()
-        if leg:
-            out += [t.get_text() for t in leg.get_texts()]
-    for leg in fig.legends:
-        out += [t.get_text() for t in leg.get_texts()]
-    return " | ".join(" ".join(x.split()) for x in out)  # wrapped lines joined back
-
-
-def test_a_w0_run_that_shatters_does_not_claim_every_row_holds_the_same_length():
-    """W0 puts each cache length in its own bucket, so a granted per-sequence run's steps
-    hold one length each: spread 0 within the bucket that ran. The summary and the figure say
-    so ("running bucket only") instead of "every row holds the same length"."""
-    runs = drift.scenario_runs(SMALL_W0)
-    per_seq = drift.summarize(runs[1])
-    assert per_seq["max_spread"] == 0 and per_seq["rows_cover"].startswith("running bucket only")
-    assert drift.summarize(runs[0])["rows_cover"] == "every running sequence"
-    text = figure_text(drift.figure_spread(runs))
-    assert "only within the bucket that ran" in text and "(running bucket only)" in text
-    assert text.count("every running row holds the same length") == 1  # the cohort panel only
-
-
-def test_a_run_a_refusal_ended_is_labelled_in_every_figure_and_the_summary():
-    """The no-strip control is refused after a few steps; its panel title says so, the
-    dotted line says it is computed (not simulated), and its averages are labelled."""
-    runs = drift.scenario_runs({"batch": 6, "prompt_len": 24, "max_new_tokens": 60, "steps": 40, "world": "WB"})
-    none = drift.summarize(runs[2])
-    n, step = none["measured_steps"], none["refused_at_step"]
-    assert none["ended_by_refusal"] and step is not None and n < 10
-    assert drift.summarize(runs[1])["refused_at_step"] is None and not drift.summarize(runs[1])["ended_by_refusal"]
-    spread = figure_text(drift.figure_spread(runs))
-    assert f"simulated run refused at step {step} (left-aligned guard)" in spread
-    assert f"over its {n} steps" in spread
-    assert "computed, not simulated" in spread and "§17.3" in spread
-    tag = f"refused at step {step}: over its {n} steps only"
-    assert tag in figure_text(drift.figure_padding(runs))
-    assert tag in figure_text(drift.figure_groups_buckets(runs))
-    assert f"refused at step {step}: only" in figure_text(drift.figure_per_position(runs))
-    assert tag not in figure_text(drift.figure_padding(runs[:2]))
-    assert any(f"averages cover only its {n} measured steps" in x for x in none["notes"])
-
-
-def test_the_spread_legend_matches_the_panels_and_rows_do_not_overdraw_the_max_line():
-    runs = drift.scenario_runs(SMALL_W0 | {"world": "WB", "steps": 40, "max_new_tokens": 60})
-    fig = drift.figure_spread(runs)
-    import matplotlib.colors as mcolors
-
-    handles, _ = drift.spread_legend(3)
-    panel = [mcolors.to_hex(f"C{i}") for i in range(3)]
-    assert [mcolors.to_hex(h.get_facecolor()) for h in handles[0]] == panel  # band swatches
-    assert [mcolors.to_hex(h.get_color()) for h in handles[1]] == panel      # max lines
-    assert [mcolors.to_hex(h.get_color()) for h in handles[2]] == panel      # median lines
-    for i, ax in enumerate(fig.axes[:3]):
-        lines = [ln for ln in ax.lines if ln.get_color() != "k"]
-        mx = [ln for ln in lines if ln.get_linestyle() == "-"]
-        rows = [ln for ln in lines if ln.get_color() == drift.ROW_LINE["color"]]
-        assert len(mx) == 1 and mcolors.to_hex(mx[0].get_color()) == mcolors.to_hex(f"C{i}")
-        assert rows and all(r.get_zorder() < mx[0].get_zorder() and r.get_linestyle() != "-" for r in rows)
-
-
-def test_a_constant_bucket_series_is_explained_not_plotted():
-    flat = [TraceData("a", engine_trace([{0: 10 + t, 1: 9 + t} for t in range(5)]))]
-    fig = drift.figure_groups_buckets(flat)
-    assert len(fig.axes) == 1 and "buckets per step are not plotted: 1 at every measured step" in figure_text(fig)
-    varied = engine_trace([{0: 10 + t, 1: 9 + t} for t in range(5)])
-    varied[2]["buckets"] = 3
-    fig = drift.figure_groups_buckets(flat + [TraceData("b", varied)])
-    assert len(fig.axes) == 2 and "a (1 at every step)" in figure_text(fig)
-
-
-def test_the_per_position_titles_are_plain_words():
-    text = figure_text(drift.figure_per_position([TraceData("t", steps_with_accepts([(3, 2), (3, 0)]))]))
-    assert "Of the rows that drafted position j, the fraction" in text
-    assert "Of the drafts that reached position j" in text and "the fraction accepted" in text
-
-
-def test_the_sweep_explains_the_b2_drop_and_names_its_ratio():
-    """At B = 2 with per-sequence advance (the built-in scenario) the two rows stop drafting:
-    their draft caches' capacities differ when they meet at equal lengths, and
-    batch_draft_caches refuses the uniform group (§9.6). The figure says so in plain words
-    and the y axis names the MTP accounting ratio (§15)."""
-    from raggedspec.reference.lengths import STALL_UNIFORM
-
-    sweep = drift.sweep_tok_per_step(None, batches=[1, 2])
-    label = drift.DRIFT_RUNS[1][0]
-    assert sweep["drafting_fraction"][label][1] < 0.05
-    assert sweep["stalls"][label][1][STALL_UNIFORM] > 400 and sweep["stalls"][label][0] == {}
-    assert sweep["refused_at"][label] == [None, None]
-    text = figure_text(drift.figure_sweep(sweep))
-    assert "B = 2" in text and "batch_draft_caches refuses it" in text and "§9.6" in text
-    assert "never draft again" in text and "real arc behaviour" in text
-    assert "MTP accounting ratio" in text  # in words, not a formula:
-    assert "tokens committed per row per decode step" in text
-    clean = figure_text(drift.figure_sweep(sweep | {"drafting_fraction": {k: [1.0, 1.0] for k in
-                                                                          sweep["drafting_fraction"]}}))
-    assert "batch_draft_caches" not in clean
-
-
-# ------------------------------------------------------------------- layout and summary
-
-
-def _inside(fig) -> list[str]:
-    """The texts and legends of a drawn figure that reach outside its canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    box = fig.bbox
-    out = []
-    artists = [fig._suptitle, fig._supxlabel] + list(fig.legends)
-    for ax in fig.axes:
-        artists += [ax.title, ax._left_title, ax._right_title, ax.get_legend(), ax.xaxis.label,
-                    ax.yaxis.label]
-    for a in artists:
-        if a is None or not a.get_visible() or (hasattr(a, "get_text") and not a.get_text()):
-            continue
-        e = a.get_window_extent(renderer)
-        if e.x0 < box.x0 - 1 or e.y0 < box.y0 - 1 or e.x1 > box.x1 + 1 or e.y1 > box.y1 + 1:
-            text = getattr(a, "get_text", lambda: "")()
-            out.append(f"{type(a).__name__} {text!r:.40} at {e.bounds}")
-    return out
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
-def test_no_title_or_legend_is_clipped_at_any_panel_count(n):
-    accepts = [{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7
-    steps = engine_trace(section_17_3(6, strip=True), accepts=accepts)
-    runs = [drift.as_trace_data(steps, f"run {i} with a fairly long label") for i in range(n)]
-    for make in (drift.figure_spread, drift.figure_padding, drift.figure_groups_buckets,
-                 drift.figure_per_position):
-        fig = make(runs)
-        assert _inside(fig) == [], (make.__name__, n)
-
-
-def test_summary_records_scenario_and_seed_and_does_not_depend_on_the_output_folder(tmp_path):
-    over = {"batch": 3, "steps": 12, "max_new_tokens": 10, "seed": 7}
-    a = drift.drift_from_scenario(None, tmp_path / "a", overrides=over, batches=[1, 2])
-    drift.drift_from_scenario(None, tmp_path / "deeper" / "b", overrides=over, batches=[1, 2])
-    text_a = (tmp_path / "a" / "summary.json").read_text()
-    assert text_a == (tmp_path / "deeper" / "b" / "summary.json").read_text()
-    summary = json.loads(text_a)
-    assert summary["seed"] == 7 and summary["scenario"]["seed"] == 7
-    assert summary["scenario"]["batch"] == 3
-    assert str(tmp_path) not in text_a
-    assert sorted(summary["files"]) == sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert a["removed_stale"] == []
-
-
-def test_a_reused_output_folder_loses_the_figures_this_run_does_not_draw(tmp_path):
-    over = {"batch": 3, "steps": 12, "max_new_tokens": 10}
-    drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[1, 2])
-    assert (tmp_path / "tok_per_step_vs_batch.png").is_file()
-    (tmp_path / "mine.txt").write_text("not a figure")
-    again = drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[])
-    sweep = ["tok_per_step_vs_batch.png", "tok_per_step_vs_batch.svg"]
-    assert sorted(again["removed_stale"]) == sweep
-    assert not (tmp_path / sweep[0]).exists() and (tmp_path / "mine.txt").is_file()
-    kept = sorted(p.name for p in tmp_path.iterdir() if p.name != "mine.txt")
-    assert sorted(again["files"]) == kept
-
-
-def test_a_figure_that_fails_to_draw_leaves_the_earlier_report_untouched(tmp_path, monkeypatch):
-    import raggedspec.drift.figures as figures
-
-    over = {"batch": 3, "steps": 12, "max_new_tokens": 10}
-    drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[])
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-
-    def broken(runs):
-        raise RuntimeError("drawing failed")
-
-    # the last figure fails: the others are drawn (and staged) first
-    monkeypatch.setattr(figures, "figure_per_position", broken)
-    with pytest.raises(RuntimeError):
-        drift.drift_from_scenario(None, tmp_path, overrides=over | {"seed": 3}, batches=[])
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -21,7 +21,12 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.backends import Mismatch, backend_under_test, compare_runs, reference_backend
+from raggedspec.conformance.backends import (
+    Mismatch,
+    backend_under_test,
+    compare_runs,
+    reference_backend,
+)
 from raggedspec.reference import simulator
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.scenario import load_scenario
@@ -30,23 +35,62 @@ GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", 
 FLAVOURS = {
     "cohort": {},
     "per-sequence granted": GRANTED,
-    "per-sequence refused": {"advance": "per-sequence", "xs_per_seq": False, "admission": "grant", "world": "WB"},
+    "per-sequence refused": {
+        "advance": "per-sequence",
+        "xs_per_seq": False,
+        "admission": "grant",
+        "world": "WB",
+    },
     "WA ragged cohort": {"world": "WA", "xs_per_seq": True},
 }
 
 
-def _scenario(flavour, batch, plen, extra_len, new, steps, depth, strip, arrival, lru, acceptance, max_seq_len,
-              ratios, seed, mtp):
-    return {"batch": batch, "prompt_len": [plen, plen + extra_len], "max_new_tokens": new, "steps": steps,
-            "depth": depth, "strip": strip, "arrival": arrival, "max_draft_kv_seqs": lru,
-            "acceptance": acceptance, "max_seq_len": max_seq_len, "seed": seed,
-            "model": {"compress_ratios": ratios, "mtp": mtp}, **FLAVOURS[flavour]}
+def _scenario(
+    flavour,
+    batch,
+    plen,
+    extra_len,
+    new,
+    steps,
+    depth,
+    strip,
+    arrival,
+    lru,
+    acceptance,
+    max_seq_len,
+    ratios,
+    seed,
+    mtp,
+):
+    return {
+        "batch": batch,
+        "prompt_len": [plen, plen + extra_len],
+        "max_new_tokens": new,
+        "steps": steps,
+        "depth": depth,
+        "strip": strip,
+        "arrival": arrival,
+        "max_draft_kv_seqs": lru,
+        "acceptance": acceptance,
+        "max_seq_len": max_seq_len,
+        "seed": seed,
+        "model": {"compress_ratios": ratios, "mtp": mtp},
+        **FLAVOURS[flavour],
+    }
 
 
 scenarios = st.builds(
     _scenario,
-    flavour=st.sampled_from(["per-sequence granted", "cohort", "per-sequence granted", "WA ragged cohort",
-                             "per-sequence granted", "per-sequence refused"]),
+    flavour=st.sampled_from(
+        [
+            "per-sequence granted",
+            "cohort",
+            "per-sequence granted",
+            "WA ragged cohort",
+            "per-sequence granted",
+            "per-sequence refused",
+        ]
+    ),
     batch=st.sampled_from([3, 2, 4, 1, 2, 3]),
     plen=st.integers(1, 9),
     extra_len=st.sampled_from([0, 0, 1, 2, 3, 6]),
@@ -56,8 +100,15 @@ scenarios = st.builds(
     strip=st.sampled_from(["eager", "lazy", "none"]),
     arrival=st.sampled_from(["all-at-once", "all-at-once", "staggered"]),
     lru=st.sampled_from([None, 1, 2]),
-    acceptance=st.sampled_from(["geometric:0.7", "all-accept", "all-reject", "profile:0.9,0.5,0.3",
-                                "heterogeneous:0.1,0.95"]),
+    acceptance=st.sampled_from(
+        [
+            "geometric:0.7",
+            "all-accept",
+            "all-reject",
+            "profile:0.9,0.5,0.3",
+            "heterogeneous:0.1,0.95",
+        ]
+    ),
     max_seq_len=st.sampled_from([4096, 4096, 4096, 40, 24]),
     ratios=st.sampled_from([[0, 4], [0, 4], [4], [0, 128], [4, 0, 4]]),
     seed=st.integers(0, 30),
@@ -89,13 +140,25 @@ def paths_reached(trace) -> set[str]:
     seen = set()
     for s in trace.steps():
         seen.add(f"phase {s['phase']}")
-        if s["phase"] == "decode" and s["advance"] == "per-sequence" and any(r["lead"] > 0 for r in s["rows"]):
+        if (
+            s["phase"] == "decode"
+            and s["advance"] == "per-sequence"
+            and any(r["lead"] > 0 for r in s["rows"])
+        ):
             seen.add("ragged per-sequence step")
-        if s["phase"] in ("decode", "defer") and s["advance"] == "cohort" and any(r["lead"] > 0 for r in s["rows"]):
+        if (
+            s["phase"] in ("decode", "defer")
+            and s["advance"] == "cohort"
+            and any(r["lead"] > 0 for r in s["rows"])
+        ):
             seen.add("ragged cohort batch")  # WA: a deferral's plain decode at per-row positions
         if s.get("error"):
             seen.add("failed step")
-        starts = {r["chain_start"] for r in s["rows"] if r["group"] == [r["u"], 0] and r["chain_start"] is not None}
+        starts = {
+            r["chain_start"]
+            for r in s["rows"]
+            if r["group"] == [r["u"], 0] and r["chain_start"] is not None
+        }
         if len(starts) > 1:
             seen.add("per-row chain starts in one group")
     if any("poisoned" in m for m in trace.messages):
@@ -108,11 +171,27 @@ FIXED = [
     dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=14, **GRANTED),
     dict(batch=3, prompt_len=[5, 9], max_new_tokens=25, steps=12, **GRANTED, strip="none"),
     dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=14, world="WA", xs_per_seq=True),
-    dict(batch=4, prompt_len=[5, 9], max_new_tokens=25, steps=12, max_draft_kv_seqs=2, arrival="staggered"),
-    dict(batch=3, prompt_len=6, max_new_tokens=25, steps=6, max_seq_len=40, acceptance="all-accept"),
+    dict(
+        batch=4,
+        prompt_len=[5, 9],
+        max_new_tokens=25,
+        steps=12,
+        max_draft_kv_seqs=2,
+        arrival="staggered",
+    ),
+    dict(
+        batch=3, prompt_len=6, max_new_tokens=25, steps=6, max_seq_len=40, acceptance="all-accept"
+    ),
     dict(batch=4, prompt_len=[3, 12], max_new_tokens=40, steps=16, **GRANTED, max_seq_len=40),
     dict(batch=3, prompt_len=6, max_new_tokens=25, steps=6, model={"mtp": "heads"}),
-    dict(batch=4, prompt_len=[2, 9], max_new_tokens=20, steps=12, **GRANTED, model={"compress_ratios": [0, 4, 128]}),
+    dict(
+        batch=4,
+        prompt_len=[2, 9],
+        max_new_tokens=20,
+        steps=12,
+        **GRANTED,
+        model={"compress_ratios": [0, 4, 128]},
+    ),
 ]
 
 
@@ -134,14 +213,27 @@ def test_the_fixed_scenarios_reach_the_interesting_paths():
     for data in FIXED:
         tr = simulator.run(load_scenario(data), record_tensors=True)
         seen |= paths_reached(tr)
-        if tr.header["scenario"]["strip"] != "eager" and tr.header["scenario"]["advance"] == "per-sequence":
+        if (
+            tr.header["scenario"]["strip"] != "eager"
+            and tr.header["scenario"]["advance"] == "per-sequence"
+        ):
             seen.add(f"strip {tr.header['scenario']['strip']}")
         if any(r["phase"] == "state" and any(d["seed"] is not None for d in r["drafts"].values())
                for r in tr.tensor_log):
             seen.add("draft states recorded")
-    needed = {"phase prompt", "phase decode", "phase defer", "ragged per-sequence step", "ragged cohort batch",
-              "failed step", "per-row chain starts in one group", "poisoned draft KV", "strip lazy",
-              "strip none", "draft states recorded"}
+    needed = {
+        "phase prompt",
+        "phase decode",
+        "phase defer",
+        "ragged per-sequence step",
+        "ragged cohort batch",
+        "failed step",
+        "per-row chain starts in one group",
+        "poisoned draft KV",
+        "strip lazy",
+        "strip none",
+        "draft states recorded",
+    }
     assert needed <= seen, f"not reached: {sorted(map(str, needed - seen))}"
 
 
@@ -158,9 +250,16 @@ def test_the_per_sequence_example_matches_tensor_for_tensor(tmp_path):
     """C §16 PerSequence example (A own 12, B own 10 -> leads [0, 2], chain starts [11, 9],
     A accepts 2, B 0) on both backends: the ragged step's masks kill B's two dead columns,
     its positions are [12, 10] + t, and every tensor matches."""
-    data = {"requests": [{"prompt_len": 12, "max_new_tokens": 40}, {"prompt_len": 10, "max_new_tokens": 40}],
-            "depth": 3, "steps": 4, **GRANTED, "acceptance": {"model": "file", "path": accept_file(
-                tmp_path, {"0": [2], "1": [0]})}}
+    data = {
+        "requests": [
+            {"prompt_len": 12, "max_new_tokens": 40},
+            {"prompt_len": 10, "max_new_tokens": 40},
+        ],
+        "depth": 3,
+        "steps": 4,
+        **GRANTED,
+        "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [2], "1": [0]})},
+    }
     port, ref, be = run_both(data)
     compare_runs(port, ref, be.dtype)
     ragged = next(r for r in port.tensor_log if r["phase"] == "decode")
@@ -173,9 +272,15 @@ def test_the_per_sequence_example_matches_tensor_for_tensor(tmp_path):
 
 def test_the_cohort_example_matches_tensor_for_tensor(tmp_path):
     """C §16 cohort example (C = 10, A u=1, B u=2; keep 2, n_drop 2) on both backends."""
-    data = {"requests": [{"prompt_len": 9, "max_new_tokens": 40}, {"prompt_len": 9, "max_new_tokens": 40}],
-            "depth": 3, "steps": 4, "acceptance": {"model": "file", "path": accept_file(
-                tmp_path, {"0": [0, 3], "1": [1, 0]})}}
+    data = {
+        "requests": [
+            {"prompt_len": 9, "max_new_tokens": 40},
+            {"prompt_len": 9, "max_new_tokens": 40},
+        ],
+        "depth": 3,
+        "steps": 4,
+        "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [0, 3], "1": [1, 0]})},
+    }
     port, ref, be = run_both(data)
     counts = compare_runs(port, ref, be.dtype)
     assert counts["forwards"] == 4 and [s["width"] for s in port.steps()][2:] == [10, 12]

@@ -31,26 +31,39 @@ def decode_rows(trace):
 # ----------------------------------------------------------------------------- lengths == tensor
 
 
-scenarios = st.fixed_dictionaries({
-    "batch": st.integers(1, 6),
-    "prompt_len": st.tuples(st.integers(1, 10), st.integers(0, 6)).map(lambda t: [t[0], t[0] + t[1]]),
-    "max_new_tokens": st.tuples(st.integers(1, 20), st.integers(0, 15)).map(lambda t: [t[0], t[0] + t[1]]),
-    "steps": st.integers(3, 16),
-    "depth": st.integers(0, 4),
-    "advance": st.sampled_from(["cohort", "per-sequence"]),
-    "world": st.sampled_from(["W0", "WA", "WB"]),
-    "strip": st.sampled_from(["eager", "lazy", "none"]),
-    "admission": st.sampled_from(["grant", "grant", "refuse"]),
-    "xs_per_seq": st.sampled_from([True, True, False]),
-    "arrival": st.sampled_from(["all-at-once", "staggered"]),
-    "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
-    "acceptance": st.sampled_from(["geometric:0.7", "profile:0.9,0.5,0.3", "all-accept", "all-reject",
-                                   "heterogeneous:0.1,0.95"]),
-    "max_seq_len": st.sampled_from([4096, 40]),
-    "max_seqs": st.sampled_from([None, None, 2, 3]),
-    "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
-    "seed": st.integers(0, 50),
-})
+scenarios = st.fixed_dictionaries(
+    {
+        "batch": st.integers(1, 6),
+        "prompt_len": st.tuples(st.integers(1, 10), st.integers(0, 6)).map(
+            lambda t: [t[0], t[0] + t[1]]
+        ),
+        "max_new_tokens": st.tuples(st.integers(1, 20), st.integers(0, 15)).map(
+            lambda t: [t[0], t[0] + t[1]]
+        ),
+        "steps": st.integers(3, 16),
+        "depth": st.integers(0, 4),
+        "advance": st.sampled_from(["cohort", "per-sequence"]),
+        "world": st.sampled_from(["W0", "WA", "WB"]),
+        "strip": st.sampled_from(["eager", "lazy", "none"]),
+        "admission": st.sampled_from(["grant", "grant", "refuse"]),
+        "xs_per_seq": st.sampled_from([True, True, False]),
+        "arrival": st.sampled_from(["all-at-once", "staggered"]),
+        "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
+        "acceptance": st.sampled_from(
+            [
+                "geometric:0.7",
+                "profile:0.9,0.5,0.3",
+                "all-accept",
+                "all-reject",
+                "heterogeneous:0.1,0.95",
+            ]
+        ),
+        "max_seq_len": st.sampled_from([4096, 40]),
+        "max_seqs": st.sampled_from([None, None, 2, 3]),
+        "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
+        "seed": st.integers(0, 50),
+    }
+)
 
 
 @given(data=scenarios)
@@ -70,9 +83,23 @@ def test_the_equality_covers_the_interesting_paths():
     cases = [
         dict(batch=5, prompt_len=[3, 9], max_new_tokens=25, steps=16, **GRANTED, strip="lazy"),
         dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=16, world="WA", xs_per_seq=True),
-        dict(batch=4, prompt_len=[5, 9], max_new_tokens=25, steps=12, max_draft_kv_seqs=2, arrival="staggered"),
+        dict(
+            batch=4,
+            prompt_len=[5, 9],
+            max_new_tokens=25,
+            steps=12,
+            max_draft_kv_seqs=2,
+            arrival="staggered",
+        ),
         dict(batch=3, prompt_len=[5, 9], max_new_tokens=25, steps=12, **GRANTED, strip="none"),
-        dict(batch=3, prompt_len=6, max_new_tokens=25, steps=6, max_seq_len=40, acceptance="all-accept"),
+        dict(
+            batch=3,
+            prompt_len=6,
+            max_new_tokens=25,
+            steps=6,
+            max_seq_len=40,
+            acceptance="all-accept",
+        ),
         dict(batch=3, prompt_len=6, max_new_tokens=25, steps=6, model={"mtp": "heads"}),
     ]
     for data in cases:
@@ -87,7 +114,10 @@ def test_the_equality_covers_the_interesting_paths():
                 seen.add("mixed")
             if s["error"]:
                 seen.add("error:" + s["error"])
-            if any(r["drafted"] == 0 and r["u"] < sc.w for r in s["rows"]) and s["phase"] == "decode":
+            if (
+                any(r["drafted"] == 0 and r["u"] < sc.w for r in s["rows"])
+                and s["phase"] == "decode"
+            ):
                 seen.add("not drafting")
     assert {"prompt", "decode", "defer", "ragged", "mixed", "not drafting"} <= seen, seen
     assert any(x.startswith("error:") for x in seen), seen
@@ -95,7 +125,9 @@ def test_the_equality_covers_the_interesting_paths():
 
 def test_tier_a_never_drafts_in_the_fused_path():
     """§19.6 / §7.2 step 3: without an MTP block no seed is stashed, so no row drafts."""
-    sc = load_scenario({"batch": 3, "prompt_len": 6, "max_new_tokens": 25, "steps": 8, "model": {"mtp": "heads"}})
+    sc = load_scenario(
+        {"batch": 3, "prompt_len": 6, "max_new_tokens": 25, "steps": 8, "model": {"mtp": "heads"}}
+    )
     tr = lengths.run(sc)
     assert all(r["drafted"] == 0 for s in tr.steps() for r in s["rows"])
     assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
@@ -105,19 +137,28 @@ def test_tier_a_never_drafts_in_the_fused_path():
 
 
 def b128(advance: str, steps: int = 200, **extra):
-    data = {"batch": 128, "prompt_len": 32, "max_new_tokens": 4 * steps, "steps": steps + 1, "depth": 3,
-            "acceptance": "profile:0.74,0.54,0.41", "max_draft_kv_seqs": None, "seed": 1, **extra}
+    data = {
+        "batch": 128,
+        "prompt_len": 32,
+        "max_new_tokens": 4 * steps,
+        "steps": steps + 1,
+        "depth": 3,
+        "acceptance": "profile:0.74,0.54,0.41",
+        "max_draft_kv_seqs": None,
+        "seed": 1,
+        **extra,
+    }
     if advance == "per-sequence":
         data.update(GRANTED)
     return load_scenario(data)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_b128(advance: str):
     return lengths.run(b128(advance))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def solo_runs(steps: int = 200):
     """Each of the 128 streams alone under `sim_step_per_sequence` (§17.1), an oracle
     independent of the engine: after the 32-token prompt (L = 33) every step has u = 1,
@@ -139,9 +180,20 @@ def test_the_engine_alone_matches_the_solo_oracle():
     for i in (0, 5, 127):
         reqs = [{"prompt_len": 32, "max_new_tokens": 800, "arrival": 10**9}] * i
         reqs = reqs + [{"prompt_len": 32, "max_new_tokens": 800}]
-        sc = load_scenario({"requests": reqs, "steps": 61, "depth": 3, "acceptance": "profile:0.74,0.54,0.41",
-                            "max_draft_kv_seqs": None, "seed": 1})
-        rows = [(r["u"], r["drafted"], r["accepted"], r["committed"]) for _, r in decode_rows(lengths.run(sc))]
+        sc = load_scenario(
+            {
+                "requests": reqs,
+                "steps": 61,
+                "depth": 3,
+                "acceptance": "profile:0.74,0.54,0.41",
+                "max_draft_kv_seqs": None,
+                "seed": 1,
+            }
+        )
+        rows = [
+            (r["u"], r["drafted"], r["accepted"], r["committed"])
+            for _, r in decode_rows(lengths.run(sc))
+        ]
         assert rows == solo_runs()[i][:60]
 
 
@@ -168,11 +220,20 @@ def test_per_sequence_advance_never_lets_a_tail_ratchet_at_b128():
 def test_the_two_advance_rules_are_identical_at_batch_one():
     """Depth 1..8, 40 steps, batch 1: emissions, u, drafts, accepts and lengths agree."""
     for depth in range(1, 9):
-        base = {"batch": 1, "prompt_len": 9, "max_new_tokens": 400, "steps": 40, "depth": depth, "seed": depth,
-                "acceptance": "geometric:0.6"}
+        base = {
+            "batch": 1,
+            "prompt_len": 9,
+            "max_new_tokens": 400,
+            "steps": 40,
+            "depth": depth,
+            "seed": depth,
+            "acceptance": "geometric:0.6",
+        }
         coh = lengths.run(load_scenario(base))
         per = lengths.run(load_scenario({**base, **GRANTED}))
-        assert [s["advance"] for s in per.steps() if s["phase"] == "decode"] == ["per-sequence"] * 39
+        assert [s["advance"] for s in per.steps() if s["phase"] == "decode"] == [
+            "per-sequence"
+        ] * 39
         strip = lambda tr: [(r["own_len"], r["u"], r["drafted"], r["accepted"], r["committed"])  # noqa: E731
                             for _, r in decode_rows(tr)]
         assert strip(coh) == strip(per) and len(strip(coh)) == 39
@@ -192,7 +253,9 @@ def test_per_sequence_advance_is_token_identical_to_the_b1_reference():
 def test_per_sequence_streams_are_token_identical_to_their_solo_runs_in_tensor_mode():
     """The same in tensor mode on real token lists (4 streams, 12 steps, w = 4)."""
     reqs = [{"prompt_len": 6, "max_new_tokens": 60} for _ in range(4)]
-    sc = load_scenario({"requests": reqs, "steps": 14, **GRANTED, "acceptance": "profile:0.8,0.6,0.4", "seed": 2})
+    sc = load_scenario(
+        {"requests": reqs, "steps": 14, **GRANTED, "acceptance": "profile:0.8,0.6,0.4", "seed": 2}
+    )
     eng = simulator.TensorEngine(sc)
     tr = eng.run()
     assert any(s["padding_fraction"] > 0 for s in tr.steps())  # the batch really was ragged
@@ -210,7 +273,7 @@ def test_cohort_keep_is_the_min_of_the_per_sequence_commits():
     tr = run_b128("cohort")
     st_ = [s for s in tr.steps() if s["phase"] == "decode"]
     checked = 0
-    for s, nxt in zip(st_, st_[1:]):
+    for s, nxt in zip(st_, st_[1:], strict=False):
         if nxt["cache_instruction"] != "Nothing":
             continue
         u = np.array([r["u"] for r in s["rows"]])
@@ -255,16 +318,35 @@ def test_without_the_strip_the_recorded_lengths_trip_the_left_aligned_guard():
     """strip = "none" records the padded width as the row's own length (§9.8 / masks §14,
     the compounding trap): the next ragged step's per-row lengths overrun the tokens and the
     left-aligned guard refuses it (§16 step 4) instead of decoding a wrong answer."""
-    tr = lengths.run(load_scenario({"batch": 6, "prompt_len": 16, "max_new_tokens": 60, "steps": 8, **GRANTED,
-                                    "strip": "none"}))
+    tr = lengths.run(
+        load_scenario(
+            {
+                "batch": 6,
+                "prompt_len": 16,
+                "max_new_tokens": 60,
+                "steps": 8,
+                **GRANTED,
+                "strip": "none",
+            }
+        )
+    )
     assert "left-aligned guard" in [s["error"] for s in tr.steps()]
-    ok = lengths.run(load_scenario({"batch": 6, "prompt_len": 16, "max_new_tokens": 60, "steps": 8, **GRANTED}))
+    ok = lengths.run(
+        load_scenario({"batch": 6, "prompt_len": 16, "max_new_tokens": 60, "steps": 8, **GRANTED})
+    )
     assert all(s["error"] is None for s in ok.steps())
 
 
 def test_the_lazy_and_eager_strips_take_the_same_decisions():
     """§5.5 / masks §23: eager vs lazy strip is a cost difference only."""
-    base = {"batch": 6, "prompt_len": [8, 14], "max_new_tokens": 40, "steps": 30, **GRANTED, "seed": 9}
+    base = {
+        "batch": 6,
+        "prompt_len": [8, 14],
+        "max_new_tokens": 40,
+        "steps": 30,
+        **GRANTED,
+        "seed": 9,
+    }
     eager = lengths.run(load_scenario({**base, "strip": "eager"}))
     lazy = lengths.run(load_scenario({**base, "strip": "lazy"}))
     key = lambda tr: [(r["seq"], r["own_len"], r["u"], r["accepted"], r["committed"])  # noqa: E731
@@ -292,8 +374,16 @@ def test_a_custom_token_oracle_drives_both_modes_alike():
     """A user's TokenOracle (raggedspec.conformance.test_scenario._ConstantOracle: of n drafts the
     first n - 1 agree) decides accepts through verify_proposed in both modes."""
     for extra in ({}, GRANTED):
-        sc = load_scenario({"batch": 3, "prompt_len": [4, 7], "max_new_tokens": 30, "steps": 12,
-                            "acceptance": "oracle:raggedspec.conformance.test_scenario:make_oracle", **extra})
+        sc = load_scenario(
+            {
+                "batch": 3,
+                "prompt_len": [4, 7],
+                "max_new_tokens": 30,
+                "steps": 12,
+                "acceptance": "oracle:raggedspec.conformance.test_scenario:make_oracle",
+                **extra,
+            }
+        )
         tr = lengths.run(sc)
         assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
         assert all(r["accepted"] == r["drafted"] - 1 for _, r in decode_rows(tr) if r["drafted"])
@@ -308,11 +398,16 @@ def test_deferred_steps_count_in_the_summarys_spread_and_padding():
     summary's max_spread and mean_padding_fraction count it (brute force over the trace's
     decode and defer steps). Non-degenerate: in this WA cohort run every decode step has
     spread 0 and only the deferred steps carry the leads."""
-    sc = load_scenario(dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=16, world="WA", xs_per_seq=True))
+    sc = load_scenario(
+        dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=16, world="WA", xs_per_seq=True)
+    )
     for tr in (lengths.run(sc), simulator.run(sc)):
         steps = list(tr.steps())
         measured = [s for s in steps if s["phase"] in ("decode", "defer")]
-        spread = lambda s: max(r["own_len"] for r in s["rows"]) - min(r["own_len"] for r in s["rows"])  # noqa: E731
+
+        def spread(s):
+            return max(r["own_len"] for r in s["rows"]) - min(r["own_len"] for r in s["rows"])
+
         assert any(s["phase"] == "defer" and s["padding_fraction"] > 0 for s in measured)
         assert max(spread(s) for s in steps if s["phase"] == "decode") == 0
         assert tr.summary["max_spread"] == max(spread(s) for s in measured) > 0
@@ -335,7 +430,11 @@ def sequential_admission(new, room, cap):
     return taken
 
 
-@given(new=st.lists(st.booleans(), max_size=40), room=st.integers(-3, 45), cap=st.none() | st.integers(1, 10))
+@given(
+    new=st.lists(st.booleans(), max_size=40),
+    room=st.integers(-3, 45),
+    cap=st.none() | st.integers(1, 10),
+)
 def test_the_vectorized_admission_equals_the_sequential_rule(new, room, cap):
     got = lengths_scheduler.admit_waiting(np.array(new, dtype=bool), room, cap)
     assert got.tolist() == sequential_admission(new, room, cap)
@@ -344,9 +443,21 @@ def test_the_vectorized_admission_equals_the_sequential_rule(new, room, cap):
 def test_the_admission_caps_are_exercised_and_both_modes_agree():
     """max_seqs and the WA prefill cap hold sequences back (waiting > 0 with room to run
     them later); lengths and tensor mode agree step for step."""
-    for data in (dict(batch=6, prompt_len=[3, 8], max_new_tokens=12, steps=30, max_seqs=2, arrival="staggered"),
-                 dict(batch=6, prompt_len=[3, 8], max_new_tokens=12, steps=30, world="WA", prefill_max_seqs=1,
-                      xs_per_seq=True, arrival="staggered")):
+    for data in (
+        dict(
+            batch=6, prompt_len=[3, 8], max_new_tokens=12, steps=30, max_seqs=2, arrival="staggered"
+        ),
+        dict(
+            batch=6,
+            prompt_len=[3, 8],
+            max_new_tokens=12,
+            steps=30,
+            world="WA",
+            prefill_max_seqs=1,
+            xs_per_seq=True,
+            arrival="staggered",
+        ),
+    ):
         sc = load_scenario(data)
         tr = lengths.run(sc)
         assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
@@ -364,15 +475,27 @@ def test_a_broken_custom_oracle_is_refused_identically_in_both_modes(factory, wo
     refused by the one shared check (`acceptance.CheckedOracle`, via `build_oracle`) with the
     same OracleError in lengths and tensor mode, instead of the two modes diverging (the
     lengths mode never looks at a token's value; the tensor mode feeds it to the model)."""
-    sc = load_scenario({"batch": 2, "prompt_len": 6, "max_new_tokens": 20, "steps": 8, "arrival": "staggered",
-                        "stagger": 1, "acceptance": f"oracle:raggedspec.conformance.test_scenario:{factory}"})
+    sc = load_scenario(
+        {
+            "batch": 2,
+            "prompt_len": 6,
+            "max_new_tokens": 20,
+            "steps": 8,
+            "arrival": "staggered",
+            "stagger": 1,
+            "acceptance": f"oracle:raggedspec.conformance.test_scenario:{factory}",
+        }
+    )
     messages = []
     for mode in (lengths, simulator):
         with pytest.raises(OracleError) as err:
             mode.run(sc)
         messages.append(str(err.value))
     assert messages[0] == messages[1]
-    assert f"raggedspec.conformance.test_scenario:{factory}" in messages[0] and "'acceptance.factory'" in messages[0]
+    assert (
+        f"raggedspec.conformance.test_scenario:{factory}" in messages[0]
+        and "'acceptance.factory'" in messages[0]
+    )
     for w in words:
         assert w in messages[0], f"{w!r} not in {messages[0]!r}"
 
@@ -382,13 +505,24 @@ def test_the_lengths_engine_says_why_rows_stop_drafting():
     draft caches get different capacities on a ragged step, then meet at equal lengths; the
     uniform group is refused by batch_draft_caches (§9.6: equal length, different capacity)
     on every later step, so they never draft again."""
-    data = {"batch": 2, "prompt_len": 64, "max_new_tokens": [300, 600], "depth": 3, "acceptance": "geometric:0.7",
-            "max_draft_kv_seqs": None, "steps": 60, **GRANTED}
+    data = {
+        "batch": 2,
+        "prompt_len": 64,
+        "max_new_tokens": [300, 600],
+        "depth": 3,
+        "acceptance": "geometric:0.7",
+        "max_draft_kv_seqs": None,
+        "steps": 60,
+        **GRANTED,
+    }
     tr = lengths.run(load_scenario(data))
     decode = [s for s in tr.steps() if s["phase"] == "decode"]
     last_draft = max(i for i, s in enumerate(decode) if any(r["drafted"] for r in s["rows"]))
     stalled = decode[last_draft + 1:]
     assert len(stalled) > 50
-    assert all(len({r["own_len"] for r in s["rows"]}) == 1 and all(r["u"] == 1 for r in s["rows"]) for s in stalled)
+    assert all(
+        len({r["own_len"] for r in s["rows"]}) == 1 and all(r["u"] == 1 for r in s["rows"])
+        for s in stalled
+    )
     assert tr.draft_stalls == {lengths.STALL_UNIFORM: 2 * len(stalled), lengths.STALL_RAGGED: 0,
                                lengths.STALL_INELIGIBLE: 0}

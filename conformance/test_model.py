@@ -26,7 +26,6 @@ from raggedspec.reference.model import (
     ModelConfig,
     TinyModel,
     extend_draft_cache,
-    rms_norm,
 )
 from raggedspec.reference.rope import reset_rope_cohort_stats, rope_cohort_stats
 
@@ -78,7 +77,7 @@ def front_aligned(model: TinyModel, caches: list[NormalCache]) -> tuple[NormalCa
         halves = []
         for half in ("k", "v"):
             rows = []
-            for c, lead in zip(caches, leads):
+            for c, lead in zip(caches, leads, strict=False):
                 live = getattr(c.slots[layer], half).current_data()
                 live = np.zeros((1, 1, 0, d)) if live is None else live
                 rows.append(np.concatenate([np.zeros((1, 1, lead, d)), live], axis=2))
@@ -93,7 +92,8 @@ def raw_base_of(t_q: int, window: int, t_k_full: int) -> int:
     return t_k_full - min(t_q + window - 1, t_k_full)
 
 
-# --- §17.2 the decode kit's shapes -----------------------------------------------------------------
+# --- §17.2 the decode kit's shapes
+# -----------------------------------------------------------------
 
 
 def test_mtp_decode_kit_step_shape():
@@ -113,7 +113,9 @@ def test_mtp_decode_kit_step_shape():
 
 def test_weights_are_seeded():
     a, b, c = TinyModel(), TinyModel(), TinyModel(ModelConfig(seed=7))
-    assert np.array_equal(a.embed, b.embed) and np.array_equal(a.mtp.heads.h_proj, b.mtp.heads.h_proj)
+    assert np.array_equal(a.embed, b.embed) and np.array_equal(
+        a.mtp.heads.h_proj, b.mtp.heads.h_proj
+    )
     assert not np.array_equal(a.embed, c.embed)
     toks = np.array([[3, 1, 4, 1, 5]])
     fa, fb = a.forward(toks, a.new_cache(), [0]), b.forward(toks, b.new_cache(), [0])
@@ -155,14 +157,18 @@ def test_forward_captures_the_pre_norm_hidden_of_every_position():
     assert offsets.row(0) == 3 and offsets.values == (3,)
     assert np.array_equal(hidden, f.hidden) and hidden.shape == (1, 2, 32)
     # a ragged batch stores every row's own offset
-    batched, leads = front_aligned(MODEL, [prefill_alone(MODEL, [1] * 6), prefill_alone(MODEL, [2] * 4)])
+    batched, leads = front_aligned(
+        MODEL, [prefill_alone(MODEL, [1] * 6), prefill_alone(MODEL, [2] * 4)]
+    )
     MODEL.forward(np.array([[3], [4]]), batched, [6, 4], [6, 4], leads, capture=cap)
     offsets, hidden = cap.take()
     assert offsets.values == (6, 4) and hidden.shape == (2, 1, 32)
 
 
 def test_forward_refuses_offsets_that_disagree_with_the_layout():
-    batched, leads = front_aligned(MODEL, [prefill_alone(MODEL, [1] * 6), prefill_alone(MODEL, [2] * 4)])
+    batched, leads = front_aligned(
+        MODEL, [prefill_alone(MODEL, [1] * 6), prefill_alone(MODEL, [2] * 4)]
+    )
     with pytest.raises(ValueError, match="disagrees with the layout"):
         MODEL.forward(np.array([[3], [4]]), batched, [6], [6, 4], leads)
     with pytest.raises(ValueError, match="seqlen offsets for a batch of"):
@@ -207,7 +213,9 @@ def test_a_ragged_batch_is_each_row_run_alone(data):
     if exposed:
         fn = model.forward(new, control, lens, None, leads)
         for i in exposed:
-            assert np.max(np.abs(fn.logits[i] - alone[i].logits[0])) > 1e-8, f"row {i} unchanged without row_q0"
+            assert np.max(np.abs(fn.logits[i] - alone[i].logits[0])) > 1e-8, (
+                f"row {i} unchanged without row_q0"
+            )
 
 
 def test_the_repository_ragged_fixture():
@@ -219,7 +227,7 @@ def test_the_repository_ragged_fixture():
     # (d) non-degenerate: every lead is inside the raw window, per-row compressed thresholds differ
     assert leads == [0, 2, 5]
     assert raw_base_of(t, MODEL.cfg.sliding_window, 12) == 0
-    assert [(l + 1) // 4 for l in lens] == [2, 2, 1]
+    assert [(n + 1) // 4 for n in lens] == [2, 2, 1]
     # (a)
     for i in range(3):
         assert close(fb.logits[i], alone[i].logits[0]) and close(fb.hidden[i], alone[i].hidden[0])
@@ -249,7 +257,9 @@ def test_a_uniform_row_q0_is_bit_identical_and_never_reaches_the_ragged_mask():
     assert dsv4_mask_stats["ragged"] == 0 and dsv4_mask_stats["uniform"] == MODEL.n_layers
     assert rope_cohort_stats["per_sequence"] == 0
     f_none = MODEL.forward(new, batched.clone(), [9], None, None)
-    assert np.array_equal(f_vec.logits, f_none.logits) and np.array_equal(f_vec.hidden, f_none.hidden)
+    assert np.array_equal(f_vec.logits, f_none.logits) and np.array_equal(
+        f_vec.hidden, f_none.hidden
+    )
     # and a ragged batch does reach it, once per layer
     batched, leads = front_aligned(MODEL, [own[0], prefill_alone(MODEL, [1] * 4)])
     reset_dsv4_mask_stats()
@@ -268,12 +278,19 @@ def test_compressed_keys_are_start_anchored_per_row():
     raw = [rng.standard_normal((n, cfg.head_dim)) for n in lens]
     keys = np.zeros((2, 1, width, cfg.head_dim))
     for i, n in enumerate(lens):  # cache holds keys rotated at the row's own positions
-        keys[i, 0, width - n:] = [my_rope(raw[i][p], p, cfg.rope_dims, layer.theta) for p in range(n)]
+        keys[i, 0, width - n :] = [
+            my_rope(raw[i][p], p, cfg.rope_dims, layer.theta) for p in range(n)
+        ]
     comp = layer.compressed_keys(keys, [0, 5])
     assert comp.shape == (2, 1, 2, cfg.head_dim)
     for i, n in enumerate(lens):
         for j in range(n // 4):
-            want = my_rope(raw[i][4 * j: 4 * j + 4].mean(axis=0), 4 * j, cfg.rope_dims, cfg.compress_rope_theta)
+            want = my_rope(
+                raw[i][4 * j : 4 * j + 4].mean(axis=0),
+                4 * j,
+                cfg.rope_dims,
+                cfg.compress_rope_theta,
+            )
             assert close(comp[i, 0, j], want)
     assert np.array_equal(comp[1, 0, 1], np.zeros(cfg.head_dim))
     assert layer.compressed_keys(keys[:, :, :3], [0, 0]) is None  # no complete block anywhere
@@ -284,7 +301,12 @@ def test_compressed_keys_are_start_anchored_per_row():
 
 def test_new_draft_cache_is_an_empty_capacity_16_slot():
     c = MODEL.mtp.new_draft_cache()
-    assert (c.kind, c.current_seq_len, c.k.capacity_seq_len, c.k.max_seq_len) == ("Normal", 0, 16, 4096)
+    assert (c.kind, c.current_seq_len, c.k.capacity_seq_len, c.k.max_seq_len) == (
+        "Normal",
+        0,
+        16,
+        4096,
+    )
 
 
 def test_the_mtp_step_refuses_a_desynced_draft_cache():
@@ -316,7 +338,10 @@ def test_draft_kv_slot_k_is_the_mtp_state_of_its_pair_at_position_k():
     extend_draft_cache(block, cache, h[4:], nxt[4:], 4)
     assert cache.current_seq_len == 6
     for k in range(6):
-        fused = my_rms(h[k], block.hnorm) @ block.heads.h_proj + my_rms(MODEL.embed[nxt[k]], block.enorm) @ block.heads.e_proj
+        fused = (
+            my_rms(h[k], block.hnorm) @ block.heads.h_proj
+            + my_rms(MODEL.embed[nxt[k]], block.enorm) @ block.heads.e_proj
+        )
         kv = my_rms(my_rms(fused, layer.attn_norm) @ layer.wkv, layer.kv_norm)
         want = my_rope(kv, k, cfg.rope_dims, cfg.rope_theta)
         assert close(cache.k.data[0, 0, k], want) and close(cache.v.data[0, 0, k], want)
@@ -335,6 +360,13 @@ def test_rope_positions_are_the_rows_own():
     assert k.shape[2] == 13
     for i, start in enumerate([10, 7]):
         for r in range(3):
-            kv = my_rms(my_rms(MODEL.embed[new[i, r]], layer0.attn_norm) @ layer0.wkv, layer0.kv_norm)
+            kv = my_rms(
+                my_rms(MODEL.embed[new[i, r]], layer0.attn_norm) @ layer0.wkv, layer0.kv_norm
+            )
             assert close(k[i, 0, 10 + r], my_rope(kv, start + r, cfg.rope_dims, cfg.rope_theta))
-            assert not close(k[i, 0, 10 + r], my_rope(kv, 10 + r, cfg.rope_dims, cfg.rope_theta), rel=1e-6) or start == 10
+            assert (
+                not close(
+                    k[i, 0, 10 + r], my_rope(kv, 10 + r, cfg.rope_dims, cfg.rope_theta), rel=1e-6
+                )
+                or start == 10
+            )

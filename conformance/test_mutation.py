@@ -90,7 +90,10 @@ def test_mutated_source_refuses_a_missing_or_ambiguous_snippet_and_a_no_op():
         runner.mutated_source(Mutant("x", "f.py", " = 1", " = 2", "", ("t",)), src)
     with pytest.raises(runner.CatalogueError, match="changes nothing"):
         runner.mutated_source(Mutant("x", "f.py", "a = 1", "a = 1", "", ("t",)), src)
-    assert runner.mutated_source(Mutant("x", "f.py", "a = 1", "a = 2", "", ("t",)), src) == "a = 2\nb = 1\n"
+    assert (
+        runner.mutated_source(Mutant("x", "f.py", "a = 1", "a = 2", "", ("t",)), src)
+        == "a = 2\nb = 1\n"
+    )
 
 
 def test_an_applied_mutant_really_changes_behaviour_and_only_in_the_copy(tmp_path):
@@ -102,8 +105,9 @@ def test_an_applied_mutant_really_changes_behaviour_and_only_in_the_copy(tmp_pat
     probe = "from reference.dispatch import resolve_draft_leads as f; print(f(True, [3, 5, 4]))"
 
     def run(cwd):
-        return subprocess.run([sys.executable, "-B", "-c", probe], cwd=cwd, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-B", "-c", probe], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     assert run(ROOT) == "[2, 0, 1]"          # distance to the widest row
     assert run(tmp_path) == "[0, -2, -1]"    # aligned to the minimum: negative leads
@@ -117,11 +121,20 @@ def test_the_runner_catches_a_real_mutant_and_gates_on_a_planted_survivor():
     caught = _entry("chain_start_of: off by one against the group key")
     caught = Mutant(caught.name, caught.file, caught.old, caught.new, caught.spec,
                     ("conformance/test_dispatch.py::test_the_group_key_and_the_per_row_chain_start_are_the_same_expression",))
-    planted = Mutant("planted: a comment-only change", "reference/dispatch.py", "    top = max(vals)\n",
-                     "    top = max(vals)  # planted, changes nothing\n", "test",
-                     ("conformance/test_dispatch.py::test_the_draft_leads_are_the_distance_to_the_groups_widest_row",))
+    planted = Mutant(
+        "planted: a comment-only change",
+        "reference/dispatch.py",
+        "    top = max(vals)\n",
+        "    top = max(vals)  # planted, changes nothing\n",
+        "test",
+        (
+            "conformance/test_dispatch.py::test_the_draft_leads_are_the_distance_to_the_groups_widest_row",
+        ),
+    )
     before = _digest(ROOT / "reference/dispatch.py")
-    results, red = runner.run_catalogue([caught, planted], ROOT, jobs=1, check_baseline=False, log=lambda *_: None)
+    results, red = runner.run_catalogue(
+        [caught, planted], ROOT, jobs=1, check_baseline=False, log=lambda *_: None
+    )
     assert _digest(ROOT / "reference/dispatch.py") == before
     by = {r.name: r for r in results}
     assert red == []
@@ -136,17 +149,26 @@ def test_the_runner_catches_a_real_mutant_and_gates_on_a_planted_survivor():
     listed = {"catalogue": {planted.name: "comment only"}, "mutmut": []}
     assert runner.gate(results, None, listed).ok
     # an expected-survivor that gets caught means the equivalence claim is wrong
-    wrong = [runner.MutantResult(caught.name, caught.file, "", "CAUGHT", "t", 0.0, expect="survive")]
+    wrong = [
+        runner.MutantResult(caught.name, caught.file, "", "CAUGHT", "t", 0.0, expect="survive")
+    ]
     assert not runner.gate(wrong, None, {"catalogue": {caught.name: "x"}, "mutmut": []}).ok
 
 
 def test_main_exits_nonzero_on_a_planted_catalogue_survivor(monkeypatch, tmp_path):
-    planted = Mutant("planted: a comment-only change", "reference/dispatch.py", "    top = max(vals)\n",
-                     "    top = max(vals)  # planted\n", "test",
-                     ("conformance/test_dispatch.py::test_chain_start_of_needs_a_pair_to_seed_from",))
+    planted = Mutant(
+        "planted: a comment-only change",
+        "reference/dispatch.py",
+        "    top = max(vals)\n",
+        "    top = max(vals)  # planted\n",
+        "test",
+        ("conformance/test_dispatch.py::test_chain_start_of_needs_a_pair_to_seed_from",),
+    )
     monkeypatch.setattr(runner, "select", lambda scope, only=None: [planted])
     out = tmp_path / "r.json"
-    rc = runner.main(["--catalogue-only", "--no-baseline", "--jobs", "1", "--no-docs", "--json", str(out)])
+    rc = runner.main(
+        ["--catalogue-only", "--no-baseline", "--jobs", "1", "--no-docs", "--json", str(out)]
+    )
     assert rc == 1
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["catalogue"][0]["status"] == "SURVIVED"
@@ -157,12 +179,27 @@ def test_main_exits_nonzero_on_a_planted_catalogue_survivor(monkeypatch, tmp_pat
 
 def test_the_score_is_killed_plus_timeout_over_total_minus_skipped(tmp_path):
     p = tmp_path / "mutmut-cicd-stats.json"
-    p.write_text(json.dumps({"killed": 90, "survived": 2, "total": 100, "no_tests": 1, "skipped": 4,
-                             "suspicious": 0, "timeout": 3, "check_was_interrupted_by_user": 0, "segfault": 0}))
+    p.write_text(
+        json.dumps(
+            {
+                "killed": 90,
+                "survived": 2,
+                "total": 100,
+                "no_tests": 1,
+                "skipped": 4,
+                "suspicious": 0,
+                "timeout": 3,
+                "check_was_interrupted_by_user": 0,
+                "segfault": 0,
+            }
+        )
+    )
     stats = runner.read_stats(p)
     assert stats["score"] == pytest.approx(100 * 93 / 96)
     assert runner.score_of({"killed": 0, "total": 0, "skipped": 0}) == 0.0
-    assert runner.score_of({"killed": 19, "timeout": 0, "total": 20, "skipped": 0}) == pytest.approx(95.0)
+    assert runner.score_of(
+        {"killed": 19, "timeout": 0, "total": 20, "skipped": 0}
+    ) == pytest.approx(95.0)
 
 
 MUTATED = '''
@@ -202,33 +239,60 @@ def test_the_mutants_dir_reader_builds_the_per_function_table_and_names_the_muta
                                  "pkg.mod.xǁCǁg__mutmut_1": 36})
     rep = runner.read_mutants_dir(d)
     rows = {r.function: r for r in rep.rows}
-    assert (rows["pkg.mod.f"].mutants, rows["pkg.mod.f"].killed, rows["pkg.mod.f"].survived) == (2, 1, 1)
+    assert (rows["pkg.mod.f"].mutants, rows["pkg.mod.f"].killed, rows["pkg.mod.f"].survived) == (
+        2,
+        1,
+        1,
+    )
     assert (rows["pkg.mod.C.g"].mutants, rows["pkg.mod.C.g"].timeouts) == (1, 1)
     assert rep.stats["total"] == 3 and rep.score == pytest.approx(200 / 3)
-    assert rep.survivors == [{"key": "pkg.mod.x_f__mutmut_2", "function": "pkg.mod.f", "status": "survived",
-                              "line": "return a + b + 0"}]
-    assert runner.function_of("reference.dispatch.x_chain_start_of__mutmut_12") == "reference.dispatch.chain_start_of"
-    assert runner.function_of("reference.dispatch.xǁCaptureOffsetsǁrow__mutmut_3") == "reference.dispatch.CaptureOffsets.row"
+    assert rep.survivors == [
+        {
+            "key": "pkg.mod.x_f__mutmut_2",
+            "function": "pkg.mod.f",
+            "status": "survived",
+            "line": "return a + b + 0",
+        }
+    ]
+    assert (
+        runner.function_of("reference.dispatch.x_chain_start_of__mutmut_12")
+        == "reference.dispatch.chain_start_of"
+    )
+    assert (
+        runner.function_of("reference.dispatch.xǁCaptureOffsetsǁrow__mutmut_3")
+        == "reference.dispatch.CaptureOffsets.row"
+    )
 
 
 def test_the_mutmut_gate_needs_the_score_and_a_justification_for_every_survivor(tmp_path):
-    d = _fake_mutants(tmp_path, {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0},
-                      {"killed": 19, "survived": 1, "total": 20, "skipped": 0, "timeout": 0, "no_tests": 0})
+    d = _fake_mutants(
+        tmp_path,
+        {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0},
+        {"killed": 19, "survived": 1, "total": 20, "skipped": 0, "timeout": 0, "no_tests": 0},
+    )
     rep = runner.read_mutants_dir(d)
     assert rep.score == pytest.approx(95.0)
     none = {"catalogue": {}, "mutmut": []}
     v = runner.gate(None, rep, none)
     assert not v.ok and any("x_f__mutmut_2" in r for r in v.reasons)
-    eq = {"catalogue": {}, "mutmut": [{"function": "pkg.mod.f", "line": "return a+b+0", "why": "adds zero"}]}
+    eq = {
+        "catalogue": {},
+        "mutmut": [{"function": "pkg.mod.f", "line": "return a+b+0", "why": "adds zero"}],
+    }
     assert runner.gate(None, rep, eq).ok
     assert not runner.gate(None, rep, eq, threshold=96.0).ok  # under the threshold
 
 
 def test_main_gates_an_existing_mutants_dir(tmp_path):
-    d = _fake_mutants(tmp_path, {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0},
-                      {"killed": 1, "survived": 1, "total": 2, "skipped": 0, "timeout": 0, "no_tests": 0})
+    d = _fake_mutants(
+        tmp_path,
+        {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0},
+        {"killed": 1, "survived": 1, "total": 2, "skipped": 0, "timeout": 0, "no_tests": 0},
+    )
     eq = tmp_path / "eq.toml"
-    eq.write_text('[[mutmut]]\nfunction = "pkg.mod.f"\nline = "return a + b + 0"\nwhy = "adds zero"\n')
+    eq.write_text(
+        '[[mutmut]]\nfunction = "pkg.mod.f"\nline = "return a + b + 0"\nwhy = "adds zero"\n'
+    )
     docs = tmp_path / "mutation.md"
     args = ["--mutmut-only", "--from-mutants", str(d), "--equivalent", str(eq), "--docs", str(docs)]
     assert runner.main(args) == 1  # 50% < 95%

@@ -21,11 +21,22 @@ import raggedspec.gpu.align as port
 from raggedspec.conformance.strategies import corner_lengths
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.step import plan_batch_step
-from raggedspec.gpu.testing import (DEVICE, FLOAT_DTYPES, assert_bit_exact, assert_same_refusal, host, outcome,
-                         representable, to_port)
+from raggedspec.gpu.testing import (
+    FLOAT_DTYPES,
+    assert_bit_exact,
+    assert_same_refusal,
+    host,
+    outcome,
+    representable,
+    to_port,
+)
 from raggedspec.reference import align as ref
 from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, KvCache, NormalCache, SingleCache
-from raggedspec.reference.step import commit_per_sequence, plan_batch_step as ref_plan_batch_step, truncate_cache_by
+from raggedspec.reference.step import (
+    commit_per_sequence,
+    plan_batch_step as ref_plan_batch_step,
+    truncate_cache_by,
+)
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).split(".")[-1])
 H, D = 1, 2
@@ -33,23 +44,36 @@ H, D = 1, 2
 
 def rows_data(rng, lens, dtype, h=H, d=D):
     """Row i: K and V `[1, h, lens[i], d]` float64 values representable in `dtype`."""
-    return [(representable(rng.normal(size=(1, h, n, d)), dtype), representable(rng.normal(size=(1, h, n, d)), dtype))
-            for n in lens]
+    return [
+        (
+            representable(rng.normal(size=(1, h, n, d)), dtype),
+            representable(rng.normal(size=(1, h, n, d)), dtype),
+        )
+        for n in lens
+    ]
 
 
 def ref_caches(data, max_seq_len, capacity=None):
     """One single-slot NormalCache per row, filled by one append."""
     out = []
     for k, v in data:
-        kv = KvCache.new_normal(max_seq_len) if capacity is None else KvCache.new_normal(max_seq_len, capacity)
+        kv = (
+            KvCache.new_normal(max_seq_len)
+            if capacity is None
+            else KvCache.new_normal(max_seq_len, capacity)
+        )
         kv.append(k, v)
         out.append(NormalCache([kv]))
     return out
 
 
 def port_kv(data, max_seq_len, dtype, capacity=None):
-    return RaggedKv.from_rows([to_port(k[0], dtype) for k, _ in data], [to_port(v[0], dtype) for _, v in data],
-                              max_seq_len, capacity)
+    return RaggedKv.from_rows(
+        [to_port(k[0], dtype) for k, _ in data],
+        [to_port(v[0], dtype) for _, v in data],
+        max_seq_len,
+        capacity,
+    )
 
 
 def live(single: SingleCache) -> np.ndarray:
@@ -90,8 +114,12 @@ def test_materialized_batch_and_append_match_the_reference(dtype, lens, t, seed,
         assert_bit_exact(v, live(batched.v), "V after append")
 
 
-@given(lens=corner_lengths(1, 4, 60, boundaries=False), steps=st.integers(1, 3), depth=st.integers(1, 4),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    lens=corner_lengths(1, 4, 60, boundaries=False),
+    steps=st.integers(1, 3),
+    depth=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_per_sequence_steps_match_the_reference_cycle(lens, steps, depth, seed):
     """Several per-sequence steps. Reference: `clone_in_cache_reporting_lead` (front-align),
     append the window's w columns at T, `clone_out_cache`, then per row
@@ -113,7 +141,7 @@ def test_per_sequence_steps_match_the_reference_cycle(lens, steps, depth, seed):
         kv.append(to_port(new_k), to_port(new_v))
         committed = [int(rng.integers(1, w + 1)) for _ in own]
         caches = ref.clone_out_cache(clone.batched, len(own))
-        for c, lead, n, m in zip(caches, clone.lead_pad, own, committed):
+        for c, lead, n, m in zip(caches, clone.lead_pad, own, committed, strict=False):
             commit_per_sequence(c, lead, n, m)
         kv.commit_per_sequence(torch.tensor(own), torch.tensor(committed))
         for i, c in enumerate(caches):
@@ -169,7 +197,9 @@ def draft_group(draw):
 
 @dtypes
 @given(group=draft_group(), n_draft=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
-def test_draft_group_alignment_and_chain_write_back_match_the_reference(dtype, group, n_draft, seed):
+def test_draft_group_alignment_and_chain_write_back_match_the_reference(
+    dtype, group, n_draft, seed
+):
     """`front_align_draft_group` (reference: clone, set_len, front-pad, narrow to the group
     width) == the port's group (same buffers, lengths = starts) materialized; refused by
     both or neither (same message). Then the chain's n_draft one-token steps (reference:
@@ -197,7 +227,7 @@ def test_draft_group_alignment_and_chain_write_back_match_the_reference(dtype, g
         grp.append(to_port(nk, dtype), to_port(nv, dtype))
     leads = [max(starts) - s for s in starts]
     pieces = ref.split_draft_cache(batched, g)
-    for i, (piece, lead) in enumerate(zip(pieces, leads)):
+    for i, (piece, lead) in enumerate(zip(pieces, leads, strict=False)):
         ref.drop_dead_prefix(piece, lead)
         k_row, v_row = grp.row(i)
         assert k_row.shape[1] == starts[i] + n_draft
@@ -218,21 +248,38 @@ def test_strip_dead_prefix_matches_drop_front_single(dtype, data, seed):
                                min_size=b, max_size=b))
     front_k = representable(rng.normal(size=(b, H, width, D)), dtype)
     front_v = representable(rng.normal(size=(b, H, width, D)), dtype)
-    singles = [(SingleCache(4096, width, current, 0, None, front_k[i:i + 1].copy()),
-                SingleCache(4096, width, current, 0, None, front_v[i:i + 1].copy())) for i in range(b)]
+    singles = [
+        (
+            SingleCache(4096, width, current, 0, None, front_k[i : i + 1].copy()),
+            SingleCache(4096, width, current, 0, None, front_v[i : i + 1].copy()),
+        )
+        for i in range(b)
+    ]
 
     def ref_strip():
-        refusal = next((ref._drop_front_refusal(sk, lead) for (sk, _), lead in zip(singles, leads)
-                        if ref._drop_front_refusal(sk, lead) is not None), None)
+        refusal = next(
+            (
+                ref._drop_front_refusal(sk, lead)
+                for (sk, _), lead in zip(singles, leads, strict=False)
+                if ref._drop_front_refusal(sk, lead) is not None
+            ),
+            None,
+        )
         if refusal is not None:
             raise refusal
-        for (sk, sv), lead in zip(singles, leads):
+        for (sk, sv), lead in zip(singles, leads, strict=False):
             ref.drop_front_single(sk, lead)
             ref.drop_front_single(sv, lead)
 
     r = outcome(ref_strip)
-    p = outcome(port.strip_dead_prefix, to_port(front_k, dtype), to_port(front_v, dtype), torch.tensor(leads),
-                current, 4096)
+    p = outcome(
+        port.strip_dead_prefix,
+        to_port(front_k, dtype),
+        to_port(front_v, dtype),
+        torch.tensor(leads),
+        current,
+        4096,
+    )
     if assert_same_refusal(p, r, "strip_dead_prefix"):
         kv = p[1]
         for i, (sk, sv) in enumerate(singles):

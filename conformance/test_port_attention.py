@@ -23,8 +23,15 @@ import raggedspec.gpu.attention as port
 import raggedspec.reference.attention as ref
 from raggedspec.conformance.strategies import corner_lengths, compress_ratios
 from raggedspec.gpu.cache import RaggedKv
-from raggedspec.gpu.testing import (DEVICE, assert_close64, assert_dtype_bound, assert_same_refusal, outcome,
-                         representable, to_port)
+from raggedspec.gpu.testing import (
+    DEVICE,
+    assert_close64,
+    assert_dtype_bound,
+    assert_same_refusal,
+    outcome,
+    representable,
+    to_port,
+)
 
 LOW = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
@@ -52,7 +59,11 @@ def attention_case(draw, all_masked_rows: bool = True):
     t_q, t_k = draw(st.integers(1, 5)), draw(st.integers(0, 40))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     h = hk * group
-    q, k, v = rng.normal(size=(b, h, t_q, 8)), rng.normal(size=(b, hk, t_k, 8)), rng.normal(size=(b, hk, t_k, 6))
+    q, k, v = (
+        rng.normal(size=(b, h, t_q, 8)),
+        rng.normal(size=(b, hk, t_k, 8)),
+        rng.normal(size=(b, hk, t_k, 6)),
+    )
     mask = None
     if draw(st.booleans()) and t_k:
         keep = rng.random((b, 1, t_q, t_k)) < draw(st.sampled_from([0.3, 0.8, 1.0]))
@@ -82,10 +93,13 @@ def test_float64_attention_matches_the_reference(case):
 @given(case=attention_case(all_masked_rows=False))
 def test_low_precision_attention_is_within_twice_the_naive_error(dtype, case):
     q, k, v, mask, sinks = (None if a is None else representable(a, dtype) for a in case)
-    got = port.attention(to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(mask, dtype), opt(sinks, dtype))
+    got = port.attention(
+        to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(mask, dtype), opt(sinks, dtype)
+    )
     assert got.dtype == dtype
-    naive = naive_attention(to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(mask, dtype),
-                            opt(sinks, dtype))
+    naive = naive_attention(
+        to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(mask, dtype), opt(sinks, dtype)
+    )
     want = ref.attention(q, k, v, mask, sinks)
     scale = float(np.abs(v).max()) if v.size else 1.0
     assert_dtype_bound(got, naive, want, dtype, scale, "attention")
@@ -178,12 +192,28 @@ def test_low_precision_dsv4_attention_is_within_twice_the_naive_error(dtype, cas
     q, k, v, comp, caller, cfg, sinks = (x if x is None or isinstance(x, ref.Dsv4AttentionConfig)
                                          else representable(x, dtype) for x in case)
     r = outcome(ref.dsv4_attention, q, k, v, comp, None, cfg, sinks)
-    p = outcome(port.dsv4_attention, to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(comp, dtype),
-                None, port_cfg(cfg), opt(sinks, dtype))
+    p = outcome(
+        port.dsv4_attention,
+        to_port(q, dtype),
+        to_port(k, dtype),
+        to_port(v, dtype),
+        opt(comp, dtype),
+        None,
+        port_cfg(cfg),
+        opt(sinks, dtype),
+    )
     if assert_same_refusal(p, r, "dsv4_attention"):
-        naive = naive_dsv4(to_port(q, dtype), to_port(k, dtype), to_port(v, dtype), opt(comp, dtype), cfg,
-                           opt(sinks, dtype))
-        scale = max(float(np.abs(v).max()), 0.0 if comp is None else float(np.abs(comp).max()), 1e-30)
+        naive = naive_dsv4(
+            to_port(q, dtype),
+            to_port(k, dtype),
+            to_port(v, dtype),
+            opt(comp, dtype),
+            cfg,
+            opt(sinks, dtype),
+        )
+        scale = max(
+            float(np.abs(v).max()), 0.0 if comp is None else float(np.abs(comp).max()), 1e-30
+        )
         assert_dtype_bound(p[1], naive, r[1], dtype, scale, "dsv4_attention")
 
 
@@ -195,14 +225,21 @@ def test_a_uniform_row_q0_never_takes_the_ragged_mask_path(case):
     if q.shape[2] > k.shape[2]:
         q = q[:, :, : k.shape[2]]
     t_k_full = k.shape[2]
-    uniform = ref.Dsv4AttentionConfig(cfg.compress_ratio, cfg.sliding_window, 0, [t_k_full - q.shape[2]] * q.shape[0])
+    uniform = ref.Dsv4AttentionConfig(
+        cfg.compress_ratio, cfg.sliding_window, 0, [t_k_full - q.shape[2]] * q.shape[0]
+    )
     port.reset_dsv4_mask_stats()
-    port.dsv4_attention(to_port(q), to_port(k), to_port(v), opt(comp), None, port_cfg(uniform), opt(sinks))
+    port.dsv4_attention(
+        to_port(q), to_port(k), to_port(v), opt(comp), None, port_cfg(uniform), opt(sinks)
+    )
     assert port.dsv4_mask_stats == {"uniform": 1, "ragged": 0}
 
 
 def test_dsv4_refusal_messages_name_the_values():
-    q, k = torch.zeros((1, 1, 5, 4), dtype=torch.float64), torch.zeros((1, 1, 3, 4), dtype=torch.float64)
+    q, k = (
+        torch.zeros((1, 1, 5, 4), dtype=torch.float64),
+        torch.zeros((1, 1, 3, 4), dtype=torch.float64),
+    )
     with pytest.raises(port.MaskRefusal, match="5 query rows against only 3 keys"):
         port.dsv4_attention(q, k, k, None, None, port.Dsv4AttentionConfig(0, 4))
     q1 = torch.zeros((1, 1, 1, 4), dtype=torch.float64)
@@ -213,10 +250,17 @@ def test_dsv4_refusal_messages_name_the_values():
 # ----------------------------------------------------------------------------- in place
 
 
-@given(own=corner_lengths(1, 5, 300, boundaries=False), t_q=st.integers(1, 3), ratio=compress_ratios(),
-       window=st.sampled_from([1, 4, 16, 128]), with_sinks=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_in_place_attention_equals_the_reference_on_the_front_aligned_batch(own, t_q, ratio, window,
-                                                                            with_sinks, seed):
+@given(
+    own=corner_lengths(1, 5, 300, boundaries=False),
+    t_q=st.integers(1, 3),
+    ratio=compress_ratios(),
+    window=st.sampled_from([1, 4, 16, 128]),
+    with_sinks=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_in_place_attention_equals_the_reference_on_the_front_aligned_batch(
+    own, t_q, ratio, window, with_sinks, seed
+):
     """The port's layout never front-aligns: rows sit at column 0 with their own lengths.
     Its attention (per-row window gather, per-row masks) equals the reference's
     `dsv4_attention` of the front-aligned batch with `row_q0 = own - t_q`."""
@@ -243,7 +287,11 @@ def test_in_place_attention_equals_the_reference_on_the_front_aligned_batch(own,
 
 
 def test_in_place_attention_refuses_a_row_shorter_than_its_queries():
-    kv = RaggedKv(torch.zeros((2, 1, 8, 4), dtype=torch.float64), torch.zeros((2, 1, 8, 4), dtype=torch.float64),
-                  torch.tensor([5, 1]), 4096)
+    kv = RaggedKv(
+        torch.zeros((2, 1, 8, 4), dtype=torch.float64),
+        torch.zeros((2, 1, 8, 4), dtype=torch.float64),
+        torch.tensor([5, 1]),
+        4096,
+    )
     with pytest.raises(port.MaskRefusal, match="2 query rows against only 1 keys"):
         port.dsv4_attention_in_place(torch.zeros((2, 1, 2, 4), dtype=torch.float64), kv, None, 0, 4)

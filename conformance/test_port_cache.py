@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from raggedspec.conformance.strategies import GROWTH_BOUNDARIES, corner_lengths
 from raggedspec.gpu.align import materialize_front_aligned
 from raggedspec.gpu.cache import RaggedKv, chunk_sizes, concat_rows, split_rows
-from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_same_refusal, host, outcome, to_port
+from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_same_refusal, outcome, to_port
 from raggedspec.reference import align as ref_align
 from raggedspec.reference.cache import KvCache, SingleCache
 from raggedspec.reference.errors import CacheRefusal
@@ -47,8 +47,13 @@ def test_growth_refusal_matches_single_cache_append(top, t, max_seq_len):
 
 def test_growth_refusal_example():
     kv, _, _ = filled([1023, 5], max_seq_len=1024)
-    with pytest.raises(CacheRefusal, match="kv-cache capacity 1536 would be above max_seq_len 1024"):
-        kv.append(torch.zeros((2, 1, 2, 2), dtype=torch.float64), torch.zeros((2, 1, 2, 2), dtype=torch.float64))
+    with pytest.raises(
+        CacheRefusal, match="kv-cache capacity 1536 would be above max_seq_len 1024"
+    ):
+        kv.append(
+            torch.zeros((2, 1, 2, 2), dtype=torch.float64),
+            torch.zeros((2, 1, 2, 2), dtype=torch.float64),
+        )
     assert kv.lens.tolist() == [1023, 5]  # refused before any write
 
 
@@ -56,8 +61,10 @@ def test_growth_refusal_example():
 def test_set_len_refusal_matches_the_reference(lens, new):
     kv, _, _ = filled(lens)
     new = new[: len(lens)]
-    refs = [KvCache(SingleCache(4096, kv.capacity, n), SingleCache(4096, kv.capacity, n)) for n in lens]
-    r = outcome(lambda: [c.try_set_len(n) for c, n in zip(refs, new)])
+    refs = [
+        KvCache(SingleCache(4096, kv.capacity, n), SingleCache(4096, kv.capacity, n)) for n in lens
+    ]
+    r = outcome(lambda: [c.try_set_len(n) for c, n in zip(refs, new, strict=False)])
     p = outcome(kv.set_len, torch.tensor(new))
     if assert_same_refusal(p, r, "set_len"):
         assert kv.lens.tolist() == new
@@ -83,7 +90,9 @@ def test_split_rows_uses_the_reference_chunking(lens, g):
     assert_bit_exact(materialize_front_aligned(back)[0], materialize_front_aligned(kv)[0])
 
 
-@given(lens=corner_lengths(2, 6, 40, boundaries=False), data=st.data(), seed=st.integers(0, 2**32 - 1))
+@given(
+    lens=corner_lengths(2, 6, 40, boundaries=False), data=st.data(), seed=st.integers(0, 2**32 - 1)
+)
 def test_append_to_a_row_subset_writes_only_those_rows(lens, data, seed):
     """A draft group inside a shared buffer: appending to rows `idx` writes their own next
     columns and leaves every other row (data and length) untouched."""

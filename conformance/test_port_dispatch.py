@@ -36,9 +36,13 @@ def row_positions(draw):
     refusal (wrong length, a row ahead, nobody at q0)."""
     leads = draw(lead_pads(1, 6, 12))
     q0 = draw(st.integers(max(leads), 60))
-    rows = [q0 - l for l in leads]
+    rows = [q0 - lead for lead in leads]
     b = len(rows)
-    kind = draw(st.sampled_from(["valid", "none", "wrong_len", "ahead", "nobody_at_q0", "uniform_wrong_len"]))
+    kind = draw(
+        st.sampled_from(
+            ["valid", "none", "wrong_len", "ahead", "nobody_at_q0", "uniform_wrong_len"]
+        )
+    )
     if kind == "none":
         rows = None
     elif kind == "wrong_len":
@@ -66,8 +70,12 @@ def test_uniform_seqlen_offset_matches_the_reference(offsets):
     assert port.uniform_seqlen_offset(vec(offsets)) == ref.uniform_seqlen_offset(offsets)
 
 
-@given(enabled=st.booleans(), cache_len=st.integers(0, 40), leads=st.lists(st.integers(0, 45), max_size=6),
-       force_zero=st.booleans())
+@given(
+    enabled=st.booleans(),
+    cache_len=st.integers(0, 40),
+    leads=st.lists(st.integers(0, 45), max_size=6),
+    force_zero=st.booleans(),
+)
 def test_resolve_row_cache_lens_matches_the_reference(enabled, cache_len, leads, force_zero):
     if force_zero and leads:
         leads[0] = 0
@@ -89,8 +97,12 @@ def test_resolve_row_cache_lens_spec_examples_on_the_port():
 @given(starts=st.one_of(uniform_lengths(0, 6, 2, 60), corner_lengths(1, 6, 60, boundaries=False)),
        enabled=st.booleans())
 def test_chain_start_and_draft_lead_resolvers_match_the_reference(starts, enabled):
-    same_optional(port.resolve_ragged_chain_starts(vec(starts)), ref.resolve_ragged_chain_starts(starts))
-    same_optional(port.resolve_draft_leads(enabled, vec(starts)), ref.resolve_draft_leads(enabled, starts))
+    same_optional(
+        port.resolve_ragged_chain_starts(vec(starts)), ref.resolve_ragged_chain_starts(starts)
+    )
+    same_optional(
+        port.resolve_draft_leads(enabled, vec(starts)), ref.resolve_draft_leads(enabled, starts)
+    )
 
 
 @given(lens=uniform_lengths(0, 8, 0, 600), enabled=st.booleans())
@@ -113,9 +125,13 @@ def test_draft_groups_match_the_reference(data, per_seq):
     w = depth + 1
     n = data.draw(st.integers(0, 12))
     u = data.draw(st.lists(st.integers(1, w), min_size=n, max_size=n))
-    cache_lens = data.draw(st.one_of(st.just([40] * n), st.lists(st.integers(1, 600), min_size=n, max_size=n)))
+    cache_lens = data.draw(
+        st.one_of(st.just([40] * n), st.lists(st.integers(1, 600), min_size=n, max_size=n))
+    )
     may = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    got = port.draft_groups(vec(u), vec(cache_lens), torch.tensor(may, dtype=torch.bool, device=DEVICE), w, per_seq)
+    got = port.draft_groups(
+        vec(u), vec(cache_lens), torch.tensor(may, dtype=torch.bool, device=DEVICE), w, per_seq
+    )
     want = ref.draft_groups(u, cache_lens, may, w, per_seq)
     assert got.as_dict() == want
     assert list(got.as_dict()) == list(want)  # same key order (ascending)
@@ -129,7 +145,9 @@ def test_draft_groups_spec_examples_on_the_port():
         assert len(port.draft_groups(u, vec([40] * 8), [True] * 8, 5, flag).as_dict()) == 4
     lens = vec([40, 33, 37, 31, 39, 35, 30, 38])
     assert len(port.draft_groups(vec([1] * 8), lens, [True] * 8, 5, False).as_dict()) == 8
-    assert port.draft_groups(vec([1] * 8), lens, [True] * 8, 5, True).as_dict() == {(1, 0): list(range(8))}
+    assert port.draft_groups(vec([1] * 8), lens, [True] * 8, 5, True).as_dict() == {
+        (1, 0): list(range(8))
+    }
 
 
 @given(data=st.data())
@@ -158,7 +176,9 @@ def test_the_port_draft_step_end_column_is_the_maximum_not_row_0():
 
 @given(offsets=corner_lengths(1, 6, 40, boundaries=False), per_seq=st.booleans(),
        cache_lens=st.lists(st.integers(0, 50), min_size=1, max_size=6), u=st.integers(0, 9))
-def test_ragged_row_q0_chain_start_and_group_keys_match_the_reference(offsets, per_seq, cache_lens, u):
+def test_ragged_row_q0_chain_start_and_group_keys_match_the_reference(
+    offsets, per_seq, cache_lens, u
+):
     same_optional(port.ragged_row_q0(vec(offsets), per_seq), ref.ragged_row_q0(offsets, per_seq))
     us = [u] * len(cache_lens)
     try:

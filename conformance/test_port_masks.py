@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 import raggedspec.gpu.masks as port
 import raggedspec.reference.masks as ref
 from raggedspec.conformance.strategies import corner_lengths, lead_pads
-from raggedspec.gpu.testing import DEVICE, FLOAT_DTYPES, assert_bit_exact, assert_same_refusal, outcome, to_port
+from raggedspec.gpu.testing import (
+    DEVICE,
+    FLOAT_DTYPES,
+    assert_bit_exact,
+    assert_same_refusal,
+    outcome,
+    to_port,
+)
 
 dtypes = pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: str(d).split(".")[-1])
 
@@ -22,8 +29,15 @@ def vec(xs):
     return torch.tensor(list(xs), dtype=torch.int64, device=DEVICE)
 
 
-@given(t_q=st.integers(0, 9), q0=st.integers(0, 60), base=st.integers(0, 60), keep=st.integers(0, 20),
-       window=st.integers(1, 20), t_c=st.integers(0, 12), ratio=st.sampled_from([1, 2, 4, 8, 128]))
+@given(
+    t_q=st.integers(0, 9),
+    q0=st.integers(0, 60),
+    base=st.integers(0, 60),
+    keep=st.integers(0, 20),
+    window=st.integers(1, 20),
+    t_c=st.integers(0, 12),
+    ratio=st.sampled_from([1, 2, 4, 8, 128]),
+)
 def test_validity_matches_the_reference(t_q, q0, base, keep, window, t_c, ratio):
     assert_bit_exact(port.raw_validity(t_q, q0, base, keep, window, device=DEVICE),
                      ref.raw_validity(t_q, q0, base, keep, window), "raw_validity")
@@ -37,15 +51,21 @@ def test_validity_matches_the_reference(t_q, q0, base, keep, window, t_c, ratio)
         assert port.raw_keep_span(t_q, window, q0) == ref.raw_keep_span(t_q, window, q0)
 
 
-@given(rows=corner_lengths(1, 6, 60, boundaries=False), t_q=st.integers(1, 6), t_c=st.integers(0, 10),
-       ratio=st.sampled_from([1, 4, 8]))
+@given(
+    rows=corner_lengths(1, 6, 60, boundaries=False),
+    t_q=st.integers(1, 6),
+    t_c=st.integers(0, 10),
+    ratio=st.sampled_from([1, 4, 8]),
+)
 def test_vector_validity_is_the_per_row_reference_stacked(rows, t_q, t_c, ratio):
     """The vectorized forms (one `[B]` vector of query positions) equal the reference's
     scalar rule evaluated row by row."""
     got = port.compressed_validity(t_q, vec(rows), t_c, ratio)
     assert_bit_exact(got, np.stack([ref.compressed_validity(t_q, r, t_c, ratio) for r in rows]))
     got_raw = port.raw_validity(t_q, vec(rows), vec([max(r - 3, 0) for r in rows]), 7, 4)
-    assert_bit_exact(got_raw, np.stack([ref.raw_validity(t_q, r, max(r - 3, 0), 7, 4) for r in rows]))
+    assert_bit_exact(
+        got_raw, np.stack([ref.raw_validity(t_q, r, max(r - 3, 0), 7, 4) for r in rows])
+    )
 
 
 @dtypes
@@ -53,15 +73,19 @@ def test_vector_validity_is_the_per_row_reference_stacked(rows, t_q, t_c, ratio)
        window=st.integers(1, 30), ratio=st.sampled_from([0, 4, 8, 128]), data=st.data())
 def test_ragged_union_mask_matches_the_reference(dtype, leads, extra, t_q, window, ratio, data):
     q0 = max(leads) + extra
-    rows = [q0 - l for l in leads]
+    rows = [q0 - lead for lead in leads]
     t_k_full = q0 + t_q
     raw_base, keep = ref.raw_keep_span(t_q, window, t_k_full)
     t_c = data.draw(st.integers(0, t_k_full // ratio + 2)) if ratio > 1 else 0
     valid = np.concatenate([ref.raw_validity(t_q, q0, raw_base, keep, window),
                             ref.compressed_validity(t_q, q0, t_c, max(ratio, 1))], axis=1)
-    got = port.ragged_union_mask(vec(rows), q0, to_port(valid), raw_base, keep, max(ratio, 1), t_c, dtype)
+    got = port.ragged_union_mask(
+        vec(rows), q0, to_port(valid), raw_base, keep, max(ratio, 1), t_c, dtype
+    )
     assert got.dtype == dtype
-    assert_bit_exact(got, ref.ragged_union_mask(rows, q0, valid, raw_base, keep, max(ratio, 1), t_c))
+    assert_bit_exact(
+        got, ref.ragged_union_mask(rows, q0, valid, raw_base, keep, max(ratio, 1), t_c)
+    )
 
 
 def test_ragged_union_mask_kills_the_dead_prefix_in_the_worked_example():
@@ -92,10 +116,20 @@ def test_compose_caller_mask_matches_the_reference_including_refusals(dtype, dat
     elif rank == "placeholder":
         caller = np.zeros((1, 1))
     else:
-        shape = {1: (width,), 2: (q_axis, width), 3: (1, q_axis, width), 4: (b, 1, q_axis, width)}[rank]
+        shape = {1: (width,), 2: (q_axis, width), 3: (1, q_axis, width), 4: (b, 1, q_axis, width)}[
+            rank
+        ]
         caller = np.where(rng.random(shape) < 0.8, 0.0, -np.inf)
-    p = outcome(port.compose_caller_mask, to_port(local, dtype), None if caller is None else to_port(caller, dtype),
-                t_q, t_k_full, raw_base, t_k, t_c)
+    p = outcome(
+        port.compose_caller_mask,
+        to_port(local, dtype),
+        None if caller is None else to_port(caller, dtype),
+        t_q,
+        t_k_full,
+        raw_base,
+        t_k,
+        t_c,
+    )
     r = outcome(ref.compose_caller_mask, local, caller, t_q, t_k_full, raw_base, t_k, t_c)
     if assert_same_refusal(p, r, "compose_caller_mask"):
         assert p[1].dtype == dtype
@@ -128,20 +162,39 @@ def test_masker_entry_points_match_the_reference(data):
     b = data.draw(st.integers(1, 4))
     past = data.draw(st.integers(0, 20))
     t_q = data.draw(st.integers(1, 3))
-    per_seq = data.draw(st.one_of(st.none(), st.lists(st.integers(0, past + 1), min_size=b, max_size=b)))
-    lead = data.draw(st.one_of(st.none(), st.lists(st.integers(0, past + 1), min_size=1, max_size=b + 1)))
+    per_seq = data.draw(
+        st.one_of(st.none(), st.lists(st.integers(0, past + 1), min_size=b, max_size=b))
+    )
+    lead = data.draw(
+        st.one_of(st.none(), st.lists(st.integers(0, past + 1), min_size=1, max_size=b + 1))
+    )
     flash = data.draw(st.booleans())
     window = data.draw(st.integers(1, 8))
     policy = data.draw(st.sampled_from(port.SLIDING_WINDOW_RAGGED_POLICIES))
-    as_vec = (lambda x: None if x is None else vec(x))
+
+    def as_vec(x):
+        return None if x is None else vec(x)
+
     for pf, rf, extra in ((port.make_causal_mask_matrix, ref.make_causal_mask_matrix, ()),
                           (port.make_sliding_window_causal_mask_matrix,
                            ref.make_sliding_window_causal_mask_matrix, (window, policy))):
-        p = outcome(pf, b, t_q, past, as_vec(per_seq), as_vec(lead), *extra, flash_on_cuda=flash, device=DEVICE)
+        p = outcome(
+            pf,
+            b,
+            t_q,
+            past,
+            as_vec(per_seq),
+            as_vec(lead),
+            *extra,
+            flash_on_cuda=flash,
+            device=DEVICE,
+        )
         r = outcome(rf, b, t_q, past, per_seq, lead, *extra, flash_on_cuda=flash)
         if assert_same_refusal(p, r, pf.__name__):
             if r[1] is None:
-                assert p[1] is None, f"{pf.__name__}: port built a mask where the reference returned None"
+                assert p[1] is None, (
+                    f"{pf.__name__}: port built a mask where the reference returned None"
+                )
             else:
                 assert_bit_exact(p[1], r[1], pf.__name__)
 
@@ -154,6 +207,9 @@ def test_mask_predicates_match_the_reference(ratio, w, dims):
 
 
 def test_unset_graph_length_mask_is_refused_by_both():
-    p, r = outcome(port.require_graph_length_mask, None), outcome(ref.require_graph_length_mask, None)
+    p, r = (
+        outcome(port.require_graph_length_mask, None),
+        outcome(ref.require_graph_length_mask, None),
+    )
     assert p[0] == "refused"
     assert_same_refusal(p, r)

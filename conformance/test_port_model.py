@@ -44,21 +44,30 @@ from raggedspec.conformance.strategies import corner_lengths
 from raggedspec.gpu.align import materialize_front_aligned
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.rope import reset_rope_path_stats, rope_path_stats
-from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, assert_same_refusal, host,
-                         outcome, representable, to_port)
+from raggedspec.gpu.testing import (
+    DEVICE,
+    assert_bit_exact,
+    assert_close64,
+    assert_dtype_bound,
+    assert_same_refusal,
+    host,
+    outcome,
+    representable,
+    to_port,
+)
 from raggedspec.reference.cache import KvCache, NormalCache, SingleCache
 from raggedspec.reference.dispatch import MtpHiddenCapture
 from raggedspec.reference.draft import extend_draft_cache
 from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, MaskRefusal
 from raggedspec.reference.model import ModelConfig, TinyModel
 
-MODEL = TinyModel()                                                           # ratios (0, 4), window 16
+MODEL = TinyModel()  # ratios (0, 4), window 16
 NARROW = TinyModel(ModelConfig(compress_ratios=(4, 0, 3), sliding_window=5, seed=1))
 MODELS = {"ratios_0_4": MODEL, "ratios_4_0_3": NARROW}
 LOW = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rounded(name: str, dtype: torch.dtype) -> TinyModel:
     """A copy of MODELS[name] whose every weight is rounded to `dtype` (in place, so the
     MTP block's shared embed / lm_head / heads stay shared)."""
@@ -70,8 +79,10 @@ def rounded(name: str, dtype: torch.dtype) -> TinyModel:
     return m
 
 
-@functools.lru_cache(maxsize=None)
-def port_model(name: str, dtype: torch.dtype = torch.float64, rounded_weights: bool = False) -> port.TinyModel:
+@functools.cache
+def port_model(
+    name: str, dtype: torch.dtype = torch.float64, rounded_weights: bool = False
+) -> port.TinyModel:
     ref = rounded(name, dtype) if rounded_weights else MODELS[name]
     return port.TinyModel(ref, dtype, DEVICE)
 
@@ -164,11 +175,23 @@ def naive_forward(model: TinyModel, hist, toks: np.ndarray, dtype: torch.dtype):
             vals = keys
             nb = (n + t) // layer.ratio if layer.ratio else 0
             if nb:
-                raw = _rope(keys[: nb * layer.ratio], np.arange(nb * layer.ratio), rd, layer.theta, inverse=True)
-                blocks = _rope(raw.reshape(nb, layer.ratio, hd).mean(dim=1), np.arange(nb) * layer.ratio, rd,
-                               cfg.compress_rope_theta)
+                raw = _rope(
+                    keys[: nb * layer.ratio],
+                    np.arange(nb * layer.ratio),
+                    rd,
+                    layer.theta,
+                    inverse=True,
+                )
+                blocks = _rope(
+                    raw.reshape(nb, layer.ratio, hd).mean(dim=1),
+                    np.arange(nb) * layer.ratio,
+                    rd,
+                    cfg.compress_rope_theta,
+                )
                 scores = torch.cat([scores, q @ blocks.T / math.sqrt(hd)], dim=-1)
-                valid = torch.cat([valid, torch.arange(nb)[None, :] < (qp + 1) // layer.ratio], dim=-1)
+                valid = torch.cat(
+                    [valid, torch.arange(nb)[None, :] < (qp + 1) // layer.ratio], dim=-1
+                )
                 vals = torch.cat([keys, blocks])
             scores = scores.masked_fill(~valid, float("-inf"))
             sink = w(layer.sinks)[:, None, None]
@@ -213,15 +236,17 @@ def test_float64_forward_matches_the_reference(case):
     own = list(lens)
     before = [materialize_front_aligned(kv)[0] for kv in cache]
     for layer in range(model.n_layers):
-        assert_bit_exact(before[layer], ref_kv(batched, layer)[0], f"layer {layer}: the batch before the step")
+        assert_bit_exact(
+            before[layer], ref_kv(batched, layer)[0], f"layer {layer}: the batch before the step"
+        )
     for t in ts:
         new = rng.integers(0, model.cfg.vocab, (len(lens), t))
         want = model.forward(new, batched, own, own, leads)
         appended: list = []
         original = RaggedKv.append
 
-        def spy(kv, k_new, v_new, rows=None):
-            appended.append((k_new.clone(), v_new.clone()))
+        def spy(kv, k_new, v_new, rows=None, *, log=appended, original=original):
+            log.append((k_new.clone(), v_new.clone()))
             return original(kv, k_new, v_new, rows)
 
         with mock.patch.object(RaggedKv, "append", spy):
@@ -237,7 +262,9 @@ def test_float64_forward_matches_the_reference(case):
             assert_bit_exact(v_new, k_new, "V == K appended")
             assert_bit_exact(v, k, "port V == K")
             assert np.array_equal(rv, rk)
-            assert_bit_exact(k, torch.cat([before[layer], k_new], dim=2), f"layer {layer}: moved, not recomputed")
+            assert_bit_exact(
+                k, torch.cat([before[layer], k_new], dim=2), f"layer {layer}: moved, not recomputed"
+            )
             assert_close64(k_new, rk[:, :, -t:], what=f"layer {layer}: computed K")
         before = [materialize_front_aligned(kv)[0] for kv in cache]
 
@@ -259,13 +286,16 @@ def test_prefills_and_a_zero_length_row_match_the_reference(name, lens, t):
     assert_close64(got.logits, want.logits, what="logits")
     assert_close64(got.hidden, want.hidden, what="hidden")
     for layer in range(model.n_layers):
-        assert_close64(materialize_front_aligned(cache[layer])[0], ref_kv(batched, layer)[0], what="K")
+        assert_close64(
+            materialize_front_aligned(cache[layer])[0], ref_kv(batched, layer)[0], what="K"
+        )
     naive_logits, naive_hidden, _ = naive_forward(model, hist, new, torch.float64)
     assert_close64(naive_logits, want.logits, what="naive oracle logits")
     assert_close64(naive_hidden, want.hidden, what="naive oracle hidden")
 
 
-# --- float32 / bfloat16: the FlashAttention bound --------------------------------------------------
+# --- float32 / bfloat16: the FlashAttention bound
+# --------------------------------------------------
 
 
 @LOW
@@ -286,15 +316,21 @@ def test_low_precision_forward_is_within_twice_the_naive_error(dtype, case):
     got = pm.forward(to_port(new, device=DEVICE), cache)
     assert got.logits.dtype == dtype and cache[0].k.dtype == dtype
     naive_logits, naive_hidden, naive_k = naive_forward(ref64, hist, new, dtype)
-    assert_dtype_bound(got.logits, naive_logits, want.logits, dtype, float(np.abs(want.logits).max()), "logits")
-    assert_dtype_bound(got.hidden, naive_hidden, want.hidden, dtype, float(np.abs(want.hidden).max()), "hidden")
+    assert_dtype_bound(
+        got.logits, naive_logits, want.logits, dtype, float(np.abs(want.logits).max()), "logits"
+    )
+    assert_dtype_bound(
+        got.hidden, naive_hidden, want.hidden, dtype, float(np.abs(want.hidden).max()), "hidden"
+    )
     c0 = max(lens)
     for layer in range(ref64.n_layers):
         k, _ = materialize_front_aligned(cache[layer])
         rk = ref_kv(batched, layer)[0]
         assert_bit_exact(k[:, :, :c0], rk[:, :, :c0], f"layer {layer}: moved history in {dtype}")
         port_new = torch.stack([k[i, 0, c0:] for i in range(len(lens))])
-        assert_dtype_bound(port_new, naive_k[layer], rk[:, 0, c0:], dtype, float(np.abs(rk).max()), "new K")
+        assert_dtype_bound(
+            port_new, naive_k[layer], rk[:, 0, c0:], dtype, float(np.abs(rk).max()), "new K"
+        )
 
 
 # --- dispatch, pieces and refusals ---------------------------------------------------------------
@@ -309,7 +345,9 @@ def test_a_uniform_batch_never_takes_the_gathered_rope_path():
         reset_rope_path_stats()
         port_model("ratios_0_4").forward(torch.tensor([[5, 6]] * 3), cache)
         other = "gathered" if path == "uniform" else "uniform"
-        assert rope_path_stats[path] == 3 * MODEL.n_layers and rope_path_stats[other] == 0  # q, k, inverse o
+        assert (
+            rope_path_stats[path] == 3 * MODEL.n_layers and rope_path_stats[other] == 0
+        )  # q, k, inverse o
 
 
 @given(lens=corner_lengths(1, 5, 60, boundaries=False), seed=st.integers(0, 2**32 - 1))
@@ -338,7 +376,9 @@ def test_attention_on_pool_rows_equals_in_place_attention_on_those_rows(pool, t_
     `dsv4_attention_in_place` on a cache holding just those rows, bit for bit."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     lens = [n + t_q for n in pool]
-    rows = data.draw(st.lists(st.integers(0, len(lens) - 1), min_size=1, max_size=len(lens), unique=True))
+    rows = data.draw(
+        st.lists(st.integers(0, len(lens) - 1), min_size=1, max_size=len(lens), unique=True)
+    )
     kv = RaggedKv.from_rows([to_port(rng.standard_normal((1, n, 8))) for n in lens],
                             [to_port(rng.standard_normal((1, n, 8))) for n in lens], 4096)
     sub = RaggedKv(kv.k[rows], kv.v[rows], kv.lens[rows], 4096)
@@ -351,10 +391,16 @@ def test_attention_on_pool_rows_equals_in_place_attention_on_those_rows(pool, t_
 
 
 def test_attention_on_pool_rows_refuses_a_row_shorter_than_its_queries():
-    kv = RaggedKv(torch.zeros((3, 1, 8, 4), dtype=torch.float64), torch.zeros((3, 1, 8, 4), dtype=torch.float64),
-                  torch.tensor([5, 1, 7]), 4096)
+    kv = RaggedKv(
+        torch.zeros((3, 1, 8, 4), dtype=torch.float64),
+        torch.zeros((3, 1, 8, 4), dtype=torch.float64),
+        torch.tensor([5, 1, 7]),
+        4096,
+    )
     with pytest.raises(MaskRefusal, match="2 query rows against only 1 keys"):
-        port.dsv4_attention_rows(torch.zeros((2, 1, 2, 4), dtype=torch.float64), kv, torch.tensor([2, 1]), None, 0, 4)
+        port.dsv4_attention_rows(
+            torch.zeros((2, 1, 2, 4), dtype=torch.float64), kv, torch.tensor([2, 1]), None, 0, 4
+        )
 
 
 def test_forward_refuses_inconsistent_layouts_and_tokens():
@@ -393,10 +439,13 @@ def test_forward_captures_the_pre_norm_hidden_at_every_rows_own_offset():
     offsets, hidden = cap.take()
     assert offsets.values == (6, 4)
     assert_bit_exact(hidden, f.hidden, "captured hidden")
-    assert not torch.equal(port.rms_norm(f.hidden, port_model("ratios_0_4").norm, MODEL.cfg.eps), f.hidden)
+    assert not torch.equal(
+        port.rms_norm(f.hidden, port_model("ratios_0_4").norm, MODEL.cfg.eps), f.hidden
+    )
 
 
-# --- the MTP block -----------------------------------------------------------------------------------
+# --- the MTP block
+# -----------------------------------------------------------------------------------
 
 
 def ref_draft_cache(n: int, rng) -> tuple[KvCache, np.ndarray, np.ndarray]:
@@ -410,7 +459,9 @@ def test_fuse_and_logits_match_the_reference():
     rng = np.random.default_rng(5)
     h, toks = rng.standard_normal((3, 2, 32)), rng.integers(0, 64, (3, 2))
     block = port_model("ratios_0_4").mtp
-    assert_close64(block.fuse(to_port(h), torch.from_numpy(toks)), MODEL.mtp.fuse(h, toks), what="fuse")
+    assert_close64(
+        block.fuse(to_port(h), torch.from_numpy(toks)), MODEL.mtp.fuse(h, toks), what="fuse"
+    )
     assert_close64(block.logits(to_port(h)), MODEL.mtp.logits(h), what="mtp logits")
     with pytest.raises(ValueError, match="disagree"):
         block.fuse(to_port(h), torch.from_numpy(toks[:, :1]))
@@ -453,12 +504,21 @@ def test_the_mtp_step_refuses_what_the_reference_refuses_and_a_per_row_desync():
         block.forward_step_rows(fused, [7, 4, 4], kv)
     with pytest.raises(DispatchRefusal, match="given no absolute position at all"):
         block.forward_step_rows(fused, [], kv)
-    with pytest.raises(DispatchRefusal, match="cache holds 7 entries but the step's rows end at absolute position 6"):
+    with pytest.raises(
+        DispatchRefusal,
+        match="cache holds 7 entries but the step's rows end at absolute position 6",
+    ):
         block.forward_step_rows(fused, [6, 4], kv)
     # port only: the max agrees but a row's own length is not its start
-    with pytest.raises(DispatchRefusal, match="draft row 1 holds 4 entries but its step starts at absolute position 3"):
+    with pytest.raises(
+        DispatchRefusal,
+        match="draft row 1 holds 4 entries but its step starts at absolute position 3",
+    ):
         block.forward_step_rows(fused, [7, 3], kv)
-    with pytest.raises(DispatchRefusal, match="draft row 1 holds 4 entries but its step starts at absolute position 7"):
+    with pytest.raises(
+        DispatchRefusal,
+        match="draft row 1 holds 4 entries but its step starts at absolute position 7",
+    ):
         block.forward_step(fused, 7, kv)
     assert kv.lens.tolist() == [7, 4]  # refused before anything was appended
     block.forward_step_rows(fused, [7, 4], kv)

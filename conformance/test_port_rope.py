@@ -19,8 +19,15 @@ from hypothesis import strategies as st
 import raggedspec.gpu.rope as port
 import raggedspec.reference.rope as ref
 from raggedspec.conformance.strategies import corner_lengths, uniform_lengths
-from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, host,
-                         representable, to_port)
+from raggedspec.gpu.testing import (
+    DEVICE,
+    assert_bit_exact,
+    assert_close64,
+    assert_dtype_bound,
+    host,
+    representable,
+    to_port,
+)
 
 THETA = 10000.0
 
@@ -39,10 +46,15 @@ def rope_case(draw, max_offset: int = 1100):
     return rng.normal(size=(b, h, t, d)), offsets, rope_dims
 
 
-@given(positions=st.lists(st.integers(0, 5000), max_size=12), rope_dims=st.sampled_from([2, 4, 8, 64]),
-       theta=st.sampled_from([10000.0, 160000.0, 3.0]))
+@given(
+    positions=st.lists(st.integers(0, 5000), max_size=12),
+    rope_dims=st.sampled_from([2, 4, 8, 64]),
+    theta=st.sampled_from([10000.0, 160000.0, 3.0]),
+)
 def test_cos_sin_tables_match_the_reference(positions, rope_dims, theta):
-    cos, sin = port.rope_cos_sin(torch.tensor(positions, dtype=torch.int64, device=DEVICE), rope_dims, theta)
+    cos, sin = port.rope_cos_sin(
+        torch.tensor(positions, dtype=torch.int64, device=DEVICE), rope_dims, theta
+    )
     want_cos, want_sin = ref.rope_cos_sin(np.asarray(positions, dtype=np.int64), rope_dims, theta)
     assert_close64(cos, want_cos, what="cos")
     assert_close64(sin, want_sin, what="sin")
@@ -52,8 +64,14 @@ def test_cos_sin_tables_match_the_reference(positions, rope_dims, theta):
 @given(case=rope_case(), inverse=st.booleans())
 def test_float64_rope_matches_the_reference(use_table, case, inverse):
     x, offsets, rope_dims = case
-    table = port.RopeTable(rope_dims, THETA, max(offsets) + x.shape[2], device=DEVICE) if use_table else None
-    got = port.apply_rope(to_port(x), torch.tensor(offsets, device=DEVICE), rope_dims, THETA, inverse, table)
+    table = (
+        port.RopeTable(rope_dims, THETA, max(offsets) + x.shape[2], device=DEVICE)
+        if use_table
+        else None
+    )
+    got = port.apply_rope(
+        to_port(x), torch.tensor(offsets, device=DEVICE), rope_dims, THETA, inverse, table
+    )
     assert_close64(got, ref.apply_rope(x, offsets, rope_dims, THETA, inverse), what="apply_rope")
     # the leading (non-rotated) dims are moved, not computed: bit-exact
     assert_bit_exact(got[..., : x.shape[3] - rope_dims], x[..., : x.shape[3] - rope_dims])
@@ -92,7 +110,9 @@ def test_low_precision_rope_is_within_twice_the_naive_error(dtype, case):
 def test_inverse_undoes_the_rotation(case):
     x, offsets, rope_dims = case
     t = to_port(x)
-    back = port.apply_rope(port.apply_rope(t, offsets, rope_dims, THETA), offsets, rope_dims, THETA, inverse=True)
+    back = port.apply_rope(
+        port.apply_rope(t, offsets, rope_dims, THETA), offsets, rope_dims, THETA, inverse=True
+    )
     assert_close64(back, x, what="inverse(rope(x))")
 
 
@@ -122,8 +142,13 @@ def test_compressed_key_positions_and_rotation_match_the_reference(t_c, ratio, s
     assert host(positions).tolist() == ref.compressed_key_positions(t_c, ratio)
     x = np.random.default_rng(seed).normal(size=(2, 1, t_c, 8))
     got = port.apply_rope_at_positions(to_port(x), positions, 4, 160000.0, inverse)
-    assert_close64(got, ref.apply_rope_at_positions(x, ref.compressed_key_positions(t_c, ratio), 4, 160000.0,
-                                                    inverse), what="apply_rope_at_positions")
+    assert_close64(
+        got,
+        ref.apply_rope_at_positions(
+            x, ref.compressed_key_positions(t_c, ratio), 4, 160000.0, inverse
+        ),
+        what="apply_rope_at_positions",
+    )
 
 
 def test_bad_offsets_are_malformed_for_both():

@@ -29,11 +29,16 @@ def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
 def test_plan_step_window_matches_the_reference(data):
     n = data.draw(st.integers(0, 8))
     w = data.draw(st.integers(1, 9))
-    cache = data.draw(st.lists(st.one_of(st.integers(0, 2), st.integers(0, 600)), min_size=n, max_size=n))
+    cache = data.draw(
+        st.lists(st.one_of(st.integers(0, 2), st.integers(0, 600)), min_size=n, max_size=n)
+    )
     # mostly u in [1, w] (ok hinges on the u == w and C + u == 2 edges), sometimes anything
     step = st.integers(1, w) if data.draw(st.booleans()) else st.integers(-2, w + 2)
     toks = [max(c + data.draw(step), 0) for c in cache]
-    got, want = port.plan_step_window(vec(cache), vec(toks), w), ref.plan_step_window(cache, toks, w)
+    got, want = (
+        port.plan_step_window(vec(cache), vec(toks), w),
+        ref.plan_step_window(cache, toks, w),
+    )
     assert as_list(got.uncached) == want.uncached and got.ok is want.ok
 
 
@@ -52,7 +57,7 @@ def test_batched_verify_equals_the_reference_row_by_row(block):
     proposed, target = block
     got = port.verify_proposed(padded(proposed, -7), padded(target, -9),
                                vec(len(p) for p in proposed), vec(len(t) for t in target))
-    for i, (p, t) in enumerate(zip(proposed, target)):
+    for i, (p, t) in enumerate(zip(proposed, target, strict=False)):
         want = ref.verify_proposed(p, t)
         assert int(got.accepted[i]) == len(want.accepted)
         assert bool(got.rejected[i]) == (want.rejection is not None)
@@ -79,7 +84,9 @@ def test_budget_and_clamp_match_the_reference(accepted, data, max_seq_len):
     budgets = port.token_budget(max_seq_len, vec(toks))
     assert as_list(budgets) == [ref.token_budget(max_seq_len, t) for t in toks]
     clamped = port.budget_clamp(vec(accepted), budgets)
-    assert as_list(clamped) == [ref.budget_clamp(a, b) for a, b in zip(accepted, as_list(budgets))]
+    assert as_list(clamped) == [
+        ref.budget_clamp(a, b) for a, b in zip(accepted, as_list(budgets), strict=False)
+    ]
 
 
 @given(step=accept_steps())
@@ -88,7 +95,10 @@ def test_advance_plans_match_the_reference(step):
     cohort, want_c = port.plan_batch_step(vec(u), vec(a), w), ref.plan_batch_step(u, a, w)
     assert (int(cohort.keep), int(cohort.n_drop), as_list(cohort.next_uncached)) == \
         (want_c.keep, want_c.n_drop, want_c.next_uncached)
-    per, want_p = port.plan_per_sequence_step(vec(u), vec(a), w), ref.plan_per_sequence_step(u, a, w)
+    per, want_p = (
+        port.plan_per_sequence_step(vec(u), vec(a), w),
+        ref.plan_per_sequence_step(u, a, w),
+    )
     assert (as_list(per.committed), as_list(per.dropped), as_list(per.next_uncached)) == \
         (want_p.committed, want_p.dropped, want_p.next_uncached)
     assert int(cohort.keep) == int(per.committed.min())
@@ -102,7 +112,10 @@ def test_advance_plans_off_the_reachable_domain_match_too(u, a, w):
     cohort, want = port.plan_batch_step(vec(u), vec(a), w), ref.plan_batch_step(u, a, w)
     assert (int(cohort.keep), int(cohort.n_drop), as_list(cohort.next_uncached)) == \
         (want.keep, want.n_drop, want.next_uncached)
-    per, want_p = port.plan_per_sequence_step(vec(u), vec(a), w), ref.plan_per_sequence_step(u, a, w)
+    per, want_p = (
+        port.plan_per_sequence_step(vec(u), vec(a), w),
+        ref.plan_per_sequence_step(u, a, w),
+    )
     assert (as_list(per.committed), as_list(per.dropped)) == (want_p.committed, want_p.dropped)
 
 
@@ -123,6 +136,8 @@ def test_rollback_count_and_verify_row_match_the_reference(block, n_proposed):
     n = n_proposed[: len(proposed)]
     drop = port.n_cache_positions_to_drop(vec(n), got.commit_len)
     assert as_list(drop) == [ref.n_cache_positions_to_drop(k, ref.verify_proposed(p, t))
-                             for k, p, t in zip(n, proposed, target)]
+                             for k, p, t in zip(n, proposed, target, strict=False)]
     us = vec(range(1, 10))
-    assert as_list(port.window_verify_row(us, 2)) == [ref.window_verify_row(u, 2) for u in range(1, 10)]
+    assert as_list(port.window_verify_row(us, 2)) == [
+        ref.window_verify_row(u, 2) for u in range(1, 10)
+    ]

@@ -28,8 +28,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import raggedspec.gpu.xs_rolling as port
-from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_dtype_bound, assert_same_refusal, host,
-                         outcome, representable, to_port)
+from raggedspec.gpu.testing import (
+    DEVICE,
+    assert_bit_exact,
+    assert_close64,
+    assert_dtype_bound,
+    assert_same_refusal,
+    host,
+    outcome,
+    representable,
+    to_port,
+)
 from raggedspec.reference import xs_rolling as ref
 from raggedspec.reference.errors import CacheRefusal
 
@@ -46,7 +55,9 @@ def scratch_blocks(h: np.ndarray, ratio: int) -> np.ndarray:
 def assert_same_state(p: port.XsRolling, r: ref.XsRolling, what: str = "") -> None:
     """Port state == reference state: integers equal, tail bit-exact, comp within 1e-12."""
     q = p.to_reference()
-    assert (q.tokens, q.base) == (r.tokens, r.base), f"{what}: tokens/base {q.tokens, q.base} != {r.tokens, r.base}"
+    assert (q.tokens, q.base) == (r.tokens, r.base), (
+        f"{what}: tokens/base {q.tokens, q.base} != {r.tokens, r.base}"
+    )
     assert (p.current_seq_len, p.comp_seq_len) == (r.current_seq_len, r.comp_seq_len)
     assert (q.tail is None) == (r.tail is None)
     if r.tail is not None:
@@ -81,7 +92,9 @@ def plan_case(draw):
     ratio = draw(st.sampled_from(RATIOS))
     span = draw(st.sampled_from([1, 2, ref.span_groups_for(ratio)]))
     margin = draw(st.sampled_from([0, 4, 16]))
-    window = draw(st.sampled_from([span * ratio + margin, span * ratio + margin + 7, max(1, ratio - 1), 8]))
+    window = draw(
+        st.sampled_from([span * ratio + margin, span * ratio + margin + 7, max(1, ratio - 1), 8])
+    )
     b = draw(st.integers(1, 6))
     tokens = draw(st.lists(st.integers(0, 400), min_size=b, max_size=b))
     base = [draw(st.one_of(st.integers(max(0, t - window), t), st.integers(0, t))) for t in tokens]
@@ -98,9 +111,20 @@ def test_plan_xs_advance_matches_the_reference_including_refusals(case):
         want = outcome(ref.plan_xs_advance, tokens, base, window, t_new, ratio, span, margin)
     except ValueError:
         with pytest.raises(ValueError, match="base .* must be in"):
-            port.plan_xs_advance(torch.tensor(tokens), torch.tensor(base), window, t_new, ratio, span, margin)
+            port.plan_xs_advance(
+                torch.tensor(tokens), torch.tensor(base), window, t_new, ratio, span, margin
+            )
         return
-    got = outcome(port.plan_xs_advance, torch.tensor(tokens), torch.tensor(base), window, t_new, ratio, span, margin)
+    got = outcome(
+        port.plan_xs_advance,
+        torch.tensor(tokens),
+        torch.tensor(base),
+        window,
+        t_new,
+        ratio,
+        span,
+        margin,
+    )
     if assert_same_refusal(got, want, "plan_xs_advance"):
         assert got[1].reference_rows() == want[1].rows
         assert host(got[1].dest).tolist() == [r.dest for r in want[1].rows]
@@ -111,23 +135,52 @@ def test_plan_xs_advance_worked_rows_on_the_port():
     61 (base 40) + 9; ratio 128 tok 250 (base 128) + 9; and the two refusals."""
     rows = port.plan_xs_advance([13, 61, 13], [0, 40, 0], 24, 5, 4, 2, 16).reference_rows()
     p = rows[0]
-    assert (p.tokens_after, p.g_done, p.g_target, p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == \
-        (18, 3, 4, 8, 19, 8, 1, 3, 0)
+    assert (
+        p.tokens_after,
+        p.g_done,
+        p.g_target,
+        p.need_start,
+        p.off,
+        p.length,
+        p.take,
+        p.dest,
+        p.base_after,
+    ) == (18, 3, 4, 8, 19, 8, 1, 3, 0)
     p = port.plan_xs_advance([61], [40], 24, 9, 4, 2, 16).reference_rows()[0]
     assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (56, 19, 12, 2, 15, 48)
     p = port.plan_xs_advance([13], [0], 24, 2, 4, 2, 16).reference_rows()[0]
     assert (p.take, p.need_start, p.off, p.length, p.tokens_after) == (0, None, None, None, 15)
     p = port.plan_xs_advance([250], [128], 144, 9, 128, 1, 16).reference_rows()[0]
-    assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (128, 22, 128, 1, 1, 128)
-    with pytest.raises(CacheRefusal, match="compressor history gap: row 1 needs token 56 .* base 60"):
+    assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (
+        128,
+        22,
+        128,
+        1,
+        1,
+        128,
+    )
+    with pytest.raises(
+        CacheRefusal, match="compressor history gap: row 1 needs token 56 .* base 60"
+    ):
         port.plan_xs_advance([13, 61], [0, 60], 24, 3, 4, 2, 16)
     with pytest.raises(CacheRefusal, match="run of 20 tokens .* does not fit the window of 8"):
         port.plan_xs_advance([0], [0], 8, 40, 4, 2, 16)
 
 
-# --- §17.2 mtp_verify_rollback_restores_the_compressor_rows_exactly --------------------------------
+# --- §17.2 mtp_verify_rollback_restores_the_compressor_rows_exactly
+# --------------------------------
 
-SHAPES = [(1, 1), (2, 1), (2, 2), (3, 2), (4, 1), (5, 5), (6, 3), (8, 2), (9, 9)]  # (w = depth+1, commit)
+SHAPES = [
+    (1, 1),
+    (2, 1),
+    (2, 2),
+    (3, 2),
+    (4, 1),
+    (5, 5),
+    (6, 3),
+    (8, 2),
+    (9, 9),
+]  # (w = depth+1, commit)
 SPEC_PREFILLS = [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
 
 
@@ -151,7 +204,11 @@ def test_mtp_verify_rollback_restores_the_compressor_rows_exactly_on_the_port(ra
             crossed += p.comp_seq_len > (committed + commit) // ratio
             assert both(p, r, "set_len", p.current_seq_len - (w - commit))
             assert p.current_seq_len == committed + commit
-            assert_close64(p.row_comp(0), scratch_blocks(truth[: committed + commit], ratio), what="rolled back")
+            assert_close64(
+                p.row_comp(0),
+                scratch_blocks(truth[: committed + commit], ratio),
+                what="rolled back",
+            )
             assert both(p, r, "append_rows", truth[None, committed + commit:])
             assert_close64(p.row_comp(0), scratch_blocks(truth, ratio), what="onward")
             assert_bit_exact(p.row_history(0), truth[int(p.base[0]):], "history")
@@ -167,7 +224,7 @@ def test_a_ragged_batch_rolls_each_row_back_to_its_own_commit_on_the_port(ratio,
     for w, _ in SHAPES:
         truths = [rng.standard_normal((n + 2 * w, D)) for n in prefills]
         solos = []
-        for n, h in zip(prefills, truths):
+        for n, h in zip(prefills, truths, strict=False):
             solo = ref.XsRolling(ratio)
             solo.append_rows(h[None, :n])
             solos.append(solo)
@@ -176,15 +233,23 @@ def test_a_ragged_batch_rolls_each_row_back_to_its_own_commit_on_the_port(ratio,
         assert_same_state(p, r, "from_reference")
         commits = [1 + (i * 3 + w) % w for i in range(len(prefills))]
         block = np.stack([np.concatenate([h[n: n + c], rng.standard_normal((w - c, D)) - 40])
-                          for n, h, c in zip(prefills, truths, commits)])
+                          for n, h, c in zip(prefills, truths, commits, strict=False)])
         assert both(p, r, "append_rows", block)
-        assert both(p, r, "set_row_lens", [n + c for n, c in zip(prefills, commits)])
-        assert both(p, r, "append_rows", np.stack([h[n + c: n + c + w] for n, c, h in zip(prefills, commits, truths)]))
-        for i, (n, c, h) in enumerate(zip(prefills, commits, truths)):
+        assert both(p, r, "set_row_lens", [n + c for n, c in zip(prefills, commits, strict=False)])
+        assert both(
+            p,
+            r,
+            "append_rows",
+            np.stack(
+                [h[n + c : n + c + w] for n, c, h in zip(prefills, commits, truths, strict=False)]
+            ),
+        )
+        for i, (n, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
             assert_close64(p.row_comp(i), scratch_blocks(h[: n + c + w], ratio), what=f"row {i}")
 
 
-# --- random ragged feeds, rollbacks and refusals ------------------------------------------------------
+# --- random ragged feeds, rollbacks and refusals
+# ------------------------------------------------------
 
 
 @given(data=st.data())
@@ -208,7 +273,10 @@ def test_random_ragged_feeds_rollbacks_and_refusals_match_the_reference(data):
     p = port.XsRolling.from_reference(r, device=DEVICE)
     for _ in range(data.draw(st.integers(1, 6))):
         both(p, r, "append_rows", rng.standard_normal((b, data.draw(st.integers(0, 12)), 2)))
-        lens = [max(0, t - data.draw(st.integers(0, ref.XS_TAIL_MARGIN_TOKENS + 2 * ratio))) for t in r.tokens]
+        lens = [
+            max(0, t - data.draw(st.integers(0, ref.XS_TAIL_MARGIN_TOKENS + 2 * ratio)))
+            for t in r.tokens
+        ]
         if data.draw(st.integers(0, 5)) == 0:
             i = data.draw(st.integers(0, b - 1))
             lens[i] = r.tokens[i] + 1
@@ -226,7 +294,11 @@ def test_length_setter_and_append_refusals_match_the_reference_messages():
     r.append_rows(h)
     p = port.XsRolling.from_reference(r)
     assert p.base.tolist() == [40]
-    for length, pattern in ((62, "past the 61 tokens"), (39, "behind base 40"), (43, "resume point 36, behind base 40")):
+    for length, pattern in (
+        (62, "past the 61 tokens"),
+        (39, "behind base 40"),
+        (43, "resume point 36, behind base 40"),
+    ):
         assert not both(p, r, "set_len", length)
         with pytest.raises(CacheRefusal, match=pattern):
             p.try_set_len(length)
@@ -252,7 +324,10 @@ def test_length_setter_and_append_refusals_match_the_reference_messages():
     # hand-set states, unreachable by appends (bases are multiples of the ratio; tokens <=
     # base + W), to pin the two last checks: a resume point one token behind base 37, and
     # a length past base 30 + W 24
-    for hand_base, length, pattern in ((37, 43, "resume point 36, behind base 37"), (30, 55, "base 30 [+] window 24 < length 55")):
+    for hand_base, length, pattern in (
+        (37, 43, "resume point 36, behind base 37"),
+        (30, 55, "base 30 [+] window 24 < length 55"),
+    ):
         odd = ref.XsRolling(4)
         odd.append_rows(h)
         odd.base = [hand_base]
@@ -260,11 +335,14 @@ def test_length_setter_and_append_refusals_match_the_reference_messages():
         po = port.XsRolling.from_reference(odd)
         with pytest.raises(CacheRefusal, match=pattern):
             po.set_row_lens([length])
-        assert not assert_same_refusal(outcome(po.set_row_lens, [length]), outcome(odd.set_row_lens, [length]))
+        assert not assert_same_refusal(
+            outcome(po.set_row_lens, [length]), outcome(odd.set_row_lens, [length])
+        )
         assert po.tokens.tolist() == odd.tokens == [61]
 
 
-# --- dtypes -------------------------------------------------------------------------------------------
+# --- dtypes
+# -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -292,12 +370,24 @@ def test_low_precision_tail_is_bit_exact_and_comp_within_the_naive_bound(dtype, 
         for k in range(1, ratio):
             acc = acc + rows[j * ratio + k]
         naive[j] = acc / ratio
-    assert_dtype_bound(p.row_comp(0), naive, r.row_comp(0), dtype, float(np.abs(fed).max()) if fed.size else 1.0,
-                       "comp")
+    assert_dtype_bound(
+        p.row_comp(0),
+        naive,
+        r.row_comp(0),
+        dtype,
+        float(np.abs(fed).max()) if fed.size else 1.0,
+        "comp",
+    )
 
 
 def test_compress_blocks_matches_the_reference():
     x = np.random.default_rng(0).standard_normal((2, 3, 19, 4))
     for ratio in (1, 4, 128):
-        assert_close64(port.compress_blocks(to_port(x), ratio), ref.compress_blocks(x, ratio), what="compress_blocks")
-    assert port.compress_blocks(to_port(np.arange(10.0).reshape(1, 10, 1)), 4).tolist() == [[[1.5], [5.5]]]
+        assert_close64(
+            port.compress_blocks(to_port(x), ratio),
+            ref.compress_blocks(x, ratio),
+            what="compress_blocks",
+        )
+    assert port.compress_blocks(to_port(np.arange(10.0).reshape(1, 10, 1)), 4).tolist() == [
+        [[1.5], [5.5]]
+    ]

@@ -16,7 +16,12 @@ def table_rows():
     rows = []
     for line in RULES.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and line.startswith("|") and not set(cells[0]) <= set("-: ") and cells[0] != "rule":
+        if (
+            len(cells) == 4
+            and line.startswith("|")
+            and not set(cells[0]) <= set("-: ")
+            and cells[0] != "rule"
+        ):
             rows.append(cells)
     return rows
 
@@ -94,7 +99,11 @@ def test_unmodelled_rules_say_why():
 
 
 def spec_names() -> list[str]:
-    return [l.strip() for l in SPEC_NAMES.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    return [
+        line.strip()
+        for line in SPEC_NAMES.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def test_every_rule_the_spec_names_is_listed():
@@ -114,8 +123,14 @@ def test_the_name_list_covers_the_spec_headings():
         for line in path.read_text().splitlines():
             if re.match(r"^#{2,4} \d", line):
                 heading_names.update(re.findall(r"`([A-Za-z_][\w:]*)", line))
-    ignored = {"step", "tests", "describes", "the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches",
-               "NormalCacheManager::clone_in_cache", "Attention::apply_rope_inplace"}
+    ignored = {
+        "step",
+        "tests",
+        "describes",
+        "the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches",
+        "NormalCacheManager::clone_in_cache",
+        "Attention::apply_rope_inplace",
+    }
     assert heading_names - names - ignored == set()
     assert found_spec or names, "neither the spec nor the vendored name list is available"
 
@@ -123,51 +138,74 @@ def test_the_name_list_covers_the_spec_headings():
 # cache-and-draft §17.2, every test of the table, with the spec's shorthand expanded
 # ("`verify_proposed_lossless_contract` / `_all_accepted`" -> verify_proposed_all_accepted;
 # "`try_wrap_…_depth_zero_is_noop`" -> try_wrap_pipeline_with_mtp_depth_zero_is_noop).
-SECTION_17_2_TESTS = """
-mtp_decode_kit_step_shape mtp_tail_is_floored_at_int8 argmax_token_picks_max
-propose_chain_returns_depth_tokens propose_chain_respects_max_tokens_cap acceptance_counters_increment
-acceptance_rate_moves_to_one_on_all_accept_and_zero_on_all_reject
-per_position_acceptance_separates_profiles_the_aggregate_cannot
-per_position_acceptance_is_on_the_marker_and_the_report positions_beyond_the_cap_are_flagged_not_hidden
-skipped_draft_steps_count_as_steps_and_pull_the_multiplier_to_one
-acceptance_logging_is_on_unless_explicitly_disabled acceptance_report_fires_once_per_log_period
-acceptance_report_states_the_counted_ratio acceptance_logger_fires_from_the_record_path_only_when_gated_on
-verify_proposed_lossless_contract verify_proposed_all_accepted verify_proposed_immediate_rejection
-cache_truncation_restores_decode_invariant cache_truncation_rejection_off_by_one_pinned
-argmax_logits_per_row_extracts_tail_rows argmax_logits_per_row_handles_batch_dim
-speculative_mtp_v4_verify_accepts_at_least_40pct speculative_mtp_v4_propose_verify_loop_is_consistent
-a_temperature_request_does_not_take_the_mtp_path a_sequence_that_may_not_draft_is_in_no_draft_group
-a_non_drafting_sequence_accounts_as_plain_decode try_wrap_pipeline_with_mtp_depth_zero_is_noop
-try_wrap_pipeline_with_mtp_no_kit_falls_back try_wrap_pipeline_with_mtp_engages_wrapper
-the_capability_probe_names_the_slot_that_cannot_carry_its_own_length
-the_mask_capability_passes_for_v4_and_still_refuses_for_everyone_else
-a_fully_capable_v4_cache_is_still_refused_and_now_names_the_scheduler
-the_draft_chain_capability_passes_for_v4_and_still_refuses_for_everyone_else
-the_draft_chain_check_is_implied_by_the_mask_check_today
-a_uniform_batch_never_reaches_the_per_row_step_arithmetic the_per_row_step_arithmetic_is_opt_in
-a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name
-per_row_lengths_are_what_keep_a_ragged_cohorts_tails_inside_the_window
-the_window_invariant_is_what_keeps_the_verify_slice_in_range
-the_draft_group_partition_stops_collapsing_once_the_rows_carry_their_own_positions
-a_uniform_draft_group_never_reaches_the_ragged_chain_path
-the_draft_leads_are_the_distance_to_the_groups_widest_row
-the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_do_not
-the_group_key_and_the_per_row_chain_start_are_the_same_expression
-the_window_invariant_is_unchanged_for_a_uniform_batch both_plans_agree_on_what_each_sequence_can_vouch_for
-per_sequence_advance_never_lets_a_tail_ratchet_at_b128 per_sequence_advance_is_token_identical_to_the_b1_reference
-the_two_advance_rules_are_identical_at_batch_one per_sequence_plan_ignores_every_other_sequence
-tok_per_step_at_b128_is_bounded_by_the_cohort_rule_and_freed_by_the_per_sequence_rule
-batched_window_invariant_closes_at_every_depth_and_accept_pattern
-batched_ragged_accept_is_token_identical_to_the_b1_reference batched_rollback_mutation_max_instead_of_min_is_caught
-window_verify_row_off_by_one_destroys_acceptance batched_acceptance_is_reported_per_batch_size
-plan_batch_step_keeps_only_what_every_sequence_can_prove
-a_ragged_draft_group_is_left_aligned_where_the_old_path_refused_it
-the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches
-a_uniform_draft_group_round_trips_through_the_batched_cache_unchanged
-front_align_draft_group_refuses_a_mismatched_or_over_long_group
-the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_layout ragged_row_q0_is_opt_in
-mtp_verify_rollback_restores_the_compressor_rows_exactly mtp_depth_cap_stays_within_the_retained_rollback_margin
-""".split()
+SECTION_17_2_TESTS = [
+    "mtp_decode_kit_step_shape",
+    "mtp_tail_is_floored_at_int8",
+    "argmax_token_picks_max",
+    "propose_chain_returns_depth_tokens",
+    "propose_chain_respects_max_tokens_cap",
+    "acceptance_counters_increment",
+    "acceptance_rate_moves_to_one_on_all_accept_and_zero_on_all_reject",
+    "per_position_acceptance_separates_profiles_the_aggregate_cannot",
+    "per_position_acceptance_is_on_the_marker_and_the_report",
+    "positions_beyond_the_cap_are_flagged_not_hidden",
+    "skipped_draft_steps_count_as_steps_and_pull_the_multiplier_to_one",
+    "acceptance_logging_is_on_unless_explicitly_disabled",
+    "acceptance_report_fires_once_per_log_period",
+    "acceptance_report_states_the_counted_ratio",
+    "acceptance_logger_fires_from_the_record_path_only_when_gated_on",
+    "verify_proposed_lossless_contract",
+    "verify_proposed_all_accepted",
+    "verify_proposed_immediate_rejection",
+    "cache_truncation_restores_decode_invariant",
+    "cache_truncation_rejection_off_by_one_pinned",
+    "argmax_logits_per_row_extracts_tail_rows",
+    "argmax_logits_per_row_handles_batch_dim",
+    "speculative_mtp_v4_verify_accepts_at_least_40pct",
+    "speculative_mtp_v4_propose_verify_loop_is_consistent",
+    "a_temperature_request_does_not_take_the_mtp_path",
+    "a_sequence_that_may_not_draft_is_in_no_draft_group",
+    "a_non_drafting_sequence_accounts_as_plain_decode",
+    "try_wrap_pipeline_with_mtp_depth_zero_is_noop",
+    "try_wrap_pipeline_with_mtp_no_kit_falls_back",
+    "try_wrap_pipeline_with_mtp_engages_wrapper",
+    "the_capability_probe_names_the_slot_that_cannot_carry_its_own_length",
+    "the_mask_capability_passes_for_v4_and_still_refuses_for_everyone_else",
+    "a_fully_capable_v4_cache_is_still_refused_and_now_names_the_scheduler",
+    "the_draft_chain_capability_passes_for_v4_and_still_refuses_for_everyone_else",
+    "the_draft_chain_check_is_implied_by_the_mask_check_today",
+    "a_uniform_batch_never_reaches_the_per_row_step_arithmetic",
+    "the_per_row_step_arithmetic_is_opt_in",
+    "a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name",
+    "per_row_lengths_are_what_keep_a_ragged_cohorts_tails_inside_the_window",
+    "the_window_invariant_is_what_keeps_the_verify_slice_in_range",
+    "the_draft_group_partition_stops_collapsing_once_the_rows_carry_their_own_positions",
+    "a_uniform_draft_group_never_reaches_the_ragged_chain_path",
+    "the_draft_leads_are_the_distance_to_the_groups_widest_row",
+    "the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_do_not",
+    "the_group_key_and_the_per_row_chain_start_are_the_same_expression",
+    "the_window_invariant_is_unchanged_for_a_uniform_batch",
+    "both_plans_agree_on_what_each_sequence_can_vouch_for",
+    "per_sequence_advance_never_lets_a_tail_ratchet_at_b128",
+    "per_sequence_advance_is_token_identical_to_the_b1_reference",
+    "the_two_advance_rules_are_identical_at_batch_one",
+    "per_sequence_plan_ignores_every_other_sequence",
+    "tok_per_step_at_b128_is_bounded_by_the_cohort_rule_and_freed_by_the_per_sequence_rule",
+    "batched_window_invariant_closes_at_every_depth_and_accept_pattern",
+    "batched_ragged_accept_is_token_identical_to_the_b1_reference",
+    "batched_rollback_mutation_max_instead_of_min_is_caught",
+    "window_verify_row_off_by_one_destroys_acceptance",
+    "batched_acceptance_is_reported_per_batch_size",
+    "plan_batch_step_keeps_only_what_every_sequence_can_prove",
+    "a_ragged_draft_group_is_left_aligned_where_the_old_path_refused_it",
+    "the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches",
+    "a_uniform_draft_group_round_trips_through_the_batched_cache_unchanged",
+    "front_align_draft_group_refuses_a_mismatched_or_over_long_group",
+    "the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_layout",
+    "ragged_row_q0_is_opt_in",
+    "mtp_verify_rollback_restores_the_compressor_rows_exactly",
+    "mtp_depth_cap_stays_within_the_retained_rollback_margin",
+]
 
 
 def spec_17_2_names() -> list[str] | None:

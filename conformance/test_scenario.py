@@ -9,8 +9,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.reference.acceptance import (AllAccept, AllReject, CheckedOracle, FileStream, Geometric, Heterogeneous,
-                                  ModelOracle, OracleError, Profile, key_hash, threshold)
+from raggedspec.reference.acceptance import (
+    AllAccept,
+    AllReject,
+    CheckedOracle,
+    FileStream,
+    Geometric,
+    Heterogeneous,
+    ModelOracle,
+    OracleError,
+    Profile,
+    key_hash,
+    threshold,
+)
 from raggedspec.reference.errors import ScenarioError
 from raggedspec.reference.scenario import Request, load_scenario, parse_acceptance
 from raggedspec.reference.step import verify_proposed
@@ -29,8 +40,10 @@ def test_defaults_load_and_round_trip_through_to_dict():
 
 def test_toml_and_json_files_load_the_same_scenario(tmp_path):
     toml = tmp_path / "s.toml"
-    toml.write_text('batch = 3\ndepth = 2\nprompt_len = [4, 9]\nacceptance = "profile:0.74,0.54,0.41"\n'
-                    '[model]\nvocab = 32\n')
+    toml.write_text(
+        'batch = 3\ndepth = 2\nprompt_len = [4, 9]\nacceptance = "profile:0.74,0.54,0.41"\n'
+        "[model]\nvocab = 32\n"
+    )
     js = tmp_path / "s.json"
     js.write_text(json.dumps({"batch": 3, "depth": 2, "prompt_len": [4, 9], "model": {"vocab": 32},
                               "acceptance": {"model": "profile", "p": [0.74, 0.54, 0.41]}}))
@@ -52,9 +65,15 @@ def test_the_generator_is_seeded_and_staggers_arrivals():
 
 
 def test_explicit_requests_and_overrides():
-    sc = load_scenario({"requests": [{"prompt_len": 5, "max_new_tokens": 7},
-                                     {"prompt_len": 6, "max_new_tokens": 8, "arrival": 2, "may_draft": False}]},
-                       ["depth=5", "model.vocab=16", 'world="WB"'])
+    sc = load_scenario(
+        {
+            "requests": [
+                {"prompt_len": 5, "max_new_tokens": 7},
+                {"prompt_len": 6, "max_new_tokens": 8, "arrival": 2, "may_draft": False},
+            ]
+        },
+        ["depth=5", "model.vocab=16", 'world="WB"'],
+    )
     assert sc.requests == (Request(5, 7, 0, True), Request(6, 8, 2, False))
     assert sc.depth == 5 and sc.model == {"vocab": 16} and sc.world == "WB"
     sc2 = load_scenario(None, {"batch": 2, "acceptance": "geometric:0.5", "acceptance.p": [0.25]})
@@ -114,20 +133,54 @@ def _accept_file(tmp_path, text, name="acc.json"):
     return str(path)
 
 
-@pytest.mark.parametrize("make, key, words", [
-    (lambda d: "file:/nonexistent/accepts.json", "acceptance.path", ["/nonexistent/accepts.json", "does not exist"]),
-    (lambda d: "file:" + str(d), "acceptance.path", ["is not a file"]),
-    (lambda d: "file:" + _accept_file(d, "[1,-2]"), "acceptance.path", ["acc.json", "[1, -2]", ">= 0"]),
-    (lambda d: "file:" + _accept_file(d, "[1, true]"), "acceptance.path", ["[1, True]", "integers"]),
-    (lambda d: "file:" + _accept_file(d, "[]"), "acceptance.path", ["non-empty"]),
-    (lambda d: "file:" + _accept_file(d, "not json"), "acceptance.path", ["acc.json", "not valid JSON"]),
-    (lambda d: "file:" + _accept_file(d, '{"x": [1]}'), "acceptance.path", ["'x'", "sequence id"]),
-    (lambda d: "file:" + _accept_file(d, '{"0": [1], "2": [0]}'), "acceptance.path",
-     ["no \"default\"", "[1]"]),
-    (lambda d: "oracle:nosuchmod_xyz:f", "acceptance.factory", ["nosuchmod_xyz:f", "cannot import"]),
-    (lambda d: "oracle:os:sep", "acceptance.factory", ["os:sep", "not callable"]),
-    (lambda d: "oracle:os:no_such_attr", "acceptance.factory", ["os:no_such_attr", "no attribute"]),
-])
+@pytest.mark.parametrize(
+    "make, key, words",
+    [
+        (
+            lambda d: "file:/nonexistent/accepts.json",
+            "acceptance.path",
+            ["/nonexistent/accepts.json", "does not exist"],
+        ),
+        (lambda d: "file:" + str(d), "acceptance.path", ["is not a file"]),
+        (
+            lambda d: "file:" + _accept_file(d, "[1,-2]"),
+            "acceptance.path",
+            ["acc.json", "[1, -2]", ">= 0"],
+        ),
+        (
+            lambda d: "file:" + _accept_file(d, "[1, true]"),
+            "acceptance.path",
+            ["[1, True]", "integers"],
+        ),
+        (lambda d: "file:" + _accept_file(d, "[]"), "acceptance.path", ["non-empty"]),
+        (
+            lambda d: "file:" + _accept_file(d, "not json"),
+            "acceptance.path",
+            ["acc.json", "not valid JSON"],
+        ),
+        (
+            lambda d: "file:" + _accept_file(d, '{"x": [1]}'),
+            "acceptance.path",
+            ["'x'", "sequence id"],
+        ),
+        (
+            lambda d: "file:" + _accept_file(d, '{"0": [1], "2": [0]}'),
+            "acceptance.path",
+            ['no "default"', "[1]"],
+        ),
+        (
+            lambda d: "oracle:nosuchmod_xyz:f",
+            "acceptance.factory",
+            ["nosuchmod_xyz:f", "cannot import"],
+        ),
+        (lambda d: "oracle:os:sep", "acceptance.factory", ["os:sep", "not callable"]),
+        (
+            lambda d: "oracle:os:no_such_attr",
+            "acceptance.factory",
+            ["os:no_such_attr", "no attribute"],
+        ),
+    ],
+)
 def test_bad_acceptance_files_and_factories_are_refused_at_load_time(tmp_path, make, key, words):
     """A missing or malformed accept file and an oracle factory that does not import or is
     not callable are configuration errors found by load_scenario, naming the key and the
@@ -140,26 +193,35 @@ def test_bad_acceptance_files_and_factories_are_refused_at_load_time(tmp_path, m
         assert w in msg, f"{w!r} not in {msg!r}"
 
 
-def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_every_request(tmp_path):
+def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_every_request(
+    tmp_path,
+):
     path = _accept_file(tmp_path, '{"0": [1], "1": [0, 2], "2": [3]}')
     assert load_scenario({"batch": 3, "acceptance": f"file:{path}"}).acceptance.path == path
     with pytest.raises(ScenarioError, match=r"sequence\(s\) \[3\]"):
         load_scenario({"batch": 4, "acceptance": f"file:{path}"})
 
 
-@pytest.mark.parametrize("value, key, words", [
-    ("profile:", "acceptance", ["'profile:'", "after the colon"]),
-    ("heterogeneous:", "acceptance", ["after the colon"]),
-    ("geometric:", "acceptance", ["after the colon"]),
-    ("profile", "acceptance.p", ["profile needs 1..=8", "got []"]),
-    ("heterogeneous", "acceptance.p", ["at least two", "got []"]),
-    ("heterogeneous:0.5", "acceptance.p", ["at least two", "geometric", "[0.5]"]),
-    ({"model": "profile"}, "acceptance.p", ["profile needs"]),
-    ({"model": "heterogeneous", "p": [0.2, 0.9], "p_range": [0.1, 0.2]}, "acceptance.p", ["not both"]),
-    ("profile:" + ",".join(["0.5"] * 9), "acceptance.p", ["1..=8"]),
-    ("all-accept:0.5", "acceptance", ["takes no argument"]),
-    ("geometric:0.5,0.6", "acceptance.p", ["exactly one"]),
-])
+@pytest.mark.parametrize(
+    "value, key, words",
+    [
+        ("profile:", "acceptance", ["'profile:'", "after the colon"]),
+        ("heterogeneous:", "acceptance", ["after the colon"]),
+        ("geometric:", "acceptance", ["after the colon"]),
+        ("profile", "acceptance.p", ["profile needs 1..=8", "got []"]),
+        ("heterogeneous", "acceptance.p", ["at least two", "got []"]),
+        ("heterogeneous:0.5", "acceptance.p", ["at least two", "geometric", "[0.5]"]),
+        ({"model": "profile"}, "acceptance.p", ["profile needs"]),
+        (
+            {"model": "heterogeneous", "p": [0.2, 0.9], "p_range": [0.1, 0.2]},
+            "acceptance.p",
+            ["not both"],
+        ),
+        ("profile:" + ",".join(["0.5"] * 9), "acceptance.p", ["1..=8"]),
+        ("all-accept:0.5", "acceptance", ["takes no argument"]),
+        ("geometric:0.5,0.6", "acceptance.p", ["exactly one"]),
+    ],
+)
 def test_a_probability_model_without_its_probabilities_is_refused(value, key, words):
     """`profile:` or `heterogeneous` with no probabilities no longer silently becomes
     [0.7]; heterogeneous needs two or more (one would be geometric)."""
@@ -173,13 +235,22 @@ def test_a_probability_model_without_its_probabilities_is_refused(value, key, wo
 
 def test_bare_geometric_is_the_documented_default_and_tables_round_trip():
     assert load_scenario({"acceptance": "geometric"}).acceptance.p == (0.7,)
-    for value in ("heterogeneous:0.2,0.9", {"model": "heterogeneous", "p_range": [0.3, 0.9]}, "all-accept",
-                  "profile:0.74,0.54,0.41"):
+    for value in (
+        "heterogeneous:0.2,0.9",
+        {"model": "heterogeneous", "p_range": [0.3, 0.9]},
+        "all-accept",
+        "profile:0.74,0.54,0.41",
+    ):
         sc = load_scenario({"acceptance": value})
         assert load_scenario(sc.to_dict()) == sc
-    assert load_scenario({"acceptance": "all-reject"}).to_dict()["acceptance"] == {"model": "all-reject"}
+    assert load_scenario({"acceptance": "all-reject"}).to_dict()["acceptance"] == {
+        "model": "all-reject"
+    }
     # a dotted override reaches into a string form without inventing probabilities
-    sc = load_scenario({"acceptance": {"model": "heterogeneous", "p_range": [0.3, 0.9]}}, ["acceptance.p_range=[0.1,0.2]"])
+    sc = load_scenario(
+        {"acceptance": {"model": "heterogeneous", "p_range": [0.3, 0.9]}},
+        ["acceptance.p_range=[0.1,0.2]"],
+    )
     assert sc.acceptance.p_range == (0.1, 0.2) and sc.acceptance.p == ()
 
 
@@ -187,7 +258,9 @@ def test_acceptance_shorthands():
     assert parse_acceptance("all-accept").model == "all-accept"
     assert parse_acceptance("heterogeneous:0.2,0.9").p == (0.2, 0.9)
     assert parse_acceptance("file:x.json").path == "x.json"
-    assert parse_acceptance("oracle:raggedspec.conformance.test_scenario:make_oracle").factory.endswith(":make_oracle")
+    assert parse_acceptance(
+        "oracle:raggedspec.conformance.test_scenario:make_oracle"
+    ).factory.endswith(":make_oracle")
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -204,12 +277,16 @@ def brute_run(seed: int, seq: int, pos: int, n: int, thresholds) -> int:
     return a
 
 
-@given(seq=st.integers(0, 500), pos=st.integers(0, 5000), n=st.integers(0, 8), seed=st.integers(0, 99))
+@given(
+    seq=st.integers(0, 500), pos=st.integers(0, 5000), n=st.integers(0, 8), seed=st.integers(0, 99)
+)
 def test_geometric_and_profile_match_a_brute_force_walk(seq, pos, n, seed):
     g = Geometric(0.6, seed)
     assert g.accept_one(seq, pos, n) == brute_run(seed, seq, pos, n, [threshold(0.6)] * 8)
     prof = Profile([0.9, 0.5, 0.3], seed)
-    want = brute_run(seed, seq, pos, n, [threshold(p) for p in (0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3)])
+    want = brute_run(
+        seed, seq, pos, n, [threshold(p) for p in (0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3)]
+    )
     assert prof.accept_one(seq, pos, n) == want
 
 
@@ -222,7 +299,9 @@ def test_geometric_has_the_geometric_distribution():
 
 def test_the_profile_separates_positions():
     rows = 40_000
-    a = Profile([0.74, 0.54, 0.41], 1).accepted(np.arange(rows), np.arange(rows), np.full(rows, 3), 0)
+    a = Profile([0.74, 0.54, 0.41], 1).accepted(
+        np.arange(rows), np.arange(rows), np.full(rows, 3), 0
+    )
     p0 = (a >= 1).mean()
     p1 = (a >= 2).sum() / (a >= 1).sum()
     p2 = (a >= 3).sum() / (a >= 2).sum()
@@ -251,8 +330,11 @@ def test_all_accept_all_reject_and_the_file_stream(tmp_path):
     assert FileStream([2, 0]).accepted([1, 1], [0, 0], [1, 3], [0, 1]).tolist() == [1, 0]
 
 
-@given(seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True), pos=st.integers(0, 4000),
-       n=st.integers(0, 8))
+@given(
+    seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True),
+    pos=st.integers(0, 4000),
+    n=st.integers(0, 8),
+)
 def test_accepts_do_not_depend_on_batch_mates_or_row_order(seqs, pos, n):
     """Keyed by (seed, seq, absolute position): a row's count is the same alone, in any
     batch, at any row."""
@@ -267,7 +349,12 @@ def test_accepts_do_not_depend_on_batch_mates_or_row_order(seqs, pos, n):
 @given(seq=st.integers(0, 300), ctx_len=st.integers(1, 300), n=st.integers(0, 8),
        model=st.sampled_from(["geo", "prof", "all", "none"]))
 def test_the_model_oracle_verifies_to_exactly_the_models_count(seq, ctx_len, n, model):
-    m = {"geo": Geometric(0.6, 5), "prof": Profile([0.9, 0.4], 5), "all": AllAccept(), "none": AllReject()}[model]
+    m = {
+        "geo": Geometric(0.6, 5),
+        "prof": Profile([0.9, 0.4], 5),
+        "all": AllAccept(),
+        "none": AllReject(),
+    }[model]
     oracle = ModelOracle(m, 5, 16)
     ctx = oracle.prompt(seq, ctx_len)
     drafts = oracle.draft(seq, ctx, n)
@@ -342,21 +429,54 @@ def test_the_checked_oracle_refuses_every_breach_of_the_protocol():
     """CheckedOracle is the one place both modes check a custom oracle: the number of
     tokens and each token's range, naming the call and the bad value."""
     good = CheckedOracle(_ConstantOracle(), vocab=4, name="m:f")
-    assert good.prompt(0, 3) == [1, 1, 1] and good.draft(0, [1], 2) == [1, 2] and good.draft(0, [1], 0) == []
-    assert CheckedOracle(type("O", (_ConstantOracle,), {"target": lambda self, s, c: np.int64(3)})(), 4).target(0, []) == 3
+    assert (
+        good.prompt(0, 3) == [1, 1, 1]
+        and good.draft(0, [1], 2) == [1, 2]
+        and good.draft(0, [1], 0) == []
+    )
+    assert (
+        CheckedOracle(
+            type("O", (_ConstantOracle,), {"target": lambda self, s, c: np.int64(3)})(), 4
+        ).target(0, [])
+        == 3
+    )
     cases = [
-        (lambda o: o.draft(2, [1, 1], 3), CheckedOracle(_ShortDrafter(), 64, "m:f"),
-         ["draft(seq_id=2, context of 2 tokens, n=3)", "[1, 1]", "exactly 3"]),
-        (lambda o: o.target(0, [1] * 7), CheckedOracle(_OutOfVocab(), 64, "m:f"),
-         ["target(seq_id=0, context of 7 tokens)", "64", "[0, vocab = 64)"]),
-        (lambda o: o.prompt(1, 4), CheckedOracle(type("P", (_ConstantOracle,), {"prompt": lambda self, s, n: [1] * (n + 1)})(), 64),
-         ["prompt(seq_id=1, length=4)", "exactly 4"]),
-        (lambda o: o.target(0, []), CheckedOracle(type("B", (_ConstantOracle,), {"target": lambda self, s, c: True})(), 64),
-         ["returned True"]),
-        (lambda o: o.draft(0, [], 2), CheckedOracle(type("N", (_ConstantOracle,), {"draft": lambda self, s, c, n: None})(), 64),
-         ["returned None"]),
-        (lambda o: o.draft(0, [], 2), CheckedOracle(type("M", (_ConstantOracle,), {"draft": lambda self, s, c, n: [1, -1]})(), 64),
-         ["[1, -1]"]),
+        (
+            lambda o: o.draft(2, [1, 1], 3),
+            CheckedOracle(_ShortDrafter(), 64, "m:f"),
+            ["draft(seq_id=2, context of 2 tokens, n=3)", "[1, 1]", "exactly 3"],
+        ),
+        (
+            lambda o: o.target(0, [1] * 7),
+            CheckedOracle(_OutOfVocab(), 64, "m:f"),
+            ["target(seq_id=0, context of 7 tokens)", "64", "[0, vocab = 64)"],
+        ),
+        (
+            lambda o: o.prompt(1, 4),
+            CheckedOracle(
+                type("P", (_ConstantOracle,), {"prompt": lambda self, s, n: [1] * (n + 1)})(), 64
+            ),
+            ["prompt(seq_id=1, length=4)", "exactly 4"],
+        ),
+        (
+            lambda o: o.target(0, []),
+            CheckedOracle(type("B", (_ConstantOracle,), {"target": lambda self, s, c: True})(), 64),
+            ["returned True"],
+        ),
+        (
+            lambda o: o.draft(0, [], 2),
+            CheckedOracle(
+                type("N", (_ConstantOracle,), {"draft": lambda self, s, c, n: None})(), 64
+            ),
+            ["returned None"],
+        ),
+        (
+            lambda o: o.draft(0, [], 2),
+            CheckedOracle(
+                type("M", (_ConstantOracle,), {"draft": lambda self, s, c, n: [1, -1]})(), 64
+            ),
+            ["[1, -1]"],
+        ),
     ]
     for call, oracle, words in cases:
         with pytest.raises(OracleError) as err:

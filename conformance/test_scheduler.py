@@ -171,8 +171,12 @@ def test_wb_refused_key_is_the_w0_key_plus_false(running):
     w0 = bucket_keys(running, state_for("W0"))
     wb = bucket_keys(running, state_for("WB", admission=RaggedAdmission.decide("no")))
     assert wb == [k + (False,) for k in w0]
-    for s, k in zip(running, w0):
-        assert k == (cache_bucket_len(s.cache_len, s.n_tokens), s.images and s.is_prompt, s.token_offset)
+    for s, k in zip(running, w0, strict=False):
+        assert k == (
+            cache_bucket_len(s.cache_len, s.n_tokens),
+            s.images and s.is_prompt,
+            s.token_offset,
+        )
 
 
 @given(running=running_sets())
@@ -180,14 +184,16 @@ def test_wb_granted_every_completion_shares_one_key_whatever_the_lengths(running
     """Lengths never split the completions; only the offset (part of every key) can.
     With the offsets equal (the live case: arc's token_offset reads 0) it is one key."""
     keys = bucket_keys(running, state_for("WB", admission=GRANT))
-    comps = [(s, k) for s, k in zip(running, keys) if not s.is_prompt]
+    comps = [(s, k) for s, k in zip(running, keys, strict=False) if not s.is_prompt]
     if comps:
-        low = min(s.cache_len if s.cache_len is not None else max(s.n_tokens - 1, 0) for s, _ in comps)
+        low = min(
+            s.cache_len if s.cache_len is not None else max(s.n_tokens - 1, 0) for s, _ in comps
+        )
         assert {k for _, k in comps} == {(low, False, s.token_offset, True) for s, _ in comps}
         same_offset = [replace(s, token_offset=0) for s in running]
         keys0 = bucket_keys(same_offset, state_for("WB", admission=GRANT))
-        assert len({k for s, k in zip(same_offset, keys0) if not s.is_prompt}) == 1
-    assert all(not k[3] for s, k in zip(running, keys) if s.is_prompt)
+        assert len({k for s, k in zip(same_offset, keys0, strict=False) if not s.is_prompt}) == 1
+    assert all(not k[3] for s, k in zip(running, keys, strict=False) if s.is_prompt)
 
 
 # ------------------------------------------------------------------ §16 select_running_bucket
@@ -295,7 +301,11 @@ def oracle_select(buckets, priorities, discrete):
     greedy = ranked[0]
     if greedy == mn:
         return mn
-    cands = sorted(k[0] for k in ordered if k[0] > mn[0] and all(x == y for x, y in zip(k[1:], mn[1:])))
+    cands = sorted(
+        k[0]
+        for k in ordered
+        if k[0] > mn[0] and all(x == y for x, y in zip(k[1:], mn[1:], strict=False))
+    )
     if not cands:
         return greedy
     n_min, total = len(buckets[mn]), sum(len(v) for v in buckets.values())
@@ -306,12 +316,20 @@ def oracle_select(buckets, priorities, discrete):
 
 @given(data=st.data())
 def test_select_running_bucket_matches_an_independent_oracle(data):
-    keys = data.draw(st.lists(st.tuples(st.integers(0, 600), st.booleans(), st.integers(0, 1), st.booleans()),
-                              min_size=1, max_size=6, unique=True))
+    keys = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, 600), st.booleans(), st.integers(0, 1), st.booleans()),
+            min_size=1,
+            max_size=6,
+            unique=True,
+        )
+    )
     buckets = {k: list(range(data.draw(st.integers(1, 70)))) for k in keys}
     priorities = {k: float(data.draw(st.integers(0, 50))) for k in keys}
     discrete = data.draw(st.booleans())
-    assert select_running_bucket(buckets, priorities, discrete) == oracle_select(buckets, priorities, discrete)
+    assert select_running_bucket(buckets, priorities, discrete) == oracle_select(
+        buckets, priorities, discrete
+    )
 
 
 # ------------------------------------------------------------------ §16 bucketing + urgency
@@ -335,18 +353,26 @@ def test_waitlisted_sequences_gain_urgency_and_keep_their_state():
     assert st_.urgency == {0: 0, 1: 0, 2: 5}
 
 
-@given(running=running_sets(), world=st.sampled_from(["W0", "WA", "WB"]), flag=st.booleans(),
-       grant=st.booleans(), discrete=st.booleans(),
-       urg=st.lists(st.integers(0, 5), min_size=12, max_size=12), floor=st.sampled_from([None, 1, 4]),
-       counter=st.integers(0, 5))
-def test_bucketing_properties_in_every_world(running, world, flag, grant, discrete, urg, floor, counter):
+@given(
+    running=running_sets(),
+    world=st.sampled_from(["W0", "WA", "WB"]),
+    flag=st.booleans(),
+    grant=st.booleans(),
+    discrete=st.booleans(),
+    urg=st.lists(st.integers(0, 5), min_size=12, max_size=12),
+    floor=st.sampled_from([None, 1, 4]),
+    counter=st.integers(0, 5),
+)
+def test_bucketing_properties_in_every_world(
+    running, world, flag, grant, discrete, urg, floor, counter
+):
     """Exactly one bucket runs (all of it); every running sequence is chosen or waitlisted,
     once; chosen urgency -> 0, waitlisted +1."""
     st_ = state_for(world, ragged_decode_supported=flag, admission=GRANT if grant else REFUSE,
                     floor=PrefillFloor(floor, counter))
     st_.urgency = {s.id: urg[s.id] for s in running}
     before = dict(st_.urgency)
-    keys = dict(zip((s.id for s in running), bucket_keys(running, st_)))
+    keys = dict(zip((s.id for s in running), bucket_keys(running, st_), strict=False))
     b = bucket_and_waitlist_seqs_waiting(running, discrete, st_)
     chosen_ids = [s.id for s in b.chosen]
     wait_ids = [s.id for s in b.waitlisted]
@@ -358,14 +384,17 @@ def test_bucketing_properties_in_every_world(running, world, flag, grant, discre
     assert all(st_.urgency[i] == 0 for i in chosen_ids)
     assert all(st_.urgency[i] == before[i] + 1 for i in wait_ids)
     if world == "W0":
-        distinct = {(cache_bucket_len(s.cache_len, s.n_tokens), s.images and s.is_prompt, s.token_offset)
-                    for s in running}
+        distinct = {
+            (cache_bucket_len(s.cache_len, s.n_tokens), s.images and s.is_prompt, s.token_offset)
+            for s in running
+        }
         assert b.n_buckets == len(distinct)
         if discrete:
             assert b.key[0] == min(k[0] for k in distinct)
 
 
-# ------------------------------------------------------------------ §16/§20 examples through schedule()
+# ------------------------------------------------------------------ §16/§20 examples through
+# schedule()
 
 
 def test_nothing_waiting_or_running_schedules_nothing():
@@ -474,9 +503,15 @@ def test_schedule_keeps_every_sequence_exactly_once():
     assert sorted(ids) == [0, 1, 2, 3, 4]
 
 
-@given(running=running_sets(0, 8), new=st.lists(st.tuples(st.integers(1, 40), st.booleans()), max_size=5),
-       world=st.sampled_from(["W0", "WA", "WB"]), grant=st.booleans(), flag=st.booleans(),
-       max_seqs=st.integers(1, 10), cap=st.sampled_from([None, 1, 2]))
+@given(
+    running=running_sets(0, 8),
+    new=st.lists(st.tuples(st.integers(1, 40), st.booleans()), max_size=5),
+    world=st.sampled_from(["W0", "WA", "WB"]),
+    grant=st.booleans(),
+    flag=st.booleans(),
+    max_seqs=st.integers(1, 10),
+    cap=st.sampled_from([None, 1, 2]),
+)
 def test_schedule_loses_and_duplicates_nothing(running, new, world, grant, flag, max_seqs, cap):
     st_ = state_for(world, admission=GRANT if grant else REFUSE, ragged_decode_supported=flag,
                     max_seqs=max_seqs, prefill_cap=cap)
@@ -488,7 +523,9 @@ def test_schedule_loses_and_duplicates_nothing(running, new, world, grant, flag,
     assert sorted(out.completion + out.prompt) == sorted(s.id for s in out.running)
     if ids_in:
         assert out.running, "exactly one bucket runs whenever anything is schedulable"
-        keys = bucket_keys([s for s in running + waiting if s.id in {r.id for r in out.running}], st_)
+        keys = bucket_keys(
+            [s for s in running + waiting if s.id in {r.id for r in out.running}], st_
+        )
         assert len(set(keys)) == 1
 
 

@@ -53,7 +53,9 @@ def test_prefill_admission_cap_parsing():
     assert prefill_admission_cap("three") is None
 
 
-def prompt_steps_won(world: str, floor: int | None, steps: int, flag: bool, discrete: bool = False) -> int:
+def prompt_steps_won(
+    world: str, floor: int | None, steps: int, flag: bool, discrete: bool = False
+) -> int:
     """47 completions at 500 tokens and one prompt of 300, bucketed `steps` times."""
     st_ = state_for(world, floor=PrefillFloor(floor), ragged_decode_supported=flag)
     running = [comp(i, 500) for i in range(47)] + [prompt(47, 300)]
@@ -111,7 +113,11 @@ def test_the_floor_logs_once_when_it_fires():
     logs = []
     for _ in range(6):
         logs += bucket_and_waitlist_seqs_waiting(running, False, st_).logs
-    fired = [l for l in logs if l.startswith("ARC prefill floor: forced a prompt bucket after 1 passes")]
+    fired = [
+        line
+        for line in logs
+        if line.startswith("ARC prefill floor: forced a prompt bucket after 1 passes")
+    ]
     assert len(fired) == 1
 
 
@@ -119,7 +125,9 @@ def test_wa_prefill_cap_bounds_promotions_in_queue_order_when_nothing_runs():
     st_ = state_for("WA", prefill_cap=2)
     out = schedule([], [prompt(i, 20) for i in [4, 1, 3]], st_)
     assert out.promoted == [4, 1] and out.held == [3]
-    assert any(l.startswith("ARC prefill cap: held a waiting sequence back") for l in out.logs)
+    assert any(
+        line.startswith("ARC prefill cap: held a waiting sequence back") for line in out.logs
+    )
     out0 = schedule([], [prompt(i, 20) for i in [4, 1, 3]], state_for("W0", prefill_cap=2))
     assert out0.promoted == [4, 1, 3] and out0.held == [], "the cap is a WA rule"
 
@@ -129,7 +137,9 @@ def test_wa_prefill_cap_does_not_count_already_admitted_sequences():
     st_.admitted.add(5)  # id 5 was admitted on an earlier step and then waitlisted
     out = schedule([comp(0, 10)], [prompt(5, 20), prompt(3, 20), prompt(4, 20)], st_)
     assert out.promoted == [3] and out.held == [4], "the cap is reached by 3 alone"
-    assert 5 in [s.id for s in out.running] + out.waitlisted, "5 is not new: re-admitted past the cap"
+    assert 5 in [s.id for s in out.running] + out.waitlisted, (
+        "5 is not new: re-admitted past the cap"
+    )
 
 
 def test_wa_transition_line_is_logged_only_when_buckets_or_flag_change():
@@ -211,7 +221,10 @@ def test_a_grant_reaches_both_the_scheduler_and_the_engine():
 def test_a_grant_that_reached_only_the_scheduler_is_refused():
     st_ = state_for("WB")
     st_.admission = GRANT
-    with pytest.raises(SchedulerRefusal, match="a grant must reach both.*scheduler granted=True.*engine granted=False"):
+    with pytest.raises(
+        SchedulerRefusal,
+        match="a grant must reach both.*scheduler granted=True.*engine granted=False",
+    ):
         check_admission_agrees(st_)
     out = schedule([comp(0, 50), comp(1, 80)], [], st_)
     with pytest.raises(SchedulerRefusal, match="a grant must reach both"):
@@ -226,16 +239,23 @@ def test_completion_pre_op_w0_wa_is_in_only_on_membership_change(world):
     assert engine_cache_instruction(world, "completion", [1, 2], [1, 2], False) == (NOTHING, OUT)
     assert engine_cache_instruction(world, "completion", [1, 2], [2, 1], False) == (IN, OUT)
     assert engine_cache_instruction(world, "completion", [1, 2], [1], False) == (IN, OUT)
-    assert engine_cache_instruction(world, "completion", [1, 2], [1, 2], False, granted=True) == (NOTHING, OUT), \
-        "the grant is a WB rule"
-    assert engine_cache_instruction(world, "completion", [1, 2], [1], True) == (NOTHING, CacheOp("Reset"))
+    assert engine_cache_instruction(world, "completion", [1, 2], [1, 2], False, granted=True) == (
+        NOTHING,
+        OUT,
+    ), "the grant is a WB rule"
+    assert engine_cache_instruction(world, "completion", [1, 2], [1], True) == (
+        NOTHING,
+        CacheOp("Reset"),
+    )
 
 
 def test_completion_pre_op_wb_follows_issues_cache_in():
     for no_kv in (False, True):
         for last in ([1, 2], [3]):
             for granted in (False, True):
-                pre, post = engine_cache_instruction("WB", "completion", [1, 2], last, no_kv, granted)
+                pre, post = engine_cache_instruction(
+                    "WB", "completion", [1, 2], last, no_kv, granted
+                )
                 changed = last != [1, 2]
                 assert (pre == IN) == ((not no_kv) and (changed or granted))
                 assert pre in (IN, NOTHING)
@@ -245,8 +265,14 @@ def test_completion_pre_op_wb_follows_issues_cache_in():
 def test_prompt_pre_op_is_in_at_a_nonzero_offset_else_reset_with_preallocated_cache():
     reset = CacheOp("Reset", load_preallocated_cache=True, reset_non_granular=False)
     for world in ("W0", "WA", "WB"):
-        assert engine_cache_instruction(world, "prompt", [4], [], False, first_token_offset=0) == (reset, OUT)
-        assert engine_cache_instruction(world, "prompt", [4], [], False, first_token_offset=16) == (IN, OUT)
+        assert engine_cache_instruction(world, "prompt", [4], [], False, first_token_offset=0) == (
+            reset,
+            OUT,
+        )
+        assert engine_cache_instruction(world, "prompt", [4], [], False, first_token_offset=16) == (
+            IN,
+            OUT,
+        )
         assert engine_cache_instruction(world, "prompt", [4], [], True)[1] == CacheOp("Reset")
 
 
@@ -266,14 +292,18 @@ def test_last_completion_ids_bookkeeping_across_an_iteration():
     assert [b.pre_op for b in plan_engine_iteration(st_, out)] == [IN]
     assert st_.last_completion_ids == [0, 1]
     out = schedule(cohort, [], st_)
-    assert [b.pre_op for b in plan_engine_iteration(st_, out)] == [NOTHING], "a stable cohort reuses the cache"
+    assert [b.pre_op for b in plan_engine_iteration(st_, out)] == [NOTHING], (
+        "a stable cohort reuses the cache"
+    )
     # A completion and a fresh prompt sharing the W0 key run in one iteration:
     # completions first, then the prompt, after which the next decode must take In.
     mixed = [comp(0, 30), comp(1, 30)]
     out = schedule(mixed, [prompt(2, 30)], st_)
     plan = plan_engine_iteration(st_, out)
     assert [b.kind for b in plan] == ["completion", "prompt"]
-    assert plan[0].pre_op == NOTHING and plan[1].pre_op == CacheOp("Reset", load_preallocated_cache=True)
+    assert plan[0].pre_op == NOTHING and plan[1].pre_op == CacheOp(
+        "Reset", load_preallocated_cache=True
+    )
     assert st_.last_completion_ids == []
     out = schedule(mixed, [], st_)
     assert plan_engine_iteration(st_, out)[0].pre_op == IN

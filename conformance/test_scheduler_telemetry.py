@@ -39,8 +39,12 @@ def test_an_intact_batch_reports_one_bucket_and_no_preemption():
     t = BucketTelemetry()
     for _ in range(10):
         t.record_bucketing(1, 128, 128)
-    assert (t.buckets_per_step(), t.running_bucket_size(), t.preempted_per_step(), t.shattered_frac()) \
-        == (1.0, 128.0, 0.0, 0.0)
+    assert (
+        t.buckets_per_step(),
+        t.running_bucket_size(),
+        t.preempted_per_step(),
+        t.shattered_frac(),
+    ) == (1.0, 128.0, 0.0, 0.0)
     assert t.shattered == 0, "one bucket is not shattered"
 
 
@@ -79,16 +83,23 @@ def test_schedule_records_one_bucketing_per_step_into_the_telemetry():
 
 
 def test_engine_interval_line_format_and_the_harness_regex():
-    line = interval_line(tokens=1000, interval_s=5.0, new_seqs=8, prefix_hits=2, running=47, waiting=48)
+    line = interval_line(
+        tokens=1000, interval_s=5.0, new_seqs=8, prefix_hits=2, running=47, waiting=48
+    )
     assert line == "Throughput (T/s) 200.00, Prefix cache hitrate 25.00%, 47 running, 48 waiting"
     assert parse_running_waiting(line) == (47, 48)
     enc = interval_line(10, 5.0, 1, 0, 3, 0, encoder=(1, 3), sampler="SAMPLER ON CPU SLOW PATH: 2")
-    assert enc == ("Throughput (T/s) 2.00, Prefix cache hitrate 0.00%, Encoder cache hitrate 25.00%, "
-                   "3 running, 0 waiting, SAMPLER ON CPU SLOW PATH: 2")
+    assert enc == (
+        "Throughput (T/s) 2.00, Prefix cache hitrate 0.00%, Encoder cache hitrate 25.00%, "
+        "3 running, 0 waiting, SAMPLER ON CPU SLOW PATH: 2"
+    )
     assert parse_running_waiting(enc) == (3, 0)
     assert interval_line(0, 5.0, 8, 0, 1, 1) is None and interval_line(10, 5.0, 0, 0, 1, 1) is None
     assert parse_running_waiting("no counts here") is None
 
 
 def test_step_debug_line_uses_token_counts():
-    assert step_debug_line([], [101, 140, 300], 812.5) == "Prompt[] Completion[101, 140, 300] - 812.5ms"
+    assert (
+        step_debug_line([], [101, 140, 300], 812.5)
+        == "Prompt[] Completion[101, 140, 300] - 812.5ms"
+    )

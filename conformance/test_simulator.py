@@ -41,10 +41,20 @@ def accept_file(tmp_path, counts):
 def cohort_example(tmp_path):
     """Two 9-token prompts; first decode: A accepts 0, B 1 (keep 1 -> C = 10, A u=1, B u=2);
     second decode is the spec's cohort example."""
-    return load_scenario({
-        "requests": [{"prompt_len": 9, "max_new_tokens": 40}, {"prompt_len": 9, "max_new_tokens": 40}],
-        "depth": 3, "steps": 4, "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [0, 3],
-                                                                                                "1": [1, 0]})}})
+    return load_scenario(
+        {
+            "requests": [
+                {"prompt_len": 9, "max_new_tokens": 40},
+                {"prompt_len": 9, "max_new_tokens": 40},
+            ],
+            "depth": 3,
+            "steps": 4,
+            "acceptance": {
+                "model": "file",
+                "path": accept_file(tmp_path, {"0": [0, 3], "1": [1, 0]}),
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize("mode", [lengths, simulator])
@@ -68,10 +78,21 @@ def test_the_cohort_example_w4_c10(tmp_path, mode):
 def per_sequence_example(tmp_path):
     """A (seq 0) prefilled with 12 tokens, B (seq 1) with 10; both then decode together
     under granted per-sequence advance (WB); A accepts 2, B 0."""
-    return load_scenario({
-        "requests": [{"prompt_len": 12, "max_new_tokens": 40}, {"prompt_len": 10, "max_new_tokens": 40}],
-        "depth": 3, "steps": 4, "advance": "per-sequence", "world": "WB", "admission": "grant",
-        "xs_per_seq": True, "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [2], "1": [0]})}})
+    return load_scenario(
+        {
+            "requests": [
+                {"prompt_len": 12, "max_new_tokens": 40},
+                {"prompt_len": 10, "max_new_tokens": 40},
+            ],
+            "depth": 3,
+            "steps": 4,
+            "advance": "per-sequence",
+            "world": "WB",
+            "admission": "grant",
+            "xs_per_seq": True,
+            "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [2], "1": [0]})},
+        }
+    )
 
 
 @pytest.mark.parametrize("mode", [lengths, simulator])
@@ -133,8 +154,18 @@ def test_a_refused_per_sequence_request_runs_cohort_and_names_the_check(extra, w
 
 
 def test_every_capability_holding_grants_per_sequence_advance():
-    sc = load_scenario({"batch": 3, "prompt_len": 6, "max_new_tokens": 12, "steps": 8, "advance": "per-sequence",
-                        "xs_per_seq": True, "admission": "grant", "world": "WB"})
+    sc = load_scenario(
+        {
+            "batch": 3,
+            "prompt_len": 6,
+            "max_new_tokens": 12,
+            "steps": 8,
+            "advance": "per-sequence",
+            "xs_per_seq": True,
+            "admission": "grant",
+            "world": "WB",
+        }
+    )
     tr = lengths.run(sc)
     assert tr.summary["refusal"] is None
     decodes = [s for s in tr.steps() if s["phase"] == "decode"]
@@ -150,8 +181,19 @@ GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant"}
 
 def test_granted_per_sequence_advance_in_w0_shatters_the_batch():
     """Site 2 of §13: W0 buckets by cache_bucket_len, so ragged commits split the cohort."""
-    tr = lengths.run(load_scenario({"batch": 8, "prompt_len": 16, "max_new_tokens": 60, "steps": 30, "world": "W0",
-                                    "max_draft_kv_seqs": None, **GRANTED}))
+    tr = lengths.run(
+        load_scenario(
+            {
+                "batch": 8,
+                "prompt_len": 16,
+                "max_new_tokens": 60,
+                "steps": 30,
+                "world": "W0",
+                "max_draft_kv_seqs": None,
+                **GRANTED,
+            }
+        )
+    )
     st = [s for s in tr.steps() if s["phase"] == "decode"]
     assert max(s["buckets"] for s in st) > 1
     assert min(s["running"] for s in st) < 8
@@ -161,8 +203,18 @@ def test_granted_per_sequence_advance_in_w0_shatters_the_batch():
 def test_granted_per_sequence_advance_in_wa_trips_the_follows_guard():
     """Site 1 of §13: WA keeps the decode cohort in one bucket, the engine then issues
     Nothing, and a PerSequence step that did not assemble the batch is refused."""
-    tr = lengths.run(load_scenario({"batch": 4, "prompt_len": 16, "max_new_tokens": 60, "steps": 10, "world": "WA",
-                                    **GRANTED}))
+    tr = lengths.run(
+        load_scenario(
+            {
+                "batch": 4,
+                "prompt_len": 16,
+                "max_new_tokens": 60,
+                "steps": 10,
+                "world": "WA",
+                **GRANTED,
+            }
+        )
+    )
     st = [s for s in tr.steps() if s["phase"] == "decode"]
     assert st[0]["cache_instruction"] == "In" and st[0]["error"] is None
     assert st[1]["cache_instruction"] == "Nothing" and st[1]["error"] == "follows guard"
@@ -170,7 +222,9 @@ def test_granted_per_sequence_advance_in_wa_trips_the_follows_guard():
 
 
 def test_w0_cohort_issues_in_only_on_a_membership_change():
-    tr = lengths.run(load_scenario({"batch": 4, "prompt_len": 8, "max_new_tokens": 30, "steps": 12}))
+    tr = lengths.run(
+        load_scenario({"batch": 4, "prompt_len": 8, "max_new_tokens": 30, "steps": 12})
+    )
     st = [s for s in tr.steps() if s["phase"] == "decode"]
     assert st[0]["cache_instruction"] == "In"
     assert all(s["cache_instruction"] == "Nothing" for s in st[1:])
@@ -184,12 +238,18 @@ def test_a_prompt_colliding_with_a_completion_key_runs_in_the_same_step():
                                      {"prompt_len": 9, "max_new_tokens": 20, "arrival": 1}],
                         "steps": 4, "depth": 2})
     st = steps_of(lengths.run(sc))
-    assert st[1]["phase"] == "decode" and st[1]["prefill"] == [1] and [r["seq"] for r in st[1]["rows"]] == [0]
+    assert (
+        st[1]["phase"] == "decode"
+        and st[1]["prefill"] == [1]
+        and [r["seq"] for r in st[1]["rows"]] == [0]
+    )
     assert normalized_lines(lengths.run(sc)) == normalized_lines(simulator.run(sc))
 
 
 def test_each_request_emits_exactly_its_max_new_tokens():
-    sc = load_scenario({"batch": 5, "prompt_len": [3, 9], "max_new_tokens": [1, 17], "steps": 80, "seed": 4})
+    sc = load_scenario(
+        {"batch": 5, "prompt_len": [3, 9], "max_new_tokens": [1, 17], "steps": 80, "seed": 4}
+    )
     tr = lengths.run(sc)
     emitted = {}
     for s in tr.steps():
@@ -208,8 +268,16 @@ def test_near_max_seq_len_the_verify_window_overhangs_the_cache_and_the_batch_fa
     capacity growth is refused ("kv-cache capacity ... above max_seq_len") and the batch's
     requests fail, before the budget clamp can bind. The draft KV (capacity 16 + 512k)
     already stopped growing at 16 here: every draft state was poisoned at priming."""
-    sc = load_scenario({"batch": 3, "prompt_len": 500, "max_new_tokens": 100, "steps": 60, "max_seq_len": 512,
-                        "acceptance": "all-accept"})
+    sc = load_scenario(
+        {
+            "batch": 3,
+            "prompt_len": 500,
+            "max_new_tokens": 100,
+            "steps": 60,
+            "max_seq_len": 512,
+            "acceptance": "all-accept",
+        }
+    )
     eng = simulator.TensorEngine(sc)
     tr = eng.run()
     assert all(len(eng.toks[i]) <= 512 for i in range(3))
@@ -224,8 +292,18 @@ def test_near_max_seq_len_the_verify_window_overhangs_the_cache_and_the_batch_fa
 
 
 def test_the_trace_is_byte_identical_for_the_same_scenario_and_seed(tmp_path):
-    sc = load_scenario({"batch": 6, "prompt_len": [4, 12], "max_new_tokens": [10, 30], "steps": 40, "seed": 3,
-                        "arrival": "staggered", **GRANTED, "world": "WB"})
+    sc = load_scenario(
+        {
+            "batch": 6,
+            "prompt_len": [4, 12],
+            "max_new_tokens": [10, 30],
+            "steps": 40,
+            "seed": 3,
+            "arrival": "staggered",
+            **GRANTED,
+            "world": "WB",
+        }
+    )
     p1, p2, p3 = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
     write_jsonl(lengths.run(sc), p1)
     write_jsonl(lengths.run(load_scenario(sc.to_dict())), p2)
@@ -235,24 +313,66 @@ def test_the_trace_is_byte_identical_for_the_same_scenario_and_seed(tmp_path):
 
 
 def test_the_trace_follows_schema_v1_and_round_trips(tmp_path):
-    sc = load_scenario({"batch": 3, "prompt_len": 6, "max_new_tokens": 9, "steps": 10, **GRANTED, "world": "WB"})
+    sc = load_scenario(
+        {"batch": 3, "prompt_len": 6, "max_new_tokens": 9, "steps": 10, **GRANTED, "world": "WB"}
+    )
     tr = simulator.run(sc)
     path = tmp_path / "t.jsonl"
     write_jsonl(tr, path)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     head, summary = lines[0], lines[-1]
-    assert (head["type"], head["schema"], head["version"], head["mode"]) == ("header", "raggedspec-trace", 1, "tensor")
+    assert (head["type"], head["schema"], head["version"], head["mode"]) == (
+        "header",
+        "raggedspec-trace",
+        1,
+        "tensor",
+    )
     assert load_scenario(head["scenario"]) == sc
-    step_keys = ["type", "step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
-                 "width", "padding_fraction", "committed", "tok_per_step", "rows"]
-    row_keys = ["seq", "row", "own_len", "width", "lead", "u", "drafted", "accepted", "committed", "group",
-                "chain_start", "filled", "bucket"]
+    step_keys = [
+        "type",
+        "step",
+        "phase",
+        "advance",
+        "cache_instruction",
+        "running",
+        "waiting",
+        "buckets",
+        "groups",
+        "width",
+        "padding_fraction",
+        "committed",
+        "tok_per_step",
+        "rows",
+    ]
+    row_keys = [
+        "seq",
+        "row",
+        "own_len",
+        "width",
+        "lead",
+        "u",
+        "drafted",
+        "accepted",
+        "committed",
+        "group",
+        "chain_start",
+        "filled",
+        "bucket",
+    ]
     for s in lines[1:-1]:
         assert list(s)[: len(step_keys)] == step_keys
         for r in s["rows"]:
             assert list(r) == row_keys and r["lead"] == r["width"] - r["own_len"]
-    assert list(summary)[:8] == ["type", "steps", "decode_steps", "committed", "tok_per_step", "max_spread",
-                                 "mean_padding_fraction", "refusal"]
+    assert list(summary)[:8] == [
+        "type",
+        "steps",
+        "decode_steps",
+        "committed",
+        "tok_per_step",
+        "max_spread",
+        "mean_padding_fraction",
+        "refusal",
+    ]
     back = read_trace(path)
     assert list(back.lines()) == list(tr.lines())
     assert back.markers() == tr.markers()
@@ -269,7 +389,9 @@ def test_the_csv_has_one_line_per_step_and_row(tmp_path):
     assert [r["own_len"] for s in back.steps() for r in s["rows"]] == \
         [r["own_len"] for s in tr.steps() for r in s["rows"]]
     first_decode = next(s for s in back.steps() if s["phase"] == "decode")
-    assert first_decode["rows"][0]["bucket"] == [6, 0, 0] or first_decode["rows"][0]["bucket"][0] == 6
+    assert (
+        first_decode["rows"][0]["bucket"] == [6, 0, 0] or first_decode["rows"][0]["bucket"][0] == 6
+    )
 
 
 def test_the_markers_are_the_spec_lines():
@@ -299,12 +421,14 @@ def test_record_tensors_keeps_each_verify_forward():
 def test_batched_rollback_mutation_max_instead_of_min_is_caught(monkeypatch):
     """§17.2: keep = max instead of min drives some tail to 0 (the run then leaves the
     window); the correct run keeps every tail in [1, 4]; the runs differ."""
-    sc = load_scenario({"batch": 4, "prompt_len": 6, "max_new_tokens": 40, "steps": 13, "depth": 3, "seed": 5})
+    sc = load_scenario(
+        {"batch": 4, "prompt_len": 6, "max_new_tokens": 40, "steps": 13, "depth": 3, "seed": 5}
+    )
     good = simulator.run(sc)
     assert all(1 <= r["u"] <= 4 for s in good.steps() if s["phase"] == "decode" for r in s["rows"])
 
     def max_keep(uncached, accepted, w):
-        valid = [u + a for u, a in zip(uncached, accepted)]
+        valid = [u + a for u, a in zip(uncached, accepted, strict=False)]
         keep = max(valid)  # the mutation: max instead of min
         return step_mod.CohortPlan(keep, max(w - keep, 0), [max(v + 1 - keep, 0) for v in valid])
 
@@ -341,7 +465,9 @@ def test_window_verify_row_off_by_one_destroys_acceptance():
 def test_prompt_steps_prime_the_draft_kv(mode):
     """§7.4: a prompt of P tokens on a fresh state gives filled = L - 1 = P, so the first
     decode chain (start P - 1 = the seed) runs and every row drafts."""
-    tr = mode.run(load_scenario({"batch": 3, "prompt_len": 7, "max_new_tokens": 20, "steps": 2, "depth": 3}))
+    tr = mode.run(
+        load_scenario({"batch": 3, "prompt_len": 7, "max_new_tokens": 20, "steps": 2, "depth": 3})
+    )
     prompt, first = list(tr.steps())
     assert [r["filled"] for r in prompt["rows"]] == [7, 7, 7]
     assert [(r["u"], r["drafted"], r["chain_start"]) for r in first["rows"]] == [(1, 3, 6)] * 3

@@ -94,7 +94,8 @@ def test_argmax_logits_per_row_matches_a_loop_oracle(rows, vocab, expected, batc
     assert argmax_logits_per_row(block[None] if batch_dim else block, expected) == want
 
 
-# --- §17.2 try_wrap_pipeline_with_mtp --------------------------------------------------------------
+# --- §17.2 try_wrap_pipeline_with_mtp
+# --------------------------------------------------------------
 
 
 def test_try_wrap_pipeline_with_mtp_depth_zero_is_noop():
@@ -119,7 +120,9 @@ def test_try_wrap_pipeline_with_mtp_engages_wrapper():
     assert wrapped.name().startswith("MTP-speculative(depth=4")
     assert wrapped.name() == "MTP-speculative(depth=4, target=stub)"
     assert wrapped.target is target and wrapped.kit is target.kit and warnings == []
-    tier_a = TargetPipeline("a", kit=TinyModel(ModelConfig(mtp="heads")))  # heads only is still a kit
+    tier_a = TargetPipeline(
+        "a", kit=TinyModel(ModelConfig(mtp="heads"))
+    )  # heads only is still a kit
     assert try_wrap_pipeline_with_mtp(tier_a, 1).name().startswith("MTP-speculative(depth=1")
 
 
@@ -130,7 +133,8 @@ def test_try_wrap_pipeline_with_mtp_refuses_a_depth_outside_the_flag_range():
         try_wrap_pipeline_with_mtp(TargetPipeline("stub"), -1)
 
 
-# --- masks §1 / §22: resolve_row_offsets ------------------------------------------------------------
+# --- masks §1 / §22: resolve_row_offsets
+# ------------------------------------------------------------
 
 
 def test_a_batch_with_no_per_row_offset_takes_the_shared_path():
@@ -158,7 +162,9 @@ def test_equal_overrides_are_not_collapsed_into_the_shared_offset():
 def test_resolve_row_offsets_dispatch_property(b, shared, data):
     # uniform (no row carries its own offset) -> the scalar form, at every width
     assert resolve_row_offsets([None] * b, shared) is None
-    per_seq = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 5000)), min_size=b, max_size=b))
+    per_seq = data.draw(
+        st.lists(st.one_of(st.none(), st.integers(0, 5000)), min_size=b, max_size=b)
+    )
     got = resolve_row_offsets(per_seq, shared)
     if all(o is None for o in per_seq):
         assert got is None
@@ -175,7 +181,8 @@ def test_resolve_row_offsets_refuses_negative_offsets_naming_them():
         resolve_row_offsets([4, None, -2], 0)
 
 
-# --- §19.1 verify_proposed_simulated / SyntheticAcceptance ------------------------------------------
+# --- §19.1 verify_proposed_simulated / SyntheticAcceptance
+# ------------------------------------------
 
 
 def simulated_commit_lens(acc_len: float, depth: int, steps: int) -> list[int]:
@@ -219,12 +226,16 @@ def test_a_rounding_schedule_fails_the_dithering_check():
             return round(self.acc_len - 1)
 
     sim = Rounding(2.85)
-    lens = [verify_proposed_simulated([1, 2, 3, 4], [5, 6, 7, 8], sim).commit_len for _ in range(40)]
+    lens = [
+        verify_proposed_simulated([1, 2, 3, 4], [5, 6, 7, 8], sim).commit_len for _ in range(40)
+    ]
     assert set(lens) == {3}
     assert not running_mean_within_one_over_n(2.85, lens)
 
 
-@given(acc_len=st.floats(1.0, 9.0, allow_nan=False), steps=st.integers(1, 300), extra=st.integers(0, 3))
+@given(
+    acc_len=st.floats(1.0, 9.0, allow_nan=False), steps=st.integers(1, 300), extra=st.integers(0, 3)
+)
 def test_the_running_mean_converges_to_acc_len_within_one_over_steps(acc_len, steps, extra):
     depth = math.ceil(acc_len - 1) + 1 + extra  # never clamped: every step has a rejection
     lens = simulated_commit_lens(acc_len, depth, steps)
@@ -262,7 +273,8 @@ def test_the_flag_refuses_an_impossible_accept_length():
     assert parsed is not None and parsed.acc_len == 2.85
 
 
-# --- §17.2 speculative_mtp_v4_propose_verify_loop_is_consistent --------------------------------------
+# --- §17.2 speculative_mtp_v4_propose_verify_loop_is_consistent
+# --------------------------------------
 
 
 def test_speculative_mtp_v4_propose_verify_loop_is_consistent():
@@ -287,7 +299,8 @@ def test_speculative_mtp_v4_propose_verify_loop_is_consistent():
     assert total.accepted == 8  # the first odd slot always disagrees: one accept per cycle
 
 
-# --- masks §22 smoke checks (synthetic_load_smoke.rs fixture: ratios [0,4,128], window 128) ----------
+# --- masks §22 smoke checks (synthetic_load_smoke.rs fixture: ratios [0,4,128], window 128)
+# ----------
 
 
 SMOKE = TinyModel(ModelConfig(compress_ratios=(0, 4, 128), sliding_window=128, seed=3))
@@ -340,7 +353,9 @@ def test_a_two_chain_batch_lockstep_and_shrink_equals_solo_runs():
     cont = decode(alone, np.array([nxt]), [PREFILL_T + DECODE_STEPS])[:, 0]
     ref_cache, fw = prefill(rows[0:1])
     full = decode(ref_cache, fw.logits[:, -1].argmax(axis=-1), [PREFILL_T])
-    more = decode(ref_cache, np.array([int(full[-1, 0].argmax())]), [PREFILL_T + DECODE_STEPS])[:, 0]
+    more = decode(ref_cache, np.array([int(full[-1, 0].argmax())]), [PREFILL_T + DECODE_STEPS])[
+        :, 0
+    ]
     assert close(cont, more)
 
 
@@ -366,7 +381,9 @@ def test_a_merged_ragged_batch_130_97_61_equals_solo_runs():
     unmasked = clone_in_cache(controls, [], False)
     bad = decode(unmasked.batched, np.array(firsts), lens, None, unmasked.lead_pad)
     for i in (1, 2):
-        assert np.max(np.abs(bad[0, i] - solo[i][0])) > 20 * 1e-12 * max(1.0, float(np.max(np.abs(solo[i][0]))))
+        assert np.max(np.abs(bad[0, i] - solo[i][0])) > 20 * 1e-12 * max(
+            1.0, float(np.max(np.abs(solo[i][0])))
+        )
 
 
 # --- malformed input raises ValueError naming the value -------------------------------------
@@ -393,7 +410,9 @@ def test_raw_keep_span_refuses_a_forward_with_no_query_row():
 
 
 def test_capture_offsets_refuse_an_empty_vector_that_nothing_builds():
-    with pytest.raises(ValueError, match=re.escape("capture offsets [] must hold at least one offset")):
+    with pytest.raises(
+        ValueError, match=re.escape("capture offsets [] must hold at least one offset")
+    ):
         CaptureOffsets([])
     assert resolve_capture_offsets([]).values == (0,)  # the legitimate "no offsets" path
 

@@ -36,7 +36,8 @@ from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS
 
 VOCAB = 97
 
-# --- §17.1 simulation fixture -----------------------------------------------------------------------
+# --- §17.1 simulation fixture
+# -----------------------------------------------------------------------
 
 
 def target_next(s: int, last: int, n: int) -> int:
@@ -95,7 +96,7 @@ def run(streams, w, rule, steps, plan=plan_batch_step):
             nxt = plan(us, accepted, w).next_uncached
         else:
             nxt = plan_per_sequence_step(us, accepted, w).next_uncached
-        for s, o, n in zip(streams, outs, nxt):
+        for s, o, n in zip(streams, outs, nxt, strict=False):
             before = len(toks[s])
             toks[s].extend(o[2])
             assert len(toks[s]) == before + o[1] + 1  # grows by the emitted count
@@ -104,7 +105,7 @@ def run(streams, w, rule, steps, plan=plan_batch_step):
     return hist, toks
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def b128_runs():
     streams = list(range(128))
     cohort = run(streams, 4, "cohort", 200)
@@ -113,7 +114,8 @@ def b128_runs():
     return cohort, per_seq, solo
 
 
-# --- flags / small rules ---------------------------------------------------------------------------
+# --- flags / small rules
+# ---------------------------------------------------------------------------
 
 
 def test_the_window_is_depth_plus_one_for_depth_zero_to_eight():
@@ -134,7 +136,8 @@ def test_per_seq_advance_needs_in_out_and_per_sequence():
         assert per_seq_advance(assembled, out, adv) == expected
 
 
-# --- §8.1 window ----------------------------------------------------------------------------------------
+# --- §8.1 window
+# ----------------------------------------------------------------------------------------
 
 
 def test_plan_step_window_examples():
@@ -162,7 +165,8 @@ def test_the_window_invariant_is_what_keeps_the_verify_slice_in_range():
             got = plan_step_window(cache_lens, toks, 4)
             verdicts.append(got.ok)
             if got.ok:
-                assert all(c < t for c, t in zip(cache_lens, toks))  # toks[c:] is non-empty
+                # toks[c:] is non-empty
+                assert all(c < t for c, t in zip(cache_lens, toks, strict=False))
     assert True in verdicts and False in verdicts
     assert not plan_step_window([12, 12], [13, 9], 4).ok
 
@@ -184,14 +188,17 @@ def test_plan_step_window_ok_implies_the_cache_is_behind_the_tokens(data):
     cache = data.draw(st.lists(st.integers(0, 40), min_size=b, max_size=b))
     toks = data.draw(st.lists(st.integers(0, 50), min_size=b, max_size=b))
     got = plan_step_window(cache, toks, w)
-    assert got.uncached == [max(t - c, 0) for c, t in zip(cache, toks)]
-    brute = all(c + max(t - c, 0) >= 2 and 1 <= t - c <= w for c, t in zip(cache, toks))
+    assert got.uncached == [max(t - c, 0) for c, t in zip(cache, toks, strict=False)]
+    brute = all(
+        c + max(t - c, 0) >= 2 and 1 <= t - c <= w for c, t in zip(cache, toks, strict=False)
+    )
     assert got.ok == brute
     if got.ok:
-        assert all(c < t for c, t in zip(cache, toks))
+        assert all(c < t for c, t in zip(cache, toks, strict=False))
 
 
-# --- §8.3 verify rows -------------------------------------------------------------------------------------
+# --- §8.3 verify rows
+# -------------------------------------------------------------------------------------
 
 
 def test_window_verify_row_is_u_minus_one_plus_j():
@@ -230,7 +237,8 @@ def test_the_sampled_token_is_row_u_minus_one_plus_a():
         pytest.fail("no partial accept in 40 streams: degenerate fixture")
 
 
-# --- §11 verify and budget -----------------------------------------------------------------------------------
+# --- §11 verify and budget
+# -----------------------------------------------------------------------------------
 
 
 def test_verify_proposed_lossless_contract():
@@ -264,7 +272,10 @@ def test_cache_truncation_rejection_off_by_one_pinned():
     assert n_cache_positions_to_drop(3, verify_proposed([1, 2, 3], [1, 2])) == 1
 
 
-@given(proposed=st.lists(st.integers(0, 3), max_size=10), target=st.lists(st.integers(0, 3), max_size=10))
+@given(
+    proposed=st.lists(st.integers(0, 3), max_size=10),
+    target=st.lists(st.integers(0, 3), max_size=10),
+)
 def test_verify_proposed_matches_a_brute_force_oracle(proposed, target):
     n = min(len(proposed), len(target))
     k = max(i for i in range(n + 1) if proposed[:i] == target[:i])
@@ -296,7 +307,8 @@ def test_budget_clamp_property(a, budget):
         assert got == max(budget - 1, 0)
 
 
-# --- §12 advance rules --------------------------------------------------------------------------------------
+# --- §12 advance rules
+# --------------------------------------------------------------------------------------
 
 
 def test_plan_batch_step_keeps_only_what_every_sequence_can_prove():
@@ -380,7 +392,8 @@ def test_per_sequence_row_depends_only_on_its_own_row(data):
         assert full.next_uncached[i] == 1
 
 
-# --- §12 advance rules, simulated (§17.2) ------------------------------------------------------------------
+# --- §12 advance rules, simulated (§17.2)
+# ------------------------------------------------------------------
 
 
 def test_the_two_advance_rules_are_identical_at_batch_one():
@@ -399,7 +412,7 @@ def test_per_sequence_advance_never_lets_a_tail_ratchet_at_b128():
     assert min(d for step in per_seq["d"] for d in step) == 3
     saturated = sum(u == 4 for step in cohort["u"] for u in step)
     assert saturated > 0
-    for us, ds in zip(cohort["u"], cohort["d"]):
+    for us, ds in zip(cohort["u"], cohort["d"], strict=False):
         assert sum(u == 4 for u in us) == sum(d == 0 for d in ds)
 
 
@@ -443,7 +456,7 @@ def test_batched_ragged_accept_is_token_identical_to_the_b1_reference():
 
 def test_batched_rollback_mutation_max_instead_of_min_is_caught():
     def keep_max(u, a, w):
-        valid = [x + y for x, y in zip(u, a)]
+        valid = [x + y for x, y in zip(u, a, strict=False)]
         keep = max(valid)
         return CohortPlan(keep, max(w - keep, 0), [max(v + 1 - keep, 0) for v in valid])
 

@@ -23,12 +23,15 @@ from raggedspec.reference.step import (
 )
 from raggedspec.reference.xs_rolling import XsRolling
 
-# --- §12.3 rollback ---------------------------------------------------------------------------------------------
+# --- §12.3 rollback
+# ---------------------------------------------------------------------------------------------
 
 
 def filled_kv(n: int) -> KvCache:
     kv = KvCache.new_normal(4096)
-    kv.append(np.arange(n, dtype=float).reshape(1, 1, n, 1), np.arange(n, dtype=float).reshape(1, 1, n, 1))
+    kv.append(
+        np.arange(n, dtype=float).reshape(1, 1, n, 1), np.arange(n, dtype=float).reshape(1, 1, n, 1)
+    )
     return kv
 
 
@@ -63,7 +66,9 @@ def test_truncate_cache_by_refuses_a_rollback_a_slot_refuses():
     assert "MTP: cache set_len(100) failed rolling back 200 of 300 positions" in str(e.value)
     xs = filled_xs(100)
     assert xs.base[0] > 60
-    with pytest.raises(StepRefusal, match=r"MTP: cache set_len\(60\) failed rolling back 40 of 100"):
+    with pytest.raises(
+        StepRefusal, match=r"MTP: cache set_len\(60\) failed rolling back 40 of 100"
+    ):
         truncate_cache_by(NormalCache([filled_kv(100), xs]), 40)
     ok = NormalCache([filled_kv(100), filled_xs(100)])
     truncate_cache_by(ok, 8)  # depth cap 8 <= margin 16: always inside the retained window
@@ -76,7 +81,12 @@ def test_cache_truncation_restores_decode_invariant():
     # verify needs (d = n_proposed - 1, the last proposal is never fed); then drop
     # n_proposed - commit_len. Interpretation of the unverified row; the shapes are those
     # of cache_truncation_rejection_off_by_one_pinned.
-    for proposed, target in (([1, 2], [9, 2]), ([1, 2], [1, 9]), ([1, 2], [1, 2]), ([1, 2, 3], [1, 2])):
+    for proposed, target in (
+        ([1, 2], [9, 2]),
+        ([1, 2], [1, 9]),
+        ([1, 2], [1, 2]),
+        ([1, 2, 3], [1, 2]),
+    ):
         tokens = 100
         cache = NormalCache([filled_kv(99), filled_kv(99)])
         for width in (1, len(proposed) - 1):
@@ -89,7 +99,8 @@ def test_cache_truncation_restores_decode_invariant():
         assert [s.current_seq_len for s in cache.slots] == [tokens_after - 1] * 2
 
 
-# --- §12.2 per-sequence commit ------------------------------------------------------------------------------------
+# --- §12.2 per-sequence commit
+# ------------------------------------------------------------------------------------
 
 
 def padded_row(lead: int, live: list[float], width: int) -> KvCache:
@@ -97,7 +108,9 @@ def padded_row(lead: int, live: list[float], width: int) -> KvCache:
     at the batched width."""
     k = np.zeros((1, 1, 512, 1))
     k[0, 0, lead:lead + len(live), 0] = live
-    kv = KvCache(SingleCache(4096, 512, width, data=k.copy()), SingleCache(4096, 512, width, data=k + 1000))
+    kv = KvCache(
+        SingleCache(4096, 512, width, data=k.copy()), SingleCache(4096, 512, width, data=k + 1000)
+    )
     return kv
 
 
@@ -148,7 +161,8 @@ def test_the_cohort_worked_example_of_one_step():
     assert plan.next_uncached == [n - cache.current_seq_len for n in new_lens] == [3, 1]
 
 
-# --- §16 step 4 guards -----------------------------------------------------------------------------------------------
+# --- §16 step 4 guards
+# -----------------------------------------------------------------------------------------------
 
 
 def test_window_guard_chooses_left_aligned_then_follows_then_defer():

@@ -149,7 +149,9 @@ def test_every_problem_is_reported_up_to_the_limit(tmp_path):
     with pytest.raises(TraceError) as err:
         read_trace_strict(path, limit=5)
     assert len(err.value.problems) == 5 and err.value.more == 25
-    assert "30 problems in the trace" in str(err.value) and "... and 25 more problem(s)" in str(err.value)
+    assert "30 problems in the trace" in str(err.value) and "... and 25 more problem(s)" in str(
+        err.value
+    )
     assert "field 'rows[].own_len' = -5: must be an integer >= 0 (rows[4])" in str(err.value)
 
 

@@ -17,7 +17,6 @@ from raggedspec.reference.xs_rolling import (
     XsRolling,
     compress_blocks,
     plan_xs_advance,
-    resumable_from,
     span_groups_for,
 )
 
@@ -42,7 +41,9 @@ def assert_row_matches(xs, i, h):
 
 def test_compress_blocks_is_the_mean_of_each_complete_block():
     x = np.arange(10, dtype=np.float64).reshape(1, 10, 1)
-    assert compress_blocks(x, 4).tolist() == [[[1.5], [5.5]]]  # the incomplete block 8..9 is dropped
+    assert compress_blocks(x, 4).tolist() == [
+        [[1.5], [5.5]]
+    ]  # the incomplete block 8..9 is dropped
     y = np.arange(2 * 3 * 8 * 2, dtype=np.float64).reshape(2, 3, 8, 2)
     assert compress_blocks(y, 4).shape == (2, 3, 2, 2)
     assert compress_blocks(y, 4)[1, 2, 1].tolist() == list(y[1, 2, 4:8].mean(axis=0))
@@ -75,10 +76,20 @@ def test_xs_slot_kind_capability_and_clone():
 
 def test_plan_xs_advance_ratio_4_worked_rows():
     # tok 13, base 0, W 24, t_new 5: tok' 18, blocks 3 -> 4; need_start (3+1-2)*4 = 8;
-    # off = 8 + 24 - 13 = 19; len = 16 - 8 = 8; take 1 at 3; keep_from = max(0, (2//4 - 1)*4) -> base' 0.
+    # off = 8 + 24 - 13 = 19; len = 16 - 8 = 8; take 1 at 3; keep_from = max(0, (2//4 - 1)*4) ->
+    # base' 0.
     p = plan_xs_advance([13], [0], 24, 5, 4, 2, 16).rows[0]
-    assert (p.tokens_after, p.g_done, p.g_target, p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == \
-        (18, 3, 4, 8, 19, 8, 1, 3, 0)
+    assert (
+        p.tokens_after,
+        p.g_done,
+        p.g_target,
+        p.need_start,
+        p.off,
+        p.length,
+        p.take,
+        p.dest,
+        p.base_after,
+    ) == (18, 3, 4, 8, 19, 8, 1, 3, 0)
     # tok 61, base 40, t_new 9: tok' 70; blocks 15 -> 17; need_start 56; off 56+24-61 = 19;
     # len 68-56 = 12; take 2 at 15; keep_from = max(40, (54//4 + 1 - 2)*4 = 48) -> 48.
     p = plan_xs_advance([61], [40], 24, 9, 4, 2, 16).rows[0]
@@ -93,14 +104,23 @@ def test_plan_xs_advance_ratio_4_worked_rows():
 
 def test_plan_xs_advance_ratio_128_worked_row():
     # tok 250, base 128, W 144, t_new 9: tok' 259; blocks 1 -> 2; need_start 128;
-    # off 128+144-250 = 22; len 256-128 = 128; take 1 at 1; keep_from = max(128, (243//128)*128) = 128.
+    # off 128+144-250 = 22; len 256-128 = 128; take 1 at 1; keep_from = max(128, (243//128)*128) =
+    # 128.
     p = plan_xs_advance([250], [128], 144, 9, 128, 1, 16).rows[0]
-    assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (128, 22, 128, 1, 1, 128)
+    assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (
+        128,
+        22,
+        128,
+        1,
+        1,
+        128,
+    )
 
 
 def test_rows_with_equal_slices_share_one_compressor_call():
     plan = plan_xs_advance([13, 13, 14, 2], [0, 0, 0, 0], 24, 5, 4, 2, 16)
-    # rows 0, 1: off 19, len 8, take 1; row 2: off 18; row 3: tok' 7 completes block 0 (off 22, len 4)
+    # rows 0, 1: off 19, len 8, take 1; row 2: off 18; row 3: tok' 7 completes block 0 (off 22, len
+    # 4)
     assert plan.calls == {(19, 8, 1): [0, 1], (18, 8, 1): [2], (22, 4, 1): [3]}
 
 
@@ -167,8 +187,12 @@ def test_set_row_lens_refusals_change_nothing():
     a, b = filled(4, 61), filled(4, 20)
     xs = XsRolling.stack([a, b])
     tail = xs.tail.copy()
-    for lens, pattern in (([62, 20], "past the 61"), ([39, 20], "behind base 40"), ([43, 20], "behind base 40"),
-                          ([61, 21], "past the 20")):
+    for lens, pattern in (
+        ([62, 20], "past the 61"),
+        ([39, 20], "behind base 40"),
+        ([43, 20], "behind base 40"),
+        ([61, 21], "past the 20"),
+    ):
         with pytest.raises(CacheRefusal, match=pattern):
             xs.set_row_lens(lens)
         assert xs.tokens == [61, 20] and np.array_equal(xs.tail, tail)
@@ -236,10 +260,12 @@ def test_split_and_stack_round_trip_with_per_row_tokens_and_base():
     for i, h in enumerate(hs):
         assert_row_matches(batched, i, h)
     back = batched.split_rows()
-    for i, (row, h) in enumerate(zip(back, hs)):
+    for row, h in zip(back, hs, strict=False):
         assert row.batch == 1
         assert_row_matches(row, 0, h)
-        assert not row.tail[0, : row.window - (row.tokens[0] - row.base[0])].any()  # nothing kept behind base
+        assert not row.tail[
+            0, : row.window - (row.tokens[0] - row.base[0])
+        ].any()  # nothing kept behind base
 
 
 def test_stack_with_the_flag_off_reconciles_the_bases():
@@ -254,10 +280,22 @@ def test_stack_with_the_flag_off_reconciles_the_bases():
 
 # --- §17.2 mtp_verify_rollback_restores_the_compressor_rows_exactly ----------------------------
 
-SHAPES = [(1, 1), (2, 1), (2, 2), (3, 2), (4, 1), (5, 5), (6, 3), (8, 2), (9, 9)]  # (w = depth+1, commit)
+SHAPES = [
+    (1, 1),
+    (2, 1),
+    (2, 2),
+    (3, 2),
+    (4, 1),
+    (5, 5),
+    (6, 3),
+    (8, 2),
+    (9, 9),
+]  # (w = depth+1, commit)
 
 
-@pytest.mark.parametrize("ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])])
+@pytest.mark.parametrize(
+    "ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
+)
 def test_mtp_verify_rollback_restores_the_compressor_rows_exactly(ratio, prefills):
     rng = np.random.default_rng(ratio)
     crossed = 0
@@ -267,52 +305,61 @@ def test_mtp_verify_rollback_restores_the_compressor_rows_exactly(ratio, prefill
             kv = [KvCache.new_normal(4096), KvCache.new_normal(4096)]
             xs = XsRolling(ratio)
 
-            def feed(rows):
+            def feed(rows, xs=xs, kv=kv):
                 xs.append_rows(rows[None])
                 for slot in kv:
                     block = rows[None, None]
                     slot.append(block, block)
 
             feed(truth[: committed - 1])                       # prefill committed - 1
-            feed(truth[committed - 1 : committed])             # then 1
-            spec = np.concatenate([truth[committed : committed + commit], rng.standard_normal((w - commit, D)) + 50])
+            feed(truth[committed - 1 : committed])  # then 1
+            spec = np.concatenate(
+                [truth[committed : committed + commit], rng.standard_normal((w - commit, D)) + 50]
+            )
             before = xs.comp_seq_len
-            feed(spec)                                         # a verify window of w, commit of them true
+            feed(spec)  # a verify window of w, commit of them true
             crossed += xs.comp_seq_len > (committed + commit) // ratio
             n_drop = w - commit
-            for slot in kv + [xs]:                             # truncate_cache_by(n_drop), every slot
+            for slot in kv + [xs]:  # truncate_cache_by(n_drop), every slot
                 slot.set_len(max(slot.current_seq_len - n_drop, 0))
             assert [s.current_seq_len for s in kv + [xs]] == [committed + commit] * 3
             assert_row_matches(xs, 0, truth[: committed + commit])
-            feed(truth[committed + commit :])                  # onward decode over the rolled-back rows
+            feed(truth[committed + commit :])  # onward decode over the rolled-back rows
             assert_row_matches(xs, 0, truth)
             assert before <= xs.comp_seq_len
     assert crossed > 0  # some speculative block was compressed and had to be rewritten (D12)
 
 
-@pytest.mark.parametrize("ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])])
+@pytest.mark.parametrize(
+    "ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
+)
 def test_a_ragged_xs_batch_rolls_each_row_back_to_its_own_commit(ratio, prefills):
     rng = np.random.default_rng(7 + ratio)
     for w, _ in SHAPES:
         truths = [rng.standard_normal((p + 2 * w, D)) for p in prefills]
         rows = []
-        for p, h in zip(prefills, truths):
+        for p, h in zip(prefills, truths, strict=False):
             solo = XsRolling(ratio)
             solo.append_rows(h[None, :p])
             rows.append(solo)
         xs = XsRolling.stack(rows)
         commits = [1 + (i * 3 + w) % w for i in range(len(prefills))]
         block = np.stack([np.concatenate([h[p : p + c], rng.standard_normal((w - c, D)) - 40])
-                          for p, h, c in zip(prefills, truths, commits)])
+                          for p, h, c in zip(prefills, truths, commits, strict=False)])
         xs.append_rows(block)
-        xs.set_row_lens([p + c for p, c in zip(prefills, commits)])   # per-sequence commit
-        assert xs.comp_seq_len == max(p + c for p, c in zip(prefills, commits)) // ratio
-        for i, (p, c, h) in enumerate(zip(prefills, commits, truths)):
+        # per-sequence commit
+        xs.set_row_lens([p + c for p, c in zip(prefills, commits, strict=False)])
+        assert (
+            xs.comp_seq_len == max(p + c for p, c in zip(prefills, commits, strict=False)) // ratio
+        )
+        for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
             assert_row_matches(xs, i, h[: p + c])
         # onward: every row feeds w more true rows from its own position
-        nxt = np.stack([h[p + c : p + c + w] for p, c, h in zip(prefills, commits, truths)])
+        nxt = np.stack(
+            [h[p + c : p + c + w] for p, c, h in zip(prefills, commits, truths, strict=False)]
+        )
         xs.append_rows(nxt)
-        for i, (p, c, h) in enumerate(zip(prefills, commits, truths)):
+        for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
             assert_row_matches(xs, i, h[: p + c + w])
 
 
@@ -332,16 +379,21 @@ def test_random_ragged_feeds_and_rollbacks_match_a_from_scratch_compression(data
             solo.append_rows(part[None])
         rows.append(solo)
     xs = XsRolling.stack(rows)
-    floor = [p - XS_TAIL_MARGIN_TOKENS for p in prefills]  # no rollback behind any newest-minus-margin
+    floor = [
+        p - XS_TAIL_MARGIN_TOKENS for p in prefills
+    ]  # no rollback behind any newest-minus-margin
     for _ in range(data.draw(st.integers(1, 6))):
         t_new = data.draw(st.integers(0, 12))
         x = rng.standard_normal((b, t_new, 2))
         xs.append_rows(x)
         fed = [np.concatenate([h, x[i]]) for i, h in enumerate(history)]
-        floor = [max(fl, len(f) - XS_TAIL_MARGIN_TOKENS) for fl, f in zip(floor, fed)]
-        drops = [data.draw(st.integers(0, len(f) - max(fl, 0))) for f, fl in zip(fed, floor)]
-        xs.set_row_lens([len(f) - d for f, d in zip(fed, drops)])
-        history = [f[: len(f) - d] for f, d in zip(fed, drops)]
+        floor = [max(fl, len(f) - XS_TAIL_MARGIN_TOKENS) for fl, f in zip(floor, fed, strict=False)]
+        drops = [
+            data.draw(st.integers(0, len(f) - max(fl, 0)))
+            for f, fl in zip(fed, floor, strict=False)
+        ]
+        xs.set_row_lens([len(f) - d for f, d in zip(fed, drops, strict=False)])
+        history = [f[: len(f) - d] for f, d in zip(fed, drops, strict=False)]
         assert xs.comp_seq_len == max(len(h) for h in history) // ratio
         for i, h in enumerate(history):
             assert_row_matches(xs, i, h)

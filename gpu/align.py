@@ -33,7 +33,9 @@ def front_aligned_index(lens: torch.Tensor, target: int) -> tuple[torch.Tensor, 
     return src.clamp(min=0), live
 
 
-def materialize_front_aligned(kv: RaggedKv, target: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def materialize_front_aligned(
+    kv: RaggedKv, target: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's front-aligned `(k, v)`, each `[B, H, T, D]`: row i's live run at
     columns `[T - lens[i], T)`, zeros in front (`T = max(lens)` by default). One gather per
     buffer. ValueError when `target < max(lens)`."""
@@ -49,7 +51,9 @@ def _gather_live(buf: torch.Tensor, cols: torch.Tensor, live: torch.Tensor) -> t
     columns are zeroed by `where` (not a multiply), so inf/nan slack never leaks in."""
     b, h, _, d = buf.shape
     out = buf.gather(2, cols[:, None, :, None].expand(b, h, cols.shape[1], d))
-    return torch.where(live[:, None, :, None], out, torch.zeros((), dtype=buf.dtype, device=buf.device))
+    return torch.where(
+        live[:, None, :, None], out, torch.zeros((), dtype=buf.dtype, device=buf.device)
+    )
 
 
 def strip_dead_prefix(k_front: torch.Tensor, v_front: torch.Tensor, leads, current: int,
@@ -70,7 +74,9 @@ def strip_dead_prefix(k_front: torch.Tensor, v_front: torch.Tensor, leads, curre
     if bool(over.any()):
         i = int(over.nonzero()[0, 0])
         raise CacheRefusal(
-            f"cannot drop a {int(leads[i])}-column dead prefix from a slot that holds only {current}")
+            f"cannot drop a {int(leads[i])}-column dead prefix from a slot that holds only "
+            f"{current}"
+        )
     src = torch.arange(width, device=k_front.device)[None, :] + leads[:, None]     # [B, W]
     inside = src < width
     cols = src.clamp(max=max(width - 1, 0))
@@ -95,7 +101,9 @@ def front_align_draft_group(kv: RaggedKv, starts) -> RaggedKv:
     if bool(past.any()):
         r = int(past.nonzero()[0, 0])
         raise AlignRefusal(
-            f"chain start {int(starts[r])} is past the {int(kv.lens[r])} position(s) draft row {r} holds")
+            f"chain start {int(starts[r])} is past the {int(kv.lens[r])} position(s) draft row "
+            f"{r} holds"
+        )
     return RaggedKv(kv.k, kv.v, starts, kv.max_seq_len)
 
 

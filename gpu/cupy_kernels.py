@@ -480,7 +480,8 @@ def _verify_attention_torch(mode: str, q, k, v, lens):
 
 
 def ragged_verify_attention(q, k, v, lens):
-    """The bench's contract (raggedspec/bench/strategies.py): torch CUDA tensors `q [B,H,w,D]`, in-place
+    """The bench's contract (raggedspec/bench/strategies.py): torch CUDA tensors `q [B,H,w,D]`,
+    in-place
     `k, v [B,Hk,cap,D]`, int64 `lens [B]` -> `out [B,H,w,D]` in q's dtype, on torch's current
     stream, no copy of KV (DLPack views; bf16 travels as int16 bits)."""
     import cupy

@@ -127,7 +127,10 @@ class DraftGroups:
 
     def as_dict(self) -> dict[tuple[int, int], list[int]]:
         """The reference's `{(u, s): [rows]}` form (host lists), for conformance."""
-        return {(int(k[0]), int(k[1])): as_list(r) for k, r in zip(self.keys.tolist(), self.rows)}
+        return {
+            (int(k[0]), int(k[1])): as_list(r)
+            for k, r in zip(self.keys.tolist(), self.rows, strict=False)
+        }
 
 
 def draft_groups(uncached, cache_lens, may_draft, w: int, per_seq_advance: bool) -> DraftGroups:
@@ -158,15 +161,21 @@ def draft_step_end_column(start_pos, b: int, cached: int) -> int:
     require(b >= 0 and cached >= 0, f"b {b} and cached {cached} must be >= 0")
     pos = lengths(start_pos, name="start_pos")
     if pos.numel() == 0:
-        raise DispatchRefusal(f"the MTP draft step was given no absolute position at all (batch of {b})")
+        raise DispatchRefusal(
+            f"the MTP draft step was given no absolute position at all (batch of {b})"
+        )
     if pos.numel() != 1 and pos.numel() != b:
-        raise DispatchRefusal(f"{pos.numel()} absolute position(s) for a batch of {b}: {as_list(pos)}")
+        raise DispatchRefusal(
+            f"{pos.numel()} absolute position(s) for a batch of {b}: {as_list(pos)}"
+        )
     end = int(pos.max())
     if cached != end:
         raise DispatchRefusal(
             f"MTP draft KV desync: cache holds {cached} entries but the step's rows end at "
-            f"absolute position {end} (start_pos {as_list(pos)}); a ragged group must be left-aligned "
-            f"so every row ends at the cache's end column")
+            f"absolute position {end} (start_pos {as_list(pos)}); a ragged group must be "
+            "left-aligned "
+            f"so every row ends at the cache's end column"
+        )
     return end
 
 

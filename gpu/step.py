@@ -88,8 +88,10 @@ def verify_proposed(proposed: torch.Tensor, target: torch.Tensor, n_proposed=Non
         else lengths_like(n_proposed, proposed, "n_proposed")
     n_t = proposed.new_full((b,), q).long() if n_target is None \
         else lengths_like(n_target, proposed, "n_target")
-    require(n_p.numel() == b and n_t.numel() == b,
-            f"per-row counts must have {b} entries: n_proposed {as_list(n_p)}, n_target {as_list(n_t)}")
+    require(
+        n_p.numel() == b and n_t.numel() == b,
+        f"per-row counts must have {b} entries: n_proposed {as_list(n_p)}, n_target {as_list(n_t)}",
+    )
     require(not bool((n_p < 0).any() or (n_p > p).any() or (n_t < 0).any() or (n_t > q).any()),
             f"per-row counts out of range: n_proposed {as_list(n_p)} (<= {p}), "
             f"n_target {as_list(n_t)} (<= {q})")
@@ -104,7 +106,9 @@ def verify_proposed(proposed: torch.Tensor, target: torch.Tensor, n_proposed=Non
     first = mismatch.byte().argmax(dim=1)  # the first maximal index (0 if none)
     rejected = mismatch.any(dim=1) & (first < n)
     token = target[:, :width].gather(1, first[:, None])[:, 0].long()
-    return VerifiedBatch(torch.where(rejected, first, n), rejected, torch.where(rejected, token, none))
+    return VerifiedBatch(
+        torch.where(rejected, first, n), rejected, torch.where(rejected, token, none)
+    )
 
 
 def token_budget(max_seq_len: int, tok_lens) -> torch.Tensor:

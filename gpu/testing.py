@@ -48,7 +48,9 @@ def host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def to_port(a, dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+def to_port(
+    a, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """A NumPy array on the port's device (float arrays cast to `dtype`, default float64)."""
     a = np.asarray(a)
     t = torch.from_numpy(np.ascontiguousarray(a))
@@ -65,7 +67,9 @@ def representable(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 def assert_bit_exact(port, ref, what: str = "") -> None:
     p, r = host(port), host(ref)
     assert p.shape == r.shape, f"{what}: shape {p.shape} != reference {r.shape}"
-    assert np.array_equal(p, r), f"{what}: port differs from reference at {np.argwhere(p != r)[:5].tolist()}"
+    assert np.array_equal(p, r), (
+        f"{what}: port differs from reference at {np.argwhere(p != r)[:5].tolist()}"
+    )
 
 
 def assert_close64(port, ref, rtol: float = 1e-12, what: str = "") -> None:
@@ -81,7 +85,9 @@ def dtype_floor(dtype: torch.dtype, scale: float) -> float:
     return 4.0 * torch.finfo(dtype).eps * scale
 
 
-def assert_dtype_bound(port, naive, ref64, dtype: torch.dtype, scale: float, what: str = "") -> None:
+def assert_dtype_bound(
+    port, naive, ref64, dtype: torch.dtype, scale: float, what: str = ""
+) -> None:
     p, n, r = host(port), host(naive), host(ref64)
     assert p.shape == r.shape == n.shape, f"{what}: shapes {p.shape}, {n.shape}, {r.shape}"
     if not r.size:

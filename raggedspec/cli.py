@@ -121,7 +121,9 @@ def example_path(name: str) -> Path:
     for f in importlib.resources.files("raggedspec.examples").iterdir():
         if f.name in (f"{name}.toml", f"{name}.json"):
             return Path(str(f))
-    raise UsageError(f"--example {name!r}: no such scenario (shipped: {', '.join(example_names())})")
+    raise UsageError(
+        f"--example {name!r}: no such scenario (shipped: {', '.join(example_names())})"
+    )
 
 
 def add_simulate(sub) -> argparse.ArgumentParser:
@@ -348,9 +350,12 @@ def run_conformance(args) -> int:
 
 def add_mutation(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "mutation", add_help=False, prefix_chars="\0",
-        help="mutation testing: the named catalogue and mutmut (arguments go to raggedspec.mutation.runner; "
-             "`raggedspec mutation --help` lists them)")
+        "mutation",
+        add_help=False,
+        prefix_chars="\0",
+        help="mutation testing: the named catalogue and mutmut (arguments go to "
+        "raggedspec.mutation.runner; `raggedspec mutation --help` lists them)",
+    )
     p.add_argument("runner_args", nargs=argparse.REMAINDER)
     return p
 
@@ -388,7 +393,10 @@ def run_bench(args) -> int:
 
 def add_preflight(sub) -> argparse.ArgumentParser:
     from raggedspec.preflight import add_arguments
-    p = sub.add_parser("preflight", help="first-run checks of the kernels: compile, stream, dtypes, timing")
+
+    p = sub.add_parser(
+        "preflight", help="first-run checks of the kernels: compile, stream, dtypes, timing"
+    )
     add_arguments(p)
     return p
 

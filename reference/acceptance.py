@@ -15,7 +15,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Protocol
 
@@ -42,7 +42,9 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 def key_hash(seed: int, salt: int, seq, pos) -> np.ndarray:
     """`hash(seed, salt, seq, pos)` as uint64, broadcast over `seq` and `pos` arrays."""
-    base = splitmix64(np.array([(int(seed) * 0x100000001B3 + int(salt)) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    base = splitmix64(
+        np.array([(int(seed) * 0x100000001B3 + int(salt)) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
+    )
     h = splitmix64(base ^ np.asarray(seq, dtype=np.int64).astype(np.uint64))
     return splitmix64(h ^ np.asarray(pos, dtype=np.int64).astype(np.uint64))
 
@@ -124,7 +126,9 @@ class Heterogeneous(_Thresholds):
     """Geometric with a per-sequence probability: `ps[seq % len(ps)]`, or drawn uniformly
     (integer threshold) in `p_range` from `(seed, seq)`."""
 
-    def __init__(self, ps: Sequence[float], seed: int, p_range: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self, ps: Sequence[float], seed: int, p_range: tuple[float, float] | None = None
+    ) -> None:
         super().__init__(seed)
         self.ts = np.array([threshold(p) for p in ps], dtype=np.int64)
         self.range = None if p_range is None else (threshold(p_range[0]), threshold(p_range[1]))
@@ -165,14 +169,24 @@ class FileStream(AcceptanceModel):
             data = json.loads(Path(data).read_text())
         if isinstance(data, list):
             data = {"default": data}
-        require(isinstance(data, dict) and data, "an accept-count file holds a list or {\"default\": [...], ...}")
+        require(
+            isinstance(data, dict) and data,
+            'an accept-count file holds a list or {"default": [...], ...}',
+        )
         self.lists: dict[str, list[int]] = {}
         for key, vals in data.items():
-            require(isinstance(vals, list) and vals
-                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals),
-                    f"accept counts for {key!r} must be a non-empty list of integers >= 0, got {vals!r}")
-            require(key == "default" or (isinstance(key, str) and key.isdigit()),
-                    f"accept-count key {key!r} must be \"default\" or a sequence id (a non-negative integer)")
+            require(
+                isinstance(vals, list)
+                and vals
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals),
+                f"accept counts for {key!r} must be a non-empty list of integers >= 0, got "
+                f"{vals!r}",
+            )
+            require(
+                key == "default" or (isinstance(key, str) and key.isdigit()),
+                f'accept-count key {key!r} must be "default" or a sequence id (a non-negative '
+                'integer)',
+            )
             self.lists[str(key)] = vals
 
     def accepted(self, seq, pos, n, k=0) -> np.ndarray:
@@ -278,9 +292,11 @@ def load_accept_file(path, n_seqs: int | None = None) -> FileStream:
     if n_seqs is not None and "default" not in stream.lists:
         missing = [i for i in range(n_seqs) if str(i) not in stream.lists]
         if missing:
-            raise ScenarioError(f"{where} has no \"default\" list and no list for sequence(s) "
-                                f"{missing[:8]}{' ...' if len(missing) > 8 else ''} (the scenario has "
-                                f"{n_seqs} requests)")
+            raise ScenarioError(
+                f'{where} has no "default" list and no list for sequence(s) '
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''} (the scenario has "
+                f"{n_seqs} requests)"
+            )
     return stream
 
 
@@ -293,10 +309,8 @@ def _cwd_on_path():
     try:
         yield
     finally:
-        try:
+        with suppress(ValueError):
             sys.path.remove(cwd)  # the first occurrence: the one inserted above
-        except ValueError:
-            pass
 
 
 def resolve_factory(factory: str):
@@ -312,16 +326,22 @@ def resolve_factory(factory: str):
         with _cwd_on_path():
             module = importlib.import_module(mod)
     except ImportError as exc:
-        raise ScenarioError(f"{where}: cannot import module {mod!r} ({exc}); the module must be importable "
-                            f"from the current folder {os.getcwd()!r} or from sys.path") from None
+        raise ScenarioError(
+            f"{where}: cannot import module {mod!r} ({exc}); the module must be importable "
+            f"from the current folder {os.getcwd()!r} or from sys.path"
+        ) from None
     except Exception as exc:  # the user's module raised while importing
-        raise ScenarioError(f"{where}: importing module {mod!r} raised {type(exc).__name__}: {exc}") from None
+        raise ScenarioError(
+            f"{where}: importing module {mod!r} raised {type(exc).__name__}: {exc}"
+        ) from None
     if not hasattr(module, attr):
         raise ScenarioError(f"{where}: module {mod!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
     if not callable(fn):
-        raise ScenarioError(f"{where}: {mod}.{attr} is not callable (it is a {type(fn).__name__}: {fn!r}); "
-                            "it must be a function or class taking the Scenario and returning a TokenOracle")
+        raise ScenarioError(
+            f"{where}: {mod}.{attr} is not callable (it is a {type(fn).__name__}: {fn!r}); "
+            "it must be a function or class taking the Scenario and returning a TokenOracle"
+        )
     return fn
 
 
@@ -349,9 +369,12 @@ class CheckedOracle:
 
     def _fail(self, call: str, got, want: str):
         shown = got if not isinstance(got, list) or len(got) <= 12 else got[:12] + ["..."]
-        raise OracleError(f"scenario key 'acceptance.factory': the oracle from {self.name!r} broke the TokenOracle "
-                          f"contract: {call} returned {shown!r}; {want}, each token an int in "
-                          f"[0, vocab = {self.vocab})")
+        raise OracleError(
+            f"scenario key 'acceptance.factory': the oracle from {self.name!r} broke the "
+            "TokenOracle "
+            f"contract: {call} returned {shown!r}; {want}, each token an int in "
+            f"[0, vocab = {self.vocab})"
+        )
 
     def _tokens(self, call: str, got, n: int) -> list[int]:
         try:
@@ -375,7 +398,9 @@ class CheckedOracle:
 
     def draft(self, seq_id: int, context: Sequence[int], n: int) -> list[int]:
         got = self.oracle.draft(seq_id, context, n)
-        return self._tokens(f"draft(seq_id={seq_id}, context of {len(context)} tokens, n={n})", got, n)
+        return self._tokens(
+            f"draft(seq_id={seq_id}, context of {len(context)} tokens, n={n})", got, n
+        )
 
 
 def build_model(spec, seed: int, scenario=None) -> AcceptanceModel:
@@ -404,13 +429,17 @@ def build_model(spec, seed: int, scenario=None) -> AcceptanceModel:
         except ScenarioError:
             raise
         except Exception as exc:  # the user's factory raised
-            raise ScenarioError(f"scenario key 'acceptance.factory': {spec.factory!r} raised "
-                                f"{type(exc).__name__} when called with the scenario: {exc}") from None
+            raise ScenarioError(
+                f"scenario key 'acceptance.factory': {spec.factory!r} raised "
+                f"{type(exc).__name__} when called with the scenario: {exc}"
+            ) from None
         lacking = [name for name in ORACLE_METHODS if not callable(getattr(oracle, name, None))]
         if lacking:
-            raise ScenarioError(f"scenario key 'acceptance.factory': {spec.factory!r} returned {oracle!r}, which "
-                                f"has no callable {', '.join(lacking)}; a TokenOracle needs prompt(seq_id, "
-                                "length), target(seq_id, context) and draft(seq_id, context, n)")
+            raise ScenarioError(
+                f"scenario key 'acceptance.factory': {spec.factory!r} returned {oracle!r}, which "
+                f"has no callable {', '.join(lacking)}; a TokenOracle needs prompt(seq_id, "
+                "length), target(seq_id, context) and draft(seq_id, context, n)"
+            )
         return OracleAcceptance(oracle, spec.factory)
     raise ValueError(f"unknown acceptance model {m!r}")
 

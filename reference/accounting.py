@@ -53,7 +53,7 @@ class MtpAcceptance:
         """Back to the default (all zero)."""
         self.__init__()
 
-    def add(self, other: "MtpAcceptance") -> None:
+    def add(self, other: MtpAcceptance) -> None:
         """Field-wise sum, firing nothing."""
         self.accepted += other.accepted
         self.proposed += other.proposed
@@ -62,10 +62,12 @@ class MtpAcceptance:
         self.committed += other.committed
         self.batch_steps += other.batch_steps
         self.pos_over_cap += other.pos_over_cap
-        self.accepted_at = [x + y for x, y in zip(self.accepted_at, other.accepted_at)]
-        self.reached_at = [x + y for x, y in zip(self.reached_at, other.reached_at)]
+        self.accepted_at = [
+            x + y for x, y in zip(self.accepted_at, other.accepted_at, strict=False)
+        ]
+        self.reached_at = [x + y for x, y in zip(self.reached_at, other.reached_at, strict=False)]
 
-    def accumulate(self, step: "MtpAcceptance", every: int = LOG_EVERY) -> bool:
+    def accumulate(self, step: MtpAcceptance, every: int = LOG_EVERY) -> bool:
         """Add `step`; True when the proposal count crossed a multiple of `every`:
         `floor((before + p) / every) != floor(before / every)` with `before` the proposals
         before the add (a step that straddles several multiples fires once). `every == 0`
@@ -96,7 +98,9 @@ class MtpAcceptance:
 
     def per_position_rates(self) -> list[float | None]:
         """`accepted_at[j] / reached_at[j]` for `j < tracked_extent()`."""
-        return [_ratio(self.accepted_at[j], self.reached_at[j]) for j in range(self.tracked_extent())]
+        return [
+            _ratio(self.accepted_at[j], self.reached_at[j]) for j in range(self.tracked_extent())
+        ]
 
     # output
     def marker(self, scope: str) -> str:
@@ -210,7 +214,10 @@ class AcceptanceTelemetry:
         if scope == "agg":
             return self.total
         kind, _, key = scope.partition("=")
-        require(kind in ("req", "b") and key.isdigit(), f"scope {scope!r} must be agg, req=<id> or b=<n>")
+        require(
+            kind in ("req", "b") and key.isdigit(),
+            f"scope {scope!r} must be agg, req=<id> or b=<n>",
+        )
         table = self.by_request if kind == "req" else self.by_batch
         require(int(key) in table, f"no acceptance counters for {scope}")
         return table[int(key)]

@@ -41,16 +41,55 @@ class CloneIn:
 # Every method of the protocol, in the order of the sections below (the conformance runner
 # checks a backend against this list and names what is missing).
 PROTOCOL = {
-    "construction": ("build_model", "new_target_cache", "new_draft_cache", "cache_len", "to_numpy", "materialize"),
-    "target cache": ("clone_in", "clone_out", "truncate_by", "commit_per_sequence", "set_lens", "xs_append"),
-    "K/V slot": ("kv_from_arrays", "kv_append", "kv_set_len", "kv_len", "front_align", "strip_dead_prefix",
-                 "concat", "split", "front_align_draft_group"),
+    "construction": (
+        "build_model",
+        "new_target_cache",
+        "new_draft_cache",
+        "cache_len",
+        "to_numpy",
+        "materialize",
+    ),
+    "target cache": (
+        "clone_in",
+        "clone_out",
+        "truncate_by",
+        "commit_per_sequence",
+        "set_lens",
+        "xs_append",
+    ),
+    "K/V slot": (
+        "kv_from_arrays",
+        "kv_append",
+        "kv_set_len",
+        "kv_len",
+        "front_align",
+        "strip_dead_prefix",
+        "concat",
+        "split",
+        "front_align_draft_group",
+    ),
     "masks, positions, attention": ("rope_positions", "apply_rope", "union_mask", "dsv4_attention"),
-    "model and draft": ("forward", "mtp_step", "propose_chain", "draft_chain", "extend_draft_kvs",
-                        "prime_draft_kv"),
-    "length vectors": ("resolve_row_cache_lens", "ragged_row_q0", "plan_step_window", "token_budget",
-                       "draft_groups", "draft_group_keys", "chain_starts", "verify_accept", "budget_clamp",
-                       "plan_batch_step", "plan_per_sequence_step"),
+    "model and draft": (
+        "forward",
+        "mtp_step",
+        "propose_chain",
+        "draft_chain",
+        "extend_draft_kvs",
+        "prime_draft_kv",
+    ),
+    "length vectors": (
+        "resolve_row_cache_lens",
+        "ragged_row_q0",
+        "plan_step_window",
+        "token_budget",
+        "draft_groups",
+        "draft_group_keys",
+        "chain_starts",
+        "verify_accept",
+        "budget_clamp",
+        "plan_batch_step",
+        "plan_per_sequence_step",
+    ),
 }
 PROTOCOL_METHODS = tuple(m for group in PROTOCOL.values() for m in group)
 
@@ -98,7 +137,9 @@ class Backend:
         self._missing("materialize")
 
     # ------------------------------------------------------------------ target cache rules
-    def clone_in(self, caches: list, pending_leads: list[int], xs_per_seq: bool, per_sequence: bool) -> CloneIn:
+    def clone_in(
+        self, caches: list, pending_leads: list[int], xs_per_seq: bool, per_sequence: bool
+    ) -> CloneIn:
         """`clone_in_cache_reporting_lead` (C §5.4): strip pending leads, front-align under
         PerSequence (the leads are returned: a port may keep them as offsets), stack."""
         self._missing("clone_in")
@@ -125,7 +166,9 @@ class Backend:
         self._missing("xs_append")
 
     # ------------------------------------------------------------------ one K/V slot
-    def kv_from_arrays(self, k: np.ndarray, v: np.ndarray, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY):
+    def kv_from_arrays(
+        self, k: np.ndarray, v: np.ndarray, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY
+    ):
         """A K/V slot holding `k, v [B,H,n,D]` at the shared length n (capacity grown by 512
         blocks as appending them would)."""
         self._missing("kv_from_arrays")
@@ -169,7 +212,9 @@ class Backend:
         1 or B), as host int64."""
         self._missing("rope_positions")
 
-    def apply_rope(self, x, offsets: Sequence[int], rope_dims: int, theta: float, inverse: bool = False):
+    def apply_rope(
+        self, x, offsets: Sequence[int], rope_dims: int, theta: float, inverse: bool = False
+    ):
         """`apply_rope` (M §11) on a backend tensor `x [B,H,T,D]`."""
         self._missing("apply_rope")
 
@@ -185,7 +230,16 @@ class Backend:
         self._missing("dsv4_attention")
 
     # ------------------------------------------------------------------ model and draft
-    def forward(self, model, tokens: np.ndarray, cache, offsets: Sequence[int], row_q0, lead_pad, capture=None) -> Forward:
+    def forward(
+        self,
+        model,
+        tokens: np.ndarray,
+        cache,
+        offsets: Sequence[int],
+        row_q0,
+        lead_pad,
+        capture=None,
+    ) -> Forward:
         """The target forward (`TinyModel.forward`): `tokens [B,T]` appended to the batched
         `cache`; `Forward(logits, hidden)` as backend tensors; the pre-norm hidden stored in
         `capture` (a `reference.dispatch.MtpHiddenCapture`). Refusals of the append and of
@@ -197,26 +251,45 @@ class Backend:
         draft K/V slot `kv`; the pre-norm hidden. DispatchRefusal ("desync")."""
         self._missing("mtp_step")
 
-    def propose_chain(self, model, seed_hidden, last_tokens, n: int, chain_starts: Sequence[int], kv) -> list[list[int]]:
+    def propose_chain(
+        self, model, seed_hidden, last_tokens, n: int, chain_starts: Sequence[int], kv
+    ) -> list[list[int]]:
         """`propose_chain_batched` (C §10.2): n greedy tokens per row, one batched MTP step
         each (per-row positions for a ragged group)."""
         self._missing("propose_chain")
 
-    def draft_chain(self, model, groups: dict, states: list, toks: list, cache_lens: list[int],
-                    budgets: list[int], w: int, per_seq_advance: bool, warnings: list | None = None) -> list[list[int]]:
+    def draft_chain(
+        self,
+        model,
+        groups: dict,
+        states: list,
+        toks: list,
+        cache_lens: list[int],
+        budgets: list[int],
+        w: int,
+        per_seq_advance: bool,
+        warnings: list | None = None,
+    ) -> list[list[int]]:
         """`group_drafting_loop` (C §9.3): one batched chain per draft group, written back."""
         self._missing("draft_chain")
 
-    def extend_draft_kvs(self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None) -> None:
+    def extend_draft_kvs(
+        self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None
+    ) -> None:
         """`extend_draft_kvs` (C §7.2, §16 step 10)."""
         self._missing("extend_draft_kvs")
 
-    def prime_draft_kv(self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None) -> None:
+    def prime_draft_kv(
+        self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None
+    ) -> None:
         """`prime_draft_kv` (C §7.4)."""
         self._missing("prime_draft_kv")
 
-    # ------------------------------------------------------------------ length vectors (host ints out)
-    def resolve_row_cache_lens(self, enabled: bool, cache_len: int, lead_pad: list[int]) -> list[int] | None:
+    # ------------------------------------------------------------------ length vectors (host ints
+    # out)
+    def resolve_row_cache_lens(
+        self, enabled: bool, cache_len: int, lead_pad: list[int]
+    ) -> list[int] | None:
         """`resolve_row_cache_lens` (C §8.2); DispatchRefusal."""
         self._missing("resolve_row_cache_lens")
 
@@ -224,7 +297,9 @@ class Backend:
         """`ragged_row_q0` (M §12)."""
         self._missing("ragged_row_q0")
 
-    def plan_step_window(self, cache_lens: list[int], tok_lens: list[int], w: int) -> tuple[list[int], bool]:
+    def plan_step_window(
+        self, cache_lens: list[int], tok_lens: list[int], w: int
+    ) -> tuple[list[int], bool]:
         """`plan_step_window` (C §8.1): `(uncached, ok)`."""
         self._missing("plan_step_window")
 
@@ -232,12 +307,20 @@ class Backend:
         """`token_budget` per row (C §11.2)."""
         self._missing("token_budget")
 
-    def draft_groups(self, uncached: list[int], cache_lens: list[int], may_draft: list[bool], w: int,
-                     per_seq_advance: bool) -> dict[tuple[int, int], list[int]]:
+    def draft_groups(
+        self,
+        uncached: list[int],
+        cache_lens: list[int],
+        may_draft: list[bool],
+        w: int,
+        per_seq_advance: bool,
+    ) -> dict[tuple[int, int], list[int]]:
         """`draft_groups` (C §9.1): `{(u, s): [rows]}`, keys ascending, rows ascending."""
         self._missing("draft_groups")
 
-    def draft_group_keys(self, uncached: list[int], cache_lens: list[int], carries_per_row: bool) -> list[tuple[int, int]]:
+    def draft_group_keys(
+        self, uncached: list[int], cache_lens: list[int], carries_per_row: bool
+    ) -> list[tuple[int, int]]:
         """`draft_group_key` of every row (C §9.1)."""
         self._missing("draft_group_keys")
 
@@ -254,11 +337,15 @@ class Backend:
         """`budget_clamp` per row (C §11.2)."""
         self._missing("budget_clamp")
 
-    def plan_batch_step(self, uncached: list[int], accepted: list[int], w: int) -> tuple[int, int, list[int]]:
+    def plan_batch_step(
+        self, uncached: list[int], accepted: list[int], w: int
+    ) -> tuple[int, int, list[int]]:
         """Cohort advance (C §12.1): `(keep, n_drop, next_uncached)`."""
         self._missing("plan_batch_step")
 
-    def plan_per_sequence_step(self, uncached: list[int], accepted: list[int], w: int) -> tuple[list[int], list[int], list[int]]:
+    def plan_per_sequence_step(
+        self, uncached: list[int], accepted: list[int], w: int
+    ) -> tuple[list[int], list[int], list[int]]:
         """Per-sequence advance (C §12.2): `(committed, dropped, next_uncached)`."""
         self._missing("plan_per_sequence_step")
 
@@ -299,7 +386,9 @@ class NumpyBackend(Backend):
 
     def new_target_cache(self, cfg, max_seq_len, batch):
         slots = [KvCache.new_normal(max_seq_len) for _ in cfg.compress_ratios]
-        slots += [XsRolling(r, max_seq_len=max_seq_len, batch=batch) for r in cfg.compress_ratios if r > 0]
+        slots += [
+            XsRolling(r, max_seq_len=max_seq_len, batch=batch) for r in cfg.compress_ratios if r > 0
+        ]
         return NormalCache(slots)
 
     def new_draft_cache(self, model):
@@ -408,9 +497,12 @@ class NumpyBackend(Backend):
     def propose_chain(self, model, seed_hidden, last_tokens, n, chain_starts, kv):
         return draft.propose_chain_batched(model, seed_hidden, last_tokens, n, chain_starts, kv)
 
-    def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None):
-        return draft.group_drafting_loop(model, groups, states, toks, cache_lens, budgets, w, per_seq_advance,
-                                         warnings)
+    def draft_chain(
+        self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None
+    ):
+        return draft.group_drafting_loop(
+            model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings
+        )
 
     def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None):
         draft.extend_draft_kvs(states, capture, toks, batch, model, warnings)
@@ -436,16 +528,18 @@ class NumpyBackend(Backend):
         return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
 
     def draft_group_keys(self, uncached, cache_lens, carries_per_row):
-        return [dispatch.draft_group_key(u, c, carries_per_row) for u, c in zip(uncached, cache_lens)]
+        return [
+            dispatch.draft_group_key(u, c, carries_per_row) for u, c in zip(uncached, cache_lens, strict=False)
+        ]
 
     def chain_starts(self, cache_lens, uncached):
-        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached)]
+        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached, strict=False)]
 
     def verify_accept(self, proposed, targets):
-        return [len(step.verify_proposed(p, t).accepted) for p, t in zip(proposed, targets)]
+        return [len(step.verify_proposed(p, t).accepted) for p, t in zip(proposed, targets, strict=False)]
 
     def budget_clamp(self, accepted, budgets):
-        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets)]
+        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]
 
     def plan_batch_step(self, uncached, accepted, w):
         plan = step.plan_batch_step(uncached, accepted, w)
@@ -469,7 +563,8 @@ NAMED_BACKENDS = {
 
 def load_backend(spec=None, device: str | None = None, dtype: str | None = None) -> Backend:
     """A backend from its name: None or "numpy" -> `NumpyBackend`; a name in `NAMED_BACKENDS`
-    ("torch" -> `raggedspec.gpu.backend:TorchBackend`, "cupy" -> `raggedspec.gpu.cupy_backend:CupyBackend`, CUDA
+    ("torch" -> `raggedspec.gpu.backend:TorchBackend`, "cupy" ->
+    `raggedspec.gpu.cupy_backend:CupyBackend`, CUDA
     only: ValueError with the reason elsewhere) or a "package.module:factory" string ->
     `factory(device=, dtype=)` (a class or a function), imported by name. A `Backend` instance
     is returned as is. ValueError (naming the spec) for an unknown name, a module or attribute

@@ -48,9 +48,14 @@ class SingleCache:
 
     def __post_init__(self) -> None:
         require(self.max_seq_len >= 0, f"max_seq_len {self.max_seq_len} must be >= 0")
-        require(self.capacity_seq_len >= 0, f"capacity_seq_len {self.capacity_seq_len} must be >= 0")
-        require(0 <= self.first_cached <= self.current_seq_len,
-                f"first_cached {self.first_cached} must be in [0, current_seq_len {self.current_seq_len}]")
+        require(
+            self.capacity_seq_len >= 0, f"capacity_seq_len {self.capacity_seq_len} must be >= 0"
+        )
+        require(
+            0 <= self.first_cached <= self.current_seq_len,
+            f"first_cached {self.first_cached} must be in [0, current_seq_len "
+            f"{self.current_seq_len}]",
+        )
         if self.data is not None:
             require(self.data.ndim == 4 and self.data.shape[SEQ_DIM] == self.capacity_seq_len,
                     f"data shape {self.data.shape} must be [B,H,{self.capacity_seq_len},D]")
@@ -79,7 +84,9 @@ class SingleCache:
         require(length >= 0, f"set_len length {length} must be >= 0")
         if length < self.first_cached:
             raise CacheRefusal(
-                f"set_len({length}) is below this slot's retained window (first cached {self.first_cached})")
+                f"set_len({length}) is below this slot's retained window (first cached "
+                f"{self.first_cached})"
+            )
         if length - self.first_cached > self.capacity_seq_len:
             raise CacheRefusal(
                 f"set_len({length}) exceeds current capacity {self.capacity_seq_len} "
@@ -124,7 +131,11 @@ class SingleCache:
                 self.evict_before(target)
         if self.data is not None:
             b, h, _, d = self.data.shape
-            same = (b, h, d) == (src.shape[0], src.shape[1], src.shape[3]) and self.data.dtype == src.dtype
+            same = (b, h, d) == (
+                src.shape[0],
+                src.shape[1],
+                src.shape[3],
+            ) and self.data.dtype == src.dtype
             if not same:
                 if self.physical > 0:
                     raise CacheRefusal(
@@ -149,7 +160,7 @@ class SingleCache:
         self.data[:, :, p : p + s, :] = src
         self.current_seq_len += s
 
-    def clone(self) -> "SingleCache":
+    def clone(self) -> SingleCache:
         """A deep copy (the reference never aliases buffers between rows)."""
         return SingleCache(self.max_seq_len, self.capacity_seq_len, self.current_seq_len,
                            self.first_cached, self.retain_window,
@@ -167,7 +178,7 @@ class KvCache:
 
     @staticmethod
     def new_normal(max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY,
-                   retain_window: int | None = None) -> "KvCache":
+                   retain_window: int | None = None) -> KvCache:
         return KvCache(SingleCache(max_seq_len, capacity, retain_window=retain_window),
                        SingleCache(max_seq_len, capacity, retain_window=retain_window))
 
@@ -196,7 +207,7 @@ class KvCache:
         self.k.reset()
         self.v.reset()
 
-    def clone(self) -> "KvCache":
+    def clone(self) -> KvCache:
         return KvCache(self.k.clone(), self.v.clone())
 
 
@@ -211,7 +222,7 @@ class OtherSlot:
     def supports_per_sequence_len(self, xs_per_seq: bool = False) -> bool:
         return False
 
-    def clone(self) -> "OtherSlot":
+    def clone(self) -> OtherSlot:
         return OtherSlot(self.kind, self.current_seq_len)
 
 
@@ -224,7 +235,7 @@ class NormalCache:
     paged: bool = False
 
     @staticmethod
-    def new_plain(n: int, max_seq_len: int) -> "NormalCache":
+    def new_plain(n: int, max_seq_len: int) -> NormalCache:
         """`n` Normal slots of capacity 512."""
         require(n >= 0, f"layer count {n} must be >= 0")
         return NormalCache([KvCache.new_normal(max_seq_len) for _ in range(n)])
@@ -234,5 +245,5 @@ class NormalCache:
         """Layer-0 length (`current_normal_cache_len`)."""
         return self.slots[0].current_seq_len if self.slots else 0
 
-    def clone(self) -> "NormalCache":
+    def clone(self) -> NormalCache:
         return NormalCache([s.clone() for s in self.slots], self.paged)

@@ -19,7 +19,13 @@ from raggedspec.reference.errors import CapabilityRefusal, require
 # --- §2 flags ------------------------------------------------------------------------------
 
 GREEDY_TEMPERATURE = 1e-7
-ISQ_SUB_INT8_FLOOR = {"AFQ2": "AFQ8", "AFQ3": "AFQ8", "AFQ4": "AFQ8", "AFQ6": "AFQ8", "HQQ4": "HQQ8"}
+ISQ_SUB_INT8_FLOOR = {
+    "AFQ2": "AFQ8",
+    "AFQ3": "AFQ8",
+    "AFQ4": "AFQ8",
+    "AFQ6": "AFQ8",
+    "HQQ4": "HQQ8",
+}
 ISQ_BITS = {
     "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q8_1": 8,
     "Q2K": 2, "Q3K": 3, "Q4K": 4, "Q5K": 5, "Q6K": 6, "Q8K": 8,
@@ -143,7 +149,9 @@ def batch_admission_admits_ragged_cohorts(admission: str) -> None:
     """Whether the layer that admits a batch lets rows of different lengths share it (§13).
     "refuse" (arc's behaviour, the default policy) raises; "grant" (the simulator's policy
     in which PerSequence is reachable) returns None; any other value is malformed."""
-    require(admission in ("refuse", "grant"), f"admission {admission!r} must be 'refuse' or 'grant'")
+    require(
+        admission in ("refuse", "grant"), f"admission {admission!r} must be 'refuse' or 'grant'"
+    )
     if admission == "refuse":
         raise CapabilityRefusal(
             "batch admission assumes one batch has one length: the scheduler partitions the "

@@ -163,7 +163,9 @@ class MtpHiddenCapture:
 # --- §8.2 per-row cache lengths -----------------------------------------------------------
 
 
-def resolve_row_cache_lens(enabled: bool, cache_len: int, lead_pad: Sequence[int]) -> list[int] | None:
+def resolve_row_cache_lens(
+    enabled: bool, cache_len: int, lead_pad: Sequence[int]
+) -> list[int] | None:
     """Each row's own committed-KV length `C - lead_i`, or None for the scalar dispatch
     (cache-and-draft.md §8.2).
 
@@ -173,21 +175,21 @@ def resolve_row_cache_lens(enabled: bool, cache_len: int, lead_pad: Sequence[int
     cohort always has its widest row at column C.
     """
     require(cache_len >= 0, f"cache_len {cache_len} must be >= 0")
-    leads = [int(l) for l in lead_pad]
-    require(all(l >= 0 for l in leads), f"lead_pad {leads} must be >= 0")
-    if not enabled or all(l == 0 for l in leads):
+    leads = [int(pad) for pad in lead_pad]
+    require(all(pad >= 0 for pad in leads), f"lead_pad {leads} must be >= 0")
+    if not enabled or all(pad == 0 for pad in leads):
         return None
-    wide = [(i, l) for i, l in enumerate(leads) if l > cache_len]
+    wide = [(i, pad) for i, pad in enumerate(leads) if pad > cache_len]
     if wide:
-        i, l = wide[0]
+        i, pad = wide[0]
         raise DispatchRefusal(
-            f"row {i}'s lead pad {l} is wider than the batched cache_len {cache_len}: "
+            f"row {i}'s lead pad {pad} is wider than the batched cache_len {cache_len}: "
             f"lead_pad {leads} and the cache disagree")
     if min(leads) != 0:
         raise DispatchRefusal(
             f"every row carries a dead prefix (lead_pad {leads}, cache_len {cache_len}): "
             f"no row ends at the shared end column, so this is not a left-aligned cohort")
-    return [cache_len - l for l in leads]
+    return [cache_len - pad for pad in leads]
 
 
 # --- §9 draft groups -----------------------------------------------------------------------
@@ -281,7 +283,9 @@ def draft_step_end_column(start_pos: Sequence[int], b: int, cached: int) -> int:
     require(b >= 0 and cached >= 0, f"b {b} and cached {cached} must be >= 0")
     pos = [int(p) for p in start_pos]
     if not pos:
-        raise DispatchRefusal(f"the MTP draft step was given no absolute position at all (batch of {b})")
+        raise DispatchRefusal(
+            f"the MTP draft step was given no absolute position at all (batch of {b})"
+        )
     if len(pos) != 1 and len(pos) != b:
         raise DispatchRefusal(f"{len(pos)} absolute position(s) for a batch of {b}: {pos}")
     end = max(pos)

@@ -14,9 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raggedspec.reference.align import batch_draft_caches, drop_dead_prefix, front_align_draft_group, split_draft_cache
+from raggedspec.reference.align import (
+    batch_draft_caches,
+    drop_dead_prefix,
+    front_align_draft_group,
+    split_draft_cache,
+)
 from raggedspec.reference.cache import KvCache
-from raggedspec.reference.dispatch import chain_start_of, resolve_draft_leads, resolve_ragged_chain_starts
+from raggedspec.reference.dispatch import (
+    chain_start_of,
+    resolve_draft_leads,
+    resolve_ragged_chain_starts,
+)
 from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal, require
 
 MAX_DRAFT_KV_SEQS = 64
@@ -26,7 +35,9 @@ def argmax_token(logits: np.ndarray) -> int:
     """The greedy token of one logits row: the index of the maximum (the first on a tie).
     `[0.1, 0.9, 0.2, 0.5] -> 1`. ValueError on an empty or non-1-D row."""
     logits = np.asarray(logits)
-    require(logits.ndim == 1 and logits.size > 0, f"logits shape {logits.shape} must be [V], V >= 1")
+    require(
+        logits.ndim == 1 and logits.size > 0, f"logits shape {logits.shape} must be [V], V >= 1"
+    )
     return int(np.argmax(logits))
 
 
@@ -79,7 +90,9 @@ class DraftKvMap:
             oldest = min(self.entries, key=lambda k: self.entries[k].last_used)
             del self.entries[oldest]
 
-    def drop_draft_kv(self, seq_id, flush: Callable[[object], None] | None = None) -> DraftKv | None:
+    def drop_draft_kv(
+        self, seq_id, flush: Callable[[object], None] | None = None
+    ) -> DraftKv | None:
         """Remove the entry of `seq_id` (returned, None if absent) and flush that request's
         acceptance line through `flush(seq_id)` when given (the telemetry lives elsewhere)."""
         state = self.entries.pop(seq_id, None)
@@ -111,13 +124,17 @@ def extend_draft_cache(block, cache: KvCache | None, h: np.ndarray, next_tokens,
     if n == 0:
         return start
     h = np.asarray(h, dtype=np.float64)
-    require(h.ndim == 2 and h.shape[0] == n, f"hidden {h.shape} must be [{n}, H] for {n} next tokens")
+    require(
+        h.ndim == 2 and h.shape[0] == n, f"hidden {h.shape} must be [{n}, H] for {n} next tokens"
+    )
     fused = block.fuse(h[None], nxt[None])
     block.forward_tokens(fused, start, cache, nxt[None])
     return start + n
 
 
-def extend_draft_kv_row(state: DraftKv, capture, toks: Sequence[int], row: int, batch: int, model) -> bool:
+def extend_draft_kv_row(
+    state: DraftKv, capture, toks: Sequence[int], row: int, batch: int, model
+) -> bool:
     """Extend row `row`'s draft KV from the target's capture (§7.2). Returns True (fine, or
     nothing to do) or False (misaligned: the caller poisons); raises a `Refusal` for an
     error (the caller also poisons).
@@ -184,9 +201,15 @@ def extend_draft_kv_row(state: DraftKv, capture, toks: Sequence[int], row: int, 
     return True
 
 
-def extend_draft_kvs(states: Sequence[DraftKv | None], capture, toks: Sequence[Sequence[int]], batch: int,
-                     model, warnings: list[str] | None = None,
-                     why: str = "capture misaligned with the draft KV") -> None:
+def extend_draft_kvs(
+    states: Sequence[DraftKv | None],
+    capture,
+    toks: Sequence[Sequence[int]],
+    batch: int,
+    model,
+    warnings: list[str] | None = None,
+    why: str = "capture misaligned with the draft KV",
+) -> None:
     """`step` §16 step 10 (and the priming loop): `extend_draft_kv_row` for every row with a
     state; `False` or a `Refusal` poisons that row and appends a warning naming the row.
     Other rows are unaffected."""
@@ -205,16 +228,30 @@ def extend_draft_kvs(states: Sequence[DraftKv | None], capture, toks: Sequence[S
             _warn(warnings, f"row {row}: {why}; draft KV poisoned")
 
 
-def prime_draft_kv(states: Sequence[DraftKv | None], capture, toks: Sequence[Sequence[int]], batch: int,
-                   model, warnings: list[str] | None = None) -> None:
+def prime_draft_kv(
+    states: Sequence[DraftKv | None],
+    capture,
+    toks: Sequence[Sequence[int]],
+    batch: int,
+    model,
+    warnings: list[str] | None = None,
+) -> None:
     """Prompt-time priming (§7.4): after the prompt forward, take the capture once and extend
     every row. On a fresh state with prompt offsets `[0]` (and `toks` = prompt ++ the sampled
     token, `L` tokens) this gives `filled = L - 1` and `seed = (L - 2, h_{L-2})`: the next
     decode step has `C = L - 1`, `u = 1`, so its chain start `C + u - 2 = L - 2` is the seed.
     A prefix-cache hit (`off > 0 = filled`) returns False and poisons that sequence for good,
     warning "prefix-cache hit / chunked prefill"."""
-    extend_draft_kvs(states, capture, toks, batch, model, warnings,
-                     why="prefix-cache hit / chunked prefill: the prompt capture does not start at the draft KV's end")
+    extend_draft_kvs(
+        states,
+        capture,
+        toks,
+        batch,
+        model,
+        warnings,
+        why="prefix-cache hit / chunked prefill: the prompt capture does not start at the draft "
+        "KV's end",
+    )
 
 
 def _warn(warnings: list[str] | None, text: str) -> None:
@@ -225,8 +262,15 @@ def _warn(warnings: list[str] | None, text: str) -> None:
 # --- §10.2 the chain ------------------------------------------------------------------------------
 
 
-def propose_chain_batched(model, seed_hidden: np.ndarray, last_tokens, n: int, chain_starts: Sequence[int],
-                          cache: KvCache | None, trace: list | None = None) -> list[list[int]]:
+def propose_chain_batched(
+    model,
+    seed_hidden: np.ndarray,
+    last_tokens,
+    n: int,
+    chain_starts: Sequence[int],
+    cache: KvCache | None,
+    trace: list | None = None,
+) -> list[list[int]]:
     """Draft `n` greedy tokens for each of G rows in one batched MTP forward per step (§10.2).
 
     `n == 0` or `G == 0` -> G empty chains. Refuses (StepRefusal) `len(chain_starts) != G`
@@ -253,7 +297,9 @@ def propose_chain_batched(model, seed_hidden: np.ndarray, last_tokens, n: int, c
         raise StepRefusal(f"{len(starts)} chain start(s) for a draft group of {g} row(s): {starts}")
     block = model.mtp
     if block is not None and cache is None:
-        raise StepRefusal(f"the MTP block cannot draft without a draft KV cache (group of {g}, starts {starts})")
+        raise StepRefusal(
+            f"the MTP block cannot draft without a draft KV cache (group of {g}, starts {starts})"
+        )
     toks = np.asarray(last_tokens, dtype=np.int64).reshape(-1)
     require(toks.shape == (g,), f"{toks.shape[0]} last tokens for a draft group of {g}")
     ragged = resolve_ragged_chain_starts(starts)
@@ -286,7 +332,9 @@ def propose_chain(model, h: np.ndarray, tok: int, depth: int, max_tokens: int, s
     """Single-sequence chain (§10.2): `n = min(depth, max_tokens)` steps at `start + i`.
     Refused (StepRefusal, "draft KV") with a block but no cache, whatever n. Not used by the
     fused path."""
-    require(depth >= 0 and max_tokens >= 0, f"depth {depth} and max_tokens {max_tokens} must be >= 0")
+    require(
+        depth >= 0 and max_tokens >= 0, f"depth {depth} and max_tokens {max_tokens} must be >= 0"
+    )
     if model.mtp is not None and cache is None:
         raise StepRefusal(f"the MTP block cannot draft without a draft KV cache (start {start})")
     h = np.asarray(h, dtype=np.float64).reshape(1, -1)
@@ -296,9 +344,17 @@ def propose_chain(model, h: np.ndarray, tok: int, depth: int, max_tokens: int, s
 # --- §9.3 the group drafting loop -----------------------------------------------------------------
 
 
-def group_drafting_loop(model, groups: dict[tuple[int, int], list[int]], states: Sequence[DraftKv | None],
-                        toks: Sequence[Sequence[int]], cache_lens: Sequence[int], budgets: Sequence[int],
-                        w: int, per_seq_advance: bool, warnings: list[str] | None = None) -> list[list[int]]:
+def group_drafting_loop(
+    model,
+    groups: dict[tuple[int, int], list[int]],
+    states: Sequence[DraftKv | None],
+    toks: Sequence[Sequence[int]],
+    cache_lens: Sequence[int],
+    budgets: Sequence[int],
+    w: int,
+    per_seq_advance: bool,
+    warnings: list[str] | None = None,
+) -> list[list[int]]:
     """The drafting part of `step` (§9.3): one batched chain per draft group; returns
     `drafts[i]` for every row (empty for rows that do not draft).
 
@@ -342,7 +398,9 @@ def group_drafting_loop(model, groups: dict[tuple[int, int], list[int]], states:
             starts.append(start)
         if not members:
             if block is not None and not warned_empty:
-                _warn(warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)")
+                _warn(
+                    warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)"
+                )
                 warned_empty = True
             continue
         seed_hidden = np.stack(seeds)
@@ -360,30 +418,44 @@ def group_drafting_loop(model, groups: dict[tuple[int, int], list[int]], states:
         if leads is None:
             batched = batch_draft_caches(caches)
             if batched is None:
-                _warn(warnings, f"draft group {(u, _)}: draft caches cannot be batched; group skipped")
+                _warn(
+                    warnings, f"draft group {(u, _)}: draft caches cannot be batched; group skipped"
+                )
                 continue
             try:
                 batched.set_len(starts[0])
             except Refusal as exc:
-                _warn(warnings, f"draft group {(u, _)}: set_len({starts[0]}) refused ({exc}); group skipped")
+                _warn(
+                    warnings,
+                    f"draft group {(u, _)}: set_len({starts[0]}) refused ({exc}); group skipped",
+                )
                 continue
         else:
             try:
                 batched = front_align_draft_group(caches, starts)
             except Refusal as exc:
-                _warn(warnings, f"draft group {(u, _)}: front-alignment refused ({exc}); group skipped")
+                _warn(
+                    warnings,
+                    f"draft group {(u, _)}: front-alignment refused ({exc}); group skipped",
+                )
                 continue
         chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, batched)
         pieces = split_draft_cache(batched, g)
         if pieces is None:
-            _warn(warnings, f"draft group {(u, _)}: the batched draft cache did not split into {g}; no drafts")
+            _warn(
+                warnings,
+                f"draft group {(u, _)}: the batched draft cache did not split into {g}; no drafts",
+            )
             continue
         for slot, i in enumerate(members):
             row_cache = pieces[slot]
             try:
                 drop_dead_prefix(row_cache, 0 if leads is None else leads[slot])
             except Refusal as exc:
-                _warn(warnings, f"row {i}: stripping the draft dead prefix failed ({exc}); draft KV poisoned")
+                _warn(
+                    warnings,
+                    f"row {i}: stripping the draft dead prefix failed ({exc}); draft KV poisoned",
+                )
                 states[i].poisoned = True
                 continue
             states[i].cache = row_cache

@@ -11,7 +11,8 @@ identical, integer for integer, to the tensor mode's (conformance/test_lengths.p
 
 What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
 counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
-`reference.lengths_scheduler`. Run `python -m raggedspec.reference.lengths --bench` for the B = 1024,
+`reference.lengths_scheduler`. Run `python -m raggedspec.reference.lengths --bench` for the B =
+1024,
 10,000-step benchmark.
 """
 
@@ -27,30 +28,45 @@ from raggedspec.reference.acceptance import build_model, build_oracle
 from raggedspec.reference.accounting import POSITION_CAP, AcceptanceTelemetry, MtpAcceptance
 from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
 from raggedspec.reference.capability import KvAdvance
-from raggedspec.reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL,
-                              NULL_COLS, ROW_DTYPE, advance_latch, fill_rows, grown_capacity, ragged_capable,
-                              step_fields, summarize)
+from raggedspec.reference.policy import (
+    COL,
+    ERR_CAPACITY,
+    ERR_CHAIN,
+    ERR_CLONE_IN,
+    ERR_XS_ROLLBACK,
+    GUARD_ERRORS,
+    NCOL,
+    NULL_COLS,
+    ROW_DTYPE,
+    advance_latch,
+    fill_rows,
+    grown_capacity,
+    ragged_capable,
+    step_fields,
+    summarize,
+)
 from raggedspec.reference.scenario import Scenario, load_scenario, model_config
+from raggedspec.reference.lengths_draft import (
+    STALL_INELIGIBLE,
+    STALL_RAGGED,
+    STALL_UNIFORM,
+    DraftMirror,
+)
 from raggedspec.reference.lengths_scheduler import ScheduleMirror
 from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 from raggedspec.reference.scheduler import engine_cache_instruction
 from raggedspec.reference.step import mtp_window, per_seq_advance, verify_proposed, window_guard
 from raggedspec.reference.trace import Trace
 
-# Why a row that could draft (u < w, may draft) did not, counted per row-step in
-# `LengthsEngine.stalls` (and `Trace.draft_stalls` of a lengths run; not written to the file).
-STALL_UNIFORM = "uniform group refused"    # batch_draft_caches None (§9.6) or its set_len refused
-STALL_RAGGED = "ragged group refused"      # front_align_draft_group refused (§9.7)
-STALL_INELIGIBLE = "no usable draft state"  # budget 0, poisoned, no seed at the chain start (§9.3)
-
 
 # ----------------------------------------------------------------------------- the engine
 
 
-class LengthsEngine(ScheduleMirror):
+class LengthsEngine(ScheduleMirror, DraftMirror):
     """The lengths-only engine; `run()` returns the Trace. State arrays are indexed by
     sequence id (the request's index in the scenario). Its scheduler half (`_schedule`) is
-    `reference.lengths_scheduler.ScheduleMirror`."""
+    `reference.lengths_scheduler.ScheduleMirror`, its draft half (the draft-KV map and the
+    group drafting loop) `reference.lengths_draft.DraftMirror`."""
 
     def __init__(self, sc: Scenario, progress=None) -> None:
         self.sc = sc
@@ -63,7 +79,9 @@ class LengthsEngine(ScheduleMirror):
         cfg = model_config(sc)
         self.oracle = build_oracle(self.model, sc.seed, cfg.vocab) if self.tokens_mode else None
         self.has_xs = any(r > 0 for r in cfg.compress_ratios)
-        self.tier_a = cfg.mtp == "heads"  # no MTP block: no seed is ever stashed, so no row drafts (§7.2 step 3)
+        self.tier_a = (
+            cfg.mtp == "heads"
+        )  # no MTP block: no seed is ever stashed, so no row drafts (§7.2 step 3)
         self.latch, self.kv = advance_latch(sc)
         self.per_seq = self.kv is KvAdvance.PER_SEQUENCE
         self.granted = sc.world == "WB" and self.per_seq
@@ -82,7 +100,13 @@ class LengthsEngine(ScheduleMirror):
         self.done = np.zeros(n, dtype=bool)
         self.urg, self.admitted = z(), np.zeros(n, dtype=bool)
         self.d_in, self.d_pois = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-        self.d_cur, self.d_cap, self.d_filled, self.d_seed, self.d_stamp = z(), z(DRAFT_CACHE_CAPACITY), z(), z(-1), z()
+        self.d_cur, self.d_cap, self.d_filled, self.d_seed, self.d_stamp = (
+            z(),
+            z(DRAFT_CACHE_CAPACITY),
+            z(),
+            z(-1),
+            z(),
+        )
         self.vk = z()
         self.toks: dict[int, list[int]] = {}
         self._pending_tokens: dict[int, tuple[list[int], list[int]]] = {}
@@ -95,60 +119,19 @@ class LengthsEngine(ScheduleMirror):
         self.floor_count = 0
         self.sched = BucketTelemetry()
         self.tel = AcceptanceTelemetry(logging_enabled=False)
-        self.acc = np.zeros(6, dtype=np.int64)  # accepted, proposed, steps, drafted_steps, committed, batch_steps
-        self.acc_at, self.reach_at = np.zeros(POSITION_CAP, np.int64), np.zeros(POSITION_CAP, np.int64)
+        self.acc = np.zeros(
+            6, dtype=np.int64
+        )  # accepted, proposed, steps, drafted_steps, committed, batch_steps
+        self.acc_at, self.reach_at = (
+            np.zeros(POSITION_CAP, np.int64),
+            np.zeros(POSITION_CAP, np.int64),
+        )
         self.by_batch: dict[int, np.ndarray] = {}
         self.errors = 0
         self.stalls = {STALL_UNIFORM: 0, STALL_RAGGED: 0, STALL_INELIGIBLE: 0}
         self.order = np.argsort(self.arrival, kind="stable")
         self.next_arrival = 0
         self.log2 = None
-
-    # ------------------------------------------------------------------ draft-KV map
-    def _checkout(self, ids: np.ndarray) -> None:
-        """`checkout_draft_kv`: a missing entry becomes a fresh state."""
-        fresh = ids[~self.d_in[ids]]
-        self.d_cur[fresh], self.d_cap[fresh], self.d_filled[fresh] = 0, DRAFT_CACHE_CAPACITY, 0
-        self.d_seed[fresh], self.d_pois[fresh] = -1, False
-        self.d_in[ids] = False
-
-    def _checkin(self, ids: np.ndarray) -> None:
-        """`checkin` in row order, then LRU eviction down to `max_draft_kv_seqs`."""
-        self.d_stamp[ids] = self.clock + 1 + np.arange(ids.shape[0])
-        self.clock += ids.shape[0]
-        self.d_in[ids] = True
-        cap = self.sc.max_draft_kv_seqs
-        if cap is not None:
-            present = np.flatnonzero(self.d_in)
-            if present.shape[0] > cap:
-                order = present[np.argsort(self.d_stamp[present], kind="stable")]
-                self.d_in[order[: present.shape[0] - cap]] = False
-
-    def _extend(self, ids: np.ndarray, off: np.ndarray, t: int) -> None:
-        """`extend_draft_kv_row` for every row (states checked out): poison on False/Err."""
-        if self.tier_a:
-            return  # check 3 returns True before the seed stash (poisoned states stay poisoned)
-        L = self.L[ids]
-        ok = ~self.d_pois[ids] & (off <= self.d_filled[ids])
-        p = L - 2
-        seed_ok = ok & (L >= 2) & (off <= p) & (p < off + t)
-        self.d_seed[ids[seed_ok]] = p[seed_ok]
-        filled = self.d_filled[ids]
-        lo = np.maximum(filled, off)
-        hi = np.minimum(off + t, np.maximum(L - 1, 0))
-        write = ok & (hi > lo)
-        cap = self.d_cap[ids]
-        set_ok = filled <= cap
-        grown = grown_capacity(cap, hi)
-        grow_ok = (hi <= cap) | (grown <= self.max)
-        good = write & set_ok & grow_ok
-        bad = write & ~(set_ok & grow_ok)
-        # set_len(filled) happened before a growth refusal
-        self.d_cur[ids[write & set_ok]] = filled[write & set_ok]
-        self.d_cur[ids[good]] = hi[good]
-        self.d_cap[ids[good]] = grown[good]
-        self.d_filled[ids[good]] = hi[good]
-        self.d_pois[ids[(~ok) | bad]] = True
 
     # ------------------------------------------------------------------ run
     def run(self) -> Trace:
@@ -167,8 +150,26 @@ class LengthsEngine(ScheduleMirror):
                 break
             out = self._schedule()
             if out is None:
-                trace.add_step(step_fields(t, "idle", self._advance_name(False), None, 0, len(self.waiting), 0, 0,
-                                           0, 0.0, 0, self._tps(), None, [], None), np.zeros((0, NCOL), ROW_DTYPE))
+                trace.add_step(
+                    step_fields(
+                        t,
+                        "idle",
+                        self._advance_name(False),
+                        None,
+                        0,
+                        len(self.waiting),
+                        0,
+                        0,
+                        0,
+                        0.0,
+                        0,
+                        self._tps(),
+                        None,
+                        [],
+                        None,
+                    ),
+                    np.zeros((0, NCOL), ROW_DTYPE),
+                )
                 self._tick(t)
                 continue
             chosen, key, n_buckets = out
@@ -187,16 +188,41 @@ class LengthsEngine(ScheduleMirror):
                 committed += int(prow[:, COL["committed"]].sum())
                 self.last_completion = []
                 if fields is None:
-                    fields = {"phase": "prompt", "advance": self._advance_name(False), "instr": "Reset",
-                              "width": int(self.P[prom[0]]), "pad": 0.0, "groups": 0, "error": perr}
+                    fields = {
+                        "phase": "prompt",
+                        "advance": self._advance_name(False),
+                        "instr": "Reset",
+                        "width": int(self.P[prom[0]]),
+                        "pad": 0.0,
+                        "groups": 0,
+                        "error": perr,
+                    }
                     rows = prow
                 elif perr is not None:
-                    fields["error"] = perr if fields["error"] is None else fields["error"] + "; " + perr
+                    fields["error"] = (
+                        perr if fields["error"] is None else fields["error"] + "; " + perr
+                    )
             self.running = chosen[~self.done[chosen]].tolist()
-            trace.add_step(step_fields(t, fields["phase"], fields["advance"], fields["instr"], int(chosen.shape[0]),
-                                       len(self.waiting), n_buckets, fields["groups"], fields["width"],
-                                       fields["pad"], committed, self._tps(), bucket, prom.tolist(),
-                                       fields["error"]), rows)
+            trace.add_step(
+                step_fields(
+                    t,
+                    fields["phase"],
+                    fields["advance"],
+                    fields["instr"],
+                    int(chosen.shape[0]),
+                    len(self.waiting),
+                    n_buckets,
+                    fields["groups"],
+                    fields["width"],
+                    fields["pad"],
+                    committed,
+                    self._tps(),
+                    bucket,
+                    prom.tolist(),
+                    fields["error"],
+                ),
+                rows,
+            )
             self._tick(t)
         self._fill_telemetry()
         trace.finish(summarize(trace, self.tel, self.sched, self.latch, self.errors))
@@ -257,10 +283,18 @@ class LengthsEngine(ScheduleMirror):
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
         fill_rows(rows, seq=ids, row=np.arange(b))
         rows[:, NULL_COLS] = -1
-        res = {"phase": "decode", "advance": "cohort", "instr": None, "width": 0, "pad": 0.0, "groups": 0,
-               "error": None}
-        pre, post = engine_cache_instruction(sc.world, "completion", ids.tolist(), self.last_completion, False,
-                                             self.granted)
+        res = {
+            "phase": "decode",
+            "advance": "cohort",
+            "instr": None,
+            "width": 0,
+            "pad": 0.0,
+            "groups": 0,
+            "error": None,
+        }
+        pre, post = engine_cache_instruction(
+            sc.world, "completion", ids.tolist(), self.last_completion, False, self.granted
+        )
         if pre.kind == "In":
             res["instr"] = "In"
             self.stored[ids] -= self.pending[ids]
@@ -277,7 +311,9 @@ class LengthsEngine(ScheduleMirror):
                 if refused.any():
                     # PerSequence: front_align_batch's refusal propagates; otherwise
                     # front_align_would_succeed is false and ensure_uniform refuses
-                    return self._decode_fail(res, rows, ids, ERR_CAPACITY if self.per_seq else ERR_CLONE_IN)
+                    return self._decode_fail(
+                        res, rows, ids, ERR_CAPACITY if self.per_seq else ERR_CLONE_IN
+                    )
                 self.tcap[ids] = padded
                 self.stored[ids] = c
             elif mismatch:
@@ -376,7 +412,9 @@ class LengthsEngine(ScheduleMirror):
         res["phase"] = "defer"
         self.d_in[:] = False
         grown = int(grown_capacity(bcap, bc + 1))
-        if (bc + 1 > bcap and grown > self.max) or (self.has_xs and (bc - lead + 1 > self.max).any()):
+        if (bc + 1 > bcap and grown > self.max) or (
+            self.has_xs and (bc - lead + 1 > self.max).any()
+        ):
             return self._decode_fail(res, rows, ids, ERR_CAPACITY)
         if self.tokens_mode:
             for i in ids.tolist():
@@ -387,63 +425,6 @@ class LengthsEngine(ScheduleMirror):
         self.resident = (tuple(ids.tolist()), bc + 1, grown, lead)
         self._finish(ids)
         return res, rows
-
-    def _draft(self, ids, u, cache_lens, budget, psa, drafts, rows, res):
-        """The group drafting loop (§9.3) on lengths: fills `drafts`, the rows' group and
-        chain start; returns False when the chain fails the step (a capacity refusal)."""
-        w = self.w
-        cand = (u < w) & self.may[ids]
-        if not cand.any():
-            return True
-        start = cache_lens + u - 2
-        key2 = np.where(psa, 0, start)
-        gcode = u * (1 << 40) + key2
-        codes = np.unique(gcode[cand])
-        res["groups"] = int(codes.shape[0])
-        elig_all = (cand & (budget > 0) & ~self.d_pois[ids] & (self.d_seed[ids] >= 0)
-                    & (self.d_seed[ids] == start) & (self.d_filled[ids] >= start))
-        self.stalls[STALL_INELIGIBLE] += int((cand & ~elig_all).sum())
-        for code in codes.tolist():
-            gu = code >> 40
-            n_draft = w - gu
-            members = np.flatnonzero(elig_all & (gcode == code))
-            if members.shape[0] == 0:
-                continue
-            mids = ids[members]
-            st = start[members]
-            top = int(st.max())
-            ragged = psa and bool((st != top).any())
-            if not ragged:
-                cur, cap = self.d_cur[mids], self.d_cap[mids]
-                if members.shape[0] > 1 and ((cur != cur[0]).any() or (cap != cap[0]).any()):
-                    self.stalls[STALL_UNIFORM] += members.shape[0]
-                    continue
-                if st[0] > cap[0]:
-                    self.stalls[STALL_UNIFORM] += members.shape[0]
-                    continue
-                bcur, bcap = int(st[0]), int(cap[0])
-            else:
-                lead = top - st
-                if (st > self.d_cur[mids]).any() or \
-                        (np.where(lead > 0, np.maximum(self.d_cap[mids], top), 0) > self.max).any():
-                    self.stalls[STALL_RAGGED] += members.shape[0]
-                    continue
-                bcur = bcap = top
-            for _ in range(n_draft):
-                if bcur + 1 > bcap:
-                    bcap = int(grown_capacity(bcap, bcur + 1))
-                    if bcap > self.max:
-                        return False
-                bcur += 1
-            lead = (top - st) if ragged else np.zeros(members.shape[0], dtype=np.int64)
-            self.d_cur[mids] = bcur - lead
-            self.d_cap[mids] = bcap - lead
-            self.d_filled[mids] = st + 1
-            drafts[members] = n_draft
-            rows[members, COL["group_u"]] = gu
-            rows[members, COL["group_start"]] = code & ((1 << 40) - 1)
-            rows[members, COL["chain_start"]] = st
-        return True
 
     def _accept(self, ids, L, drafts) -> np.ndarray:
         if not self.tokens_mode:
@@ -465,8 +446,12 @@ class LengthsEngine(ScheduleMirror):
     def _account(self, b: int, d: np.ndarray, a: np.ndarray) -> None:
         reached = np.where(d == 0, 0, np.minimum(a + 1, d))
         # position j counts the rows whose count exceeds j: a reversed cumulative histogram
-        acc_at = np.bincount(np.minimum(a, POSITION_CAP), minlength=POSITION_CAP + 1)[::-1].cumsum()[::-1][1:]
-        reach_at = np.bincount(np.minimum(reached, POSITION_CAP), minlength=POSITION_CAP + 1)[::-1].cumsum()[::-1][1:]
+        acc_at = np.bincount(np.minimum(a, POSITION_CAP), minlength=POSITION_CAP + 1)[
+            ::-1
+        ].cumsum()[::-1][1:]
+        reach_at = np.bincount(np.minimum(reached, POSITION_CAP), minlength=POSITION_CAP + 1)[
+            ::-1
+        ].cumsum()[::-1][1:]
         vals = np.array([a.sum(), d.sum(), b, (d > 0).sum(), (1 + a).sum(), 0], dtype=np.int64)
         self.acc += vals
         self.acc[5] += 1
@@ -481,10 +466,18 @@ class LengthsEngine(ScheduleMirror):
     def _fill_telemetry(self) -> None:
         """Build the `AcceptanceTelemetry` the marker reads from the vectorized counters."""
         def stats(v, acc_at, reach_at) -> MtpAcceptance:
-            return MtpAcceptance(accepted=int(v[0]), proposed=int(v[1]), steps=int(v[2]),
-                                 drafted_steps=int(v[3]), committed=int(v[4]), batch_steps=int(v[5]),
-                                 pos_over_cap=0, accepted_at=[int(x) for x in acc_at],
-                                 reached_at=[int(x) for x in reach_at])
+            return MtpAcceptance(
+                accepted=int(v[0]),
+                proposed=int(v[1]),
+                steps=int(v[2]),
+                drafted_steps=int(v[3]),
+                committed=int(v[4]),
+                batch_steps=int(v[5]),
+                pos_over_cap=0,
+                accepted_at=[int(x) for x in acc_at],
+                reached_at=[int(x) for x in reach_at],
+            )
+
         self.tel.total = stats(self.acc, self.acc_at, self.reach_at)
         for b, e in self.by_batch.items():
             self.tel.by_batch[b] = stats(e[:6], e[6:6 + POSITION_CAP], e[6 + POSITION_CAP:])
@@ -502,23 +495,42 @@ def run(scenario, progress=None) -> Trace:
 def bench(batch: int = 1024, steps: int = 10_000, advance: str = "per-sequence") -> dict:
     """Time a B-row, `steps`-step lengths-only run (every request long enough to run all
     steps); returns the timing and the run's summary."""
-    data = {"batch": batch, "prompt_len": 64, "max_new_tokens": 10 * steps, "steps": steps, "depth": 3,
-            "max_seq_len": 1 << 20, "acceptance": "profile:0.74,0.54,0.41", "max_draft_kv_seqs": None,
-            "advance": advance}
+    data = {
+        "batch": batch,
+        "prompt_len": 64,
+        "max_new_tokens": 10 * steps,
+        "steps": steps,
+        "depth": 3,
+        "max_seq_len": 1 << 20,
+        "acceptance": "profile:0.74,0.54,0.41",
+        "max_draft_kv_seqs": None,
+        "advance": advance,
+    }
     if advance == "per-sequence":
         data.update(world="WB", admission="grant", xs_per_seq=True)
     sc = load_scenario(data)
     t0, c0 = time.perf_counter(), time.process_time()
     trace = run(sc)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"batch": batch, "steps": steps, "advance": advance, "seconds": round(elapsed, 3),
-            "cpu_seconds": round(cpu, 3),
-            "summary": {k: trace.summary[k] for k in ("steps", "committed", "tok_per_step", "max_spread")}}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "advance": advance,
+        "seconds": round(elapsed, 3),
+        "cpu_seconds": round(cpu, 3),
+        "summary": {
+            k: trace.summary[k] for k in ("steps", "committed", "tok_per_step", "max_spread")
+        },
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raggedspec.reference.lengths", description=__doc__.splitlines()[0])
-    p.add_argument("--bench", action="store_true", help="time B=1024 x 10,000 steps (both advance rules)")
+    p = argparse.ArgumentParser(
+        prog="python -m raggedspec.reference.lengths", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--bench", action="store_true", help="time B=1024 x 10,000 steps (both advance rules)"
+    )
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10_000)
     args = p.parse_args(argv)

@@ -154,7 +154,9 @@ def compose_caller_mask(local: np.ndarray, caller: np.ndarray | None, t_q: int, 
         raise MaskRefusal(
             f"attention_mask key axis {width} is neither t_k_full {t_k_full} nor "
             f"t_k_full + t_c {t_k_full + t_c}")
-    require(raw.shape[3] == t_k, f"raw slice [{raw_base}, {raw_base + t_k}) exceeds key axis {width}")
+    require(
+        raw.shape[3] == t_k, f"raw slice [{raw_base}, {raw_base + t_k}) exceeds key axis {width}"
+    )
     return local + np.concatenate([raw, comp], axis=3)
 
 

@@ -135,8 +135,14 @@ class DecoderLayer:
                 continue
             raw = apply_rope(live, [0], cfg.rope_dims, self.theta, inverse=True)
             blocks = compress_blocks(raw, self.ratio)
-            per_row.append(apply_rope_at_positions(
-                blocks, compressed_key_positions(n, self.ratio), cfg.rope_dims, cfg.compress_rope_theta))
+            per_row.append(
+                apply_rope_at_positions(
+                    blocks,
+                    compressed_key_positions(n, self.ratio),
+                    cfg.rope_dims,
+                    cfg.compress_rope_theta,
+                )
+            )
         t_c = max((0 if r is None else r.shape[2]) for r in per_row)
         if t_c == 0:
             return None
@@ -160,16 +166,23 @@ class DecoderLayer:
         b, t, _ = x.shape
         nh, hd = cfg.n_heads, cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.eps)
-        q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(0, 2, 1, 3), self.q_norm, cfg.eps)
+        q = rms_norm(
+            (h @ self.wq).reshape(b, t, nh, hd).transpose(0, 2, 1, 3), self.q_norm, cfg.eps
+        )
         q = apply_rope(q, offsets, cfg.rope_dims, self.theta)
         k = apply_rope(self.key(x), offsets, cfg.rope_dims, self.theta)
         slot.append(k, k.copy())
         keys, vals = slot.k.current_data(), slot.v.current_data()
         comp = None
         if self.ratio:
-            require(leads is not None and len(leads) == b, f"a compressed layer needs {b} leads, got {leads}")
-            require(slot.k.first_cached == 0,
-                    f"a compressed layer needs the whole history (first_cached {slot.k.first_cached})")
+            require(
+                leads is not None and len(leads) == b,
+                f"a compressed layer needs {b} leads, got {leads}",
+            )
+            require(
+                slot.k.first_cached == 0,
+                f"a compressed layer needs the whole history (first_cached {slot.k.first_cached})",
+            )
             comp = self.compressed_keys(keys, leads)
         acfg = Dsv4AttentionConfig(self.ratio, cfg.sliding_window, slot.k.first_cached,
                                    None if row_q0 is None else [int(r) for r in row_q0])
@@ -254,7 +267,9 @@ class MtpBlock:
         draft_step_end_column(pos, fused.shape[0], cache.current_seq_len)
         return self.layer.forward(fused, cache, pos, pos, None)
 
-    def forward_tokens(self, fused: np.ndarray, start: int, cache: KvCache, tokens=None) -> np.ndarray:
+    def forward_tokens(
+        self, fused: np.ndarray, start: int, cache: KvCache, tokens=None
+    ) -> np.ndarray:
         """`forward_tokens_rows(fused, [start], cache)`: every row at one position."""
         return self.forward_tokens_rows(fused, [start], cache, tokens)
 
@@ -262,7 +277,9 @@ class MtpBlock:
         """`forward_tokens(fused, pos)`: the scalar chain step."""
         return self.forward_tokens(fused, pos, cache)
 
-    def forward_step_rows(self, fused: np.ndarray, positions: Sequence[int], cache: KvCache) -> np.ndarray:
+    def forward_step_rows(
+        self, fused: np.ndarray, positions: Sequence[int], cache: KvCache
+    ) -> np.ndarray:
         """`forward_tokens_rows(fused, positions)`: the ragged chain step."""
         return self.forward_tokens_rows(fused, positions, cache)
 
@@ -281,7 +298,9 @@ class TinyModel:
         self.layers = [DecoderLayer(cfg, r, rng) for r in cfg.compress_ratios]
         self.norm = _gain(rng, cfg.hidden)
         self.lm_head = _proj(rng, cfg.hidden, cfg.vocab)
-        self.mtp_heads = MtpHeads(_proj(rng, cfg.hidden, cfg.hidden), _proj(rng, cfg.hidden, cfg.hidden))
+        self.mtp_heads = MtpHeads(
+            _proj(rng, cfg.hidden, cfg.hidden), _proj(rng, cfg.hidden, cfg.hidden)
+        )
         self.mtp = (MtpBlock(cfg, self.mtp_heads, self.embed, self.lm_head, rng)
                     if cfg.mtp == "block" else None)
 
@@ -313,7 +332,9 @@ class TinyModel:
         Refusals: those of the cache append and `dsv4_attention`.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
-        require(tokens.ndim == 2 and tokens.size > 0, f"tokens {tokens.shape} must be [B,T], B, T >= 1")
+        require(
+            tokens.ndim == 2 and tokens.size > 0, f"tokens {tokens.shape} must be [B,T], B, T >= 1"
+        )
         require(tokens.min() >= 0 and tokens.max() < self.cfg.vocab,
                 f"tokens must be in [0, {self.cfg.vocab}), got [{tokens.min()}, {tokens.max()}]")
         b, t = tokens.shape
@@ -321,15 +342,18 @@ class TinyModel:
                 f"cache has {len(cache.slots)} slots for {self.n_layers} layers")
         offsets = [int(o) for o in seqlen_offsets]
         require(len(offsets) in (1, b), f"{len(offsets)} seqlen offsets for a batch of {b}")
-        leads = [0] * b if lead_pad is None else [int(l) for l in lead_pad]
+        leads = [0] * b if lead_pad is None else [int(pad) for pad in lead_pad]
         require(len(leads) == b, f"{len(leads)} leads for a batch of {b}")
         c = cache.current_seq_len
         for i in range(b):
             off = offsets[i if len(offsets) == b else 0]
-            require(off == c - leads[i],
-                    f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead {leads[i]})")
+            require(
+                off == c - leads[i],
+                f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead "
+                f"{leads[i]})",
+            )
         x = self.embed[tokens]
-        for layer, slot in zip(self.layers, cache.slots):
+        for layer, slot in zip(self.layers, cache.slots, strict=False):
             x = layer.forward(x, slot, offsets, row_q0, leads)
         if capture is not None:
             capture.store_rows(offsets, x.copy())

@@ -37,8 +37,11 @@ def argmax_logits_per_row(logits: np.ndarray, expected_rows: int) -> list[int]:
     """
     logits = np.asarray(logits, dtype=np.float64)
     require(expected_rows >= 0, f"expected_rows {expected_rows} must be >= 0")
-    require(logits.ndim in (2, 3), f"MTP verify logits had unexpected rank {logits.ndim} "
-                                   f"(shape {logits.shape}); expected [rows, vocab] or [1, rows, vocab]")
+    require(
+        logits.ndim in (2, 3),
+        f"MTP verify logits had unexpected rank {logits.ndim} "
+        f"(shape {logits.shape}); expected [rows, vocab] or [1, rows, vocab]",
+    )
     if logits.ndim == 3:
         require(logits.shape[0] == 1, f"rank-3 verify logits {logits.shape} must have batch dim 1")
         logits = logits[0]
@@ -100,8 +103,10 @@ def try_wrap_pipeline_with_mtp(target: TargetPipeline, mtp_depth: int,
     wrapper = MtpSpeculativePipeline.try_new(target, mtp_depth)
     if wrapper is None:
         if warnings is not None:
-            warnings.append(f"MTP requested (depth={mtp_depth}) but the loaded model has no MTP head; "
-                            f"falling back to plain decode")
+            warnings.append(
+                f"MTP requested (depth={mtp_depth}) but the loaded model has no MTP head; "
+                f"falling back to plain decode"
+            )
         return target
     return wrapper
 
@@ -159,7 +164,8 @@ def verify_proposed_simulated(proposed: Sequence[int], target: Sequence[int],
     `accepted = proposed[:k]` (the **draft's** tokens, whether or not they match), and
     rejection `(k, target[k])` when `k < n` (the target's real token, so lengths and the
     committed stream stay well-formed). Invariant: when the schedule is never clamped
-    (`n > ceil(acc_len - 1)`, so every step has a rejection), the mean `commit_len` over N steps is within `1/N` of
+    (`n > ceil(acc_len - 1)`, so every step has a rejection), the mean `commit_len` over N steps is
+    within `1/N` of
     `acc_len`; a clamped step commits `n` and is not compensated later. Consumes one step
     of the schedule per call, even when n = 0. Refuses nothing.
     """

@@ -68,11 +68,17 @@ def ragged_capable(sc: Scenario) -> bool:
 def guard_error(kind: str, cache_lens, tok_lens, w: int) -> str:
     """The text of a failed step whose window check refused (§16 step 4)."""
     if kind == "left_aligned_guard":
-        return (f"MTP step refused by the left-aligned guard: per-row cache_lens {list(cache_lens)} and "
-                f"token lengths {list(tok_lens)} leave a tail outside [1, {w}]")
-    return (f"MTP step refused by the follows guard: kv_advance is PerSequence but this step did not "
-            f"assemble the batch (cache_lens {list(cache_lens)}, token lengths {list(tok_lens)}, w {w}); "
-            f"the resident batched cache is C + w wide")
+        return (
+            f"MTP step refused by the left-aligned guard: per-row cache_lens {list(cache_lens)} "
+            "and "
+            f"token lengths {list(tok_lens)} leave a tail outside [1, {w}]"
+        )
+    return (
+        f"MTP step refused by the follows guard: kv_advance is PerSequence but this step did not "
+        f"assemble the batch (cache_lens {list(cache_lens)}, token lengths {list(tok_lens)}, w "
+        f"{w}); "
+        f"the resident batched cache is C + w wide"
+    )
 
 
 def grown_capacity(cap, need):
@@ -117,13 +123,41 @@ def summarize(trace: Trace, telemetry: AcceptanceTelemetry, sched: BucketTelemet
             "shattered_steps": shattered}
 
 
-def step_fields(step, phase, advance, instr, running, waiting, buckets, groups, width, pad, committed,
-                tps, bucket, prefill, error) -> dict:
+def step_fields(
+    step,
+    phase,
+    advance,
+    instr,
+    running,
+    waiting,
+    buckets,
+    groups,
+    width,
+    pad,
+    committed,
+    tps,
+    bucket,
+    prefill,
+    error,
+) -> dict:
     """One step's scalar trace fields (`Trace.add_step`), in schema order."""
-    return {"step": step, "phase": phase, "advance": advance, "cache_instruction": instr,
-            "running": running, "waiting": waiting, "buckets": buckets, "groups": groups, "width": width,
-            "padding_fraction": pad, "committed": committed, "tok_per_step": tps, "bucket": bucket,
-            "prefill": prefill, "error": error}
+    return {
+        "step": step,
+        "phase": phase,
+        "advance": advance,
+        "cache_instruction": instr,
+        "running": running,
+        "waiting": waiting,
+        "buckets": buckets,
+        "groups": groups,
+        "width": width,
+        "padding_fraction": pad,
+        "committed": committed,
+        "tok_per_step": tps,
+        "bucket": bucket,
+        "prefill": prefill,
+        "error": error,
+    }
 
 
 def fill_rows(rows: np.ndarray, which=slice(None), **values) -> None:

@@ -33,7 +33,9 @@ def _inv_freq(rope_dims: int, theta: float) -> list[float]:
     return [float(theta) ** (-(2.0 * k) / rope_dims) for k in range(rope_dims // 2)]
 
 
-def rope_cos_sin(positions: np.ndarray, rope_dims: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(
+    positions: np.ndarray, rope_dims: int, theta: float
+) -> tuple[np.ndarray, np.ndarray]:
     """`(cos, sin)`, each `float64 [*positions.shape, rope_dims // 2]`: angle
     `position * theta ** (-2k / rope_dims)` for pair k. Deterministic per element (scalar
     libm), so any table holding a position holds the same bits. ValueError on an odd or

@@ -27,9 +27,26 @@ WORLDS = ("W0", "WA", "WB")
 ADMISSIONS = ("refuse", "grant")
 STRIPS = ("eager", "lazy", "none")
 ARRIVALS = ("all-at-once", "staggered")
-ACCEPTANCE_MODELS = ("geometric", "profile", "heterogeneous", "all-accept", "all-reject", "file", "oracle")
-MODEL_KEYS = ("vocab", "hidden", "n_heads", "head_dim", "rope_dims", "compress_ratios", "sliding_window",
-              "seed", "mtp")
+ACCEPTANCE_MODELS = (
+    "geometric",
+    "profile",
+    "heterogeneous",
+    "all-accept",
+    "all-reject",
+    "file",
+    "oracle",
+)
+MODEL_KEYS = (
+    "vocab",
+    "hidden",
+    "n_heads",
+    "head_dim",
+    "rope_dims",
+    "compress_ratios",
+    "sliding_window",
+    "seed",
+    "mtp",
+)
 
 
 MAX_LENGTH = 2**31 - 1  # lengths fit the trace's 32-bit row columns (reference.policy.ROW_DTYPE)
@@ -81,7 +98,11 @@ def _int_range(key: str, value: Any, lo: int) -> tuple[int, int]:
 
 
 def _prob(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0.0 <= float(value) <= 1.0
+    ):
         _fail(key, "must be a probability in [0, 1]", value)
     return float(value)
 
@@ -169,7 +190,10 @@ class Scenario:
 
 # The documented keys: key -> (default, allowed) for the docs; validation is in load_scenario.
 FIELDS: dict[str, tuple[Any, str]] = {
-    "requests": (None, "explicit list of {prompt_len >= 1, max_new_tokens >= 1, arrival >= 0, may_draft}"),
+    "requests": (
+        None,
+        "explicit list of {prompt_len >= 1, max_new_tokens >= 1, arrival >= 0, may_draft}",
+    ),
     "batch": (8, "generator: number of requests, >= 1"),
     "prompt_len": (16, "generator: int >= 1 or inclusive [low, high]"),
     "max_new_tokens": (256, "generator: int >= 1 or inclusive [low, high]"),
@@ -180,8 +204,14 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "advance": ("cohort", "cohort | per-sequence (per-sequence requests it: ARC_MTP_PER_SEQ_KV)"),
     "world": ("W0", "scheduler world W0 | WA | WB"),
     "admission": ("refuse", "refuse | grant (capability check 4; WB ragged admission)"),
-    "strip": ("eager", "eager | lazy | none (none: record the padded length; the negative control)"),
-    "per_seq_kv": ("= advance == per-sequence", "bool, ARC_MTP_PER_SEQ_KV; must agree with advance"),
+    "strip": (
+        "eager",
+        "eager | lazy | none (none: record the padded length; the negative control)",
+    ),
+    "per_seq_kv": (
+        "= advance == per-sequence",
+        "bool, ARC_MTP_PER_SEQ_KV; must agree with advance",
+    ),
     "xs_per_seq": (False, "bool, ARC_V4_XS_PER_SEQ"),
     "max_seqs": (None, "scheduler max running sequences, >= 1 or null (unbounded)"),
     "max_draft_kv_seqs": (64, "draft-KV map LRU capacity (arc: 64), >= 1 or null (unbounded)"),
@@ -189,8 +219,14 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "prefill_max_seqs": (None, "WA ARC_PREFILL_MAX_SEQS, >= 1 or null"),
     "acceptance": ("geometric:0.7", "string shorthand or table {model, p, p_range, path, factory}"),
     "model": ({}, "tiny model sizes: " + ", ".join(MODEL_KEYS)),
-    "seed": (0, "int >= 0: acceptance randomness, generated lengths, model weights (unless model.seed)"),
-    "steps": (200, "engine steps to simulate at most, >= 1 (stops early when every request finished)"),
+    "seed": (
+        0,
+        "int >= 0: acceptance randomness, generated lengths, model weights (unless model.seed)",
+    ),
+    "steps": (
+        200,
+        "engine steps to simulate at most, >= 1 (stops early when every request finished)",
+    ),
 }
 
 _GENERATOR_KEYS = ("batch", "prompt_len", "max_new_tokens", "arrival", "stagger")
@@ -227,7 +263,11 @@ def parse_acceptance(value: Any) -> AcceptanceSpec:
                 try:
                     table["p"] = [float(x) for x in arg.split(",")]
                 except ValueError:
-                    _fail(key, f"probabilities must be comma-separated numbers, e.g. {_EXAMPLE[name]}", value)
+                    _fail(
+                        key,
+                        f"probabilities must be comma-separated numbers, e.g. {_EXAMPLE[name]}",
+                        value,
+                    )
         elif name == "file":
             table["path"] = arg
         elif name == "oracle":
@@ -239,8 +279,11 @@ def parse_acceptance(value: Any) -> AcceptanceSpec:
         _fail(key, "must be a string like geometric:0.7 or a table {model, p, ...}", value)
     unknown = set(value) - {"model", "p", "p_range", "path", "factory"}
     if unknown:
-        _fail(f"acceptance.{sorted(unknown)[0]}", "unknown key; allowed: model, p, p_range, path, factory",
-              value[sorted(unknown)[0]])
+        _fail(
+            f"acceptance.{sorted(unknown)[0]}",
+            "unknown key; allowed: model, p, p_range, path, factory",
+            value[sorted(unknown)[0]],
+        )
     model = _choice("acceptance.model", value.get("model", "geometric"), ACCEPTANCE_MODELS)
     p = value.get("p")
     if p is not None and not isinstance(p, (list, tuple)):
@@ -258,19 +301,32 @@ def parse_acceptance(value: Any) -> AcceptanceSpec:
     elif model == "profile":
         probs = tuple(_prob("acceptance.p", x) for x in p)
         if not 1 <= len(probs) <= 8:
-            _fail("acceptance.p", "profile needs 1..=8 per-position probabilities (one per draft position, the "
-                  "last repeats), e.g. profile:0.74,0.54,0.41", p)
+            _fail(
+                "acceptance.p",
+                "profile needs 1..=8 per-position probabilities (one per draft position, the "
+                "last repeats), e.g. profile:0.74,0.54,0.41",
+                p,
+            )
     else:
         probs = tuple(_prob("acceptance.p", x) for x in p)
         if p_range is None and len(probs) < 2:
-            _fail("acceptance.p", "heterogeneous needs at least two probabilities (sequence i gets p[i mod n]; "
-                  "for one probability for every sequence use geometric:p), e.g. heterogeneous:0.2,0.9, or "
-                  "a p_range = [low, high]", p)
+            _fail(
+                "acceptance.p",
+                "heterogeneous needs at least two probabilities (sequence i gets p[i mod n]; "
+                "for one probability for every sequence use geometric:p), e.g. "
+                "heterogeneous:0.2,0.9, or "
+                "a p_range = [low, high]",
+                p,
+            )
         if p_range is not None and probs:
             _fail("acceptance.p", "heterogeneous takes either p (a list) or p_range, not both", p)
     if p_range is not None:
         if model != "heterogeneous" or not isinstance(p_range, (list, tuple)) or len(p_range) != 2:
-            _fail("acceptance.p_range", "only for heterogeneous: a [low, high] pair of probabilities", p_range)
+            _fail(
+                "acceptance.p_range",
+                "only for heterogeneous: a [low, high] pair of probabilities",
+                p_range,
+            )
         p_range = (_prob("acceptance.p_range", p_range[0]), _prob("acceptance.p_range", p_range[1]))
         if p_range[0] > p_range[1]:
             _fail("acceptance.p_range", "must have low <= high", list(p_range))
@@ -378,7 +434,9 @@ def _read(source) -> dict:
             return json.loads(text)
         return tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ScenarioError(f"scenario file {path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+        raise ScenarioError(
+            f"scenario file {path} is not valid {path.suffix[1:].upper()}: {exc}"
+        ) from exc
 
 
 def _splitmix(x: int) -> int:
@@ -405,7 +463,9 @@ def generate_requests(gen: dict, seed: int) -> tuple[Request, ...]:
     out = []
     for i in range(b):
         arrival = 0 if gen["arrival"] == "all-at-once" else i * gen["stagger"]
-        out.append(Request(_draw(seed, i, 0x5052, plo, phi), _draw(seed, i, 0x4D4E, mlo, mhi), arrival))
+        out.append(
+            Request(_draw(seed, i, 0x5052, plo, phi), _draw(seed, i, 0x4D4E, mlo, mhi), arrival)
+        )
     return tuple(out)
 
 
@@ -433,15 +493,26 @@ def load_scenario(source=None, overrides=None) -> Scenario:
             _fail(clash[0], "cannot be combined with an explicit requests list", data[clash[0]])
         reqs = data["requests"]
         if not isinstance(reqs, list) or not reqs:
-            _fail("requests", "must be a non-empty list of {prompt_len, max_new_tokens, arrival}", reqs)
+            _fail(
+                "requests",
+                "must be a non-empty list of {prompt_len, max_new_tokens, arrival}",
+                reqs,
+            )
         parsed = []
         for i, r in enumerate(reqs):
             if not isinstance(r, dict):
-                _fail(f"requests[{i}]", "must be a table {prompt_len, max_new_tokens, arrival, may_draft}", r)
+                _fail(
+                    f"requests[{i}]",
+                    "must be a table {prompt_len, max_new_tokens, arrival, may_draft}",
+                    r,
+                )
             extra = set(r) - {"prompt_len", "max_new_tokens", "arrival", "may_draft"}
             if extra:
-                _fail(f"requests[{i}].{sorted(extra)[0]}", "unknown key; allowed: prompt_len, max_new_tokens, "
-                      "arrival, may_draft", r[sorted(extra)[0]])
+                _fail(
+                    f"requests[{i}].{sorted(extra)[0]}",
+                    "unknown key; allowed: prompt_len, max_new_tokens, arrival, may_draft",
+                    r[sorted(extra)[0]],
+                )
             parsed.append(Request(
                 _int(f"requests[{i}].prompt_len", r.get("prompt_len"), 1, max_seq_len - 1),
                 _int(f"requests[{i}].max_new_tokens", r.get("max_new_tokens", 256), 1),
@@ -457,7 +528,11 @@ def load_scenario(source=None, overrides=None) -> Scenario:
             "stagger": _int("stagger", data.get("stagger", 1), 1),
         }
         if gen["prompt_len"][1] > max_seq_len - 1:
-            _fail("prompt_len", f"must be at most max_seq_len - 1 = {max_seq_len - 1}", data.get("prompt_len"))
+            _fail(
+                "prompt_len",
+                f"must be at most max_seq_len - 1 = {max_seq_len - 1}",
+                data.get("prompt_len"),
+            )
         requests = generate_requests(gen, seed)
         generator = {k: (list(v) if isinstance(v, tuple) else v) for k, v in gen.items()}
     depth = _int("depth", data.get("depth", 3), 0, MAX_DEPTH)
@@ -465,8 +540,12 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     per_seq_kv = data.get("per_seq_kv", advance == "per-sequence")
     per_seq_kv = _bool("per_seq_kv", per_seq_kv)
     if per_seq_kv != (advance == "per-sequence"):
-        _fail("per_seq_kv", f"is the ARC_MTP_PER_SEQ_KV request and must equal (advance == 'per-sequence') "
-              f"= {advance == 'per-sequence'}", per_seq_kv)
+        _fail(
+            "per_seq_kv",
+            f"is the ARC_MTP_PER_SEQ_KV request and must equal (advance == 'per-sequence') "
+            f"= {advance == 'per-sequence'}",
+            per_seq_kv,
+        )
     model = data.get("model", {}) or {}
     if not isinstance(model, dict):
         _fail("model", "must be a table of " + ", ".join(MODEL_KEYS), model)
@@ -478,16 +557,25 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     floor = None if floor in (None, 0) else _int("prefill_floor", floor, 0)
     steps = _int("steps", data.get("steps", 200), 1, _MAX_STEPS)
     sc = Scenario(
-        requests=requests, depth=depth, max_seq_len=max_seq_len, advance=advance,
+        requests=requests,
+        depth=depth,
+        max_seq_len=max_seq_len,
+        advance=advance,
         world=_choice("world", data.get("world", "W0"), WORLDS),
         admission=_choice("admission", data.get("admission", "refuse"), ADMISSIONS),
         strip=_choice("strip", data.get("strip", "eager"), STRIPS),
-        per_seq_kv=per_seq_kv, xs_per_seq=_bool("xs_per_seq", data.get("xs_per_seq", False)),
+        per_seq_kv=per_seq_kv,
+        xs_per_seq=_bool("xs_per_seq", data.get("xs_per_seq", False)),
         max_seqs=_opt_int("max_seqs", data.get("max_seqs"), 1),
         max_draft_kv_seqs=_opt_int("max_draft_kv_seqs", data.get("max_draft_kv_seqs", 64), 1),
-        prefill_floor=floor, prefill_max_seqs=_opt_int("prefill_max_seqs", data.get("prefill_max_seqs"), 1),
+        prefill_floor=floor,
+        prefill_max_seqs=_opt_int("prefill_max_seqs", data.get("prefill_max_seqs"), 1),
         acceptance=parse_acceptance(data.get("acceptance", "geometric:0.7")),
-        model=model, seed=seed, steps=steps, generator=generator)
+        model=model,
+        seed=seed,
+        steps=steps,
+        generator=generator,
+    )
     model_config(sc)  # validates the model table
     check_acceptance(sc.acceptance, sc.batch)  # the file exists and parses, the factory resolves
     return sc

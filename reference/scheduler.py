@@ -47,7 +47,10 @@ class SeqRecord:
         require(self.n_tokens >= 1, f"sequence {self.id}: n_tokens {self.n_tokens} must be >= 1")
         require(self.cache_len is None or self.cache_len >= 0,
                 f"sequence {self.id}: cache_len {self.cache_len} must be None or >= 0")
-        require(self.token_offset >= 0, f"sequence {self.id}: token_offset {self.token_offset} must be >= 0")
+        require(
+            self.token_offset >= 0,
+            f"sequence {self.id}: token_offset {self.token_offset} must be >= 0",
+        )
 
 
 def first_populated_slot_len(slot_lens: Sequence[int | None]) -> int | None:
@@ -148,7 +151,10 @@ class PrefillFloor:
 
     def __post_init__(self) -> None:
         require(self.floor is None or self.floor >= 1, f"floor {self.floor} must be None or >= 1")
-        require(self.steps_since_prompt >= 0, f"steps_since_prompt {self.steps_since_prompt} must be >= 0")
+        require(
+            self.steps_since_prompt >= 0,
+            f"steps_since_prompt {self.steps_since_prompt} must be >= 0",
+        )
 
     def apply(self, chosen: tuple, prompt_keys: Sequence[tuple], discrete: bool) -> tuple:
         """The bucket that runs after the floor: chosen a prompt bucket -> reset; else
@@ -209,7 +215,10 @@ def install_admission(state: SchedulerState, decision: RaggedAdmission) -> str |
     state.admission = decision
     state.engine_admission = decision
     if decision.granted:
-        return f"{RAGGED_ADMISSION_ON}: completions share one bucket and the batch is re-assembled every step"
+        return (
+            f"{RAGGED_ADMISSION_ON}: completions share one bucket and the batch is re-assembled "
+            "every step"
+        )
     return None
 
 
@@ -317,9 +326,11 @@ def bucket_and_waitlist_seqs_waiting(running: Sequence[SeqRecord], discrete: boo
     keys = bucket_keys(running, state)
     buckets: dict[tuple, list[SeqRecord]] = {}
     priorities: dict[tuple, float] = {}
-    for s, k in zip(running, keys):
+    for s, k in zip(running, keys, strict=False):
         buckets.setdefault(k, []).append(s)
-        priorities[k] = priorities.get(k, 0.0) + compute_priority(state.urgency.get(s.id, 0), s.n_tokens)
+        priorities[k] = priorities.get(k, 0.0) + compute_priority(
+            state.urgency.get(s.id, 0), s.n_tokens
+        )
     logs: list[str] = []
     if state.world == "WA":
         now = (len(buckets), state.ragged_decode_supported)
@@ -337,11 +348,13 @@ def bucket_and_waitlist_seqs_waiting(running: Sequence[SeqRecord], discrete: boo
             forced = state.floor.apply(key, prompt_keys, discrete)
             if forced != key and "floor" not in state.logged_once:
                 state.logged_once.add("floor")
-                logs.append(f"ARC prefill floor: forced a prompt bucket after {state.floor.floor} passes "
-                            f"(ARC_PREFILL_FLOOR_STEPS={state.floor.floor}); logged once")
+                logs.append(
+                    f"ARC prefill floor: forced a prompt bucket after {state.floor.floor} passes "
+                    f"(ARC_PREFILL_FLOOR_STEPS={state.floor.floor}); logged once"
+                )
             key = forced
     chosen = buckets.get(key, []) if key is not None else []
-    waitlisted = [s for s, k in zip(running, keys) if k != key]
+    waitlisted = [s for s, k in zip(running, keys, strict=False) if k != key]
     for s in chosen:
         state.urgency[s.id] = 0
     for s in waitlisted:
@@ -392,7 +405,9 @@ def schedule(running: Sequence[SeqRecord], waiting: Sequence[SeqRecord],
     waitlisted completion promoted back keeps `is_prompt=False` (§16: its state is
     unchanged); the caller drops finished sequences before calling (no reaping)."""
     ids = [s.id for s in running] + [s.id for s in waiting]
-    require(len(ids) == len(set(ids)), f"sequence ids {ids} must be unique across running and waiting")
+    require(
+        len(ids) == len(set(ids)), f"sequence ids {ids} must be unique across running and waiting"
+    )
     present = set(ids)
     state.urgency = {i: u for i, u in state.urgency.items() if i in present}
     state.admitted = {i for i in state.admitted if i in present} | {s.id for s in running}
@@ -420,7 +435,11 @@ def schedule(running: Sequence[SeqRecord], waiting: Sequence[SeqRecord],
             else:
                 held.append(s)
     promoted = [s.id for s in run if s.id not in state.admitted]
-    if cap is not None and any(s.id not in state.admitted for s in held) and "cap" not in state.logged_once:
+    if (
+        cap is not None
+        and any(s.id not in state.admitted for s in held)
+        and "cap" not in state.logged_once
+    ):
         state.logged_once.add("cap")
         logs.append(f"ARC prefill cap: held a waiting sequence back at {len(promoted)} admitted "
                     f"this iteration (ARC_PREFILL_MAX_SEQS); logged once")
@@ -448,8 +467,10 @@ class CacheOp:
 
     def __post_init__(self) -> None:
         require(self.kind in ("In", "Nothing", "Out", "Reset"), f"cache op kind {self.kind!r}")
-        require(self.kind == "Reset" or not (self.load_preallocated_cache or self.reset_non_granular),
-                f"only Reset carries flags, got {self}")
+        require(
+            self.kind == "Reset" or not (self.load_preallocated_cache or self.reset_non_granular),
+            f"only Reset carries flags, got {self}",
+        )
 
 
 IN = CacheOp("In")
@@ -457,9 +478,15 @@ NOTHING = CacheOp("Nothing")
 OUT = CacheOp("Out")
 
 
-def engine_cache_instruction(world: str, batch: str, ids: Sequence[int],
-                             last_completion_ids: Sequence[int], no_kv_cache: bool,
-                             granted: bool = False, first_token_offset: int = 0) -> tuple[CacheOp, CacheOp]:
+def engine_cache_instruction(
+    world: str,
+    batch: str,
+    ids: Sequence[int],
+    last_completion_ids: Sequence[int],
+    no_kv_cache: bool,
+    granted: bool = False,
+    first_token_offset: int = 0,
+) -> tuple[CacheOp, CacheOp]:
     """§18 `(pre_op, post_op)` for one batch.
     completion, W0/WA: pre In iff `!no_kv and ids != last_completion_ids` (order-sensitive
       list compare), else Nothing; WB: pre In iff `issues_cache_in(no_kv, changed, granted)`.
@@ -474,7 +501,11 @@ def engine_cache_instruction(world: str, batch: str, ids: Sequence[int],
         return pre, post
     # order-sensitive list compare; lists are compared as given (no copy: a batch may be 1000s long)
     changed = _as_list(ids) != _as_list(last_completion_ids)
-    go_in = issues_cache_in(no_kv_cache, changed, granted) if world == "WB" else (not no_kv_cache and changed)
+    go_in = (
+        issues_cache_in(no_kv_cache, changed, granted)
+        if world == "WB"
+        else (not no_kv_cache and changed)
+    )
     return (IN if go_in else NOTHING), post
 
 

@@ -31,7 +31,9 @@ class BucketTelemetry:
     def record_bucketing(self, buckets: int, offered: int, chosen: int) -> None:
         """One bucketing decision; ignored when `offered == 0`. `shattered` counts calls
         with more than one bucket."""
-        require(min(buckets, offered, chosen) >= 0, f"counts {buckets, offered, chosen} must be >= 0")
+        require(
+            min(buckets, offered, chosen) >= 0, f"counts {buckets, offered, chosen} must be >= 0"
+        )
         if offered == 0:
             return
         self.calls += 1
@@ -46,9 +48,10 @@ class BucketTelemetry:
 
     def since(self, earlier: BucketTelemetry) -> BucketTelemetry:
         """`self - earlier`, field by field, saturating at 0 (a reset reads as no work)."""
-        return BucketTelemetry(*(max(a - b, 0) for a, b in zip(
-            (self.calls, self.buckets, self.offered, self.chosen, self.shattered),
-            (earlier.calls, earlier.buckets, earlier.offered, earlier.chosen, earlier.shattered))))
+        e = earlier
+        now = (self.calls, self.buckets, self.offered, self.chosen, self.shattered)
+        before = (e.calls, e.buckets, e.offered, e.chosen, e.shattered)
+        return BucketTelemetry(*(max(a - b, 0) for a, b in zip(now, before, strict=False)))
 
     def _per_call(self, total: int) -> float | None:
         return total / self.calls if self.calls > 0 else None
@@ -102,8 +105,10 @@ def interval_line(tokens: int, interval_s: float, new_seqs: int, prefix_hits: in
     if encoder is not None and sum(encoder) > 0:
         enc = f", Encoder cache hitrate {100.0 * encoder[0] / sum(encoder):.2f}%"
     tail = f", {sampler}" if sampler else ""
-    return (f"Throughput (T/s) {tokens / interval_s:.2f}, Prefix cache hitrate "
-            f"{100.0 * prefix_hits / new_seqs:.2f}%{enc}, {running} running, {waiting} waiting{tail}")
+    return (
+        f"Throughput (T/s) {tokens / interval_s:.2f}, Prefix cache hitrate "
+        f"{100.0 * prefix_hits / new_seqs:.2f}%{enc}, {running} running, {waiting} waiting{tail}"
+    )
 
 
 def parse_running_waiting(line: str) -> tuple[int, int] | None:

@@ -2,7 +2,8 @@
 
 The simulator owns the control flow; every tensor-side operation is one method of a backend
 (`raggedspec.reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode step
+`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode
+step
 runs cache-and-draft.md §16 in order, through the backend; control flow never reads a float, so
 two backends take the same path on the same scenario. The step in detail, the shared choices
 (`reference.policy`) and what `record_tensors=True` records are in docs/simulator.md ("Inside
@@ -20,12 +21,34 @@ from raggedspec.reference.capability import KvAdvance
 from raggedspec.reference.dispatch import MtpHiddenCapture
 from raggedspec.reference.draft import DraftKv, DraftKvMap
 from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
-from raggedspec.reference.policy import (COL, ERR_CAPACITY, ERR_CHAIN, ERR_CLONE_IN, ERR_COMMIT, ERR_GUARD_LEFT,
-                              ERR_XS_ROLLBACK, GUARD_ERRORS, NCOL, NULL_COLS, ROW_DTYPE, advance_latch,
-                              fill_rows, guard_error, step_fields, summarize)
+from raggedspec.reference.policy import (
+    COL,
+    ERR_CAPACITY,
+    ERR_CHAIN,
+    ERR_CLONE_IN,
+    ERR_COMMIT,
+    ERR_GUARD_LEFT,
+    ERR_XS_ROLLBACK,
+    GUARD_ERRORS,
+    NCOL,
+    NULL_COLS,
+    ROW_DTYPE,
+    advance_latch,
+    fill_rows,
+    guard_error,
+    step_fields,
+    summarize,
+)
 from raggedspec.reference.scenario import Scenario, load_scenario, model_config
-from raggedspec.reference.scheduler import (PrefillFloor, RaggedAdmission, SchedulerState, SeqRecord,
-                                 engine_cache_instruction, install_admission, schedule)
+from raggedspec.reference.scheduler import (
+    PrefillFloor,
+    RaggedAdmission,
+    SchedulerState,
+    SeqRecord,
+    engine_cache_instruction,
+    install_admission,
+    schedule,
+)
 from raggedspec.reference.step import mtp_window, per_seq_advance, window_guard
 from raggedspec.reference.trace import Trace
 
@@ -62,7 +85,9 @@ class TensorEngine:
     """The tensor-mode engine (module docstring); `run()` returns the Trace. `backend` is a
     `Backend` or a name for `load_backend` (default: the NumPy reference)."""
 
-    def __init__(self, sc: Scenario, progress=None, record_tensors: bool = False, backend=None) -> None:
+    def __init__(
+        self, sc: Scenario, progress=None, record_tensors: bool = False, backend=None
+    ) -> None:
         self.sc, self.progress, self.record = sc, progress, record_tensors
         self.be = load_backend(backend)
         self.w = mtp_window(sc.depth)
@@ -73,10 +98,17 @@ class TensorEngine:
         self.latch, kv = advance_latch(sc)
         self.kv = kv if self.mtp else KvAdvance.COHORT
         self.per_seq = self.kv is KvAdvance.PER_SEQUENCE
-        self.state = SchedulerState(world=sc.world, max_seqs=sc.max_seqs or (1 << 30),
-                                    prefill_cap=sc.prefill_max_seqs, floor=PrefillFloor(sc.prefill_floor))
+        self.state = SchedulerState(
+            world=sc.world,
+            max_seqs=sc.max_seqs or (1 << 30),
+            prefill_cap=sc.prefill_max_seqs,
+            floor=PrefillFloor(sc.prefill_floor),
+        )
         granted = sc.world == "WB" and self.per_seq
-        install_admission(self.state, RaggedAdmission.decide(None if granted else "per-sequence advance not granted"))
+        install_admission(
+            self.state,
+            RaggedAdmission.decide(None if granted else "per-sequence advance not granted"),
+        )
         self.dmap = SizedDraftKvMap(self.be, self.model, sc.max_draft_kv_seqs)
         self.tel = AcceptanceTelemetry(logging_enabled=False)
         self.caches: dict = {}
@@ -93,7 +125,9 @@ class TensorEngine:
         """The V4-shaped target cache: K/V slots, then one XsRolling slot per compressed layer."""
         return self.be.new_target_cache(self.cfg, self.sc.max_seq_len, batch)
 
-    def _forward(self, tokens, cache, offsets, row_q0, lead_pad, capture=None, phase="decode", t=0, ids=()):
+    def _forward(
+        self, tokens, cache, offsets, row_q0, lead_pad, capture=None, phase="decode", t=0, ids=()
+    ):
         try:
             fwd = self.be.forward(self.model, tokens, cache, offsets, row_q0, lead_pad, capture)
             self.be.xs_append(cache, fwd.hidden)
@@ -113,16 +147,25 @@ class TensorEngine:
             t_c = 0
             if ratio > 1:  # compressed keys (start-anchored): max over rows of floor(live / ratio)
                 leads = [0] * b if lead_pad is None else list(lead_pad)
-                t_c = max((after - l) // ratio for l in leads)
+                t_c = max((after - lead) // ratio for lead in leads)
             masks.append(be.to_numpy(be.union_mask(width, after, row_q0, max(cfg.sliding_window, 1),
                                                    ratio, t_c)))
         target = be.materialize(cache)
-        rec = {"step": t, "phase": phase, "ids": list(ids), "tokens": np.array(tokens),
-               "positions": list(offsets), "row_q0": None if row_q0 is None else list(row_q0),
-               "lead": [0] * b if lead_pad is None else list(lead_pad),
-               "rope_positions": be.rope_positions(offsets, b, width), "masks": masks,
-               "hidden": be.to_numpy(fwd.hidden), "logits": be.to_numpy(fwd.logits), "target": target,
-               "target_k0": target["kv"][0][0]}
+        rec = {
+            "step": t,
+            "phase": phase,
+            "ids": list(ids),
+            "tokens": np.array(tokens),
+            "positions": list(offsets),
+            "row_q0": None if row_q0 is None else list(row_q0),
+            "lead": [0] * b if lead_pad is None else list(lead_pad),
+            "rope_positions": be.rope_positions(offsets, b, width),
+            "masks": masks,
+            "hidden": be.to_numpy(fwd.hidden),
+            "logits": be.to_numpy(fwd.logits),
+            "target": target,
+            "target_k0": target["kv"][0][0],
+        }
         self.trace.tensor_log.append(rec)
         if phase == "decode":
             self.trace.tensors.append(rec)
@@ -182,8 +225,26 @@ class TensorEngine:
                 break
             out = schedule(running, waiting, self.state)
             if not out.running:
-                trace.add_step(step_fields(t, "idle", "cohort", None, 0, len(out.waiting), 0, 0, 0, 0.0, 0,
-                                           self._tps(), None, [], None), np.zeros((0, NCOL), ROW_DTYPE))
+                trace.add_step(
+                    step_fields(
+                        t,
+                        "idle",
+                        "cohort",
+                        None,
+                        0,
+                        len(out.waiting),
+                        0,
+                        0,
+                        0,
+                        0.0,
+                        0,
+                        self._tps(),
+                        None,
+                        [],
+                        None,
+                    ),
+                    np.zeros((0, NCOL), ROW_DTYPE),
+                )
                 running, waiting = [], self._refresh(out.waiting)
                 self._tick(t)
                 continue
@@ -194,23 +255,49 @@ class TensorEngine:
                                                      self.state.last_completion_ids, False,
                                                      self.state.engine_admission.granted)
                 self.state.last_completion_ids = list(out.completion)
-                fields, rows = self._decode(out.completion, pre.kind == "In", post.kind == "Out", t, trace)
+                fields, rows = self._decode(
+                    out.completion, pre.kind == "In", post.kind == "Out", t, trace
+                )
                 committed += int(rows[:, COL["committed"]].sum())
             if out.prompt:
                 prow, perr = self._prompt(out.prompt, t)
                 self.state.last_completion_ids = []
                 committed += int(prow[:, COL["committed"]].sum())
                 if fields is None:
-                    fields = {"phase": "prompt", "advance": "cohort", "instr": "Reset",
-                              "width": sc.requests[out.prompt[0]].prompt_len, "pad": 0.0, "groups": 0,
-                              "error": perr}
+                    fields = {
+                        "phase": "prompt",
+                        "advance": "cohort",
+                        "instr": "Reset",
+                        "width": sc.requests[out.prompt[0]].prompt_len,
+                        "pad": 0.0,
+                        "groups": 0,
+                        "error": perr,
+                    }
                     rows = prow
                 elif perr is not None:
-                    fields["error"] = perr if fields["error"] is None else fields["error"] + "; " + perr
-            trace.add_step(step_fields(t, fields["phase"], fields["advance"], fields["instr"], out.chosen,
-                                       len(out.waiting), out.n_buckets, fields["groups"], fields["width"],
-                                       fields["pad"], committed, self._tps(), bucket, list(out.prompt),
-                                       fields["error"]), rows)
+                    fields["error"] = (
+                        perr if fields["error"] is None else fields["error"] + "; " + perr
+                    )
+            trace.add_step(
+                step_fields(
+                    t,
+                    fields["phase"],
+                    fields["advance"],
+                    fields["instr"],
+                    out.chosen,
+                    len(out.waiting),
+                    out.n_buckets,
+                    fields["groups"],
+                    fields["width"],
+                    fields["pad"],
+                    committed,
+                    self._tps(),
+                    bucket,
+                    list(out.prompt),
+                    fields["error"],
+                ),
+                rows,
+            )
             self._record_state(t, list(out.completion) + list(out.prompt))
             running = self._refresh([s for s in out.running if s.id not in self.done])
             waiting = self._refresh(out.waiting)
@@ -224,8 +311,14 @@ class TensorEngine:
         out = []
         for s in recs:
             c = self.caches.get(s.id)
-            out.append(SeqRecord(s.id, len(self.toks[s.id]), None if c is None else self.be.cache_len(c),
-                                 c is None))
+            out.append(
+                SeqRecord(
+                    s.id,
+                    len(self.toks[s.id]),
+                    None if c is None else self.be.cache_len(c),
+                    c is None,
+                )
+            )
         return out
 
     def _tick(self, t: int) -> None:
@@ -261,9 +354,10 @@ class TensorEngine:
         rows[:, COL["committed"]] = 1
         if self.mtp:
             states = [self.dmap.checkout_draft_kv(i) for i in ids]
-            self.be.prime_draft_kv(states, capture.take(), [self.toks[i] for i in ids], b, self.model,
-                                   self.messages)
-            for i, st in zip(ids, states):
+            self.be.prime_draft_kv(
+                states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages
+            )
+            for i, st in zip(ids, states, strict=False):
                 self.dmap.checkin(i, st)
             rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
@@ -277,8 +371,15 @@ class TensorEngine:
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
         fill_rows(rows, seq=ids, row=np.arange(b))
         rows[:, NULL_COLS] = -1
-        res = {"phase": "decode", "advance": "cohort", "instr": "In" if go_in else "Nothing", "width": 0,
-               "pad": 0.0, "groups": 0, "error": None}
+        res = {
+            "phase": "decode",
+            "advance": "cohort",
+            "instr": "In" if go_in else "Nothing",
+            "width": 0,
+            "pad": 0.0,
+            "groups": 0,
+            "error": None,
+        }
         try:
             self._decode_inner(ids, go_in, post_out, rows, res, t, trace)
         except _StepFailed as exc:
@@ -295,7 +396,9 @@ class TensorEngine:
                 ci = be.clone_in([self.caches[i] for i in ids], [self.pending[i] for i in ids],
                                  sc.xs_per_seq, self.per_seq)
             except Refusal as exc:
-                kind = ERR_CAPACITY if self.per_seq and isinstance(exc, CacheRefusal) else ERR_CLONE_IN
+                kind = (
+                    ERR_CAPACITY if self.per_seq and isinstance(exc, CacheRefusal) else ERR_CLONE_IN
+                )
                 raise _StepFailed(kind, str(exc)) from exc
             for i in ids:
                 self.pending[i] = 0
@@ -336,15 +439,24 @@ class TensorEngine:
             groups = be.draft_groups(u, cache_lens, may, w, psa)
             res["groups"] = len(groups)
             try:
-                chains = be.draft_chain(self.model, groups, states, [self.toks[i] for i in ids], cache_lens,
-                                        budgets, w, psa, self.messages)
+                chains = be.draft_chain(
+                    self.model,
+                    groups,
+                    states,
+                    [self.toks[i] for i in ids],
+                    cache_lens,
+                    budgets,
+                    w,
+                    psa,
+                    self.messages,
+                )
             except Refusal as exc:
                 raise _StepFailed(ERR_CHAIN, str(exc)) from exc
             drew = [r for r in range(b) if chains[r]]
             if drew:
                 keys = be.draft_group_keys([u[r] for r in drew], [cache_lens[r] for r in drew], psa)
                 starts = be.chain_starts([cache_lens[r] for r in drew], [u[r] for r in drew])
-                for r, key, start in zip(drew, keys, starts):
+                for r, key, start in zip(drew, keys, starts, strict=False):
                     drafts[r] = self.oracle.draft(ids[r], self.toks[ids[r]], w - u[r])
                     rows[r, [COL["group_u"], COL["group_start"]]] = key
                     rows[r, COL["chain_start"]] = start
@@ -363,7 +475,9 @@ class TensorEngine:
             ctx, prop = self.toks[i], drafts[r]
             proposed.append(prop)
             targets.append([self.oracle.target(i, ctx + prop[:j]) for j in range(len(prop) + 1)])
-        verified = be.verify_accept(proposed, [tg[: len(p)] for p, tg in zip(proposed, targets)])
+        verified = be.verify_accept(
+            proposed, [tg[: len(p)] for p, tg in zip(proposed, targets, strict=False)]
+        )
         acc = be.budget_clamp(verified, budgets)
         emitted = []
         for r, i in enumerate(ids):
@@ -386,11 +500,13 @@ class TensorEngine:
         else:
             committed = be.plan_per_sequence_step(u, acc, w)[0]
         if self.mtp:
-            be.extend_draft_kvs(states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages)
-            for i, st in zip(ids, states):
+            be.extend_draft_kvs(
+                states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages
+            )
+            for i, st in zip(ids, states, strict=False):
                 self.dmap.checkin(i, st)
             stats = [from_fused_verify(len(drafts[r]), acc[r]) for r in range(b)]
-            for i, s in zip(ids, stats):
+            for i, s in zip(ids, stats, strict=False):
                 self.tel.record_step(i, s)
             self.tel.record_batch(b, stats)
         pieces = be.clone_out(batched, b)
@@ -426,10 +542,19 @@ class TensorEngine:
         res["phase"] = "defer"
         self.dmap.clear_draft_kv()
         c = self.be.cache_len(batched)
-        offsets = [c - l for l in lead]
+        offsets = [c - pad for pad in lead]
         tokens = np.array([[self.toks[i][-1]] for i in ids], dtype=np.int64)
-        self._forward(tokens, batched, offsets, self.be.ragged_row_q0(offsets, self.sc.per_seq_kv), lead,
-                      None, "defer", t, ids)
+        self._forward(
+            tokens,
+            batched,
+            offsets,
+            self.be.ragged_row_q0(offsets, self.sc.per_seq_kv),
+            lead,
+            None,
+            "defer",
+            t,
+            ids,
+        )
         for i in ids:
             self.toks[i].append(self.oracle.target(i, self.toks[i]))
         rows[:, COL["committed"]] = 1

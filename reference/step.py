@@ -57,8 +57,8 @@ def plan_step_window(cache_lens: Sequence[int], tok_lens: Sequence[int], w: int)
     require(w >= 1, f"window w {w} must be >= 1")
     require(all(c >= 0 for c in cache_lens) and all(t >= 0 for t in tok_lens),
             f"lengths must be >= 0: cache_lens {list(cache_lens)}, tok_lens {list(tok_lens)}")
-    uncached = [_sat(int(t) - int(c)) for c, t in zip(cache_lens, tok_lens)]
-    ok = all(c + u >= 2 and 1 <= u <= w for c, u in zip(cache_lens, uncached))
+    uncached = [_sat(int(t) - int(c)) for c, t in zip(cache_lens, tok_lens, strict=False)]
+    ok = all(c + u >= 2 and 1 <= u <= w for c, u in zip(cache_lens, uncached, strict=False))
     return StepWindow(uncached, ok)
 
 
@@ -99,7 +99,9 @@ def verify_proposed(proposed: Sequence[int], target: Sequence[int]) -> Verified:
 
 def token_budget(max_seq_len: int, tok_len: int) -> int:
     """`budget_i = sat(max_seq_len - L_i)`: tokens the row may still emit (§11.2, §16.5)."""
-    require(max_seq_len >= 0 and tok_len >= 0, f"max_seq_len {max_seq_len}, L {tok_len} must be >= 0")
+    require(
+        max_seq_len >= 0 and tok_len >= 0, f"max_seq_len {max_seq_len}, L {tok_len} must be >= 0"
+    )
     return _sat(max_seq_len - tok_len)
 
 
@@ -129,7 +131,9 @@ class PerSequencePlan:
 
 
 def _check_step_inputs(uncached: Sequence[int], accepted: Sequence[int], w: int) -> None:
-    require(len(uncached) == len(accepted), f"{len(uncached)} uncached for {len(accepted)} accepted")
+    require(
+        len(uncached) == len(accepted), f"{len(uncached)} uncached for {len(accepted)} accepted"
+    )
     require(w >= 1, f"window w {w} must be >= 1")
     require(all(u >= 0 for u in uncached) and all(a >= 0 for a in accepted),
             f"uncached {list(uncached)} and accepted {list(accepted)} must be >= 0")
@@ -140,17 +144,19 @@ def plan_batch_step(uncached: Sequence[int], accepted: Sequence[int], w: int) ->
     `next_uncached_i = sat(u_i + a_i + 1 - keep)`. Invariant on reachable input
     (u in [1,w], a <= w - u): keep >= 1, n_drop <= w, next in [1, w]."""
     _check_step_inputs(uncached, accepted, w)
-    valid = [int(u) + int(a) for u, a in zip(uncached, accepted)]
+    valid = [int(u) + int(a) for u, a in zip(uncached, accepted, strict=False)]
     keep = min(valid) if valid else 0
     return CohortPlan(keep, _sat(w - keep), [_sat(v + 1 - keep) for v in valid])
 
 
-def plan_per_sequence_step(uncached: Sequence[int], accepted: Sequence[int], w: int) -> PerSequencePlan:
+def plan_per_sequence_step(
+    uncached: Sequence[int], accepted: Sequence[int], w: int
+) -> PerSequencePlan:
     """PerSequence rule (§12.2): `committed_i = min(u_i + a_i, w)`,
     `dropped_i = sat(w - committed_i)`, `next_uncached_i = 1`. Row i depends on row i only;
     `plan_batch_step(...).keep == min(committed)`."""
     _check_step_inputs(uncached, accepted, w)
-    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted)]
+    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, strict=False)]
     return PerSequencePlan(committed, [_sat(w - c) for c in committed], [1] * len(committed))
 
 

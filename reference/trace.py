@@ -24,18 +24,68 @@ ROW_COLUMNS = ("seq", "row", "own_len", "width", "lead", "u", "drafted", "accept
 # A row column's index in the `[B, len(ROW_COLUMNS)]` row arrays: every reader and writer
 # addresses the columns by name through this map, never by a bare number.
 COL = {name: i for i, name in enumerate(ROW_COLUMNS)}
-STEP_KEYS = ("step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
-             "width", "padding_fraction", "committed", "tok_per_step")
+STEP_KEYS = (
+    "step",
+    "phase",
+    "advance",
+    "cache_instruction",
+    "running",
+    "waiting",
+    "buckets",
+    "groups",
+    "width",
+    "padding_fraction",
+    "committed",
+    "tok_per_step",
+)
 EXTRA_STEP_KEYS = ("prefill", "error")  # schema v1 extensions (added fields, after "rows")
-SUMMARY_KEYS = ("steps", "decode_steps", "committed", "tok_per_step", "max_spread", "mean_padding_fraction",
-                "refusal")
-CSV_COLUMNS = ("step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
-               "padding_fraction", "tok_per_step", "seq", "row", "own_len", "width", "lead", "u", "drafted",
-               "accepted", "committed", "group_u", "group_start", "chain_start", "filled", "bucket",
-               "step_width", "step_committed", "prefill", "error")
+SUMMARY_KEYS = (
+    "steps",
+    "decode_steps",
+    "committed",
+    "tok_per_step",
+    "max_spread",
+    "mean_padding_fraction",
+    "refusal",
+)
+CSV_COLUMNS = (
+    "step",
+    "phase",
+    "advance",
+    "cache_instruction",
+    "running",
+    "waiting",
+    "buckets",
+    "groups",
+    "padding_fraction",
+    "tok_per_step",
+    "seq",
+    "row",
+    "own_len",
+    "width",
+    "lead",
+    "u",
+    "drafted",
+    "accepted",
+    "committed",
+    "group_u",
+    "group_start",
+    "chain_start",
+    "filled",
+    "bucket",
+    "step_width",
+    "step_committed",
+    "prefill",
+    "error",
+)
 # CSV column -> step field, for the step-level columns whose names a row column already takes
 # (`width`, `committed` are the row's) or that follow the row columns.
-CSV_STEP_TAIL = {"step_width": "width", "step_committed": "committed", "prefill": "prefill", "error": "error"}
+CSV_STEP_TAIL = {
+    "step_width": "width",
+    "step_committed": "committed",
+    "prefill": "prefill",
+    "error": "error",
+}
 _NULLABLE = {"group_u", "group_start", "chain_start"}
 _STEP_INTS = ("running", "waiting", "buckets", "groups")
 _STEP_FLOATS = ("padding_fraction", "tok_per_step")
@@ -44,12 +94,21 @@ _STEP_FLOATS = ("padding_fraction", "tok_per_step")
 def row_dict(r: np.ndarray, bucket) -> dict:
     """One schema row object from an int row `[len(ROW_COLUMNS)]`."""
     v = {name: int(r[i]) for name, i in COL.items()}
-    return {"seq": v["seq"], "row": v["row"], "own_len": v["own_len"], "width": v["width"],
-            "lead": v["lead"], "u": v["u"], "drafted": v["drafted"], "accepted": v["accepted"],
-            "committed": v["committed"],
-            "group": None if v["group_u"] < 0 else [v["group_u"], v["group_start"]],
-            "chain_start": None if v["chain_start"] < 0 else v["chain_start"], "filled": v["filled"],
-            "bucket": bucket}
+    return {
+        "seq": v["seq"],
+        "row": v["row"],
+        "own_len": v["own_len"],
+        "width": v["width"],
+        "lead": v["lead"],
+        "u": v["u"],
+        "drafted": v["drafted"],
+        "accepted": v["accepted"],
+        "committed": v["committed"],
+        "group": None if v["group_u"] < 0 else [v["group_u"], v["group_start"]],
+        "chain_start": None if v["chain_start"] < 0 else v["chain_start"],
+        "filled": v["filled"],
+        "bucket": bucket,
+    }
 
 
 class Trace:
@@ -156,9 +215,13 @@ def write_csv(trace: Trace, path) -> None:
         for i, fields in enumerate(trace._steps):
             arr = trace.row_array(i)
             head = [_csv_cell(fields.get(k)) for k in CSV_COLUMNS[:10]]
-            tail = [_csv_cell(fields.get("bucket"))] + [_csv_cell(fields.get(k)) for k in CSV_STEP_TAIL.values()]
+            tail = [_csv_cell(fields.get("bucket"))] + [
+                _csv_cell(fields.get(k)) for k in CSV_STEP_TAIL.values()
+            ]
             for r in arr:
-                cells = ["" if c in _NULLABLE and r[i] < 0 else str(int(r[i])) for c, i in COL.items()]
+                cells = [
+                    "" if c in _NULLABLE and r[i] < 0 else str(int(r[i])) for c, i in COL.items()
+                ]
                 w.writerow(head + cells + tail)
 
 

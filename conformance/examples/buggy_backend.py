@@ -26,7 +26,9 @@ class BuggyBackend(NumpyBackend):
         return np.broadcast_to(mask, (b,) + mask.shape[1:]).copy()
 
     def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
-        return super().forward(model, tokens, cache, offsets, None, lead_pad, capture)  # BUG: the same
+        return super().forward(
+            model, tokens, cache, offsets, None, lead_pad, capture
+        )  # BUG: the same
 
 
 def factory(device: str = "cpu", dtype: str = "float64") -> BuggyBackend:

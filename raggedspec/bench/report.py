@@ -40,34 +40,52 @@ def render_markdown(result: dict) -> str:
     where = m.get("gpu") or f"CPU ({m.get('cpu')}, {m.get('cpu_count')} cores)"
     lines = []
     if result["smoke"]:
-        lines.append("**SMOKE run (CPU, tiny sizes, time.perf_counter): it checks that every path runs and "
-                     "agrees with the reference; its times are no performance claim.**")
+        lines.append(
+            "**SMOKE run (CPU, tiny sizes, time.perf_counter): it checks that every path runs and "
+            "agrees with the reference; its times are no performance claim.**"
+        )
         lines.append("")
     lines += [
-        f"Machine: {where}; torch {m['torch']}" + (f", CUDA {m['cuda']}" if m.get("cuda") else "")
-        + (f", CuPy {m['cupy']}" if m.get("cupy") else ", no CuPy") + f"; Python {m['python']}.",
-        (f"Sizes: dtype {s['dtype']}, {s['kv_heads']} KV heads, {s['q_heads']} query heads, head dim "
-         f"{s['head_dim']}; timer: {result['timer']}; warm-up {s['warmup']}, median of {s['reps']}; seed {s['seed']}."),
+        f"Machine: {where}; torch {m['torch']}"
+        + (f", CUDA {m['cuda']}" if m.get("cuda") else "")
+        + (f", CuPy {m['cupy']}" if m.get("cupy") else ", no CuPy")
+        + f"; Python {m['python']}.",
+        (
+            f"Sizes: dtype {s['dtype']}, {s['kv_heads']} KV heads, {s['q_heads']} query heads, "
+            "head dim "
+            f"{s['head_dim']}; timer: {result['timer']}; warm-up {s['warmup']}, median of "
+            f"{s['reps']}; seed {s['seed']}."
+        ),
         "Copy bandwidth (device-to-device, read + write): "
         + ", ".join(f"{c['GBps']:.1f} GB/s" for c in result["copy_bandwidth"])
-        + (f"; the bound uses {bw:.1f} GB/s. Bound = live K+V bytes / bandwidth. "
-           f"Cells: median ms (ms / bound). Correctness tolerance: rel. error <= {result['tolerance']:g} "
-           "against the float64 reference (WRONG: not timed)."),
+        + (
+            f"; the bound uses {bw:.1f} GB/s. Bound = live K+V bytes / bandwidth. "
+            "Cells: median ms (ms / bound). Correctness tolerance: rel. error <= "
+            f"{result['tolerance']:g} "
+            "against the float64 reference (WRONG: not timed)."
+        ),
         "",
     ]
     names = result["strategies"]
-    hdr = ["w", "B", "L", "spread", "live KV MiB", "bound ms"] + [n + (" (lossy)" if n in LOSSY else "") for n in names]
+    hdr = ["w", "B", "L", "spread", "live KV MiB", "bound ms"] + [
+        n + (" (lossy)" if n in LOSSY else "") for n in names
+    ]
     lines.append("| " + " | ".join(hdr) + " |")
     lines.append("|" + "---|" * len(hdr))
     rows = sorted(result["rows"], key=lambda r: (r["w"], r["L"], r["spread"], r["B"]))
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | case failed: {r['error']} |")
+            lines.append(
+                f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | case failed: {r['error']} |"
+            )
             continue
         bound = bound_ms(result, r)
         cells = [_cell(r["strategies"][n], bound) for n in names]
-        lines.append(f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | {r['live_kv_bytes'] / 2**20:.2f} | "
-                     f"{bound:.4f} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | {r['live_kv_bytes'] / 2**20:.2f} "
+            "| "
+            f"{bound:.4f} | " + " | ".join(cells) + " |"
+        )
     lines.append("")
     lines.append("Strategies:")
     for n in names:
@@ -82,30 +100,56 @@ def render_markdown(result: dict) -> str:
             errs = [r["strategies"][n]["err_full"] for r in rows
                     if "strategies" in r and r["strategies"][n].get("status") == "lossy"]
             if errs:
-                extra.append(f"error against the full reference where rows differ: {min(errs):.2g} .. {max(errs):.2g}")
+                extra.append(
+                    f"error against the full reference where rows differ: {min(errs):.2g} .. "
+                    f"{max(errs):.2g}"
+                )
         lines.append(f"- `{n}`: {result['labels'][n]}" + ("; " + "; ".join(extra) if extra else ""))
     if result.get("cases_not_run"):
-        lines.append("- cases not run (time budget): "
-                     + ", ".join(f"w={c['w']} B={c['B']} L={c['L']} spread={c['spread']}" for c in result["cases_not_run"]))
+        lines.append(
+            "- cases not run (time budget): "
+            + ", ".join(
+                f"w={c['w']} B={c['B']} L={c['L']} spread={c['spread']}"
+                for c in result["cases_not_run"]
+            )
+        )
     if not result.get("complete"):
         lines.append("- the run did not complete: the table holds the cases it finished")
     lines += headline_lines(result, rows)
-    lines += ["", "Data movement per step, against the live KV (bytes counted, times measured):", "",
-              ("| w | B | L | spread | live KV MiB | front-align copy MiB (x live) | front-align ms | "
-               "port append KiB (x live) | append+commit ms | strip bytes |"),
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Data movement per step, against the live KV (bytes counted, times measured):",
+        "",
+        (
+            "| w | B | L | spread | live KV MiB | front-align copy MiB (x live) | front-align ms | "
+            "port append KiB (x live) | append+commit ms | strip bytes |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             continue
         live = r["live_kv_bytes"]
-        lines.append(f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | {live / 2**20:.2f} | "
-                     f"{r['align_bytes'] / 2**20:.2f} ({r['align_bytes'] / live:.2f}x) | {r['align_ms']:.3f} | "
-                     f"{r['append_bytes'] / 2**10:.1f} ({r['append_bytes'] / live:.2g}x) | {r['append_ms']:.3f} | "
-                     f"{r['strip_bytes']} |")
-    lines += ["", ("Front-align copy = the gather `gpu.align.materialize_front_aligned` does (reads and writes B x T "
-                   "columns of K and V); port append = the new tokens' K/V written at each row's own offset "
-                   "(`RaggedKv.append`, w columns per row); the per-sequence commit / dead-prefix strip moves no "
-                   "data in the in-place layout (lengths only).")]
+        lines.append(
+            f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | {live / 2**20:.2f} | "
+            f"{r['align_bytes'] / 2**20:.2f} ({r['align_bytes'] / live:.2f}x) | "
+            f"{r['align_ms']:.3f} | "
+            f"{r['append_bytes'] / 2**10:.1f} ({r['append_bytes'] / live:.2g}x) | "
+            f"{r['append_ms']:.3f} | "
+            f"{r['strip_bytes']} |"
+        )
+    lines += [
+        "",
+        (
+            "Front-align copy = the gather `gpu.align.materialize_front_aligned` does (reads and "
+            "writes B x T "
+            "columns of K and V); port append = the new tokens' K/V written at each row's own "
+            "offset "
+            "(`RaggedKv.append`, w columns per row); the per-sequence commit / dead-prefix strip "
+            "moves no "
+            "data in the in-place layout (lengths only)."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -117,7 +161,11 @@ def headline_lines(result: dict, rows: list[dict]) -> list[str]:
     and speed-up over the per-row loop, and whether the CuPy kernel meets the targets."""
     out = []
     for r in rows:
-        if "strategies" not in r or (r["B"], r["L"], r["spread"]) != (HEADLINE["b"], HEADLINE["L"], HEADLINE["spread"]):
+        if "strategies" not in r or (r["B"], r["L"], r["spread"]) != (
+            HEADLINE["b"],
+            HEADLINE["L"],
+            HEADLINE["spread"],
+        ):
             continue
         bound = bound_ms(result, r)
         base = r["strategies"].get("per_row", {}).get("ms")
@@ -134,9 +182,12 @@ def headline_lines(result: dict, rows: list[dict]) -> list[str]:
             verdict = "targets MET" if ok else "targets MISSED"
         else:
             verdict = f"targets not assessed (cupy: {cupy.get('status', 'absent')})"
-        out.append(f"- headline w={r['w']} (B=128, L=4096, spread 64; bound {bound:.3f} ms): " + "; ".join(parts)
-                   + f". CuPy targets (<= {TARGET_X_BOUND:.2f}x bound and >= {TARGET_SPEEDUP:.0f}x the per-row "
-                   f"loop): {verdict}.")
+        out.append(
+            f"- headline w={r['w']} (B=128, L=4096, spread 64; bound {bound:.3f} ms): "
+            + "; ".join(parts)
+            + f". CuPy targets (<= {TARGET_X_BOUND:.2f}x bound and >= {TARGET_SPEEDUP:.0f}x the "
+            f"per-row loop): {verdict}."
+        )
     return out
 
 
@@ -153,14 +204,26 @@ def render_plot(result: dict, path: Path) -> Path | None:
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
-    for ax, (w, L, spread) in zip(axes.flat, panels):
-        sel = sorted((r for r in rows if (r["w"], r["L"], r["spread"]) == (w, L, spread)), key=lambda r: r["B"])
+    for ax, (w, L, spread) in zip(axes.flat, panels, strict=False):
+        sel = sorted(
+            (r for r in rows if (r["w"], r["L"], r["spread"]) == (w, L, spread)),
+            key=lambda r: r["B"],
+        )
         bs = [r["B"] for r in sel]
         ax.plot(bs, [bound_ms(result, r) for r in sel], "k--", lw=2, label="live-KV bound")
         for n in result["strategies"]:
-            pts = [(r["B"], r["strategies"][n]["ms"]) for r in sel if "ms" in r["strategies"].get(n, {})]
+            pts = [
+                (r["B"], r["strategies"][n]["ms"])
+                for r in sel
+                if "ms" in r["strategies"].get(n, {})
+            ]
             if pts:
-                ax.plot(*zip(*pts), "o-", ms=3, label=n + (" (lossy)" if n in LOSSY else ""))
+                ax.plot(
+                    *zip(*pts, strict=False),
+                    "o-",
+                    ms=3,
+                    label=n + (" (lossy)" if n in LOSSY else ""),
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"w={w} L={L} spread={spread}", fontsize=9)
@@ -172,8 +235,11 @@ def render_plot(result: dict, path: Path) -> Path | None:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     where = result["machine"].get("gpu") or "CPU"
-    fig.suptitle(("SMOKE (no claims): " if result["smoke"] else "") + f"ragged verify attention, {where}, "
-                 f"{result['settings']['dtype']}", fontsize=10)
+    fig.suptitle(
+        ("SMOKE (no claims): " if result["smoke"] else "") + f"ragged verify attention, {where}, "
+        f"{result['settings']['dtype']}",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(labels) > 4), 1, 0.96))
     from raggedspec.outputs import staged
 
@@ -209,25 +275,44 @@ def render_e2e(result: dict) -> str:
     where = m.get("gpu") or f"CPU ({m.get('cpu')}, {m.get('cpu_count')} cores)"
     lines = []
     if result["smoke"]:
-        lines += ["**SMOKE run (CPU, tiny model): it checks that the path runs; no performance claim.**", ""]
+        lines += [
+            "**SMOKE run (CPU, tiny model): it checks that the path runs; no performance claim.**",
+            "",
+        ]
     model = json.dumps(c["model"]) if c["model"] else "default tiny"
-    lines += [(f"End-to-end step time, tensor-mode simulator on the {c.get('backend', 'torch')} backend "
-               f"({c['device']}, {c['dtype']}); "
-               f"{where}; torch {m['torch']}. B = {c['batch']} requests of prompt {c['prompt']}, depth {c['depth']}, "
-               f"acceptance {c['acceptance']}, {c['steps']} steps, model {model}. "
-               "Step time = wall time between the simulator's per-step callbacks (device synchronized); "
-               "steady state = decode steps after the first two."), "",
-              ("| advance | decode steps | max rows | median step ms | mean live KV tokens | mean padded tokens "
-               "(rows x width) | live / padded | committed / step | ms per committed token |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        (
+            f"End-to-end step time, tensor-mode simulator on the {c.get('backend', 'torch')} "
+            "backend "
+            f"({c['device']}, {c['dtype']}); "
+            f"{where}; torch {m['torch']}. B = {c['batch']} requests of prompt {c['prompt']}, "
+            f"depth {c['depth']}, "
+            f"acceptance {c['acceptance']}, {c['steps']} steps, model {model}. "
+            "Step time = wall time between the simulator's per-step callbacks (device "
+            "synchronized); "
+            "steady state = decode steps after the first two."
+        ),
+        "",
+        (
+            "| advance | decode steps | max rows | median step ms | mean live KV tokens | mean "
+            "padded tokens "
+            "(rows x width) | live / padded | committed / step | ms per committed token |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["runs"]:
         if "error" in r:
             lines.append(f"| {r['advance']} | failed: {r['error']} |")
         elif "median_ms" not in r:
-            lines.append(f"| {r['advance']} | no steady-state decode step in {len(r['steps'])} steps |")
+            lines.append(
+                f"| {r['advance']} | no steady-state decode step in {len(r['steps'])} steps |"
+            )
         else:
-            lines.append(f"| {r['advance']} | {r['decode_steps']} | {r['max_rows']} | {r['median_ms']:.2f} | "
-                         f"{r['mean_live_tokens']:.0f} | {r['mean_padded_tokens']:.0f} | "
-                         f"{r['mean_live_tokens'] / max(r['mean_padded_tokens'], 1):.3f} | "
-                         f"{r['committed_per_step']:.1f} | {r['ms_per_committed_token']:.3f} |")
+            lines.append(
+                f"| {r['advance']} | {r['decode_steps']} | {r['max_rows']} | {r['median_ms']:.2f} "
+                "| "
+                f"{r['mean_live_tokens']:.0f} | {r['mean_padded_tokens']:.0f} | "
+                f"{r['mean_live_tokens'] / max(r['mean_padded_tokens'], 1):.3f} | "
+                f"{r['committed_per_step']:.1f} | {r['ms_per_committed_token']:.3f} |"
+            )
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
-"""`raggedspec bench`: arguments, timing, the checked-then-timed run of every case, the
-end-to-end simulator run, and the entry points.
+"""`raggedspec bench`: arguments, the checked-then-timed run of every case, and the entry
+points; the timing and the result file live in bench/timing.py, the end-to-end simulator run
+(`--e2e`) in bench/e2e.py.
 
     python -m raggedspec.bench [--smoke] [--device cuda] [--dtype bfloat16] [--out out/bench] ...
     python -m raggedspec.bench --replot out/bench/bench.json   # table and plot again from the JSON
@@ -14,17 +15,13 @@ does not pay for it.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
-import math
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
+from raggedspec.bench.e2e import e2e_settings, run_e2e
 from raggedspec.bench.report import (
     render_e2e,
     render_markdown,
@@ -43,9 +40,7 @@ from raggedspec.bench.strategies import (
     reference_attention,
     rel_err,
 )
-
-SCHEMA = "raggedspec-bench/1"
-FLUSH_BYTES = 256 << 20     # L2 flush between timed repeats on CUDA (H200 L2: 60 MB)
+from raggedspec.bench.timing import SCHEMA, Timer, copy_bandwidth, machine_info, write_json
 
 FULL = dict(device="cuda", dtype="bfloat16", batches=[1, 32, 128], lengths=[2048, 4096],
             spreads=[0, 64, 1024], windows=[2, 4], kv_heads=8, q_heads=32, head_dim=128,
@@ -53,16 +48,6 @@ FULL = dict(device="cuda", dtype="bfloat16", batches=[1, 32, 128], lengths=[2048
 SMOKE = dict(device="cpu", dtype="float32", batches=[1, 5], lengths=[40, 72],
              spreads=[0, 24], windows=[2, 4], kv_heads=2, q_heads=4, head_dim=16,
              warmup=1, reps=3, copy_mib=32)
-# End-to-end (--e2e): the scenario keys given to the simulator. A uniform prompt, so every
-# request is prefilled in the first step and the batch runs all B rows from then on; under
-# per-sequence advance the rows' own lengths then drift apart, under cohort they do not.
-E2E_FULL = dict(device="cuda", dtype="float32", batch=128, prompt=1024, steps=24, depth=3,
-                acceptance="profile:0.74,0.54,0.41", max_seq_len=4096,
-                model={"vocab": 1024, "hidden": 1024, "n_heads": 8, "head_dim": 128, "rope_dims": 64,
-                       "sliding_window": 128, "compress_ratios": [0, 4]})
-E2E_SMOKE = dict(device="cpu", dtype="float64", batch=8, prompt=32, steps=6, depth=3,
-                 acceptance="profile:0.74,0.54,0.41", max_seq_len=4096, model={})
-
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -79,69 +64,139 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU smoke: tiny sizes, float32, a few repeats, seconds; checks every strategy "
-                        "that can run on the CPU; no performance claims")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default cuda; cpu with --smoke)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU smoke: tiny sizes, float32, a few repeats, seconds; checks every strategy "
+        "that can run on the CPU; no performance claims",
+    )
+    p.add_argument(
+        "--device", default=None, help="cpu | cuda | cuda:N (default cuda; cpu with --smoke)"
+    )
     p.add_argument("--dtype", default=None, choices=sorted(TOLERANCE),
                    help="KV/query dtype (default bfloat16; float32 with --smoke)")
     p.add_argument("--batches", type=_ints, default=None, help="batch sizes (default 1,32,128)")
-    p.add_argument("--lengths", type=_ints, default=None, help="longest row's length L (default 2048,4096)")
-    p.add_argument("--spreads", type=_ints, default=None, help="L - shortest row (default 0,64,1024)")
-    p.add_argument("--windows", type=_ints, default=None, help="verify window w = depth + 1 (default 2,4)")
+    p.add_argument(
+        "--lengths", type=_ints, default=None, help="longest row's length L (default 2048,4096)"
+    )
+    p.add_argument(
+        "--spreads", type=_ints, default=None, help="L - shortest row (default 0,64,1024)"
+    )
+    p.add_argument(
+        "--windows", type=_ints, default=None, help="verify window w = depth + 1 (default 2,4)"
+    )
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8)")
-    p.add_argument("--q-heads", type=int, default=None, help="query heads, a multiple of --kv-heads (default 32)")
+    p.add_argument(
+        "--q-heads",
+        type=int,
+        default=None,
+        help="query heads, a multiple of --kv-heads (default 32)",
+    )
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per timing (default 3)")
-    p.add_argument("--reps", type=int, default=None, help="timed repeats, median reported (default 20)")
-    p.add_argument("--copy-mib", type=int, default=None, help="size of the bandwidth copy (default 2048 MiB)")
-    p.add_argument("--strategies", default="all",
-                   help="comma-separated subset of " + ", ".join(list(STRATEGIES) + list(NEGATIVE_CONTROLS))
-                        + " (default all = every strategy, no negative control)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="timed repeats, median reported (default 20)"
+    )
+    p.add_argument(
+        "--copy-mib", type=int, default=None, help="size of the bandwidth copy (default 2048 MiB)"
+    )
+    p.add_argument(
+        "--strategies",
+        default="all",
+        help="comma-separated subset of "
+        + ", ".join(list(STRATEGIES) + list(NEGATIVE_CONTROLS))
+        + " (default all = every strategy, no negative control)",
+    )
     p.add_argument("--flex-compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile flex_attention: auto = on CUDA only (default)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no new case after this many seconds (the rest are listed as not run)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new case after this many seconds (the rest are listed as not run)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of lengths and data (default 0)")
-    p.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder (default out/bench)")
-    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                   help="only rewrite bench.md and bench.png beside JSON from it (e.g. after a cut-short run)")
-    p.add_argument("--e2e", action="store_true",
-                   help="instead of the attention table: end-to-end step time of the tensor-mode simulator "
-                        "on the torch backend, cohort vs per-sequence advance (writes e2e.json, e2e.md)")
-    p.add_argument("--e2e-batch", type=int, default=None, help="--e2e: requests B (default 128; 8 with --smoke)")
+    p.add_argument(
+        "--out", type=Path, default=Path("out/bench"), help="output folder (default out/bench)"
+    )
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only rewrite bench.md and bench.png beside JSON from it (e.g. after a cut-short run)",
+    )
+    p.add_argument(
+        "--e2e",
+        action="store_true",
+        help="instead of the attention table: end-to-end step time of the tensor-mode simulator "
+        "on the torch backend, cohort vs per-sequence advance (writes e2e.json, e2e.md)",
+    )
+    p.add_argument(
+        "--e2e-batch",
+        type=int,
+        default=None,
+        help="--e2e: requests B (default 128; 8 with --smoke)",
+    )
     p.add_argument("--e2e-prompt", type=int, default=None,
                    help="--e2e: prompt length of every request (default 1024; 32 with --smoke)")
-    p.add_argument("--e2e-steps", type=int, default=None, help="--e2e: engine steps per run (default 24; 6 with --smoke)")
-    p.add_argument("--e2e-backend", default="torch",
-                   help="--e2e: the simulator's backend: torch (default), cupy (the kernels; CUDA only), or "
-                        "package.module:factory")
-    p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines on stderr")
+    p.add_argument(
+        "--e2e-steps",
+        type=int,
+        default=None,
+        help="--e2e: engine steps per run (default 24; 6 with --smoke)",
+    )
+    p.add_argument(
+        "--e2e-backend",
+        default="torch",
+        help="--e2e: the simulator's backend: torch (default), cupy (the kernels; CUDA only), or "
+        "package.module:factory",
+    )
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no per-case progress lines on stderr"
+    )
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """The `bench` subcommand for `raggedspec.cli` (a COMMANDS entry: `(add_parser, run)`)."""
     p = sub.add_parser(
-        "bench", help="ragged verify attention: strategies vs the live-KV bound (table, JSON, plot)",
-        description="Ragged verify attention over a front-aligned batch: per-row loop, padded SDPA, "
-                    "flex_attention, cohort truncation (lossy), the torch port, the in-place layout "
-                    "with SDPA and the CuPy kernel side by side; each checked against a float64 "
-                    "reference first (WRONG ones are not timed), then timed against the live-KV bound "
-                    "(live K+V bytes / copy bandwidth measured in the same run). Writes bench.json, "
-                    "bench.md and bench.png under --out. --smoke: tiny CPU run, no claims.")
+        "bench",
+        help="ragged verify attention: strategies vs the live-KV bound (table, JSON, plot)",
+        description="Ragged verify attention over a front-aligned batch: per-row loop, padded "
+        "SDPA, flex_attention, cohort truncation (lossy), the torch port, the in-place layout "
+        "with SDPA and the CuPy kernel side by side; each checked against a float64 "
+        "reference first (WRONG ones are not timed), then timed against the live-KV bound "
+        "(live K+V bytes / copy bandwidth measured in the same run). Writes bench.json, "
+        "bench.md and bench.png under --out. --smoke: tiny CPU run, no claims.",
+    )
     add_arguments(p)
     return p
 
 
 def settings_from(args) -> dict:
     base = dict(SMOKE if args.smoke else FULL)
-    for key in ("device", "dtype", "batches", "lengths", "spreads", "windows", "kv_heads", "q_heads",
-                "head_dim", "warmup", "reps", "copy_mib"):
+    for key in (
+        "device",
+        "dtype",
+        "batches",
+        "lengths",
+        "spreads",
+        "windows",
+        "kv_heads",
+        "q_heads",
+        "head_dim",
+        "warmup",
+        "reps",
+        "copy_mib",
+    ):
         value = getattr(args, key)
         if value is not None:
             base[key] = value
-    names = list(STRATEGIES) if args.strategies == "all" else [s.strip() for s in args.strategies.split(",")
-                                                               if s.strip()]
+    names = (
+        list(STRATEGIES)
+        if args.strategies == "all"
+        else [s.strip() for s in args.strategies.split(",") if s.strip()]
+    )
     unknown = [s for s in names if s not in STRATEGIES and s not in NEGATIVE_CONTROLS]
     if unknown or not names:
         raise ValueError(f"--strategies: unknown {unknown or names}; allowed: "
@@ -154,61 +209,19 @@ def settings_from(args) -> dict:
     for L in base["lengths"]:
         for s in base["spreads"]:
             if L - s < max(base["windows"]):
-                raise ValueError(f"L {L} - spread {s} is shorter than the window {max(base['windows'])}")
+                raise ValueError(
+                    f"L {L} - spread {s} is shorter than the window {max(base['windows'])}"
+                )
     if base["reps"] < 1 or base["warmup"] < 0:
         raise ValueError("--reps must be >= 1 and --warmup >= 0")
-    base.update(strategies=names, smoke=bool(args.smoke), seed=args.seed, flex_compile=args.flex_compile,
-                budget_s=args.budget_s)
+    base.update(
+        strategies=names,
+        smoke=bool(args.smoke),
+        seed=args.seed,
+        flex_compile=args.flex_compile,
+        budget_s=args.budget_s,
+    )
     return base
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-class Timer:
-    """Median milliseconds of `fn()`: CUDA events (warm-up, L2 flush before each repeat) or
-    `time.perf_counter` on the CPU."""
-
-    def __init__(self, device, warmup: int, reps: int) -> None:
-        import torch
-        self.device, self.warmup, self.reps = device, warmup, reps
-        self.cuda = device.type == "cuda"
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
-
-    def __call__(self, fn, reps: int | None = None, warmup: int | None = None) -> float:
-        import torch
-        reps = self.reps if reps is None else reps
-        for _ in range(self.warmup if warmup is None else warmup):
-            fn()
-        times = []
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            pairs = []
-            for _ in range(reps):
-                self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize(self.device)
-            times = [s.elapsed_time(e) for s, e in pairs]
-        else:
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-
-def copy_bandwidth(device, mib: int, timer: Timer) -> dict:
-    """A large device-to-device copy: bytes read + written over the median time, GB/s."""
-    import torch
-    n = mib << 20
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src), reps=max(5, min(timer.reps, 20)), warmup=2)
-    return {"bytes": 2 * n, "ms": ms, "GBps": 2 * n / (ms * 1e-3) / 1e9}
 
 
 # ----------------------------------------------------------------------------- one case
@@ -237,22 +250,42 @@ def check_strategy(s: Strategy, case: Case, ref, ref_keep, tol: float) -> dict:
     return res
 
 
-def run_case(cfg: dict, strategies: list[Strategy], reasons: dict, timer: Timer, w: int, b: int, L: int,
-             spread: int, precheck_failed: dict, log) -> dict:
+def run_case(
+    cfg: dict,
+    strategies: list[Strategy],
+    reasons: dict,
+    timer: Timer,
+    w: int,
+    b: int,
+    L: int,
+    spread: int,
+    precheck_failed: dict,
+    log,
+) -> dict:
     import torch
 
     from raggedspec.gpu.align import materialize_front_aligned
 
     device, dtype = torch.device(cfg["device"]), getattr(torch, cfg["dtype"])
     lens = make_lens(b, L, spread, w, cfg["seed"])
-    row = {"w": w, "B": b, "L": L, "spread": spread, "lens": lens, "min_len": min(lens), "mean_len": sum(lens) / b}
+    row = {
+        "w": w,
+        "B": b,
+        "L": L,
+        "spread": spread,
+        "lens": lens,
+        "min_len": min(lens),
+        "mean_len": sum(lens) / b,
+    }
     case = Case(w, lens, cfg["kv_heads"], cfg["q_heads"], cfg["head_dim"], dtype, device,
                 seed=hash((cfg["seed"], w, b, L, spread)) & 0x7FFFFFFF)
     es, hk, d = case.elsize(), case.hk, case.d
     row["live_kv_bytes"] = case.live_kv_bytes()
     # front-alignment by copy: the gather reads B*T columns and writes B*T columns, K and V
     row["align_bytes"] = 2 * 2 * b * case.T * hk * d * es
-    row["align_ms"] = timer(lambda: materialize_front_aligned(case.kv), reps=max(3, timer.reps // 2))
+    row["align_ms"] = timer(
+        lambda: materialize_front_aligned(case.kv), reps=max(3, timer.reps // 2)
+    )
     # the port's per-step append (new tokens' K/V written at each row's own offset) and the
     # per-sequence commit / strip (lens only, no data): written bytes
     row["append_bytes"] = 2 * b * w * hk * d * es
@@ -266,16 +299,24 @@ def run_case(cfg: dict, strategies: list[Strategy], reasons: dict, timer: Timer,
             row["strategies"][s.name] = {"status": "not run", "reason": reasons[s.name]}
             continue
         if s.name in precheck_failed:
-            row["strategies"][s.name] = {"status": "WRONG", "reason": "failed the precheck: " + precheck_failed[s.name]}
+            row["strategies"][s.name] = {
+                "status": "WRONG",
+                "reason": "failed the precheck: " + precheck_failed[s.name],
+            }
             continue
         res = check_strategy(s, case, ref, ref_keep, tol)
         ctx = res.pop("_ctx", None)
         if res["status"] in ("ok", "lossy"):
             try:
                 res["ms"] = timer(lambda s=s, ctx=ctx: s.run(case, ctx))
-                res["mask_ms"] = timer(lambda s=s: s.prepare(case), reps=max(3, timer.reps // 4), warmup=1)
+                res["mask_ms"] = timer(
+                    lambda s=s: s.prepare(case), reps=max(3, timer.reps // 4), warmup=1
+                )
             except Exception as exc:  # noqa: BLE001
-                res = {"status": "error", "error": f"timing: {type(exc).__name__}: {str(exc)[:300]}"}
+                res = {
+                    "status": "error",
+                    "error": f"timing: {type(exc).__name__}: {str(exc)[:300]}",
+                }
         row["strategies"][s.name] = res
 
     def append_commit():      # after the strategies: it overwrites w slack columns per row
@@ -298,7 +339,16 @@ def precheck(cfg: dict, strategies: list[Strategy], reasons: dict) -> tuple[dict
     failed, rows = {}, []
     for w in cfg["windows"]:
         lens = make_lens(6, 48, 24, w, cfg["seed"] + 1)
-        case = Case(w, lens, cfg["kv_heads"], cfg["q_heads"], cfg["head_dim"], dtype, device, seed=cfg["seed"] + 7)
+        case = Case(
+            w,
+            lens,
+            cfg["kv_heads"],
+            cfg["q_heads"],
+            cfg["head_dim"],
+            dtype,
+            device,
+            seed=cfg["seed"] + 7,
+        )
         ref = reference_attention(case)
         ref_keep = reference_attention(case, keep=min(lens))
         for s in strategies:
@@ -308,37 +358,30 @@ def precheck(cfg: dict, strategies: list[Strategy], reasons: dict) -> tuple[dict
             res.pop("_ctx", None)
             rows.append({"w": w, "lens": lens, "strategy": s.name, **res})
             if res["status"] not in ("ok", "lossy") and s.name not in failed:
-                failed[s.name] = f"w={w} lens={lens}: {res['status']} " + \
-                    (f"err {res['err']:.3g} > tol {tolerance(cfg['dtype']):g}" if "err" in res else res.get("error", ""))
+                failed[s.name] = f"w={w} lens={lens}: {res['status']} " + (
+                    f"err {res['err']:.3g} > tol {tolerance(cfg['dtype']):g}"
+                    if "err" in res
+                    else res.get("error", "")
+                )
     return failed, rows
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def machine_info(device) -> dict:
-    import torch
-    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda, capability=f"{p.major}.{p.minor}")
-    try:
-        info["cupy"] = importlib.import_module("cupy").__version__
-    except Exception:  # noqa: BLE001
-        info["cupy"] = None
-    return info
-
-
 def case_order(cfg: dict) -> list[tuple[int, int, int, int]]:
     """(w, B, L, spread) for the whole grid, the headline case (B=128, L=4096, spread 64,
     every w) first, then whole plot panels (every B of one (w, L, spread)), the longest L and the
     headline spread first, so a run cut short by its budget still has the cases that matter."""
     spreads = sorted(cfg["spreads"], key=lambda s: (s != HEADLINE["spread"], -s))
-    grid = [(w, b, L, s) for L in sorted(cfg["lengths"], reverse=True) for s in spreads for w in cfg["windows"]
-            for b in sorted(cfg["batches"], reverse=True)]
-    head = [c for c in grid if (c[1], c[2], c[3]) == (HEADLINE["b"], HEADLINE["L"], HEADLINE["spread"])]
+    grid = [
+        (w, b, L, s)
+        for L in sorted(cfg["lengths"], reverse=True)
+        for s in spreads
+        for w in cfg["windows"]
+        for b in sorted(cfg["batches"], reverse=True)
+    ]
+    head = [
+        c for c in grid if (c[1], c[2], c[3]) == (HEADLINE["b"], HEADLINE["L"], HEADLINE["spread"])
+    ]
     return head + [c for c in grid if c not in head]
 
 
@@ -350,7 +393,9 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
     log = log or (lambda msg: None)
     device = torch.device(cfg["device"])
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch.cuda.is_available() is False (use --smoke or --device cpu)")
+        raise ValueError(
+            "--device cuda but torch.cuda.is_available() is False (use --smoke or --device cpu)"
+        )
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -363,12 +408,22 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
         why = s.unavailable(device)
         if why:
             reasons[s.name] = why
-    result = {"schema": SCHEMA, "smoke": cfg["smoke"],
-              "timer": "CUDA events, median, L2 flushed" if device.type == "cuda" else "time.perf_counter (SMOKE)",
-              "settings": {k: v for k, v in cfg.items() if k != "strategies"}, "strategies": cfg["strategies"],
-              "labels": {s.name: STRATEGIES.get(s.name) or NEGATIVE_CONTROLS[s.name] for s in strategies},
-              "machine": machine_info(device), "tolerance": tolerance(cfg["dtype"]),
-              "not_run": reasons, "rows": [], "cases_not_run": [], "complete": False}
+    result = {
+        "schema": SCHEMA,
+        "smoke": cfg["smoke"],
+        "timer": "CUDA events, median, L2 flushed"
+        if device.type == "cuda"
+        else "time.perf_counter (SMOKE)",
+        "settings": {k: v for k, v in cfg.items() if k != "strategies"},
+        "strategies": cfg["strategies"],
+        "labels": {s.name: STRATEGIES.get(s.name) or NEGATIVE_CONTROLS[s.name] for s in strategies},
+        "machine": machine_info(device),
+        "tolerance": tolerance(cfg["dtype"]),
+        "not_run": reasons,
+        "rows": [],
+        "cases_not_run": [],
+        "complete": False,
+    }
     log(f"machine: {result['machine']}")
     result["copy_bandwidth"] = [copy_bandwidth(device, cfg["copy_mib"], timer)]
     log(f"copy bandwidth: {result['copy_bandwidth'][0]['GBps']:.1f} GB/s")
@@ -380,12 +435,20 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
     path = out_dir / "bench.json"
     for (w, b, L, spread) in case_order(cfg):
         if cfg.get("budget_s") is not None and time.monotonic() - t_start > cfg["budget_s"]:
-            result["cases_not_run"].append({"w": w, "B": b, "L": L, "spread": spread, "reason": "time budget"})
+            result["cases_not_run"].append(
+                {"w": w, "B": b, "L": L, "spread": spread, "reason": "time budget"}
+            )
             continue
         try:
             row = run_case(cfg, strategies, reasons, timer, w, b, L, spread, failed, log)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the case is reported, the run goes on
-            row = {"w": w, "B": b, "L": L, "spread": spread, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            row = {
+                "w": w,
+                "B": b,
+                "L": L,
+                "spread": spread,
+                "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+            }
             log(f"w={w} B={b} L={L} spread={spread}: case failed: {row['error']}")
         if device.type == "cuda":       # the case's tensors died with run_case
             torch.cuda.empty_cache()
@@ -394,123 +457,13 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
             if s.note:
                 notes[s.name] = s.note
         result["notes"] = notes
-        _write_json(result, path)
+        write_json(result, path)
     result["copy_bandwidth"].append(copy_bandwidth(device, cfg["copy_mib"], timer))
     result["elapsed_s"] = time.monotonic() - t_start
     result["complete"] = True
-    _write_json(result, path)
+    write_json(result, path)
     write_reports(result, out_dir)
     return result
-
-
-def _write_json(result: dict, path: Path) -> None:
-    from raggedspec.outputs import write_text_atomic
-
-    write_text_atomic(path, json.dumps(result, indent=1, default=_json_default))
-
-
-def _json_default(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
-
-
-# ----------------------------------------------------------------------------- end to end
-
-
-def e2e_settings(args) -> dict:
-    cfg = dict(E2E_SMOKE if args.smoke else E2E_FULL)
-    cfg["model"] = dict(cfg["model"])
-    for flag, key in (("device", "device"), ("dtype", "dtype"), ("e2e_batch", "batch"), ("e2e_prompt", "prompt"),
-                      ("e2e_steps", "steps")):
-        value = getattr(args, flag)
-        if value is not None:
-            cfg[key] = value
-    if cfg["dtype"] not in ("float64", "float32", "bfloat16"):
-        raise ValueError(f"--e2e runs the torch backend in float64, float32 or bfloat16, not {cfg['dtype']}")
-    if min(cfg["batch"], cfg["prompt"], cfg["steps"]) < 1:
-        raise ValueError("--e2e-batch, --e2e-prompt and --e2e-steps must be >= 1")
-    cfg.update(smoke=bool(args.smoke), seed=args.seed, backend=args.e2e_backend)
-    return cfg
-
-
-def e2e_overrides(cfg: dict, advance: str) -> list[str]:
-    """The scenario (load_scenario overrides) of one e2e run."""
-    out = [f"batch={cfg['batch']}", f"prompt_len={cfg['prompt']}", "max_new_tokens=1000000",
-           f"steps={cfg['steps']}", f"depth={cfg['depth']}", f"max_seq_len={cfg['max_seq_len']}",
-           f"seed={cfg['seed']}", f"acceptance={json.dumps(cfg['acceptance'])}", f"advance={json.dumps(advance)}"]
-    if advance == "per-sequence":
-        out += ['world="WB"', 'admission="grant"', "xs_per_seq=true"]
-    out += [f"model.{k}={json.dumps(v)}" for k, v in cfg["model"].items()]
-    return out
-
-
-def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
-    """Cohort and per-sequence advance through `reference.simulator.run` on the backend
-    `cfg["backend"]` (default torch: `raggedspec.gpu.backend.TorchBackend(device, dtype)`; "cupy": the
-    kernels); each step's wall time from the simulator's
-    progress callback (the device synchronized first), its live KV tokens (sum of the rows'
-    own lengths) and padded tokens (rows x batch width) from the trace. Writes e2e.json and
-    e2e.md under out_dir; returns the result."""
-    import torch
-
-    from raggedspec.reference import simulator
-    from raggedspec.reference.backend import load_backend
-    from raggedspec.reference.scenario import load_scenario
-
-    log = log or (lambda msg: None)
-    device = torch.device(cfg["device"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch.cuda.is_available() is False")
-    load_backend(cfg.get("backend", "torch"), cfg["device"], cfg["dtype"])  # a backend that cannot run: exit 2 now
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"schema": SCHEMA + "/e2e", "smoke": cfg["smoke"], "settings": cfg, "machine": machine_info(device),
-              "runs": []}
-    for advance in ("cohort", "per-sequence"):
-        sc = load_scenario(None, e2e_overrides(cfg, advance))
-        backend = load_backend(cfg.get("backend", "torch"), cfg["device"], cfg["dtype"])
-        stamps = []
-
-        def progress(done, total, stamps=stamps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
-
-        t0 = time.perf_counter()
-        try:
-            trace = simulator.run(sc, progress=progress, backend=backend)
-        except Exception as exc:  # noqa: BLE001 - reported, the other run still goes
-            result["runs"].append({"advance": advance, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
-            log(f"e2e {advance}: failed: {result['runs'][-1]['error']}")
-            continue
-        wall = [(b - a) * 1e3 for a, b in zip([t0] + stamps, stamps)]
-        steps = []
-        for st, ms in zip(trace.steps(), wall):
-            rows = st["rows"]
-            steps.append({"step": st["step"], "phase": st["phase"], "running": st["running"], "width": st["width"],
-                          "live_tokens": sum(r["own_len"] for r in rows), "padded_tokens": len(rows) * st["width"],
-                          "committed": st["committed"], "ms": ms, "error": st.get("error")})
-        # steady state: decode steps after the first two (warm-up, allocator growth)
-        dec = [x for x in steps if x["phase"] == "decode"][2:]
-        run = {"advance": advance, "steps": steps, "summary": trace.summary}
-        if dec:
-            run.update(decode_steps=len(dec), median_ms=statistics.median(x["ms"] for x in dec),
-                       mean_live_tokens=statistics.mean(x["live_tokens"] for x in dec),
-                       mean_padded_tokens=statistics.mean(x["padded_tokens"] for x in dec),
-                       committed_per_step=statistics.mean(x["committed"] for x in dec),
-                       max_rows=max(x["running"] for x in dec))
-            run["ms_per_committed_token"] = run["median_ms"] / max(run["committed_per_step"], 1e-9)
-        result["runs"].append(run)
-        log(f"e2e {advance}: {len(steps)} steps, decode median {run.get('median_ms', float('nan')):.2f} ms")
-        _write_json(result, out_dir / "e2e.json")
-    _write_json(result, out_dir / "e2e.json")
-    from raggedspec.outputs import write_text_atomic
-
-    write_text_atomic(out_dir / "e2e.md", render_e2e(result))
-    return result
-
 
 # ----------------------------------------------------------------------------- entry points
 
@@ -556,7 +509,9 @@ def run(args) -> int:
     except OutputPathError as exc:
         print(f"raggedspec bench: error: {exc}", file=sys.stderr)
         return 2
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = (
+        (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    )
     if args.e2e:
         try:
             cfg = e2e_settings(args)
@@ -581,17 +536,26 @@ def run(args) -> int:
         print(f"raggedspec bench: error: {exc}", file=sys.stderr)
         return 2
     print(render_markdown(result))
-    print(f"wrote {args.out}/bench.json, bench.md, bench.png in {result['elapsed_s']:.1f} s", file=sys.stderr)
+    print(
+        f"wrote {args.out}/bench.json, bench.md, bench.png in {result['elapsed_s']:.1f} s",
+        file=sys.stderr,
+    )
     bad = wrong_strategies(result)
     if bad:
-        print(f"raggedspec bench: WRONG: {', '.join(bad)} disagree with the reference", file=sys.stderr)
+        print(
+            f"raggedspec bench: WRONG: {', '.join(bad)} disagree with the reference",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raggedspec.bench", description=__doc__.split("\n\n")[0],
-                                epilog="Exit codes: 0 ok; 1 a strategy came out WRONG; 2 bad input.")
+    p = argparse.ArgumentParser(
+        prog="python -m raggedspec.bench",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 ok; 1 a strategy came out WRONG; 2 bad input.",
+    )
     add_arguments(p)
     try:
         args = p.parse_args(argv)
@@ -602,3 +566,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -26,7 +26,9 @@ STRATEGIES = {
     "inplace_sdpa": "in-place RaggedKv + per-row offset mask, SDPA (no copy)",
     "cupy": "CuPy kernel (raggedspec.gpu.cupy_kernels.ragged_verify_attention)",
 }
-NEGATIVE_CONTROLS = {"no_dead_prefix_mask": "NEGATIVE CONTROL: padded SDPA without the dead-prefix mask"}
+NEGATIVE_CONTROLS = {
+    "no_dead_prefix_mask": "NEGATIVE CONTROL: padded SDPA without the dead-prefix mask"
+}
 LOSSY = ("cohort",)
 # ||out - ref|| / ||ref|| against the float64 reference on the same (dtype-rounded) inputs.
 # bf16 operands land between 1e-3 and 1e-2 (device/METHOD.md); float32 without TF32 far under
@@ -55,7 +57,11 @@ def make_lens(b: int, L: int, spread: int, w: int, seed: int) -> list[int]:
 def capacity_for(n: int) -> int:
     """The port's capacity rule (512 columns, grown by whole 512-column blocks) for n columns."""
     from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
-    return PLAIN_CACHE_CAPACITY + max(0, -(-(n - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
+
+    return (
+        PLAIN_CACHE_CAPACITY
+        + max(0, -(-(n - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
+    )
 
 
 class Case:
@@ -63,7 +69,9 @@ class Case:
     one more step's append, slack loud); the front-aligned `kf, vf [B,Hk,T,D]`; `lens` (host) and
     `lens_t` (device int64)."""
 
-    def __init__(self, w: int, lens: list[int], hk: int, h: int, d: int, dtype, device, seed: int) -> None:
+    def __init__(
+        self, w: int, lens: list[int], hk: int, h: int, d: int, dtype, device, seed: int
+    ) -> None:
         import torch
 
         from raggedspec.gpu.align import materialize_front_aligned
@@ -75,10 +83,14 @@ class Case:
         self.cap = capacity_for(self.T + w)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.lens_t = torch.tensor(self.lens, dtype=torch.int64, device=self.device)
-        slack = (torch.arange(self.cap, device=self.device)[None, :] >= self.lens_t[:, None])[:, None, :, None]
+        slack = (torch.arange(self.cap, device=self.device)[None, :] >= self.lens_t[:, None])[
+            :, None, :, None
+        ]
 
         def kv_buffer():
-            x = torch.randn((self.b, hk, self.cap, d), generator=gen, device=self.device, dtype=dtype)
+            x = torch.randn(
+                (self.b, hk, self.cap, d), generator=gen, device=self.device, dtype=dtype
+            )
             return torch.where(slack, x * SLACK_SCALE, x)
 
         k, v = kv_buffer(), kv_buffer()
@@ -186,8 +198,15 @@ class PerRow(Strategy):
     def run(self, case, masks):
         import torch
         qp, T = case.packed_q, case.T
-        outs = [_sdpa(qp[i: i + 1], case.kf[i: i + 1, :, T - n:], case.vf[i: i + 1, :, T - n:], masks[i])
-                for i, n in enumerate(case.lens)]
+        outs = [
+            _sdpa(
+                qp[i : i + 1],
+                case.kf[i : i + 1, :, T - n :],
+                case.vf[i : i + 1, :, T - n :],
+                masks[i],
+            )
+            for i, n in enumerate(case.lens)
+        ]
         return case.unpack(torch.cat(outs))
 
 
@@ -257,13 +276,20 @@ class Flex(Strategy):
         if self._fn is None:
             import torch
             from torch.nn.attention.flex_attention import flex_attention
-            want = self.compile_mode == "on" or (self.compile_mode == "auto" and device.type == "cuda")
+
+            want = self.compile_mode == "on" or (
+                self.compile_mode == "auto" and device.type == "cuda"
+            )
             if want:
                 import torch._dynamo
                 for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                              "accumulated_recompile_limit"):
                     if hasattr(torch._dynamo.config, knob):
-                        setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 512))
+                        setattr(
+                            torch._dynamo.config,
+                            knob,
+                            max(getattr(torch._dynamo.config, knob), 512),
+                        )
                 # dynamic=True: B, the query and the KV lengths symbolic from the first compile, so
                 # the grid's 12 shapes cost two compiles (B = 1 is specialized), not 12. If that
                 # compile fails (it does in torch 2.13's CPU backend), run() falls back to the
@@ -273,7 +299,10 @@ class Flex(Strategy):
                 self._fallback = lambda: torch.compile(flex_attention)
             else:
                 import warnings
-                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+                warnings.filterwarnings(
+                    "ignore", message=".*flex_attention called without torch.compile.*"
+                )
                 self._fn = flex_attention
             self.note = "compiled (torch.compile, dynamic=True)" if want else \
                 "eager, uncompiled: checks the block mask only (unfused math path)"
@@ -284,8 +313,14 @@ class Flex(Strategy):
         self._flex(case.device)
         live_start = (case.T - case.lens_t).contiguous()
         q_pos = (case.T - case.w + case.window_row()).contiguous()
-        return create_block_mask(_flex_mask_mod(live_start, q_pos), case.b, None, case.g * case.w, case.T,
-                                 device=case.device)
+        return create_block_mask(
+            _flex_mask_mod(live_start, q_pos),
+            case.b,
+            None,
+            case.g * case.w,
+            case.T,
+            device=case.device,
+        )
 
     def run(self, case, block_mask):
         fn = self._flex(case.device)
@@ -295,17 +330,26 @@ class Flex(Strategy):
             if not self.compiled or self._fallback is None:
                 raise
             self._fn, self._fallback = self._fallback(), None
-            self.note = ("compiled (torch.compile, automatic dynamic shapes; the dynamic=True compile failed: "
-                         f"{type(exc).__name__})")
+            self.note = (
+                "compiled (torch.compile, automatic dynamic shapes; the dynamic=True compile "
+                "failed: "
+                f"{type(exc).__name__})"
+            )
             return case.unpack(self._fn(case.packed_q, case.kf, case.vf, block_mask=block_mask))
 
 
 class Port(Strategy):
     name = "port"
-    note = ("KV heads folded into rows (the port's in-place attention is one-KV-head); sliding window = capacity "
-            "(full attention), so its raw-window gather (keep = min(w + window - 1, max len) columns per row) "
-            "copies B x T columns of K and V on every call, the bytes of a front-align copy, and its bf16 inputs "
-            "are upcast to float32 (more copies); with DSV4's 128-token window the gather is w + 127 columns")
+    note = (
+        "KV heads folded into rows (the port's in-place attention is one-KV-head); sliding window "
+        "= capacity "
+        "(full attention), so its raw-window gather (keep = min(w + window - 1, max len) columns "
+        "per row) "
+        "copies B x T columns of K and V on every call, the bytes of a front-align copy, and its "
+        "bf16 inputs "
+        "are upcast to float32 (more copies); with DSV4's 128-token window the gather is w + 127 "
+        "columns"
+    )
 
     def prepare(self, case):
         from raggedspec.gpu.cache import RaggedKv
@@ -355,7 +399,9 @@ class Cupy(Strategy):
             return f"{self.MODULE} failed to import ({type(exc).__name__}: {exc})"
         why = mod.cupy_unavailable()
         if why is not None or device.type != "cuda":
-            return self._emulated(device, why or f"device is {device}, the CuPy kernel runs on CUDA only")
+            return self._emulated(
+                device, why or f"device is {device}, the CuPy kernel runs on CUDA only"
+            )
         self._fn = getattr(mod, self.FUNCTION, None)
         if self._fn is None:
             return f"{self.MODULE} has no {self.FUNCTION}(q, k, v, lens)"
@@ -370,7 +416,10 @@ class Cupy(Strategy):
         if device.type != "cpu" or kernel_emulator.compilers()["g++"] is None:
             return why
         self._fn = importlib.import_module(self.MODULE).ragged_verify_attention_emulated
-        self.note = f"g++ emulation of the CUDA kernel on the CPU ({why}): correctness only, the time is meaningless"
+        self.note = (
+            f"g++ emulation of the CUDA kernel on the CPU ({why}): correctness only, "
+            "the time is meaningless"
+        )
         return None
 
     def run(self, case, ctx):
@@ -378,6 +427,14 @@ class Cupy(Strategy):
 
 
 def make_strategies(names: list[str], flex_compile: str) -> list[Strategy]:
-    table = {"per_row": PerRow, "padded_sdpa": PaddedSdpa, "flex": lambda: Flex(flex_compile), "cohort": Cohort,
-             "port": Port, "inplace_sdpa": InplaceSdpa, "cupy": Cupy, "no_dead_prefix_mask": NoDeadPrefixMask}
+    table = {
+        "per_row": PerRow,
+        "padded_sdpa": PaddedSdpa,
+        "flex": lambda: Flex(flex_compile),
+        "cohort": Cohort,
+        "port": Port,
+        "inplace_sdpa": InplaceSdpa,
+        "cupy": Cupy,
+        "no_dead_prefix_mask": NoDeadPrefixMask,
+    }
     return [table[n]() for n in names]

@@ -69,7 +69,8 @@ def override_list(overrides) -> list[str]:
 def simulate(scenario=None, overrides=None, mode: str = "lengths", progress=None, backend=None):
     """Run the simulator on a scenario (file, dict or None for the defaults) plus overrides
     (a dict or "key=value" strings); returns its `reference.trace.Trace`. ScenarioError
-    names a bad key. `backend` (a `raggedspec.reference.backend.Backend`) is for the tensor mode only."""
+    names a bad key. `backend` (a `raggedspec.reference.backend.Backend`) is for the tensor mode
+    only."""
     from raggedspec.reference.scenario import load_scenario
 
     sc = load_scenario(scenario, override_list(overrides))

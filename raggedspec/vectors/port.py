@@ -3,7 +3,8 @@
 A table maps `"<family>/<function>"` to a callable `inputs -> outputs` (what
 examples/vectors_consumer.py is given). `reference_table()` runs every function on the
 reference. `port_table(device, dtype)` runs the port: the functions of the backend protocol
-through `raggedspec.gpu.backend.TorchBackend` (the same adapter as the reference, a different backend),
+through `raggedspec.gpu.backend.TorchBackend` (the same adapter as the reference, a different
+backend),
 and the other rules the port implements through their `gpu.*` function, with its tensors
 read back as host values. The host-only rules the port takes from the reference unchanged
 (flags, capability, scheduler, step guards, capture offsets, accounting; see the port rows

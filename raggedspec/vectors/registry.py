@@ -2,7 +2,8 @@
 
 A vector function (`Fn`) is one rule seen from outside: JSON inputs (plus named tensors) in,
 JSON outputs (plus named tensors) out, or a raised refusal. `call(backend, inputs)` runs it
-on the reference (`backend` is a `raggedspec.reference.backend.NumpyBackend`; functions of the backend
+on the reference (`backend` is a `raggedspec.reference.backend.NumpyBackend`; functions of the
+backend
 protocol go through it, so a port's backend can run the same adapter) and returns a dict of
 outputs: host ints, bools, strings, None, lists, or NumPy arrays (which become tensors).
 `cases(rng, n)` lists `(case name, inputs)`: the spec's worked examples (`example-*`), its
