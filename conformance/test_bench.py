@@ -374,3 +374,26 @@ def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, caps
         == 2
     )
     assert needle in capsys.readouterr().err
+
+
+def test_an_interrupted_bench_keeps_the_earlier_result_and_its_own_finished_cases(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.json").write_text("an earlier run's result")
+    real, calls = runner.run_case, []
+
+    def cut_after_one_case(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_case", cut_after_one_case)
+    with pytest.raises(KeyboardInterrupt):
+        runner.main(["--smoke", "--out", str(out), "-q"])
+    assert (out / "bench.json").read_text() == "an earlier run's result"
+    partial = json.loads((out / "bench.partial.json").read_text())
+    assert len(partial["rows"]) == 1 and not partial.get("complete")
+    assert runner.read_result(out / "bench.partial.json")["rows"] == partial["rows"]

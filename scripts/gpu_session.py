@@ -377,8 +377,11 @@ class Run:
         """Copy the finished outputs to OUT, rewrite summary.md and all.tar.gz."""
         for step in steps:
             for src, dest in step.copy:
-                if (self.work / src).is_file():
-                    shutil.copyfile(self.work / src, self.out / dest)
+                # a bench cut short leaves only its partial file (the cases it finished)
+                for name in (src, src.replace(".json", ".partial.json")):
+                    if (self.work / name).is_file():
+                        shutil.copyfile(self.work / name, self.out / dest)
+                        break
         (self.out / "summary.md").write_text(self.summary())
         shutil.copyfile(self.log_path, self.work / "session.log")
         tmp = self.out / "all.tar.gz.tmp"

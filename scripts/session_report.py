@@ -142,7 +142,7 @@ def _bench_rows_section(title: str, md: Path) -> list[str]:
     """A bench cut short leaves bench.json without bench.md: its finished cases, one line per
     case and strategy (status, ms), from the JSON (`raggedspec bench --replot` makes the full
     table from it)."""
-    result = _read_json(md.with_suffix(".json"))
+    result = _read_json(md.with_suffix(".json")) or _read_json(md.with_suffix(".partial.json"))
     if not result or not isinstance(result.get("rows"), list):
         return []
     lines = ["", f"## {title} (cut short: the cases bench.json holds)", ""]

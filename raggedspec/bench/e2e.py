@@ -159,8 +159,9 @@ def run_e2e(cfg: dict, out_dir: Path, log=None) -> dict:
             f"e2e {advance}: {len(steps)} steps, decode median "
             f"{run.get('median_ms', float('nan')):.2f} ms"
         )
-        write_json(result, out_dir / "e2e.json")
+        write_json(result, out_dir / "e2e.partial.json")  # a run cut short keeps its runs
     write_json(result, out_dir / "e2e.json")
+    (out_dir / "e2e.partial.json").unlink(missing_ok=True)
     from raggedspec.outputs import write_text_atomic
 
     write_text_atomic(out_dir / "e2e.md", render_e2e(result))

@@ -6,8 +6,8 @@ points; the timing and the result file live in bench/timing.py, the end-to-end s
     python -m raggedspec.bench --replot out/bench/bench.json   # table and plot again from the JSON
 
 Every strategy is checked against the float64 reference before it is timed (a strategy that
-disagrees is WRONG and not timed); `bench.json` is rewritten after every case, so a run cut
-short keeps what it measured. The method (timing, the L2 flush, the copy-bandwidth bound) is
+disagrees is WRONG and not timed); finished cases go to `bench.partial.json` after every
+case, so a run cut short keeps what it measured; `bench.json` is written when the run ends. The method (timing, the L2 flush, the copy-bandwidth bound) is
 described in docs/bench.md. torch is imported inside the functions, so `raggedspec --help`
 does not pay for it.
 """
@@ -432,7 +432,9 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
     for name, why in failed.items():
         log(f"precheck: {name} WRONG: {why}")
     notes = {}
-    path = out_dir / "bench.json"
+    # cases as they finish go to bench.partial.json, so a run cut short keeps what it measured
+    # and an earlier run's bench.json is replaced only by a finished one
+    path, partial = out_dir / "bench.json", out_dir / "bench.partial.json"
     for (w, b, L, spread) in case_order(cfg):
         if cfg.get("budget_s") is not None and time.monotonic() - t_start > cfg["budget_s"]:
             result["cases_not_run"].append(
@@ -457,11 +459,12 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
             if s.note:
                 notes[s.name] = s.note
         result["notes"] = notes
-        write_json(result, path)
+        write_json(result, partial)
     result["copy_bandwidth"].append(copy_bandwidth(device, cfg["copy_mib"], timer))
     result["elapsed_s"] = time.monotonic() - t_start
     result["complete"] = True
     write_json(result, path)
+    partial.unlink(missing_ok=True)
     write_reports(result, out_dir)
     return result
 
