@@ -179,7 +179,8 @@ class PagedRaggedKv:
         copy of its live prefix first. `rows` (host ints, distinct) restricts it to rows."""
         idx = np.arange(self.batch) if rows is None else np.asarray(
             rows.tolist() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
-        require(k_new.dim() == 4 and k_new.shape[0] == idx.size and k_new.shape[:3] == v_new.shape[:3],
+        require(k_new.dim() == 4 and k_new.shape[0] == idx.size
+                and k_new.shape[:3] == v_new.shape[:3],
                 f"append of k {list(k_new.shape)} to {idx.size} rows")
         t = k_new.shape[2]
         if t == 0 or idx.size == 0:
@@ -212,7 +213,8 @@ class PagedRaggedKv:
             need = -(-hi // p)
             if need > self.table.shape[1]:
                 self.table = np.concatenate(
-                    [self.table, np.zeros((self.batch, need - self.table.shape[1]), np.int64)], axis=1)
+                    [self.table, np.zeros((self.batch, need - self.table.shape[1]), np.int64)],
+                    axis=1)
             for s in range(lo // p, need):
                 page = int(self.table[i, s])
                 if page != 0 and store.owner[page] == self.id:

@@ -169,7 +169,8 @@ def stack_paged(parts: list, pool: PagePool) -> PagedKv:
     if not any(mat):
         return PagedKv(first.max_seq_len, pool, cap, first.current)
     if any(r.current != first.current for r in rows):
-        raise ValueError(f"the port concatenates slots of one length only, got {[r.current for r in rows]}")
+        raise ValueError(
+            f"the port concatenates slots of one length only, got {[r.current for r in rows]}")
     lead = np.fromiter((r.lead for r in rows), np.int64, len(rows))
     kv = stack_rows([(r.k, r.row, r.shift) for r in rows], first.current - lead, first.max_seq_len)
     return PagedKv(first.max_seq_len, pool, cap, first.current, kv, lead)
@@ -195,7 +196,9 @@ class PagedBackend(TorchBackend):
     def _stack_layer(self, slots: list, layer: int, xs_per_seq: bool):
         kinds = {s.kind for s in slots}
         require(len(kinds) == 1, f"layer {layer} mixes slot kinds {sorted(kinds)}")
-        return stack_paged(slots, self.pool) if slots[0].kind == NORMAL else stack_xs(slots, not xs_per_seq)
+        if slots[0].kind == NORMAL:
+            return stack_paged(slots, self.pool)
+        return stack_xs(slots, not xs_per_seq)
 
     def clone_in(self, caches, pending_leads, xs_per_seq, per_sequence):
         """The reference's clone-in on paged slots; the batch's tables are the handles'."""
@@ -228,7 +231,8 @@ class PagedBackend(TorchBackend):
         if len(sizes) != g:
             return None
         starts = np.cumsum([0, *sizes])
-        return [stack_paged(rows[a:b], self.pool) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        bounds = zip(starts[:-1], starts[1:], strict=True)
+        return [stack_paged(rows[a:b], self.pool) for a, b in bounds]
 
     def front_align_draft_group(self, kvs, starts):
         """The draft-group op on in-place copies of the slots (a draft op: the paged layout
@@ -246,4 +250,7 @@ def dense(slot: PagedKv) -> TorchKv:
     return TorchKv(slot.max_seq_len, slot.capacity, slot.current, own, slot.lead)
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "PagePool", "PagedBackend", "PagedKv", "PagedRowKv", "dense", "stack_paged"]
+__all__ = [
+    "DEFAULT_PAGE_SIZE", "PagePool", "PagedBackend", "PagedKv", "PagedRowKv", "dense",
+    "stack_paged",
+]

@@ -612,6 +612,10 @@ from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS  # noqa: E402 (
 
 KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
 
+from raggedspec.mutation.catalogue_paged import PAGED_MUTANTS  # noqa: E402 (rows only; no cycle)
+
+KERNEL_CATALOGUE += [M(n, f, o, w, s, *t) for n, f, o, w, s, t in PAGED_MUTANTS]
+
 ALL: list[Mutant] = CATALOGUE + PORT_CATALOGUE + KERNEL_CATALOGUE
 
 
