@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raggedspec.bench.report import paged_lines
 from raggedspec.conformance import test_backend as per_method
 from raggedspec.conformance.backends import (
     BACKEND_ENV,
@@ -31,6 +32,7 @@ from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.paged import PageStore
 from raggedspec.gpu.paged_backend import PagedBackend, PagedKv
+from raggedspec.paged_moves import count_paged_moves
 from raggedspec.reference.cache import NormalCache
 
 REF = reference_backend()
@@ -243,3 +245,25 @@ def test_per_method_conformance_on_pages(name, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "paged")
     assert per_method.port().name == "paged"
     getattr(per_method, name)()
+
+
+@pytest.mark.parametrize("lens,w", [([4096, 4090, 4033], 3), ([17, 1], 1), ([15, 16, 31, 32], 5)])
+def test_the_paged_bytes_are_counted_on_the_paged_layout(lens, w):
+    """The benchmark's paged counts: the step's append writes exactly its new columns' K and
+    V (the batch a clone-in built owns its rows' pages: no copy), the rollback and the
+    strip nothing. Expected values from the shapes, not from the counter."""
+    got = count_paged_moves(lens, w, 2, 8, torch.bfloat16, "cpu", page_size=16)
+    assert got["paged_append_bytes"] == 2 * len(lens) * w * 2 * 8 * 2
+    assert got["paged_cow_bytes"] == 0
+    assert got["paged_strip_bytes"] == 0 and got["paged_rollback_bytes"] == 0
+
+
+def test_the_benchmark_report_shows_the_paged_bytes():
+    """The data-movement section renders the paged row beside nothing else's numbers."""
+    row = {"w": 3, "B": 2, "L": 64, "spread": 4, "paged_append_bytes": 3072,
+           "paged_cow_bytes": 1024, "paged_rollback_bytes": 0, "paged_strip_bytes": 0,
+           "page_size": 16}
+    lines = paged_lines([row])
+    assert "Paged port (page size 16)" in lines[1]
+    assert lines[-1] == "| 3 | 2 | 64 | 4 | 3.0 (1.0) | 0 | 0 |"
+    assert paged_lines([{"w": 3}]) == []

@@ -12,9 +12,12 @@ Only `PageStore.write` writes K/V bytes, and only an append calls it. Rollback a
 (`set_len`) change the lengths; a dead-prefix strip advances `start` (a table offset); a
 front alignment grows the slot's lead (an offset); zeros a forward needs in front of a row
 (`bake`) grow `zlead`; clone-out and clone-in copy table rows. Pages are shared between a
-batch, its row handles and the batches stacked from them; a batch writes only into pages it
-allocated (`owner`), so an append that lands in a page another batch owns first copies that
-page's live prefix into a fresh page of its own (copy on write, counted as an append).
+batch, its row handles and the batches stacked from them. Every page has one owner, the
+only batch that writes into it in place: the batch that allocated it, until a clone-in
+stacks the row into a new batch, which takes over the row's pages (as a per-sequence engine
+hands a sequence's blocks to the step's batch). An append that lands in a page another
+batch owns first copies that page's live prefix into a fresh page (copy on write, counted
+as an append); a `clone` owns nothing, so the original and the clone each copy.
 Pages are never freed. The attention reads a row through its table by one gather of the
 view (`k`, `v`, cached until the next change). docs/kernels.md "Paged KV" has the detail.
 """
@@ -57,6 +60,10 @@ class PageStore:
         self.k = torch.cat([self.k, self.k.new_zeros((new - n, *self.k.shape[1:]))])
         self.v = torch.cat([self.v, self.v.new_zeros((new - n, *self.v.shape[1:]))])
         self.owner = np.concatenate([self.owner, np.full(new - n, -1, dtype=np.int64)])
+
+    def reserve(self, count: int) -> None:
+        """Room for `count` more pages (a growth now rather than inside a later append)."""
+        self._grow(self.used + count)
 
     def alloc(self, count: int, owner: int) -> np.ndarray:
         """`count` fresh pages owned by `owner` (their contents are stale: only columns a
@@ -258,7 +265,8 @@ def stack_rows(parts: list[tuple[PagedRaggedKv, int, int]], lens: np.ndarray,
                max_seq_len: int) -> PagedRaggedKv:
     """A batch whose row r is row `parts[r][1]` of `parts[r][0]` with its first
     `parts[r][2]` view columns dropped, of length `lens[r]`: table rows copied (no K/V bytes
-    move). ValueError when the rows come from different stores."""
+    move); the pages a source batch owned in those rows pass to the new batch. ValueError
+    when the rows come from different stores."""
     stores = {id(kv.store) for kv, _, _ in parts}
     require(len(stores) == 1, f"rows from {len(stores)} page stores cannot be stacked")
     store = parts[0][0].store
@@ -276,6 +284,9 @@ def stack_rows(parts: list[tuple[PagedRaggedKv, int, int]], lens: np.ndarray,
     out = PagedRaggedKv(store, table, start, zlead, np.zeros(len(parts), np.int64),
                         -(-width // p) * p, max_seq_len)
     out.lens = lens
+    for kv, row, _ in parts:  # the new batch takes over the rows' pages
+        pages = kv.table[row][kv.table[row] != 0]
+        store.owner[pages[store.owner[pages] == kv.id]] = out.id
     return out
 
 

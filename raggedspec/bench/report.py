@@ -106,7 +106,26 @@ def render_markdown(result: dict) -> str:
                    "columns of K and V); port append = the new tokens' K/V written at each row's own offset "
                    "(`RaggedKv.append`, w columns per row); the per-sequence commit / dead-prefix strip moves no "
                    "data in the in-place layout (lengths only).")]
+    lines += paged_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def paged_lines(rows: list[dict]) -> list[str]:
+    """The paged port's counted bytes per step (`raggedspec.paged_moves`), beside the in-place
+    port's; nothing for a result without them."""
+    rows = [r for r in rows if "paged_append_bytes" in r]
+    if not rows:
+        return []
+    size = rows[0]["page_size"]
+    out = ["", f"Paged port (page size {size}), bytes counted by the page store:", "",
+           "| w | B | L | spread | append KiB (copy on write KiB) | rollback bytes | strip bytes |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | "
+                   f"{r['paged_append_bytes'] / 2**10:.1f} "
+                   f"({r['paged_cow_bytes'] / 2**10:.1f}) | {r['paged_rollback_bytes']} | "
+                   f"{r['paged_strip_bytes']} |")
+    return out
 
 
 TARGET_X_BOUND, TARGET_SPEEDUP = 1.10, 30.0     # the CuPy kernel's targets at the headline case
