@@ -58,4 +58,27 @@ def count_paged_moves(lens: list[int], w: int, hk: int, d: int, dtype: torch.dty
             "paged_strip_bytes": strip, "paged_rollback_bytes": rollback, "page_size": p}
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "count_paged_moves"]
+def table(batches=(8, 32, 128), windows=(2, 4), L: int = 4096, spread: int = 64, hk: int = 8,
+          d: int = 128, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    """A markdown table of `count_paged_moves` over the benchmark's case shapes (its
+    `make_lens`), beside the in-place port's append bytes (`2 * B * w * Hk * D * es`)."""
+    from raggedspec.bench.strategies import make_lens
+
+    es = torch.empty((), dtype=dtype).element_size()
+    out = ["| w | B | L | spread | in-place append KiB | paged append KiB (copy on write KiB) | "
+           "paged rollback bytes | paged strip bytes |", "|---|---|---|---|---|---|---|---|"]
+    for w in windows:
+        for b in batches:
+            got = count_paged_moves(make_lens(b, L, spread, w, seed), w, hk, d, dtype, "cpu")
+            out.append(f"| {w} | {b} | {L} | {spread} | {2 * b * w * hk * d * es / 2**10:.1f} | "
+                       f"{got['paged_append_bytes'] / 2**10:.1f} "
+                       f"({got['paged_cow_bytes'] / 2**10:.1f}) | "
+                       f"{got['paged_rollback_bytes']} | {got['paged_strip_bytes']} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(table())
+
+
+__all__ = ["DEFAULT_PAGE_SIZE", "count_paged_moves", "table"]
