@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raggedspec.bench.report import paged_lines
+from raggedspec.bench.report import paged_cells
 from raggedspec.conformance import test_backend as per_method
 from raggedspec.conformance.backends import (
     BACKEND_ENV,
@@ -259,11 +259,8 @@ def test_the_paged_bytes_are_counted_on_the_paged_layout(lens, w):
 
 
 def test_the_benchmark_report_shows_the_paged_bytes():
-    """The data-movement section renders the paged row beside nothing else's numbers."""
-    row = {"w": 3, "B": 2, "L": 64, "spread": 4, "paged_append_bytes": 3072,
-           "paged_cow_bytes": 1024, "paged_rollback_bytes": 0, "paged_strip_bytes": 0,
-           "page_size": 16}
-    lines = paged_lines([row])
-    assert "Paged port (page size 16)" in lines[1]
-    assert lines[-1] == "| 3 | 2 | 64 | 4 | 3.0 (1.0) | 0 | 0 |"
-    assert paged_lines([{"w": 3}]) == []
+    """The data-movement row's paged cells, and a dash for a result without them."""
+    row = {"paged_append_bytes": 3072, "paged_cow_bytes": 1024, "paged_rollback_bytes": 0,
+           "paged_strip_bytes": 0}
+    assert paged_cells(row) == "3.0 (1.0) | 0 / 0"
+    assert paged_cells({"w": 3}) == "- | -"

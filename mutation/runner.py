@@ -110,6 +110,9 @@ def make_workspace(root: Path = ROOT, tag: str = "ws", nested: bool = False) -> 
         return dest
     shutil.copytree(root, dest, ignore=COPY_IGNORE, symlinks=True)
     for pkg in PACKAGES:
+        link = dest / "raggedspec" / pkg
+        if link.is_symlink():  # a checkout that links its packages under raggedspec/ itself
+            link.unlink()
         if nested:
             shutil.move(dest / pkg, dest / "raggedspec" / pkg)
         else:

@@ -92,8 +92,9 @@ def render_markdown(result: dict) -> str:
     lines += headline_lines(result, rows)
     lines += ["", "Data movement per step, against the live KV (bytes counted, times measured):", "",
               ("| w | B | L | spread | live KV MiB | front-align copy MiB (x live) | front-align ms | "
-               "port append KiB (x live) | append+commit ms | strip bytes |"),
-              "|---|---|---|---|---|---|---|---|---|---|"]
+               "port append KiB (x live) | append+commit ms | strip bytes | "
+               "paged append KiB (copy on write) | paged rollback / strip bytes |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             continue
@@ -101,31 +102,22 @@ def render_markdown(result: dict) -> str:
         lines.append(f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | {live / 2**20:.2f} | "
                      f"{r['align_bytes'] / 2**20:.2f} ({r['align_bytes'] / live:.2f}x) | {r['align_ms']:.3f} | "
                      f"{r['append_bytes'] / 2**10:.1f} ({r['append_bytes'] / live:.2g}x) | {r['append_ms']:.3f} | "
-                     f"{r['strip_bytes']} |")
+                     f"{r['strip_bytes']} | {paged_cells(r)} |")
     lines += ["", ("Front-align copy = the gather `gpu.align.materialize_front_aligned` does (reads and writes B x T "
                    "columns of K and V); port append = the new tokens' K/V written at each row's own offset "
                    "(`RaggedKv.append`, w columns per row); the per-sequence commit / dead-prefix strip moves no "
-                   "data in the in-place layout (lengths only).")]
-    lines += paged_lines(rows)
+                   "data in the in-place layout (lengths only); paged = the paged port's bytes "
+                   "counted by its page store (`raggedspec.paged_moves`, page size 16).")]
     return "\n".join(lines) + "\n"
 
 
-def paged_lines(rows: list[dict]) -> list[str]:
-    """The paged port's counted bytes per step (`raggedspec.paged_moves`), beside the in-place
-    port's; nothing for a result without them."""
-    rows = [r for r in rows if "paged_append_bytes" in r]
-    if not rows:
-        return []
-    size = rows[0]["page_size"]
-    out = ["", f"Paged port (page size {size}), bytes counted by the page store:", "",
-           "| w | B | L | spread | append KiB (copy on write KiB) | rollback bytes | strip bytes |",
-           "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['w']} | {r['B']} | {r['L']} | {r['spread']} | "
-                   f"{r['paged_append_bytes'] / 2**10:.1f} "
-                   f"({r['paged_cow_bytes'] / 2**10:.1f}) | {r['paged_rollback_bytes']} | "
-                   f"{r['paged_strip_bytes']} |")
-    return out
+def paged_cells(r: dict) -> str:
+    """The paged port's counted cells (`raggedspec.paged_moves`) for a data-movement row:
+    append KiB (copy on write KiB) and rollback / strip bytes; "-" for a result without them."""
+    if "paged_append_bytes" not in r:
+        return "- | -"
+    return (f"{r['paged_append_bytes'] / 2**10:.1f} ({r['paged_cow_bytes'] / 2**10:.1f}) | "
+            f"{r['paged_rollback_bytes']} / {r['paged_strip_bytes']}")
 
 
 TARGET_X_BOUND, TARGET_SPEEDUP = 1.10, 30.0     # the CuPy kernel's targets at the headline case
