@@ -2,9 +2,11 @@
 
 Each entry plants a page-table bug of the kind a paged engine meets on rollback and
 strip: an offset not advanced, a page offset off by one, a handle's shift ignored on
-clone-in, a shared page written without a copy. `conformance/test_paged.py`'s lifecycle
-property (every row's visible cache against the reference after every operation) must
-fail. Rows are `(name, file, old, new, spec, tests)`, as in `catalogue_kernels.py`.
+clone-in, a shared page written without a copy (`conformance/test_paged.py`'s lifecycle
+property, every row's visible cache against the reference after every operation, or its
+copy-on-write test must fail), and a clone-in batch that does not take over its rows'
+pages (the step's append then copies tail pages: the byte count must fail). Rows are
+`(name, file, old, new, spec, tests)`, as in `catalogue_kernels.py`.
 """
 
 from __future__ import annotations
@@ -28,4 +30,8 @@ PAGED_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
     ("paged _make_writable: a shared page written in place (no copy on write)", PAGED,
      "if page != 0 and store.owner[page] == self.id:", "if page != 0:",
      "kernels: copy on write", LIFECYCLE),
+    ("paged stack_rows: a clone-in batch does not take over its rows' pages", PAGED,
+     "store.owner[pages[store.owner[pages] == kv.id]] = out.id", "pass",
+     "kernels: paged clone-in",
+     ("conformance/test_paged.py::test_the_paged_bytes_are_counted_on_the_paged_layout",)),
 ]
