@@ -40,7 +40,9 @@ concat_stats = {"view": 0, "copy": 0}
 def grow_physical(kv: RaggedKv, needed: int) -> None:
     """Make the physical buffer hold `needed` columns (whole 512-column blocks; never
     refused: refusals are the metadata's)."""
-    if needed > kv.capacity:
+    if needed > kv.capacity and hasattr(kv, "reserve"):  # a paged layout widens its view
+        kv.reserve(needed)
+    elif needed > kv.capacity:
         pad = -(-(needed - kv.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
         kv.k = torch.nn.functional.pad(kv.k, (0, 0, 0, pad))
         kv.v = torch.nn.functional.pad(kv.v, (0, 0, 0, pad))

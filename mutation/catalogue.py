@@ -7,7 +7,8 @@ Fields, the gate and how to add a rule's entries: docs/mutation.md, section
 "mutation/catalogue.py".
 
 The entries live in one module per family (catalogue_pr.py, catalogue_draft.py,
-catalogue_step.py, catalogue_masks.py, catalogue_port.py, catalogue_kernels.py); this module
+catalogue_step.py, catalogue_masks.py, catalogue_port.py, catalogue_kernels.py,
+catalogue_paged.py); this module
 is the public one: `Mutant`, `M`, the lists and `select`.
 """
 
@@ -21,6 +22,7 @@ from raggedspec.mutation import (
     catalogue_step,
 )
 from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS
+from raggedspec.mutation.catalogue_paged import PAGED_MUTANTS
 from raggedspec.mutation.mutant import TOPIC_FILES, M, Mutant
 
 __all__ = ["ALL", "CATALOGUE", "KERNEL_CATALOGUE", "PORT_CATALOGUE", "TOPIC_FILES", "M",
@@ -32,6 +34,8 @@ CATALOGUE: list[Mutant] = (
 )
 PORT_CATALOGUE: list[Mutant] = catalogue_port.ENTRIES
 KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
+
+KERNEL_CATALOGUE += [M(n, f, o, w, s, *t) for n, f, o, w, s, t in PAGED_MUTANTS]
 
 ALL: list[Mutant] = CATALOGUE + PORT_CATALOGUE + KERNEL_CATALOGUE
 

@@ -558,6 +558,7 @@ class NumpyBackend(Backend):
 NAMED_BACKENDS = {
     "torch": "raggedspec.gpu.backend:TorchBackend",
     "cupy": "raggedspec.gpu.cupy_backend:CupyBackend",
+    "paged": "raggedspec.gpu.paged_backend:PagedBackend",
 }
 
 

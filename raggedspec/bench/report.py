@@ -122,9 +122,10 @@ def render_markdown(result: dict) -> str:
         "",
         (
             "| w | B | L | spread | live KV MiB | front-align copy MiB (x live) | front-align ms | "
-            "port append KiB (x live) | append+commit ms | strip bytes |"
+            "port append KiB (x live) | append+commit ms | strip bytes | "
+            "paged append KiB (copy on write) | paged rollback / strip bytes |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
@@ -136,21 +137,29 @@ def render_markdown(result: dict) -> str:
             f"{r['align_ms']:.3f} | "
             f"{r['append_bytes'] / 2**10:.1f} ({r['append_bytes'] / live:.2g}x) | "
             f"{r['append_ms']:.3f} | "
-            f"{r['strip_bytes']} |"
+            f"{r['strip_bytes']} | {paged_cells(r)} |"
         )
     lines += [
         "",
         (
             "Front-align copy = the gather `gpu.align.materialize_front_aligned` does (reads and "
-            "writes B x T "
-            "columns of K and V); port append = the new tokens' K/V written at each row's own "
-            "offset "
-            "(`RaggedKv.append`, w columns per row); the per-sequence commit / dead-prefix strip "
-            "moves no "
-            "data in the in-place layout (lengths only)."
+            "writes B x T columns of K and V); port append = the new tokens' K/V written at each "
+            "row's own offset (`RaggedKv.append`, w columns per row); the per-sequence commit / "
+            "dead-prefix strip moves no data in the in-place layout (lengths only); paged = the "
+            "paged port's bytes counted by its page store (`raggedspec.paged_moves`, page size "
+            "16)."
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def paged_cells(r: dict) -> str:
+    """The paged port's counted cells (`raggedspec.paged_moves`) for a data-movement row:
+    append KiB (copy on write KiB) and rollback / strip bytes; "-" for a result without them."""
+    if "paged_append_bytes" not in r:
+        return "- | -"
+    return (f"{r['paged_append_bytes'] / 2**10:.1f} ({r['paged_cow_bytes'] / 2**10:.1f}) | "
+            f"{r['paged_rollback_bytes']} / {r['paged_strip_bytes']}")
 
 
 TARGET_X_BOUND, TARGET_SPEEDUP = 1.10, 30.0     # the CuPy kernel's targets at the headline case

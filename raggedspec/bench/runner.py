@@ -265,6 +265,7 @@ def run_case(
     import torch
 
     from raggedspec.gpu.align import materialize_front_aligned
+    from raggedspec.paged_moves import count_paged_moves
 
     device, dtype = torch.device(cfg["device"]), getattr(torch, cfg["dtype"])
     lens = make_lens(b, L, spread, w, cfg["seed"])
@@ -290,6 +291,7 @@ def run_case(
     # per-sequence commit / strip (lens only, no data): written bytes
     row["append_bytes"] = 2 * b * w * hk * d * es
     row["strip_bytes"] = 0
+    row.update(count_paged_moves(lens, w, hk, d, dtype, device))  # the paged port, counted
     ref = reference_attention(case)
     ref_keep = reference_attention(case, keep=min(lens)) if min(lens) < max(lens) else None
     tol = tolerance(cfg["dtype"])
