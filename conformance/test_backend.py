@@ -14,8 +14,13 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from raggedspec.conformance.backends import (assert_close, assert_exact, assert_same_cache, backend_under_test,
-                                  reference_backend)
+from raggedspec.conformance.backends import (
+    assert_close,
+    assert_exact,
+    assert_same_cache,
+    backend_under_test,
+    reference_backend,
+)
 from raggedspec.conformance.strategies import accept_steps, corner_lengths, lead_pads, verify_blocks
 from raggedspec.reference.attention import Dsv4AttentionConfig
 from raggedspec.reference.backend import PROTOCOL_METHODS, missing_methods
@@ -52,7 +57,9 @@ def same_outcome(p, r, what: str) -> bool:
 
 def both(method: str, *args, **kwargs):
     """Call `method` on both backends with the same (host) arguments; the outcomes."""
-    return outcome(getattr(port(), method), *args, **kwargs), outcome(getattr(REF, method), *args, **kwargs)
+    return outcome(getattr(port(), method), *args, **kwargs), outcome(
+        getattr(REF, method), *args, **kwargs
+    )
 
 
 def test_the_backend_under_test_implements_every_protocol_method():
@@ -155,8 +162,13 @@ def test_cohort_and_per_sequence_advance_match_the_reference(step):
 def _rows(lens, seed, d=4):
     """Per-row K and V `[1, 1, n, d]` of small integers (exact in every dtype)."""
     rng = np.random.default_rng(seed)
-    return [(rng.integers(-8, 9, (1, 1, n, d)).astype(np.float64), rng.integers(-8, 9, (1, 1, n, d)).astype(np.float64))
-            for n in lens]
+    return [
+        (
+            rng.integers(-8, 9, (1, 1, n, d)).astype(np.float64),
+            rng.integers(-8, 9, (1, 1, n, d)).astype(np.float64),
+        )
+        for n in lens
+    ]
 
 
 def _slots(be, rows, max_seq_len, capacity):
@@ -168,37 +180,53 @@ def same_slot(p_kv, r_kv, what: str) -> None:
     p, r = port().materialize(p_kv), REF.materialize(r_kv)
     assert_exact(p["len"], r["len"], f"{what} length")
     assert_exact(p["capacity"], r["capacity"], f"{what} capacity")
-    for (pk, pv), (rk, rv) in zip(p["kv"], r["kv"]):
+    for (pk, pv), (rk, rv) in zip(p["kv"], r["kv"], strict=False):
         assert (pk is None) == (rk is None), f"{what}: materialized in one backend only"
         if rk is not None:
             assert_exact(pk, rk, f"{what} K")
             assert_exact(pv, rv, f"{what} V")
 
 
-@given(lens=corner_lengths(max_rows=5, max_len=40), seed=st.integers(0, 99), capacity=st.sampled_from([16, 512]),
-       max_seq_len=st.sampled_from([4096, 1100, 600]), more=st.integers(0, 40))
+@given(
+    lens=corner_lengths(max_rows=5, max_len=40),
+    seed=st.integers(0, 99),
+    capacity=st.sampled_from([16, 512]),
+    max_seq_len=st.sampled_from([4096, 1100, 600]),
+    more=st.integers(0, 40),
+)
 def test_append_growth_and_set_len_match_the_reference(lens, seed, capacity, max_seq_len, more):
     """C §3: appending at the shared length grows the capacity by whole 512 blocks and is
     refused above max_seq_len (lengths at the 512 growth boundaries included); set_len is
     refused past the capacity; data movement bit-exact."""
     rows = _rows(lens[:1], seed)
-    p, r = _slots(port(), rows, max_seq_len, capacity)[0], _slots(REF, rows, max_seq_len, capacity)[0]
+    p, r = (
+        _slots(port(), rows, max_seq_len, capacity)[0],
+        _slots(REF, rows, max_seq_len, capacity)[0],
+    )
     if not same_outcome(p, r, "kv_from_arrays"):
         return
     pk, rk = p[1], r[1]
     same_slot(pk, rk, "built")
     extra = _rows([more], seed + 1)[0]
-    if same_outcome(outcome(port().kv_append, pk, *extra), outcome(REF.kv_append, rk, *extra), "kv_append"):
+    if same_outcome(
+        outcome(port().kv_append, pk, *extra), outcome(REF.kv_append, rk, *extra), "kv_append"
+    ):
         same_slot(pk, rk, "appended")
     target = max(0, REF.kv_len(rk) - more // 2) if seed % 2 else REF.kv_len(rk) + more * 20
-    if same_outcome(outcome(port().kv_set_len, pk, target), outcome(REF.kv_set_len, rk, target), "kv_set_len"):
+    if same_outcome(
+        outcome(port().kv_set_len, pk, target), outcome(REF.kv_set_len, rk, target), "kv_set_len"
+    ):
         assert_exact(port().kv_len(pk), REF.kv_len(rk), "length after set_len")
         if target <= len(extra[0][0, 0]) + lens[0]:
             same_slot(pk, rk, "after set_len")
 
 
-@given(lens=corner_lengths(max_rows=5, max_len=40), seed=st.integers(0, 99), max_seq_len=st.sampled_from([4096, 600]),
-       g=st.integers(1, 6))
+@given(
+    lens=corner_lengths(max_rows=5, max_len=40),
+    seed=st.integers(0, 99),
+    max_seq_len=st.sampled_from([4096, 600]),
+    g=st.integers(1, 6),
+)
 def test_front_align_concat_split_and_strip_match_the_reference(lens, seed, max_seq_len, g):
     """C §4.5, §5.2, §9.8, §4.4 through the protocol: front alignment gives the same leads
     (the port may keep them as offsets) and, materialized, the same front-aligned rows (a
@@ -206,7 +234,7 @@ def test_front_align_concat_split_and_strip_match_the_reference(lens, seed, max_
     not g) and the dead-prefix strip of each piece give the same rows, bit for bit."""
     rows = _rows(lens, seed)
     ps, rs = _slots(port(), rows, max_seq_len, 512), _slots(REF, rows, max_seq_len, 512)
-    for p, r in zip(ps, rs):
+    for p, r in zip(ps, rs, strict=False):
         if not same_outcome(p, r, "kv_from_arrays"):
             return
     pk, rk = [p[1] for p in ps], [r[1] for r in rs]
@@ -214,26 +242,35 @@ def test_front_align_concat_split_and_strip_match_the_reference(lens, seed, max_
     if not same_outcome(p, r, "front_align"):
         return
     assert_exact(p[1], r[1], "leads")
-    for i, (a, b) in enumerate(zip(pk, rk)):
+    for i, (a, b) in enumerate(zip(pk, rk, strict=False)):
         same_slot(a, b, f"row {i} aligned")
     pb, rb = port().concat(pk), REF.concat(rk)
     same_slot(pb, rb, "concatenated")
     pp, rp = port().split(pb, g), REF.split(rb, g)
-    assert (pp is None) == (rp is None), f"split into {g}: port {pp is not None}, reference {rp is not None}"
+    assert (pp is None) == (rp is None), (
+        f"split into {g}: port {pp is not None}, reference {rp is not None}"
+    )
     if rp is None:
         return
     assert len(pp) == len(rp) == g
     leads = r[1]
-    for i, (a, b) in enumerate(zip(pp, rp)):
+    for i, (a, b) in enumerate(zip(pp, rp, strict=False)):
         same_slot(a, b, f"piece {i}")
         if g == len(lens):
             lead = leads[i] + (seed % 3 == 0)  # sometimes one column too many: refused alike?
-            if same_outcome(outcome(port().strip_dead_prefix, a, lead), outcome(REF.strip_dead_prefix, b, lead),
-                            f"strip piece {i}"):
+            if same_outcome(
+                outcome(port().strip_dead_prefix, a, lead),
+                outcome(REF.strip_dead_prefix, b, lead),
+                f"strip piece {i}",
+            ):
                 same_slot(a, b, f"piece {i} stripped")
 
 
-@given(lens=corner_lengths(max_rows=5, max_len=30, boundaries=False), seed=st.integers(0, 99), data=st.data())
+@given(
+    lens=corner_lengths(max_rows=5, max_len=30, boundaries=False),
+    seed=st.integers(0, 99),
+    data=st.data(),
+)
 def test_front_align_draft_group_matches_the_reference(lens, seed, data):
     """C §9.7: every row cut to its chain start, padded to `max(starts)`, capacity narrowed;
     the AlignRefusals (a start past the held length, a count mismatch) alike."""
@@ -243,16 +280,25 @@ def test_front_align_draft_group_matches_the_reference(lens, seed, data):
     starts = [data.draw(st.integers(0, n + (seed % 5 == 0))) for n in lens]
     if seed % 7 == 0:
         starts = starts[:-1]
-    p, r = outcome(port().front_align_draft_group, pk, starts), outcome(REF.front_align_draft_group, rk, starts)
+    p, r = (
+        outcome(port().front_align_draft_group, pk, starts),
+        outcome(REF.front_align_draft_group, rk, starts),
+    )
     if same_outcome(p, r, "front_align_draft_group"):
         same_slot(p[1], r[1], "draft group")
 
 
-# ----------------------------------------------------------------------------- masks, positions, attention
+# ----------------------------------------------------------------------------- masks, positions,
+# attention
 
 
-@given(data=st.data(), t_q=st.integers(1, 5), window=st.integers(1, 12), ratio=st.sampled_from([0, 4, 128]),
-       kind=st.sampled_from(["none", "uniform", "ragged", "ahead", "short"]))
+@given(
+    data=st.data(),
+    t_q=st.integers(1, 5),
+    window=st.integers(1, 12),
+    ratio=st.sampled_from([0, 4, 128]),
+    kind=st.sampled_from(["none", "uniform", "ragged", "ahead", "short"]),
+)
 def test_union_mask_matches_the_reference_bit_for_bit(data, t_q, window, ratio, kind):
     """M §4 steps 5-7 and §5: the additive union mask a dsv4 step builds (uniform path, or
     per-row with the dead prefix killed and compressed validity per row), in the backend's
@@ -269,8 +315,14 @@ def test_union_mask_matches_the_reference_bit_for_bit(data, t_q, window, ratio, 
         assert_exact(port().to_numpy(p[1]), r[1], "union mask")
 
 
-@given(offsets=st.lists(st.integers(0, 300), min_size=1, max_size=5), b=st.integers(1, 5), t=st.integers(1, 6),
-       theta=st.sampled_from([10000.0, 160000.0]), inverse=st.booleans(), seed=st.integers(0, 99))
+@given(
+    offsets=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+    b=st.integers(1, 5),
+    t=st.integers(1, 6),
+    theta=st.sampled_from([10000.0, 160000.0]),
+    inverse=st.booleans(),
+    seed=st.integers(0, 99),
+)
 def test_rope_positions_and_rotation_match_the_reference(offsets, b, t, theta, inverse, seed):
     """M §11: row i, token t at `offsets[i] + t` (exact); the rotation within the policy."""
     if len(offsets) != 1:
@@ -284,8 +336,14 @@ def test_rope_positions_and_rotation_match_the_reference(offsets, b, t, theta, i
     assert_close(be.to_numpy(got), REF.apply_rope(x, offsets, 4, theta, inverse), be.dtype, "rope")
 
 
-@given(data=st.data(), t_q=st.integers(1, 4), window=st.integers(1, 10), ratio=st.sampled_from([0, 4]),
-       kind=st.sampled_from(["none", "ragged", "uniform"]), seed=st.integers(0, 999))
+@given(
+    data=st.data(),
+    t_q=st.integers(1, 4),
+    window=st.integers(1, 10),
+    ratio=st.sampled_from([0, 4]),
+    kind=st.sampled_from(["none", "ragged", "uniform"]),
+    seed=st.integers(0, 999),
+)
 def test_dsv4_attention_matches_the_reference(data, t_q, window, ratio, kind, seed):
     """M §4: union attention with sinks over raw window keys and compressed keys, per-row
     dead prefixes on the ragged path; within the policy; refusals alike."""
@@ -311,7 +369,8 @@ def test_dsv4_attention_matches_the_reference(data, t_q, window, ratio, kind, se
         assert_close(be.to_numpy(p[1]), r[1], be.dtype, "attention output")
 
 
-# ----------------------------------------------------------------------------- model, draft, target cache
+# ----------------------------------------------------------------------------- model, draft, target
+# cache
 
 
 def quarter_of_the_profile() -> int:
@@ -347,9 +406,14 @@ def same_cache(p, r, what: str) -> None:
 
 
 @settings(max_examples=quarter_of_the_profile())
-@given(plens=st.lists(st.integers(1, 12), min_size=1, max_size=4), w=st.integers(1, 4),
-       ratios=st.sampled_from([(0, 4), (4,), (0, 128)]), seed=st.integers(0, 50), per_seq=st.booleans(),
-       accept=st.lists(st.integers(0, 3), min_size=4, max_size=4))
+@given(
+    plens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    w=st.integers(1, 4),
+    ratios=st.sampled_from([(0, 4), (4,), (0, 128)]),
+    seed=st.integers(0, 50),
+    per_seq=st.booleans(),
+    accept=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+)
 def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_seq, accept):
     """C §5.2-§5.4, §12; M §4, §11 through the protocol: per-sequence caches from prompt
     forwards, `clone_in` (front alignment under PerSequence: the same leads; a refusal
@@ -385,8 +449,11 @@ def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_
     be = port()
     assert_close(be.to_numpy(pf[1].hidden), rf[1].hidden, be.dtype, "hidden")
     assert_close(be.to_numpy(pf[1].logits), rf[1].logits, be.dtype, "logits")
-    if not same_outcome(outcome(be.xs_append, pi.batched, pf[1].hidden), outcome(REF.xs_append, ri.batched, rf[1].hidden),
-                        "xs_append"):
+    if not same_outcome(
+        outcome(be.xs_append, pi.batched, pf[1].hidden),
+        outcome(REF.xs_append, ri.batched, rf[1].hidden),
+        "xs_append",
+    ):
         return
     same_cache(pi.batched, ri.batched, "batched cache after the forward")
     acc = [min(a, w - 1) for a in accept[:b]]
@@ -401,18 +468,30 @@ def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_
                 same_cache(pp[i], rp[i], f"row {i} after its own commit")
     else:
         n_drop = REF.plan_batch_step([1] * b, acc, w)[1]
-        if same_outcome(outcome(be.truncate_by, pi.batched, n_drop), outcome(REF.truncate_by, ri.batched, n_drop),
-                        "truncate_by"):
+        if same_outcome(
+            outcome(be.truncate_by, pi.batched, n_drop),
+            outcome(REF.truncate_by, ri.batched, n_drop),
+            "truncate_by",
+        ):
             same_cache(pi.batched, ri.batched, "batched cache after the rollback")
         kv_len, xs_len = c + w - n_drop, c + w - n_drop - (seed % 2)
-        if same_outcome(outcome(be.set_lens, pi.batched, kv_len, xs_len), outcome(REF.set_lens, ri.batched, kv_len, xs_len),
-                        "set_lens"):
+        if same_outcome(
+            outcome(be.set_lens, pi.batched, kv_len, xs_len),
+            outcome(REF.set_lens, ri.batched, kv_len, xs_len),
+            "set_lens",
+        ):
             same_cache(pi.batched, ri.batched, "batched cache after set_lens")
 
 
 @settings(max_examples=quarter_of_the_profile())
-@given(plens=st.lists(st.integers(1, 10), min_size=1, max_size=4), n=st.integers(0, 4), seed=st.integers(0, 50),
-       per_seq=st.booleans(), uniform=st.booleans(), mtp=st.sampled_from(["block", "block", "heads"]))
+@given(
+    plens=st.lists(st.integers(1, 10), min_size=1, max_size=4),
+    n=st.integers(0, 4),
+    seed=st.integers(0, 50),
+    per_seq=st.booleans(),
+    uniform=st.booleans(),
+    mtp=st.sampled_from(["block", "block", "heads"]),
+)
 def test_priming_and_the_draft_chain_match_the_reference(plens, n, seed, per_seq, uniform, mtp):
     """C §7.4, §9.3-§9.8, §10: prompt priming (`prime_draft_kv`: filled, seed position and
     hidden, the draft KV), then one group's chain through `draft_chain` (uniform: batched +
@@ -426,7 +505,9 @@ def test_priming_and_the_draft_chain_match_the_reference(plens, n, seed, per_seq
         plens = [plens[0]] * len(plens)
     rng = np.random.default_rng(seed)
     b = len(plens)
-    toks = [[int(x) for x in rng.integers(0, cfg.vocab, m + 1)] for m in plens]  # prompt + sampled token
+    toks = [
+        [int(x) for x in rng.integers(0, cfg.vocab, m + 1)] for m in plens
+    ]  # prompt + sampled token
     be = port()
     exact = be.dtype == "float64"
 
@@ -444,15 +525,25 @@ def test_priming_and_the_draft_chain_match_the_reference(plens, n, seed, per_seq
     ps, rs = primed(be, pm), primed(REF, rm)
 
     def same_states(when: str) -> None:
-        for i, (a, r) in enumerate(zip(ps, rs)):
-            assert_exact((a.filled, a.poisoned, None if a.seed is None else a.seed[0]),
-                         (r.filled, r.poisoned, None if r.seed is None else r.seed[0]), f"row {i} state {when}")
+        for i, (a, r) in enumerate(zip(ps, rs, strict=False)):
+            assert_exact(
+                (a.filled, a.poisoned, None if a.seed is None else a.seed[0]),
+                (r.filled, r.poisoned, None if r.seed is None else r.seed[0]),
+                f"row {i} state {when}",
+            )
             if r.seed is not None:
-                assert_close(be.to_numpy(a.seed[1]), r.seed[1], be.dtype, f"row {i} seed hidden {when}")
+                assert_close(
+                    be.to_numpy(a.seed[1]), r.seed[1], be.dtype, f"row {i} seed hidden {when}"
+                )
             assert (a.cache is None) == (r.cache is None)
             if r.cache is not None:
-                assert_same_cache(be.materialize(a.cache), REF.materialize(r.cache), be.dtype, f"row {i} draft KV {when}",
-                                  None if exact else r.filled)
+                assert_same_cache(
+                    be.materialize(a.cache),
+                    REF.materialize(r.cache),
+                    be.dtype,
+                    f"row {i} draft KV {when}",
+                    None if exact else r.filled,
+                )
 
     same_states("after priming")
     cache_lens = [len(t) - 1 for t in toks]
@@ -494,18 +585,28 @@ def test_clone_in_of_the_last_clone_outs_pieces_moves_no_kv():
     k = torch.arange(3 * 1 * 8 * 2, dtype=torch.float64).reshape(3, 1, 8, 2)
     slot = TorchKv(4096, 8, 5, RaggedKv(k, -k, [5, 5, 5], 4096), [0, 0, 0])
     pieces = slot.rows()
-    assert [(p.row, p.lead, p.own, p.current) for p in pieces] == [(0, 0, 5, 5), (1, 0, 5, 5), (2, 0, 5, 5)]
+    assert [(p.row, p.lead, p.own, p.current) for p in pieces] == [
+        (0, 0, 5, 5),
+        (1, 0, 5, 5),
+        (2, 0, 5, 5),
+    ]
     before = dict(concat_stats)
     again = stack_kv(pieces)
     assert concat_stats["view"] == before["view"] + 1 and concat_stats["copy"] == before["copy"]
-    assert again.kv.k.data_ptr() == k.data_ptr() and torch.equal(again.kv.k, k) and torch.equal(again.kv.v, -k)
+    assert (
+        again.kv.k.data_ptr() == k.data_ptr()
+        and torch.equal(again.kv.k, k)
+        and torch.equal(again.kv.v, -k)
+    )
     assert again.kv.lens.tolist() == [5, 5, 5] and again.current == 5
-    swapped = stack_kv([pieces[1], pieces[0], pieces[2]])          # out of order: a gather, rows swapped
+    swapped = stack_kv([pieces[1], pieces[0], pieces[2]])  # out of order: a gather, rows swapped
     assert concat_stats["copy"] == before["copy"] + 1
     assert torch.equal(swapped.kv.k, k[[1, 0, 2]]) and swapped.kv.k.data_ptr() != k.data_ptr()
     for p in pieces:
         p.drop_front(2)                                            # cuts every row's own run
     assert [(p.shift, p.own, p.current, p.capacity) for p in pieces] == [(2, 3, 3, 6)] * 3
-    moved = stack_kv(pieces)                                       # one gather moves every run
-    assert moved.kv.k.data_ptr() != k.data_ptr() and torch.equal(k, torch.arange(48.0).reshape(3, 1, 8, 2))
+    moved = stack_kv(pieces)  # one gather moves every run
+    assert moved.kv.k.data_ptr() != k.data_ptr() and torch.equal(
+        k, torch.arange(48.0).reshape(3, 1, 8, 2)
+    )
     assert torch.equal(moved.kv.k[:, :, :3], k[:, :, 2:5]) and moved.kv.lens.tolist() == [3, 3, 3]

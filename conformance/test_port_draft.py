@@ -32,7 +32,15 @@ import raggedspec.gpu.draft as port
 import raggedspec.gpu.model as port_model_mod
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.rope import reset_rope_path_stats, rope_path_stats
-from raggedspec.gpu.testing import (DEVICE, assert_bit_exact, assert_close64, assert_same_refusal, host, outcome, to_port)
+from raggedspec.gpu.testing import (
+    DEVICE,
+    assert_bit_exact,
+    assert_close64,
+    assert_same_refusal,
+    host,
+    outcome,
+    to_port,
+)
 from raggedspec.reference import draft as ref
 from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
 from raggedspec.reference.cache import KvCache
@@ -57,8 +65,14 @@ def ref_draft_cache(k: np.ndarray) -> KvCache:
 
 def pool_of(ks: list[np.ndarray]) -> RaggedKv:
     """The port pool: row s holds `ks[s]` at columns [0, n_s) (capacity 16 + 512 blocks)."""
-    cap = 16 if max(len(k) for k in ks) <= 16 else 16 + 512 * (-(-(max(len(k) for k in ks) - 16) // 512))
-    return RaggedKv.from_rows([to_port(k[None]) for k in ks], [to_port(k[None]) for k in ks], 4096, cap)
+    cap = (
+        16
+        if max(len(k) for k in ks) <= 16
+        else 16 + 512 * (-(-(max(len(k) for k in ks) - 16) // 512))
+    )
+    return RaggedKv.from_rows(
+        [to_port(k[None]) for k in ks], [to_port(k[None]) for k in ks], 4096, cap
+    )
 
 
 def align_rows(pool: RaggedKv, rows, starts) -> None:
@@ -97,14 +111,15 @@ def chain_group(draw):
 @given(case=chain_group())
 def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     """Reference: `front_align_draft_group`, `propose_chain_batched`, `split_draft_cache`,
-    `drop_dead_prefix`. Port: the rows' lengths set to their starts (the backend's group alignment) + `propose_chain_batched` on the pool rows.
+    `drop_dead_prefix`. Port: the rows' lengths set to their starts (the backend's group alignment)
+    + `propose_chain_batched` on the pool rows.
     Same tokens, same hidden per step (1e-12), same draft caches (history bit-exact, the n
     new entries 1e-12), the other pool rows untouched; the branch taken is the scalar one
     iff the starts are uniform (`draft_chain_stats`)."""
     starts, tails, others, order, n, seed = case
     g = len(starts)
     rng = np.random.default_rng(seed)
-    group_k = [rng.standard_normal((s + t, HD)) for s, t in zip(starts, tails)]
+    group_k = [rng.standard_normal((s + t, HD)) for s, t in zip(starts, tails, strict=False)]
     other_k = [rng.standard_normal((m, HD)) for m in others]
     seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
 
@@ -113,7 +128,7 @@ def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     ref_trace: list = []
     chains = ref.propose_chain_batched(MODEL, seeds, lasts, n, starts, batched, ref_trace)
     pieces = split_draft_cache(batched, g)
-    for piece, s in zip(pieces, starts):
+    for piece, s in zip(pieces, starts, strict=False):
         drop_dead_prefix(piece, max(starts) - s)
 
     slots = [None] * len(order)
@@ -125,15 +140,23 @@ def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     align_rows(pool, rows, starts)
     port.reset_draft_chain_stats()
     port_trace: list = []
-    got = port.propose_chain_batched(PORT, to_port(seeds), torch.from_numpy(lasts), n, torch.tensor(starts), pool,
-                                     port_trace, rows)
+    got = port.propose_chain_batched(
+        PORT,
+        to_port(seeds),
+        torch.from_numpy(lasts),
+        n,
+        torch.tensor(starts),
+        pool,
+        port_trace,
+        rows,
+    )
 
     assert host(got).tolist() == chains
     ragged = len(set(starts)) > 1
     assert port.draft_chain_stats == {"scalar": 0 if ragged else n, "per_row": n if ragged else 0}
     for step in range(n):
         assert_close64(port_trace[step], ref_trace[step], what=f"step {step} hidden")
-    for r, (s, piece) in enumerate(zip(starts, pieces)):
+    for r, (s, piece) in enumerate(zip(starts, pieces, strict=False)):
         slot = int(rows[r])
         k_row, v_row = pool.row(slot)
         assert k_row.shape[1] == s + n == piece.current_seq_len
@@ -167,13 +190,21 @@ def test_a_uniform_group_takes_the_scalar_step_and_a_ragged_group_per_row_positi
         align_rows(pool, torch.arange(3), starts)
         port.reset_draft_chain_stats()
         reset_rope_path_stats()
-        port.propose_chain_batched(PORT, torch.ones((3, H), dtype=torch.float64), [1, 2, 3], 3, starts, pool)
+        port.propose_chain_batched(
+            PORT, torch.ones((3, H), dtype=torch.float64), [1, 2, 3], 3, starts, pool
+        )
         if starts == [7, 7, 7]:
             assert calls == {"scalar": [7, 8, 9], "rows": []}
-            assert port.draft_chain_stats == {"scalar": 3, "per_row": 0} and rope_path_stats["gathered"] == 0
+            assert (
+                port.draft_chain_stats == {"scalar": 3, "per_row": 0}
+                and rope_path_stats["gathered"] == 0
+            )
         else:
             assert calls == {"scalar": [], "rows": [[7, 4, 6], [8, 5, 7], [9, 6, 8]]}
-            assert port.draft_chain_stats == {"scalar": 0, "per_row": 3} and rope_path_stats["uniform"] == 0
+            assert (
+                port.draft_chain_stats == {"scalar": 0, "per_row": 3}
+                and rope_path_stats["uniform"] == 0
+            )
         assert pool.lens.tolist() == [s + 3 for s in starts]
 
 
@@ -189,7 +220,11 @@ def test_chain_refusals_and_empty_cases_match_the_reference():
     ]
     for starts, with_cache, aligned in cases:
         caches = [ref_draft_cache(k) for k in ks]
-        ref_cache = (front_align_draft_group(caches, starts) if aligned else caches[0]) if with_cache else None
+        ref_cache = (
+            (front_align_draft_group(caches, starts) if aligned else caches[0])
+            if with_cache
+            else None
+        )
         if with_cache and not aligned and len(starts) == 2:
             ref_cache = KvCache.new_normal(4096, 16)
             ref_cache.append(np.stack([k[None] for k in ks]), np.stack([k[None] for k in ks]))
@@ -203,8 +238,11 @@ def test_chain_refusals_and_empty_cases_match_the_reference():
         else:
             assert r[1] in (StepRefusal, DispatchRefusal)
     empty = torch.zeros((0, H), dtype=torch.float64)
-    assert host(port.propose_chain_batched(PORT, to_port(seeds), [1, 2], 0, [7], None)).tolist() == \
-        ref.propose_chain_batched(MODEL, seeds, [1, 2], 0, [7], None) == [[], []]
+    assert (
+        host(port.propose_chain_batched(PORT, to_port(seeds), [1, 2], 0, [7], None)).tolist()
+        == ref.propose_chain_batched(MODEL, seeds, [1, 2], 0, [7], None)
+        == [[], []]
+    )
     assert port.propose_chain_batched(PORT, empty, [], 3, [], None).shape[0] == 0 == \
         len(ref.propose_chain_batched(MODEL, np.zeros((0, H)), [], 3, [], None))
 
@@ -214,9 +252,11 @@ def test_a_tier_a_chain_matches_the_reference_without_any_cache():
     seeds, lasts = rng.standard_normal((3, H)), rng.integers(0, V, 3)
     ref_trace, port_trace = [], []
     want = ref.propose_chain_batched(TIER_A, seeds, lasts, 4, [5, 9, 2], None, ref_trace)
-    got = port.propose_chain_batched(PORT_A, to_port(seeds), torch.from_numpy(lasts), 4, [5, 9, 2], None, port_trace)
+    got = port.propose_chain_batched(
+        PORT_A, to_port(seeds), torch.from_numpy(lasts), 4, [5, 9, 2], None, port_trace
+    )
     assert host(got).tolist() == want
-    for a, b in zip(port_trace, ref_trace):
+    for a, b in zip(port_trace, ref_trace, strict=False):
         assert_close64(a, b, what="tier A hidden")
 
 
@@ -241,8 +281,16 @@ def write_back_group(draw):
     starts = draw(st.lists(st.integers(1, 14), min_size=g, max_size=g))
     if draw(st.booleans()):
         starts = [starts[0]] * g
-    tails = draw(st.lists(st.integers(-2, 3), min_size=g, max_size=g))  # < 0: a start past the held rows
-    return starts, tails, draw(st.integers(1, 4)), draw(st.booleans()), draw(st.integers(0, 2**32 - 1))
+    tails = draw(
+        st.lists(st.integers(-2, 3), min_size=g, max_size=g)
+    )  # < 0: a start past the held rows
+    return (
+        starts,
+        tails,
+        draw(st.integers(1, 4)),
+        draw(st.booleans()),
+        draw(st.integers(0, 2**32 - 1)),
+    )
 
 
 @given(case=write_back_group())
@@ -258,26 +306,32 @@ def test_the_backend_group_loop_on_pool_rows_is_the_reference_group_loop(case):
     starts, tails, n, per_seq, seed = case
     g = len(starts)
     rng = np.random.default_rng(seed)
-    ks = [rng.standard_normal((max(s + t, 1), HD)) for s, t in zip(starts, tails)]
+    ks = [rng.standard_normal((max(s + t, 1), HD)) for s, t in zip(starts, tails, strict=False)]
     seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
     toks = [[0] * s + [int(lasts[r])] for r, s in enumerate(starts)]
     args = ({(1, 0): list(range(g))}, None, toks, [s + 1 for s in starts], [99] * g, n + 1, per_seq)
     r_states = [ref.DraftKv(cache=ref_draft_cache(k), filled=s, seed=(s, seeds[r]))
-                for r, (k, s) in enumerate(zip(ks, starts))]
+                for r, (k, s) in enumerate(zip(ks, starts, strict=False))]
     r_warn: list[str] = []
     r_out = outcome(ref.group_drafting_loop, MODEL, args[0], r_states, *args[2:], r_warn)
     be = TorchBackend(str(DEVICE), "float64")
-    p_states = [pool_state(be, k, s, (s, to_port(seeds[r]))) for r, (k, s) in enumerate(zip(ks, starts))]
+    p_states = [
+        pool_state(be, k, s, (s, to_port(seeds[r])))
+        for r, (k, s) in enumerate(zip(ks, starts, strict=False))
+    ]
     p_warn: list[str] = []
     p_out = outcome(be.draft_chain, PORT, args[0], p_states, *args[2:], p_warn)
     if not assert_same_refusal(p_out, r_out, "group loop"):
         return
     assert p_out[1] == r_out[1] and p_warn == r_warn
-    for r, (p_st, r_st) in enumerate(zip(p_states, r_states)):
+    for r, (p_st, r_st) in enumerate(zip(p_states, r_states, strict=False)):
         assert (p_st.filled, p_st.poisoned) == (r_st.filled, r_st.poisoned)
         view = be.materialize(p_st.cache)
         held = held_k(r_st.cache)
-        assert (view["len"], view["capacity"]) == (r_st.cache.current_seq_len, [r_st.cache.k.capacity_seq_len])
+        assert (view["len"], view["capacity"]) == (
+            r_st.cache.current_seq_len,
+            [r_st.cache.k.capacity_seq_len],
+        )
         k_row = view["kv"][0][0][0, 0]
         s = min(starts[r], len(held))
         assert_bit_exact(k_row[:s], held[:s], f"row {r}: history")
@@ -303,7 +357,10 @@ def test_the_backend_propose_chain_runs_on_its_own_draft_cache(n1, n2, seed):
         assert p_chain == [list(map(int, c)) for c in r_chain]
         start += n
         view = be.materialize(p_cache)
-        assert (view["len"], view["capacity"]) == (r_cache.current_seq_len, [r_cache.k.capacity_seq_len])
+        assert (view["len"], view["capacity"]) == (
+            r_cache.current_seq_len,
+            [r_cache.k.capacity_seq_len],
+        )
         if start:
             assert_close64(view["kv"][0][0][0, 0], held_k(r_cache), what="draft KV")
 
@@ -343,15 +400,21 @@ def test_extend_draft_kv_rows_is_extend_draft_kv_row_for_every_row_at_once(case)
     toks = [rng.integers(0, V, big_l).tolist() for *_, big_l in spec]
     offs = [off for _, _, off, _ in spec]
     capture = (CaptureOffsets(offs), hidden)
-    states = [ref.DraftKv(cache=ref_draft_cache(k), filled=f) for k, (f, *_rest) in zip(ks, spec)]
-    verdicts = [ref.extend_draft_kv_row(st_, capture, toks[i], i, r_n, MODEL) for i, st_ in enumerate(states)]
+    states = [
+        ref.DraftKv(cache=ref_draft_cache(k), filled=f)
+        for k, (f, *_rest) in zip(ks, spec, strict=False)
+    ]
+    verdicts = [
+        ref.extend_draft_kv_row(st_, capture, toks[i], i, r_n, MODEL)
+        for i, st_ in enumerate(states)
+    ]
 
     # the plan the backend derives per row (host integers): write [lo, hi) where the reference
     # found the capture contiguous
     big_l = [len(x) for x in toks]
-    lo = [max(f, off) for (f, *_), off in zip(spec, offs)]
-    hi = [min(off + t, max(n - 1, 0)) for off, n in zip(offs, big_l)]
-    write = [bool(v) and h > lo_ for v, lo_, h in zip(verdicts, lo, hi)]
+    lo = [max(f, off) for (f, *_), off in zip(spec, offs, strict=False)]
+    hi = [min(off + t, max(n - 1, 0)) for off, n in zip(offs, big_l, strict=False)]
+    write = [bool(v) and h > lo_ for v, lo_, h in zip(verdicts, lo, hi, strict=False)]
     slots = [None] * (r_n + 1)
     for j, k in enumerate(ks + [rng.standard_normal((5, HD))]):
         slots[order[j]] = k
@@ -382,11 +445,27 @@ def test_extend_draft_kv_rows_writes_nothing_past_hi_and_refuses_a_truncate_past
     hidden = to_port(rng.standard_normal((2, 6, H)))
     tokens = torch.arange(16).reshape(2, 8) % V
     # row 0 writes 1 pair at 4, row 1 writes 4 pairs at 2: one call, a masked scatter
-    port.extend_draft_kv_rows(PORT.mtp, pool, hidden, torch.tensor([4, 2]), torch.tensor([4, 2]), torch.tensor([5, 6]),
-                              tokens)
+    port.extend_draft_kv_rows(
+        PORT.mtp,
+        pool,
+        hidden,
+        torch.tensor([4, 2]),
+        torch.tensor([4, 2]),
+        torch.tensor([5, 6]),
+        tokens,
+    )
     assert pool.lens.tolist() == [5, 6]
-    assert torch.equal(pool.k[0, :, 5:], before.k[0, :, 5:]) and torch.equal(pool.k[1, :, 6:], before.k[1, :, 6:])
+    assert torch.equal(pool.k[0, :, 5:], before.k[0, :, 5:]) and torch.equal(
+        pool.k[1, :, 6:], before.k[1, :, 6:]
+    )
     with pytest.raises(CacheRefusal, match="MTP draft KV truncate to 17 failed"):
-        port.extend_draft_kv_rows(PORT.mtp, pool, hidden, torch.tensor([17, 0]), torch.tensor([17, 0]),
-                                  torch.tensor([18, 0]), torch.zeros((2, 20), dtype=torch.int64))
+        port.extend_draft_kv_rows(
+            PORT.mtp,
+            pool,
+            hidden,
+            torch.tensor([17, 0]),
+            torch.tensor([17, 0]),
+            torch.tensor([18, 0]),
+            torch.zeros((2, 20), dtype=torch.int64),
+        )
     assert pool.lens.tolist() == [5, 6]

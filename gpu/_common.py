@@ -48,7 +48,11 @@ def on_device_of(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def flags_like(x, like: torch.Tensor, name: str) -> torch.Tensor:
     """A 1-D bool tensor from a tensor or a sequence of truthy values, on `like`'s device.
     ValueError unless 1-D."""
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor([bool(v) for v in x], dtype=torch.bool)
+    t = (
+        x
+        if isinstance(x, torch.Tensor)
+        else torch.as_tensor([bool(v) for v in x], dtype=torch.bool)
+    )
     require(t.dim() == 1, f"{name} must be a 1-D vector, got shape {list(t.shape)}")
     return t.to(dtype=torch.bool, device=like.device)
 

@@ -23,7 +23,13 @@ import torch
 
 from raggedspec.gpu._common import neg_inf_where
 from raggedspec.gpu.dispatch import resolve_ragged_rows
-from raggedspec.gpu.masks import compose_caller_mask, compressed_validity, ragged_union_mask, raw_keep_span, raw_validity
+from raggedspec.gpu.masks import (
+    compose_caller_mask,
+    compressed_validity,
+    ragged_union_mask,
+    raw_keep_span,
+    raw_validity,
+)
 from raggedspec.reference.errors import MaskRefusal, require  # noqa: F401 (MaskRefusal re-exported)
 
 dsv4_mask_stats = {"uniform": 0, "ragged": 0}
@@ -50,7 +56,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     b, h, t_q, d = q.shape
     require(k.shape[0] == b and v.shape[0] == b and k.shape[3] == d,
             f"batch/head-dim mismatch: q {list(q.shape)}, k {list(k.shape)}")
-    require(k.shape[:3] == v.shape[:3], f"k {list(k.shape)} and v {list(v.shape)} must share [B,Hk,t_k]")
+    require(
+        k.shape[:3] == v.shape[:3], f"k {list(k.shape)} and v {list(v.shape)} must share [B,Hk,t_k]"
+    )
     hk = k.shape[1]
     require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
     out_dtype, cd = q.dtype, _compute_dtype(q.dtype)
@@ -145,7 +153,9 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         local = neg_inf_where(valid, cd)[None, None]
     else:
         dsv4_mask_stats["ragged"] += 1
-        local = ragged_union_mask(rows.to(dev), q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd)
+        local = ragged_union_mask(
+            rows.to(dev), q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd
+        )
     mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
 
     if compressed_kv is not None:
@@ -157,8 +167,14 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 
-def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | None, compress_ratio: int,
-                            sliding_window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def dsv4_attention_in_place(
+    q: torch.Tensor,
+    kv,
+    compressed_kv: torch.Tensor | None,
+    compress_ratio: int,
+    sliding_window: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`dsv4_attention` over the port's in-place layout (`gpu.cache.RaggedKv`, one KV head),
     with no front-aligned copy: the raw window is one per-row gather, the masks per-row
     offsets.
@@ -172,8 +188,13 @@ def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | N
     materialized front-aligned batch with `row_q0 = lens - t_q` (up to float summation
     order). Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`.
     Not modelled here: `raw_prefix` (windowed eviction) and a caller mask."""
-    require(q.dim() == 4 and kv.k.shape[1] == 1 and q.shape[0] == kv.batch and q.shape[3] == kv.k.shape[3],
-            f"q {list(q.shape)} against kv {list(kv.k.shape)}: need [B,H,t_q,D] and [B,1,cap,D]")
+    require(
+        q.dim() == 4
+        and kv.k.shape[1] == 1
+        and q.shape[0] == kv.batch
+        and q.shape[3] == kv.k.shape[3],
+        f"q {list(q.shape)} against kv {list(kv.k.shape)}: need [B,H,t_q,D] and [B,1,cap,D]",
+    )
     b, _, t_q, d = q.shape
     dev, cd = q.device, _compute_dtype(q.dtype)
     lens = kv.lens
@@ -193,7 +214,9 @@ def dsv4_attention_in_place(q: torch.Tensor, kv, compressed_kv: torch.Tensor | N
     if is_standard_layer(compress_ratio) or compressed_kv is None:
         valid, k_all, v_all = raw, k_raw, v_raw
     else:
-        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev)
+        comp = compressed_validity(
+            t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev
+        )
         valid = torch.cat([raw, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)

@@ -43,7 +43,9 @@ class RaggedKv:
             self.lens = host
             return
         lens = lengths(lens, device=self.k.device, name="lens")
-        require(lens.numel() == self.k.shape[0], f"{lens.numel()} lengths for {self.k.shape[0]} rows")
+        require(
+            lens.numel() == self.k.shape[0], f"{lens.numel()} lengths for {self.k.shape[0]} rows"
+        )
         require(not bool((lens < 0).any() or (lens > self.capacity).any()),
                 f"lens {as_list(lens)} must lie in [0, capacity {self.capacity}]")
         self.lens = lens
@@ -79,7 +81,9 @@ class RaggedKv:
               v_dim: int | None = None) -> RaggedKv:
         """B empty rows of `capacity` zero columns."""
         k = torch.zeros((b, heads, capacity, dim), dtype=dtype, device=device)
-        v = torch.zeros((b, heads, capacity, dim if v_dim is None else v_dim), dtype=dtype, device=device)
+        v = torch.zeros(
+            (b, heads, capacity, dim if v_dim is None else v_dim), dtype=dtype, device=device
+        )
         return RaggedKv(k, v, torch.zeros(b, dtype=torch.int64, device=device), max_seq_len)
 
     @staticmethod
@@ -88,15 +92,19 @@ class RaggedKv:
         """Rows `ks[i] [H, n_i, D]` (and `vs[i]`) placed at column 0 of one buffer of width
         `capacity` (default: the smallest `512 + k*512` holding the longest row). A
         constructor (not a hot path): it loops over the rows once."""
-        require(len(ks) == len(vs) and len(ks) > 0, "from_rows needs as many K rows as V rows, >= 1")
+        require(
+            len(ks) == len(vs) and len(ks) > 0, "from_rows needs as many K rows as V rows, >= 1"
+        )
         n = [int(k.shape[1]) for k in ks]
         if capacity is None:
-            capacity = PLAIN_CACHE_CAPACITY + max(0, -(-(max(n) - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) \
-                * CACHE_GROW_SIZE
+            capacity = (
+                PLAIN_CACHE_CAPACITY
+                + max(0, -(-(max(n) - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
+            )
         require(max(n) <= capacity, f"a row of {max(n)} does not fit capacity {capacity}")
         h, d, dv = ks[0].shape[0], ks[0].shape[2], vs[0].shape[2]
         kv = RaggedKv.empty(len(ks), h, d, max_seq_len, capacity, ks[0].dtype, ks[0].device, dv)
-        for i, (k, v) in enumerate(zip(ks, vs)):
+        for i, (k, v) in enumerate(zip(ks, vs, strict=False)):
             kv.k[i, :, : n[i]] = k
             kv.v[i, :, : n[i]] = v
         kv.lens = torch.as_tensor(n, dtype=torch.int64, device=ks[0].device)
@@ -123,12 +131,16 @@ class RaggedKv:
         shortfall = needed - self.capacity
         grown = self.capacity + -(-shortfall // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
         if grown > self.max_seq_len:
-            raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}")
+            raise CacheRefusal(
+                f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}"
+            )
         pad = grown - self.capacity
         self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
         self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
 
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def append(
+        self, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
         """Write `k_new, v_new [B', H, t, *]` at each row's own offset `lens[i]` (one scatter
         per buffer) and advance `lens` by t. `rows` (int64 `[B']`, distinct) restricts the
         append to a subset of rows (a draft group), in place in the shared buffers.
@@ -180,8 +192,10 @@ class RaggedKv:
                 raise ValueError(f"set_len lengths {host.tolist()} must be >= 0")
             over = np.flatnonzero(host > self.capacity)
             if over.size:
-                raise CacheRefusal(f"set_len({int(host[over[0]])}) exceeds current capacity {self.capacity} "
-                                   f"(first cached 0)")
+                raise CacheRefusal(
+                    f"set_len({int(host[over[0]])}) exceeds current capacity {self.capacity} "
+                    f"(first cached 0)"
+                )
             self.lens = host
             return
         lens = lengths(lens, device=self.k.device, name="lens")
@@ -191,7 +205,8 @@ class RaggedKv:
         if bool(over.any()):
             i = int(over.nonzero()[0, 0])
             raise CacheRefusal(
-                f"set_len({int(lens[i])}) exceeds current capacity {self.capacity} (first cached 0)")
+                f"set_len({int(lens[i])}) exceeds current capacity {self.capacity} (first cached 0)"
+            )
         self.lens = lens
 
     def truncate_by(self, n_drop) -> None:
@@ -214,8 +229,12 @@ class RaggedKv:
         self.set_len(c + m)
 
     def clone(self) -> RaggedKv:
-        return RaggedKv(self.k.clone(), self.v.clone(), self._lens.clone() if self._host is None else self._host,
-                        self.max_seq_len)
+        return RaggedKv(
+            self.k.clone(),
+            self.v.clone(),
+            self._lens.clone() if self._host is None else self._host,
+            self.max_seq_len,
+        )
 
 
 def chunk_sizes(n: int, g: int) -> list[int]:
@@ -235,8 +254,14 @@ def split_rows(kv: RaggedKv, g: int) -> list[RaggedKv] | None:
         return None
     out, start = [], 0
     for s in sizes:
-        out.append(RaggedKv(kv.k[start: start + s], kv.v[start: start + s], kv.lens[start: start + s],
-                            kv.max_seq_len))
+        out.append(
+            RaggedKv(
+                kv.k[start : start + s],
+                kv.v[start : start + s],
+                kv.lens[start : start + s],
+                kv.max_seq_len,
+            )
+        )
         start += s
     return out
 
@@ -250,5 +275,9 @@ def concat_rows(parts: list[RaggedKv]) -> RaggedKv:
     def padded(t: torch.Tensor) -> torch.Tensor:
         return t if t.shape[2] == cap else torch.nn.functional.pad(t, (0, 0, 0, cap - t.shape[2]))
 
-    return RaggedKv(torch.cat([padded(p.k) for p in parts]), torch.cat([padded(p.v) for p in parts]),
-                    torch.cat([p.lens for p in parts]), parts[0].max_seq_len)
+    return RaggedKv(
+        torch.cat([padded(p.k) for p in parts]),
+        torch.cat([padded(p.v) for p in parts]),
+        torch.cat([p.lens for p in parts]),
+        parts[0].max_seq_len,
+    )

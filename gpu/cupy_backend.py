@@ -30,19 +30,25 @@ def cupy_unavailable() -> str | None:
     (`cupy_kernels.cupy_unavailable`) and a CUDA build of torch, which owns the buffers."""
     why = ck.cupy_unavailable()
     if why is None and not torch.cuda.is_available():
-        why = f"torch {torch.__version__} has no CUDA here (the backend's buffers are torch CUDA tensors)"
+        why = (f"torch {torch.__version__} has no CUDA here (the backend's buffers are torch "
+               "CUDA tensors)")
     return why
 
 
 class CupyBackend(TorchBackend):
     name = "cupy"
 
-    def __init__(self, device: str | None = None, dtype: str = "float64", emulate: bool = False) -> None:
+    def __init__(
+        self, device: str | None = None, dtype: str = "float64", emulate: bool = False
+    ) -> None:
         self.kernel_attentions = 0   # forwards whose attention the kernel ran
         self.prefill_fallbacks = 0   # forwards with too many queries for it (the torch port ran)
         if emulate:
             device = device or "cpu"
-            require(torch.device(device).type == "cpu", f"the emulated kernels run on the cpu only, not {device!r}")
+            require(
+                torch.device(device).type == "cpu",
+                f"the emulated kernels run on the cpu only, not {device!r}",
+            )
             if kernel_emulator.compilers()["g++"] is None:
                 raise ValueError("the emulated kernel backend needs g++ on the PATH")
             super().__init__(device=device, dtype=dtype)
@@ -53,7 +59,10 @@ class CupyBackend(TorchBackend):
         if why is not None:
             raise ValueError(f"backend 'cupy' needs a CUDA GPU: {why}")
         device = device or "cuda"
-        require(torch.device(device).type == "cuda", f"backend 'cupy' runs on CUDA only, not on {device!r}")
+        require(
+            torch.device(device).type == "cuda",
+            f"backend 'cupy' runs on CUDA only, not on {device!r}",
+        )
         super().__init__(device=device, dtype=dtype)
         self.kernels = ck.Kernels("cupy")
 
@@ -115,8 +124,18 @@ class CupyBackend(TorchBackend):
     def _ragged_union_mask(self, rows, q0, valid, raw_base, keep, window, ratio, t_c):
         """`rs_ragged_union_mask` (each row's validity rebuilt in the kernel; `valid` unused)."""
         mask_dtype = torch.float64 if self.tdtype == torch.float64 else torch.float32
-        out = self._run(self.kernels.ragged_union_mask, self._arr(rows), q0, valid.shape[0], raw_base, keep, t_c,
-                        ratio, window, str(mask_dtype).removeprefix("torch."))
+        out = self._run(
+            self.kernels.ragged_union_mask,
+            self._arr(rows),
+            q0,
+            valid.shape[0],
+            raw_base,
+            keep,
+            t_c,
+            ratio,
+            window,
+            str(mask_dtype).removeprefix("torch."),
+        )
         return self._tensor(out, mask_dtype).to(self.tdtype)
 
     def _front_aligned(self, slot):
@@ -124,8 +143,13 @@ class CupyBackend(TorchBackend):
         if not isinstance(slot, TorchKv) or slot.kv is None:
             return super()._front_aligned(slot)
         kv = slot.kv
-        k, v = self._run(self.kernels.front_align, self._arr(kv.k), self._arr(kv.v), self._arr(kv.lens),
-                         slot.current)
+        k, v = self._run(
+            self.kernels.front_align,
+            self._arr(kv.k),
+            self._arr(kv.v),
+            self._arr(kv.lens),
+            slot.current,
+        )
         return self._tensor(k, kv.k.dtype), self._tensor(v, kv.v.dtype)
 
 

@@ -31,12 +31,23 @@ def reset_draft_chain_stats() -> None:
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens `[...]` of `logits [..., V]`: the first maximal index (torch.argmax's
     documented tie rule on CPU and CUDA, as `reference.draft.argmax_token`)."""
-    require(logits.dim() >= 1 and logits.shape[-1] > 0, f"logits shape {list(logits.shape)} must be [..., V], V >= 1")
+    require(
+        logits.dim() >= 1 and logits.shape[-1] > 0,
+        f"logits shape {list(logits.shape)} must be [..., V], V >= 1",
+    )
     return logits.argmax(dim=-1)
 
 
-def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int, chain_starts, cache: RaggedKv | None,
-                          trace: list | None = None, rows=None) -> torch.Tensor:
+def propose_chain_batched(
+    model,
+    seed_hidden: torch.Tensor,
+    last_tokens,
+    n: int,
+    chain_starts,
+    cache: RaggedKv | None,
+    trace: list | None = None,
+    rows=None,
+) -> torch.Tensor:
     """Draft `n` greedy tokens for each of G rows: one batched MTP step per chain step.
 
     Returns int64 `[G, n]` (row r's chain). `n == 0` or `G == 0` -> `[G, 0]`. Refuses
@@ -57,7 +68,9 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
         return torch.zeros((g, 0), dtype=torch.int64, device=dev)
     starts = host_ints(chain_starts)
     if starts.size != g:
-        raise StepRefusal(f"{starts.size} chain start(s) for a draft group of {g} row(s): {starts.tolist()}")
+        raise StepRefusal(
+            f"{starts.size} chain start(s) for a draft group of {g} row(s): {starts.tolist()}"
+        )
     block = model.mtp
     if block is not None and cache is None:
         raise StepRefusal(f"the MTP block cannot draft without a draft KV cache (group of {g}, "
@@ -96,8 +109,17 @@ def propose_chain_batched(model, seed_hidden: torch.Tensor, last_tokens, n: int,
     return out
 
 
-def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi, tokens: torch.Tensor,
-                         rows=None, write=None) -> None:
+def extend_draft_kv_rows(
+    block,
+    kv: RaggedKv,
+    hidden: torch.Tensor,
+    off,
+    lo,
+    hi,
+    tokens: torch.Tensor,
+    rows=None,
+    write=None,
+) -> None:
     """Write the pairs `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` into draft-KV
     row `rows[r]` (row r when `rows` is None) at positions `lo_r + j`, `j < hi_r - lo_r`,
     for every row at once; rows with `hi <= lo`, or outside `write` when given (a bool `[R]`,
@@ -121,13 +143,25 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     if bad:  # the committed tokens, checked on the host when given there
         raise ValueError(f"tokens must be in [0, {block.cfg.vocab})")
     dev = kv.k.device
-    host_off, host_lo, host_hi = host_ints(off), host_ints(lo), host_ints(hi)  # the plan: host integers
+    host_off, host_lo, host_hi = (
+        host_ints(off),
+        host_ints(lo),
+        host_ints(hi),
+    )  # the plan: host integers
     host_idx = np.arange(host_lo.size) if rows is None else host_ints(rows)
     r_n = host_lo.size
-    if not (host_off.size == r_n == host_hi.size == host_idx.size and hidden.dim() == 3 and hidden.shape[0] == r_n
-            and tokens.dim() == 2 and tokens.shape[0] == r_n):
-        raise ValueError(f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
-                         f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry per row")
+    if not (
+        host_off.size == r_n == host_hi.size == host_idx.size
+        and hidden.dim() == 3
+        and hidden.shape[0] == r_n
+        and tokens.dim() == 2
+        and tokens.shape[0] == r_n
+    ):
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)}, off/lo/hi/rows "
+            f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry "
+            "per row"
+        )
     hidden, tokens = hidden.to(dev), tokens.to(device=dev, dtype=torch.int64)
     host_n = np.maximum(host_hi - host_lo, 0)
     if write is not None:
@@ -138,16 +172,20 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     if not host_write.any():
         return
     t_cap = hidden.shape[1]
-    outside = host_write & ((host_lo < host_off) | (host_hi > host_off + t_cap) | (host_hi + 1 > tokens.shape[1]))
+    outside = host_write & (
+        (host_lo < host_off) | (host_hi > host_off + t_cap) | (host_hi + 1 > tokens.shape[1])
+    )
     if outside.any():
-        raise ValueError(f"extension spans lo {host_lo.tolist()}, hi {host_hi.tolist()} lie outside the capture "
-                         f"(off {host_off.tolist()}, T {t_cap}) or the tokens ({tokens.shape[1]})")
+        raise ValueError(
+            f"extension spans lo {host_lo.tolist()}, hi {host_hi.tolist()} lie outside the capture "
+            f"(off {host_off.tolist()}, T {t_cap}) or the tokens ({tokens.shape[1]})"
+        )
     over = np.flatnonzero(host_write & (host_lo > kv.capacity))
     if over.size:
         bad = int(host_lo[over[0]])
         raise CacheRefusal(f"MTP draft KV truncate to {bad} failed: set_len({bad}) exceeds "
                            f"current capacity {kv.capacity} (first cached 0)")
-    kv._grow_to(int(host_hi[host_write].max()))            # refused (above max_seq_len) before any change
+    kv._grow_to(int(host_hi[host_write].max()))  # refused (above max_seq_len) before any change
     held = kv.host_lens().copy()
     held[host_idx[host_write]] = host_lo[host_write]
     kv.lens = held
@@ -157,9 +195,13 @@ def extend_draft_kv_rows(block, kv: RaggedKv, hidden: torch.Tensor, off, lo, hi,
     j = torch.arange(width, device=dev)[None, :]
     valid = j < n[:, None]                                                         # [R, width]
     src = (lo - off)[:, None] + j
-    h = hidden.gather(1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2]))
+    h = hidden.gather(
+        1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
+    )
     nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
-    fused = block.fuse_checked(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
+    fused = block.fuse_checked(
+        h.to(block.dtype), nxt
+    )  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
     pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
     top = int((host_lo + np.maximum(host_n - 1, 0)).max())

@@ -49,7 +49,9 @@ def compressed_validity(t_q: int, q0, t_c: int, ratio: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """`bool [t_q, t_c]` (or `[B, t_q, t_c]` for a `[B]` vector `q0`): block b valid iff
     `b < floor((q0 + r + 1) / ratio)`. ValueError on `ratio < 1` with `t_c > 0`."""
-    host = None if isinstance(q0, torch.Tensor) else np.asarray(q0, dtype=np.int64)  # host: checked there
+    host = (
+        None if isinstance(q0, torch.Tensor) else np.asarray(q0, dtype=np.int64)
+    )  # host: checked there
     q0 = torch.as_tensor(q0, dtype=torch.int64, device=device)
     negative = bool((host < 0).any()) if host is not None else bool((q0 < 0).any())
     if t_q < 0 or t_c < 0 or negative:
@@ -74,8 +76,10 @@ def ragged_union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, t_k: in
             f"valid shape {list(valid.shape)} must be [t_q, t_k + t_c = {t_k + t_c}]")
     rows = lengths(rows, device=valid.device, name="rows")
     require(rows.numel() >= 1, "ragged_union_mask needs at least one row")
-    require(not bool((rows < 0).any() or (rows > q0).any()) and int(rows.max()) == q0,
-            f"rows {as_list(rows)} must lie in [0, q0={q0}] with max == q0 (resolve_ragged_rows first)")
+    require(
+        not bool((rows < 0).any() or (rows > q0).any()) and int(rows.max()) == q0,
+        f"rows {as_list(rows)} must lie in [0, q0={q0}] with max == q0 (resolve_ragged_rows first)",
+    )
     require(raw_base >= 0 and t_k >= 0 and t_c >= 0,
             f"raw_base {raw_base}, t_k {t_k}, t_c {t_c} must be >= 0")
     t_q = valid.shape[0]
@@ -119,7 +123,9 @@ def compose_caller_mask(local: torch.Tensor, caller: torch.Tensor | None, t_q: i
         raise MaskRefusal(
             f"attention_mask key axis {width} is neither t_k_full {t_k_full} nor "
             f"t_k_full + t_c {t_k_full + t_c}")
-    require(raw.shape[3] == t_k, f"raw slice [{raw_base}, {raw_base + t_k}) exceeds key axis {width}")
+    require(
+        raw.shape[3] == t_k, f"raw slice [{raw_base}, {raw_base + t_k}) exceeds key axis {width}"
+    )
     return local + torch.cat([raw, comp], dim=3)
 
 
@@ -187,7 +193,9 @@ def make_causal_mask_matrix(b: int, t_q: int, past: int, per_seq_kv_lens, channe
     require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
     live = _ragged_live(b, past, per_seq_kv_lens, channel_lead)
     if live is not None:
-        return make_left_padded_causal_mask(b, t_q, past, live.to(device) if device else live, dtype)
+        return make_left_padded_causal_mask(
+            b, t_q, past, live.to(device) if device else live, dtype
+        )
     if t_q == 1:
         return None
     if flash_on_cuda:
@@ -200,12 +208,18 @@ def make_causal_mask_matrix(b: int, t_q: int, past: int, per_seq_kv_lens, channe
 SLIDING_WINDOW_RAGGED_POLICIES = ("none", "channel")
 
 
-def make_sliding_window_causal_mask_matrix(b: int, t_q: int, past: int, per_seq_kv_lens,
-                                           channel_lead, window: int,
-                                           sliding_window_ragged: str = "none",
-                                           flash_on_cuda: bool = False,
-                                           device: torch.device | str | None = None,
-                                           dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+def make_sliding_window_causal_mask_matrix(
+    b: int,
+    t_q: int,
+    past: int,
+    per_seq_kv_lens,
+    channel_lead,
+    window: int,
+    sliding_window_ragged: str = "none",
+    flash_on_cuda: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor | None:
     """The sliding-window masker with the reference's policy switch ("none" | "channel");
     same branches, refusals and window convention (`last - window < j <= last`)."""
     require(sliding_window_ragged in SLIDING_WINDOW_RAGGED_POLICIES,

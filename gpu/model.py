@@ -44,7 +44,9 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tensor(a, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(a, dtype=np.float64))).to(device=device, dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(a, dtype=np.float64))).to(
+        device=device, dtype=dtype
+    )
 
 
 class RopeTables:
@@ -52,7 +54,12 @@ class RopeTables:
     a position past its end is asked for: every RoPE of the model is one gather."""
 
     def __init__(self, rope_dims: int, dtype: torch.dtype, device, n_positions: int = 1024) -> None:
-        self.rope_dims, self.dtype, self.device, self.initial = rope_dims, dtype, device, n_positions
+        self.rope_dims, self.dtype, self.device, self.initial = (
+            rope_dims,
+            dtype,
+            device,
+            n_positions,
+        )
         self.tables: dict[float, RopeTable] = {}
 
     def get(self, theta: float, needed: int) -> RopeTable:
@@ -90,9 +97,17 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
         return dsv4_attention_in_place(q, kv, compressed_kv, compress_ratio, sliding_window, sinks)
     host_rows = host_ints(rows)
     rows = lengths(rows, device=kv.k.device, name="rows")
-    if not (q.dim() == 4 and kv.k.shape[1] == 1 and q.shape[0] == rows.numel() and q.shape[3] == kv.k.shape[3]):
-        raise ValueError(f"q {list(q.shape)} for rows {rows.numel()} of kv {list(kv.k.shape)}: need [G,H,t_q,D], "
-                         f"[B,1,cap,D]")
+    if not (
+        q.dim() == 4
+        and kv.k.shape[1] == 1
+        and q.shape[0] == rows.numel()
+        and q.shape[3] == kv.k.shape[3]
+    ):
+        raise ValueError(
+            f"q {list(q.shape)} for rows {rows.numel()} of kv {list(kv.k.shape)}: need "
+            "[G,H,t_q,D], "
+            f"[B,1,cap,D]"
+        )
     g, _, t_q, d = q.shape
     dev, cd = q.device, compute_dtype(q.dtype)
     lens = kv.lens[rows]
@@ -104,14 +119,16 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     keep = min(t_q + window - 1, int(host.max()))
     cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]          # [G, keep]
     src = cols.clamp(min=0)
-    k_raw = _gather_columns(kv.k, rows, src)                                          # [G, 1, keep, D]
+    k_raw = _gather_columns(kv.k, rows, src)  # [G, 1, keep, D]
     v_raw = _gather_columns(kv.v, rows, src)
     qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [G, t_q]
     kp = cols[:, None, :]
     valid = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     k_all, v_all = k_raw, v_raw
     if not is_standard_layer(compress_ratio) and compressed_kv is not None:
-        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev)
+        comp = compressed_validity(
+            t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev
+        )
         valid = torch.cat([valid, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)
@@ -127,7 +144,18 @@ class DecoderLayer:
     blocks). Refusals: those of `RaggedKv.append` (CacheRefusal, growth above
     `max_seq_len`) and of the attention (MaskRefusal)."""
 
-    WEIGHTS = ("attn_norm", "wq", "q_norm", "wkv", "kv_norm", "wo", "sinks", "mlp_norm", "w_up", "w_down")
+    WEIGHTS = (
+        "attn_norm",
+        "wq",
+        "q_norm",
+        "wkv",
+        "kv_norm",
+        "wo",
+        "sinks",
+        "mlp_norm",
+        "w_up",
+        "w_down",
+    )
 
     def __init__(self, ref_layer, ropes: RopeTables, dtype: torch.dtype, device) -> None:
         self.cfg = ref_layer.cfg
@@ -161,11 +189,14 @@ class DecoderLayer:
             return None
         width = t_c * r
         dev = kv.k.device
-        cos, sin = self.ropes.get(self.theta, width).lookup(torch.arange(width, device=dev), width - 1)
+        cos, sin = self.ropes.get(self.theta, width).lookup(
+            torch.arange(width, device=dev), width - 1
+        )
         raw = rotate(kv.k[:, :, :width], cos, sin, cfg.rope_dims, inverse=True)
-        blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)                              # [B,1,t_c,hd]
-        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r,
-                                                                         (t_c - 1) * r)
+        blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)  # [B,1,t_c,hd]
+        cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(
+            torch.arange(t_c, device=dev) * r, (t_c - 1) * r
+        )
         blocks = rotate(blocks, cos, sin, cfg.rope_dims)
         live = (torch.arange(t_c, device=dev)[None, :] < n[:, None])[:, None, :, None]
         return torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
@@ -194,7 +225,10 @@ class DecoderLayer:
         kv.append(k, k, rows=rows)
         comp = None
         if self.ratio:
-            require(rows is None, "a compressed layer runs on every row of its cache (rows must be None)")
+            require(
+                rows is None,
+                "a compressed layer runs on every row of its cache (rows must be None)",
+            )
             comp = self.compressed_keys(kv)
         o = self.attend(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
         o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
@@ -229,16 +263,23 @@ class MtpBlock:
     def new_draft_cache(self, batch: int, capacity: int = DRAFT_CACHE_CAPACITY) -> RaggedKv:
         """`batch` empty draft-KV rows in one buffer (a pool; the reference makes one
         capacity-16 cache per sequence)."""
-        return RaggedKv.empty(batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype, self.device)
+        return RaggedKv.empty(
+            batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype, self.device
+        )
 
     def fuse(self, h: torch.Tensor, tokens) -> torch.Tensor:
         """`h_proj(hnorm(h)) + e_proj(enorm(embed(tokens)))`; `tokens` of shape
         `h.shape[:-1]`. ValueError on a shape or token mismatch (as the reference)."""
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=h.device)
-        require(h.shape[-1] == self.cfg.hidden and tuple(tokens.shape) == tuple(h.shape[:-1]),
-                f"hidden {tuple(h.shape)} and tokens {tuple(tokens.shape)} disagree (hidden {self.cfg.hidden})")
-        require(tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab),
-                f"tokens must be in [0, {self.cfg.vocab})")
+        require(
+            h.shape[-1] == self.cfg.hidden and tuple(tokens.shape) == tuple(h.shape[:-1]),
+            f"hidden {tuple(h.shape)} and tokens {tuple(tokens.shape)} disagree (hidden "
+            f"{self.cfg.hidden})",
+        )
+        require(
+            tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab),
+            f"tokens must be in [0, {self.cfg.vocab})",
+        )
         return self.fuse_checked(h, tokens)
 
     def fuse_checked(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -252,7 +293,9 @@ class MtpBlock:
         """`lm_head(norm_out(hidden))`."""
         return rms_norm(hidden, self.norm_out, self.cfg.eps) @ self.lm_head
 
-    def forward_tokens_rows(self, fused: torch.Tensor, start_pos, cache: RaggedKv, rows=None) -> torch.Tensor:
+    def forward_tokens_rows(
+        self, fused: torch.Tensor, start_pos, cache: RaggedKv, rows=None
+    ) -> torch.Tensor:
         """One MTP decoder-layer step on `fused [G,T,H]` (row r in `cache` row `rows[r]`,
         or row r when `rows` is None) at absolute positions `start_pos[r] + t` (or the one
         shared `start_pos[0]`); returns the pre-norm hidden `[G,T,H]`, every addressed
@@ -278,19 +321,27 @@ class MtpBlock:
         if off.size:
             r = int(off[0])
             raise DispatchRefusal(
-                f"MTP draft KV desync: draft row {r} holds {int(held[r])} entries but its step starts at "
-                f"absolute position {int(pos[r if pos.size > 1 else 0])} (start_pos {pos.tolist()})")
+                f"MTP draft KV desync: draft row {r} holds {int(held[r])} entries but its step "
+                "starts at "
+                f"absolute position {int(pos[r if pos.size > 1 else 0])} (start_pos {pos.tolist()})"
+            )
         return self.layer.forward(fused, cache, offsets=pos, rows=rows)
 
-    def forward_tokens(self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None) -> torch.Tensor:
+    def forward_tokens(
+        self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None
+    ) -> torch.Tensor:
         """`forward_tokens_rows(fused, [start])`: every row at one position."""
         return self.forward_tokens_rows(fused, [int(start)], cache, rows)
 
-    def forward_step(self, fused: torch.Tensor, pos: int, cache: RaggedKv, rows=None) -> torch.Tensor:
+    def forward_step(
+        self, fused: torch.Tensor, pos: int, cache: RaggedKv, rows=None
+    ) -> torch.Tensor:
         """The scalar chain step (one shared position: the `[1, T]` RoPE table)."""
         return self.forward_tokens(fused, pos, cache, rows)
 
-    def forward_step_rows(self, fused: torch.Tensor, positions, cache: RaggedKv, rows=None) -> torch.Tensor:
+    def forward_step_rows(
+        self, fused: torch.Tensor, positions, cache: RaggedKv, rows=None
+    ) -> torch.Tensor:
         """The ragged chain step (per-row positions: the gathered `[G, T]` RoPE table)."""
         return self.forward_tokens_rows(fused, positions, cache, rows)
 
@@ -311,10 +362,15 @@ class TinyModel:
 
     def __init__(self, ref_model, dtype: torch.dtype = torch.float64, device=None) -> None:
         self.cfg = ref_model.cfg
-        self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype, self.device = (
+            dtype,
+            torch.device(device) if device is not None else torch.device("cpu"),
+        )
         self.ropes = RopeTables(self.cfg.rope_dims, dtype, self.device)
         self.embed = _tensor(ref_model.embed, dtype, self.device)
-        self.layers = [DecoderLayer(layer, self.ropes, dtype, self.device) for layer in ref_model.layers]
+        self.layers = [
+            DecoderLayer(layer, self.ropes, dtype, self.device) for layer in ref_model.layers
+        ]
         self.norm = _tensor(ref_model.norm, dtype, self.device)
         self.lm_head = _tensor(ref_model.lm_head, dtype, self.device)
         self.mtp_heads = MtpHeads(_tensor(ref_model.mtp_heads.h_proj, dtype, self.device),
@@ -328,8 +384,12 @@ class TinyModel:
 
     def new_cache(self, batch: int, capacity: int = PLAIN_CACHE_CAPACITY) -> list[RaggedKv]:
         """One empty `RaggedKv [batch, 1, capacity, head_dim]` per target layer."""
-        return [RaggedKv.empty(batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype,
-                               self.device) for _ in self.layers]
+        return [
+            RaggedKv.empty(
+                batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype, self.device
+            )
+            for _ in self.layers
+        ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`lm_head(norm(hidden))` of the target."""
@@ -350,32 +410,51 @@ class TinyModel:
         require(host_tokens.ndim == 2 and host_tokens.size > 0,
                 f"tokens {tuple(host_tokens.shape)} must be [B,T], B, T >= 1")
         if host_tokens.min() < 0 or host_tokens.max() >= self.cfg.vocab:
-            raise ValueError(f"tokens must be in [0, {self.cfg.vocab}), got [{int(host_tokens.min())}, "
-                             f"{int(host_tokens.max())}]")
+            raise ValueError(
+                f"tokens must be in [0, {self.cfg.vocab}), got [{int(host_tokens.min())}, "
+                f"{int(host_tokens.max())}]"
+            )
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
         b, _ = tokens.shape
-        require(len(cache) >= self.n_layers, f"cache has {len(cache)} layers for {self.n_layers} layers")
+        require(
+            len(cache) >= self.n_layers, f"cache has {len(cache)} layers for {self.n_layers} layers"
+        )
         lens = cache[0].host_lens()
         for i, kv in enumerate(cache[: self.n_layers]):
             if kv.batch != b or not np.array_equal(kv.host_lens(), lens):
-                raise ValueError(f"layer {i}'s cache ({kv.batch} rows, lens {kv.host_lens().tolist()}) disagrees "
-                                 f"with a batch of {b} at lens {lens.tolist()}")
+                raise ValueError(
+                    f"layer {i}'s cache ({kv.batch} rows, lens {kv.host_lens().tolist()}) "
+                    "disagrees "
+                    f"with a batch of {b} at lens {lens.tolist()}"
+                )
         if seqlen_offsets is not None:
             offs = host_ints(seqlen_offsets)
             require(offs.size in (1, b), f"{offs.size} seqlen offsets for a batch of {b}")
             bad = np.flatnonzero(np.broadcast_to(offs, (b,)) != lens)
             if bad.size:
                 i = int(bad[0])
-                raise ValueError(f"row {i}: seqlen offset {int(offs[i if offs.size > 1 else 0])} disagrees "
-                                 f"with the layout (own length {int(lens[i])})")
+                raise ValueError(
+                    f"row {i}: seqlen offset {int(offs[i if offs.size > 1 else 0])} disagrees "
+                    f"with the layout (own length {int(lens[i])})"
+                )
         lens = lens.tolist()
         x = self.embed[tokens]
-        for layer, kv in zip(self.layers, cache):
+        for layer, kv in zip(self.layers, cache, strict=False):
             x = layer.forward(x, kv)
         if capture is not None:
             capture.store_rows(lens, x.clone())
         return Forward(self.logits(x), x)
 
 
-__all__ = ["TinyModel", "DecoderLayer", "MtpBlock", "MtpHeads", "Forward", "RopeTables", "rms_norm", "silu",
-           "compute_dtype", "dsv4_attention_rows"]
+__all__ = [
+    "TinyModel",
+    "DecoderLayer",
+    "MtpBlock",
+    "MtpHeads",
+    "Forward",
+    "RopeTables",
+    "rms_norm",
+    "silu",
+    "compute_dtype",
+    "dsv4_attention_rows",
+]

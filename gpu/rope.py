@@ -37,8 +37,10 @@ def rope_cos_sin(positions, rope_dims: int, theta: float, dtype: torch.dtype = t
     require(rope_dims >= 2 and rope_dims % 2 == 0, f"rope_dims {rope_dims} must be even and >= 2")
     require(theta > 0, f"theta {theta} must be > 0")
     positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
-    require(positions.numel() == 0 or int(positions.min()) >= 0,
-            f"positions must be >= 0, got min {int(positions.min()) if positions.numel() else None}")
+    require(
+        positions.numel() == 0 or int(positions.min()) >= 0,
+        f"positions must be >= 0, got min {int(positions.min()) if positions.numel() else None}",
+    )
     angle = positions.to(torch.float64)[..., None] * _inv_freq(rope_dims, theta, positions.device)
     return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
@@ -47,14 +49,23 @@ class RopeTable:
     """A precomputed cos/sin table for positions `[0, n_positions)`; `lookup(positions)`
     is one gather per table. Positions past the table are malformed (ValueError)."""
 
-    def __init__(self, rope_dims: int, theta: float, n_positions: int,
-                 dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        rope_dims: int,
+        theta: float,
+        n_positions: int,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ) -> None:
         require(n_positions >= 0, f"n_positions {n_positions} must be >= 0")
         self.rope_dims, self.theta, self.n_positions = rope_dims, theta, n_positions
-        self.cos, self.sin = rope_cos_sin(torch.arange(n_positions, device=device), rope_dims, theta,
-                                          dtype, device)
+        self.cos, self.sin = rope_cos_sin(
+            torch.arange(n_positions, device=device), rope_dims, theta, dtype, device
+        )
 
-    def lookup(self, positions: torch.Tensor, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, top: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(cos, sin)` at `positions` (any shape), each `[*shape, rope_dims/2]`. `top`, the
         largest position when the caller knows it on the host, spares the device read of the
         range check."""
@@ -97,9 +108,15 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
     length, a negative offset, a bad `rope_dims`."""
     _check_x(x, rope_dims)
     b, _, t, _ = x.shape
-    host = None if isinstance(offsets, torch.Tensor) else np.asarray(offsets, dtype=np.int64).reshape(-1)
+    host = (
+        None
+        if isinstance(offsets, torch.Tensor)
+        else np.asarray(offsets, dtype=np.int64).reshape(-1)
+    )
     offsets = lengths(offsets, device=x.device, name="offsets")
-    require(offsets.numel() in (1, b), f"{offsets.numel()} offsets for a batch of {b} (need 1 or B)")
+    require(
+        offsets.numel() in (1, b), f"{offsets.numel()} offsets for a batch of {b} (need 1 or B)"
+    )
     if host is not None:  # host offsets: every check on the host, the device only indexes
         if host.size and host.min() < 0:
             raise ValueError(f"offsets {host.tolist()} must be >= 0")
@@ -127,12 +144,16 @@ def apply_rope_at_positions(x: torch.Tensor, positions, rope_dims: int, theta: f
     keys). ValueError when `len(positions) != T`."""
     _check_x(x, rope_dims)
     positions = lengths(positions, device=x.device, name="positions")
-    require(positions.numel() == x.shape[2], f"{positions.numel()} positions for {x.shape[2]} tokens")
+    require(
+        positions.numel() == x.shape[2], f"{positions.numel()} positions for {x.shape[2]} tokens"
+    )
     cos, sin = rope_cos_sin(positions, rope_dims, theta, x.dtype, x.device)
     return rotate(x, cos, sin, rope_dims, inverse)
 
 
-def compressed_key_positions(t_c: int, ratio: int, device: torch.device | str | None = None) -> torch.Tensor:
+def compressed_key_positions(
+    t_c: int, ratio: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """`j * ratio` for `j < t_c` (int64): compressed row j sits at the start of its block."""
     require(t_c >= 0 and ratio >= 1, f"t_c {t_c} must be >= 0 and ratio {ratio} >= 1")
     return torch.arange(t_c, dtype=torch.int64, device=device) * ratio

@@ -38,7 +38,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def compress_blocks(x: torch.Tensor, ratio: int) -> torch.Tensor:
     """Mean over each complete `ratio` block along axis -2 (`[..., T, D] -> [..., T//ratio, D]`),
     the incomplete trailing block dropped: one reshape-mean."""
-    require(isinstance(x, torch.Tensor) and x.dim() >= 2, f"compress_blocks needs [..., T, D], got {getattr(x, 'shape', None)}")
+    require(
+        isinstance(x, torch.Tensor) and x.dim() >= 2,
+        f"compress_blocks needs [..., T, D], got {getattr(x, 'shape', None)}",
+    )
     require(ratio >= 1, f"compress ratio {ratio} must be >= 1")
     g = x.shape[-2] // ratio
     blocks = x[..., : g * ratio, :].unflatten(-2, (g, ratio))
@@ -72,13 +75,34 @@ class XsAdvancePlan:
 
     def reference_rows(self) -> list[XsRowPlan]:
         """The plan as the reference's row objects (host lists; for conformance)."""
-        cols = [as_list(t) for t in (self.tokens_after, self.g_done, self.g_target, self.need_start, self.off,
-                                     self.length, self.take, self.base_after)]
+        cols = [
+            as_list(t)
+            for t in (
+                self.tokens_after,
+                self.g_done,
+                self.g_target,
+                self.need_start,
+                self.off,
+                self.length,
+                self.take,
+                self.base_after,
+            )
+        ]
         out = []
-        for tok2, gd, gt, ns, off, ln, take, b2 in zip(*cols):
+        for tok2, gd, gt, ns, off, ln, take, b2 in zip(*cols, strict=False):
             none = take == 0
-            out.append(XsRowPlan(tok2, gd, gt, None if none else ns, None if none else off, None if none else ln,
-                                 take, b2))
+            out.append(
+                XsRowPlan(
+                    tok2,
+                    gd,
+                    gt,
+                    None if none else ns,
+                    None if none else off,
+                    None if none else ln,
+                    take,
+                    b2,
+                )
+            )
         return out
 
 
@@ -96,9 +120,13 @@ def plan_xs_advance(tokens, base, window: int, t_new: int, ratio: int, span: int
     row loop finds it."""
     tokens = lengths(tokens, name="tokens")
     base = lengths(base, device=tokens.device, name="base")
-    require(tokens.numel() == base.numel(), f"{tokens.numel()} token counts but {base.numel()} bases")
-    require(window >= 0 and t_new >= 0 and ratio >= 1 and span >= 1 and margin >= 0,
-            f"window {window}, t_new {t_new}, ratio {ratio}, span {span}, margin {margin} out of range")
+    require(
+        tokens.numel() == base.numel(), f"{tokens.numel()} token counts but {base.numel()} bases"
+    )
+    require(
+        window >= 0 and t_new >= 0 and ratio >= 1 and span >= 1 and margin >= 0,
+        f"window {window}, t_new {t_new}, ratio {ratio}, span {span}, margin {margin} out of range",
+    )
     bad_base = (base < 0) | (base > tokens)
     tok2 = tokens + t_new
     g_done = torch.div(tokens, ratio, rounding_mode="floor")
@@ -107,21 +135,31 @@ def plan_xs_advance(tokens, base, window: int, t_new: int, ratio: int, span: int
     new = take > 0
     need_start = (g_done + 1 - span).clamp(min=0) * ratio
     gap = new & (need_start < base)
-    keep_from = torch.maximum(base, (torch.div((tok2 - margin).clamp(min=0), ratio, rounding_mode="floor")
-                                     + 1 - span) * ratio)
+    keep_from = torch.maximum(
+        base,
+        (torch.div((tok2 - margin).clamp(min=0), ratio, rounding_mode="floor") + 1 - span) * ratio,
+    )
     base2 = torch.minimum(keep_from, tok2)
     misfit = tok2 - base2 > window
     bad = bad_base | gap | misfit
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        require(not bool(bad_base[i]), f"row {i}: base {int(base[i])} must be in [0, tokens {int(tokens[i])}]")
+        require(
+            not bool(bad_base[i]),
+            f"row {i}: base {int(base[i])} must be in [0, tokens {int(tokens[i])}]",
+        )
         if bool(gap[i]):
             raise CacheRefusal(
-                f"compressor history gap: row {i} needs token {int(need_start[i])} to complete block "
-                f"{int(g_done[i])} but its history starts at base {int(base[i])} (tokens {int(tokens[i])})")
+                f"compressor history gap: row {i} needs token {int(need_start[i])} to complete "
+                "block "
+                f"{int(g_done[i])} but its history starts at base {int(base[i])} (tokens "
+                f"{int(tokens[i])})"
+            )
         raise CacheRefusal(
-            f"row {i}'s run of {int(tok2[i] - base2[i])} tokens (base {int(base2[i])} .. {int(tok2[i])}) does not "
-            f"fit the window of {window}")
+            f"row {i}'s run of {int(tok2[i] - base2[i])} tokens (base {int(base2[i])} .. "
+            f"{int(tok2[i])}) does not "
+            f"fit the window of {window}"
+        )
     none = torch.full_like(tokens, -1)
     return XsAdvancePlan(tok2, g_done, g_target, torch.where(new, need_start, none),
                          torch.where(new, need_start + window - tokens, none),
@@ -146,8 +184,11 @@ class XsRolling:
         self.window = self.span * self.ratio + margin if window is None else int(window)
         self.max_seq_len = int(max_seq_len)
         self.margin = int(margin)
-        require(self.span >= 1 and self.window >= 1 and self.max_seq_len >= 0 and batch >= 0,
-                f"span {self.span}, window {self.window}, max_seq_len {self.max_seq_len}, batch {batch} out of range")
+        require(
+            self.span >= 1 and self.window >= 1 and self.max_seq_len >= 0 and batch >= 0,
+            f"span {self.span}, window {self.window}, max_seq_len {self.max_seq_len}, batch "
+            f"{batch} out of range",
+        )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dim = dim
         self.tokens = np.zeros(batch, dtype=np.int64)
@@ -186,18 +227,26 @@ class XsRolling:
 
     # --- conversion (conformance) -------------------------------------------------------
     @staticmethod
-    def from_reference(ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None) -> XsRolling:
+    def from_reference(
+        ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None
+    ) -> XsRolling:
         """The port slot holding the reference slot's state: its end-anchored tail scattered
         into the ring (column c -> `(tokens - W + c) mod W`, one scatter), comp copied."""
-        out = XsRolling(ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device)
+        out = XsRolling(
+            ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device
+        )
         out.tokens = torch.tensor(ref.tokens, dtype=torch.int64, device=out.device).reshape(-1)
         out.base = torch.tensor(ref.base, dtype=torch.int64, device=out.device).reshape(-1)
         if ref.tail is not None:
-            tail = torch.from_numpy(np.ascontiguousarray(ref.tail)).to(device=out.device, dtype=dtype)
+            tail = torch.from_numpy(np.ascontiguousarray(ref.tail)).to(
+                device=out.device, dtype=dtype
+            )
             b, w, d = tail.shape
             cols = torch.remainder(out.tokens[:, None] - w + torch.arange(w, device=out.device), w)
             out.ring = torch.zeros_like(tail).scatter(1, cols[:, :, None].expand(b, w, d), tail)
-            out.comp = torch.from_numpy(np.ascontiguousarray(ref.comp)).to(device=out.device, dtype=dtype)
+            out.comp = torch.from_numpy(np.ascontiguousarray(ref.comp)).to(
+                device=out.device, dtype=dtype
+            )
         return out
 
     def materialize_tail(self) -> torch.Tensor | None:
@@ -213,7 +262,9 @@ class XsRolling:
 
     def to_reference(self) -> RefXsRolling:
         """A reference slot with this state (tail materialized, comp copied; host arrays)."""
-        ref = RefXsRolling(self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin)
+        ref = RefXsRolling(
+            self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin
+        )
         ref.tokens, ref.base = as_list(self.tokens), as_list(self.base)
         if self.ring is not None:
             ref.tail = self.materialize_tail().cpu().to(torch.float64).numpy()
@@ -260,21 +311,36 @@ class XsRolling:
         new blocks (scattered at `g_done + j`, `j < take_i`), one scatter of the last
         `min(t_new, W)` rows into the ring, and `tokens`/`base` moved on. Nothing changes on
         a refusal."""
-        require(isinstance(x_new, torch.Tensor) and x_new.dim() == 3 and x_new.shape[0] == self.batch,
-                f"append_rows needs [B={self.batch}, t_new, D], got {tuple(getattr(x_new, 'shape', ()))}")
-        require(self.ring is None or x_new.shape[2] == self.ring.shape[2],
-                f"hidden width {x_new.shape[2]} differs from the slot's {None if self.ring is None else self.ring.shape[2]}")
+        require(
+            isinstance(x_new, torch.Tensor) and x_new.dim() == 3 and x_new.shape[0] == self.batch,
+            f"append_rows needs [B={self.batch}, t_new, D], got "
+            f"{tuple(getattr(x_new, 'shape', ()))}",
+        )
+        require(
+            self.ring is None or x_new.shape[2] == self.ring.shape[2],
+            f"hidden width {x_new.shape[2]} differs from the slot's "
+            f"{None if self.ring is None else self.ring.shape[2]}",
+        )
         b, t_new, d = x_new.shape
         w, r = self.window, self.ratio
         # the plan is the reference's, on the host copies of the lengths (no device read)
-        rows = ref_plan_xs_advance(self.host_tokens().tolist(), self.host_base().tolist(), w, t_new, r, self.span,
-                                   self.margin).rows
+        rows = ref_plan_xs_advance(
+            self.host_tokens().tolist(),
+            self.host_base().tolist(),
+            w,
+            t_new,
+            r,
+            self.span,
+            self.margin,
+        ).rows
         tok_after = np.fromiter((p.tokens_after for p in rows), np.int64, b)
         over = np.flatnonzero(tok_after > self.max_seq_len)
         if over.size:
             i = int(over[0])
-            raise CacheRefusal(f"xs row {i} would hold {int(tok_after[i])} tokens, above max_seq_len "
-                               f"{self.max_seq_len}")
+            raise CacheRefusal(
+                f"xs row {i} would hold {int(tok_after[i])} tokens, above max_seq_len "
+                f"{self.max_seq_len}"
+            )
         g_done_h = np.fromiter((p.g_done for p in rows), np.int64, b)
         take_h = np.fromiter((p.take for p in rows), np.int64, b)
         base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
@@ -292,27 +358,43 @@ class XsRolling:
         if take_max > 0:
             g_done = torch.from_numpy(g_done_h).to(dev)
             j = torch.arange(take_max, device=dev)
-            g = g_done[:, None] + j                                                      # [B, take_max]
-            p = (g[:, :, None] * r + torch.arange(r, device=dev)).reshape(b, -1)        # [B, take_max * r]
+            g = g_done[:, None] + j  # [B, take_max]
+            p = (g[:, :, None] * r + torch.arange(r, device=dev)).reshape(
+                b, -1
+            )  # [B, take_max * r]
             fresh = p >= self.tokens[:, None]
-            from_new = x_new.gather(1, (p - self.tokens[:, None]).clamp(0, max(t_new - 1, 0))[:, :, None]
-                                    .expand(-1, -1, d))
+            from_new = x_new.gather(
+                1,
+                (p - self.tokens[:, None])
+                .clamp(0, max(t_new - 1, 0))[:, :, None]
+                .expand(-1, -1, d),
+            )
             from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
             rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
-            blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)   # [B, take_max, D]
+            blocks = (
+                rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)
+            )  # [B, take_max, D]
             valid = (j[None, :] < torch.from_numpy(take_h).to(dev)[:, None])[:, :, None]
             # every (row, g) pair is distinct: write all of them into a buffer wide enough,
             # the pairs past a row's take with the values they had (no mask-sized index)
             width = self.comp.shape[1]
             room = int(g_done_h.max()) + take_max
-            comp = self.comp if room <= width else torch.nn.functional.pad(self.comp, (0, 0, 0, room - width))
+            comp = (
+                self.comp
+                if room <= width
+                else torch.nn.functional.pad(self.comp, (0, 0, 0, room - width))
+            )
             at = g[:, :, None].expand(-1, -1, d)
             comp = comp.scatter(1, at, torch.where(valid, blocks, comp.gather(1, at)))
             self.comp = comp[:, :width]
         keep = min(t_new, w)
         if keep:
-            cols = torch.remainder(self.tokens[:, None] + torch.arange(t_new - keep, t_new, device=dev), w)
-            self.ring = self.ring.scatter(1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep:])
+            cols = torch.remainder(
+                self.tokens[:, None] + torch.arange(t_new - keep, t_new, device=dev), w
+            )
+            self.ring = self.ring.scatter(
+                1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep :]
+            )
         self.tokens = tok_after
         self.base = base_after
 
@@ -322,7 +404,9 @@ class XsRolling:
         host lengths; the first offending row's first failing check."""
         tok, base = self.host_tokens(), self.host_base()
         for i, n in enumerate(lens.tolist()):
-            refusal = rollback_refusal(i, n, int(tok[i]), int(base[i]), self.ratio, self.span, self.window)
+            refusal = rollback_refusal(
+                i, n, int(tok[i]), int(base[i]), self.ratio, self.span, self.window
+            )
             if refusal is not None:
                 return refusal
         return None
@@ -346,7 +430,9 @@ class XsRolling:
         require(length >= 0, f"set_len length {length} must be >= 0")
         tok = self.host_tokens()
         if self.batch and (tok != tok[0]).any():
-            raise CacheRefusal(f"xs set_len({length}) refused: non-uniform rows with tokens {tok.tolist()}")
+            raise CacheRefusal(
+                f"xs set_len({length}) refused: non-uniform rows with tokens {tok.tolist()}"
+            )
         refusal = self._rollback_refusal(np.full(self.batch, int(length), dtype=np.int64))
         if refusal is not None:
             raise refusal
@@ -364,9 +450,19 @@ class XsRolling:
         self.comp = None
 
     def clone(self) -> XsRolling:
-        out = XsRolling(self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin,
-                        self.device)
-        out.tokens = self.host_tokens().copy() if self._tokens_h is not None else self.tokens.clone()
+        out = XsRolling(
+            self.ratio,
+            self.span,
+            self.window,
+            self.max_seq_len,
+            self.batch,
+            self.dim,
+            self.margin,
+            self.device,
+        )
+        out.tokens = (
+            self.host_tokens().copy() if self._tokens_h is not None else self.tokens.clone()
+        )
         out.base = self.host_base().copy() if self._base_h is not None else self.base.clone()
         out.ring = None if self.ring is None else self.ring.clone()
         out.comp = None if self.comp is None else self.comp.clone()

@@ -529,14 +529,18 @@ class NumpyBackend(Backend):
 
     def draft_group_keys(self, uncached, cache_lens, carries_per_row):
         return [
-            dispatch.draft_group_key(u, c, carries_per_row) for u, c in zip(uncached, cache_lens, strict=False)
+            dispatch.draft_group_key(u, c, carries_per_row)
+            for u, c in zip(uncached, cache_lens, strict=False)
         ]
 
     def chain_starts(self, cache_lens, uncached):
         return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached, strict=False)]
 
     def verify_accept(self, proposed, targets):
-        return [len(step.verify_proposed(p, t).accepted) for p, t in zip(proposed, targets, strict=False)]
+        return [
+            len(step.verify_proposed(p, t).accepted)
+            for p, t in zip(proposed, targets, strict=False)
+        ]
 
     def budget_clamp(self, accepted, budgets):
         return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]

@@ -28,10 +28,14 @@ def span_groups_for(ratio: int) -> int:
 
 
 def compress_blocks(x: np.ndarray, ratio: int) -> np.ndarray:
-    """Mean over each complete `ratio`-sized block along axis -2: `[..., T, D] -> [..., T//ratio, D]`.
+    """Mean over each complete `ratio`-sized block along axis -2: `[..., T, D] -> [..., T//ratio,
+    D]`.
 
     An incomplete trailing block is dropped (it has no compressed key yet)."""
-    require(isinstance(x, np.ndarray) and x.ndim >= 2, f"compress_blocks needs [..., T, D], got {getattr(x, 'shape', None)}")
+    require(
+        isinstance(x, np.ndarray) and x.ndim >= 2,
+        f"compress_blocks needs [..., T, D], got {getattr(x, 'shape', None)}",
+    )
     require(ratio >= 1, f"compress ratio {ratio} must be >= 1")
     t = x.shape[-2]
     g = t // ratio
@@ -56,7 +60,9 @@ def rollback_refusal(i: int, length: int, tokens: int, base: int, ratio: int, sp
     if length > tokens:
         return CacheRefusal(f"xs row {i}: set length {length} is past the {tokens} tokens seen")
     if length < base:
-        return CacheRefusal(f"xs row {i}: set length {length} is behind base {base} (history starts at {base})")
+        return CacheRefusal(
+            f"xs row {i}: set length {length} is behind base {base} (history starts at {base})"
+        )
     resume = resumable_from(length, ratio, span)
     if resume < base:
         return CacheRefusal(
@@ -110,11 +116,13 @@ def plan_xs_advance(tokens: list[int], base: list[int], window: int, t_new: int,
     is refused ("does not fit the window"). Refusals are CacheRefusal naming row and values.
     """
     require(len(tokens) == len(base), f"{len(tokens)} token counts but {len(base)} bases")
-    require(window >= 0 and t_new >= 0 and ratio >= 1 and span >= 1 and margin >= 0,
-            f"window {window}, t_new {t_new}, ratio {ratio}, span {span}, margin {margin} out of range")
+    require(
+        window >= 0 and t_new >= 0 and ratio >= 1 and span >= 1 and margin >= 0,
+        f"window {window}, t_new {t_new}, ratio {ratio}, span {span}, margin {margin} out of range",
+    )
     rows: list[XsRowPlan] = []
     calls: dict[tuple[int, int, int], list[int]] = {}
-    for i, (tok, b) in enumerate(zip(tokens, base)):
+    for i, (tok, b) in enumerate(zip(tokens, base, strict=False)):
         require(0 <= b <= tok, f"row {i}: base {b} must be in [0, tokens {tok}]")
         tok2 = tok + t_new
         g_done, g_target = tok // ratio, tok2 // ratio
@@ -160,8 +168,11 @@ class XsRolling:
         self.window = self.span * self.ratio + margin if window is None else int(window)
         self.max_seq_len = int(max_seq_len)
         self.margin = int(margin)
-        require(self.span >= 1 and self.window >= 1 and self.max_seq_len >= 0 and batch >= 0,
-                f"span {self.span}, window {self.window}, max_seq_len {self.max_seq_len}, batch {batch} out of range")
+        require(
+            self.span >= 1 and self.window >= 1 and self.max_seq_len >= 0 and batch >= 0,
+            f"span {self.span}, window {self.window}, max_seq_len {self.max_seq_len}, batch "
+            f"{batch} out of range",
+        )
         self.dim = dim
         self.tokens = [0] * batch
         self.base = [0] * batch
@@ -214,7 +225,9 @@ class XsRolling:
 
     def _zero_behind_base(self) -> None:
         for i in range(self.batch):
-            first_col = self.base[i] - (self.tokens[i] - self.window)  # tail column of token base[i]
+            first_col = self.base[i] - (
+                self.tokens[i] - self.window
+            )  # tail column of token base[i]
             if first_col > 0:
                 self.tail[i, :first_col] = 0
 
@@ -224,15 +237,29 @@ class XsRolling:
         write the new compressed rows at each row's `g_done`, keep the last W rows of
         `tail ++ x_new`, and move `tokens`/`base` on. Refused (before any change): a row
         past `max_seq_len` ("above max_seq_len"), a history gap, a run that does not fit."""
-        require(isinstance(x_new, np.ndarray) and x_new.ndim == 3 and x_new.shape[0] == self.batch,
-                f"append_rows needs [B={self.batch}, t_new, D], got {getattr(x_new, 'shape', None)}")
-        require(self.tail is None or x_new.shape[2] == self.tail.shape[2],
-                f"hidden width {x_new.shape[2]} differs from the slot's {None if self.tail is None else self.tail.shape[2]}")
+        require(
+            isinstance(x_new, np.ndarray) and x_new.ndim == 3 and x_new.shape[0] == self.batch,
+            f"append_rows needs [B={self.batch}, t_new, D], got {getattr(x_new, 'shape', None)}",
+        )
+        require(
+            self.tail is None or x_new.shape[2] == self.tail.shape[2],
+            f"hidden width {x_new.shape[2]} differs from the slot's "
+            f"{None if self.tail is None else self.tail.shape[2]}",
+        )
         t_new = x_new.shape[1]
-        plan = plan_xs_advance(self.tokens, self.base, self.window, t_new, self.ratio, self.span, self.margin)
-        over = [(i, p.tokens_after) for i, p in enumerate(plan.rows) if p.tokens_after > self.max_seq_len]
+        plan = plan_xs_advance(
+            self.tokens, self.base, self.window, t_new, self.ratio, self.span, self.margin
+        )
+        over = [
+            (i, p.tokens_after)
+            for i, p in enumerate(plan.rows)
+            if p.tokens_after > self.max_seq_len
+        ]
         if over:
-            raise CacheRefusal(f"xs row {over[0][0]} would hold {over[0][1]} tokens, above max_seq_len {self.max_seq_len}")
+            raise CacheRefusal(
+                f"xs row {over[0][0]} would hold {over[0][1]} tokens, above max_seq_len "
+                f"{self.max_seq_len}"
+            )
         g_needed = max((p.g_target for p in plan.rows), default=0)
         self._ensure_buffers(x_new.shape[2], x_new.dtype, g_needed)
         ext = np.concatenate([self.tail, x_new], axis=1)
@@ -248,7 +275,9 @@ class XsRolling:
 
     # --- length setters ------------------------------------------------------------------
     def _rollback_refusal(self, i: int, length: int) -> CacheRefusal | None:
-        return rollback_refusal(i, length, self.tokens[i], self.base[i], self.ratio, self.span, self.window)
+        return rollback_refusal(
+            i, length, self.tokens[i], self.base[i], self.ratio, self.span, self.window
+        )
 
     def set_row_lens(self, lens: list[int]) -> None:
         """Per-row rollback to `lens[i]` tokens (the per-sequence commit). Refused, before
@@ -273,10 +302,13 @@ class XsRolling:
 
     def try_set_len(self, length: int) -> None:
         """Check a uniform `set_len(length)`: refused for non-uniform rows ("non-uniform"),
-        and per row as `set_row_lens` refuses (past tokens, behind base, resume point behind base)."""
+        and per row as `set_row_lens` refuses (past tokens, behind base, resume point behind
+        base)."""
         require(length >= 0, f"set_len length {length} must be >= 0")
         if len(set(self.tokens)) > 1:
-            raise CacheRefusal(f"xs set_len({length}) refused: non-uniform rows with tokens {self.tokens}")
+            raise CacheRefusal(
+                f"xs set_len({length}) refused: non-uniform rows with tokens {self.tokens}"
+            )
         for i in range(self.batch):
             refusal = self._rollback_refusal(i, length)
             if refusal is not None:
@@ -300,7 +332,9 @@ class XsRolling:
         return copy.deepcopy(self)
 
     def _empty_like(self, batch: int) -> XsRolling:
-        return XsRolling(self.ratio, self.span, self.window, self.max_seq_len, batch, self.dim, self.margin)
+        return XsRolling(
+            self.ratio, self.span, self.window, self.max_seq_len, batch, self.dim, self.margin
+        )
 
     def split_rows(self) -> list[XsRolling]:
         """`split_row` for every row: B one-row slots, each with its own `(tokens, base)`, tail
@@ -323,8 +357,11 @@ class XsRolling:
         require(len(rows) > 0, "stack needs at least one xs slot")
         first = rows[0]
         for r in rows:
-            require((r.ratio, r.span, r.window, r.margin) == (first.ratio, first.span, first.window, first.margin),
-                    "xs slots in one layer must share ratio, span, window and margin")
+            require(
+                (r.ratio, r.span, r.window, r.margin)
+                == (first.ratio, first.span, first.window, first.margin),
+                "xs slots in one layer must share ratio, span, window and margin",
+            )
         out = first._empty_like(0)
         out.tokens = [t for r in rows for t in r.tokens]
         out.base = [b for r in rows for b in r.base]
@@ -336,7 +373,9 @@ class XsRolling:
             g = max(r.comp.shape[1] for r in rows if r.comp is not None)
             tails, comps = [], []
             for r in rows:
-                tail = r.tail if r.tail is not None else np.zeros((r.batch, r.window, d), dtype=dtype)
+                tail = (
+                    r.tail if r.tail is not None else np.zeros((r.batch, r.window, d), dtype=dtype)
+                )
                 comp = np.zeros((r.batch, g, d), dtype=dtype)
                 if r.comp is not None:
                     comp[:, : r.comp.shape[1]] = r.comp
@@ -346,7 +385,10 @@ class XsRolling:
             out.tail = np.concatenate(tails, axis=0)
             out.comp = np.concatenate(comps, axis=0)
         if reconcile_bases and out.batch:
-            require(len(set(out.tokens)) == 1, f"reconciling xs bases needs uniform tokens, got {out.tokens}")
+            require(
+                len(set(out.tokens)) == 1,
+                f"reconciling xs bases needs uniform tokens, got {out.tokens}",
+            )
             out.base = [max(out.base)] * out.batch
             if out.tail is not None:
                 out._zero_behind_base()

@@ -7,7 +7,8 @@ points; the timing and the result file live in bench/timing.py, the end-to-end s
 
 Every strategy is checked against the float64 reference before it is timed (a strategy that
 disagrees is WRONG and not timed); finished cases go to `bench.partial.json` after every
-case, so a run cut short keeps what it measured; `bench.json` is written when the run ends. The method (timing, the L2 flush, the copy-bandwidth bound) is
+case, so a run cut short keeps what it measured; `bench.json` is written when the run ends. The
+method (timing, the L2 flush, the copy-bandwidth bound) is
 described in docs/bench.md. torch is imported inside the functions, so `raggedspec --help`
 does not pay for it.
 """
