@@ -58,7 +58,7 @@ from raggedspec.reference import align, dispatch, step
 from raggedspec.reference import model as ref_model
 from raggedspec.reference.backend import Backend, CloneIn
 from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, NormalCache
-from raggedspec.reference.errors import AlignRefusal, require
+from raggedspec.reference.errors import require
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -249,19 +249,9 @@ class TorchBackend(Backend):
         padded to `T = max(starts)` (an offset) and its capacity narrowed to T; stacked. The
         reference's AlignRefusals, before any work."""
         starts = [int(s) for s in starts]
-        require(all(s >= 0 for s in starts), f"chain starts {starts} must be >= 0")
-        if len(kvs) != len(starts):
-            raise AlignRefusal(f"{len(kvs)} cache(s) for {len(starts)} chain start(s)")
-        if not kvs:
-            raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
-        for r, (c, s) in enumerate(zip(kvs, starts)):
-            if c.kind != NORMAL:
-                raise AlignRefusal(f"draft row {r} is a {c.kind} slot, not Normal")
-            if c.kv is None:
-                raise AlignRefusal(f"draft row {r}'s buffer is unmaterialized")
-            if s > c.current:
-                raise AlignRefusal(f"chain start {s} is past the {c.current} position(s) draft row {r} holds")
-        target = max(starts)
+        target = align.draft_group_target(  # the values of a non-Normal row are never read
+            [c.kind for c in kvs], [c.kind != NORMAL or c.kv is not None for c in kvs],
+            [c.current if c.kind == NORMAL else 0 for c in kvs], starts)
         rows = []
         for c, s in zip(kvs, starts):
             row = c.clone()

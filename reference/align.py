@@ -467,6 +467,30 @@ def batch_draft_caches(caches: list[KvCache]) -> KvCache | None:
         return None
 
 
+def draft_group_target(kinds: list[str], materialized: list[bool], held: list[int],
+                       starts: list[int]) -> int:
+    """The host half of `front_align_draft_group` (§9.7), on integers only: the group's
+    aligned width `T = max(starts)`, or its refusal. Every row's kind, whether its buffer is
+    materialized and the positions it holds are given, one entry per row. Checks, in order:
+    chain starts >= 0 (ValueError); AlignRefusal "{n} cache(s) for {m} chain start(s)"; no
+    rows; per row in order, a non-Normal slot, an unmaterialized buffer, then a chain start
+    past the positions held (set_len alone would grow into spare capacity). The reference's
+    NumPy caches and the port's slots both call it before any tensor work."""
+    require(all(int(s) >= 0 for s in starts), f"chain starts {list(starts)} must be >= 0")
+    if len(kinds) != len(starts):
+        raise AlignRefusal(f"{len(kinds)} cache(s) for {len(starts)} chain start(s)")
+    if not kinds:
+        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
+    for r, (kind, mat, h, s) in enumerate(zip(kinds, materialized, held, starts, strict=True)):
+        if kind != NORMAL:
+            raise AlignRefusal(f"draft row {r} is a {kind} slot, not Normal")
+        if not mat:
+            raise AlignRefusal(f"draft row {r}'s buffer is unmaterialized")
+        if s > h:
+            raise AlignRefusal(f"chain start {s} is past the {h} position(s) draft row {r} holds")
+    return max(int(s) for s in starts)
+
+
 def front_align_draft_group(caches: list[KvCache], starts: list[int]) -> KvCache:
     """Batch a RAGGED draft group (§9.7). Per row: clone, `set_len(start)` (drops the
     speculative tail), `front_pad_kv_cache(target = max(starts))`, narrow K and V to exactly
@@ -477,19 +501,10 @@ def front_align_draft_group(caches: list[KvCache], starts: list[int]) -> KvCache
     "chain start {s} is past the {held} position(s)" (set_len alone would grow into spare
     capacity); a non-Normal slot; an unmaterialized buffer. A pad refusal (max_seq_len)
     propagates as CacheRefusal."""
-    require(all(int(s) >= 0 for s in starts), f"chain starts {list(starts)} must be >= 0")
-    if len(caches) != len(starts):
-        raise AlignRefusal(f"{len(caches)} cache(s) for {len(starts)} chain start(s)")
-    if not caches:
-        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
-    for r, (c, s) in enumerate(zip(caches, starts)):
-        if c.kind != NORMAL:
-            raise AlignRefusal(f"draft row {r} is a {c.kind} slot, not Normal")
-        if c.k.data is None or c.v.data is None:
-            raise AlignRefusal(f"draft row {r}'s buffer is unmaterialized")
-        if s > c.current_seq_len:
-            raise AlignRefusal(f"chain start {s} is past the {c.current_seq_len} position(s) draft row {r} holds")
-    target = max(starts)
+    target = draft_group_target(  # the values of a non-Normal row are never read
+        [c.kind for c in caches],
+        [c.kind != NORMAL or (c.k.data is not None and c.v.data is not None) for c in caches],
+        [c.current_seq_len if c.kind == NORMAL else 0 for c in caches], starts)
     rows = []
     for c, s in zip(caches, starts):
         row = c.clone()

@@ -305,6 +305,28 @@ def propose_chain(model, h: np.ndarray, tok: int, depth: int, max_tokens: int, s
 # --- §9.3 the group drafting loop -----------------------------------------------------------------
 
 
+def draft_group_members(rows: Sequence[int], states: Sequence, cache_lens: Sequence[int],
+                        budgets: Sequence[int], u: int) -> tuple[list[int], list[int]]:
+    """Which rows of a draft group `(u, _)` draft (§9.3), on host integers only: the members
+    in row order and their chain starts `chain_start_of(cache_lens[i], u)`. A row is left
+    out when its budget is 0, it has no state, is poisoned or has no seed, its seed is not at
+    its chain start, or `filled < chain_start`. A state is anything with `poisoned`, `seed`
+    (`(position, hidden)` or None) and `filled`: the reference's `DraftKv` and the port's
+    draft states alike; the seed's hidden is not read. Refuses nothing."""
+    members: list[int] = []
+    starts: list[int] = []
+    for i in rows:
+        state = states[i]
+        if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
+            continue
+        start = chain_start_of(int(cache_lens[i]), u)
+        if state.seed[0] != start or state.filled < start:
+            continue
+        members.append(i)
+        starts.append(start)
+    return members, starts
+
+
 def group_drafting_loop(model, groups: dict[tuple[int, int], list[int]], states: Sequence[DraftKv | None],
                         toks: Sequence[Sequence[int]], cache_lens: Sequence[int], budgets: Sequence[int],
                         w: int, per_seq_advance: bool, warnings: list[str] | None = None) -> list[list[int]]:
@@ -336,25 +358,14 @@ def group_drafting_loop(model, groups: dict[tuple[int, int], list[int]], states:
     warned_empty = False
     for (u, _), rows in groups.items():
         n_draft = w - u
-        members: list[int] = []
-        seeds, lasts, starts = [], [], []
-        for i in rows:
-            state = states[i]
-            if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
-                continue
-            start = chain_start_of(int(cache_lens[i]), u)
-            if state.seed[0] != start or state.filled < start:
-                continue
-            members.append(i)
-            seeds.append(state.seed[1])
-            lasts.append(int(toks[i][-1]))
-            starts.append(start)
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
             if block is not None and not warned_empty:
                 _warn(warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)")
                 warned_empty = True
             continue
-        seed_hidden = np.stack(seeds)
+        seed_hidden = np.stack([states[i].seed[1] for i in members])
+        lasts = [int(toks[i][-1]) for i in members]
         g = len(members)
         if block is None:
             chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, None)
