@@ -7,7 +7,8 @@ same functions the reference's loop calls); the reference's batch / set_len / sp
 become host metadata (decided before any tensor changes) plus the rows' lengths set to their
 chain starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
 every group's tokens come back in one read. `extend_draft_kvs` is `extend_draft_kv_row` for a
-whole batch: the checks and metadata per row on host integers, then one gather of the new
+whole batch: the checks and metadata per row on host integers (the span is the reference's
+`extension_span`), then one gather of the new
 seeds and one `gpu.draft.extend_draft_kv_rows`.
 """
 
@@ -21,7 +22,7 @@ from raggedspec.gpu.draft_store import PoolKv
 from raggedspec.gpu.slots import KvMeta
 from raggedspec.reference import dispatch
 from raggedspec.reference.align import NORMAL, draft_group_target
-from raggedspec.reference.draft import draft_group_members
+from raggedspec.reference.draft import draft_group_members, extension_span
 from raggedspec.reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
 
 
@@ -274,21 +275,19 @@ def _extend_plan(
     w_lo,
     w_hi,
 ) -> bool:
-    """`extend_draft_kv_row`'s checks 7-13 for one row on host integers: False where the
-    reference returns False; a CacheRefusal as the reference's; otherwise the row's
-    metadata updated and its tensor work queued (seed, truncation, write)."""
+    """`extend_draft_kv_row`'s checks 7-13 for one row on host integers (7-10 are the
+    reference's `extension_span`): False where the reference returns False; a CacheRefusal
+    as the reference's; otherwise the row's metadata updated and its tensor work queued
+    (seed, truncation, write)."""
     off = offsets.row(row)
-    if off is None or off > state.filled:
+    span = extension_span(off, state.filled, t, toks)
+    if span is None:
         return False
-    big_l = len(toks)
-    if big_l >= 2:
-        p = big_l - 2
-        if off <= p < off + t:
-            seed_rows.append(row)
-            seed_cols.append(p - off)
-            seed_states.append((state, p))
-    lo = max(state.filled, off)
-    hi = min(off + t, max(big_l - 1, 0))
+    lo, hi, p = span
+    if p is not None:
+        seed_rows.append(row)
+        seed_cols.append(p - off)
+        seed_states.append((state, p))
     if hi <= lo:
         return True
     cache = state.cache

@@ -126,6 +126,30 @@ def extend_draft_cache(block, cache: KvCache | None, h: np.ndarray, next_tokens,
     return start + n
 
 
+def extension_span(off: int | None, filled: int, t: int,
+                   toks: Sequence[int]) -> tuple[int, int, int | None] | None:
+    """Checks 7-10 of `extend_draft_kv_row` on host integers (§7.2), for the reference and the
+    port alike: the row's capture offset `off` (None: not described), its `filled`, the
+    capture width `t` and the committed tokens (only `L = len(toks)` is read, and only past
+    the misalignment checks). None when the row is misaligned (no
+    offset, or `off > filled`: not contiguous); else `(lo, hi, seed)` with
+    `lo = max(filled, off)`, `hi = min(off + t, sat(L - 1))` (`hi <= lo`: nothing to write)
+    and `seed = p = L - 2` when `L >= 2` and `off <= p < off + t`, else None (the old seed
+    stays). Invariant: `hi <= L - 1`, so only pairs `(h_i, tok_{i+1})` with `i <= L - 2`
+    are written. Refuses nothing."""
+    if off is None or off > filled:
+        return None
+    big_l = len(toks)
+    seed = None
+    if big_l >= 2:
+        p = big_l - 2
+        if off <= p < off + t:
+            seed = p
+    lo = max(filled, off)
+    hi = min(off + t, max(big_l - 1, 0))
+    return lo, hi, seed
+
+
 def extend_draft_kv_row(state: DraftKv, capture, toks: Sequence[int], row: int, batch: int, model) -> bool:
     """Extend row `row`'s draft KV from the target's capture (§7.2). Returns True (fine, or
     nothing to do) or False (misaligned: the caller poisons); raises a `Refusal` for an
@@ -166,19 +190,13 @@ def extend_draft_kv_row(state: DraftKv, capture, toks: Sequence[int], row: int, 
     if not offsets.describes(batch):
         return False
     off = offsets.row(row)
-    if off is None:
+    span = extension_span(off, state.filled, hidden.shape[1], toks)
+    if span is None:
         return False
+    lo, hi, p = span
     hidden = hidden[row]
-    t = hidden.shape[0]
-    if off > state.filled:
-        return False
-    big_l = len(toks)
-    if big_l >= 2:
-        p = big_l - 2
-        if off <= p < off + t:
-            state.seed = (p, hidden[p - off].copy())
-    lo = max(state.filled, off)
-    hi = min(off + t, max(big_l - 1, 0))
+    if p is not None:
+        state.seed = (p, hidden[p - off].copy())
     if hi <= lo:
         return True
     if state.cache is None:
