@@ -480,3 +480,45 @@ def test_speculative_mtp_v4_propose_verify_loop_is_consistent():
         u = plan_batch_step([u], [a], w).next_uncached[0]
         assert u == 1
     assert proposed == 32 and 0.0 <= accepted / proposed <= 1.0
+
+
+# --- the rules on arrays (the lengths mode calls them on the batch's NumPy rows) -------------
+
+
+def test_the_step_rules_give_arrays_for_arrays_with_the_values_of_the_spec_examples():
+    import numpy as np
+
+    arr = np.array
+    win = plan_step_window(arr([10, 8]), arr([12, 9]), 4)  # u = 2, 1
+    assert isinstance(win.uncached, np.ndarray) and win.uncached.tolist() == [2, 1] and win.ok
+    budget = token_budget(20, arr([12, 20, 25]))
+    assert isinstance(budget, np.ndarray) and budget.tolist() == [8, 0, 0]
+    clamped = budget_clamp(arr([3, 3, 0]), arr([8, 3, 0]))
+    assert isinstance(clamped, np.ndarray) and clamped.tolist() == [3, 2, 0]
+    cohort = plan_batch_step(arr([2, 1]), arr([1, 3]), 4)  # u + a = 3, 4: keep 3
+    assert (cohort.keep, cohort.n_drop) == (3, 1)
+    assert isinstance(cohort.next_uncached, np.ndarray) and cohort.next_uncached.tolist() == [1, 2]
+    per = plan_per_sequence_step(arr([2, 1]), arr([1, 3]), 4)
+    for got, want in ((per.committed, [3, 4]), (per.dropped, [1, 0]), (per.next_uncached, [1, 1])):
+        assert isinstance(got, np.ndarray) and got.tolist() == want
+
+
+def test_the_step_rules_take_an_empty_batch_of_arrays():
+    import numpy as np
+
+    empty = np.zeros(0, dtype=np.int64)
+    win = plan_step_window(empty, empty, 4)
+    assert win.ok and win.uncached.tolist() == []
+    assert token_budget(20, empty).tolist() == []
+    assert budget_clamp(empty, empty).tolist() == []
+    assert plan_batch_step(empty, empty, 4).keep == 0
+    assert plan_per_sequence_step(empty, empty, 4).committed.tolist() == []
+
+
+def test_a_negative_length_at_window_1_is_refused_for_the_length_not_the_window():
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        plan_step_window([-1], [2], 1)
+    with pytest.raises(ValueError, match=r"uncached \[-1\] and accepted \[0\] must be >= 0"):
+        plan_batch_step([-1], [0], 1)
+    with pytest.raises(ValueError, match=r"uncached \[1\] and accepted \[-2\] must be >= 0"):
+        plan_per_sequence_step([1], [-2], 1)

@@ -1,4 +1,5 @@
-"""The torch backend: `raggedspec.reference.backend.Backend` on the port (`gpu/`), on any device and in
+"""The torch backend: `raggedspec.reference.backend.Backend` on the port (`gpu/`), on any device and
+in
 float64, float32 or bfloat16.
 
 A thin adapter: each protocol method is one call. The host-side rules (clone-in order,
@@ -58,7 +59,7 @@ from raggedspec.reference import align, dispatch, step
 from raggedspec.reference import model as ref_model
 from raggedspec.reference.backend import Backend, CloneIn
 from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, NormalCache
-from raggedspec.reference.errors import AlignRefusal, require
+from raggedspec.reference.errors import require
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -141,8 +142,12 @@ class TorchBackend(Backend):
 
     def _kv_view(self, slot: TorchKv) -> dict:
         fa = self._front_aligned(slot)
-        return {"k": None if fa is None else self.to_numpy(fa[0]), "v": None if fa is None else self.to_numpy(fa[1]),
-                "len": slot.current, "capacity": slot.capacity}
+        return {
+            "k": None if fa is None else self.to_numpy(fa[0]),
+            "v": None if fa is None else self.to_numpy(fa[1]),
+            "len": slot.current,
+            "capacity": slot.capacity,
+        }
 
     def _xs_view(self, slot) -> dict:
         if isinstance(slot, RowXs):
@@ -165,7 +170,9 @@ class TorchBackend(Backend):
         """The reference's clone-in (every check and its order) on the port's slots; the
         batch is assembled by `gpu.slots.stack_layer` (one gather per source buffer, none
         when the handles are one batch's rows in order)."""
-        ci = align.clone_in_cache_reporting_lead(caches, pending_leads, xs_per_seq, per_sequence, stack_layer)
+        ci = align.clone_in_cache_reporting_lead(
+            caches, pending_leads, xs_per_seq, per_sequence, stack_layer
+        )
         return CloneIn(ci.batched, [int(x) for x in ci.lead_pad], ci.ragged_decode_supported)
 
     def clone_out(self, batched, b):
@@ -177,7 +184,11 @@ class TorchBackend(Backend):
             if slot.kind == NORMAL:
                 if slot.kv is not None and slot.kv.batch != b:
                     raise ValueError(f"layer {layer} holds {slot.batch} rows, not {b}")
-                pieces = slot.rows() if slot.kv is not None else [slot.rows()[0].clone() for _ in range(b)]
+                pieces = (
+                    slot.rows()
+                    if slot.kv is not None
+                    else [slot.rows()[0].clone() for _ in range(b)]
+                )
             else:
                 if slot.batch != b:
                     raise ValueError(f"xs layer {layer} holds {slot.batch} rows, not {b}")
@@ -249,21 +260,11 @@ class TorchBackend(Backend):
         padded to `T = max(starts)` (an offset) and its capacity narrowed to T; stacked. The
         reference's AlignRefusals, before any work."""
         starts = [int(s) for s in starts]
-        require(all(s >= 0 for s in starts), f"chain starts {starts} must be >= 0")
-        if len(kvs) != len(starts):
-            raise AlignRefusal(f"{len(kvs)} cache(s) for {len(starts)} chain start(s)")
-        if not kvs:
-            raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
-        for r, (c, s) in enumerate(zip(kvs, starts)):
-            if c.kind != NORMAL:
-                raise AlignRefusal(f"draft row {r} is a {c.kind} slot, not Normal")
-            if c.kv is None:
-                raise AlignRefusal(f"draft row {r}'s buffer is unmaterialized")
-            if s > c.current:
-                raise AlignRefusal(f"chain start {s} is past the {c.current} position(s) draft row {r} holds")
-        target = max(starts)
+        target = align.draft_group_target(  # the values of a non-Normal row are never read
+            [c.kind for c in kvs], [c.kind != NORMAL or c.kv is not None for c in kvs],
+            [c.current if c.kind == NORMAL else 0 for c in kvs], starts)
         rows = []
-        for c, s in zip(kvs, starts):
+        for c, s in zip(kvs, starts, strict=False):
             row = c.clone()
             row.set_len(s)
             row.front_pad(target)
@@ -290,7 +291,9 @@ class TorchBackend(Backend):
                            gmasks.compressed_validity(t_q, q0, t_c, ratio, device=self.dev)], dim=1)
         if rows is None:
             return neg_inf_where(valid, self.tdtype)[None, None]
-        return self._ragged_union_mask(rows.to(self.dev), q0, valid, raw_base, keep, window, ratio, t_c)
+        return self._ragged_union_mask(
+            rows.to(self.dev), q0, valid, raw_base, keep, window, ratio, t_c
+        )
 
     def _ragged_union_mask(self, rows, q0, valid, raw_base, keep, window, ratio, t_c):
         """The ragged half of `union_mask` (rows through `resolve_ragged_rows`, the shared
@@ -313,7 +316,9 @@ class TorchBackend(Backend):
         offsets or the compressed-key start differ from the own lengths (a ragged batch
         decoded without per-row masks), the same layers run with those (`_forward_general`)."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        require(tokens.ndim == 2 and tokens.size > 0, f"tokens {tokens.shape} must be [B,T], B, T >= 1")
+        require(
+            tokens.ndim == 2 and tokens.size > 0, f"tokens {tokens.shape} must be [B,T], B, T >= 1"
+        )
         b, t = tokens.shape
         n = model.n_layers
         require(len(cache.slots) >= n, f"cache has {len(cache.slots)} slots for {n} layers")
@@ -322,16 +327,25 @@ class TorchBackend(Backend):
         leads = [0] * b if lead_pad is None else [int(x) for x in lead_pad]
         require(len(leads) == b, f"{len(leads)} leads for a batch of {b}")
         c = cache.current_seq_len
-        bad = np.flatnonzero(np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) != c - np.asarray(leads, np.int64))
+        bad = np.flatnonzero(
+            np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,))
+            != c - np.asarray(leads, np.int64)
+        )
         if bad.size:  # one vector comparison of the host integers; the first offending row named
             i = int(bad[0])
             off = offs[i if len(offs) == b else 0]
-            require(False, f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead {leads[i]})")
+            require(
+                False,
+                f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead "
+                f"{leads[i]})",
+            )
         kvs = cache.slots[:n]
         for slot in kvs:  # the reference's first append refuses before anything changes
             slot.check_append(t)
         rows = dispatch.resolve_ragged_rows(row_q0, c, b)
-        attn_dead = np.zeros(b, dtype=np.int64) if rows is None else c - np.asarray(rows, dtype=np.int64)
+        attn_dead = (
+            np.zeros(b, dtype=np.int64) if rows is None else c - np.asarray(rows, dtype=np.int64)
+        )
         first = kvs[0]
         if first.kv is None:
             require(c == 0, f"an unmaterialized cache of length {c} cannot be decoded on")
@@ -344,15 +358,18 @@ class TorchBackend(Backend):
             raise ValueError(f"compressed keys from leads {leads} inside the dead prefix")
         if first.kv is None:
             for slot in kvs:
-                slot.kv = RaggedKv.empty(b, 1, model.cfg.head_dim, slot.max_seq_len, slot.capacity, self.tdtype,
-                                         self.dev)
+                slot.kv = RaggedKv.empty(
+                    b, 1, model.cfg.head_dim, slot.max_seq_len, slot.capacity, self.tdtype, self.dev
+                )
                 slot.lead = np.zeros(b, dtype=np.int64)
         for slot in kvs:
             slot.grow_meta(t)
             grow_physical(slot.kv, int(slot.own.max()) + t)
         own = first.own
         toks = torch.as_tensor(tokens, device=self.dev)
-        if (np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) == own).all() and not comp_start.any():
+        if (
+            np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) == own
+        ).all() and not comp_start.any():
             fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture)
         else:
             fwd = self._forward_general(model, toks, [s.kv for s in kvs], self._ints(offs),
@@ -367,7 +384,7 @@ class TorchBackend(Backend):
         """The port layers with RoPE at `offsets` (not the own lengths) and each compressed
         layer's keys from physical column `comp_start_i` of its row."""
         x = model.embed[tokens]
-        for layer, kv in zip(model.layers, kvs):
+        for layer, kv in zip(model.layers, kvs, strict=False):
             if not layer.ratio:
                 x = layer.forward(x, kv, offsets=offsets)
             else:
@@ -396,12 +413,16 @@ class TorchBackend(Backend):
         if t_c > 0:
             width = t_c * r
             dev = kv.k.device
-            cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(max=kv.capacity - 1)
+            cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(
+                max=kv.capacity - 1
+            )
             raw = kv.k.gather(2, cols[:, None, :, None].expand(b, 1, width, hd))
             cos, sin = layer.ropes.get(layer.theta, width).lookup(torch.arange(width, device=dev))
             raw = rotate(raw, cos, sin, cfg.rope_dims, inverse=True)
             blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)
-            cos, sin = layer.ropes.get(cfg.compress_rope_theta, width).lookup(torch.arange(t_c, device=dev) * r)
+            cos, sin = layer.ropes.get(cfg.compress_rope_theta, width).lookup(
+                torch.arange(t_c, device=dev) * r
+            )
             blocks = rotate(blocks, cos, sin, cfg.rope_dims)
             live = (torch.arange(t_c, device=dev)[None, :] < live_n[:, None])[:, None, :, None]
             comp = torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
@@ -447,29 +468,53 @@ class TorchBackend(Backend):
             if run:
                 kv.store.reserve(kv.current + n)
                 kv.materialized = True
-            chains = propose_chain_batched(model, seed, self._ints(last_tokens), n, [int(s) for s in chain_starts],
-                                           kv.store.kv, rows=self._ints([kv.idx] * g))
+            chains = propose_chain_batched(
+                model,
+                seed,
+                self._ints(last_tokens),
+                n,
+                [int(s) for s in chain_starts],
+                kv.store.kv,
+                rows=self._ints([kv.idx] * g),
+            )
         else:
             if run:
                 grow_physical(kv.kv, int(kv.own.max()) + n)
-            chains = propose_chain_batched(model, seed, self._ints(last_tokens), n, [int(s) for s in chain_starts],
-                                           None if kv is None else kv.kv)
+            chains = propose_chain_batched(
+                model,
+                seed,
+                self._ints(last_tokens),
+                n,
+                [int(s) for s in chain_starts],
+                None if kv is None else kv.kv,
+            )
         if run:
             kv.current += n
         return [[int(x) for x in row] for row in chains.tolist()]
 
     # ------------------------------------------------------------------ draft orchestration
-    def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None):
-        return draft_group_loop(self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance,
-                                warnings)
+    def draft_chain(
+        self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings=None
+    ):
+        return draft_group_loop(
+            self, model, groups, states, toks, cache_lens, budgets, w, per_seq_advance, warnings
+        )
 
     def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None):
         extend_draft_kvs(self, states, capture, toks, batch, model, warnings)
 
     def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
-        extend_draft_kvs(self, states, capture, toks, batch, model, warnings,
-                         why="prefix-cache hit / chunked prefill: the prompt capture does not start at the "
-                             "draft KV's end")
+        extend_draft_kvs(
+            self,
+            states,
+            capture,
+            toks,
+            batch,
+            model,
+            warnings,
+            why="prefix-cache hit / chunked prefill: the prompt capture does not start at the "
+            "draft KV's end",
+        )
 
     # ------------------------------------------------------------------ length vectors
     # Host integers in, host integers out: the reference's rule functions themselves (the
@@ -492,16 +537,22 @@ class TorchBackend(Backend):
         return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
 
     def draft_group_keys(self, uncached, cache_lens, carries_per_row):
-        return [dispatch.draft_group_key(u, c, carries_per_row) for u, c in zip(uncached, cache_lens)]
+        return [
+            dispatch.draft_group_key(u, c, carries_per_row)
+            for u, c in zip(uncached, cache_lens, strict=False)
+        ]
 
     def chain_starts(self, cache_lens, uncached):
-        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached)]
+        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached, strict=False)]
 
     def verify_accept(self, proposed, targets):
-        return [len(step.verify_proposed(p, t).accepted) for p, t in zip(proposed, targets)]
+        return [
+            len(step.verify_proposed(p, t).accepted)
+            for p, t in zip(proposed, targets, strict=False)
+        ]
 
     def budget_clamp(self, accepted, budgets):
-        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets)]
+        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]
 
     def plan_batch_step(self, uncached, accepted, w):
         plan = step.plan_batch_step(uncached, accepted, w)

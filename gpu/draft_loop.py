@@ -1,12 +1,14 @@
 """The torch backend's draft-group loop and draft-KV extension on the pooled draft KV.
 
-`draft_group_loop` is `reference.draft.group_drafting_loop` (same membership, warnings,
-refusals and order) on rows of one `gpu.draft_store.DraftStore`: the reference's batch /
-front-align / set_len / split / strip become host metadata (the same capacity arithmetic and
-refusals, decided before any tensor changes) plus the rows' lengths set to their chain
-starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
+`draft_group_loop` is `reference.draft.group_drafting_loop` on rows of one
+`gpu.draft_store.DraftStore`: membership is the reference's `draft_group_members` and the
+ragged alignment's refusals its `reference.align.draft_group_target` (both integer-only, the
+same functions the reference's loop calls); the reference's batch / set_len / split / strip
+become host metadata (decided before any tensor changes) plus the rows' lengths set to their
+chain starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
 every group's tokens come back in one read. `extend_draft_kvs` is `extend_draft_kv_row` for a
-whole batch: the checks and metadata per row on host integers, then one gather of the new
+whole batch: the checks and metadata per row on host integers (the span is the reference's
+`extension_span`), then one gather of the new
 seeds and one `gpu.draft.extend_draft_kv_rows`.
 """
 
@@ -19,8 +21,9 @@ from raggedspec.gpu.draft import extend_draft_kv_rows, propose_chain_batched
 from raggedspec.gpu.draft_store import PoolKv
 from raggedspec.gpu.slots import KvMeta
 from raggedspec.reference import dispatch
-from raggedspec.reference.dispatch import chain_start_of
-from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal, require
+from raggedspec.reference.align import NORMAL, draft_group_target
+from raggedspec.reference.draft import draft_group_members, extension_span
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
 
 
 def draft_group_loop(
@@ -53,18 +56,7 @@ def draft_group_loop(
     pending = []  # (members, chain tokens on the device) per drafted group
     for (u, _), rows in groups.items():  # groups: at most w of them (one per uncached count)
         n_draft = w - u
-        members, seeds, lasts, starts = [], [], [], []
-        for i in rows:  # host membership: per-state metadata (flags, seed positions), no tensor
-            state = states[i]
-            if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
-                continue
-            start = chain_start_of(int(cache_lens[i]), u)
-            if state.seed[0] != start or state.filled < start:
-                continue
-            members.append(i)
-            seeds.append(state.seed[1])
-            lasts.append(int(toks[i][-1]))
-            starts.append(start)
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
             if block is not None and not warned_empty:
                 _warn(
@@ -72,7 +64,8 @@ def draft_group_loop(
                 )
                 warned_empty = True
             continue
-        seed_hidden = torch.stack(seeds)  # [G, H]: the seeds are per-sequence host records
+        seed_hidden = torch.stack([states[i].seed[1] for i in members])  # per-sequence records
+        lasts = [int(toks[i][-1]) for i in members]
         g = len(members)
         if block is None:
             chains = be.propose_chain(model, seed_hidden, lasts, n_draft, starts, None)
@@ -155,19 +148,13 @@ def _draft_group_plan(caches, starts, aligned, n, key, warnings):
             return None
         entry, cap = starts[0], first.capacity
     else:
-        refusal = None  # the first refusing row, host integers
-        for r, (c, s) in enumerate(zip(caches, starts, strict=True)):
-            if not c.materialized:
-                refusal = f"draft row {r}'s buffer is unmaterialized"
-            elif s > c.current:
-                refusal = f"chain start {s} is past the {c.current} position(s) draft row {r} holds"
-            if refusal is not None:
-                _warn(
-                    warnings,
-                    f"draft group {key}: front-alignment refused ({refusal}); group skipped",
-                )
-                return None
-        entry = cap = max(starts)
+        try:  # pool rows are Normal slots
+            entry = cap = draft_group_target([NORMAL] * len(caches),
+                                             [c.materialized for c in caches],
+                                             [c.current for c in caches], starts)
+        except AlignRefusal as exc:
+            _warn(warnings, f"draft group {key}: front-alignment refused ({exc}); group skipped")
+            return None
     for i in range(n):  # the reference's n one-column appends (chain steps, not rows)
         cap = KvMeta(caches[0].max_seq_len, cap, entry + i).check_append(1)
     return entry, cap
@@ -288,21 +275,19 @@ def _extend_plan(
     w_lo,
     w_hi,
 ) -> bool:
-    """`extend_draft_kv_row`'s checks 7-13 for one row on host integers: False where the
-    reference returns False; a CacheRefusal as the reference's; otherwise the row's
-    metadata updated and its tensor work queued (seed, truncation, write)."""
+    """`extend_draft_kv_row`'s checks 7-13 for one row on host integers (7-10 are the
+    reference's `extension_span`): False where the reference returns False; a CacheRefusal
+    as the reference's; otherwise the row's metadata updated and its tensor work queued
+    (seed, truncation, write)."""
     off = offsets.row(row)
-    if off is None or off > state.filled:
+    span = extension_span(off, state.filled, t, toks)
+    if span is None:
         return False
-    big_l = len(toks)
-    if big_l >= 2:
-        p = big_l - 2
-        if off <= p < off + t:
-            seed_rows.append(row)
-            seed_cols.append(p - off)
-            seed_states.append((state, p))
-    lo = max(state.filled, off)
-    hi = min(off + t, max(big_l - 1, 0))
+    lo, hi, p = span
+    if p is not None:
+        seed_rows.append(row)
+        seed_cols.append(p - off)
+        seed_states.append((state, p))
     if hi <= lo:
         return True
     cache = state.cache

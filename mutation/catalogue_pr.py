@@ -114,20 +114,20 @@ ENTRIES: list[Mutant] = [
         DRAFT,
     ),
     M(
-        "front_align_draft_group: clamp a too-far chain start not refuse",
+        'front_align_draft_group: clamp a too-far chain start not refuse',
         R_ALIGN,
-        '            raise AlignRefusal(f"chain start {s} is past the {c.current_seq_len} '
-        'position(s) draft row {r} holds")\n',
-        "            starts = [min(x, cc.current_seq_len) for x, cc in zip(starts, caches)]\n",
+        '            raise AlignRefusal(f"chain start {s} is past the {h} position(s) draft row '
+        '{r} holds")\n',
+        '            starts = [min(x, y) for x, y in zip(starts, held)]\n',
         "PR; C§18",
         ALIGN,
         DRAFT,
     ),
     M(
-        "front_align_draft_group: never refuse a width mismatch",
+        'front_align_draft_group: never refuse a width mismatch',
         R_ALIGN,
-        "    if len(caches) != len(starts):\n",
-        "    if False:\n",
+        '    if len(kinds) != len(starts):\n',
+        '    if False:\n',
         "PR; C§18",
         ALIGN,
         DRAFT,

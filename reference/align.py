@@ -32,12 +32,18 @@ def _front_pad_refusal(sc: SingleCache, target: int) -> CacheRefusal | None:
     if target == live:
         return None
     if sc.data is None:
-        return CacheRefusal(f"front_pad to {target}: the slot's buffer is unmaterialized ({live} live positions)")
+        return CacheRefusal(
+            f"front_pad to {target}: the slot's buffer is unmaterialized ({live} live positions)"
+        )
     if sc.first_cached > 0:
-        return CacheRefusal(f"front_pad to {target}: a windowed slot (first cached {sc.first_cached}) cannot be front-padded")
+        return CacheRefusal(
+            f"front_pad to {target}: a windowed slot (first cached {sc.first_cached}) cannot be "
+            "front-padded"
+        )
     cap = max(sc.capacity_seq_len, target)
     if cap > sc.max_seq_len:
-        return CacheRefusal(f"front_pad to {target}: capacity {cap} would be above max_seq_len {sc.max_seq_len}")
+        return CacheRefusal(f"front_pad to {target}: capacity {cap} would be above max_seq_len "
+                            f"{sc.max_seq_len}")
     return None
 
 
@@ -74,13 +80,22 @@ def _drop_front_refusal(sc: SingleCache, lead: int) -> CacheRefusal | None:
         return None
     n = sc.current_seq_len
     if lead > n:
-        return CacheRefusal(f"cannot drop a {lead}-column dead prefix from a slot that holds only {n}")
+        return CacheRefusal(f"cannot drop a {lead}-column dead prefix from a slot that holds only "
+                            f"{n}")
     if sc.data is None:
-        return CacheRefusal(f"cannot drop a {lead}-column dead prefix from an unmaterialized slot ({n} positions)")
+        return CacheRefusal(
+            f"cannot drop a {lead}-column dead prefix from an unmaterialized slot ({n} positions)"
+        )
     if sc.data.shape[SEQ_DIM] < n:
-        return CacheRefusal(f"cannot drop a {lead}-column dead prefix: buffer width {sc.data.shape[SEQ_DIM]} < current {n}")
+        return CacheRefusal(
+            f"cannot drop a {lead}-column dead prefix: buffer width {sc.data.shape[SEQ_DIM]} < "
+            f"current {n}"
+        )
     if sc.first_cached > 0:
-        return CacheRefusal(f"cannot drop a {lead}-column dead prefix from a windowed slot (first cached {sc.first_cached})")
+        return CacheRefusal(
+            f"cannot drop a {lead}-column dead prefix from a windowed slot (first cached "
+            f"{sc.first_cached})"
+        )
     return None
 
 
@@ -111,8 +126,10 @@ def drop_front_single(sc: SingleCache, lead: int) -> None:
 def _slot_pad_refusal(slot, target: int, xs_per_seq: bool) -> CacheRefusal | None:
     if slot.kind == XS:
         if not xs_per_seq:
-            return CacheRefusal(f"front_pad to {target}: an XsRolling slot cannot be front-padded while "
-                                f"ARC_V4_XS_PER_SEQ is off (xs_per_seq={xs_per_seq})")
+            return CacheRefusal(
+                f"front_pad to {target}: an XsRolling slot cannot be front-padded while "
+                f"ARC_V4_XS_PER_SEQ is off (xs_per_seq={xs_per_seq})"
+            )
         return None
     if slot.kind != NORMAL:
         return CacheRefusal(f"front_pad to {target}: a {slot.kind} slot cannot be front-padded")
@@ -220,7 +237,9 @@ def front_align_batch(caches: list[NormalCache], xs_per_seq: bool) -> list[int]:
 # §5.1 / §14: uniformity checks and capability
 # --------------------------------------------------------------------------------------
 
-def first_mismatched_cache_len(caches: list[NormalCache], xs_per_seq: bool) -> tuple[int, int, int, int] | None:
+def first_mismatched_cache_len(
+    caches: list[NormalCache], xs_per_seq: bool
+) -> tuple[int, int, int, int] | None:
     """The first `(layer, expected, got, i)` where sequence i's slot `layer` has a
     `current_seq_len` different from `seqs[0]`'s same slot, scanning sequences in order and
     layers within each (order unspecified upstream; this one is stated). XsRolling slots are
@@ -229,7 +248,10 @@ def first_mismatched_cache_len(caches: list[NormalCache], xs_per_seq: bool) -> t
         return None
     ref = caches[0].slots
     for i, c in enumerate(caches[1:], start=1):
-        require(len(c.slots) == len(ref), f"sequence {i} has {len(c.slots)} slots, sequence 0 has {len(ref)}")
+        require(
+            len(c.slots) == len(ref),
+            f"sequence {i} has {len(c.slots)} slots, sequence 0 has {len(ref)}",
+        )
         for layer, slot in enumerate(c.slots):
             if xs_per_seq and (slot.kind == XS or ref[layer].kind == XS):
                 continue
@@ -268,11 +290,17 @@ def _concat_single(parts: list[SingleCache]) -> SingleCache:
     first = parts[0]
     cap = max(p.capacity_seq_len for p in parts)
     materialized = [p.data is not None for p in parts]
-    require(all(materialized) or not any(materialized), "cannot concatenate materialized and unmaterialized slots")
+    require(
+        all(materialized) or not any(materialized),
+        "cannot concatenate materialized and unmaterialized slots",
+    )
     data = None
     if all(materialized):
         shapes = {(p.data.shape[1], p.data.shape[3], p.data.dtype) for p in parts}
-        require(len(shapes) == 1, f"cannot concatenate buffers of [H, D, dtype] {sorted(map(str, shapes))}")
+        require(
+            len(shapes) == 1,
+            f"cannot concatenate buffers of [H, D, dtype] {sorted(map(str, shapes))}",
+        )
         padded = []
         for p in parts:
             b, h, w, d = p.data.shape
@@ -308,15 +336,32 @@ def _chunk_single(sc: SingleCache, g: int) -> list[SingleCache] | None:
     """Chunk one SingleCache on dim 0 into g pieces, each with a copy of its metadata; None
     when the piece count is not g (unmaterialized buffers give g metadata-only copies)."""
     if sc.data is None:
-        return [SingleCache(sc.max_seq_len, sc.capacity_seq_len, sc.current_seq_len, sc.first_cached,
-                            sc.retain_window, None) for _ in range(g)]
+        return [
+            SingleCache(
+                sc.max_seq_len,
+                sc.capacity_seq_len,
+                sc.current_seq_len,
+                sc.first_cached,
+                sc.retain_window,
+                None,
+            )
+            for _ in range(g)
+        ]
     sizes = _chunk_sizes(sc.data.shape[0], g)
     if len(sizes) != g:
         return None
     out, start = [], 0
     for s in sizes:
-        out.append(SingleCache(sc.max_seq_len, sc.capacity_seq_len, sc.current_seq_len, sc.first_cached,
-                               sc.retain_window, sc.data[start : start + s].copy()))
+        out.append(
+            SingleCache(
+                sc.max_seq_len,
+                sc.capacity_seq_len,
+                sc.current_seq_len,
+                sc.first_cached,
+                sc.retain_window,
+                sc.data[start : start + s].copy(),
+            )
+        )
         start += s
     return out
 
@@ -338,13 +383,13 @@ class CloneIn:
 def _strip_pending(caches: list[NormalCache], pending_leads: list[int]) -> None:
     require(len(pending_leads) in (0, len(caches)),
             f"{len(pending_leads)} pending leads for {len(caches)} sequences")
-    for i, (c, lead) in enumerate(zip(caches, pending_leads)):
+    for i, (c, lead) in enumerate(zip(caches, pending_leads, strict=False)):
         require(lead >= 0, f"pending lead {lead} must be >= 0")
         for layer, slot in enumerate(c.slots):
             refusal = _dead_prefix_refusal(slot, lead)
             if refusal is not None:
                 raise CacheRefusal(f"sequence {i} slot {layer}: {refusal}")
-    for c, lead in zip(caches, pending_leads):
+    for c, lead in zip(caches, pending_leads, strict=False):
         for slot in c.slots:
             drop_dead_prefix(slot, lead)
 
@@ -390,8 +435,13 @@ def clone_in_cache(caches: list[NormalCache], pending_leads: list[int], xs_per_s
     return CloneIn(batched, lead_pad, can)
 
 
-def clone_in_cache_reporting_lead(caches: list[NormalCache], pending_leads: list[int], xs_per_seq: bool,
-                                  per_sequence: bool, stack_layer=None) -> CloneIn:
+def clone_in_cache_reporting_lead(
+    caches: list[NormalCache],
+    pending_leads: list[int],
+    xs_per_seq: bool,
+    per_sequence: bool,
+    stack_layer=None,
+) -> CloneIn:
     """The MTP pipeline's `In` (eager policy, §5.4): strip pending leads; under PerSequence run
     `front_align_batch` BEFORE `clone_in_cache` (its refusal propagates) and report those
     leads (all 0 for a uniform batch); otherwise report all-0 leads. Internals unspecified
@@ -417,10 +467,13 @@ def clone_out_cache(batched: NormalCache, b: int) -> list[NormalCache]:
     for layer, slot in enumerate(batched.slots):
         if slot.kind == NORMAL:
             for half in (slot.k, slot.v):
-                require(half.data is None or half.data.shape[0] == b,
-                        f"layer {layer} holds {None if half.data is None else half.data.shape[0]} rows, not {b}")
+                require(
+                    half.data is None or half.data.shape[0] == b,
+                    f"layer {layer} holds {None if half.data is None else half.data.shape[0]} "
+                    f"rows, not {b}",
+                )
             ks, vs = _chunk_single(slot.k, b), _chunk_single(slot.v, b)
-            pieces = [KvCache(k, v) for k, v in zip(ks, vs)]
+            pieces = [KvCache(k, v) for k, v in zip(ks, vs, strict=False)]
         elif slot.kind == XS:
             require(slot.batch == b, f"xs layer {layer} holds {slot.batch} rows, not {b}")
             pieces = slot.split_rows()
@@ -449,7 +502,9 @@ def batch_draft_caches(caches: list[KvCache]) -> KvCache | None:
     for c in caches:
         if c.kind != NORMAL:
             return None
-        if (c.k.current_seq_len, c.k.capacity_seq_len) != (first.k.current_seq_len, first.k.capacity_seq_len):
+        if (c.k.current_seq_len, c.k.capacity_seq_len) != (
+            first.k.current_seq_len, first.k.capacity_seq_len
+        ):
             return None
         if c.k.data is None or c.v.data is None:
             return None
@@ -457,6 +512,30 @@ def batch_draft_caches(caches: list[KvCache]) -> KvCache | None:
         return concat_kv(caches)
     except ValueError:
         return None
+
+
+def draft_group_target(kinds: list[str], materialized: list[bool], held: list[int],
+                       starts: list[int]) -> int:
+    """The host half of `front_align_draft_group` (§9.7), on integers only: the group's
+    aligned width `T = max(starts)`, or its refusal. Every row's kind, whether its buffer is
+    materialized and the positions it holds are given, one entry per row. Checks, in order:
+    chain starts >= 0 (ValueError); AlignRefusal "{n} cache(s) for {m} chain start(s)"; no
+    rows; per row in order, a non-Normal slot, an unmaterialized buffer, then a chain start
+    past the positions held (set_len alone would grow into spare capacity). The reference's
+    NumPy caches and the port's slots both call it before any tensor work."""
+    require(all(int(s) >= 0 for s in starts), f"chain starts {list(starts)} must be >= 0")
+    if len(kinds) != len(starts):
+        raise AlignRefusal(f"{len(kinds)} cache(s) for {len(starts)} chain start(s)")
+    if not kinds:
+        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
+    for r, (kind, mat, h, s) in enumerate(zip(kinds, materialized, held, starts, strict=True)):
+        if kind != NORMAL:
+            raise AlignRefusal(f"draft row {r} is a {kind} slot, not Normal")
+        if not mat:
+            raise AlignRefusal(f"draft row {r}'s buffer is unmaterialized")
+        if s > h:
+            raise AlignRefusal(f"chain start {s} is past the {h} position(s) draft row {r} holds")
+    return max(int(s) for s in starts)
 
 
 def front_align_draft_group(caches: list[KvCache], starts: list[int]) -> KvCache:
@@ -469,21 +548,12 @@ def front_align_draft_group(caches: list[KvCache], starts: list[int]) -> KvCache
     "chain start {s} is past the {held} position(s)" (set_len alone would grow into spare
     capacity); a non-Normal slot; an unmaterialized buffer. A pad refusal (max_seq_len)
     propagates as CacheRefusal."""
-    require(all(int(s) >= 0 for s in starts), f"chain starts {list(starts)} must be >= 0")
-    if len(caches) != len(starts):
-        raise AlignRefusal(f"{len(caches)} cache(s) for {len(starts)} chain start(s)")
-    if not caches:
-        raise AlignRefusal("front_align_draft_group was given no rows (0 caches, 0 chain starts)")
-    for r, (c, s) in enumerate(zip(caches, starts)):
-        if c.kind != NORMAL:
-            raise AlignRefusal(f"draft row {r} is a {c.kind} slot, not Normal")
-        if c.k.data is None or c.v.data is None:
-            raise AlignRefusal(f"draft row {r}'s buffer is unmaterialized")
-        if s > c.current_seq_len:
-            raise AlignRefusal(f"chain start {s} is past the {c.current_seq_len} position(s) draft row {r} holds")
-    target = max(starts)
+    target = draft_group_target(  # the values of a non-Normal row are never read
+        [c.kind for c in caches],
+        [c.kind != NORMAL or (c.k.data is not None and c.v.data is not None) for c in caches],
+        [c.current_seq_len if c.kind == NORMAL else 0 for c in caches], starts)
     rows = []
-    for c, s in zip(caches, starts):
+    for c, s in zip(caches, starts, strict=False):
         row = c.clone()
         row.set_len(s)
         front_pad_kv_cache(row, target, xs_per_seq=False)
@@ -506,4 +576,4 @@ def split_draft_cache(batched: KvCache, g: int) -> list[KvCache] | None:
     ks, vs = _chunk_single(batched.k, g), _chunk_single(batched.v, g)
     if ks is None or vs is None:
         return None
-    return [KvCache(k, v) for k, v in zip(ks, vs)]
+    return [KvCache(k, v) for k, v in zip(ks, vs, strict=False)]

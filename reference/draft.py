@@ -1,10 +1,19 @@
-"""Draft KV and the MTP draft chain: the per-sequence `DraftKv` state and its LRU map, its
-extension, prompt-time priming, the batched and single-sequence chains, and the group
-drafting loop of `step`.
+"""Draft KV and the MTP draft chain: the per-sequence `DraftKv` state and its LRU map,
+`extend_draft_kv_row` / `extend_draft_cache`, prompt-time priming, the batched chain
+`propose_chain_batched` (scalar and per-row positions), the single-sequence `propose_chain`,
+and the group drafting loop of `step`.
 
-Spec: cache-and-draft.md §1, §7, §9.3, §10.2, §16, §17.2. The model is duck-typed (this
-module does not import `reference.model`). The functions, the model's attributes and the
-draft-KV invariant: docs/simulator.md, section "reference/draft.py".
+Spec: cache-and-draft.md §1 (draft KV, filled, seed, poisoned, chain start), §7, §9.3,
+§10.2, §16 (the PerSequence example's draft side), §17.2.
+
+The model is duck-typed (a `reference.model.TinyModel`): `model.mtp` is the `MtpBlock` or
+None (Tier A), `model.mtp_heads`, `model.embed`, `model.lm_head`. This module does not import
+`reference.model` (which re-exports it).
+
+Draft-KV invariant: slot k holds the MTP state of `(h_k, tok_{k+1})` at **absolute**
+position k, and slots `0..filled` are committed (each written pair has `tok_{k+1}`
+committed). A chain may start at `chain_start = L - 2` only if the seed sits there and
+`filled >= chain_start`.
 """
 
 from __future__ import annotations
@@ -132,6 +141,30 @@ def extend_draft_cache(block, cache: KvCache | None, h: np.ndarray, next_tokens,
     return start + n
 
 
+def extension_span(off: int | None, filled: int, t: int,
+                   toks: Sequence[int]) -> tuple[int, int, int | None] | None:
+    """Checks 7-10 of `extend_draft_kv_row` on host integers (§7.2), for the reference and the
+    port alike: the row's capture offset `off` (None: not described), its `filled`, the
+    capture width `t` and the committed tokens (only `L = len(toks)` is read, and only past
+    the misalignment checks). None when the row is misaligned (no
+    offset, or `off > filled`: not contiguous); else `(lo, hi, seed)` with
+    `lo = max(filled, off)`, `hi = min(off + t, sat(L - 1))` (`hi <= lo`: nothing to write)
+    and `seed = p = L - 2` when `L >= 2` and `off <= p < off + t`, else None (the old seed
+    stays). Invariant: `hi <= L - 1`, so only pairs `(h_i, tok_{i+1})` with `i <= L - 2`
+    are written. Refuses nothing."""
+    if off is None or off > filled:
+        return None
+    big_l = len(toks)
+    seed = None
+    if big_l >= 2:
+        p = big_l - 2
+        if off <= p < off + t:
+            seed = p
+    lo = max(filled, off)
+    hi = min(off + t, max(big_l - 1, 0))
+    return lo, hi, seed
+
+
 def extend_draft_kv_row(
     state: DraftKv, capture, toks: Sequence[int], row: int, batch: int, model
 ) -> bool:
@@ -174,19 +207,13 @@ def extend_draft_kv_row(
     if not offsets.describes(batch):
         return False
     off = offsets.row(row)
-    if off is None:
+    span = extension_span(off, state.filled, hidden.shape[1], toks)
+    if span is None:
         return False
+    lo, hi, p = span
     hidden = hidden[row]
-    t = hidden.shape[0]
-    if off > state.filled:
-        return False
-    big_l = len(toks)
-    if big_l >= 2:
-        p = big_l - 2
-        if off <= p < off + t:
-            state.seed = (p, hidden[p - off].copy())
-    lo = max(state.filled, off)
-    hi = min(off + t, max(big_l - 1, 0))
+    if p is not None:
+        state.seed = (p, hidden[p - off].copy())
     if hi <= lo:
         return True
     if state.cache is None:
@@ -250,7 +277,7 @@ def prime_draft_kv(
         model,
         warnings,
         why="prefix-cache hit / chunked prefill: the prompt capture does not start at the draft "
-        "KV's end",
+            "KV's end",
     )
 
 
@@ -344,6 +371,28 @@ def propose_chain(model, h: np.ndarray, tok: int, depth: int, max_tokens: int, s
 # --- §9.3 the group drafting loop -----------------------------------------------------------------
 
 
+def draft_group_members(rows: Sequence[int], states: Sequence, cache_lens: Sequence[int],
+                        budgets: Sequence[int], u: int) -> tuple[list[int], list[int]]:
+    """Which rows of a draft group `(u, _)` draft (§9.3), on host integers only: the members
+    in row order and their chain starts `chain_start_of(cache_lens[i], u)`. A row is left
+    out when its budget is 0, it has no state, is poisoned or has no seed, its seed is not at
+    its chain start, or `filled < chain_start`. A state is anything with `poisoned`, `seed`
+    (`(position, hidden)` or None) and `filled`: the reference's `DraftKv` and the port's
+    draft states alike; the seed's hidden is not read. Refuses nothing."""
+    members: list[int] = []
+    starts: list[int] = []
+    for i in rows:
+        state = states[i]
+        if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
+            continue
+        start = chain_start_of(int(cache_lens[i]), u)
+        if state.seed[0] != start or state.filled < start:
+            continue
+        members.append(i)
+        starts.append(start)
+    return members, starts
+
+
 def group_drafting_loop(
     model,
     groups: dict[tuple[int, int], list[int]],
@@ -383,19 +432,7 @@ def group_drafting_loop(
     warned_empty = False
     for (u, _), rows in groups.items():
         n_draft = w - u
-        members: list[int] = []
-        seeds, lasts, starts = [], [], []
-        for i in rows:
-            state = states[i]
-            if budgets[i] == 0 or state is None or state.poisoned or state.seed is None:
-                continue
-            start = chain_start_of(int(cache_lens[i]), u)
-            if state.seed[0] != start or state.filled < start:
-                continue
-            members.append(i)
-            seeds.append(state.seed[1])
-            lasts.append(int(toks[i][-1]))
-            starts.append(start)
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
             if block is not None and not warned_empty:
                 _warn(
@@ -403,7 +440,8 @@ def group_drafting_loop(
                 )
                 warned_empty = True
             continue
-        seed_hidden = np.stack(seeds)
+        seed_hidden = np.stack([states[i].seed[1] for i in members])
+        lasts = [int(toks[i][-1]) for i in members]
         g = len(members)
         if block is None:
             chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, None)

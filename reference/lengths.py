@@ -4,10 +4,11 @@ It takes exactly the decisions of the tensor mode (`reference.simulator`), which
 real cache, model and draft-chain functions, but keeps only what decides control flow: per
 sequence its token count, the length, capacity and pending lead of its own target cache, its
 draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
-resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
-per-row rule is a numpy integer expression over the batch's rows; the only Python loops on the
-step path are over draft groups (at most w per step) and scheduler buckets. The trace is
-identical, integer for integer, to the tensor mode's (conformance/test_lengths.py).
+resident batched cache (width, capacity, leads); the scheduler's urgency and order. The step
+rules of `reference.step` (window, budget, clamp, both advance rules) are called once per step
+on the batch's arrays; the only Python loops on the step path are over draft groups (at most w
+per step) and scheduler buckets. The trace is identical, integer for integer, to the tensor
+mode's (conformance/test_lengths.py).
 
 What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
 counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
@@ -55,7 +56,9 @@ from raggedspec.reference.lengths_draft import (
 from raggedspec.reference.lengths_scheduler import ScheduleMirror
 from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 from raggedspec.reference.scheduler import engine_cache_instruction
-from raggedspec.reference.step import mtp_window, per_seq_advance, verify_proposed, window_guard
+from raggedspec.reference.step import (budget_clamp, mtp_window, per_seq_advance, plan_batch_step,
+                                       plan_per_sequence_step, plan_step_window, token_budget,
+                                       verify_proposed, window_guard)
 from raggedspec.reference.trace import Trace
 
 
@@ -336,15 +339,16 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         row_lens = (bc - mtp_lead) if (psa and (mtp_lead > 0).any()) else None
         cache_lens = row_lens if row_lens is not None else np.full(b, bc, dtype=np.int64)
         L = self.L[ids]
-        u = np.maximum(L - cache_lens, 0)
+        window = plan_step_window(cache_lens, L, w)
+        u = window.uncached
         rows[:, COL["u"]] = u
-        ok = bool(((cache_lens + u) >= 2).all() and (u >= 1).all() and (u <= w).all())
+        ok = window.ok
         if not ok:
             what = window_guard(row_lens is not None, self.kv)
             if what in GUARD_ERRORS:
                 return self._decode_fail(res, rows, ids, GUARD_ERRORS[what])
             return self._defer(res, rows, ids, bc, bcap, lead)
-        budget = np.maximum(self.max - L, 0)
+        budget = token_budget(self.max, L)
         drafts = np.zeros(b, dtype=np.int64)
         if self.mtp:
             self._checkout(ids)
@@ -357,7 +361,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         bcap = grown
         # accept (§11.2)
         a = self._accept(ids, L, drafts)
-        a = np.where(a + 1 > budget, np.maximum(budget - 1, 0), a)
+        a = budget_clamp(a, budget)
         rem = self.M[ids] - (L - self.P[ids])
         e = np.minimum(a, rem) + ((rem > a) & (budget > a))
         if self.tokens_mode:
@@ -369,13 +373,12 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         fill_rows(rows, drafted=drafts, accepted=a, committed=e)
         # advance (§12)
         if not psa:
-            keep = int((u + a).min())
-            n_drop = max(w - keep, 0)
+            n_drop = plan_batch_step(u, a, w).n_drop
             if n_drop > 0 and self.has_xs and (lead > 0).any():
                 return self._decode_fail(res, rows, ids, ERR_XS_ROLLBACK)
             bc_after = bc + w - n_drop
         else:
-            committed = np.minimum(u + a, w)
+            committed = plan_per_sequence_step(u, a, w).committed
             bc_after = bc + w
         # extend draft KVs (§16 step 10), account (§15)
         if self.mtp:

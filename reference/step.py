@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from raggedspec.reference.align import drop_dead_prefix
 from raggedspec.reference.cache import NormalCache
 from raggedspec.reference.capability import KvAdvance
@@ -19,6 +21,18 @@ from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP
 
 def _sat(x: int) -> int:
     return max(x, 0)
+
+
+def _rows(xs) -> np.ndarray:
+    """Per-row integers (a sequence or an array) as one int64 array."""
+    return np.asarray(xs, dtype=np.int64)
+
+
+def _as_given(template, values: np.ndarray):
+    """`values` in the caller's form: an array for an array argument, ints / lists otherwise."""
+    if isinstance(template, np.ndarray):
+        return values
+    return values.tolist()
 
 
 def mtp_window(depth: int) -> int:
@@ -50,16 +64,18 @@ def plan_step_window(cache_lens: Sequence[int], tok_lens: Sequence[int], w: int)
     Invariant: ok implies `cache_len_i < tok_len_i`, so `toks[cache_lens[i]..]` is in range.
     An empty batch is vacuously ok (unspecified; the step's gate never sends one). Refuses
     nothing: not ok is the caller's guard/defer decision. Malformed: unequal lengths,
-    negative lengths, w < 1.
+    negative lengths, w < 1. Lists in, a list out; NumPy arrays in, an array out (one
+    expression over the rows either way).
     """
-    require(len(cache_lens) == len(tok_lens),
-            f"{len(cache_lens)} cache_lens for {len(tok_lens)} tok_lens")
-    require(w >= 1, f"window w {w} must be >= 1")
-    require(all(c >= 0 for c in cache_lens) and all(t >= 0 for t in tok_lens),
-            f"lengths must be >= 0: cache_lens {list(cache_lens)}, tok_lens {list(tok_lens)}")
-    uncached = [_sat(int(t) - int(c)) for c, t in zip(cache_lens, tok_lens, strict=False)]
-    ok = all(c + u >= 2 and 1 <= u <= w for c, u in zip(cache_lens, uncached, strict=False))
-    return StepWindow(uncached, ok)
+    c, t = _rows(cache_lens), _rows(tok_lens)
+    if c.shape != t.shape or w < 1 or min(c.min(initial=0), t.min(initial=0)) < 0:
+        require(c.shape == t.shape, f"{len(cache_lens)} cache_lens for {len(tok_lens)} tok_lens")
+        require(w >= 1, f"window w {w} must be >= 1")
+        require(False, f"lengths must be >= 0: cache_lens {list(cache_lens)}, "
+                       f"tok_lens {list(tok_lens)}")
+    u = np.maximum(t - c, 0)
+    ok = bool(((c + u >= 2) & (u >= 1) & (u <= w)).all())
+    return StepWindow(_as_given(cache_lens, u), ok)
 
 
 def window_verify_row(u: int, j: int) -> int:
@@ -97,20 +113,24 @@ def verify_proposed(proposed: Sequence[int], target: Sequence[int]) -> Verified:
     return Verified([int(p) for p in proposed[:n]], None)
 
 
-def token_budget(max_seq_len: int, tok_len: int) -> int:
-    """`budget_i = sat(max_seq_len - L_i)`: tokens the row may still emit (§11.2, §16.5)."""
-    require(
-        max_seq_len >= 0 and tok_len >= 0, f"max_seq_len {max_seq_len}, L {tok_len} must be >= 0"
-    )
-    return _sat(max_seq_len - tok_len)
+def token_budget(max_seq_len: int, tok_len):
+    """`budget_i = sat(max_seq_len - L_i)`: tokens the row may still emit (§11.2, §16.5). An int
+    `tok_len` gives an int; an array of rows' lengths gives the array of their budgets."""
+    lens = _rows(tok_len)
+    if max_seq_len < 0 or lens.min(initial=0) < 0:
+        require(False, f"max_seq_len {max_seq_len}, L {tok_len} must be >= 0")
+    return _as_given(tok_len, np.maximum(max_seq_len - lens, 0))
 
 
 def budget_clamp(accepted: int, budget: int) -> int:
     """Applied after `verify_proposed` (§11.2): if `a + 1 > budget`, `a = sat(budget - 1)`,
     leaving room for the step's sampled token. Invariant: result <= accepted and
-    result + 1 <= budget whenever budget >= 1."""
-    require(accepted >= 0 and budget >= 0, f"accepted {accepted} and budget {budget} must be >= 0")
-    return _sat(budget - 1) if accepted + 1 > budget else accepted
+    result + 1 <= budget whenever budget >= 1. Ints give an int; arrays (one entry per row)
+    give the array of clamped counts."""
+    a, b = _rows(accepted), _rows(budget)
+    if min(a.min(initial=0), b.min(initial=0)) < 0:
+        require(False, f"accepted {accepted} and budget {budget} must be >= 0")
+    return _as_given(accepted, np.where(a + 1 > b, np.maximum(b - 1, 0), a))
 
 
 # --- §12 advance rules ------------------------------------------------------------------------
@@ -130,23 +150,26 @@ class PerSequencePlan:
     next_uncached: list[int]
 
 
-def _check_step_inputs(uncached: Sequence[int], accepted: Sequence[int], w: int) -> None:
-    require(
-        len(uncached) == len(accepted), f"{len(uncached)} uncached for {len(accepted)} accepted"
-    )
-    require(w >= 1, f"window w {w} must be >= 1")
-    require(all(u >= 0 for u in uncached) and all(a >= 0 for a in accepted),
-            f"uncached {list(uncached)} and accepted {list(accepted)} must be >= 0")
+def _check_step_inputs(uncached: Sequence[int], accepted: Sequence[int],
+                       w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' `u` and `a` as arrays, checked (messages built only on a failure)."""
+    u, a = _rows(uncached), _rows(accepted)
+    if u.shape != a.shape or w < 1 or min(u.min(initial=0), a.min(initial=0)) < 0:
+        require(u.shape == a.shape, f"{len(uncached)} uncached for {len(accepted)} accepted")
+        require(w >= 1, f"window w {w} must be >= 1")
+        require(False, f"uncached {list(uncached)} and accepted {list(accepted)} must be >= 0")
+    return u, a
 
 
 def plan_batch_step(uncached: Sequence[int], accepted: Sequence[int], w: int) -> CohortPlan:
     """Cohort rule (§12.1): `keep = min_i(u_i + a_i)` (0 if empty), `n_drop = sat(w - keep)`,
     `next_uncached_i = sat(u_i + a_i + 1 - keep)`. Invariant on reachable input
-    (u in [1,w], a <= w - u): keep >= 1, n_drop <= w, next in [1, w]."""
-    _check_step_inputs(uncached, accepted, w)
-    valid = [int(u) + int(a) for u, a in zip(uncached, accepted, strict=False)]
-    keep = min(valid) if valid else 0
-    return CohortPlan(keep, _sat(w - keep), [_sat(v + 1 - keep) for v in valid])
+    (u in [1,w], a <= w - u): keep >= 1, n_drop <= w, next in [1, w]. Lists in, lists out;
+    arrays in, an array `next_uncached`."""
+    u, a = _check_step_inputs(uncached, accepted, w)
+    valid = u + a
+    keep = int(valid.min()) if valid.size else 0
+    return CohortPlan(keep, _sat(w - keep), _as_given(uncached, np.maximum(valid + 1 - keep, 0)))
 
 
 def plan_per_sequence_step(
@@ -154,10 +177,12 @@ def plan_per_sequence_step(
 ) -> PerSequencePlan:
     """PerSequence rule (§12.2): `committed_i = min(u_i + a_i, w)`,
     `dropped_i = sat(w - committed_i)`, `next_uncached_i = 1`. Row i depends on row i only;
-    `plan_batch_step(...).keep == min(committed)`."""
-    _check_step_inputs(uncached, accepted, w)
-    committed = [min(int(u) + int(a), w) for u, a in zip(uncached, accepted, strict=False)]
-    return PerSequencePlan(committed, [_sat(w - c) for c in committed], [1] * len(committed))
+    `plan_batch_step(...).keep == min(committed)`. Lists in, lists out; arrays in, arrays out."""
+    u, a = _check_step_inputs(uncached, accepted, w)
+    committed = np.minimum(u + a, w)
+    return PerSequencePlan(_as_given(uncached, committed),
+                           _as_given(uncached, np.maximum(w - committed, 0)),
+                           _as_given(uncached, np.ones_like(committed)))
 
 
 def truncate_cache_by(cache, n_drop: int) -> None:
