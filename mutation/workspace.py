@@ -45,7 +45,7 @@ def _terminate(signum, frame):  # SIGTERM -> SystemExit, so `finally` and atexit
 
 
 # The folders that install under the `raggedspec` import name (pyproject's package-dir).
-PACKAGES = ("reference", "gpu", "conformance", "mutation")
+PACKAGES = ("reference", "gpu", "conformance", "mutation", "docs", "examples")
 
 
 def make_workspace(root: Path = ROOT, tag: str = "ws", nested: bool = False) -> Path:
