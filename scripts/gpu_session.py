@@ -234,6 +234,20 @@ def plan(mode: str, work: Path, py: str) -> list[Step]:
             what="(f) the end-to-end step time, cupy backend",
         ),
     ]
+    if gpu:  # the users' kernels, where the device has them (each test skips with its reason)
+        steps.append(
+            _pytest_step(
+                "check_kernel_ext",
+                ["test_check_kernel.py"],
+                work,
+                py,
+                device_env,
+                cap=60,
+                reserve=0,
+                keyword="flash_attn or flashinfer",
+                what="check-kernel on flash-attn's and FlashInfer's kernels, when installed",
+            )
+        )
     return steps
 
 
