@@ -101,6 +101,7 @@ def rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 @example(n=512, t=1, capacity=512, slack=-1, seed=0)   # one past the block, max_seq_len one short
 @example(n=512, t=1, capacity=512, slack=0, seed=0)
 @example(n=1024, t=1, capacity=512, slack=1, seed=0)
+@example(n=512, t=512, capacity=512, slack=0, seed=0)   # a shortfall of exactly one block
 @example(n=15, t=1, capacity=16, slack=0, seed=0)      # the draft cache's first 16 columns
 @example(n=16, t=1, capacity=16, slack=0, seed=0)
 @example(n=16, t=1, capacity=16, slack=-1, seed=0)

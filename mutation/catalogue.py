@@ -611,6 +611,8 @@ PORT_CATALOGUE: list[Mutant] = [
 from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS  # noqa: E402 (rows only; no cycle)
 
 KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
+from raggedspec.mutation.catalogue_boundaries import BOUNDARY_MUTANTS  # noqa: E402
+KERNEL_CATALOGUE += [M(n, f, o, w, s, *t) for n, f, o, w, s, t in BOUNDARY_MUTANTS]
 
 ALL: list[Mutant] = CATALOGUE + PORT_CATALOGUE + KERNEL_CATALOGUE
 
