@@ -47,9 +47,10 @@ from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.testing import representable, to_port
 from raggedspec.reference import simulator
 from raggedspec.reference.backend import NumpyBackend, load_backend
-from raggedspec.reference.cache import CACHE_GROW_SIZE
+from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY
 from raggedspec.reference.draft import MAX_DRAFT_KV_SEQS, DraftKv, DraftKvMap
 from raggedspec.reference.errors import Refusal
+from raggedspec.reference.model import ModelConfig
 from raggedspec.reference.scenario import load_scenario
 
 REF = reference_backend()
@@ -149,6 +150,30 @@ def test_the_draft_map_holds_64_and_evicts_the_least_recently_checked_in(n, touc
     order = [s for s in range(n) if s != again] + [again]
     assert len(m.entries) == min(n, MAX_DRAFT_KV_SEQS)
     assert sorted(m.entries) == sorted(order[-MAX_DRAFT_KV_SEQS:])
+
+
+@FEW
+@given(start=around([DRAFT_CACHE_CAPACITY]), n=st.integers(1, 3), seed=st.integers(0, 99))
+@example(start=15, n=2, seed=0)   # the chain crosses the draft cache's first 16 columns
+def test_propose_chain_across_the_draft_caches_first_16_columns(start, n, seed):
+    """The protocol's `propose_chain` on each backend's own draft cache: a chain of `start`
+    tokens, then one of `n` from there (so the draft cache grows past its first 16 columns
+    when `start + n > 16`): the same tokens, lengths and capacities as the reference, the draft
+    K within the policy."""
+    cfg = ModelConfig()
+    be = backend_under_test()
+    p_model, r_model = be.build_model(cfg), REF.build_model(cfg)
+    p_kv, r_kv = be.new_draft_cache(p_model), REF.new_draft_cache(r_model)
+    rng = np.random.default_rng(seed)
+    for at, m in ((0, start), (start, n)):
+        seed_h, last = rng.standard_normal((1, cfg.hidden)), int(rng.integers(0, cfg.vocab))
+        p = be.propose_chain(p_model, seed_h, [last], m, [at], p_kv)
+        r = REF.propose_chain(r_model, seed_h, [last], m, [at], r_kv)
+        assert_exact([[int(x) for x in c] for c in p], [[int(x) for x in c] for c in r], "chain")
+    pm, rm = be.materialize(p_kv), REF.materialize(r_kv)
+    assert_exact(pm["len"], rm["len"], "draft length")
+    assert_exact(pm["capacity"], rm["capacity"], "draft capacity")
+    assert_close(pm["kv"][0][0], rm["kv"][0][0], be.dtype, "draft K")
 
 
 # ----------------------------------------------------------------------------- low precision

@@ -30,6 +30,14 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
         (BOUNDARIES,),
     ),
     (
+        "KvMeta.check_append: grows when the append exactly fills the capacity",
+        "gpu/slots.py",
+        "        if self.current + s <= self.capacity:",
+        "        if self.current + s < self.capacity:",
+        "C§3 capacity (the draft cache's 16 columns, each 512 block)",
+        (BOUNDARIES,),
+    ),
+    (
         "DraftKvMap.checkin: evicts down to 63 entries instead of 64",
         "reference/draft.py",
         "        while len(self.entries) > MAX_DRAFT_KV_SEQS:",
