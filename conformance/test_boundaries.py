@@ -104,19 +104,22 @@ def rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 @example(n=1024, t=1, capacity=512, slack=1, seed=0)
 @example(n=512, t=512, capacity=512, slack=0, seed=0)   # a shortfall of exactly one block
 @example(n=15, t=1, capacity=16, slack=0, seed=0)      # the draft cache's first 16 columns
+@example(n=15, t=1, capacity=16, slack=-1, seed=0)     # an exact fill under a smaller max_seq_len
+@example(n=511, t=1, capacity=512, slack=-1, seed=0)
 @example(n=16, t=1, capacity=16, slack=0, seed=0)
 @example(n=16, t=1, capacity=16, slack=-1, seed=0)
 @example(n=10, t=6, capacity=16, slack=-1, seed=0)
 def test_append_at_every_allocation_boundary_matches_the_reference(n, t, capacity, slack, seed):
     """A slot of `n` columns (capacity 16 or 512) appended `t` more, under a `max_seq_len`
     placed at the capacity the append needs plus `slack` (0: exactly at it; -1: one short).
-    The reference follows the spec (refused iff the needed capacity is above max_seq_len), and
-    the port agrees: same refusal message, same length and capacity."""
+    The reference follows the spec (refused iff the append must grow the slot and the grown
+    capacity is above max_seq_len; an exact fill never grows), and the port agrees: same
+    refusal message, same length and capacity."""
     need_first = needed_capacity(capacity, n)
     need = needed_capacity(need_first, n + t)
-    max_seq_len = need + slack
-    if max_seq_len < need_first:
-        max_seq_len = need_first  # the slot itself must be buildable; the append is the case
+    # the slot itself must be buildable (the append is the case); without growth any
+    # max_seq_len >= 1 is (even one below the capacity: an exact fill needs no growth)
+    max_seq_len = max(need + slack, need_first if n > capacity else 1)
     target(-float(abs(max_seq_len - need)), label="max_seq_len - needed capacity")
     k, v = rows(n, seed)
     k2, v2 = rows(t, seed + 1)
@@ -125,7 +128,8 @@ def test_append_at_every_allocation_boundary_matches_the_reference(n, t, capacit
     p_kv = be.kv_from_arrays(k, v, max_seq_len, capacity)
     assert_exact(be.materialize(p_kv)["capacity"], [need_first], "capacity after building")
     r, p = outcome(REF.kv_append, r_kv, k2, v2), outcome(be.kv_append, p_kv, k2, v2)
-    assert r[0] == ("ok" if need <= max_seq_len else "refused"), f"reference: {r}"
+    fits = need == need_first or need <= max_seq_len
+    assert r[0] == ("ok" if fits else "refused"), f"reference: {r}"
     assert p[:3] == r[:3], f"port {p[:3]} but reference {r[:3]}"
     want = need if r[0] == "ok" else need_first
     pm, rm = be.materialize(p_kv), REF.materialize(r_kv)
