@@ -38,6 +38,14 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
         (BOUNDARIES,),
     ),
     (
+        "PoolKv: a draft row starts at 32 columns instead of the draft cache's 16",
+        "gpu/draft_store.py",
+        "capacity: int = DRAFT_CACHE_CAPACITY",
+        "capacity: int = 2 * DRAFT_CACHE_CAPACITY",
+        "C§3 the draft cache's 16 columns",
+        (BOUNDARIES,),
+    ),
+    (
         "DraftKvMap.checkin: evicts down to 63 entries instead of 64",
         "reference/draft.py",
         "        while len(self.entries) > MAX_DRAFT_KV_SEQS:",
