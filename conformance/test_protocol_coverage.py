@@ -30,7 +30,11 @@ from raggedspec.reference.backend import PROTOCOL, PROTOCOL_METHODS, Backend, Nu
 
 
 def _own_methods(cls: type) -> list[str]:
-    return [m for m in PROTOCOL_METHODS if m in vars(cls)]
+    """The protocol methods `cls` defines itself (not inherited from its first base), looked
+    through the recording wrappers: an inherited method's wrapper wraps the base's attribute."""
+    base = cls.__mro__[1]
+    return [m for m in PROTOCOL_METHODS
+            if getattr(getattr(cls, m), "__wrapped__", getattr(cls, m)) is not getattr(base, m)]
 
 
 def test_the_recorder_wraps_every_protocol_method_of_the_backends():
@@ -42,6 +46,13 @@ def test_the_recorder_wraps_every_protocol_method_of_the_backends():
         unwrapped = [m for m in PROTOCOL_METHODS
                      if getattr(getattr(cls, m), "__wrapped__", None) is None]
         assert unwrapped == [], f"{cls.__name__}: not recorded: {unwrapped}"
+
+
+def test_the_kernel_backend_owns_only_the_methods_it_overrides():
+    """Looked through the wrappers, `CupyBackend`'s own protocol methods are the ones its
+    class body defines."""
+    defined = {"build_model", "apply_rope"}
+    assert set(_own_methods(CupyBackend)) == defined
 
 
 def test_uncalled_methods_names_a_method_that_was_never_called():
