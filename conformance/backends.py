@@ -252,3 +252,49 @@ def _compare_runs(port, ref, dtype: str) -> dict:
             + assert_same_cache(p["target"], r["target"], dtype, f"{where} batched target cache")
         )
     return counts
+
+
+# ----------------------------------------------------------------------- protocol coverage
+
+PROTOCOL_CALLS: dict[str, set[str]] = {}
+"""Backend class name -> the protocol methods called on an instance of exactly that class
+during this test session (filled by the wrappers `record_protocol_calls` installs)."""
+
+
+def _recording(name: str, method):
+    def wrapper(self, *args, **kwargs):
+        PROTOCOL_CALLS.setdefault(type(self).__name__, set()).add(name)
+        return method(self, *args, **kwargs)
+
+    wrapper.__wrapped__ = method
+    wrapper.__name__ = getattr(method, "__name__", name)
+    wrapper.__doc__ = getattr(method, "__doc__", None)
+    return wrapper
+
+
+def record_protocol_calls(classes) -> None:
+    """Wrap every `PROTOCOL_METHODS` entry of each class in `classes` so a call on one of its
+    instances lands in `PROTOCOL_CALLS[type(instance).__name__]`. The wrapper passes the call
+    through unchanged; a method the class does not override (still `Backend`'s) is not wrapped,
+so it is never recorded. Idempotent: a method already wrapped is left alone. Refuses (TypeError)
+    a class that lacks a protocol method."""
+    from raggedspec.reference.backend import PROTOCOL_METHODS
+
+    for cls in classes:
+        for name in PROTOCOL_METHODS:
+            method = getattr(cls, name, None)
+            if method is None:
+                raise TypeError(f"{cls.__name__} has no protocol method {name!r}")
+            if method is getattr(Backend, name):
+                continue  # not implemented: left as is, so the missing-method check still sees it
+            if name in vars(cls) and getattr(method, "__wrapped__", None) is not None:
+                continue
+            setattr(cls, name, _recording(name, method))
+
+
+def uncalled_methods(calls: dict[str, set[str]], class_name: str) -> list[str]:
+    """The protocol methods (in `PROTOCOL_METHODS` order) never called on `class_name`."""
+    from raggedspec.reference.backend import PROTOCOL_METHODS
+
+    seen = calls.get(class_name, set())
+    return [m for m in PROTOCOL_METHODS if m not in seen]

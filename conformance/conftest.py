@@ -21,3 +21,39 @@ settings.register_profile(
 )
 settings.register_profile("explore", max_examples=500, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+# --- protocol coverage gate (conformance/test_protocol_coverage.py) -------------------------
+
+GATE = "test_protocol_coverage.py::test_every_protocol_method_is_called_by_the_suite"
+
+
+def pytest_configure(config):
+    """Record every backend protocol call of the session (`backends.record_protocol_calls`)."""
+    from raggedspec.conformance.backends import record_protocol_calls
+    from raggedspec.gpu.backend import TorchBackend
+    from raggedspec.gpu.cupy_backend import CupyBackend
+    from raggedspec.reference.backend import NumpyBackend
+
+    record_protocol_calls([NumpyBackend, TorchBackend, CupyBackend])
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The coverage gate runs last, and only in a session that runs the whole conformance
+    folder unfiltered (no -k/-m, no xdist worker): elsewhere it is deselected (reported as
+    deselected, never as a pass), since a partial session calls only part of the protocol."""
+    gate = [it for it in items if it.nodeid.endswith(GATE)]
+    if not gate:
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [os.path.abspath(a) for a in config.args]
+    whole = (bool(args) and all(a in (here, os.path.dirname(here)) for a in args)
+             and not config.option.keyword and not config.option.markexpr
+             and not config.getoption("deselect", None)
+             and not os.environ.get("PYTEST_XDIST_WORKER"))
+    for it in gate:
+        items.remove(it)
+    if whole:
+        items.extend(gate)
+    else:
+        config.hook.pytest_deselected(items=gate)

@@ -9,11 +9,17 @@ front-aligned (left-padded) to `max(lengths)`, so row i's *lead* (dead prefix) i
 - `uniform_lengths(min_rows, max_rows, min_len, max_len)`: every row the same length.
 - `lead_pads(min_rows, max_rows, max_lead)`: front-alignment leads, some lead 0.
 - `leads_of(lengths)`: the leads a front alignment of `lengths` gives (a plain function).
+- `around(points, lo)`: each point, one below and one above (the integer boundaries).
+- `allocation_lengths(lo, hi)`: lengths at the allocation boundaries (the draft cache's first
+  16 columns, every 512-column block up to `hi`) or anywhere in `[lo, hi]`.
+- `bf16_inexact_positions(lo, hi)`: positions bfloat16 cannot hold exactly (odd, > 256).
 """
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
+
+from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY
 
 
 def leads_of(lengths: list[int]) -> list[int]:
@@ -127,3 +133,35 @@ def verify_blocks(draw, min_rows: int = 1, max_rows: int = 8, max_width: int = 9
 def compress_ratios():
     """The V4 layer kinds: 0 (Standard), 4 (CSA), 128 (HCA)."""
     return st.sampled_from([0, 4, 128])
+
+
+# --- allocation boundaries and low-precision positions ---------------------------------------
+
+
+def around(points, lo: int = 0) -> st.SearchStrategy[int]:
+    """Each of `points`, one below and one above (values below `lo` dropped), sorted."""
+    values = sorted({p + d for p in points for d in (-1, 0, 1) if p + d >= lo})
+    if not values:
+        raise ValueError(f"no boundary of {list(points)} is >= {lo}")
+    return st.sampled_from(values)
+
+
+def allocation_points(hi: int) -> list[int]:
+    """The allocation boundaries up to `hi`: the draft cache's first `DRAFT_CACHE_CAPACITY`
+    columns and every `CACHE_GROW_SIZE`-column block."""
+    return [DRAFT_CACHE_CAPACITY] + list(range(CACHE_GROW_SIZE, hi + 1, CACHE_GROW_SIZE))
+
+
+def allocation_lengths(lo: int = 1, hi: int = 1600) -> st.SearchStrategy[int]:
+    """A length at an allocation boundary (at, one below, one above) or anywhere in
+    `[lo, hi]`; the boundaries come first so that shrinking lands on them."""
+    edges = around(allocation_points(hi), lo).filter(lambda n: n <= hi)
+    return st.one_of(edges, st.integers(lo, hi))
+
+
+def bf16_inexact_positions(lo: int = 257, hi: int = 4000) -> st.SearchStrategy[int]:
+    """A position in `[lo, hi]` that bfloat16 (8 significant bits) cannot represent: odd and
+    above 256. A port that rounds positions to its dtype moves these."""
+    lo = max(lo, 257)
+    odd = st.integers(lo // 2, (hi - 1) // 2).map(lambda k: 2 * k + 1)
+    return odd.filter(lambda p: lo <= p <= hi)

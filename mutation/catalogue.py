@@ -34,6 +34,8 @@ CATALOGUE: list[Mutant] = (
 )
 PORT_CATALOGUE: list[Mutant] = catalogue_port.ENTRIES
 KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
+from raggedspec.mutation.catalogue_boundaries import BOUNDARY_MUTANTS  # noqa: E402
+KERNEL_CATALOGUE += [M(n, f, o, w, s, *t) for n, f, o, w, s, t in BOUNDARY_MUTANTS]
 
 KERNEL_CATALOGUE += [M(n, f, o, w, s, *t) for n, f, o, w, s, t in PAGED_MUTANTS]
 

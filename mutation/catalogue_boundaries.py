@@ -1,0 +1,88 @@
+"""Catalogue entries for the boundary cases the boundary generators reach.
+
+Each entry plants one bug that only an input at a boundary exposes: the capacity a K/V append
+needs exactly at `max_seq_len`, a growth exactly one 512-column block past the capacity, the
+64-entry draft map, positions bfloat16 cannot hold (odd, above 256) in RoPE and in the in-place
+attention's masks, the token budget clamp at a small `max_seq_len`, and the kernel backend's
+own RoPE. `conformance/test_boundaries.py` must then fail. Rows are
+`(name, file, old, new, spec, tests)` and `mutation/catalogue.py` turns them into entries.
+"""
+
+from __future__ import annotations
+
+BOUNDARIES = "conformance/test_boundaries.py"
+
+BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
+    (
+        "KvMeta.check_append: refused when the grown capacity equals max_seq_len",
+        "gpu/slots.py",
+        "        if grown > self.max_seq_len:",
+        "        if grown >= self.max_seq_len:",
+        "C§3 capacity vs max_seq_len",
+        (BOUNDARIES,),
+    ),
+    (
+        "KvMeta.check_append: one block too many when the shortfall is a whole block",
+        "gpu/slots.py",
+        "+ -(-(self.current + s - self.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE",
+        "+ -(-(self.current + s - self.capacity + 1) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE",
+        "C§3 512-column blocks",
+        (BOUNDARIES,),
+    ),
+    (
+        "KvMeta.check_append: grows when the append exactly fills the capacity",
+        "gpu/slots.py",
+        "        if self.current + s <= self.capacity:",
+        "        if self.current + s < self.capacity:",
+        "C§3 capacity (the draft cache's 16 columns, each 512 block)",
+        (BOUNDARIES,),
+    ),
+    (
+        "TorchBackend.new_draft_cache: a draft row starts at 32 columns, not 16",
+        "gpu/backend.py",
+        "return PoolKv(stores[hd], model.cfg.max_seq_len, DRAFT_CACHE_CAPACITY)",
+        "return PoolKv(stores[hd], model.cfg.max_seq_len, 2 * DRAFT_CACHE_CAPACITY)",
+        "C§3 the draft cache's 16 columns",
+        (BOUNDARIES,),
+    ),
+    (
+        "DraftKvMap.checkin: evicts down to 63 entries instead of 64",
+        "reference/draft.py",
+        "        while len(self.entries) > MAX_DRAFT_KV_SEQS:",
+        "        while len(self.entries) >= MAX_DRAFT_KV_SEQS:",
+        "C§7.1 draft map",
+        (BOUNDARIES,),
+    ),
+    (
+        "rope_cos_sin: positions rounded to the tensor dtype before the angle",
+        "gpu/rope.py",
+        "    angle = positions.to(torch.float64)[..., None]",
+        "    angle = positions.to(dtype).to(torch.float64)[..., None]",
+        "M§11 RoPE positions",
+        (BOUNDARIES,),
+    ),
+    (
+        "dsv4_attention_in_place: query positions held in the query dtype",
+        "gpu/attention.py",
+        "    qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]",
+        "    qp = ((lens - t_q)[:, None] + torch.arange(t_q, device=dev)).to(q.dtype).long()",
+        "M§4 masks",
+        (BOUNDARIES,),
+    ),
+    (
+        "TorchBackend.budget_clamp: one token more than the budget",
+        "gpu/backend.py",
+        "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets)]",
+        "return [step.budget_clamp(a, b + 1) for a, b in zip(accepted, budgets)]",
+        "C§11.2 budget clamp",
+        (BOUNDARIES,),
+    ),
+    (
+        "CupyBackend.apply_rope: the inverse flag dropped",
+        "gpu/cupy_backend.py",
+        "        return self._rope(self._t(x), offsets, rope_dims, theta, inverse)",
+        "        return self._rope(self._t(x), offsets, rope_dims, theta, False)",
+        "M§11 RoPE",
+        (BOUNDARIES,),
+    ),
+]
