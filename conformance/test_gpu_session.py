@@ -30,6 +30,9 @@ from raggedspec import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_session.py"
+pytestmark = pytest.mark.skipif(
+    not SCRIPT.is_file(), reason="needs the checkout's scripts/ (an installed raggedspec has none)"
+)
 NO_GXX = kernel_emulator.compilers()["g++"] is None
 needs_gxx = pytest.mark.skipif(NO_GXX, reason="the kernel emulator needs g++ on the PATH")
 

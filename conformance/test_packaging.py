@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -36,7 +37,12 @@ def wheel_files(tmp_path_factory) -> set[str]:
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)]
     if not isolation:
         cmd.insert(5, "--no-build-isolation")
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    had_build = (ROOT / "build").exists()
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    finally:  # an in-tree build leaves build/ behind: leave the checkout as it was
+        if not had_build:
+            shutil.rmtree(ROOT / "build", ignore_errors=True)
     (wheel,) = out.glob("raggedspec-*.whl")
     with zipfile.ZipFile(wheel) as z:
         return set(z.namelist())

@@ -113,3 +113,43 @@ def test_append_to_a_row_subset_writes_only_those_rows(lens, data, seed):
         else:
             assert int(kv.lens[i]) == n
             assert_bit_exact(kv.k[i], before.k[i])
+
+
+def test_clone_in_of_the_last_clone_outs_pieces_moves_no_kv():
+    """The port's clone-out hands out row handles (host integers, no tensor); a clone-in of
+    one batch's handles in order is the same buffer (no K/V copied: same storage); out of
+    order the rows are gathered; a strip that cuts into the rows' own runs moves the start
+    (host integer) and the clone-in gathers the runs to column 0."""
+    import torch
+
+    from raggedspec.gpu.cache import RaggedKv
+    from raggedspec.gpu.slots import TorchKv, concat_stats, stack_kv
+
+    k = torch.arange(3 * 1 * 8 * 2, dtype=torch.float64).reshape(3, 1, 8, 2)
+    slot = TorchKv(4096, 8, 5, RaggedKv(k, -k, [5, 5, 5], 4096), [0, 0, 0])
+    pieces = slot.rows()
+    assert [(p.row, p.lead, p.own, p.current) for p in pieces] == [
+        (0, 0, 5, 5),
+        (1, 0, 5, 5),
+        (2, 0, 5, 5),
+    ]
+    before = dict(concat_stats)
+    again = stack_kv(pieces)
+    assert concat_stats["view"] == before["view"] + 1 and concat_stats["copy"] == before["copy"]
+    assert (
+        again.kv.k.data_ptr() == k.data_ptr()
+        and torch.equal(again.kv.k, k)
+        and torch.equal(again.kv.v, -k)
+    )
+    assert again.kv.lens.tolist() == [5, 5, 5] and again.current == 5
+    swapped = stack_kv([pieces[1], pieces[0], pieces[2]])  # out of order: a gather, rows swapped
+    assert concat_stats["copy"] == before["copy"] + 1
+    assert torch.equal(swapped.kv.k, k[[1, 0, 2]]) and swapped.kv.k.data_ptr() != k.data_ptr()
+    for p in pieces:
+        p.drop_front(2)                                            # cuts every row's own run
+    assert [(p.shift, p.own, p.current, p.capacity) for p in pieces] == [(2, 3, 3, 6)] * 3
+    moved = stack_kv(pieces)  # one gather moves every run
+    assert moved.kv.k.data_ptr() != k.data_ptr() and torch.equal(
+        k, torch.arange(48.0).reshape(3, 1, 8, 2)
+    )
+    assert torch.equal(moved.kv.k[:, :, :3], k[:, :, 2:5]) and moved.kv.lens.tolist() == [3, 3, 3]

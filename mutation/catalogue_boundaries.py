@@ -72,8 +72,8 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
     (
         "TorchBackend.budget_clamp: one token more than the budget",
         "gpu/backend.py",
-        "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets)]",
-        "return [step.budget_clamp(a, b + 1) for a, b in zip(accepted, budgets)]",
+        "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]",
+        "return [step.budget_clamp(a, b + 1) for a, b in zip(accepted, budgets, strict=False)]",
         "C§11.2 budget clamp",
         (BOUNDARIES,),
     ),
