@@ -9,6 +9,7 @@ and keeps a database, for hunting bugs no fixed seed reaches."""
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 _common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 _fixed = dict(derandomize=True, database=None, **_common)
@@ -19,7 +20,9 @@ settings.register_profile("thorough", max_examples=2000, **_fixed)
 settings.register_profile(
     "mutmut", max_examples=60, phases=[Phase.explicit, Phase.generate], **_fixed
 )
-settings.register_profile("explore", max_examples=500, **_common)
+# explicit, not inherited: with CI set, Hypothesis's own default is derandomized and databaseless
+settings.register_profile("explore", max_examples=500, derandomize=False,
+                          database=DirectoryBasedExampleDatabase(".hypothesis/examples"), **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
