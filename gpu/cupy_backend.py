@@ -14,7 +14,7 @@ import torch
 
 from raggedspec.gpu import cupy_kernels as ck
 from raggedspec.gpu import kernel_emulator
-from raggedspec.gpu._common import lengths
+from raggedspec.gpu._common import host_ints, lengths
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.slots import TorchKv
 from raggedspec.gpu.model import dsv4_attention_rows
@@ -105,7 +105,7 @@ class CupyBackend(TorchBackend):
         self.kernel_attentions += 1
         a = self._arr
         out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), kv.host_lens(),
-                        None if rows is None else [int(r) for r in rows],
+                        None if rows is None else host_ints(rows),
                         None if comp is None else a(comp.to(kv.k.dtype)), ratio, window,
                         None if sinks is None else a(sinks.to(q.dtype)))
         return self._tensor(out, q.dtype)
