@@ -33,9 +33,8 @@ def wheel_files(tmp_path_factory) -> set[str]:
     if not CHECKOUT:
         pytest.skip("needs the source checkout (this is an installed package)")
     out = tmp_path_factory.mktemp("wheel")
-    isolation = [] if _setuptools_is_new_enough() else ["--use-pep517"]
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)]
-    if not isolation:
+    if _setuptools_is_new_enough():  # build with it here; else pip fetches one for the build
         cmd.insert(5, "--no-build-isolation")
     had_build = (ROOT / "build").exists()
     try:
