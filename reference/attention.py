@@ -110,10 +110,12 @@ def dsv4_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, compressed_kv: n
                    sinks: np.ndarray | None = None) -> np.ndarray:
     """DeepSeek V4 union attention `[B,H,t_q,D]` over `[raw window keys ++ compressed keys]`.
 
-    `q [B,H,t_q,D]` (post-RoPE); `k, v [B,1,t_k_given,D]`, the raw keys after this step's
-    append, starting at absolute column `cfg.raw_prefix`; `compressed_kv [B,1,t_c,D]` (both
-    key and value; row b = absolute block b of that row) or None; `attention_mask` the
-    caller's additive mask (see `compose_caller_mask`); `sinks [H]` or None.
+    `q [B,H,t_q,D]` (post-RoPE); `k, v [B,Hk,t_k_given,D]`, the raw keys after this step's
+    append, starting at absolute column `cfg.raw_prefix`, with `Hk` KV heads dividing H
+    (query head h reads KV head `h // (H // Hk)`; V4 has Hk = 1); `compressed_kv
+    [B,Hk,t_c,D]` (both key and value, per KV head; row b = absolute block b of that row)
+    or None; `attention_mask` the caller's additive mask (see `compose_caller_mask`);
+    `sinks [H]` or None. The masks are the same for every head.
 
     Steps (spec §4): a Standard layer forces `compressed_kv = None`;
     `t_k_full = raw_prefix + t_k_given`, `window = max(sliding_window, 1)`,
@@ -135,17 +137,19 @@ def dsv4_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, compressed_kv: n
     require(q.ndim == 4 and k.ndim == 4 and v.ndim == 4,
             f"q {q.shape}, k {k.shape}, v {v.shape} must all be rank 4")
     b, h, t_q, d = q.shape
-    require(k.shape == v.shape and k.shape[0] == b and k.shape[1] == 1 and k.shape[3] == d,
-            f"k {k.shape} and v {v.shape} must both be [B={b},1,t_k,D={d}]")
+    require(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d,
+            f"k {k.shape} and v {v.shape} must both be [B={b},Hk,t_k,D={d}]")
+    hk = k.shape[1]
+    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
     require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
             f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
     if is_standard_layer(cfg.compress_ratio):
         compressed_kv = None  # step 1: a Standard layer never reads compressed keys
     if compressed_kv is not None:
         compressed_kv = np.asarray(compressed_kv, dtype=np.float64)
-        require(compressed_kv.ndim == 4 and compressed_kv.shape[:2] == (b, 1)
+        require(compressed_kv.ndim == 4 and compressed_kv.shape[:2] == (b, hk)
                 and compressed_kv.shape[3] == d,
-                f"compressed_kv {compressed_kv.shape} must be [B={b},1,t_c,D={d}]")
+                f"compressed_kv {compressed_kv.shape} must be [B={b},{hk},t_c,D={d}]")
     t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
 
     t_k_full = cfg.raw_prefix + k.shape[2]

@@ -26,7 +26,11 @@ from raggedspec.reference.xs_rolling import compress_blocks
 class ModelConfig:
     """Sizes and seeds of the tiny model. `mtp` is "block" (a full MTP block: norms, one
     Standard decoder layer with its own draft KV, final norm; Tier B) or "heads" (Tier A:
-    only `h_proj`/`e_proj`, no block, no draft KV). ValueError on inconsistent sizes."""
+    only `h_proj`/`e_proj`, no block, no draft KV). `n_kv_heads` KV heads (K == V) serve
+    the `n_heads` query heads: 1 is V4's MQA (the default; the weights and every output
+    are those of the one-head model), more is GQA, query head h reading KV head
+    `h // (n_heads // n_kv_heads)`. ValueError on inconsistent sizes, including an
+    `n_kv_heads` that does not divide `n_heads`."""
 
     vocab: int = 64
     hidden: int = 32
@@ -42,6 +46,7 @@ class ModelConfig:
     mlp_mult: int = 2
     eps: float = 1e-6
     mtp: str = "block"
+    n_kv_heads: int = 1
 
     def __post_init__(self) -> None:
         require(self.vocab >= 1 and self.hidden >= 1 and self.n_heads >= 1 and self.head_dim >= 2,
@@ -55,6 +60,9 @@ class ModelConfig:
                 f"sliding_window {self.sliding_window}, max_seq_len {self.max_seq_len} and "
                 f"mlp_mult {self.mlp_mult} must be >= 1")
         require(self.mtp in ("block", "heads"), f"mtp {self.mtp!r} must be 'block' or 'heads'")
+        require(isinstance(self.n_kv_heads, int) and self.n_kv_heads >= 1
+                and self.n_heads % self.n_kv_heads == 0,
+                f"n_kv_heads {self.n_kv_heads} must be >= 1 and divide n_heads {self.n_heads}")
 
 
 @dataclass
@@ -104,7 +112,7 @@ class DecoderLayer:
         self.attn_norm = _gain(rng, h)
         self.wq = _proj(rng, h, nh * hd)
         self.q_norm = _gain(rng, hd)
-        self.wkv = _proj(rng, h, hd)
+        self.wkv = _proj(rng, h, cfg.n_kv_heads * hd)
         self.kv_norm = _gain(rng, hd)
         self.wo = _proj(rng, nh * hd, h)
         self.sinks = rng.standard_normal(nh)
@@ -113,19 +121,23 @@ class DecoderLayer:
         self.w_down = _proj(rng, cfg.mlp_mult * h, h)
 
     def key(self, x: np.ndarray) -> np.ndarray:
-        """The un-rotated KV head `[B,1,T,hd]` of input `x [B,T,H]` (row- and token-local)."""
+        """The un-rotated KV heads `[B,n_kv,T,hd]` of input `x [B,T,H]` (row- and
+        token-local; `kv_norm` per head, shared by the heads)."""
+        b, t, _ = x.shape
         h = rms_norm(x, self.attn_norm, self.cfg.eps)
-        return rms_norm(h @ self.wkv, self.kv_norm, self.cfg.eps)[:, None]
+        kv = (h @ self.wkv).reshape(b, t, self.cfg.n_kv_heads, self.cfg.head_dim)
+        return rms_norm(kv, self.kv_norm, self.cfg.eps).transpose(0, 2, 1, 3)
 
     def compressed_keys(self, keys: np.ndarray, leads: Sequence[int]) -> np.ndarray | None:
-        """Start-anchored compressed keys `[B,1,t_c,hd]` (None when no row has a complete
+        """Start-anchored compressed keys `[B,n_kv,t_c,hd]`, each KV head compressed on its
+        own (None when no row has a complete
         block). Row i's live run is `keys[i, :, lead_i:]`, its own positions `0..len_i-1`;
         it is un-rotated (inverse RoPE at those positions), averaged over each complete
         `ratio` block by `compress_blocks`, and block j is rotated at `j * ratio` with
         `compress_rope_theta`. `t_c = max_i floor(len_i / ratio)`; a shorter row's missing
         blocks are zeros (never valid for it: `dsv4_attention` masks them per row)."""
         cfg = self.cfg
-        b, _, width, d = keys.shape
+        b, n_kv, width, d = keys.shape
         per_row = []
         for i in range(b):
             live = keys[i: i + 1, :, int(leads[i]):, :]
@@ -146,7 +158,7 @@ class DecoderLayer:
         t_c = max((0 if r is None else r.shape[2]) for r in per_row)
         if t_c == 0:
             return None
-        out = np.zeros((b, 1, t_c, d))
+        out = np.zeros((b, n_kv, t_c, d))
         for i, r in enumerate(per_row):
             if r is not None:
                 out[i, :, : r.shape[2]] = r[0]

@@ -40,6 +40,7 @@ MODEL_KEYS = (
     "vocab",
     "hidden",
     "n_heads",
+    "n_kv_heads",
     "head_dim",
     "rope_dims",
     "compress_ratios",
@@ -47,7 +48,6 @@ MODEL_KEYS = (
     "seed",
     "mtp",
 )
-
 
 MAX_LENGTH = 2**31 - 1  # lengths fit the trace's 32-bit row columns (reference.policy.ROW_DTYPE)
 
