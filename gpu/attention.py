@@ -113,20 +113,24 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     narrowing (MaskRefusal "are NOT" held when `raw_base < raw_prefix`); validity by
     broadcast; uniform -> one `[1,1,t_q,n]` mask, ragged -> `ragged_union_mask`; caller
     mask folded (its MaskRefusals); `attention`. Masks are built in the compute dtype.
-    `cfg` is a `Dsv4AttentionConfig` of this module or of the reference."""
+    `k, v [B,Hk,t_k,D]` and `compressed_kv [B,Hk,t_c,D]` with Hk dividing H (query head h
+    reads KV head `h // (H // Hk)`, as the reference). `cfg` is a `Dsv4AttentionConfig`
+    of this module or of the reference."""
     require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
             f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must all be rank 4")
     b, h, t_q, d = q.shape
-    require(k.shape == v.shape and k.shape[0] == b and k.shape[1] == 1 and k.shape[3] == d,
-            f"k {list(k.shape)} and v {list(v.shape)} must both be [B={b},1,t_k,D={d}]")
+    require(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d,
+            f"k {list(k.shape)} and v {list(v.shape)} must both be [B={b},Hk,t_k,D={d}]")
+    hk = k.shape[1]
+    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
     require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
             f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
     if is_standard_layer(cfg.compress_ratio):
         compressed_kv = None
     if compressed_kv is not None:
-        require(compressed_kv.dim() == 4 and tuple(compressed_kv.shape[:2]) == (b, 1)
+        require(compressed_kv.dim() == 4 and tuple(compressed_kv.shape[:2]) == (b, hk)
                 and compressed_kv.shape[3] == d,
-                f"compressed_kv {list(compressed_kv.shape)} must be [B={b},1,t_c,D={d}]")
+                f"compressed_kv {list(compressed_kv.shape)} must be [B={b},{hk},t_c,D={d}]")
     t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
 
     t_k_full = cfg.raw_prefix + k.shape[2]
@@ -175,27 +179,31 @@ def dsv4_attention_in_place(
     sliding_window: int,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`dsv4_attention` over the port's in-place layout (`gpu.cache.RaggedKv`, one KV head),
+    """`dsv4_attention` over the port's in-place layout (`gpu.cache.RaggedKv [B,Hk,cap,D]`,
+    Hk KV heads dividing H: query head h reads KV head `h // (H // Hk)`; V4 has Hk = 1),
     with no front-aligned copy: the raw window is one per-row gather, the masks per-row
-    offsets.
+    offsets (the same for every head).
 
     `q [B,H,t_q,D]` this step's queries; `kv` after this step's append, so row i's queries
-    sit at its own positions `lens[i] - t_q + r`; `compressed_kv [B,1,t_c,D]` start-anchored
+    sit at its own positions `lens[i] - t_q + r`; `compressed_kv [B,Hk,t_c,D]` start-anchored
     (row i's block b at index b) or None. Per row: `keep = min(t_q + window - 1, max(lens))`
     raw columns ending at its own end (`base_i = lens[i] - keep`; columns below 0 are dead),
     valid iff `qp - window < kp <= qp`; compressed block b valid iff
     `b < floor((qp + 1) / ratio)`. Equals the reference's `dsv4_attention` of the
     materialized front-aligned batch with `row_q0 = lens - t_q` (up to float summation
     order). Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`.
-    Not modelled here: `raw_prefix` (windowed eviction) and a caller mask."""
+    Not modelled here: `raw_prefix` (windowed eviction) and a caller mask. ValueError on
+    shapes that disagree, including Hk not dividing H."""
     require(
         q.dim() == 4
-        and kv.k.shape[1] == 1
+        and q.shape[1] % kv.k.shape[1] == 0
         and q.shape[0] == kv.batch
         and q.shape[3] == kv.k.shape[3],
-        f"q {list(q.shape)} against kv {list(kv.k.shape)}: need [B,H,t_q,D] and [B,1,cap,D]",
+        f"q {list(q.shape)} against kv {list(kv.k.shape)}: need [B,H,t_q,D] and [B,Hk,cap,D] "
+        "with Hk dividing H",
     )
     b, _, t_q, d = q.shape
+    hk = kv.k.shape[1]
     dev, cd = q.device, _compute_dtype(q.dtype)
     lens = kv.lens
     host = kv.host_lens()  # decided on the host copy of the lengths: no device read
@@ -206,7 +214,7 @@ def dsv4_attention_in_place(
     top = int(host.max())
     keep = min(t_q + window - 1, top)
     cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]         # [B, keep]
-    index = cols.clamp(min=0)[:, None, :, None].expand(b, 1, keep, d)
+    index = cols.clamp(min=0)[:, None, :, None].expand(b, hk, keep, d)
     k_raw, v_raw = kv.k.gather(2, index), kv.v.gather(2, index)
     qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [B, t_q]
     kp = cols[:, None, :]

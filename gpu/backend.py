@@ -115,13 +115,13 @@ class TorchBackend(Backend):
         return NormalCache(slots)
 
     def new_draft_cache(self, model):
-        """A `PoolKv` row of this backend's `DraftStore` for the model's head width."""
+        """A `PoolKv` row of this backend's `DraftStore` for the model's KV heads and width."""
         if model.mtp is None:
             return None
         stores = self.__dict__.setdefault("_draft_stores", {})
-        hd = model.cfg.head_dim
+        hd = (model.cfg.n_kv_heads, model.cfg.head_dim)
         if hd not in stores:
-            stores[hd] = DraftStore(hd, self.tdtype, self.dev)
+            stores[hd] = DraftStore(hd[1], self.tdtype, self.dev, hd[0])
         return PoolKv(stores[hd], model.cfg.max_seq_len, DRAFT_CACHE_CAPACITY)
 
     def cache_len(self, cache):
@@ -359,7 +359,8 @@ class TorchBackend(Backend):
         if first.kv is None:
             for slot in kvs:
                 slot.kv = RaggedKv.empty(
-                    b, 1, model.cfg.head_dim, slot.max_seq_len, slot.capacity, self.tdtype, self.dev
+                    b, model.cfg.n_kv_heads, model.cfg.head_dim, slot.max_seq_len, slot.capacity,
+                    self.tdtype, self.dev,
                 )
                 slot.lead = np.zeros(b, dtype=np.int64)
         for slot in kvs:
@@ -416,7 +417,7 @@ class TorchBackend(Backend):
             cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(
                 max=kv.capacity - 1
             )
-            raw = kv.k.gather(2, cols[:, None, :, None].expand(b, 1, width, hd))
+            raw = kv.k.gather(2, cols[:, None, :, None].expand(b, kv.k.shape[1], width, hd))
             cos, sin = layer.ropes.get(layer.theta, width).lookup(torch.arange(width, device=dev))
             raw = rotate(raw, cos, sin, cfg.rope_dims, inverse=True)
             blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)

@@ -206,11 +206,13 @@ def extend_draft_kv_rows(
     pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
     top = int((host_lo + np.maximum(host_n - 1, 0)).max())
     cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos, top)
-    k = rotate(layer.key(fused)[:, 0], cos, sin, cfg.rope_dims)                    # [R, width, hd]
+    k = rotate(  # [R, width, Hk, hd]
+        layer.key(fused).transpose(1, 2), cos[:, :, None], sin[:, :, None], cfg.rope_dims
+    )
     rr = idx[:, None].expand(-1, width)[valid]
     cc = pos[valid]
-    kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.k.dtype)
-    kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid][:, None].to(kv.v.dtype)
+    kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.k.dtype)
+    kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.v.dtype)
     held = held.copy()
     held[host_idx[host_write]] = host_hi[host_write]
     kv.lens = held

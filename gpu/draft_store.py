@@ -17,15 +17,19 @@ from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY
 
 
 class DraftStore:
-    """The draft KV of every sequence of one backend (per MTP head width) in ONE physical
-    `RaggedKv` `[S, 1, width, head_dim]` (the `gpu.draft.DraftPool` layout): row s is a
+    """The draft KV of every sequence of one backend (per MTP KV-head count and head width) in
+    ONE physical `RaggedKv` `[S, n_kv_heads, width, head_dim]` (the `gpu.draft.DraftPool`
+    layout): row s is a
     sequence's draft KV, start-anchored, `kv.lens[s]` its held length. Rows are allocated by
     `alloc` (zeroed; the row count doubles when full) and returned by the handle's finalizer.
     The physical width grows by whole 512-column blocks and is never refused (refusals are the
     handles' host metadata)."""
 
-    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.kv = RaggedKv.empty(0, 1, head_dim, 1 << 62, DRAFT_CACHE_CAPACITY, dtype, device)
+    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 n_kv_heads: int = 1) -> None:
+        self.kv = RaggedKv.empty(
+            0, n_kv_heads, head_dim, 1 << 62, DRAFT_CACHE_CAPACITY, dtype, device
+        )
         self.free: list[int] = []
 
     def alloc(self) -> int:
@@ -73,7 +77,7 @@ class PoolKv(KvMeta):
         self.current = n
 
     def front_aligned(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The reference's `current_data()` `[1, 1, current, D]` (views of the pool row)."""
+        """The reference's `current_data()` `[1, Hk, current, D]` (views of the pool row)."""
         if not self.materialized:
             return None
         kv = self.store.kv

@@ -75,12 +75,15 @@ class RopeTables:
 
 
 def _gather_columns(buf: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """`buf[rows[g], 0, cols[g, j], :]` as `[G, 1, keep, D]` for a one-head `[B, 1, cap, D]`
-    buffer: one flat `index_select` (advanced indexing of the permuted view was ~100x slower
-    with two CPU threads)."""
-    b, _, cap, d = buf.shape
-    flat = (rows[:, None] * cap + cols).reshape(-1)
-    return buf.reshape(b * cap, d).index_select(0, flat).view(cols.shape[0], 1, cols.shape[1], d)
+    """`buf[rows[g], h, cols[g, j], :]` as `[G, Hk, keep, D]` for a `[B, Hk, cap, D]` buffer
+    (every KV head of the addressed rows): one flat `index_select` (advanced indexing of the
+    permuted view was ~100x slower with two CPU threads)."""
+    b, hk, cap, d = buf.shape
+    heads = torch.arange(hk, device=cols.device)[None, :, None]
+    flat = ((rows[:, None, None] * hk + heads) * cap + cols[:, None, :]).reshape(-1)
+    return buf.reshape(b * hk * cap, d).index_select(0, flat).view(
+        cols.shape[0], hk, cols.shape[1], d
+    )
 
 
 def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torch.Tensor | None,
@@ -92,21 +95,23 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     `kv.k[rows[r]]` at its own columns `lens - keep ..` (dead below 0), masked by
     `qp - window < kp <= qp`; compressed block b valid iff `b < floor((qp + 1) / ratio)`.
     Only the window columns of the addressed rows are read (no copy of a row's history).
-    Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`."""
+    `kv` holds Hk KV heads dividing H (query head h reads KV head `h // (H // Hk)`), and
+    `compressed_kv` is `[G,Hk,t_c,D]`. Refusal: MaskRefusal "query rows against only" for a
+    row shorter than `t_q`; ValueError on shapes that disagree."""
     if rows is None:
         return dsv4_attention_in_place(q, kv, compressed_kv, compress_ratio, sliding_window, sinks)
     host_rows = host_ints(rows)
     rows = lengths(rows, device=kv.k.device, name="rows")
     if not (
         q.dim() == 4
-        and kv.k.shape[1] == 1
+        and q.shape[1] % kv.k.shape[1] == 0
         and q.shape[0] == rows.numel()
         and q.shape[3] == kv.k.shape[3]
     ):
         raise ValueError(
             f"q {list(q.shape)} for rows {rows.numel()} of kv {list(kv.k.shape)}: need "
             "[G,H,t_q,D], "
-            f"[B,1,cap,D]"
+            "[B,Hk,cap,D] with Hk dividing H"
         )
     g, _, t_q, d = q.shape
     dev, cd = q.device, compute_dtype(q.dtype)
@@ -119,7 +124,7 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     keep = min(t_q + window - 1, int(host.max()))
     cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]          # [G, keep]
     src = cols.clamp(min=0)
-    k_raw = _gather_columns(kv.k, rows, src)  # [G, 1, keep, D]
+    k_raw = _gather_columns(kv.k, rows, src)  # [G, Hk, keep, D]
     v_raw = _gather_columns(kv.v, rows, src)
     qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [G, t_q]
     kp = cols[:, None, :]
@@ -170,12 +175,18 @@ class DecoderLayer:
         self.rope = apply_rope
 
     def key(self, x: torch.Tensor) -> torch.Tensor:
-        """The un-rotated KV head `[B,1,T,hd]` of `x [B,T,H]` (row- and token-local)."""
-        eps = self.cfg.eps
-        return rms_norm(rms_norm(x, self.attn_norm, eps) @ self.wkv, self.kv_norm, eps)[:, None]
+        """The un-rotated KV heads `[B,n_kv,T,hd]` of `x [B,T,H]` (row- and token-local;
+        `kv_norm` per head, as the reference)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        kv = (rms_norm(x, self.attn_norm, cfg.eps) @ self.wkv).reshape(
+            b, t, cfg.n_kv_heads, cfg.head_dim
+        )
+        return rms_norm(kv, self.kv_norm, cfg.eps).transpose(1, 2)
 
     def compressed_keys(self, kv: RaggedKv) -> torch.Tensor | None:
-        """Start-anchored compressed keys `[B,1,t_c,hd]` from every row's own live run
+        """Start-anchored compressed keys `[B,n_kv,t_c,hd]` (each KV head on its own) from
+        every row's own live run
         (columns `[0, lens[i])`), `t_c = max(lens // ratio)`, None when 0. One un-rotation
         of the first `t_c * ratio` columns at positions `0..` (`theta` of this layer), one
         reshape-mean per complete block, one rotation at `j * ratio`
@@ -193,7 +204,7 @@ class DecoderLayer:
             torch.arange(width, device=dev), width - 1
         )
         raw = rotate(kv.k[:, :, :width], cos, sin, cfg.rope_dims, inverse=True)
-        blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)  # [B,1,t_c,hd]
+        blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)  # [B,n_kv,t_c,hd]
         cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(
             torch.arange(t_c, device=dev) * r, (t_c - 1) * r
         )
@@ -263,8 +274,9 @@ class MtpBlock:
     def new_draft_cache(self, batch: int, capacity: int = DRAFT_CACHE_CAPACITY) -> RaggedKv:
         """`batch` empty draft-KV rows in one buffer (a pool; the reference makes one
         capacity-16 cache per sequence)."""
+        cfg = self.cfg
         return RaggedKv.empty(
-            batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype, self.device
+            batch, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, capacity, self.dtype, self.device
         )
 
     def fuse(self, h: torch.Tensor, tokens) -> torch.Tensor:
@@ -383,10 +395,12 @@ class TinyModel:
         return len(self.layers)
 
     def new_cache(self, batch: int, capacity: int = PLAIN_CACHE_CAPACITY) -> list[RaggedKv]:
-        """One empty `RaggedKv [batch, 1, capacity, head_dim]` per target layer."""
+        """One empty `RaggedKv [batch, n_kv_heads, capacity, head_dim]` per target layer."""
+        cfg = self.cfg
         return [
             RaggedKv.empty(
-                batch, 1, self.cfg.head_dim, self.cfg.max_seq_len, capacity, self.dtype, self.device
+                batch, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, capacity, self.dtype,
+                self.device,
             )
             for _ in self.layers
         ]
