@@ -13,6 +13,8 @@ front-aligned (left-padded) to `max(lengths)`, so row i's *lead* (dead prefix) i
 - `allocation_lengths(lo, hi)`: lengths at the allocation boundaries (the draft cache's first
   16 columns, every 512-column block up to `hi`) or anywhere in `[lo, hi]`.
 - `bf16_inexact_positions(lo, hi)`: positions bfloat16 cannot hold exactly (odd, > 256).
+- `kv_head_layouts(kv_heads, ratios, max_heads)`: a model's `(n_heads, n_kv_heads)`, MQA
+  (one KV head) or GQA (several, each serving `ratio` query heads).
 """
 
 from __future__ import annotations
@@ -165,3 +167,23 @@ def bf16_inexact_positions(lo: int = 257, hi: int = 4000) -> st.SearchStrategy[i
     lo = max(lo, 257)
     odd = st.integers(lo // 2, (hi - 1) // 2).map(lambda k: 2 * k + 1)
     return odd.filter(lambda p: lo <= p <= hi)
+
+
+# --- attention head layouts ------------------------------------------------------------------
+
+GQA_RATIOS = (2, 4, 8)
+"""Query heads per KV head that the end-to-end GQA runs reach explicitly."""
+
+
+def kv_head_layouts(
+    kv_heads=(1, 2, 4), ratios=(2, 1, 4, 8), max_heads: int = 16
+) -> st.SearchStrategy[tuple[int, int]]:
+    """`(n_heads, n_kv_heads)`: `n_kv_heads` drawn from `kv_heads`, each KV head serving
+    `ratio` query heads (`n_heads = ratio * n_kv_heads`, at most `max_heads`). Shrinks toward
+    the first of each (by default the tiny model's own layout: 2 query heads, one KV head).
+    Every layout is a valid `ModelConfig` (`n_kv_heads` divides `n_heads`)."""
+    if not any(k * r <= max_heads for k in kv_heads for r in ratios):
+        raise ValueError(f"no layout of kv_heads {kv_heads} and ratios {ratios} has at most "
+                         f"{max_heads} query heads")
+    pairs = st.tuples(st.sampled_from(kv_heads), st.sampled_from(ratios))
+    return pairs.map(lambda p: (p[0] * p[1], p[0])).filter(lambda p: p[0] <= max_heads)

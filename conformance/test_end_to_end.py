@@ -9,8 +9,11 @@ both runs take the same path and every record has a partner.
 Generated scenarios are small (B 1..4, depth 0..3, 2..7 steps) and reach the corners: cohort
 and granted per-sequence advance, refused per-sequence (latched cohort), the WA world's
 ragged batches under cohort, the three strip policies, staggered arrivals, an LRU of 1-2
-draft states, Tier A (no MTP block), compressed layers of ratio 4 and 128, and max_seq_len
-40 (capacity refusals, poisoned draft KVs, failed steps)."""
+draft states, Tier A (no MTP block), compressed layers of ratio 4 and 128, max_seq_len
+40 (capacity refusals, poisoned draft KVs, failed steps), and models with several KV heads
+(GQA: `n_kv_heads` 2 or 4, 2, 4 or 8 query heads per KV head), where a port that maps query
+head h to the wrong KV head (say `h % n_kv_heads` for `h // (n_heads / n_kv_heads)`) differs
+at the first forward; with one KV head every mapping agrees, so those runs cannot see it."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import event, given
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from raggedspec.conformance.backends import (
@@ -27,9 +30,10 @@ from raggedspec.conformance.backends import (
     compare_runs,
     reference_backend,
 )
+from raggedspec.conformance.strategies import GQA_RATIOS, kv_head_layouts
 from raggedspec.reference import simulator
 from raggedspec.reference.backend import NumpyBackend
-from raggedspec.reference.scenario import load_scenario
+from raggedspec.reference.scenario import load_scenario, model_config
 
 GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", "world": "WB"}
 FLAVOURS = {
@@ -61,6 +65,7 @@ def _scenario(
     ratios,
     seed,
     mtp,
+    heads=(2, 1),
 ):
     return {
         "batch": batch,
@@ -74,46 +79,59 @@ def _scenario(
         "acceptance": acceptance,
         "max_seq_len": max_seq_len,
         "seed": seed,
-        "model": {"compress_ratios": ratios, "mtp": mtp},
+        "model": {
+            "compress_ratios": ratios,
+            "mtp": mtp,
+            "n_heads": heads[0],
+            "n_kv_heads": heads[1],
+        },
         **FLAVOURS[flavour],
     }
 
 
-scenarios = st.builds(
-    _scenario,
-    flavour=st.sampled_from(
-        [
-            "per-sequence granted",
-            "cohort",
-            "per-sequence granted",
-            "WA ragged cohort",
-            "per-sequence granted",
-            "per-sequence refused",
-        ]
-    ),
-    batch=st.sampled_from([3, 2, 4, 1, 2, 3]),
-    plen=st.integers(1, 9),
-    extra_len=st.sampled_from([0, 0, 1, 2, 3, 6]),
-    new=st.integers(4, 30),
-    steps=st.integers(3, 9),
-    depth=st.sampled_from([3, 2, 1, 0, 3, 2]),
-    strip=st.sampled_from(["eager", "lazy", "none"]),
-    arrival=st.sampled_from(["all-at-once", "all-at-once", "staggered"]),
-    lru=st.sampled_from([None, 1, 2]),
-    acceptance=st.sampled_from(
-        [
-            "geometric:0.7",
-            "all-accept",
-            "all-reject",
-            "profile:0.9,0.5,0.3",
-            "heterogeneous:0.1,0.95",
-        ]
-    ),
-    max_seq_len=st.sampled_from([4096, 4096, 4096, 40, 24]),
-    ratios=st.sampled_from([[0, 4], [0, 4], [4], [0, 128], [4, 0, 4]]),
-    seed=st.integers(0, 30),
-    mtp=st.sampled_from(["block", "block", "block", "heads"]),
-)
+def scenario_strategy(heads: st.SearchStrategy[tuple[int, int]]) -> st.SearchStrategy[dict]:
+    """Generated scenarios (see the module docstring) whose model has the `(n_heads,
+    n_kv_heads)` layout `heads` draws."""
+    return st.builds(
+        _scenario,
+        flavour=st.sampled_from(
+            [
+                "per-sequence granted",
+                "cohort",
+                "per-sequence granted",
+                "WA ragged cohort",
+                "per-sequence granted",
+                "per-sequence refused",
+            ]
+        ),
+        batch=st.sampled_from([3, 2, 4, 1, 2, 3]),
+        plen=st.integers(1, 9),
+        extra_len=st.sampled_from([0, 0, 1, 2, 3, 6]),
+        new=st.integers(4, 30),
+        steps=st.integers(3, 9),
+        depth=st.sampled_from([3, 2, 1, 0, 3, 2]),
+        strip=st.sampled_from(["eager", "lazy", "none"]),
+        arrival=st.sampled_from(["all-at-once", "all-at-once", "staggered"]),
+        lru=st.sampled_from([None, 1, 2]),
+        acceptance=st.sampled_from(
+            [
+                "geometric:0.7",
+                "all-accept",
+                "all-reject",
+                "profile:0.9,0.5,0.3",
+                "heterogeneous:0.1,0.95",
+            ]
+        ),
+        max_seq_len=st.sampled_from([4096, 4096, 4096, 40, 24]),
+        ratios=st.sampled_from([[0, 4], [0, 4], [4], [0, 128], [4, 0, 4]]),
+        seed=st.integers(0, 30),
+        mtp=st.sampled_from(["block", "block", "block", "heads"]),
+        heads=heads,
+    )
+
+
+scenarios = scenario_strategy(kv_head_layouts(kv_heads=(1, 1, 1, 2, 4)))
+gqa_scenarios = scenario_strategy(kv_head_layouts(kv_heads=(2, 4), ratios=GQA_RATIOS))
 
 
 def run_both(data: dict, port=None):
@@ -133,6 +151,65 @@ def test_every_step_of_a_generated_scenario_matches_the_reference(data):
         event(label)
     counts = compare_runs(port, ref, be.dtype)
     assert counts["forwards"] >= 1 or not any(s["phase"] != "idle" for s in ref.steps())
+
+
+# Explicit GQA models, one per ratio of query heads to KV heads, each with two KV heads, through
+# ragged per-sequence steps, the MTP chain and compressed layers (`_scenario`'s arguments).
+GQA = {
+    2: _scenario("per-sequence granted", 3, 3, 6, 25, 9, 3, "eager", "all-at-once", None,
+                 "geometric:0.7", 4096, [0, 4], 3, "block", heads=(4, 2)),
+    4: _scenario("WA ragged cohort", 4, 2, 6, 20, 9, 2, "eager", "staggered", 2,
+                 "profile:0.9,0.5,0.3", 4096, [4, 0, 4], 5, "block", heads=(8, 2)),
+    8: _scenario("per-sequence granted", 3, 5, 3, 20, 9, 3, "lazy", "all-at-once", 1,
+                 "heterogeneous:0.1,0.95", 4096, [0, 4], 7, "block", heads=(16, 2)),
+}
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 10))
+@example(data=GQA[2])
+@example(data=GQA[4])
+@example(data=GQA[8])
+@given(data=gqa_scenarios)
+def test_models_with_several_kv_heads_match_the_reference(data):
+    """GQA end to end: models with 2 or 4 KV heads, 2, 4 or 8 query heads each (the explicit
+    examples: ratios 2, 4 and 8 with two KV heads), run by both backends and compared as the
+    property above compares (K/V caches `[B, n_kv_heads, T, D]`, hidden states, logits, the
+    integer trace). Query head h reads KV head `h // (n_heads / n_kv_heads)` in the
+    reference; a port with another mapping fails here at the first forward's hidden state."""
+    cfg = model_config(load_scenario(data))
+    assert cfg.n_kv_heads >= 2 and cfg.n_heads // cfg.n_kv_heads in GQA_RATIOS
+    port, ref, be = run_both(data)
+    counts = compare_runs(port, ref, be.dtype)
+    assert counts["forwards"] >= 1 or not any(s["phase"] != "idle" for s in ref.steps())
+
+
+def test_the_gqa_examples_have_several_kv_heads_and_reach_the_ragged_paths():
+    """Non-degeneracy of the explicit GQA examples: ratios 2, 4 and 8, each with several KV
+    heads; together they run ragged per-sequence steps, ragged cohort batches and the MTP
+    chain, and every recorded K/V cache has `n_kv_heads` heads."""
+    seen, ratios = set(), set()
+    for data in GQA.values():
+        sc = load_scenario(data)
+        cfg = model_config(sc)
+        assert cfg.n_kv_heads >= 2
+        ratios.add(cfg.n_heads // cfg.n_kv_heads)
+        tr = simulator.run(sc, record_tensors=True)
+        seen |= paths_reached(tr)
+        assert kv_heads_recorded(tr) == {cfg.n_kv_heads}
+    assert ratios == set(GQA_RATIOS)
+    needed = {"phase decode", "ragged per-sequence step", "ragged cohort batch"}
+    assert needed <= seen, f"not reached: {sorted(needed - seen)}"
+
+
+def kv_heads_recorded(trace) -> set[int]:
+    """The head counts of every materialized K/V cache in a run's state records (the
+    sequences' target caches and their draft KVs)."""
+    caches = []
+    for r in trace.tensor_log:
+        if r["phase"] == "state":
+            caches += [kv for s in r["seqs"].values() for kv in s["kv"]]
+            caches += [kv for d in r["drafts"].values() if d["kv"] for kv in d["kv"]["kv"]]
+    return {k.shape[1] for k, _ in (c for c in caches if c is not None) if k is not None}
 
 
 def paths_reached(trace) -> set[str]:

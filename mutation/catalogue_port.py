@@ -512,4 +512,23 @@ ENTRIES: list[Mutant] = [
         "PTX ISA",
         P_WARP,
     ),
+    M(
+        "port attention: GQA query head h reads KV head h % Hk, not h // (H / Hk)",
+        "gpu/attention.py",
+        "    qc = q.to(cd).unflatten(1, (hk, h // hk))",
+        "    qc = q.to(cd).unflatten(1, (h // hk, hk)).transpose(1, 2)",
+        "M§4 GQA head",
+        "conformance/test_end_to_end.py::test_models_with_several_kv_heads_match_the_reference",
+        subs=(
+            (
+                "    logits = (qc @ kc.transpose(-1, -2)).flatten(1, 2)",
+                "    logits = (qc @ kc.transpose(-1, -2)).transpose(1, 2).flatten(1, 2)",
+            ),
+            (
+                "    out = (p.unflatten(1, (hk, h // hk)) @ vc).flatten(1, 2)",
+                "    out = (p.unflatten(1, (h // hk, hk)).transpose(1, 2) @ vc).transpose(1, 2)"
+                ".flatten(1, 2)",
+            ),
+        ),
+    ),
 ]
