@@ -397,6 +397,45 @@ def test_a_ragged_batch_gives_each_row_its_solo_attention(lengths, t_q, window, 
                                    rtol=TOL, atol=TOL)
 
 
+@given(lengths=ragged_lengths(1, 4, 1, 40), t_q=st.integers(1, 5), window=st.integers(1, 32),
+       ratio=ratios, hk=st.sampled_from([2, 4]), group=st.sampled_from([1, 2, 4, 8]),
+       seed=st.integers(0, 2**32 - 1))
+def test_with_several_kv_heads_query_head_h_reads_kv_head_h_div_group(lengths, t_q, window,
+                                                                       ratio, hk, group, seed):
+    """GQA: `k, v [B,Hk,t_k,D]`, `compressed_kv [B,Hk,t_c,D]`, `H = Hk * group`. Query heads
+    `[j * group, (j + 1) * group)` read KV head j only (`h // group`): the batched result on
+    those heads equals, within 1e-12, the one-KV-head call on KV head j alone and the loop
+    oracle of each row alone over KV head j. Any other mapping moves a head's output."""
+    rng = np.random.default_rng(seed)
+    per_kv = [make_rows(lengths, t_q, ratio, group, 4, rng) for _ in range(hk)]
+    parts = [batch_of(rows, t_q, ratio) for rows in per_kv]
+    q, k, v = (np.concatenate([p[n] for p in parts], axis=1) for n in range(3))
+    comp = None if ratio <= 1 else np.concatenate([p[3] for p in parts], axis=1)
+    sinks = rng.normal(size=hk * group)
+    cfg = Dsv4AttentionConfig(ratio, window, 0, lengths)
+    got = dsv4_attention(q, k, v, comp, None, cfg, sinks)
+    assert got.shape == (len(lengths), hk * group, t_q, 4)
+    for j, (qj, kj, vj, cj) in enumerate(parts):
+        heads = slice(j * group, (j + 1) * group)
+        one = dsv4_attention(qj, kj, vj, cj, None, cfg, sinks[heads])
+        np.testing.assert_allclose(got[:, heads], one, rtol=TOL, atol=TOL)
+        for i, row in enumerate(per_kv[j]):
+            np.testing.assert_allclose(got[i, heads],
+                                       union_attention_oracle(row, window, ratio, sinks[heads]),
+                                       rtol=TOL, atol=TOL)
+
+
+def test_dsv4_refuses_kv_heads_that_do_not_divide_the_query_heads():
+    q, k = _plain()
+    k2 = np.repeat(k, 2, axis=1)
+    with pytest.raises(ValueError, match="KV heads 2 must divide query heads 3"):
+        dsv4_attention(np.repeat(q[:, :1], 3, axis=1), k2, k2, None, None,
+                       Dsv4AttentionConfig(0, 4))
+    comp = np.zeros((1, 1, 1, q.shape[3]))
+    with pytest.raises(ValueError, match=r"compressed_kv .* must be \[B=1,2,t_c"):
+        dsv4_attention(q, k2, k2, comp, None, Dsv4AttentionConfig(4, 4))
+
+
 @given(lengths=ragged_lengths(1, 6, 1, 80), **case)
 def test_the_dead_prefix_never_reaches_any_output(lengths, t_q, window, ratio, heads,
                                                   with_sinks, extra_c, seed):

@@ -128,6 +128,46 @@ def test_config_refuses_inconsistent_sizes():
         ModelConfig(rope_dims=3)
     with pytest.raises(ValueError, match="mtp"):
         ModelConfig(mtp="tier-c")
+    for n_heads, n_kv in ((4, 3), (2, 0), (2, 4)):
+        with pytest.raises(ValueError, match=f"n_kv_heads {n_kv} must be >= 1 and divide "
+                                             f"n_heads {n_heads}"):
+            ModelConfig(n_heads=n_heads, n_kv_heads=n_kv)
+
+
+GQA = TinyModel(ModelConfig(n_heads=8, n_kv_heads=2, compress_ratios=(0, 4), seed=3))
+
+
+def test_several_kv_heads_each_have_their_own_projection_norm_and_compressed_keys():
+    """`n_kv_heads = 2`: KV head j is `kv_norm(rms(attn_norm(x)) @ wkv[:, j*hd:(j+1)*hd])`
+    (its own slice of `wkv`, the shared per-head gain), the caches hold `[B, 2, T, hd]`, and
+    the compressed keys of head j are those of head j alone (bit for bit)."""
+    hd = GQA.cfg.head_dim
+    x = np.random.default_rng(0).standard_normal((2, 9, GQA.cfg.hidden))
+    layer = GQA.layers[1]
+    keys = layer.key(x)
+    assert keys.shape == (2, 2, 9, hd) and layer.wkv.shape == (GQA.cfg.hidden, 2 * hd)
+    h = my_rms(x, layer.attn_norm)
+    for j in range(2):
+        assert close(keys[:, j], my_rms(h @ layer.wkv[:, j * hd:(j + 1) * hd], layer.kv_norm))
+    comp = layer.compressed_keys(keys, [0, 3])
+    assert comp.shape == (2, 2, 2, hd)
+    for j in range(2):
+        assert np.array_equal(comp[:, j:j + 1], layer.compressed_keys(keys[:, j:j + 1], [0, 3]))
+    cache = GQA.new_cache()
+    GQA.forward(np.array([[1, 2, 3, 4, 5]]), cache, [0])
+    assert [s.k.current_data().shape for s in cache.slots] == [(1, 2, 5, hd)] * 2
+
+
+def test_a_gqa_prefill_equals_its_incremental_decode():
+    """Causality and positions with several KV heads: decoding tokens one step at a time
+    gives the hidden states of one prefill of all of them (1e-12)."""
+    tokens = np.array([[5, 1, 7, 2, 9, 3, 4, 8, 6]])
+    whole = GQA.forward(tokens, GQA.new_cache(), [0])
+    cache = GQA.new_cache()
+    first = GQA.forward(tokens[:, :6], cache, [0])
+    rest = [GQA.forward(tokens[:, t:t + 1], cache, [t]).hidden for t in range(6, 9)]
+    assert close(whole.hidden[:, :6], first.hidden)
+    assert close(whole.hidden[:, 6:], np.concatenate(rest, axis=1))
 
 
 def test_forward_appends_every_layer_and_returns_the_pre_norm_hidden():

@@ -23,7 +23,7 @@ from raggedspec.reference.acceptance import (
     threshold,
 )
 from raggedspec.reference.errors import ScenarioError
-from raggedspec.reference.scenario import Request, load_scenario, parse_acceptance
+from raggedspec.reference.scenario import Request, load_scenario, model_config, parse_acceptance
 from raggedspec.reference.step import verify_proposed
 
 # ----------------------------------------------------------------------------- loading
@@ -76,6 +76,9 @@ def test_explicit_requests_and_overrides():
     )
     assert sc.requests == (Request(5, 7, 0, True), Request(6, 8, 2, False))
     assert sc.depth == 5 and sc.model == {"vocab": 16} and sc.world == "WB"
+    gqa = load_scenario({"model": {"n_heads": 8, "n_kv_heads": 2}})
+    assert (model_config(gqa).n_heads, model_config(gqa).n_kv_heads) == (8, 2)
+    assert model_config(sc).n_kv_heads == 1  # the default: one KV head
     sc2 = load_scenario(None, {"batch": 2, "acceptance": "geometric:0.5", "acceptance.p": [0.25]})
     assert sc2.batch == 2 and sc2.acceptance.p == (0.25,)
 
@@ -110,6 +113,7 @@ def test_per_sequence_advance_sets_the_flag_it_stands_for():
     ({"acceptance": {"model": "file"}}, "acceptance.path", "JSON path"),
     ({"model": {"layers": 3}}, "model.layers", "unknown key"),
     ({"model": {"vocab": 1}}, "model.vocab", ">= 2"),
+    ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model", "n_kv_heads 3 must be >= 1 and divide"),
     ({"max_draft_kv_seqs": 0}, "max_draft_kv_seqs", ">= 1"),
 ])
 def test_a_bad_scenario_names_the_key_and_the_allowed_range(data, key, words):
