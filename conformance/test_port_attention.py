@@ -257,26 +257,28 @@ def test_dsv4_refusal_messages_name_the_values():
     window=st.sampled_from([1, 4, 16, 128]),
     with_sinks=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
+    heads=st.sampled_from([(2, 1), (2, 1), (4, 2), (8, 2), (16, 2), (8, 4)]),
 )
 def test_in_place_attention_equals_the_reference_on_the_front_aligned_batch(
-    own, t_q, ratio, window, with_sinks, seed
+    own, t_q, ratio, window, with_sinks, seed, heads
 ):
     """The port's layout never front-aligns: rows sit at column 0 with their own lengths.
     Its attention (per-row window gather, per-row masks) equals the reference's
-    `dsv4_attention` of the front-aligned batch with `row_q0 = own - t_q`."""
+    `dsv4_attention` of the front-aligned batch with `row_q0 = own - t_q`, with one KV head
+    or several (`(H, Hk)` in `heads`: GQA ratios 2, 4, 8; compressed keys per KV head)."""
     rng = np.random.default_rng(seed)
     own = [n + t_q for n in own]
     b, n_max = len(own), max(own)
+    h, hk = heads
     cap = n_max + 7
-    k_place = rng.normal(size=(b, 1, cap, 8)) * 5  # slack columns hold noise: never read unmasked
-    v_place = rng.normal(size=(b, 1, cap, 8)) * 5
-    k_front, v_front = np.zeros((b, 1, n_max, 8)), np.zeros((b, 1, n_max, 8))
+    k_place = rng.normal(size=(b, hk, cap, 8)) * 5  # slack columns hold noise: never read
+    v_place = rng.normal(size=(b, hk, cap, 8)) * 5
+    k_front, v_front = np.zeros((b, hk, n_max, 8)), np.zeros((b, hk, n_max, 8))
     for i, n in enumerate(own):
-        k_front[i, 0, n_max - n:] = k_place[i, 0, :n]
-        v_front[i, 0, n_max - n:] = v_place[i, 0, :n]
+        k_front[i, :, n_max - n:] = k_place[i, :, :n]
+        v_front[i, :, n_max - n:] = v_place[i, :, :n]
     t_c = n_max // ratio if ratio > 1 else 0
-    comp = rng.normal(size=(b, 1, t_c, 8)) if t_c else None
-    h = 2
+    comp = rng.normal(size=(b, hk, t_c, 8)) if t_c else None
     q = rng.normal(size=(b, h, t_q, 8))
     sinks = rng.normal(size=h) if with_sinks else None
     kv = RaggedKv(to_port(k_place), to_port(v_place), torch.tensor(own), max_seq_len=4096)

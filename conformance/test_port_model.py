@@ -91,23 +91,25 @@ def port_model(
 
 
 def history(model: TinyModel, lens: list[int], rng, dtype=torch.float64) -> list[list[np.ndarray]]:
-    """`hist[layer][i]`: row i's cached K (== V) `[lens[i], head_dim]`, representable in dtype."""
-    d = model.cfg.head_dim
-    return [[representable(rng.standard_normal((n, d)), dtype) for n in lens] for _ in model.layers]
+    """`hist[layer][i]`: row i's cached K (== V) `[lens[i], head_dim]` (`[n_kv_heads, lens[i],
+    head_dim]` for a model with several KV heads), representable in dtype."""
+    d, hk = model.cfg.head_dim, model.cfg.n_kv_heads
+    return [[representable(rng.standard_normal((n, d) if hk == 1 else (hk, n, d)), dtype)
+             for n in lens] for _ in model.layers]
 
 
 def ref_batched(model: TinyModel, hist) -> tuple[NormalCache, list[int]]:
     """The reference's front-aligned batch: row i's run ends at column C = max(lens), zeros in
     front (its lead), capacity 512 (the plain cache's)."""
-    lens = [len(h) for h in hist[0]]
+    lens = [h.shape[-2] for h in hist[0]]
     c = max(lens)
     if c == 0:
         return model.new_cache(), [0] * len(lens)
     slots = []
     for rows in hist:
-        data = np.zeros((len(lens), 1, 512, model.cfg.head_dim))
+        data = np.zeros((len(lens), model.cfg.n_kv_heads, 512, model.cfg.head_dim))
         for i, h in enumerate(rows):
-            data[i, 0, c - len(h): c] = h
+            data[i, :, c - h.shape[-2]: c] = h
         slots.append(KvCache(SingleCache(model.cfg.max_seq_len, 512, c, 0, None, data.copy()),
                              SingleCache(model.cfg.max_seq_len, 512, c, 0, None, data.copy())))
     return NormalCache(slots), [c - n for n in lens]
@@ -117,7 +119,7 @@ def port_cache(model: TinyModel, hist, dtype=torch.float64) -> list[RaggedKv]:
     """The port's in-place rows: row i's K at columns [0, lens[i])."""
     out = []
     for rows in hist:
-        ks = [to_port(h[None], dtype) for h in rows]
+        ks = [to_port(h if h.ndim == 3 else h[None], dtype) for h in rows]
         out.append(RaggedKv.from_rows(ks, [k.clone() for k in ks], model.cfg.max_seq_len))
     return out
 
@@ -294,6 +296,39 @@ def test_prefills_and_a_zero_length_row_match_the_reference(name, lens, t):
     assert_close64(naive_hidden, want.hidden, what="naive oracle hidden")
 
 
+GQA_MODELS = {
+    f"{h}_heads_{hk}_kv": TinyModel(ModelConfig(n_heads=h, n_kv_heads=hk, compress_ratios=ratios,
+                                                sliding_window=5, seed=h))
+    for h, hk, ratios in ((4, 2, (0, 4)), (8, 2, (4, 0)), (16, 2, (0, 4)), (8, 4, (4, 0, 3)))
+}
+
+
+@pytest.mark.parametrize("name", sorted(GQA_MODELS))
+@pytest.mark.parametrize("lens", [[0, 0], [10, 8, 5], [3, 17]])
+def test_a_gqa_forward_matches_the_reference(name, lens):
+    """Several KV heads (GQA ratios 2, 4, 8; compressed layers): two steps on ragged rows,
+    logits and hidden within 1e-12, every layer's K `[B, n_kv_heads, T, D]` within 1e-12 of
+    the reference's front-aligned batch."""
+    model = GQA_MODELS[name]
+    pm = port.TinyModel(model, torch.float64, DEVICE)
+    rng = np.random.default_rng(sum(lens))
+    hist = history(model, lens, rng)
+    batched, leads = ref_batched(model, hist)
+    cache = port_cache(model, hist)
+    own = list(lens)
+    for t in (3, 1):
+        new = rng.integers(0, model.cfg.vocab, (len(lens), t))
+        want = model.forward(new, batched, own, own, leads)
+        got = pm.forward(to_port(new), cache)
+        assert_close64(got.logits, want.logits, what="logits")
+        assert_close64(got.hidden, want.hidden, what="hidden")
+        own = [n + t for n in own]
+        for layer in range(model.n_layers):
+            k = materialize_front_aligned(cache[layer])[0]
+            assert k.shape[1] == model.cfg.n_kv_heads
+            assert_close64(k, ref_kv(batched, layer)[0], what=f"layer {layer} K")
+
+
 # --- float32 / bfloat16: the FlashAttention bound
 # --------------------------------------------------
 
@@ -373,17 +408,19 @@ def test_compressed_keys_are_start_anchored_per_row_as_the_reference(lens, seed)
 @given(pool=corner_lengths(2, 6, 40, boundaries=False), t_q=st.integers(1, 3), data=st.data())
 def test_attention_on_pool_rows_equals_in_place_attention_on_those_rows(pool, t_q, data):
     """`dsv4_attention_rows` on a subset of a pool's rows (only their windows gathered) ==
-    `dsv4_attention_in_place` on a cache holding just those rows, bit for bit."""
+    `dsv4_attention_in_place` on a cache holding just those rows, bit for bit, with one KV
+    head or several (every KV head of a row gathered)."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     lens = [n + t_q for n in pool]
     rows = data.draw(
         st.lists(st.integers(0, len(lens) - 1), min_size=1, max_size=len(lens), unique=True)
     )
-    kv = RaggedKv.from_rows([to_port(rng.standard_normal((1, n, 8))) for n in lens],
-                            [to_port(rng.standard_normal((1, n, 8))) for n in lens], 4096)
+    hk = data.draw(st.sampled_from([1, 2, 4]))
+    kv = RaggedKv.from_rows([to_port(rng.standard_normal((hk, n, 8))) for n in lens],
+                            [to_port(rng.standard_normal((hk, n, 8))) for n in lens], 4096)
     sub = RaggedKv(kv.k[rows], kv.v[rows], kv.lens[rows], 4096)
-    q = to_port(rng.standard_normal((len(rows), 2, t_q, 8)))
-    sinks = to_port(rng.standard_normal(2))
+    q = to_port(rng.standard_normal((len(rows), 2 * hk, t_q, 8)))
+    sinks = to_port(rng.standard_normal(2 * hk))
     window = data.draw(st.sampled_from([1, 3, 16]))
     got = port.dsv4_attention_rows(q, kv, torch.tensor(rows), None, 0, window, sinks)
     want = port.dsv4_attention_in_place(q, sub, None, 0, window, sinks)
