@@ -445,21 +445,23 @@ def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
 @pytest.mark.skipif(
     kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"
 )
-@pytest.mark.parametrize("case", [0, 8])
+@pytest.mark.parametrize("case", [0, 8, "gqa 4", "gqa 8"])
 def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_reference(
     case, monkeypatch
 ):
     """The whole step simulator on `raggedspec.gpu.cupy_backend:emulated` (every attention and RoPE
     of the
     model forward, the ragged masks and the KV read-back run by the kernels, under g++) against
-    the reference, tensor for tensor: a granted per-sequence scenario and one with compressed
-    layers of ratio 4 and 128. The launches are counted, so the kernels are known to have run.
+    the reference, tensor for tensor: a granted per-sequence scenario, one with compressed
+    layers of ratio 4 and 128, and two models with two KV heads (GQA ratios 4 and 8: the
+    kernel's query head h reads KV head `h // (Hq / Hk)` in place, and `rs_front_align`
+    reads every KV head back). The launches are counted, so the kernels are known to have run.
     The full property (200 generated scenarios, three dtypes) runs with
     `RAGGEDSPEC_BACKEND=raggedspec.gpu.cupy_backend:emulated` (docs/conformance.md)."""
     from collections import Counter
 
     from raggedspec.conformance.backends import compare_runs, reference_backend
-    from raggedspec.conformance.test_end_to_end import FIXED
+    from raggedspec.conformance.test_end_to_end import FIXED, GQA
     from raggedspec.gpu.cupy_backend import emulated
     from raggedspec.reference import simulator
     from raggedspec.reference.scenario import load_scenario
@@ -471,7 +473,8 @@ def test_the_emulated_kernel_backend_runs_the_simulator_and_matches_the_referenc
         "_launch",
         lambda self, name, *a, **k: (launches.update([name]), real(self, name, *a, **k))[1],
     )
-    sc = load_scenario(FIXED[case])
+    data = GQA[int(case.split()[1])] if isinstance(case, str) else FIXED[case]
+    sc = load_scenario(data)
     backend = emulated()
     port = simulator.run(sc, record_tensors=True, backend=backend)
     ref = simulator.run(sc, record_tensors=True, backend=reference_backend())

@@ -95,7 +95,8 @@ class CupyBackend(TorchBackend):
         return model
 
     def _attend(self, q, kv, rows, comp, ratio, window, sinks=None):
-        """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (one KV head in place).
+        """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (every KV head in place;
+        query head h reads KV head `h // (H / Hk)`).
         A forward with more queries than the verify kernel takes (a prefill: G * t_q over
         `cupy_kernels.MAX_QUERIES`, or over its shared memory) goes to the torch port."""
         h, t_q, d = q.shape[1], q.shape[2], q.shape[3]
