@@ -14,9 +14,9 @@ The backend under test is the one `conformance/backends.py` selects; the low-pre
 load the same backend at float32 and bfloat16 (the NumPy reference is float64 only, so with
 `RAGGEDSPEC_BACKEND=numpy` they do not apply). Comparison policy as in `backends.py`.
 
-The tiny model has one KV head (K == V, `wkv` projects to one head), and the port's in-place
-attention requires one KV head, so GQA (several KV heads) is not reachable end to end: the
-per-op attention tests cover the head mapping."""
+The tiny model has one KV head by default (K == V, V4's MQA); the long-prompt runs include a
+model with two KV heads of four query heads each (GQA), so the head mapping meets long
+positions in low precision too (`test_end_to_end.py` runs GQA ratios 2, 4 and 8 in float64)."""
 
 from __future__ import annotations
 
@@ -245,6 +245,9 @@ LONG = [  # (scenario, a length some row passes)
           acceptance="all-accept"), 256),
     (dict(batch=2, prompt_len=[509, 512], max_new_tokens=8, steps=4, depth=3,
           acceptance="all-accept"), 512),
+    (dict(batch=2, prompt_len=[300, 530], max_new_tokens=6, steps=4, depth=2,
+          advance="per-sequence", xs_per_seq=True, admission="grant", world="WB",
+          acceptance="all-accept", model={"n_heads": 8, "n_kv_heads": 2}), 256),
 ]
 
 
@@ -252,8 +255,9 @@ LONG = [  # (scenario, a length some row passes)
 @pytest.mark.parametrize("case", range(len(LONG)))
 def test_long_prompts_end_to_end_in_low_precision(dtype, case):
     """Short runs with prompts of 300-530 tokens: positions bfloat16 cannot hold, and the
-    first 512-column block crossed while decoding: every step's state within the policy of the
-    float64 reference and the integer trace identical."""
+    first 512-column block crossed while decoding (one run with two KV heads, GQA ratio 4):
+    every step's state within the policy of the float64 reference and the integer trace
+    identical."""
     data, past = LONG[case]
     sc = load_scenario(data)
     ref = simulator.run(sc, record_tensors=True, backend=REF)
