@@ -10,10 +10,11 @@ Generated scenarios are small (B 1..4, depth 0..3, 2..7 steps) and reach the cor
 and granted per-sequence advance, refused per-sequence (latched cohort), the WA world's
 ragged batches under cohort, the three strip policies, staggered arrivals, an LRU of 1-2
 draft states, Tier A (no MTP block), compressed layers of ratio 4 and 128, max_seq_len
-40 (capacity refusals, poisoned draft KVs, failed steps), and models with several KV heads
-(GQA: `n_kv_heads` 2 or 4, 2, 4 or 8 query heads per KV head), where a port that maps query
-head h to the wrong KV head (say `h % n_kv_heads` for `h // (n_heads / n_kv_heads)`) differs
-at the first forward; with one KV head every mapping agrees, so those runs cannot see it."""
+40 (capacity refusals, poisoned draft KVs, failed steps). A second property runs the same
+kind of scenarios on models with several KV heads (GQA: `n_kv_heads` 2 or 4, 2, 4 or 8 query
+heads per KV head), where a port that maps query head h to the wrong KV head (say
+`h % n_kv_heads` for `h // (n_heads / n_kv_heads)`) differs at the first forward; with one KV
+head every mapping agrees, so the one-KV-head runs cannot see it."""
 
 from __future__ import annotations
 
@@ -130,7 +131,9 @@ def scenario_strategy(heads: st.SearchStrategy[tuple[int, int]]) -> st.SearchStr
     )
 
 
-scenarios = scenario_strategy(kv_head_layouts(kv_heads=(1, 1, 1, 2, 4)))
+# The main property keeps the tiny model's one KV head (st.just draws nothing, so its examples
+# are the ones it always had); GQA layouts have their own property below.
+scenarios = scenario_strategy(st.just((2, 1)))
 gqa_scenarios = scenario_strategy(kv_head_layouts(kv_heads=(2, 4), ratios=GQA_RATIOS))
 
 
