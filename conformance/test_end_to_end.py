@@ -168,7 +168,7 @@ GQA = {
 }
 
 
-@settings(max_examples=max(10, settings.default.max_examples // 10))
+@settings(max_examples=max(25, settings.default.max_examples // 4))
 @example(data=GQA[2])
 @example(data=GQA[4])
 @example(data=GQA[8])

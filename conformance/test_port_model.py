@@ -329,6 +329,18 @@ def test_a_gqa_forward_matches_the_reference(name, lens):
             assert_close64(k, ref_kv(batched, layer)[0], what=f"layer {layer} K")
 
 
+def test_the_empty_caches_have_the_models_kv_heads():
+    """`TinyModel.new_cache` and `MtpBlock.new_draft_cache`: empty `[B, n_kv_heads, cap,
+    head_dim]` buffers (capacity 512 and 16), every row at length 0."""
+    for model in (MODEL, GQA_MODELS["8_heads_2_kv"]):
+        pm, hk, hd = port.TinyModel(model), model.cfg.n_kv_heads, model.cfg.head_dim
+        for kv in pm.new_cache(3):
+            assert tuple(kv.k.shape) == tuple(kv.v.shape) == (3, hk, 512, hd)
+            assert host(kv.lens).tolist() == [0, 0, 0]
+        draft = pm.mtp.new_draft_cache(2)
+        assert tuple(draft.k.shape) == (2, hk, 16, hd) and host(draft.lens).tolist() == [0, 0]
+
+
 # --- float32 / bfloat16: the FlashAttention bound
 # --------------------------------------------------
 
