@@ -518,8 +518,7 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ length vectors
     # Host integers in, host integers out: the reference's rule functions themselves (the
-    # lengths are host integers once per step; `gpu.step` / `gpu.dispatch` hold the same
-    # rules on device vectors, for a kernel that consumes them there).
+    # lengths are host integers once per step; no device twin of these rules exists).
     def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
         return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
 

@@ -211,7 +211,7 @@ class RaggedKv:
 
     def truncate_by(self, n_drop) -> None:
         """Cohort rollback (`truncate_cache_by`): every row `sat(lens - n_drop)`; `n_drop`
-        an int or a 0-dim tensor (e.g. `gpu.step.plan_batch_step(...).n_drop`, no host read)."""
+        an int or a 0-dim tensor (a count kept on the device is not read back)."""
         if isinstance(n_drop, int) and self._host is not None:
             self.lens = np.maximum(self._host - n_drop, 0)
             return

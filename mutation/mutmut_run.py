@@ -29,7 +29,7 @@ NOT_KILLED = ("survived", "no tests", "suspicious", "segfault", "not checked", "
 
 # mutmut's scope per mode: what is mutated, and (fast) which tests the stats run uses.
 MUTMUT_FULL = {"reference": ["reference/dispatch.py", "reference/step.py"],
-               "gpu": ["gpu/dispatch.py", "gpu/step.py"]}
+               "gpu": ["gpu/dispatch.py"]}
 MUTMUT_FAST = {"reference": ["reference/dispatch.py"], "gpu": ["gpu/dispatch.py"]}
 FAST_TESTS = {"reference": ["conformance/test_dispatch.py", "conformance/test_draft.py",
                             "conformance/test_mutation_kills.py"],
