@@ -245,15 +245,18 @@ LONG = [  # (scenario, a length some row passes)
           acceptance="all-accept"), 256),
     (dict(batch=2, prompt_len=[509, 512], max_new_tokens=8, steps=4, depth=3,
           acceptance="all-accept"), 512),
+    (dict(batch=2, prompt_len=[1021, 2047], max_new_tokens=6, steps=3, depth=2,
+          advance="per-sequence", xs_per_seq=True, admission="grant", world="WB",
+          acceptance="all-accept", max_seq_len=4096), 1536),  # lengths into the thousands
 ]
 
 
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", range(len(LONG)))
 def test_long_prompts_end_to_end_in_low_precision(dtype, case):
-    """Short runs with prompts of 300-530 tokens: positions bfloat16 cannot hold, and the
-    first 512-column block crossed while decoding: every step's state within the policy of the
-    float64 reference and the integer trace identical."""
+    """Short runs with prompts of 300-2047 tokens: positions bfloat16 cannot hold, the first
+    512-column block crossed while decoding, rows more than 1536 long: every step's state
+    within the policy of the float64 reference and the integer trace identical."""
     data, past = LONG[case]
     sc = load_scenario(data)
     ref = simulator.run(sc, record_tensors=True, backend=REF)
