@@ -437,3 +437,33 @@ def test_the_fast_gate_mutates_the_dispatch_module_and_the_changed_recorded_ones
     # unchanged; every other reference module has no entry
     assert asked == [["reference/dispatch.py", "reference/masks.py", "reference/model.py"]]
     assert rc == 1  # align did not fit the budget
+
+
+def test_shards_of_a_real_command_merge_to_its_unsharded_verdict(tmp_path, capsys):
+    d = tmp_path / "mutants"
+    for mod, n_killed in (("reference/rope.py", 19), ("reference/masks.py", 3),
+                          ("gpu/rope.py", 4)):
+        dotted = "raggedspec." + mod.removesuffix(".py").replace("/", ".")
+        codes = {f"{dotted}.x_f__mutmut_{i}": 1 for i in range(1, n_killed + 1)}
+        codes[f"{dotted}.x_f__mutmut_{n_killed + 1}"] = 0
+        _meta(d, mod, codes)
+    base = ["--mutmut-only", "--from-mutants", str(d), "--equivalent", str(tmp_path / "none")]
+    whole = tmp_path / "whole.json"
+    assert runner.main([*base, "--no-docs", "--json", str(whole)]) == 1
+    shards = [tmp_path / f"s{k}.json" for k in (1, 2, 3)]
+    for k, path in enumerate(shards, 1):
+        runner.main([*base, "--no-docs", "--shard", f"{k}/3", "--json", str(path)])
+    assigned = [json.loads(p.read_text())["mutmut_assigned"] for p in shards]
+    assert sorted(m for a in assigned for m in a) == sorted(json.loads(whole.read_text())
+                                                            ["mutmut_all"])
+    assert all(len(a) == 1 for a in assigned)
+    merged = tmp_path / "merged.json"
+    assert runner.main(["merge", *map(str, shards), "--json", str(merged)]) == 1
+    w, m = json.loads(whole.read_text()), json.loads(merged.read_text())
+    assert sorted(m["reasons"]) == sorted(w["reasons"])
+    # 19/20 = 95% passes the score; 3/4 and 4/5 do not; each survivor is unjustified
+    assert sorted(r for r in w["reasons"] if "scores" in r) == [
+        "mutmut: gpu/rope.py scores 80.0%, under 95%",
+        "mutmut: reference/masks.py scores 75.0%, under 95%"]
+    assert len([r for r in w["reasons"] if "not in equivalent.toml" in r]) == 3
+    capsys.readouterr()

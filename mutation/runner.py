@@ -434,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.catalogue_only and not args.only:
             if args.from_mutants:
                 report = read_mutants_dir(args.from_mutants)
-                mm_all = mm_assigned = list(report.modules)
+                mm_all = list(report.modules)
+                mm_assigned = module_shard(mm_all, root, k, n)
+                if n > 1:
+                    report = report_from_modules({m: report.modules[m] for m in mm_assigned})
             else:
                 try:
                     mm_all, ci = _mutmut_modules(args, root, scopes)
