@@ -181,12 +181,7 @@ def verdict_of(result: dict, equivalents: dict, threshold: float | None = None) 
     since both are judged from their JSON form."""
     cat = result.get("catalogue")
     results = None if cat is None else [MutantResult(**r) for r in cat]
-    mm = result.get("mutmut")
-    report = None
-    if mm is not None:
-        report = report_from_modules(
-            {m: ModuleResult.from_dict(d) for m, d in mm["modules"].items()},
-            float(result.get("seconds", 0.0)))
+    report = _report_of(result)
     thr = result.get("threshold", THRESHOLD) if threshold is None else threshold
     v = gate(results, report, equivalents, thr, result.get("baseline_red", []),
              bool(result.get("allow_red")))
@@ -258,6 +253,8 @@ def merge_main(argv: list[str]) -> int:
         print(f"python -m raggedspec.mutation.runner merge: refused: {exc}", file=sys.stderr)
         return 2
     equivalents = load_equivalents(args.equivalent)
+    if args.threshold is not None:
+        merged["threshold"] = args.threshold
     merged["command"] = f"{merged.get('command', '')} (merged from {merged['shards']} shards)"
     verdict = verdict_of(merged, equivalents, args.threshold)
     root = args.root.resolve()
@@ -297,7 +294,7 @@ def _mutmut_modules(args, root: Path, scopes: list[str], log=print) -> tuple[lis
     return [m for m in every if m in fixed or m in changed], {"plan": plan, "reasons": reasons}
 
 
-CI_BUDGET_S = 600.0
+CI_BUDGET_S = 300.0
 
 
 def within_budget(changed: list[str], record: dict, budget: float) -> tuple[list[str], list[str]]:

@@ -161,6 +161,7 @@ def merge_results(paths: list[Path]) -> dict:
                                     for x in (d.get("ci") or {}).get("reasons", [])})}
     out["seconds"] = max(float(d.get("seconds", 0.0)) for _, d in shards)
     out["seconds_total"] = sum(float(d.get("seconds", 0.0)) for _, d in shards)
+    out["mutmut_seconds"] = max(float(d.get("mutmut_seconds", 0.0)) for _, d in shards)
     return out
 
 
