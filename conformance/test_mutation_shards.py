@@ -356,6 +356,18 @@ def test_a_cached_module_is_reused_exactly_while_its_key_is_unchanged(tmp_path):
         path.write_text(before)
     assert key() == k0
     assert mutmut_cache.module_key(root, m, ("conformance/test_rope.py",), "3.9.0") != k0
+    # the record's source key ignores mutmut's version and settings, not the sources
+    def source() -> str:
+        return mutmut_cache.module_key(root, m, ("conformance/test_rope.py",), "3.8.1",
+                                       tool=False)
+
+    s0 = source()
+    assert mutmut_cache.module_key(root, m, ("conformance/test_rope.py",), "3.9.0",
+                                   tool=False) == s0
+    py.write_text(py.read_text().replace("0.5", "1.5"))
+    assert source() == s0 and key() != k0
+    (root / "conformance" / "test_rope.py").write_text("def test_g():\n    pass\n")
+    assert source() != s0
 
 
 def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkeypatch):
@@ -395,8 +407,9 @@ def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkey
 
 
 def test_the_ci_plan_reruns_changed_modules_and_fails_recorded_failures():
-    record = {"modules": {"a.py": {"key": "1", "ok": True}, "b.py": {"key": "2", "ok": True},
-                          "c.py": {"key": "3", "ok": False}}}
+    record = {"modules": {"a.py": {"source_key": "1", "ok": True},
+                          "b.py": {"source_key": "2", "ok": True},
+                          "c.py": {"source_key": "3", "ok": False}}}
     plan = runner.ci_plan(record, {"a.py": "1", "b.py": "2-new", "c.py": "3", "d.py": "4"})
     assert plan == {"a.py": "unchanged", "b.py": "changed", "c.py": "failed",
                     "d.py": "unrecorded"}
@@ -415,12 +428,13 @@ def test_the_ci_gate_mutates_changed_modules_cheapest_first_within_its_budget():
 
 def test_the_fast_gate_mutates_the_dispatch_module_and_the_changed_recorded_ones(
         tmp_path, monkeypatch):
-    key = runner.module_key
+    now = runner.module_key(ROOT, "reference/rope.py", tool=False)
     record = {"modules": {
-        "reference/rope.py": {"key": key(ROOT, "reference/rope.py"), "ok": True, "seconds": 1},
-        "reference/masks.py": {"key": "an older source", "ok": True, "seconds": 1},
-        "reference/model.py": {"key": "an older source", "ok": False, "seconds": 1},
-        "reference/align.py": {"key": "an older source", "ok": True, "seconds": 10_000},
+        "reference/rope.py": {"source_key": now, "key": "another mutmut", "ok": True,
+                              "seconds": 1},
+        "reference/masks.py": {"source_key": "an older source", "ok": True, "seconds": 1},
+        "reference/model.py": {"source_key": "an older source", "ok": False, "seconds": 1},
+        "reference/align.py": {"source_key": "an older source", "ok": True, "seconds": 10_000},
     }}
     rec = tmp_path / "record.json"
     rec.write_text(json.dumps(record))

@@ -51,19 +51,23 @@ def helper_files(root: Path) -> list[Path]:
 
 
 def module_key(root: Path, module: str, tests: tuple[str, ...] | None = None,
-               mutmut_version: str | None = None) -> str:
-    """The cache key of `module` in the tree at `root` (see the module docstring)."""
+               mutmut_version: str | None = None, tool: bool = True) -> str:
+    """The cache key of `module` in the tree at `root` (see the module docstring). With
+    `tool=False`, the source key: the same without mutmut's version and settings (what the
+    CI gate compares with the record, so a mutmut patch release alone re-tests nothing)."""
     tests = MUTMUT_MODULES[module] if tests is None else tests
     h = hashlib.sha256()
 
     def part(name: str, data: bytes) -> None:
         h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
 
-    part("mutmut", (mutmut_version or _mutmut_version()).encode())
-    py = root / "pyproject.toml"
-    cfg = tomllib.loads(py.read_text()).get("tool", {}).get("mutmut", {}) if py.is_file() else {}
-    part("config", json.dumps({k: v for k, v in cfg.items() if k not in _REWRITTEN},
-                              sort_keys=True).encode())
+    if tool:
+        part("mutmut", (mutmut_version or _mutmut_version()).encode())
+        py = root / "pyproject.toml"
+        cfg = (tomllib.loads(py.read_text()).get("tool", {}).get("mutmut", {})
+               if py.is_file() else {})
+        part("config", json.dumps({k: v for k, v in cfg.items() if k not in _REWRITTEN},
+                                  sort_keys=True).encode())
     part(module, (root / module).read_bytes())
     for t in tests:
         f = root / t

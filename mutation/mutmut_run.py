@@ -63,7 +63,8 @@ class ModuleResult:
     survivors: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     reused: bool = False
-    key: str = ""
+    key: str = ""  # mutmut_cache.module_key: the cache's key
+    source_key: str = ""  # the same without mutmut's version and settings: the record's
 
     @property
     def stats(self) -> dict:
@@ -364,16 +365,17 @@ def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Pat
     red: list[str] = []
     for module in modules:
         key = mutmut_cache.module_key(root, module)
+        source_key = mutmut_cache.module_key(root, module, tool=False)
         hit = mutmut_cache.cached(cache, module, key)
         if hit is not None:
             got = read_mutants_dir(hit).modules.get(module, ModuleResult(module))
             got.seconds = mutmut_cache.cached_seconds(cache, module, key)
-            got.reused, got.key = True, key
+            got.reused, got.key, got.source_key = True, key, source_key
             results[module] = got
             log(f"mutmut {module}: reused ({got.mutants} mutants, score {got.score:.1f}%)")
             continue
         got, red_m, mutants = run_module(module, root, jobs, log, timeout)
-        got.key = key
+        got.key, got.source_key = key, source_key
         results[module] = got
         red += [t for t in red_m if t not in red]
         log(f"mutmut {module}: {got.mutants} mutants, {got.killed} killed, score "

@@ -1,13 +1,14 @@
 """The recorded mutmut results: `mutation/mutmut_record.json`, committed, one entry per module.
 
-An entry holds the module's key (mutmut_cache.module_key: its source, its covering tests, the
-shared test helpers, mutmut's version and settings) at its last run, the counts, the score,
+An entry holds the module's keys at its last run (mutmut_cache.module_key: `source_key` over
+its source, its covering tests and the shared test helpers; `key` also over mutmut's version
+and settings), the counts, the score,
 the survivors, the date, the seconds it took and whether it passed the gate. Every run that
 writes docs/mutation.md updates the entries of the modules it ran (unsharded, or the merge of
 a sharded run) and the page's per-module table is rendered from the whole record, so a run
 of some modules keeps the others' last results, each with its own date.
 
-The CI gate (`--fast`) reads it: a module whose current key equals its recorded key and
+The CI gate (`--fast`) reads it: a module whose current source key equals its recorded one and
 which passed is not mutated again; a module whose key changed is (and must then pass); a
 module whose recorded run failed and which has not changed is listed, not run again (its
 failure is the full run's to report); a module with no entry is listed as not recorded (the
@@ -35,9 +36,10 @@ def load_record(path: Path = RECORD) -> dict:
 
 
 def entry_of(mod: ModuleResult, ok: bool, when: str) -> dict:
-    return {"key": mod.key, "mutants": mod.mutants, "killed": mod.killed,
-            "survived": mod.survived, "timeouts": mod.timeouts, "skipped": mod.skipped,
-            "other": mod.other, "score": round(mod.score, 2), "ok": ok, "date": when,
+    return {"key": mod.key, "source_key": mod.source_key, "mutants": mod.mutants,
+            "killed": mod.killed, "survived": mod.survived, "timeouts": mod.timeouts,
+            "skipped": mod.skipped, "other": mod.other, "score": round(mod.score, 2), "ok": ok,
+            "date": when,
             "seconds": round(mod.seconds, 1), "reused": mod.reused,
             "survivors": [{k: s[k] for k in ("key", "function", "status", "line")}
                           for s in mod.survivors]}
@@ -59,13 +61,14 @@ def save_record(record: dict, path: Path = RECORD) -> None:
 
 def ci_plan(record: dict, keys: dict[str, str]) -> dict[str, str]:
     """{module: "unchanged" | "changed" | "failed" | "unrecorded"} for the modules with
-    current `keys` (see the module docstring for what the CI gate does with each)."""
+    current source keys `keys` (`module_key(..., tool=False)`; see the module docstring for
+    what the CI gate does with each)."""
     out = {}
     for module, key in keys.items():
         e = record.get("modules", {}).get(module)
         if e is None:
             out[module] = "unrecorded"
-        elif e.get("key") != key:
+        elif e.get("source_key") != key:
             out[module] = "changed"
         elif not e.get("ok"):
             out[module] = "failed"

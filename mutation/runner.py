@@ -276,7 +276,7 @@ def _mutmut_modules(args, root: Path, scopes: list[str], log=print) -> tuple[lis
         return every, {}
     fixed = MUTMUT_FAST["reference"] if "reference" in scopes else MUTMUT_FAST["gpu"]
     record = load_record(args.record or RECORD)
-    plan = ci_plan(record, {m: module_key(root, m) for m in every})
+    plan = ci_plan(record, {m: module_key(root, m, tool=False) for m in every})
     changed = [m for m in every if plan[m] == "changed" and m not in fixed]
     reasons: list[str] = []
     changed, over = within_budget(changed, record, args.ci_budget)
