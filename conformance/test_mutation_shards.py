@@ -481,3 +481,8 @@ def test_shards_of_a_real_command_merge_to_its_unsharded_verdict(tmp_path, capsy
         "mutmut: reference/masks.py scores 75.0%, under 95%"]
     assert len([r for r in w["reasons"] if "not in equivalent.toml" in r]) == 3
     capsys.readouterr()
+
+
+def test_a_module_outside_the_scope_table_is_refused_before_any_run(capsys):
+    assert runner.main(["--mutmut-only", "--module", "gpu/testing.py", "--no-docs"]) == 2
+    assert "gpu/testing.py" in capsys.readouterr().err
