@@ -7,8 +7,11 @@
   exactly (odd and above 256): RoPE and the port's in-place attention per op, and short end-to-end
   runs with long prompts;
 - a small `max_seq_len` where the token budget clamp binds (`hypothesis.target` pushes the
-  draws there). A batch of several rows is refused at front alignment below `max_seq_len`
-  512 (a new slot's capacity is 512), so there the clamp binds on rows decoding alone.
+  draws there). Under per-sequence advance a batch of several ragged rows is refused at front
+  alignment below `max_seq_len` 512 (a new slot's capacity is 512), so there the clamp binds
+  on rows decoding alone, and every row has `u = 1`; under the cohort rule the rows of one
+  step carry different `u` (so different draft counts and budgets), and the clamp cuts such
+  rows at `max_seq_len` 8-15.
 
 The backend under test is the one `conformance/backends.py` selects; the low-precision cases
 load the same backend at float32 and bfloat16 (the NumPy reference is float64 only, so with
