@@ -3,10 +3,11 @@
 Each entry plants one bug that only an input at a boundary exposes: the capacity a K/V append
 needs exactly at `max_seq_len`, a growth exactly one 512-column block past the capacity, the
 64-entry draft map, positions bfloat16 cannot hold (odd, above 256) in RoPE and in the in-place
-attention's masks, the token budget clamp at a small `max_seq_len`, the kernel backend's
-own RoPE, and a draft chain's capacity arithmetic. The named tests (mostly
-`conformance/test_boundaries.py`) must then fail. Rows are `(name, file, old, new, spec,
-tests)` and `mutation/catalogue.py` turns them into entries.
+attention's masks, the token budget clamp at a small `max_seq_len` (on rows decoding alone, and
+on the rows of one step with different `u`), the kernel backend's own RoPE, and a draft chain's
+capacity arithmetic. The named tests (mostly `conformance/test_boundaries.py`) must then fail.
+Rows are `(name, file, old, new, spec, tests)` and `mutation/catalogue.py` turns them into
+entries.
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
         "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]",
         "return [step.budget_clamp(a, b + 1) for a, b in zip(accepted, budgets, strict=False)]",
         "C§11.2 budget clamp",
+        (BOUNDARIES,),
+    ),
+    (
+        "TorchBackend.budget_clamp: every row clamped by the batch's smallest budget",
+        "gpu/backend.py",
+        "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]",
+        "return [step.budget_clamp(a, min(budgets, default=0)) for a in accepted]",
+        "C§11.2 budget clamp (per row: rows of different u have different budgets)",
         (BOUNDARIES,),
     ),
     (
