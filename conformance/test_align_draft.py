@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from raggedspec.conformance.test_align import draft_slot, k_row
 from raggedspec.reference.align import (
+    draft_caches_batchable,
     batch_draft_caches,
     concat_kv,
     drop_dead_prefix,
@@ -223,3 +224,18 @@ def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
         for r, s in enumerate(slots):
             assert list(s.k.data[0, 0, : s.current_seq_len, 0]) == expect_k[r]
             assert list(s.v.data[0, 0, : s.current_seq_len, 0]) == expect_v[r]
+
+
+@pytest.mark.parametrize("kinds, mats, shapes, want", [
+    ([], [], [], False),
+    (["Rotating"], [False], [(0, 0)], True),  # one member always batches (a plain clone)
+    (["Normal"] * 2, [True, True], [(7, 16), (7, 16)], True),
+    (["Normal"] * 2, [True, False], [(7, 16), (7, 16)], False),
+    (["Normal"] * 2, [True, True], [(7, 16), (6, 16)], False),
+    (["Normal"] * 2, [True, True], [(7, 16), (7, 528)], False),
+    (["Normal", "Rotating"], [True, True], [(7, 16), (7, 16)], False),
+])
+def test_draft_caches_batchable_by_hand(kinds, mats, shapes, want):
+    """§9.6's host half: more than one member batches only all Normal, materialized and of
+    one (current, capacity); the values are from the spec's list, not from the code."""
+    assert draft_caches_batchable(kinds, mats, shapes) is want

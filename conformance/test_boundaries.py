@@ -7,8 +7,11 @@
   exactly (odd and above 256): RoPE and the port's in-place attention per op, and short end-to-end
   runs with long prompts;
 - a small `max_seq_len` where the token budget clamp binds (`hypothesis.target` pushes the
-  draws there). A batch of several rows is refused at front alignment below `max_seq_len`
-  512 (a new slot's capacity is 512), so there the clamp binds on rows decoding alone.
+  draws there). Under per-sequence advance a batch of several ragged rows is refused at front
+  alignment below `max_seq_len` 512 (a new slot's capacity is 512), so there the clamp binds
+  on rows decoding alone, and every row has `u = 1`; under the cohort rule the rows of one
+  step carry different `u` (so different draft counts and budgets), and the clamp cuts such
+  rows at `max_seq_len` 8-15.
 
 The backend under test is the one `conformance/backends.py` selects; the low-precision cases
 load the same backend at float32 and bfloat16 (the NumPy reference is float64 only, so with
@@ -245,6 +248,9 @@ LONG = [  # (scenario, a length some row passes)
           acceptance="all-accept"), 256),
     (dict(batch=2, prompt_len=[509, 512], max_new_tokens=8, steps=4, depth=3,
           acceptance="all-accept"), 512),
+    (dict(batch=2, prompt_len=[1021, 2047], max_new_tokens=6, steps=3, depth=2,
+          advance="per-sequence", xs_per_seq=True, admission="grant", world="WB",
+          acceptance="all-accept", max_seq_len=4096), 1536),  # lengths into the thousands
     (dict(batch=2, prompt_len=[300, 530], max_new_tokens=6, steps=4, depth=2,
           advance="per-sequence", xs_per_seq=True, admission="grant", world="WB",
           acceptance="all-accept", model={"n_heads": 8, "n_kv_heads": 2}), 256),
@@ -254,10 +260,10 @@ LONG = [  # (scenario, a length some row passes)
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", range(len(LONG)))
 def test_long_prompts_end_to_end_in_low_precision(dtype, case):
-    """Short runs with prompts of 300-530 tokens: positions bfloat16 cannot hold, and the
-    first 512-column block crossed while decoding (one run with two KV heads, GQA ratio 4):
-    every step's state within the policy of the float64 reference and the integer trace
-    identical."""
+    """Short runs with prompts of 300-2047 tokens: positions bfloat16 cannot hold, the first
+    512-column block crossed while decoding, rows more than 1536 long, and one run with two KV
+    heads (GQA ratio 4): every step's state within the policy of the float64 reference and
+    the integer trace identical."""
     data, past = LONG[case]
     sc = load_scenario(data)
     ref = simulator.run(sc, record_tensors=True, backend=REF)
@@ -271,15 +277,32 @@ def test_long_prompts_end_to_end_in_low_precision(dtype, case):
 
 
 class ClampProbe(NumpyBackend):
-    """The reference, counting the `budget_clamp` calls that cut a row."""
+    """The reference, counting the rows `budget_clamp` cut (`bound`) and, of those, the rows
+    cut on a step whose rows have different `u` and draft different numbers of tokens
+    (`bound_ragged_u`; the step's `u` from `plan_step_window`, its drafts from `verify_accept`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bound = 0
+        self.bound_ragged_u = 0
+        self.u: list[int] = []
+        self.drafted: list[int] = []
+
+    def plan_step_window(self, cache_lens, tok_lens, w):
+        u, ok = super().plan_step_window(cache_lens, tok_lens, w)
+        self.u = list(u)
+        return u, ok
+
+    def verify_accept(self, proposed, targets):
+        self.drafted = [len(p) for p in proposed]
+        return super().verify_accept(proposed, targets)
 
     def budget_clamp(self, accepted, budgets):
         out = super().budget_clamp(accepted, budgets)
-        self.bound += sum(a != o for a, o in zip(accepted, out, strict=True))
+        cut = sum(a != o for a, o in zip(accepted, out, strict=True))
+        self.bound += cut
+        if len(set(self.u)) > 1 and len(set(self.drafted)) > 1:
+            self.bound_ragged_u += cut
         return out
 
 
@@ -314,6 +337,81 @@ def test_the_budget_clamp_example_binds():
     probe = ClampProbe()
     simulator.run(sc, backend=probe)
     assert probe.bound >= 1
+
+
+@FEW
+@given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
+       depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
+       seed=st.integers(0, 9))
+@example(max_seq_len=12, plens=(2, 6), depth=3, acceptance="all-accept", seed=0)
+def test_under_per_sequence_advance_every_decode_row_has_one_uncached_token(max_seq_len, plens,
+                                                                           depth, acceptance,
+                                                                           seed):
+    """Reference only, over the scenarios of the per-sequence clamp test above: every decode
+    step that runs has `u = 1` on every row (the commit leaves the cache at `L - 1`: the row
+    keeps its `u + a` window tokens and the one sampled token is uncached; C §12.2), so no
+    clamp there cuts a row on a step whose rows have different `u`. That case is reached under
+    the cohort rule (below)."""
+    sc = load_scenario(dict(batch=3, prompt_len=list(plens), max_new_tokens=30, steps=10,
+                            depth=depth, advance="per-sequence", xs_per_seq=True,
+                            admission="grant", world="WB", max_seq_len=max_seq_len,
+                            acceptance=acceptance, seed=seed))
+    probe = ClampProbe()
+    trace = simulator.run(sc, backend=probe)
+    ran = [s for s in trace.steps() if s["phase"] == "decode" and not s["error"]]
+    event(f"decode steps that ran: {min(len(ran), 3)}{'+' if len(ran) >= 3 else ''}")
+    assert {r["u"] for s in ran for r in s["rows"]} <= {1}
+    assert probe.bound_ragged_u == 0
+
+
+# Cohort advance at max_seq_len 8-15: the rows of one batch share the cache length C, and the
+# cohort rule leaves `u_i + a_i + 1 - keep` tokens of row i uncached, so the rows of a step
+# carry different u, draft `w - u_i` tokens each and have different budgets
+# `max_seq_len - C - u_i`. Each entry is a run whose clamp cuts such a row.
+RAGGED_U = [
+    dict(max_seq_len=8, plens=(2, 3), depth=3, acceptance="geometric:0.5", seed=1),  # u 1, 2, 3
+    dict(max_seq_len=10, plens=(3, 5), depth=3, acceptance="geometric:0.5", seed=1),
+    dict(max_seq_len=12, plens=(3, 5), depth=3, acceptance="geometric:0.5", seed=0),
+]
+
+
+def ragged_u_scenario(max_seq_len, plens, depth, acceptance, seed):
+    """Three rows (prompts in `plens`), cohort advance, a small `max_seq_len`."""
+    return load_scenario(dict(batch=3, prompt_len=list(plens), max_new_tokens=30, steps=14,
+                              depth=depth, advance="cohort", max_seq_len=max_seq_len,
+                              acceptance=acceptance, seed=seed))
+
+
+@FEW
+@given(max_seq_len=st.integers(8, 15), plens=st.tuples(st.integers(2, 3), st.integers(3, 6)),
+       depth=st.integers(2, 3), acceptance=st.sampled_from(["geometric:0.5", "geometric:0.8"]),
+       seed=st.integers(0, 9))
+@example(**RAGGED_U[0])
+@example(**RAGGED_U[1])
+@example(**RAGGED_U[2])
+def test_the_budget_clamp_binding_on_rows_of_different_u_matches_the_reference(max_seq_len, plens,
+                                                                               depth, acceptance,
+                                                                               seed):
+    """Cohort advance with a `max_seq_len` of 8-15, where the token budget clamp cuts rows on
+    steps whose rows have different `u` (so different draft counts and budgets; `target`
+    pushes toward more such cuts): the port's run equals the reference's step for step."""
+    sc = ragged_u_scenario(max_seq_len, plens, depth, acceptance, seed)
+    probe = ClampProbe()
+    ref = simulator.run(sc, record_tensors=True, backend=probe)
+    target(float(probe.bound_ragged_u), label="rows the clamp cut on a step of different u")
+    if probe.bound_ragged_u:
+        event("budget clamp bound on rows of different u")
+    out = simulator.run(sc, record_tensors=True, backend=backend_under_test())
+    compare_runs(out, ref, backend_under_test().dtype)
+
+
+@pytest.mark.parametrize("case", range(len(RAGGED_U)))
+def test_the_budget_clamp_examples_bind_on_rows_of_different_u(case):
+    """Each explicit example above does reach the case: the clamp cuts a row's accepted count
+    on a step whose rows have different `u` and draft different numbers of tokens."""
+    probe = ClampProbe()
+    simulator.run(ragged_u_scenario(**RAGGED_U[case]), backend=probe)
+    assert probe.bound_ragged_u >= 1
 
 
 @pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,

@@ -5,10 +5,12 @@ Expected values come from the spec's examples or from brute-force oracles writte
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from raggedspec.reference.cache import (
+    chain_capacity,
+    grown_capacity,
     CACHE_GROW_SIZE,
     WINDOW_COMPACTION,
     KvCache,
@@ -315,3 +317,37 @@ def test_clone_is_deep():
     cp.slots[0].k.data[0, 0, 0, 0] = 77
     cp.slots[0].set_len(1)
     assert nc.slots[0].k.data[0, 0, 0, 0] == 0 and nc.current_seq_len == 4
+
+
+def _append_columns_one_by_one(capacity: int, held: int, n: int, max_seq_len: int):
+    """What a draft chain does: `n` one-column appends to a real slot; (capacity, None) or
+    (None, the refusal's message)."""
+    sc = SingleCache(max_seq_len, capacity)
+    if held:
+        sc.append(np.zeros((1, 1, held, 2)))
+    try:
+        for _ in range(n):
+            sc.append(np.zeros((1, 1, 1, 2)))
+    except CacheRefusal as exc:
+        return None, str(exc)
+    return sc.capacity_seq_len, None
+
+
+@given(capacity=st.sampled_from([16, 512, 528, 1040]), held=st.integers(0, 1100),
+       n=st.integers(0, 1100), max_seq_len=st.integers(0, 2600))
+@example(capacity=16, held=16, n=600, max_seq_len=600)  # refused at the second block
+@example(capacity=16, held=10, n=6, max_seq_len=16)  # fills exactly, no growth
+@example(capacity=16, held=10, n=7, max_seq_len=527)  # one column past: 528 > 527
+@example(capacity=512, held=0, n=1100, max_seq_len=1024)  # the refusal names 1536, not 2048
+@example(capacity=16, held=12, n=5, max_seq_len=12)  # max_seq_len below the first 16 columns
+def test_chain_capacity_equals_n_one_column_appends(capacity, held, n, max_seq_len):
+    """`chain_capacity` (the port's one-call capacity arithmetic for a chain) gives the
+    capacity, or the refusal message, that `n` one-column `SingleCache.append`s give."""
+    start = grown_capacity(capacity, 0, held, 10**9)  # the capacity once `held` is written
+    assume(start == capacity or start <= max_seq_len)  # else no slot holds `held` columns
+    want = _append_columns_one_by_one(capacity, held, n, max_seq_len)
+    try:
+        got = chain_capacity(start, held, n, max_seq_len), None
+    except CacheRefusal as exc:
+        got = None, str(exc)
+    assert got == want

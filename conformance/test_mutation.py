@@ -264,14 +264,14 @@ def test_the_mutants_dir_reader_builds_the_per_function_table_and_names_the_muta
     )
 
 
-def test_the_mutmut_gate_needs_the_score_and_a_justification_for_every_survivor(tmp_path):
-    d = _fake_mutants(
-        tmp_path,
-        {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0},
-        {"killed": 19, "survived": 1, "total": 20, "skipped": 0, "timeout": 0, "no_tests": 0},
-    )
+def test_the_mutmut_gate_needs_each_modules_score_and_a_justification_for_every_survivor(
+        tmp_path):
+    # one module, 20 mutants: 19 killed and one survivor (95% exactly)
+    codes = {f"pkg.mod.x_f__mutmut_{i}": 1 for i in range(3, 21)}
+    codes |= {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0}
+    d = _fake_mutants(tmp_path, codes)
     rep = runner.read_mutants_dir(d)
-    assert rep.score == pytest.approx(95.0)
+    assert rep.modules["pkg/mod.py"].score == pytest.approx(95.0)
     none = {"catalogue": {}, "mutmut": []}
     v = runner.gate(None, rep, none)
     assert not v.ok and any("x_f__mutmut_2" in r for r in v.reasons)
@@ -280,7 +280,8 @@ def test_the_mutmut_gate_needs_the_score_and_a_justification_for_every_survivor(
         "mutmut": [{"function": "pkg.mod.f", "line": "return a+b+0", "why": "adds zero"}],
     }
     assert runner.gate(None, rep, eq).ok
-    assert not runner.gate(None, rep, eq, threshold=96.0).ok  # under the threshold
+    v = runner.gate(None, rep, eq, threshold=96.0)  # under the threshold
+    assert not v.ok and v.reasons == ["mutmut: pkg/mod.py scores 95.0%, under 96%"]
 
 
 def test_main_gates_an_existing_mutants_dir(tmp_path):
@@ -298,8 +299,8 @@ def test_main_gates_an_existing_mutants_dir(tmp_path):
     assert runner.main(args) == 1  # 50% < 95%
     assert runner.main(args + ["--threshold", "50"]) == 0
     text = docs.read_text()
-    assert "| `pkg.mod.f` | 2 | 1 | 1 | 0 | 0 |" in text and "adds zero" in text
-    assert text.count("BEGIN generated:mutmut-pkg") == 1  # a rerun replaces its section
+    assert "| `pkg/mod.py` | 2 | 1 | 1 | 0 | 0 | 50.0% | pass |" in text and "adds zero" in text
+    assert text.count("BEGIN generated:mutmut-modules") == 1  # a rerun replaces its section
     bad = tmp_path / "bad.toml"
     bad.write_text('[[mutmut]]\nfunction = "pkg.mod.f"\nline = "x"\nwhy = ""\n')
     with pytest.raises(ValueError, match="one-line"):

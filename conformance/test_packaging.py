@@ -50,7 +50,8 @@ def wheel_files(tmp_path_factory) -> set[str]:
 def test_the_wheel_carries_every_run_time_file(wheel_files):
     needed = ["raggedspec/gpu/kernels.cu", "raggedspec/docs/rules.md",
               "raggedspec/docs/spec-rules.txt", "raggedspec/mutation/equivalent.toml",
-              "raggedspec/mutation/killers.json", "raggedspec/conformance/conftest.py",
+              "raggedspec/mutation/killers.json", "raggedspec/mutation/mutmut_record.json",
+              "raggedspec/conformance/conftest.py",
               "raggedspec/conformance/examples/buggy_backend.py"]
     needed += [f"raggedspec/examples/{p.name}" for p in sorted((ROOT / "examples").iterdir())
                if p.suffix in (".toml", ".json")]

@@ -31,32 +31,6 @@ def lengths(x, device: torch.device | str | None = None, name: str = "lengths") 
     return t
 
 
-def lengths_like(x, like: torch.Tensor, name: str) -> torch.Tensor:
-    """`lengths(x)` on `like`'s device: a second length vector of the same batch.
-
-    Device placement lives here, in one place, so the dispatch and step modules carry no
-    `device=` arguments: on a CPU-only machine a dropped device is indistinguishable from a
-    kept one, and only a CUDA run can pin it (docs/mutation.md)."""
-    return lengths(x, device=like.device, name=name)
-
-
-def on_device_of(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`x` moved to `like`'s device (a no-op when it is already there)."""
-    return x.to(like.device)
-
-
-def flags_like(x, like: torch.Tensor, name: str) -> torch.Tensor:
-    """A 1-D bool tensor from a tensor or a sequence of truthy values, on `like`'s device.
-    ValueError unless 1-D."""
-    t = (
-        x
-        if isinstance(x, torch.Tensor)
-        else torch.as_tensor([bool(v) for v in x], dtype=torch.bool)
-    )
-    require(t.dim() == 1, f"{name} must be a 1-D vector, got shape {list(t.shape)}")
-    return t.to(dtype=torch.bool, device=like.device)
-
-
 def as_list(t) -> list[int]:
     """Host list of ints (for messages and for comparing with the reference)."""
     if isinstance(t, torch.Tensor):

@@ -46,7 +46,6 @@ from raggedspec.gpu.rope import apply_rope, rotate
 from raggedspec.gpu.slots import (
     NORMAL,
     XS,
-    KvMeta,
     RowXs,
     TorchKv,
     grow_physical,
@@ -58,7 +57,13 @@ from raggedspec.gpu.xs_rolling import XsRolling
 from raggedspec.reference import align, dispatch, step
 from raggedspec.reference import model as ref_model
 from raggedspec.reference.backend import Backend, CloneIn
-from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY, NormalCache
+from raggedspec.reference.cache import (
+    DRAFT_CACHE_CAPACITY,
+    PLAIN_CACHE_CAPACITY,
+    NormalCache,
+    chain_capacity,
+)
+from raggedspec.reference.draft import PRIME_MISALIGNED
 from raggedspec.reference.errors import require
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -461,10 +466,7 @@ class TorchBackend(Backend):
         g = seed.shape[0]
         run = model.mtp is not None and kv is not None and n > 0 and g > 0
         if run:
-            cap = kv.capacity
-            for i in range(n):  # chain steps, not rows
-                cap = KvMeta(kv.max_seq_len, cap, kv.current + i).check_append(1)
-            kv.capacity = cap
+            kv.capacity = chain_capacity(kv.capacity, kv.current, n, kv.max_seq_len)
         if isinstance(kv, PoolKv):
             if run:
                 kv.store.reserve(kv.current + n)
@@ -505,22 +507,11 @@ class TorchBackend(Backend):
         extend_draft_kvs(self, states, capture, toks, batch, model, warnings)
 
     def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
-        extend_draft_kvs(
-            self,
-            states,
-            capture,
-            toks,
-            batch,
-            model,
-            warnings,
-            why="prefix-cache hit / chunked prefill: the prompt capture does not start at the "
-            "draft KV's end",
-        )
+        extend_draft_kvs(self, states, capture, toks, batch, model, warnings, why=PRIME_MISALIGNED)
 
     # ------------------------------------------------------------------ length vectors
     # Host integers in, host integers out: the reference's rule functions themselves (the
-    # lengths are host integers once per step; `gpu.step` / `gpu.dispatch` hold the same
-    # rules on device vectors, for a kernel that consumes them there).
+    # lengths are host integers once per step; no device twin of these rules exists).
     def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
         return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
 

@@ -13,8 +13,13 @@ import numpy as np
 import torch
 
 from raggedspec.gpu._common import as_list, lengths
-from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
-from raggedspec.reference.errors import CacheRefusal, require
+from raggedspec.reference.cache import (
+    CACHE_GROW_SIZE,
+    PLAIN_CACHE_CAPACITY,
+    grown_capacity,
+    set_len_refusal,
+)
+from raggedspec.reference.errors import require
 
 
 class RaggedKv:
@@ -96,11 +101,9 @@ class RaggedKv:
             len(ks) == len(vs) and len(ks) > 0, "from_rows needs as many K rows as V rows, >= 1"
         )
         n = [int(k.shape[1]) for k in ks]
-        if capacity is None:
-            capacity = (
-                PLAIN_CACHE_CAPACITY
-                + max(0, -(-(max(n) - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
-            )
+        if capacity is None:  # the smallest 512 + k * 512 holding the longest row
+            capacity = grown_capacity(PLAIN_CACHE_CAPACITY, 0, max(n), max(max(n), max_seq_len)
+                                      + CACHE_GROW_SIZE)
         require(max(n) <= capacity, f"a row of {max(n)} does not fit capacity {capacity}")
         h, d, dv = ks[0].shape[0], ks[0].shape[2], vs[0].shape[2]
         kv = RaggedKv.empty(len(ks), h, d, max_seq_len, capacity, ks[0].dtype, ks[0].device, dv)
@@ -128,13 +131,7 @@ class RaggedKv:
         capacity ... above max_seq_len") as `SingleCache.append`."""
         if needed <= self.capacity:
             return
-        shortfall = needed - self.capacity
-        grown = self.capacity + -(-shortfall // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
-        if grown > self.max_seq_len:
-            raise CacheRefusal(
-                f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}"
-            )
-        pad = grown - self.capacity
+        pad = grown_capacity(self.capacity, 0, needed, self.max_seq_len) - self.capacity
         self.k = torch.nn.functional.pad(self.k, (0, 0, 0, pad))
         self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
 
@@ -192,10 +189,7 @@ class RaggedKv:
                 raise ValueError(f"set_len lengths {host.tolist()} must be >= 0")
             over = np.flatnonzero(host > self.capacity)
             if over.size:
-                raise CacheRefusal(
-                    f"set_len({int(host[over[0]])}) exceeds current capacity {self.capacity} "
-                    f"(first cached 0)"
-                )
+                raise set_len_refusal(int(host[over[0]]), 0, self.capacity)
             self.lens = host
             return
         lens = lengths(lens, device=self.k.device, name="lens")
@@ -203,15 +197,12 @@ class RaggedKv:
         require(not bool((lens < 0).any()), f"set_len lengths {as_list(lens)} must be >= 0")
         over = lens > self.capacity
         if bool(over.any()):
-            i = int(over.nonzero()[0, 0])
-            raise CacheRefusal(
-                f"set_len({int(lens[i])}) exceeds current capacity {self.capacity} (first cached 0)"
-            )
+            raise set_len_refusal(int(lens[over.nonzero()[0, 0]]), 0, self.capacity)
         self.lens = lens
 
     def truncate_by(self, n_drop) -> None:
         """Cohort rollback (`truncate_cache_by`): every row `sat(lens - n_drop)`; `n_drop`
-        an int or a 0-dim tensor (e.g. `gpu.step.plan_batch_step(...).n_drop`, no host read)."""
+        an int or a 0-dim tensor (a count kept on the device is not read back)."""
         if isinstance(n_drop, int) and self._host is not None:
             self.lens = np.maximum(self._host - n_drop, 0)
             return

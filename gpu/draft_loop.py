@@ -19,10 +19,15 @@ import torch
 
 from raggedspec.gpu.draft import extend_draft_kv_rows, propose_chain_batched
 from raggedspec.gpu.draft_store import PoolKv
-from raggedspec.gpu.slots import KvMeta
 from raggedspec.reference import dispatch
-from raggedspec.reference.align import NORMAL, draft_group_target
-from raggedspec.reference.draft import draft_group_members, extension_span
+from raggedspec.reference.align import NORMAL, draft_caches_batchable, draft_group_target
+from raggedspec.reference.cache import chain_capacity, set_len_refusal
+from raggedspec.reference.draft import (
+    EXTEND_MISALIGNED,
+    draft_group_members,
+    extension_span,
+    warn,
+)
 from raggedspec.reference.errors import AlignRefusal, CacheRefusal, Refusal, StepRefusal, require
 
 
@@ -59,9 +64,7 @@ def draft_group_loop(
         members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
             if block is not None and not warned_empty:
-                _warn(
-                    warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)"
-                )
+                warn(warnings, "no row", key=(u, _))
                 warned_empty = True
             continue
         seed_hidden = torch.stack([states[i].seed[1] for i in members])  # per-sequence records
@@ -74,7 +77,7 @@ def draft_group_loop(
             continue
         caches = [states[i].cache for i in members]
         if any(c is None for c in caches):
-            _warn(warnings, f"draft group {(u, _)}: a member has no draft KV cache; group skipped")
+            warn(warnings, "no cache", key=(u, _))
             continue
         require(
             all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
@@ -126,38 +129,30 @@ def draft_group_loop(
 def _draft_group_plan(caches, starts, aligned, n, key, warnings):
     """The reference's group alignment on host metadata: the batched slot's length on
     entry to the chain and its capacity after it, or None (warned) when the reference
-    skips the group. Uniform (no leads): `batch_draft_caches` (one member always; more
-    need equal (length, capacity) and materialized buffers) then `set_len(starts[0])`.
-    Ragged: `front_align_draft_group`'s AlignRefusals, length and capacity `T =
-    max(starts)`. Then the chain's n one-column appends (`check_append`, CacheRefusal
+    skips the group. Uniform (no leads): `draft_caches_batchable` then `set_len(starts[0])`'s
+    `set_len_refusal`. Ragged: `draft_group_target`'s AlignRefusals, length and capacity
+    `T = max(starts)`. Then the chain's n one-column appends (`chain_capacity`, CacheRefusal
     propagates, as the reference's `propose_chain`)."""
+    g = len(caches)
     if not aligned:
         first = caches[0]
-        if len(caches) > 1 and any(
-            not c.materialized or (c.current, c.capacity) != (first.current, first.capacity)
-            for c in caches
-        ):
-            _warn(warnings, f"draft group {key}: draft caches cannot be batched; group skipped")
+        if not draft_caches_batchable([NORMAL] * g, [c.materialized for c in caches],
+                                      [(c.current, c.capacity) for c in caches]):
+            warn(warnings, "unbatchable", key=key)
             return None
-        if starts[0] > first.capacity:
-            _warn(
-                warnings,
-                f"draft group {key}: set_len({starts[0]}) refused (set_len({starts[0]}) exceeds "
-                f"current capacity {first.capacity} (first cached 0)); group skipped",
-            )
+        refusal = set_len_refusal(starts[0], 0, first.capacity)
+        if refusal is not None:
+            warn(warnings, "set_len", key=key, start=starts[0], exc=refusal)
             return None
         entry, cap = starts[0], first.capacity
     else:
         try:  # pool rows are Normal slots
-            entry = cap = draft_group_target([NORMAL] * len(caches),
-                                             [c.materialized for c in caches],
+            entry = cap = draft_group_target([NORMAL] * g, [c.materialized for c in caches],
                                              [c.current for c in caches], starts)
         except AlignRefusal as exc:
-            _warn(warnings, f"draft group {key}: front-alignment refused ({exc}); group skipped")
+            warn(warnings, "front-align", key=key, exc=exc)
             return None
-    for i in range(n):  # the reference's n one-column appends (chain steps, not rows)
-        cap = KvMeta(caches[0].max_seq_len, cap, entry + i).check_append(1)
-    return entry, cap
+    return entry, chain_capacity(cap, entry, n, caches[0].max_seq_len)
 
 
 def extend_draft_kvs(
@@ -168,7 +163,7 @@ def extend_draft_kvs(
     batch,
     model,
     warnings=None,
-    why="capture misaligned with the draft KV",
+    why=EXTEND_MISALIGNED,
 ):
     """`extend_draft_kv_row` for every row: checks 1-13 and the metadata (capacity,
     refusals, filled, poisoning, warnings in row order) on host integers, then the
@@ -234,10 +229,10 @@ def extend_draft_kvs(
                     store = state.cache.store
         if err is not None:
             state.poisoned = True
-            _warn(warnings, f"row {row}: draft KV extension failed ({err}); draft KV poisoned")
+            warn(warnings, "extension", row=row, exc=err)
         elif not ok:
             state.poisoned = True
-            _warn(warnings, f"row {row}: {why}; draft KV poisoned")
+            warn(warnings, "misaligned", row=row, why=why)
     if seed_rows:  # the new seeds: one gather
         got = hidden[be._ints(seed_rows), be._ints(seed_cols)]
         for j, (state, p) in enumerate(seed_states):  # host records: views of the one gather
@@ -313,8 +308,3 @@ def _extend_plan(
     w_lo.append(lo)
     w_hi.append(hi)
     return True
-
-
-def _warn(warnings, text: str) -> None:
-    if warnings is not None:
-        warnings.append(text)

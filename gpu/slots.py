@@ -29,7 +29,13 @@ import torch
 from raggedspec.gpu.align import materialize_front_aligned
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.xs_rolling import XsRolling
-from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+from raggedspec.reference.align import drop_front_refusal, front_pad_refusal
+from raggedspec.reference.cache import (
+    CACHE_GROW_SIZE,
+    PLAIN_CACHE_CAPACITY,
+    grown_capacity,
+    set_len_refusal,
+)
 from raggedspec.reference.errors import CacheRefusal, require
 from raggedspec.reference.xs_rolling import rollback_refusal
 
@@ -104,63 +110,24 @@ class KvMeta:
         return True
 
     def check_append(self, s: int) -> int:
-        """The capacity `s` more columns need, refused (CacheRefusal "kv-cache capacity
-        {grown} would be above max_seq_len {max}") above `max_seq_len`; nothing changes."""
-        if self.current + s <= self.capacity:
-            return self.capacity
-        grown = (
-            self.capacity
-            + -(-(self.current + s - self.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
-        )
-        if grown > self.max_seq_len:
-            raise CacheRefusal(
-                f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}"
-            )
-        return grown
+        """The capacity `s` more columns need (`reference.cache.grown_capacity`, its
+        CacheRefusal above `max_seq_len`); nothing changes."""
+        return grown_capacity(self.capacity, self.current, s, self.max_seq_len)
 
     def grow_meta(self, s: int) -> None:
         self.capacity = self.check_append(s)
 
     def try_set_len(self, n: int) -> None:
-        require(n >= 0, f"set_len length {n} must be >= 0")
-        if n > self.capacity:
-            raise CacheRefusal(
-                f"set_len({n}) exceeds current capacity {self.capacity} (first cached 0)"
-            )
+        refusal = set_len_refusal(n, 0, self.capacity)
+        if refusal is not None:
+            raise refusal
 
     def pad_refusal(self, target: int) -> CacheRefusal | None:
-        live = self.current
-        if target < live:
-            return CacheRefusal(f"front_pad to {target} is shorter than the {live} live positions")
-        if target == live:
-            return None
-        if not self.materialized:
-            return CacheRefusal(
-                f"front_pad to {target}: the slot's buffer is unmaterialized "
-                f"({live} live positions)"
-            )
-        cap = max(self.capacity, target)
-        if cap > self.max_seq_len:
-            return CacheRefusal(
-                f"front_pad to {target}: capacity {cap} would be above max_seq_len "
-                f"{self.max_seq_len}"
-            )
-        return None
+        return front_pad_refusal(self.current, target, self.materialized, 0, self.capacity,
+                                 self.max_seq_len)
 
     def drop_refusal(self, lead: int) -> CacheRefusal | None:
-        if lead == 0:
-            return None
-        if lead > self.current:
-            return CacheRefusal(
-                f"cannot drop a {lead}-column dead prefix from a slot that holds only "
-                f"{self.current}"
-            )
-        if not self.materialized:
-            return CacheRefusal(
-                f"cannot drop a {lead}-column dead prefix from an unmaterialized slot "
-                f"({self.current} positions)"
-            )
-        return None
+        return drop_front_refusal(lead, self.current, self.materialized, self.capacity, 0)
 
 
 class TorchKv(KvMeta):

@@ -3,9 +3,11 @@
 Each entry plants one bug that only an input at a boundary exposes: the capacity a K/V append
 needs exactly at `max_seq_len`, a growth exactly one 512-column block past the capacity, the
 64-entry draft map, positions bfloat16 cannot hold (odd, above 256) in RoPE and in the in-place
-attention's masks, the token budget clamp at a small `max_seq_len`, and the kernel backend's
-own RoPE. `conformance/test_boundaries.py` must then fail. Rows are
-`(name, file, old, new, spec, tests)` and `mutation/catalogue.py` turns them into entries.
+attention's masks, the token budget clamp at a small `max_seq_len` (on rows decoding alone, and
+on the rows of one step with different `u`), the kernel backend's own RoPE, and a draft chain's
+capacity arithmetic. The named tests (mostly `conformance/test_boundaries.py`) must then fail.
+Rows are `(name, file, old, new, spec, tests)` and `mutation/catalogue.py` turns them into
+entries.
 """
 
 from __future__ import annotations
@@ -14,28 +16,44 @@ BOUNDARIES = "conformance/test_boundaries.py"
 
 BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
     (
-        "KvMeta.check_append: refused when the grown capacity equals max_seq_len",
-        "gpu/slots.py",
-        "        if grown > self.max_seq_len:",
-        "        if grown >= self.max_seq_len:",
+        "grown_capacity: refused when the grown capacity equals max_seq_len",
+        "reference/cache.py",
+        "    if grown > max_seq_len:\n        raise CacheRefusal(f\"kv-cache capacity {grown}",
+        "    if grown >= max_seq_len:\n        raise CacheRefusal(f\"kv-cache capacity {grown}",
         "C§3 capacity vs max_seq_len",
         (BOUNDARIES,),
     ),
     (
-        "KvMeta.check_append: one block too many when the shortfall is a whole block",
-        "gpu/slots.py",
-        "+ -(-(self.current + s - self.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE",
-        "+ -(-(self.current + s - self.capacity + 1) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE",
+        "grown_capacity: one block too many when the shortfall is a whole block",
+        "reference/cache.py",
+        "grown = capacity + -(-(held + s - capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE",
+        "grown = capacity + -(-(held + s - capacity + 1) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE",
         "C§3 512-column blocks",
         (BOUNDARIES,),
     ),
     (
-        "KvMeta.check_append: grows when the append exactly fills the capacity",
-        "gpu/slots.py",
-        "        if self.current + s <= self.capacity:",
-        "        if self.current + s < self.capacity:",
+        "grown_capacity: grows when the append exactly fills the capacity",
+        "reference/cache.py",
+        "    if held + s <= capacity:",
+        "    if held + s < capacity:",
         "C§3 capacity (the draft cache's 16 columns, each 512 block)",
         (BOUNDARIES,),
+    ),
+    (
+        "chain_capacity: the refusal names the chain's last block, not the first one refused",
+        "reference/cache.py",
+        "        grown = capacity + max(first_over, 1) * CACHE_GROW_SIZE",
+        "        grown = capacity + blocks * CACHE_GROW_SIZE",
+        "C§3 a chain's one-column appends",
+        ("conformance/test_cache.py",),
+    ),
+    (
+        "chain_capacity: a chain that reaches max_seq_len exactly is refused",
+        "reference/cache.py",
+        "    first_over = (max_seq_len - capacity) // CACHE_GROW_SIZE + 1",
+        "    first_over = (max_seq_len - capacity - 1) // CACHE_GROW_SIZE + 1",
+        "C§3 a chain's one-column appends",
+        ("conformance/test_cache.py",),
     ),
     (
         "TorchBackend.new_draft_cache: a draft row starts at 32 columns, not 16",
@@ -75,6 +93,14 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
         "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]",
         "return [step.budget_clamp(a, b + 1) for a, b in zip(accepted, budgets, strict=False)]",
         "C§11.2 budget clamp",
+        (BOUNDARIES,),
+    ),
+    (
+        "TorchBackend.budget_clamp: every row clamped by the batch's smallest budget",
+        "gpu/backend.py",
+        "return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]",
+        "return [step.budget_clamp(a, min(budgets, default=0)) for a in accepted]",
+        "C§11.2 budget clamp (per row: rows of different u have different budgets)",
         (BOUNDARIES,),
     ),
     (

@@ -318,8 +318,8 @@ ENTRIES: list[Mutant] = [
     M(
         "batch_draft_caches: drop the length/capacity equality",
         R_ALIGN,
-        "        if (c.k.current_seq_len, c.k.capacity_seq_len) != (\n",
-        "        if False and (c.k.current_seq_len, c.k.capacity_seq_len) != (\n",
+        "        kind == NORMAL and mat and shape == shapes[0]\n",
+        "        kind == NORMAL and mat\n",
         "C§18",
         ALIGN,
         DRAFT,
@@ -327,8 +327,8 @@ ENTRIES: list[Mutant] = [
     M(
         "batch_draft_caches: allow non-Normal members",
         R_ALIGN,
-        "        if c.kind != NORMAL:\n            return None\n",
-        "        if False:\n            return None\n",
+        "        kind == NORMAL and mat and shape == shapes[0]\n",
+        "        mat and shape == shapes[0]\n",
         "C§18",
         ALIGN,
         DRAFT,

@@ -268,7 +268,7 @@ ENTRIES: list[Mutant] = [
     M(
         "front_pad_single: no max_seq_len refusal",
         R_ALIGN,
-        "    if cap > sc.max_seq_len:\n",
+        "    if cap > max_seq_len:\n",
         "    if False:\n",
         "C§18",
         ALIGN,
@@ -293,7 +293,7 @@ ENTRIES: list[Mutant] = [
     M(
         "drop_front_single: no lead > current refusal",
         R_ALIGN,
-        "    if lead > n:\n",
+        "    if lead > held:\n",
         "    if False:\n",
         "C§18",
         ALIGN,

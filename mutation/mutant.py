@@ -46,7 +46,7 @@ CAP, MASKS, ATTN, ROPE = (
 )
 ACC, SCHED, CACHE = _C + "test_accounting.py", _C + "test_scheduler.py", _C + "test_cache.py"
 KILLS, SPEC_GAPS = _C + "test_mutation_kills.py", _C + "test_spec_gaps.py"
-P_DISP, P_STEP = _C + "test_port_dispatch.py", _C + "test_port_step.py"
+P_DISP = _C + "test_port_dispatch.py"
 # Test files split by topic: an entry naming the first file runs the whole family, in order.
 TOPIC_FILES = {
     ALIGN: (ALIGN, _C + "test_align_draft.py"),
@@ -68,7 +68,7 @@ R_DRAFT, R_MASKS, R_ROPE, R_ACC = (
     "reference/accounting.py",
 )
 R_SCHED = "reference/scheduler.py"
-G_DISP, G_STEP, G_MASKS, G_ROPE = "gpu/dispatch.py", "gpu/step.py", "gpu/masks.py", "gpu/rope.py"
+G_DISP, G_MASKS, G_ROPE = "gpu/dispatch.py", "gpu/masks.py", "gpu/rope.py"
 G_KERN, P_KERN = "gpu/kernels.cu", _C + "test_cupy_kernels.py"
 G_EMU, P_TC, P_WARP = "gpu/kernel_emulator.py", _C + "test_tc_kernel.py", _C + "test_kernel_warp.py"
 P_MASKS, P_ROPE = _C + "test_port_masks.py", _C + "test_port_rope.py"

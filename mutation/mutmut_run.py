@@ -1,5 +1,7 @@
-"""Running mutmut 3.8 in its own workspace and reading its results: the stats file,
-the score (killed + timeout) / (total - skipped), the per-function table and each
+"""Running mutmut 3.8 once per module, each in its own workspace with that module's covering
+tests (`scope.MUTMUT_MODULES`), results reused from the cache when the module's key is
+unchanged (mutmut_cache.py); and reading the results: the stats file, the score
+(killed + timeout) / (total - skipped), the per-module and per-function counts and each
 survivor's mutated line, read from the `mutants/` dir without importing mutmut."""
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import sys
 import textwrap
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from raggedspec.mutation.catalogue_run import CatalogueError, _baseline_run
-from raggedspec.mutation.workspace import ROOT, _env, make_workspace, nested_path
+from raggedspec.mutation import mutmut_cache
+from raggedspec.mutation.scope import MUTMUT_MODULES
+from raggedspec.mutation.workspace import ROOT, _env, drop_workspace, make_workspace, nested_path
 
 # mutmut 3.8's exit-code -> status table (mutmut/stats.py), copied so reading results does
 # not import mutmut's global state.
@@ -27,13 +31,9 @@ STATUS_BY_EXIT_CODE = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 2
                        152: "timeout", 255: "timeout", -11: "segfault", -9: "segfault"}
 NOT_KILLED = ("survived", "no tests", "suspicious", "segfault", "not checked", "interrupted")
 
-# mutmut's scope per mode: what is mutated, and (fast) which tests the stats run uses.
-MUTMUT_FULL = {"reference": ["reference/dispatch.py", "reference/step.py"],
-               "gpu": ["gpu/dispatch.py", "gpu/step.py"]}
+# The CI gate's fixed part: mutmut on the reference's dispatch module (its tests come from
+# scope.MUTMUT_MODULES, like every module's).
 MUTMUT_FAST = {"reference": ["reference/dispatch.py"], "gpu": ["gpu/dispatch.py"]}
-FAST_TESTS = {"reference": ["conformance/test_dispatch.py", "conformance/test_draft.py",
-                            "conformance/test_mutation_kills.py"],
-              "gpu": ["conformance/test_port_dispatch.py"]}
 
 
 @dataclass
@@ -47,16 +47,77 @@ class FunctionRow:
 
 
 @dataclass
+class ModuleResult:
+    """mutmut's verdicts for one module (one `.meta` file): the counts, the per-function rows,
+    the survivors, and how the result was obtained (`seconds` of its run, `reused` from the
+    cache under `key`)."""
+
+    module: str
+    mutants: int = 0
+    killed: int = 0
+    survived: int = 0
+    timeouts: int = 0
+    skipped: int = 0
+    other: int = 0  # no tests, suspicious, segfault, not checked, interrupted
+    rows: list[FunctionRow] = field(default_factory=list)
+    survivors: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    reused: bool = False
+    key: str = ""  # mutmut_cache.module_key: the cache's key
+    source_key: str = ""  # the same without mutmut's version and settings: the record's
+
+    @property
+    def stats(self) -> dict:
+        return {"killed": self.killed, "survived": self.survived, "timeout": self.timeouts,
+                "total": self.mutants, "skipped": self.skipped, "no_tests": self.other,
+                "suspicious": 0}
+
+    @property
+    def score(self) -> float:
+        return score_of(self.stats)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["score"] = self.score
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModuleResult:
+        d = {k: v for k, v in d.items() if k != "score"}
+        d["rows"] = [FunctionRow(**r) for r in d.get("rows", [])]
+        return cls(**d)
+
+
+@dataclass
 class MutmutReport:
     stats: dict
     rows: list[FunctionRow]
     survivors: list[dict]  # {"key", "function", "status", "line"}
     seconds: float = 0.0
     only_mutate: list[str] = field(default_factory=list)
+    modules: dict[str, ModuleResult] = field(default_factory=dict)
 
     @property
     def score(self) -> float:
         return score_of(self.stats)
+
+
+def report_from_modules(modules: dict[str, ModuleResult], seconds: float = 0.0) -> MutmutReport:
+    """One report over several modules' results (stats summed; modules in path order)."""
+    ordered = dict(sorted(modules.items()))
+    stats = {k: sum(m.stats[k] for m in ordered.values())
+             for k in ("killed", "survived", "timeout", "total", "skipped", "no_tests",
+                       "suspicious")}
+    stats["score"] = score_of(stats)
+    rows = sorted((r for m in ordered.values() for r in m.rows), key=lambda r: r.function)
+    survivors = [s for m in ordered.values() for s in m.survivors]
+    return MutmutReport(stats, rows, survivors, seconds, list(ordered), ordered)
+
+
+def module_of_meta(meta: Path, mutants: Path) -> str:
+    """'mutants/raggedspec/reference/step.py.meta' -> 'reference/step.py' (the checkout path)."""
+    rel = meta.relative_to(mutants).with_suffix("").as_posix()
+    return rel.removeprefix("raggedspec/")
 
 
 def score_of(stats: dict) -> float:
@@ -153,32 +214,48 @@ def mutated_lines(mutated_file_source: str | dict[str, str], key: str) -> list[s
 
 
 def read_mutants_dir(mutants: Path) -> MutmutReport:
-    """Per-function rows and survivors from a mutmut `mutants/` dir (its *.meta files, the
-    mutated sources and mutmut-cicd-stats.json)."""
+    """Per-function rows, per-module results and survivors from a mutmut `mutants/` dir (its
+    *.meta files, the mutated sources and mutmut-cicd-stats.json)."""
     rows: dict[str, FunctionRow] = {}
     survivors = []
+    modules: dict[str, ModuleResult] = {}
     for meta in sorted(mutants.rglob("*.py.meta")):
         data = json.loads(meta.read_text())
+        mod = modules.setdefault(module_of_meta(meta, mutants),
+                                 ModuleResult(module_of_meta(meta, mutants)))
         src_path = meta.with_suffix("")  # drop .meta
         src = _functions_in(src_path.read_text()) if src_path.is_file() else {}
+        mod_rows: dict[str, FunctionRow] = {}
         for key, code in sorted(
             data.get("exit_code_by_key", {}).items(), key=lambda kv: _natural(kv[0])
         ):
             status = STATUS_BY_EXIT_CODE.get(code, "suspicious")
             func = function_of(key)
             row = rows.setdefault(func, FunctionRow(func))
+            mod_rows[func] = row
             row.mutants += 1
+            mod.mutants += 1
             if status in ("killed", "caught by type check"):
                 row.killed += 1
+                mod.killed += 1
             elif status == "timeout":
                 row.timeouts += 1
+                mod.timeouts += 1
             elif status == "survived":
                 row.survived += 1
+                mod.survived += 1
             else:
                 row.other += 1
+                if status == "skipped":
+                    mod.skipped += 1
+                else:
+                    mod.other += 1
             if status in NOT_KILLED:
-                survivors.append({"key": key, "function": func, "status": status,
-                                  "line": " | ".join(mutated_lines(src, key)) if src else "?"})
+                sv = {"key": key, "function": func, "status": status,
+                      "line": " | ".join(mutated_lines(src, key)) if src else "?"}
+                survivors.append(sv)
+                mod.survivors.append(sv)
+        mod.rows = sorted(mod_rows.values(), key=lambda r: r.function)
     stats_path = mutants / "mutmut-cicd-stats.json"
     if stats_path.is_file():
         stats = read_stats(stats_path)
@@ -194,9 +271,8 @@ def read_mutants_dir(mutants: Path) -> MutmutReport:
     mutated = sorted(
         str(m.relative_to(mutants).with_suffix("")) for m in mutants.rglob("*.py.meta")
     )
-    return MutmutReport(
-        stats, sorted(rows.values(), key=lambda r: r.function), survivors, 0.0, mutated
-    )
+    return MutmutReport(stats, sorted(rows.values(), key=lambda r: r.function), survivors, 0.0,
+                        mutated, dict(sorted(modules.items())))
 
 
 def split_report(report: MutmutReport) -> dict[str, MutmutReport]:
@@ -244,49 +320,67 @@ def _set_mutmut_config(workdir: Path, only_mutate: list[str], selection: list[st
     py.write_text(text)
 
 
-def run_mutmut(scopes: list[str], fast: bool, root: Path = ROOT, jobs: int = 2, log=print,
-               timeout: float = 3600) -> tuple[MutmutReport, list[str]]:
-    """mutmut in a fresh copy: a baseline of its test selection (failing tests are
-    deselected and returned: mutmut refuses to start on a red suite), `run`, then
-    `export-cicd-stats`; (the report, the baseline failures)."""
-    table = MUTMUT_FAST if fast else MUTMUT_FULL
-    if fast and "reference" in scopes:
-        scopes = ["reference"]  # the CI gate mutates one dispatch module: the reference's
-    only = [p for s in scopes for p in table[s] if (root / p).is_file()]
-    if not only:
-        raise CatalogueError(f"nothing to mutate for scope {scopes}")
+def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
+               timeout: float = 3600) -> tuple[ModuleResult, list[str], Path]:
+    """mutmut on one module in a fresh copy, with the module's covering tests
+    (`scope.MUTMUT_MODULES`) as its test selection: a baseline of those tests (failing tests
+    are deselected and returned: mutmut refuses to start on a red suite), `run`, then
+    `export-cicd-stats`; (the module's result, the baseline failures, the copy's mutants/)."""
+    tests = [t for t in MUTMUT_MODULES[module] if (root / t).exists()]
+    if not tests:
+        raise CatalogueError(f"{module}: none of its test files exist")
     ws = make_workspace(root, "mutmut", nested=True)
-    if fast:
-        selection = [nested_path(t) for s in scopes for t in FAST_TESTS[s] if (root / t).exists()]
-    else:
-        selection = list(_mutmut_config(ws)["pytest_add_cli_args_test_selection"])
-        if "gpu" not in scopes:
-            selection += [f"--ignore={nested_path(p.relative_to(root).as_posix())}"
-                          for p in sorted((root / "conformance").glob("test_port_*.py"))]
+    selection = [nested_path(t) for t in tests]
     t0 = time.monotonic()
     red, secs = _baseline_run(ws, selection, jobs)
-    log(f"mutmut baseline: {'green' if not red else 'RED: ' + ', '.join(red)} ({secs:.1f} s)")
-    _set_mutmut_config(
-        ws, [nested_path(p) for p in only], selection + [f"--deselect={t}" for t in red]
-    )
-    log(f"mutmut: mutating {', '.join(only)}")
+    log(f"mutmut {module}: baseline {'green' if not red else 'RED: ' + ', '.join(red)} "
+        f"({secs:.1f} s)")
+    _set_mutmut_config(ws, [nested_path(module)], selection + [f"--deselect={t}" for t in red])
     env = _env()
     p = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
-        cwd=ws,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        cwd=ws, env=env, capture_output=True, text=True, timeout=timeout,
     )
     tail = "\n".join(p.stdout.replace("\r", "\n").splitlines()[-8:])
     if p.returncode != 0:
-        raise RuntimeError(f"mutmut run failed (exit {p.returncode}):\n{tail}\n{p.stderr[-3000:]}")
+        raise RuntimeError(f"mutmut run on {module} failed (exit {p.returncode}):\n{tail}\n"
+                           f"{p.stderr[-3000:]}")
     q = subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=ws, env=env,
                        capture_output=True, text=True)
     if q.returncode != 0:
         raise RuntimeError(f"mutmut export-cicd-stats failed: {q.stdout}{q.stderr}")
-    report = read_mutants_dir(ws / "mutants")
-    report.seconds = time.monotonic() - t0
-    report.only_mutate = only
-    return report, red
+    rep = read_mutants_dir(ws / "mutants")
+    result = rep.modules.get(module, ModuleResult(module))
+    result.seconds = time.monotonic() - t0
+    return result, red, ws / "mutants"
+
+
+def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Path | None = None,
+                log=print, timeout: float = 3600) -> tuple[MutmutReport, list[str]]:
+    """Each module's result, from the cache when its key is there (mutmut_cache.py), else from
+    a fresh `run_module` (stored in the cache when its baseline was green); (the report over
+    all of them, the baseline failures)."""
+    t0 = time.monotonic()
+    results: dict[str, ModuleResult] = {}
+    red: list[str] = []
+    for module in modules:
+        key = mutmut_cache.module_key(root, module)
+        source_key = mutmut_cache.module_key(root, module, tool=False)
+        hit = mutmut_cache.cached(cache, module, key)
+        if hit is not None:
+            got = read_mutants_dir(hit).modules.get(module, ModuleResult(module))
+            got.seconds = mutmut_cache.cached_seconds(cache, module, key)
+            got.reused, got.key, got.source_key = True, key, source_key
+            results[module] = got
+            log(f"mutmut {module}: reused ({got.mutants} mutants, score {got.score:.1f}%)")
+            continue
+        got, red_m, mutants = run_module(module, root, jobs, log, timeout)
+        got.key, got.source_key = key, source_key
+        results[module] = got
+        red += [t for t in red_m if t not in red]
+        log(f"mutmut {module}: {got.mutants} mutants, {got.killed} killed, score "
+            f"{got.score:.1f}% ({got.seconds:.0f} s)")
+        if not red_m:
+            mutmut_cache.store(cache, module, key, mutants, got.seconds)
+        drop_workspace(mutants.parent)  # this module's copy is done with
+    return report_from_modules(results, time.monotonic() - t0), red

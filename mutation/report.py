@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raggedspec.mutation.catalogue_run import MutantResult
-from raggedspec.mutation.mutmut_run import MutmutReport, split_report
+from raggedspec.mutation.mutmut_run import ModuleResult, MutmutReport
+from raggedspec.mutation.record import updated
+from raggedspec.mutation.scope import EXCLUDED, MUTMUT_MODULES
 
 EQUIVALENT = Path(__file__).resolve().parent / "equivalent.toml"
 
@@ -70,6 +72,8 @@ def gate(
     baseline_red: list[str] = (),
     allow_red: bool = False,
 ) -> Verdict:
+    """Every reason the run fails the gate (none: it passes). mutmut: each module must score
+    at least `threshold` and have mutants; every survivor must be a documented equivalent."""
     reasons = []
     if baseline_red and not allow_red:
         reasons.append(f"the unmutated tests are red: {', '.join(baseline_red)}")
@@ -91,7 +95,15 @@ def gate(
         else:
             reasons.append(f"catalogue: '{r.name}' {r.status} ({r.detail})")
     if report is not None:
-        if report.score < threshold:
+        if report.modules:
+            for name, mod in report.modules.items():
+                if mod.mutants == 0:
+                    reasons.append(f"mutmut: {name} has no mutants (nothing mutmut can mutate: "
+                                   f"move it to EXCLUDED in mutation/scope.py with the reason)")
+                elif mod.score < threshold:
+                    reasons.append(f"mutmut: {name} scores {mod.score:.1f}%, under "
+                                   f"{threshold:.0f}%")
+        elif report.score < threshold:
             reasons.append(f"mutmut: score {report.score:.1f}% is under {threshold:.0f}%")
         for s in report.survivors:
             if equivalent_for(s, equivalents) is None:
@@ -172,11 +184,49 @@ def _replace_section(doc: str, name: str, body: list[str]) -> str:
     return doc.rstrip("\n") + "\n\n" + block + "\n"
 
 
+def module_ok(mod: ModuleResult, equivalents: dict, threshold: float = THRESHOLD) -> bool:
+    """Whether one module passes the mutmut gate on its own."""
+    return (mod.mutants > 0 and mod.score >= threshold
+            and all(equivalent_for(s, equivalents) is not None for s in mod.survivors))
+
+
+def module_table(record: dict, modules: list[str]) -> list[str]:
+    """The per-module table of docs/mutation.md, one row per module (recorded or not)."""
+    lines = ["| module | mutants | killed | survived | timeout | other | score | gate | run |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    rec = record.get("modules", {})
+    for m in modules:
+        e = rec.get(m)
+        if e is None:
+            lines.append(f"| `{m}` | | | | | | | not run yet | |")
+            continue
+        lines.append(
+            f"| `{m}` | {e['mutants']} | {e['killed']} | {e['survived']} | {e['timeouts']} | "
+            f"{e['other'] + e['skipped']} | {e['score']:.1f}% | {'pass' if e['ok'] else 'FAIL'}"
+            f" | {e['date']}, {e['seconds']:.0f} s{' (cached)' if e.get('reused') else ''} |")
+    return lines
+
+
+def scope_tables() -> list[str]:
+    """mutation/scope.py as two tables: each mutated module with its tests, and the
+    exclusions with their reasons."""
+    lines = ["| mutated module | tests its mutants run |", "|---|---|"]
+    lines += [f"| `{m}` | {', '.join('`' + t.removeprefix('conformance/') + '`' for t in ts)} |"
+              for m, ts in MUTMUT_MODULES.items()]
+    lines += ["", "| not mutated | why |", "|---|---|"]
+    lines += [f"| `{p}` | {why} |" for p, why in EXCLUDED.items()]
+    return lines
+
+
 def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutReport | None,
-               equivalents: dict, command: str, seconds: float, when: str) -> None:
-    """Replace the generated sections of `path` that this run produced (one catalogue and one
-    mutmut section per scope, and the equivalent list); hand-written text between them and
-    the sections of scopes this run did not cover are kept."""
+               equivalents: dict, command: str, seconds: float, when: str,
+               record: dict | None = None, threshold: float = THRESHOLD) -> dict | None:
+    """Replace the generated sections of `path` that this run produced (one catalogue section
+    per scope, the per-module mutmut table rendered from `record` (this run's modules
+    already in it; without a record, from this run alone), the scope tables and the
+    equivalent list); hand-written text between them is kept. Returns the updated record
+    (None when the run had no mutmut part)."""
+    rec = None
     doc = path.read_text() if path.is_file() else "# Mutation testing\n"
     for scope in ("reference", "gpu"):
         rs = [r for r in results or [] if (r.file.startswith("gpu/")) == (scope == "gpu")]
@@ -193,23 +243,30 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
             *catalogue_table(rs),
         ]
         doc = _replace_section(doc, f"catalogue-{scope}", body)
-    for scope, rep in (split_report(report) if report is not None else {}).items():
-        s = rep.stats
-        took = f"{rep.seconds:.0f} s wall" if rep.seconds else "time not recorded"
-        body = [f"`{command}` ({when}; mutmut took {took} for "
-                f"{', '.join('`' + p + '`' for p in report.only_mutate)}). This scope: "
-                f"{', '.join('`' + p + '`' for p in rep.only_mutate)}, "
-                f"**score {rep.score:.1f}%** = (killed {s['killed']} + timeout {s['timeout']}) / "
-                f"(total {s['total']} - skipped {s['skipped']}).", "", *mutmut_table(rep), ""]
-        if rep.survivors:
+    if report is not None:
+        ok = {m: module_ok(r, equivalents, threshold) for m, r in report.modules.items()}
+        rec = updated(record if record is not None else {"modules": {}}, report.modules, ok,
+                      when)
+        names = list(MUTMUT_MODULES) + sorted(m for m in rec["modules"] if m not in MUTMUT_MODULES)
+        reused = sum(r.reused for r in report.modules.values())
+        body = [f"Last run: `{command}` ({when}; mutmut took {report.seconds:.0f} s wall for "
+                f"{len(report.modules)} module(s), {reused} of them reused from the cache). "
+                f"Each row is the module's last recorded run "
+                f"(`mutation/mutmut_record.json`); score = (killed + timeout) / "
+                f"(mutants - skipped); gate: score >= {threshold:.0f}% and every survivor in "
+                f"`mutation/equivalent.toml`.", "", *module_table(rec, names), ""]
+        survivors = [(m, sv) for m in names for sv in rec["modules"].get(m, {})
+                     .get("survivors", [])]
+        if survivors:
             body += ["Survivors (each must be in `mutation/equivalent.toml`):", ""]
-            for sv in rep.survivors:
+            for _, sv in survivors:
                 why = equivalent_for(sv, equivalents)
                 body.append(f"- `{sv['key']}` ({sv['status']}): `{sv['line']}` — "
                             f"{why if why else '**not justified**'}")
         else:
             body.append("No survivors.")
-        doc = _replace_section(doc, f"mutmut-{scope}", body)
+        doc = _replace_section(doc, "mutmut-modules", body)
+    doc = _replace_section(doc, "mutmut-scope", scope_tables())
     eq = ["| kind | mutant | why it cannot be caught |", "|---|---|---|"]
     eq += [f"| catalogue | {name} | {why} |" for name, why in equivalents["catalogue"].items()]
     eq += [
@@ -217,3 +274,4 @@ def write_docs(path: Path, results: list[MutantResult] | None, report: MutmutRep
     ]
     doc = _replace_section(doc, "equivalents", eq)
     path.write_text(doc)
+    return rec

@@ -73,6 +73,14 @@ def make_workspace(root: Path = ROOT, tag: str = "ws", nested: bool = False) -> 
     return dest
 
 
+def drop_workspace(ws: Path) -> None:
+    """Remove one copy made by `make_workspace` (its `tree` and the folder holding it)."""
+    base = ws.parent
+    if base in _WORKSPACES:
+        _WORKSPACES.remove(base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
 def nested_path(rel: str) -> str:
     """A checkout-relative path (or pytest node id) as it stands in a nested workspace."""
     return f"raggedspec/{rel}" if rel.split("/", 1)[0] in PACKAGES else rel

@@ -22,20 +22,19 @@ from raggedspec import __version__
 import raggedspec.estimate as budget
 from raggedspec.estimate import estimate, human, over_limit
 from raggedspec.outputs import OutputPathError, check_output_dir, check_output_file, staged
+from raggedspec.exits import (  # noqa: F401 (re-exported: the CLI's codes)
+    EXIT_CODES,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    UsageError,
+)
 from raggedspec.progress import Progress, progress_mode
 
 if TYPE_CHECKING:
     from raggedspec.reference.scenario import Scenario
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-EXIT_CODES = ("exit codes: 0 ok; 1 a rule of the spec refused (the message names it); 2 bad "
-              "input (the message names the file or flag, the value and what is allowed); 3 "
-              "internal error (a bug in raggedspec: the traceback is saved to a file whose path "
-              "is printed)")
-
-
-class UsageError(Exception):
-    """Bad usage or bad configuration: exit 2 with this message."""
 
 
 # ----------------------------------------------------------------------------- progress

@@ -20,31 +20,38 @@ NORMAL = "Normal"
 XS = "XsRolling"
 
 
-# --------------------------------------------------------------------------------------
-# §4.1 / §4.3: one SingleCache
-# --------------------------------------------------------------------------------------
+# --- §4.1 / §4.3: one SingleCache -------------------------------------------------------
 
-def _front_pad_refusal(sc: SingleCache, target: int) -> CacheRefusal | None:
-    """The refusal `front_pad_single(sc, target)` would raise, or None (no change made)."""
-    live = sc.current_seq_len
+def front_pad_refusal(live: int, target: int, materialized: bool, first_cached: int,
+                      capacity: int, max_seq_len: int) -> CacheRefusal | None:
+    """The refusal front-padding a slot of `live` positions to `target` raises, or None, on
+    integers only (the reference's caches and the port's slots both call it): shorter than
+    the live run; an unmaterialized buffer; a windowed slot (`first_cached > 0`); a capacity
+    `max(capacity, target)` above `max_seq_len`. `target == live` is never refused."""
     if target < live:
         return CacheRefusal(f"front_pad to {target} is shorter than the {live} live positions")
     if target == live:
         return None
-    if sc.data is None:
+    if not materialized:
         return CacheRefusal(
             f"front_pad to {target}: the slot's buffer is unmaterialized ({live} live positions)"
         )
-    if sc.first_cached > 0:
+    if first_cached > 0:
         return CacheRefusal(
-            f"front_pad to {target}: a windowed slot (first cached {sc.first_cached}) cannot be "
+            f"front_pad to {target}: a windowed slot (first cached {first_cached}) cannot be "
             "front-padded"
         )
-    cap = max(sc.capacity_seq_len, target)
-    if cap > sc.max_seq_len:
+    cap = max(capacity, target)
+    if cap > max_seq_len:
         return CacheRefusal(f"front_pad to {target}: capacity {cap} would be above max_seq_len "
-                            f"{sc.max_seq_len}")
+                            f"{max_seq_len}")
     return None
+
+
+def _front_pad_refusal(sc: SingleCache, target: int) -> CacheRefusal | None:
+    """The refusal `front_pad_single(sc, target)` would raise, or None (no change made)."""
+    return front_pad_refusal(sc.current_seq_len, target, sc.data is not None, sc.first_cached,
+                             sc.capacity_seq_len, sc.max_seq_len)
 
 
 def front_pad_single(sc: SingleCache, target: int) -> int:
@@ -74,29 +81,39 @@ def front_pad_single(sc: SingleCache, target: int) -> int:
     return lead
 
 
-def _drop_front_refusal(sc: SingleCache, lead: int) -> CacheRefusal | None:
-    """The refusal `drop_front_single(sc, lead)` would raise, or None."""
+def drop_front_refusal(lead: int, held: int, materialized: bool, width: int,
+                       first_cached: int) -> CacheRefusal | None:
+    """The refusal stripping a `lead`-column dead prefix from a slot holding `held` positions
+    in a buffer `width` columns wide raises, or None, on integers only: lead 0 never refuses;
+    a lead past `held`; an unmaterialized buffer; a buffer narrower than `held`; a windowed
+    slot (`first_cached > 0`). The reference's caches and the port's slots both call it."""
     if lead == 0:
         return None
-    n = sc.current_seq_len
-    if lead > n:
+    if lead > held:
         return CacheRefusal(f"cannot drop a {lead}-column dead prefix from a slot that holds only "
-                            f"{n}")
-    if sc.data is None:
+                            f"{held}")
+    if not materialized:
         return CacheRefusal(
-            f"cannot drop a {lead}-column dead prefix from an unmaterialized slot ({n} positions)"
+            f"cannot drop a {lead}-column dead prefix from an unmaterialized slot ({held} "
+            "positions)"
         )
-    if sc.data.shape[SEQ_DIM] < n:
+    if width < held:
         return CacheRefusal(
-            f"cannot drop a {lead}-column dead prefix: buffer width {sc.data.shape[SEQ_DIM]} < "
-            f"current {n}"
+            f"cannot drop a {lead}-column dead prefix: buffer width {width} < current {held}"
         )
-    if sc.first_cached > 0:
+    if first_cached > 0:
         return CacheRefusal(
             f"cannot drop a {lead}-column dead prefix from a windowed slot (first cached "
-            f"{sc.first_cached})"
+            f"{first_cached})"
         )
     return None
+
+
+def _drop_front_refusal(sc: SingleCache, lead: int) -> CacheRefusal | None:
+    """The refusal `drop_front_single(sc, lead)` would raise, or None."""
+    width = 0 if sc.data is None else sc.data.shape[SEQ_DIM]
+    return drop_front_refusal(lead, sc.current_seq_len, sc.data is not None, width,
+                              sc.first_cached)
 
 
 def drop_front_single(sc: SingleCache, lead: int) -> None:
@@ -119,9 +136,7 @@ def drop_front_single(sc: SingleCache, lead: int) -> None:
     sc.current_seq_len -= lead
 
 
-# --------------------------------------------------------------------------------------
-# §4.2 / §4.4: one slot of any kind
-# --------------------------------------------------------------------------------------
+# --- §4.2 / §4.4: one slot of any kind --------------------------------------------------
 
 def _slot_pad_refusal(slot, target: int, xs_per_seq: bool) -> CacheRefusal | None:
     if slot.kind == XS:
@@ -186,9 +201,7 @@ def drop_dead_prefix(slot, lead: int) -> None:
     drop_front_single(slot.v, lead)
 
 
-# --------------------------------------------------------------------------------------
-# §4.5: front_align_batch
-# --------------------------------------------------------------------------------------
+# --- §4.5: front_align_batch ------------------------------------------------------------
 
 def _batch_target(caches: list[NormalCache]) -> int:
     """`T`: the maximum `current_seq_len` over every slot of every sequence, XsRolling included."""
@@ -233,9 +246,7 @@ def front_align_batch(caches: list[NormalCache], xs_per_seq: bool) -> list[int]:
     return leads
 
 
-# --------------------------------------------------------------------------------------
-# §5.1 / §14: uniformity checks and capability
-# --------------------------------------------------------------------------------------
+# --- §5.1 / §14: uniformity checks and capability ---------------------------------------
 
 def first_mismatched_cache_len(
     caches: list[NormalCache], xs_per_seq: bool
@@ -279,9 +290,7 @@ def batch_can_be_ragged(caches: list[NormalCache], xs_per_seq: bool) -> bool:
     return all(slot.supports_per_sequence_len(xs_per_seq) for c in caches for slot in c.slots)
 
 
-# --------------------------------------------------------------------------------------
-# concatenation / chunking helpers (one place for clone_in, clone_out and the draft group)
-# --------------------------------------------------------------------------------------
+# --- concatenation / chunking helpers (one place for clone_in, clone_out and the draft group) ---
 
 def _concat_single(parts: list[SingleCache]) -> SingleCache:
     """Concatenate on dim 0, zero-padding capacity (the slack) to the widest; metadata
@@ -366,9 +375,7 @@ def _chunk_single(sc: SingleCache, g: int) -> list[SingleCache] | None:
     return out
 
 
-# --------------------------------------------------------------------------------------
-# §5.2-§5.5: clone_in / clone_out
-# --------------------------------------------------------------------------------------
+# --- §5.2-§5.5: clone_in / clone_out ----------------------------------------------------
 
 @dataclass
 class CloneIn:
@@ -484,30 +491,42 @@ def clone_out_cache(batched: NormalCache, b: int) -> list[NormalCache]:
     return [NormalCache(r, batched.paged) for r in rows]
 
 
-# --------------------------------------------------------------------------------------
-# §9.6-§9.8: draft groups
-# --------------------------------------------------------------------------------------
+# --- §9.6-§9.8: draft groups ------------------------------------------------------------
+
+def draft_caches_batchable(kinds: list[str], materialized: list[bool],
+                           shapes: list[tuple[int, int]]) -> bool:
+    """The host half of `batch_draft_caches` (§9.6), on integers only: a UNIFORM draft group
+    of more than one member batches iff every member is Normal, materialized, and has the
+    first member's `(current_seq_len, capacity_seq_len)`. One member always batches (a
+    plain clone); no members never do. The reference's caches and the port's slots both
+    call it before any tensor work."""
+    if not kinds:
+        return False
+    if len(kinds) == 1:
+        return True
+    return all(
+        kind == NORMAL and mat and shape == shapes[0]
+        for kind, mat, shape in zip(kinds, materialized, shapes, strict=True)
+    )
+
 
 def batch_draft_caches(caches: list[KvCache]) -> KvCache | None:
-    """Batch a UNIFORM draft group (§9.6). None if: empty; the first or any member is not
-    Normal; any member's K differs from the first's in `current_seq_len` or
-    `capacity_seq_len` (the sequence dim is 2 for every slot here); any buffer is
-    unmaterialized; the concatenation fails (H/D/dtype). One member: a plain clone, unchecked.
-    Else K and V concatenated on dim 0 with the first member's metadata."""
-    if not caches:
+    """Batch a UNIFORM draft group (§9.6). None if: `draft_caches_batchable` says no (empty;
+    a member not Normal, unmaterialized, or with another `(current, capacity)` than the
+    first's, the sequence dim being 2 for every slot here); the concatenation fails
+    (H/D/dtype). One member: a plain clone, unchecked. Else K and V concatenated on dim 0
+    with the first member's metadata."""
+    normal = [c.kind == NORMAL for c in caches]
+    if not draft_caches_batchable(
+        [c.kind for c in caches],
+        [n and c.k.data is not None and c.v.data is not None for n, c in zip(normal, caches,
+                                                                             strict=True)],
+        [(c.k.current_seq_len, c.k.capacity_seq_len) if n else (0, 0)
+         for n, c in zip(normal, caches, strict=True)],
+    ):
         return None
     if len(caches) == 1:
         return caches[0].clone()
-    first = caches[0]
-    for c in caches:
-        if c.kind != NORMAL:
-            return None
-        if (c.k.current_seq_len, c.k.capacity_seq_len) != (
-            first.k.current_seq_len, first.k.capacity_seq_len
-        ):
-            return None
-        if c.k.data is None or c.v.data is None:
-            return None
     try:
         return concat_kv(caches)
     except ValueError:

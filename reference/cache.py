@@ -29,6 +29,55 @@ def window_target_first_cached(length: int, retain: int) -> int:
     return over - over % WINDOW_COMPACTION
 
 
+def grown_capacity(capacity: int, held: int, s: int, max_seq_len: int) -> int:
+    """The capacity a slot holding `held` of `capacity` columns needs for `s` more: unchanged
+    when they fit, else grown by whole 512-column blocks covering the shortfall. Refused
+    (CacheRefusal "kv-cache capacity {grown} would be above max_seq_len {max}") above
+    `max_seq_len`. Integer-only: `SingleCache.append` and the port's slots both call it."""
+    if held + s <= capacity:
+        return capacity
+    grown = capacity + -(-(held + s - capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+    if grown > max_seq_len:
+        raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {max_seq_len}")
+    return grown
+
+
+def chain_capacity(capacity: int, held: int, n: int, max_seq_len: int) -> int:
+    """The capacity after `n` one-column appends (a draft chain's steps) to a slot holding
+    `held` of `capacity` columns: each append grows by one 512-column block when full, so the
+    first append whose growth passes `max_seq_len` refuses (its CacheRefusal names that
+    capacity, not the last one's). Equal to `grown_capacity(capacity, held, n, ...)` when
+    nothing is refused. Integer-only; `n = 0` returns `capacity`."""
+    require(n >= 0, f"chain length {n} must be >= 0")
+    need = held + n - capacity
+    if need <= 0:
+        return capacity
+    blocks = -(-need // CACHE_GROW_SIZE)
+    first_over = (max_seq_len - capacity) // CACHE_GROW_SIZE + 1  # first block count refused
+    if blocks >= first_over:
+        grown = capacity + max(first_over, 1) * CACHE_GROW_SIZE
+        raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {max_seq_len}")
+    return capacity + blocks * CACHE_GROW_SIZE
+
+
+def set_len_refusal(length: int, first_cached: int, capacity: int) -> CacheRefusal | None:
+    """The refusal `set_len(length)` raises on a slot of `capacity` physical columns whose
+    column 0 holds position `first_cached`, or None: below the retained window ("below this
+    slot's retained window"), past the capacity ("exceeds current capacity"). ValueError for
+    a negative length. Integer-only: the reference's and the port's slots call it."""
+    require(length >= 0, f"set_len length {length} must be >= 0")
+    if length < first_cached:
+        return CacheRefusal(
+            f"set_len({length}) is below this slot's retained window (first cached "
+            f"{first_cached})"
+        )
+    if length - first_cached > capacity:
+        return CacheRefusal(
+            f"set_len({length}) exceeds current capacity {capacity} (first cached {first_cached})"
+        )
+    return None
+
+
 @dataclass
 class SingleCache:
     """One K or V tensor with a shared absolute length.
@@ -81,16 +130,9 @@ class SingleCache:
         """Check `set_len(length)` without doing it. Refuses a length below the retained
         window ("below this slot's retained window") or past the capacity ("exceeds current
         capacity")."""
-        require(length >= 0, f"set_len length {length} must be >= 0")
-        if length < self.first_cached:
-            raise CacheRefusal(
-                f"set_len({length}) is below this slot's retained window (first cached "
-                f"{self.first_cached})"
-            )
-        if length - self.first_cached > self.capacity_seq_len:
-            raise CacheRefusal(
-                f"set_len({length}) exceeds current capacity {self.capacity_seq_len} "
-                f"(first cached {self.first_cached})")
+        refusal = set_len_refusal(length, self.first_cached, self.capacity_seq_len)
+        if refusal is not None:
+            raise refusal
 
     def set_len(self, length: int) -> None:
         """Move the shared length to `length` (grow or shrink); no tensor is touched."""
@@ -145,12 +187,8 @@ class SingleCache:
         if self.data is None:
             shape = (src.shape[0], src.shape[1], self.capacity_seq_len, src.shape[3])
             self.data = np.zeros(shape, dtype=src.dtype)
-        if self.physical + s > self.capacity_seq_len:
-            shortfall = self.physical + s - self.capacity_seq_len
-            grown = self.capacity_seq_len + -(-shortfall // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
-            if grown > self.max_seq_len:
-                raise CacheRefusal(
-                    f"kv-cache capacity {grown} would be above max_seq_len {self.max_seq_len}")
+        grown = grown_capacity(self.capacity_seq_len, self.physical, s, self.max_seq_len)
+        if grown > self.capacity_seq_len:
             b, h, _, d = self.data.shape
             bigger = np.zeros((b, h, grown, d), dtype=self.data.dtype)
             bigger[:, :, : self.capacity_seq_len, :] = self.data

@@ -40,6 +40,30 @@ from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal, requ
 MAX_DRAFT_KV_SEQS = 64
 
 
+EXTEND_MISALIGNED = "capture misaligned with the draft KV"
+PRIME_MISALIGNED = (
+    "prefix-cache hit / chunked prefill: the prompt capture does not start at the draft KV's end"
+)
+WARNINGS = {
+    "no row": "draft group {key}: no row can draft (no seed at its chain start)",
+    "no cache": "draft group {key}: a member has no draft KV cache; group skipped",
+    "unbatchable": "draft group {key}: draft caches cannot be batched; group skipped",
+    "set_len": "draft group {key}: set_len({start}) refused ({exc}); group skipped",
+    "front-align": "draft group {key}: front-alignment refused ({exc}); group skipped",
+    "split": "draft group {key}: the batched draft cache did not split into {g}; no drafts",
+    "strip": "row {row}: stripping the draft dead prefix failed ({exc}); draft KV poisoned",
+    "extension": "row {row}: draft KV extension failed ({exc}); draft KV poisoned",
+    "misaligned": "row {row}: {why}; draft KV poisoned",
+}
+"""The drafting loop's warnings, one text each; the reference's loops and a port's use them."""
+
+
+def warn(warnings: list[str] | None, which: str, **values) -> None:
+    """Append `WARNINGS[which]` filled with `values` to `warnings` (nothing when None)."""
+    if warnings is not None:
+        warnings.append(WARNINGS[which].format(**values))
+
+
 def argmax_token(logits: np.ndarray) -> int:
     """The greedy token of one logits row: the index of the maximum (the first on a tie).
     `[0.1, 0.9, 0.2, 0.5] -> 1`. ValueError on an empty or non-1-D row."""
@@ -235,7 +259,7 @@ def extend_draft_kvs(
     batch: int,
     model,
     warnings: list[str] | None = None,
-    why: str = "capture misaligned with the draft KV",
+    why: str = EXTEND_MISALIGNED,
 ) -> None:
     """`step` §16 step 10 (and the priming loop): `extend_draft_kv_row` for every row with a
     state; `False` or a `Refusal` poisons that row and appends a warning naming the row.
@@ -248,11 +272,11 @@ def extend_draft_kvs(
             ok = extend_draft_kv_row(state, capture, toks[row], row, batch, model)
         except Refusal as exc:
             state.poisoned = True
-            _warn(warnings, f"row {row}: draft KV extension failed ({exc}); draft KV poisoned")
+            warn(warnings, "extension", row=row, exc=exc)
             continue
         if not ok:
             state.poisoned = True
-            _warn(warnings, f"row {row}: {why}; draft KV poisoned")
+            warn(warnings, "misaligned", row=row, why=why)
 
 
 def prime_draft_kv(
@@ -276,14 +300,8 @@ def prime_draft_kv(
         batch,
         model,
         warnings,
-        why="prefix-cache hit / chunked prefill: the prompt capture does not start at the draft "
-            "KV's end",
+        why=PRIME_MISALIGNED,
     )
-
-
-def _warn(warnings: list[str] | None, text: str) -> None:
-    if warnings is not None:
-        warnings.append(text)
 
 
 # --- §10.2 the chain ------------------------------------------------------------------------------
@@ -435,9 +453,7 @@ def group_drafting_loop(
         members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
             if block is not None and not warned_empty:
-                _warn(
-                    warnings, f"draft group {(u, _)}: no row can draft (no seed at its chain start)"
-                )
+                warn(warnings, "no row", key=(u, _))
                 warned_empty = True
             continue
         seed_hidden = np.stack([states[i].seed[1] for i in members])
@@ -450,50 +466,36 @@ def group_drafting_loop(
             continue
         caches = [states[i].cache for i in members]
         if any(c is None for c in caches):
-            _warn(warnings, f"draft group {(u, _)}: a member has no draft KV cache; group skipped")
+            warn(warnings, "no cache", key=(u, _))
             continue
         leads = resolve_draft_leads(per_seq_advance, starts)
         if leads is None:
             batched = batch_draft_caches(caches)
             if batched is None:
-                _warn(
-                    warnings, f"draft group {(u, _)}: draft caches cannot be batched; group skipped"
-                )
+                warn(warnings, "unbatchable", key=(u, _))
                 continue
             try:
                 batched.set_len(starts[0])
             except Refusal as exc:
-                _warn(
-                    warnings,
-                    f"draft group {(u, _)}: set_len({starts[0]}) refused ({exc}); group skipped",
-                )
+                warn(warnings, "set_len", key=(u, _), start=starts[0], exc=exc)
                 continue
         else:
             try:
                 batched = front_align_draft_group(caches, starts)
             except Refusal as exc:
-                _warn(
-                    warnings,
-                    f"draft group {(u, _)}: front-alignment refused ({exc}); group skipped",
-                )
+                warn(warnings, "front-align", key=(u, _), exc=exc)
                 continue
         chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, batched)
         pieces = split_draft_cache(batched, g)
         if pieces is None:
-            _warn(
-                warnings,
-                f"draft group {(u, _)}: the batched draft cache did not split into {g}; no drafts",
-            )
+            warn(warnings, "split", key=(u, _), g=g)
             continue
         for slot, i in enumerate(members):
             row_cache = pieces[slot]
             try:
                 drop_dead_prefix(row_cache, 0 if leads is None else leads[slot])
             except Refusal as exc:
-                _warn(
-                    warnings,
-                    f"row {i}: stripping the draft dead prefix failed ({exc}); draft KV poisoned",
-                )
+                warn(warnings, "strip", row=i, exc=exc)
                 states[i].poisoned = True
                 continue
             states[i].cache = row_cache

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from raggedspec import __version__
+from raggedspec.exits import EXIT_OK, UsageError
 from raggedspec.vectors.align_fns import align_functions
 from raggedspec.vectors.bookkeeping_fns import bookkeeping_functions
 from raggedspec.vectors.length_fns import length_functions
@@ -305,8 +306,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run `raggedspec vectors`: exit 0 after writing; bad arguments raise the CLI's UsageError."""
-    from raggedspec.cli import EXIT_OK, UsageError
-
     try:
         manifest = write(args.out, args.rules, args.cases, args.seed)
     except ValueError as exc:

@@ -4,11 +4,11 @@ A table maps `"<family>/<function>"` to a callable `inputs -> outputs` (what
 examples/vectors_consumer.py is given). `reference_table()` runs every function on the
 reference. `port_table(device, dtype)` runs the port: the functions of the backend protocol
 through `raggedspec.gpu.backend.TorchBackend` (the same adapter as the reference, a different
-backend),
-and the other rules the port implements through their `gpu.*` function, with its tensors
-read back as host values. The host-only rules the port takes from the reference unchanged
-(flags, capability, scheduler, step guards, capture offsets, accounting; see the port rows
-of docs/rules.md) are listed in `PORT_HOST_ONLY` and are absent from the port table.
+backend), and the other rules the port implements through their `gpu.*` function, with its
+tensors read back as host values. The host-only rules the port takes from the reference
+unchanged (flags, capability, scheduler, step guards, capture offsets, accounting, the length
+rules it computes on host integers; see the port rows of docs/rules.md) are listed in
+`PORT_HOST_ONLY` and are absent from the port table.
 """
 
 from __future__ import annotations
@@ -73,6 +73,14 @@ PORT_HOST_ONLY = {
     "accounting/accumulate",
     "accounting/record_batch",
     "scheduler/engine_cache_instruction",
+    # length rules the port computes on host integers once per step, with the reference's
+    # own functions (no device twin)
+    "step/verify_proposed",
+    "step/window_verify_row",
+    "step/n_cache_positions_to_drop",
+    "dispatch/resolve_ragged_chain_starts",
+    "dispatch/resolve_draft_leads",
+    "dispatch/draft_step_end_column",
 }
 
 
@@ -95,33 +103,6 @@ def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
     from raggedspec.gpu import dispatch as gd
     from raggedspec.gpu import masks as gm
     from raggedspec.gpu import rope as gr
-    from raggedspec.gpu import step as gs
-    from raggedspec.reference.step import verify_proposed
-
-    def rollback(i):
-        commit = verify_proposed(i["proposed"], i["target"]).commit_len  # host bookkeeping
-        return {
-            "commit_len": commit,
-            "n_drop": _host(gs.n_cache_positions_to_drop([len(i["proposed"])], [commit]))[0],
-        }
-
-    def verify(i):
-        import torch
-
-        rows = len(i["proposed"])
-        width_p = max([len(p) for p in i["proposed"]], default=0)
-        width_t = max([len(t) for t in i["targets"]], default=0)
-        prop, targ = torch.full((rows, width_p), -1), torch.full((rows, width_t), -2)
-        for r, (p, t) in enumerate(zip(i["proposed"], i["targets"], strict=True)):
-            prop[r, : len(p)], targ[r, : len(t)] = torch.tensor(p).long(), torch.tensor(t).long()
-        v = gs.verify_proposed(
-            prop, targ, [len(p) for p in i["proposed"]], [len(t) for t in i["targets"]]
-        )
-        acc, rej, tok = v.accepted.tolist(), v.rejected.tolist(), v.rejection_token.tolist()
-        return {
-            "accepted": [p[:a] for p, a in zip(i["proposed"], acc, strict=True)],
-            "rejections": [[a, t] if r else None for a, r, t in zip(acc, rej, tok, strict=True)],
-        }
 
     def caller(i):
         import torch
@@ -139,7 +120,6 @@ def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
         return {"mask": _mask(out)}
 
     return {
-        "step/verify_proposed": verify,
         "masks/compose_caller_mask": caller,
         "dispatch/resolve_ragged_rows": lambda i: {
             "rows": _host(gd.resolve_ragged_rows(i["rows"], i["q0"], i["b"]))
@@ -147,17 +127,6 @@ def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
         "dispatch/uniform_seqlen_offset": lambda i: {
             "offset": gd.uniform_seqlen_offset(i["offsets"])
         },
-        "dispatch/resolve_ragged_chain_starts": lambda i: {
-            "starts": _host(gd.resolve_ragged_chain_starts(i["starts"]))
-        },
-        "dispatch/resolve_draft_leads": lambda i: {
-            "leads": _host(gd.resolve_draft_leads(i["enabled"], i["starts"]))
-        },
-        "dispatch/draft_step_end_column": lambda i: {
-            "end_column": gd.draft_step_end_column(i["start_pos"], i["b"], i["cached"])
-        },
-        "step/window_verify_row": lambda i: {"row": int(gs.window_verify_row(i["u"], i["j"]))},
-        "step/n_cache_positions_to_drop": rollback,
         "masks/raw_keep_span": lambda i: dict(
             zip(
                 ("raw_base", "keep"),
