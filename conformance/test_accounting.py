@@ -259,3 +259,70 @@ def test_batched_acceptance_is_reported_per_batch_size():
     assert tel.total.batch_steps == 2 and tel.total.steps == 0 and tel.total.committed == 0
     with pytest.raises(ValueError):
         tel.record_batch(3, [ffv(1, 1)])
+
+
+# --- refusals, boundaries and defaults ------------------------------------------------------
+
+
+def test_malformed_counts_and_scopes_are_named():
+    # three accepted of two proposed, through both step shapes
+    for build in (lambda: ffv(2, 3),
+                  lambda: from_verify(2, verify_proposed([0, 1, 2], [0, 1, 2]))):
+        with pytest.raises(ValueError, match=re.escape("accepted 3 must be in [0, proposed 2]")):
+            build()
+    with pytest.raises(ValueError, match="^every -1 must be >= 0$"):
+        MtpAcceptance().accumulate(ffv(1, 0), every=-1)
+    t = AcceptanceTelemetry(logging_enabled=False)
+    t.record_step(5, ffv(2, 1))
+    for scope in ("x=1", "req=x", "req"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"scope {scope!r} must be agg, req=<id> or b=<n>")):
+            t.marker(scope)
+    with pytest.raises(ValueError, match="^no acceptance counters for req=9$"):
+        t.marker("req=9")
+    with pytest.raises(ValueError, match=re.escape("record_batch(3) given 2 per-sequence stats")):
+        t.record_batch(3, [ffv(1, 0), ffv(1, 1)])
+
+
+def test_one_draft_reaches_position_zero():
+    s = ffv(1, 0)  # proposed one draft, rejected it: position 0 was reached, not accepted
+    assert (s.reached_at[0], s.accepted_at[0], s.drafted_steps, s.committed) == (1, 0, 1, 1)
+
+
+def test_a_log_period_of_one_fires_on_every_proposing_step():
+    acc = MtpAcceptance()
+    assert acc.accumulate(ffv(1, 0), every=1) and acc.accumulate(ffv(2, 2), every=1)
+    assert not acc.accumulate(skipped_step(), every=1)  # p == 0 never fires
+
+
+def test_the_telemetrys_own_period_decides_when_the_report_fires():
+    t = AcceptanceTelemetry(logging_enabled=True, every=4)  # far below LOG_EVERY
+    assert not t.record_step(0, ffv(3, 1))
+    assert t.record_step(1, ffv(1, 1))  # 4 proposals: one period
+    assert t.lines and t.lines[-1].startswith("MTP[agg] ")
+
+
+def test_every_counter_adds_including_batch_steps_and_positions_over_the_cap():
+    acc = MtpAcceptance(batch_steps=2, pos_over_cap=1)
+    acc.add(MtpAcceptance(batch_steps=3, pos_over_cap=4))
+    assert (acc.batch_steps, acc.pos_over_cap) == (5, 5)
+    # counters built with fewer tracked positions add over the positions both track
+    short = MtpAcceptance(accepted_at=[1, 2], reached_at=[3, 4])
+    short.add(ffv(3, 2))
+    assert (short.accepted_at, short.reached_at) == ([2, 3], [4, 5])
+
+
+def test_the_default_scope_is_agg_and_batch_steps_accumulate_per_size():
+    t = AcceptanceTelemetry(logging_enabled=False)
+    t.record_step(0, ffv(2, 1))
+    assert t.marker().startswith("MTP[agg] ") and t.report_lines()[-1].startswith("MTP[agg] ")
+    assert ffv(2, 1).report_lines()[-1].startswith("MTP[agg] ")
+    for _ in range(2):
+        t.record_batch(2, [ffv(1, 0), ffv(1, 1)])
+    assert t.by_batch[2].batch_steps == 2 and t.total.batch_steps == 2
+
+
+def test_flushing_an_unknown_request_emits_nothing():
+    for on in (True, False):
+        t = AcceptanceTelemetry(logging_enabled=on)
+        assert t.flush_request(42) == [] and t.lines == []

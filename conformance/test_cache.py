@@ -18,7 +18,7 @@ from raggedspec.reference.cache import (
     SingleCache,
     window_target_first_cached,
 )
-from raggedspec.reference.errors import CacheRefusal
+from raggedspec.reference.errors import CacheRefusal, require
 
 
 def cols(values, d=1):
@@ -351,3 +351,16 @@ def test_chain_capacity_equals_n_one_column_appends(capacity, held, n, max_seq_l
     except CacheRefusal as exc:
         got = None, str(exc)
     assert got == want
+
+
+# --- malformed input: a plain ValueError whose message names the bad values ---------------
+
+def test_malformed_cache_input_is_a_value_error_carrying_the_message_given():
+    assert require(True, "unused") is None
+    with pytest.raises(ValueError) as caught:
+        require(False, "length 3 must be even")
+    assert str(caught.value) == "length 3 must be even" and type(caught.value) is ValueError
+    with pytest.raises(ValueError, match="^length -1 and retain 8 must be >= 0$"):
+        window_target_first_cached(-1, 8)
+    with pytest.raises(ValueError, match="^chain length -2 must be >= 0$"):
+        chain_capacity(512, 0, -2, 4096)

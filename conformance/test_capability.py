@@ -273,3 +273,63 @@ def test_kv_advance_is_latched_once():
     assert latch.kv_advance(plain_cache()) is KvAdvance.COHORT
     assert latch.kv_advance(v4_cache()) is KvAdvance.COHORT
     assert len(latch.messages) == 1
+
+
+# --- each refusal's exact text, each boundary ----------------------------------------------
+
+ADMISSION_REFUSAL = (
+    "batch admission assumes one batch has one length: the scheduler partitions the running "
+    "set by cache_bucket_len and select_running_bucket runs one bucket per step, and the engine "
+    "issues CacheInstruction::In only when the completion list changes; the first ragged commit "
+    "would shatter the cohort")
+DRAFT_CHAIN_REFUSAL = (
+    "the MTP draft chain left-aligns a ragged draft group and needs the model to mask each "
+    "row's draft dead prefix; only the V4 target's MTP block does")
+
+
+def test_each_capability_refusal_reads_exactly_as_its_rule_states_it():
+    assert refusal_text(batch_admission_admits_ragged_cohorts, "refuse") == ADMISSION_REFUSAL
+    assert refusal_text(draft_chain_carries_per_sequence_positions,
+                        plain_cache()) == DRAFT_CHAIN_REFUSAL
+    # the slot, its kind, and the flag hint only where the flag would help (XsRolling)
+    assert refusal_text(cache_supports_per_sequence_advance, NormalCache([normal(), xs()]),
+                        False) == ("cache slot 1 is a `XsRolling`, which cannot carry its own "
+                                   "per-sequence length (ARC_V4_XS_PER_SEQ is off)")
+    assert refusal_text(cache_supports_per_sequence_advance,
+                        NormalCache([normal(), OtherSlot("Rotating")]), True) == (
+        "cache slot 1 is a `Rotating`, which cannot carry its own per-sequence length")
+    # the kinds the cache holds, sorted
+    msg = refusal_text(model_masks_ragged_batches, NormalCache([OtherSlot("Rotating"), normal()]))
+    assert "this cache holds ['Normal', 'Rotating'] slots" in msg
+
+
+def test_a_paged_cache_is_refused_by_each_check_for_what_it_cannot_do():
+    paged = NormalCache([normal(), xs()], paged=True)
+    for check, args, what in (
+            (cache_supports_per_sequence_advance, (True,), "carry a per-sequence length"),
+            (model_masks_ragged_batches, (), "be masked per row"),
+            (draft_chain_carries_per_sequence_positions, (), "carry per-row draft positions")):
+        assert refusal_text(check, paged, *args) == f"a paged KV cache cannot {what}"
+
+
+def test_malformed_flag_values_are_named():
+    with pytest.raises(ValueError, match="^admission 'maybe' must be 'refuse' or 'grant'$"):
+        batch_admission_admits_ragged_cohorts("maybe")
+    with pytest.raises(ValueError, match="^sliding window -1 must be >= 0$"):
+        kv_window_retain(-1)
+    with pytest.raises(ValueError, match="^unknown ISQ type 'Q7_7'$"):
+        mtp_tail_isq("Q7_7", False)
+
+
+def test_a_temperature_of_exactly_1e_7_is_not_greedy():
+    # only a temperature strictly below 1e-7 folds to greedy
+    assert not seq_may_draft(1e-7, None, None, None)
+
+
+def test_the_latch_defaults_to_the_refusing_admission_and_logs_the_grant():
+    latch = KvAdvanceLatch(requested=True, xs_per_seq=True)  # admission left at its default
+    assert latch.kv_advance(v4_cache()) is KvAdvance.COHORT
+    assert latch.refusal == ADMISSION_REFUSAL
+    latch = KvAdvanceLatch(requested=True, xs_per_seq=True, admission="grant")
+    latch.kv_advance(v4_cache())
+    assert latch.messages == ["INFO ARC_MTP_PER_SEQ_KV: MTP KV advance is PerSequence"]

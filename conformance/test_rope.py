@@ -7,6 +7,8 @@ multiply rounding). Branch-vs-branch and batch-vs-row comparisons are bit-exact.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -185,3 +187,81 @@ def test_a_uniform_vector_longer_than_one_takes_the_batched_branch():
     reset_rope_cohort_stats()
     apply_rope(rand((4, 1, 1, 4)), [9, 9, 9, 9], 4, THETA)
     assert rope_cohort_stats == {"uniform": 1, "cohort": 0, "per_sequence": 0}
+
+
+# ----------------------------------------------------------------------------- refusals, boundaries
+
+
+def test_each_malformed_input_is_refused_by_its_own_message():
+    x = rand((2, 1, 4, 8))  # B=2, H=1, T=4, D=8: every size differs from the offsets' count 3
+    with pytest.raises(ValueError, match=re.escape("x must be [B,H,T,D], got shape (4, 8)")):
+        apply_rope(np.zeros((4, 8)), [0], 4, THETA)
+    with pytest.raises(ValueError, match=re.escape("offsets [3, -1] must be >= 0")):
+        apply_rope(x, [3, -1], 4, THETA)
+    for branch in (rope_gathered, rope_per_row):
+        with pytest.raises(ValueError, match="^3 offsets for a batch of 2$"):
+            branch(x, [1, 2, 3], 4, THETA)
+    with pytest.raises(ValueError, match="^rope_dims 3 must be even and >= 2$"):
+        rope_cos_sin(np.array([1]), 3, THETA)
+    with pytest.raises(ValueError, match="^rope_dims 0 must be even and >= 2$"):
+        rope_cos_sin(np.array([1]), 0, THETA)
+    with pytest.raises(ValueError, match="^theta 0 must be > 0$"):
+        rope_cos_sin(np.array([1]), 4, 0)
+    with pytest.raises(ValueError, match="^positions must be >= 0, got min -3$"):
+        rope_cos_sin(np.array([5, -3, 2]), 4, THETA)
+    with pytest.raises(ValueError, match="^positions must be >= 0, got min -3$"):
+        rope_cos_sin(np.array([-3]), 4, THETA)  # a single position is checked too
+    with pytest.raises(ValueError, match=re.escape("t_c -1 must be >= 0 and ratio 4 >= 1")):
+        compressed_key_positions(-1, 4)
+    with pytest.raises(ValueError, match=re.escape("t_c 2 must be >= 0 and ratio 0 >= 1")):
+        compressed_key_positions(2, 0)
+
+
+def test_the_smallest_legal_values_are_accepted():
+    # rope_dims 2 (one pair), theta 1 and 0.5 (any theta > 0), ratio 1, no positions at all
+    x = rand((2, 1, 3, 4), seed=6)
+    assert_positions(apply_rope(x, [4, 1], 2, THETA), x, [[4, 5, 6], [1, 2, 3]], 2)
+    for theta in (1.0, 0.5):
+        assert_positions(apply_rope(x, [2], 4, theta), x, [[2, 3, 4]] * 2, 4, theta=theta)
+    assert compressed_key_positions(3, 1) == [0, 1, 2]
+    cos, sin = rope_cos_sin(np.array([], dtype=np.int64), 4, THETA)
+    assert cos.shape == sin.shape == (0, 2)
+
+
+def test_a_position_beyond_int64_is_refused_not_rotated_at_a_rounded_angle():
+    # 2**63 has no int64 position; float(2**63 + 1) would silently round
+    with pytest.raises((OverflowError, ValueError)):
+        apply_rope_at_positions(rand((1, 1, 1, 4)), [2**63 + 1], 4, THETA)
+
+
+def test_integer_and_float32_inputs_rotate_in_float64():
+    xi = np.arange(2 * 1 * 2 * 4).reshape(2, 1, 2, 4) - 5  # integers: the rotation is not
+    for x in (xi, rand((2, 1, 2, 4), seed=7).astype(np.float32)):
+        want = x.astype(np.float64)
+        for out in (apply_rope(x, [3, 8], 4, THETA), rope_gathered(x, [3, 8], 4, THETA),
+                    rope_batched(x, 3, 4, THETA)[:1]):
+            assert out.dtype == np.float64
+            assert_positions(out, want, [[3, 4], [8, 9]][: out.shape[0]], 4)
+
+
+def test_each_branch_rotates_forward_unless_asked_for_the_inverse():
+    x = rand((2, 1, 2, 4), seed=8)
+    for out in (rope_batched(x, 5, 4, THETA), rope_gathered(x, [5, 5], 4, THETA),
+                rope_per_row(x, [5, 5], 4, THETA),
+                apply_rope_at_positions(x, [5, 6], 4, THETA)):
+        assert_positions(out, x, [[5, 6]] * 2, 4)
+    back = apply_rope_at_positions(x, [5, 6], 4, THETA, inverse=True)
+    for i in range(2):
+        for t, pos in enumerate((5, 6)):
+            want = rotate_oracle(x[i, 0, t], pos, 4, THETA, inverse=True)
+            np.testing.assert_allclose(back[i, 0, t], want, rtol=0, atol=ORACLE_TOL)
+
+
+def test_ragged_offsets_take_the_per_row_branch_unless_the_cohort_flag_is_set():
+    reset_rope_cohort_stats()
+    x = rand((2, 1, 1, 4))
+    for _ in range(3):  # every call counts: the counters accumulate until reset
+        apply_rope(x, [1, 2], 4, THETA)
+        apply_rope(x, [1, 2], 4, THETA, rope_cohort=True)
+        apply_rope(x, [4], 4, THETA)
+    assert rope_cohort_stats == {"uniform": 3, "cohort": 3, "per_sequence": 3}

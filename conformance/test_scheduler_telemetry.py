@@ -6,6 +6,10 @@ Expected values are the spec's quoted lines and counts.
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from raggedspec.conformance.test_scheduler import LENS_64_APART, comp, state_for
 from raggedspec.reference.scheduler import schedule
 from raggedspec.reference.scheduler_telemetry import (
@@ -103,3 +107,44 @@ def test_step_debug_line_uses_token_counts():
         step_debug_line([], [101, 140, 300], 812.5)
         == "Prompt[] Completion[101, 140, 300] - 812.5ms"
     )
+
+
+# ------------------------------------------------------------------ boundaries and refusals
+
+
+def test_one_call_already_has_rates_and_a_marker_and_two_buckets_shatter():
+    t = BucketTelemetry()
+    t.record_bucketing(2, 10, 6)  # one call, two buckets: shattered
+    assert (t.buckets_per_step(), t.running_bucket_size(), t.preempted_per_step(),
+            t.shattered_frac()) == (2.0, 6.0, 4.0, 1.0)
+    assert t.sched_bucket_marker() == (
+        "SCHED[agg] calls=1 buckets=2 offered=10 chosen=6 shattered=1 buckets_per_step=2.0000 "
+        "running_bucket_size=6.0000 offered_per_step=10.0000 preempted_per_step=4.0000 "
+        "shattered_frac=1.0000")
+
+
+def test_each_negative_count_is_refused_by_name():
+    for counts in ((-1, 4, 2), (1, -4, 2), (1, 4, -2)):
+        with pytest.raises(ValueError, match=re.escape(f"counts {counts} must be >= 0")):
+            BucketTelemetry().record_bucketing(*counts)
+    good = dict(tokens=10, new_seqs=2, prefix_hits=1, running=3, waiting=4)
+    for name in good:
+        with pytest.raises(ValueError, match="^counts must be >= 0$"):
+            interval_line(interval_s=1.0, **dict(good, **{name: -1}))
+    for bad in (0, 0.0, -2.0):
+        with pytest.raises(ValueError, match=f"^interval_s {bad} must be > 0$"):
+            interval_line(interval_s=bad, **good)
+
+
+def test_a_sub_second_interval_and_each_encoder_edge_format():
+    # 10 tokens in 0.5 s is 20 T/s; 1 hit of 2 new sequences is 50 %
+    assert interval_line(10, 0.5, 2, 1, 3, 4) == (
+        "Throughput (T/s) 20.00, Prefix cache hitrate 50.00%, 3 running, 4 waiting")
+    # no encoder traffic: no encoder part (not a division by zero)
+    assert interval_line(10, 0.5, 2, 1, 3, 4, encoder=(0, 0)) == (
+        "Throughput (T/s) 20.00, Prefix cache hitrate 50.00%, 3 running, 4 waiting")
+    # one hit, no miss: 100 %; three hits of four: 75 %
+    for encoder, rate in (((1, 0), "100.00"), ((3, 1), "75.00")):
+        assert interval_line(10, 0.5, 2, 1, 3, 4, encoder=encoder) == (
+            f"Throughput (T/s) 20.00, Prefix cache hitrate 50.00%, Encoder cache hitrate "
+            f"{rate}%, 3 running, 4 waiting")

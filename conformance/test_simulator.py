@@ -10,12 +10,15 @@ import json
 
 import pytest
 
-from raggedspec.reference import lengths, simulator
+from raggedspec.reference import lengths, policy, simulator
 from raggedspec.reference import step as step_mod
 from raggedspec.reference.acceptance import AllAccept, ModelOracle
+from raggedspec.reference.accounting import AcceptanceTelemetry
+from raggedspec.reference.capability import KvAdvanceLatch
 from raggedspec.reference.scenario import load_scenario
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 from raggedspec.reference.step import verify_proposed, window_verify_row
-from raggedspec.reference.trace import CSV_COLUMNS, read_trace, write_csv, write_jsonl
+from raggedspec.reference.trace import CSV_COLUMNS, Trace, read_trace, write_csv, write_jsonl
 
 
 def steps_of(trace):
@@ -471,3 +474,66 @@ def test_prompt_steps_prime_the_draft_kv(mode):
     prompt, first = list(tr.steps())
     assert [r["filled"] for r in prompt["rows"]] == [7, 7, 7]
     assert [(r["u"], r["drafted"], r["chain_start"]) for r in first["rows"]] == [(1, 3, 6)] * 3
+
+
+# ----------------------------------------------------------------------------- the shared policy
+
+
+def test_the_summary_totals_are_brute_forced_from_a_fresh_run():
+    # a fresh (uncached) run: one prompt step, then several decode steps
+    tr = lengths.run(load_scenario(dict(batch=2, prompt_len=[3, 9], max_new_tokens=12, steps=8)))
+    steps = list(tr.steps())
+    decode = [s for s in steps if s["phase"] == "decode"]
+    assert 2 <= len(decode) < len(steps) and len(decode) != len(steps) - len(decode)
+    assert steps[-1]["committed"] < sum(s["committed"] for s in steps)  # non-degenerate
+    assert tr.summary["steps"] == len(steps)
+    assert tr.summary["decode_steps"] == len(decode)
+    assert tr.summary["committed"] == sum(s["committed"] for s in steps)
+    rows = [r for s in decode for r in s["rows"]]
+    assert tr.summary["tok_per_step"] == sum(1 + r["accepted"] for r in rows) / len(rows) > 1
+
+
+def test_an_empty_run_summarizes_to_zeros():
+    summary = policy.summarize(Trace("lengths", {}), AcceptanceTelemetry(), BucketTelemetry(),
+                               KvAdvanceLatch(False, False), 0)
+    assert {k: summary[k] for k in ("steps", "decode_steps", "committed", "tok_per_step",
+                                    "max_spread", "mean_padding_fraction", "refusal", "errors",
+                                    "shattered_steps")} == {
+        "steps": 0, "decode_steps": 0, "committed": 0, "tok_per_step": 0.0, "max_spread": 0,
+        "mean_padding_fraction": 0.0, "refusal": None, "errors": 0, "shattered_steps": 0}
+
+
+def test_step_fields_names_every_schema_field_in_order():
+    names = ["step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets",
+             "groups", "width", "padding_fraction", "committed", "tok_per_step", "bucket",
+             "prefill", "error"]
+    fields = policy.step_fields(*range(100, 115))
+    assert list(fields.items()) == list(zip(names, range(100, 115), strict=True))
+
+
+@pytest.mark.parametrize("ratios, xs_slots, ragged", [
+    ([0, 0], [], True),            # no compressed layer: Normal slots only, always ragged
+    ([0, 1], [1], False),          # ratio 1 is still a compressed (XsRolling) layer
+    ([0, 4, 128], [4, 128], False),
+])
+def test_the_target_skeleton_has_one_kv_slot_per_layer_and_one_xs_slot_per_compressed_layer(
+        ratios, xs_slots, ragged):
+    data = dict(batch=2, prompt_len=4, max_new_tokens=4, steps=2, max_seq_len=2048,
+                model={"compress_ratios": ratios})
+    sc = load_scenario(data)
+    slots = policy.target_cache_skeleton(sc).slots
+    kinds = [type(s).__name__ for s in slots]
+    assert kinds == ["KvCache"] * len(ratios) + ["XsRolling"] * len(xs_slots)
+    assert [(s.ratio, s.max_seq_len) for s in slots[len(ratios):]] == [
+        (r, 2048) for r in xs_slots]
+    assert policy.ragged_capable(sc) is ragged
+    assert policy.ragged_capable(load_scenario(dict(data, xs_per_seq=True))) is True
+
+
+def test_each_guard_failure_text_names_its_guard_and_the_rows_lengths():
+    left = policy.guard_error("left_aligned_guard", [10, 7], [2, 9], 4)
+    assert "left-aligned guard" in left and "follows" not in left
+    assert "cache_lens [10, 7] and token lengths [2, 9]" in left and "[1, 4]" in left
+    follows = policy.guard_error("follows_guard", [10, 7], [2, 9], 4)
+    assert "follows guard" in follows and "left-aligned" not in follows
+    assert "cache_lens [10, 7], token lengths [2, 9], w 4" in follows

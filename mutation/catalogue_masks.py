@@ -365,4 +365,20 @@ ENTRIES: list[Mutant] = [
         "M§23",
         ALIGN,
     ),
+    M(
+        "_check_x: keep the input's dtype (no float64 cast)",
+        R_ROPE,
+        "    x = np.asarray(x, dtype=np.float64)\n",
+        "    x = np.asarray(x)\n",
+        "M§11",
+        ROPE,
+    ),
+    M(
+        "sched_bucket_marker: no SCHED[agg] line until a second call",
+        "reference/scheduler_telemetry.py",
+        'return self.marker("agg") if self.calls > 0 else None',
+        'return self.marker("agg") if self.calls > 1 else None',
+        "M§21",
+        "conformance/test_scheduler_telemetry.py",
+    ),
 ]

@@ -389,4 +389,28 @@ ENTRIES: list[Mutant] = [
         SPEC_GAPS,
         KILLS,
     ),
+    M(
+        "summarize: committed is the last step's, not the run's total",
+        "reference/policy.py",
+        '        committed += f["committed"]\n',
+        '        committed = f["committed"]\n',
+        "docs/simulator.md summary",
+        "conformance/test_simulator.py",
+    ),
+    M(
+        "cache_supports_per_sequence_advance: the ARC_V4_XS_PER_SEQ hint on every slot kind",
+        R_CAP,
+        'hint = " (ARC_V4_XS_PER_SEQ is off)" if slot.kind == "XsRolling" else ""',
+        'hint = " (ARC_V4_XS_PER_SEQ is off)"',
+        "C§13",
+        CAP,
+    ),
+    M(
+        "record_step: the report fires every LOG_EVERY proposals, not the telemetry's period",
+        R_ACC,
+        "fired = self.total.accumulate(stats, self.every)",
+        "fired = self.total.accumulate(stats)",
+        "C§15",
+        ACC,
+    ),
 ]
