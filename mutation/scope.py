@@ -53,7 +53,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/dispatch.py": ("conformance/test_port_dispatch.py", "conformance/test_port_malformed.py"),
     "gpu/draft.py": ("conformance/test_port_draft.py",),
     "gpu/draft_loop.py": ("conformance/test_backend.py",),
-    "gpu/draft_store.py": ("conformance/test_backend.py",),
+    "gpu/draft_store.py": ("conformance/test_port_draft_store.py", "conformance/test_backend.py"),
     "gpu/layouts.py": ("conformance/test_layouts.py",),
     "gpu/masks.py": ("conformance/test_port_masks.py",),
     "gpu/model.py": ("conformance/test_port_model.py",),
