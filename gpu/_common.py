@@ -42,6 +42,17 @@ def arange_like(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, device=like.device)
 
 
+def int64_on(x, device) -> torch.Tensor:
+    """`x` (any shape) as an int64 tensor on `device` (None: a tensor stays where it is,
+    anything else goes to the CPU)."""
+    return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+def float64_on(values, device) -> torch.Tensor:
+    """A float64 tensor of `values` on `device`."""
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
 def as_list(t) -> list[int]:
     """Host list of ints (for messages and for comparing with the reference)."""
     if isinstance(t, torch.Tensor):
