@@ -31,6 +31,7 @@ from raggedspec.gpu.testing import (
 )
 from raggedspec.reference import align as ref
 from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, KvCache, NormalCache, SingleCache
+from raggedspec.reference.errors import AlignRefusal
 from raggedspec.reference.step import (
     commit_per_sequence,
     plan_batch_step as ref_plan_batch_step,
@@ -294,3 +295,118 @@ def test_draft_group_worked_example_on_the_port():
                                       [0, 0, 0, 200, 201, 202, 203],
                                       [0, 300, 301, 302, 303, 304, 305]]
     assert kv.lens.tolist() == [9, 9, 9]  # the rows themselves are untouched
+
+
+# --- boundaries, malformed input and the row-set helpers, stated from the inputs ----------
+
+
+def marked(b, width):
+    """`[b, 1, width, 1]` float64 with row i, column c = 100 * (i + 1) + c: no zero anywhere,
+    so a zero in a result is a column nothing was read into."""
+    vals = (torch.arange(b, dtype=torch.float64)[:, None] + 1) * 100 + torch.arange(width)
+    return vals[:, None, :, None].clone()
+
+
+def test_front_align_leads_at_zero_and_empty():
+    """A zero-length row is legal (its lead is the whole target); an empty batch has target 0."""
+    target, leads = port.front_align_leads([0, 3])
+    assert (target, leads.tolist(), leads.dtype) == (3, [3, 0], torch.int64)
+    assert port.front_align_leads(torch.tensor([0]))[0] == 0
+    target, leads = port.front_align_leads([])
+    assert (target, leads.tolist()) == (0, [])
+
+
+def test_materialize_pads_to_an_explicit_target_and_handles_no_rows():
+    """Rows [100, 101] and [200] (capacity 4) front-aligned to 3 columns: [0, 100, 101] and
+    [0, 0, 200]; with no rows the batch is 0 columns wide."""
+    kv = RaggedKv(marked(2, 4), marked(2, 4) + 0.5, [2, 1], 4096)
+    k, v = port.materialize_front_aligned(kv, target=3)
+    assert k[:, 0, :, 0].tolist() == [[0, 100, 101], [0, 0, 200]]
+    assert v[:, 0, :, 0].tolist() == [[0, 100.5, 101.5], [0, 0, 200.5]]
+    empty = RaggedKv.empty(0, 1, 1, 4096, 4)
+    k, v = port.materialize_front_aligned(empty)
+    assert list(k.shape) == [0, 1, 0, 1] and list(v.shape) == [0, 1, 0, 1]
+
+
+def test_strip_dead_prefix_shifts_each_row_and_zero_fills_the_kept_width():
+    """Width 4, current 4, leads [1, 0]: row 0 keeps columns [1, 4) then one zero column
+    (nothing lies past the buffer), row 1 is unchanged; lens [3, 4]; max_seq_len carried."""
+    kv = port.strip_dead_prefix(marked(2, 4), marked(2, 4) + 0.5, [1, 0], 4, 777)
+    assert kv.k[:, 0, :, 0].tolist() == [[101, 102, 103, 0], [200, 201, 202, 203]]
+    assert kv.v[:, 0, :, 0].tolist() == [[101.5, 102.5, 103.5, 0], [200.5, 201.5, 202.5, 203.5]]
+    assert kv.lens.tolist() == [3, 4] and kv.max_seq_len == 777
+
+
+def test_front_align_draft_group_keeps_the_buffers_and_max_seq_len():
+    kv = RaggedKv(marked(2, 4), marked(2, 4), [3, 4], 777)
+    grp = port.front_align_draft_group(kv, [0, 2])
+    assert grp.k is kv.k and grp.v is kv.v
+    assert grp.lens.tolist() == [0, 2] and grp.max_seq_len == 777
+
+
+def test_split_draft_cache_and_concat_kv_keep_each_rows_length():
+    """Four rows split in 2 are rows {0, 1} and {2, 3} with their own lengths; two rows cannot
+    make 3 pieces (None); concatenating a capacity-2 and a capacity-4 set zero-pads the first."""
+    kv = RaggedKv(marked(4, 4), marked(4, 4), [1, 2, 3, 4], 777)
+    a, b = port.split_draft_cache(kv, 2)
+    assert (a.lens.tolist(), b.lens.tolist()) == ([1, 2], [3, 4])
+    assert a.k[:, 0, 0, 0].tolist() == [100, 200] and b.k[:, 0, 0, 0].tolist() == [300, 400]
+    assert a.max_seq_len == b.max_seq_len == 777
+    assert port.split_draft_cache(RaggedKv(marked(2, 4), marked(2, 4), [1, 2], 777), 3) is None
+    narrow = RaggedKv(marked(1, 2), marked(1, 2), [2], 555)
+    both = port.concat_kv([narrow, RaggedKv(marked(1, 4), marked(1, 4), [3], 777)])
+    assert both.k[:, 0, :, 0].tolist() == [[100, 101, 0, 0], [100, 101, 102, 103]]
+    assert both.lens.tolist() == [2, 3] and both.max_seq_len == 555
+
+
+def _kv2():
+    return RaggedKv(marked(2, 4), marked(2, 4), [3, 1], 4096)
+
+
+def _strip(leads, current=4, k=None, v=None):
+    k = marked(2, 4) if k is None else k
+    return port.strip_dead_prefix(k, marked(2, 4) if v is None else v, leads, current, 9)
+
+
+def _t(xs):
+    return torch.tensor(xs)
+
+
+# (case id, call, exact message): each case breaks exactly one condition
+MALFORMED = [
+    ("leads negative", lambda: port.front_align_leads([-1, 2]), "lens [-1, 2] must be >= 0"),
+    ("leads 2-D", lambda: port.front_align_leads(_t([[1, 2], [3, 4]])),
+     "lens must be a 1-D vector, got shape [2, 2]"),
+    ("target short", lambda: port.materialize_front_aligned(_kv2(), target=2),
+     "target 2 is shorter than the longest row 3"),
+    ("group start negative", lambda: port.front_align_draft_group(_kv2(), [-1, 1]),
+     "chain starts [-1, 1] must be >= 0"),
+    ("group starts 2-D", lambda: port.front_align_draft_group(_kv2(), _t([[1], [1]])),
+     "starts must be a 1-D vector, got shape [2, 1]"),
+    ("strip v 3-D", lambda: _strip([0, 0], v=marked(2, 4)[:, 0]),
+     "k [2, 1, 4, 1] and v [2, 4, 1] must be [B,H,W,*]"),
+    ("strip k 3-D", lambda: _strip([0, 0], k=marked(2, 4)[:, 0]),
+     "k [2, 4, 1] and v [2, 1, 4, 1] must be [B,H,W,*]"),
+    ("strip widths", lambda: _strip([0, 0], 3, v=marked(2, 3)),
+     "k [2, 1, 4, 1] and v [2, 1, 3, 1] must be [B,H,W,*]"),
+    ("strip leads 2-D", lambda: _strip(_t([[0], [0]])),
+     "leads must be a 1-D vector, got shape [2, 1]"),
+    ("strip leads count", lambda: _strip([0, 0, 0]), "3 leads for a batch of 2"),
+    ("strip lead negative", lambda: _strip([-1, 0]), "dead-prefix leads [-1, 0] must be >= 0"),
+    ("strip current high", lambda: _strip([0, 0], 5), "current 5 must lie in [0, width 4]"),
+    ("strip current negative", lambda: _strip([0, 0], -1), "current -1 must lie in [0, width 4]"),
+]
+
+
+@pytest.mark.parametrize("call, message", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
+def test_each_malformed_alignment_input_is_a_value_error_with_its_message(call, message):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert str(err.value) == message
+
+
+def test_an_empty_draft_group_is_refused_by_name():
+    empty = RaggedKv.empty(0, 1, 1, 4096, 4)
+    with pytest.raises(AlignRefusal) as err:
+        port.front_align_draft_group(empty, [])
+    assert str(err.value) == "front_align_draft_group was given no rows (0 caches, 0 chain starts)"

@@ -158,3 +158,124 @@ def test_bad_offsets_are_malformed_for_both():
             ref.apply_rope(x, offsets, 4, THETA)
         with pytest.raises(ValueError):
             port.apply_rope(to_port(x), offsets, 4, THETA)
+
+
+# --- boundaries, malformed input, dtypes and devices, stated from the inputs --------------
+
+
+def _x(b=2, t=2, d=4, dtype=torch.float64):
+    return torch.ones((b, 1, t, d), dtype=dtype, device=DEVICE)
+
+
+# (case id, call, exact message): each case breaks exactly one condition
+MALFORMED = [
+    ("x 3-D", lambda: port.apply_rope(torch.ones(1, 2, 4), [0], 2, THETA),
+     "x must be [B,H,T,D], got shape [1, 2, 4]"),
+    ("rope_dims odd", lambda: port.apply_rope(_x(), [0], 3, THETA),
+     "rope_dims 3 must be even, >= 2 and <= head dim 4"),
+    ("rope_dims 0", lambda: port.apply_rope(_x(), [0], 0, THETA),
+     "rope_dims 0 must be even, >= 2 and <= head dim 4"),
+    ("rope_dims wide", lambda: port.apply_rope(_x(), [0], 6, THETA),
+     "rope_dims 6 must be even, >= 2 and <= head dim 4"),
+    ("offsets 2-D", lambda: port.apply_rope(_x(), torch.tensor([[0], [1]]), 2, THETA),
+     "offsets must be a 1-D vector, got shape [2, 1]"),
+    ("offsets count", lambda: port.apply_rope(_x(), [0, 1, 2], 2, THETA),
+     "3 offsets for a batch of 2 (need 1 or B)"),
+    ("host offset negative", lambda: port.apply_rope(_x(), [-1, 2], 2, THETA),
+     "offsets [-1, 2] must be >= 0"),
+    ("device offset negative", lambda: port.apply_rope(_x(), torch.tensor([-1, 2]), 2, THETA),
+     "offsets [-1, 2] must be >= 0"),
+    ("positions 2-D",
+     lambda: port.apply_rope_at_positions(_x(1), torch.tensor([[0, 1]]), 2, THETA),
+     "positions must be a 1-D vector, got shape [1, 2]"),
+    ("positions count", lambda: port.apply_rope_at_positions(_x(1), [0, 1, 2], 2, THETA),
+     "3 positions for 2 tokens"),
+    ("cos_sin rope_dims odd", lambda: port.rope_cos_sin([0], 3, THETA),
+     "rope_dims 3 must be even and >= 2"),
+    ("cos_sin rope_dims 0", lambda: port.rope_cos_sin([0], 0, THETA),
+     "rope_dims 0 must be even and >= 2"),
+    ("theta 0", lambda: port.rope_cos_sin([0], 2, 0), "theta 0 must be > 0"),
+    ("position negative", lambda: port.rope_cos_sin([4, -3], 2, THETA),
+     "positions must be >= 0, got min -3"),
+    ("table size negative", lambda: port.RopeTable(2, THETA, -1), "n_positions -1 must be >= 0"),
+    ("table past", lambda: port.RopeTable(2, THETA, 5).lookup(torch.tensor([1, 5])),
+     "position 5 is past the table's 5 positions"),
+    ("t_c negative", lambda: port.compressed_key_positions(-1, 1),
+     "t_c -1 must be >= 0 and ratio 1 >= 1"),
+    ("ratio 0", lambda: port.compressed_key_positions(3, 0), "t_c 3 must be >= 0 and ratio 0 >= 1"),
+]
+
+
+@pytest.mark.parametrize("call, message", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
+def test_each_malformed_rope_input_is_a_value_error_with_its_message(call, message):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert str(err.value) == message
+
+
+def test_the_boundary_values_are_accepted():
+    """theta may lie in (0, 1]; a table may hold no positions; rope_dims 2 rotates pair 0 by
+    the position itself (theta ** 0 = 1), so cos/sin are cos(p), sin(p)."""
+    cos, sin = port.rope_cos_sin([0, 3], 2, 0.5)
+    assert torch.allclose(cos[:, 0], torch.cos(torch.tensor([0.0, 3.0], dtype=torch.float64)))
+    assert torch.allclose(sin[:, 0], torch.sin(torch.tensor([0.0, 3.0], dtype=torch.float64)))
+    empty = port.RopeTable(4, THETA, 0)
+    assert list(empty.cos.shape) == [0, 2]
+    c, s = empty.lookup(torch.zeros(0, dtype=torch.int64))
+    assert list(c.shape) == [0, 2] == list(s.shape)
+    assert port.compressed_key_positions(0, 1).tolist() == []
+
+
+def test_a_table_holds_exactly_its_positions_on_the_host_offset_path():
+    """Host offsets [2, 4], T = 2: the largest position is 5, so a 6-position table serves
+    the batch (equal to the computed rotation) and a 5-position table refuses it."""
+    x = torch.arange(16, dtype=torch.float64).reshape(2, 1, 2, 4)
+    want = port.apply_rope(x, [2, 4], 4, THETA)
+    assert_bit_exact(port.apply_rope(x, [2, 4], 4, THETA, table=port.RopeTable(4, THETA, 6)),
+                     want)
+    with pytest.raises(ValueError) as err:
+        port.apply_rope(x, [2, 4], 4, THETA, table=port.RopeTable(4, THETA, 5))
+    assert str(err.value) == "position 5 is past the table's 5 positions"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_tables_are_in_their_dtype_and_every_rotation_in_the_input_dtype(dtype):
+    cos, sin = port.rope_cos_sin([0, 7], 4, THETA, dtype)
+    assert cos.dtype == sin.dtype == dtype
+    table = port.RopeTable(4, THETA, 8, dtype)
+    assert table.cos.dtype == table.sin.dtype == dtype
+    x = _x(2, 2, 4, dtype)
+    assert port.apply_rope(x, [1, 3], 4, THETA).dtype == dtype
+    assert port.apply_rope(x, [1, 3], 4, THETA, table=port.RopeTable(4, THETA, 8)).dtype == dtype
+    assert port.apply_rope_at_positions(x, [0, 4], 4, THETA).dtype == dtype
+    assert port.rotate(x, *port.rope_cos_sin([[0, 1]], 4, THETA), 4).dtype == dtype
+
+
+def test_tables_and_positions_are_made_on_the_requested_device():
+    """The meta device exists on every machine: what a function builds for `device="meta"`
+    must be there (a CPU run cannot tell a dropped device argument otherwise)."""
+    cos, sin = port.rope_cos_sin([], 4, THETA, device="meta")
+    assert cos.device.type == sin.device.type == "meta"
+    table = port.RopeTable(4, THETA, 0, device="meta")
+    assert table.cos.device.type == table.sin.device.type == "meta"
+    assert port.compressed_key_positions(3, 4, device="meta").device.type == "meta"
+
+
+def test_host_offsets_pick_the_table_shape_and_count_every_call():
+    x = _x(2)
+    port.reset_rope_path_stats()
+    port.apply_rope(x, [5, 5], 2, THETA)
+    port.apply_rope(x, [5, 5], 2, THETA)
+    assert port.rope_path_stats == {"uniform": 2, "gathered": 0}
+    ragged = port.apply_rope(torch.arange(16, dtype=torch.float64).reshape(2, 1, 2, 4),
+                             [5, 6], 4, THETA)
+    port.apply_rope(x, [5, 6], 2, THETA)
+    assert port.rope_path_stats == {"uniform": 2, "gathered": 2}
+    want = ref.apply_rope(np.arange(16, dtype=np.float64).reshape(2, 1, 2, 4), [5, 6], 4, THETA)
+    assert_close64(ragged, want, what="ragged host offsets")
+
+
+def test_apply_rope_at_positions_rotates_forward_by_default():
+    x = np.random.default_rng(0).normal(size=(1, 1, 2, 4))
+    got = port.apply_rope_at_positions(to_port(x), [3, 9], 4, THETA)
+    assert_close64(got, ref.apply_rope_at_positions(x, [3, 9], 4, THETA), what="default direction")

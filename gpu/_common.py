@@ -31,6 +31,28 @@ def lengths(x, device: torch.device | str | None = None, name: str = "lengths") 
     return t
 
 
+def lengths_like(x, like: torch.Tensor, name: str = "lengths") -> torch.Tensor:
+    """`lengths(x)` on the device of the tensor `like` (a second vector beside the data it
+    indexes): device placement stays here, outside the rule modules' mutated code."""
+    return lengths(x, device=like.device, name=name)
+
+
+def arange_like(n: int, like: torch.Tensor) -> torch.Tensor:
+    """`torch.arange(n)` (int64) on the device of the tensor `like`."""
+    return torch.arange(n, device=like.device)
+
+
+def int64_on(x, device) -> torch.Tensor:
+    """`x` (any shape) as an int64 tensor on `device` (None: a tensor stays where it is,
+    anything else goes to the CPU)."""
+    return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+def float64_on(values, device) -> torch.Tensor:
+    """A float64 tensor of `values` on `device`."""
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
 def as_list(t) -> list[int]:
     """Host list of ints (for messages and for comparing with the reference)."""
     if isinstance(t, torch.Tensor):

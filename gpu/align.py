@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from raggedspec.gpu._common import as_list, lengths
+from raggedspec.gpu._common import arange_like, as_list, lengths, lengths_like
 from raggedspec.gpu.cache import RaggedKv, concat_rows, split_rows
 from raggedspec.reference.errors import AlignRefusal, CacheRefusal, require
 
@@ -27,7 +27,7 @@ def front_align_leads(lens) -> tuple[int, torch.Tensor]:
 def front_aligned_index(lens: torch.Tensor, target: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(cols [B, T], live [B, T])`: front-aligned column j of row i reads physical column
     `cols[i, j] = j - (T - lens[i])` (clamped to 0 where dead) and is live iff that is >= 0."""
-    j = torch.arange(target, device=lens.device)
+    j = arange_like(target, lens)
     src = j[None, :] - (target - lens)[:, None]
     live = src >= 0
     return src.clamp(min=0), live
@@ -51,21 +51,20 @@ def _gather_live(buf: torch.Tensor, cols: torch.Tensor, live: torch.Tensor) -> t
     columns are zeroed by `where` (not a multiply), so inf/nan slack never leaks in."""
     b, h, _, d = buf.shape
     out = buf.gather(2, cols[:, None, :, None].expand(b, h, cols.shape[1], d))
-    return torch.where(
-        live[:, None, :, None], out, torch.zeros((), dtype=buf.dtype, device=buf.device)
-    )
+    return torch.where(live[:, None, :, None], out, buf.new_zeros(()))
 
 
 def strip_dead_prefix(k_front: torch.Tensor, v_front: torch.Tensor, leads, current: int,
                       max_seq_len: int) -> RaggedKv:
     """`drop_dead_prefix` of every row at once: a front-aligned batch of `current` columns
     (row i's live run `[leads[i], current)`) back to the in-place layout with
-    `lens = current - leads` (one gather per buffer, the buffer width kept). Refused
+    `lens = current - leads` (one gather per buffer, the buffer width kept: row i holds
+    `drop_front_single`'s columns `[leads[i], width)`, then zeros). Refused
     (CacheRefusal, as `drop_front_single`) when a lead exceeds `current` ("cannot drop a
     {lead}-column dead prefix from a slot that holds only {n}")."""
     require(k_front.dim() == 4 and v_front.dim() == 4 and k_front.shape[:3] == v_front.shape[:3],
             f"k {list(k_front.shape)} and v {list(v_front.shape)} must be [B,H,W,*]")
-    leads = lengths(leads, device=k_front.device, name="leads")
+    leads = lengths_like(leads, k_front, name="leads")
     b, _, width, _ = k_front.shape
     require(leads.numel() == b, f"{leads.numel()} leads for a batch of {b}")
     require(not bool((leads < 0).any()), f"dead-prefix leads {as_list(leads)} must be >= 0")
@@ -77,7 +76,7 @@ def strip_dead_prefix(k_front: torch.Tensor, v_front: torch.Tensor, leads, curre
             f"cannot drop a {int(leads[i])}-column dead prefix from a slot that holds only "
             f"{current}"
         )
-    src = torch.arange(width, device=k_front.device)[None, :] + leads[:, None]     # [B, W]
+    src = arange_like(width, k_front)[None, :] + leads[:, None]     # [B, W]
     inside = src < width
     cols = src.clamp(max=max(width - 1, 0))
     return RaggedKv(_gather_live(k_front, cols, inside), _gather_live(v_front, cols, inside),
@@ -91,7 +90,7 @@ def front_align_draft_group(kv: RaggedKv, starts) -> RaggedKv:
     Refused (AlignRefusal, same messages) before anything changes: "{n} cache(s) for {m}
     chain start(s)"; no rows; "chain start {s} is past the {held} position(s) draft row
     {r} holds". ValueError on a negative start. `kv` itself is not modified."""
-    starts = lengths(starts, device=kv.k.device, name="starts")
+    starts = lengths_like(starts, kv.k, name="starts")
     require(not bool((starts < 0).any()), f"chain starts {as_list(starts)} must be >= 0")
     if kv.batch != starts.numel():
         raise AlignRefusal(f"{kv.batch} cache(s) for {starts.numel()} chain start(s)")

@@ -39,7 +39,7 @@ class DraftStore:
             pad = (0, 0, 0, 0, 0, 0, 0, grow)
             self.kv.k = torch.nn.functional.pad(self.kv.k, pad)
             self.kv.v = torch.nn.functional.pad(self.kv.v, pad)
-            self.kv.lens = np.concatenate([self.kv.host_lens(), np.zeros(grow, dtype=np.int64)])
+            self.kv.lens = np.pad(self.kv.host_lens(), (0, grow))  # int64, the new rows 0
             self.free = list(range(s + grow - 1, s - 1, -1))
         idx = self.free.pop()
         self.kv.k[idx].zero_()

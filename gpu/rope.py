@@ -8,10 +8,9 @@ predicate stays observable (`rope_path_stats`). Detail: docs/conformance.md, sec
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from raggedspec.gpu._common import lengths
+from raggedspec.gpu._common import arange_like, float64_on, host_ints, int64_on, lengths_like
 from raggedspec.gpu.dispatch import uniform_seqlen_offset
 from raggedspec.reference.errors import require
 
@@ -25,8 +24,8 @@ def reset_rope_path_stats() -> None:
 
 
 def _inv_freq(rope_dims: int, theta: float, device) -> torch.Tensor:
-    return torch.tensor([float(theta) ** (-(2.0 * k) / rope_dims) for k in range(rope_dims // 2)],
-                        dtype=torch.float64, device=device)
+    return float64_on([float(theta) ** (-(2.0 * k) / rope_dims) for k in range(rope_dims // 2)],
+                      device)
 
 
 def rope_cos_sin(positions, rope_dims: int, theta: float, dtype: torch.dtype = torch.float64,
@@ -36,12 +35,13 @@ def rope_cos_sin(positions, rope_dims: int, theta: float, dtype: torch.dtype = t
     position."""
     require(rope_dims >= 2 and rope_dims % 2 == 0, f"rope_dims {rope_dims} must be even and >= 2")
     require(theta > 0, f"theta {theta} must be > 0")
-    positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
+    positions = int64_on(positions, device)
     require(
         positions.numel() == 0 or int(positions.min()) >= 0,
         f"positions must be >= 0, got min {int(positions.min()) if positions.numel() else None}",
     )
-    angle = positions.to(torch.float64)[..., None] * _inv_freq(rope_dims, theta, positions.device)
+    # int64 * float64 is float64, exact for every position below 2**53
+    angle = positions[..., None] * _inv_freq(rope_dims, theta, positions.device)
     return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
@@ -60,7 +60,7 @@ class RopeTable:
         require(n_positions >= 0, f"n_positions {n_positions} must be >= 0")
         self.rope_dims, self.theta, self.n_positions = rope_dims, theta, n_positions
         self.cos, self.sin = rope_cos_sin(
-            torch.arange(n_positions, device=device), rope_dims, theta, dtype, device
+            torch.arange(n_positions, device=device), rope_dims, theta, dtype
         )
 
     def lookup(
@@ -111,9 +111,9 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
     host = (
         None
         if isinstance(offsets, torch.Tensor)
-        else np.asarray(offsets, dtype=np.int64).reshape(-1)
+        else host_ints(offsets)
     )
-    offsets = lengths(offsets, device=x.device, name="offsets")
+    offsets = lengths_like(offsets, x, name="offsets")
     require(
         offsets.numel() in (1, b), f"{offsets.numel()} offsets for a batch of {b} (need 1 or B)"
     )
@@ -126,15 +126,15 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
         shared = uniform_seqlen_offset(offsets)
     if shared is not None:
         rope_path_stats["uniform"] += 1
-        positions = (shared + torch.arange(t, device=x.device))[None, :]
+        positions = (shared + arange_like(t, x))[None, :]
     else:
         rope_path_stats["gathered"] += 1
-        positions = offsets[:, None] + torch.arange(t, device=x.device)[None, :]
+        positions = offsets[:, None] + arange_like(t, x)[None, :]
     if table is not None:
         top = int(host.max()) + t - 1 if host is not None and host.size and t else None
         cos, sin = table.lookup(positions, top)
-    else:
-        cos, sin = rope_cos_sin(positions, rope_dims, theta, x.dtype, x.device)
+    else:  # float64 on the positions' device; `rotate` casts to x.dtype
+        cos, sin = rope_cos_sin(positions, rope_dims, theta)
     return rotate(x, cos[:, None], sin[:, None], rope_dims, inverse)
 
 
@@ -143,11 +143,11 @@ def apply_rope_at_positions(x: torch.Tensor, positions, rope_dims: int, theta: f
     """Rotate `x [B,H,T,D]` with token t at `positions[t]` for every row (compressed
     keys). ValueError when `len(positions) != T`."""
     _check_x(x, rope_dims)
-    positions = lengths(positions, device=x.device, name="positions")
+    positions = lengths_like(positions, x, name="positions")
     require(
         positions.numel() == x.shape[2], f"{positions.numel()} positions for {x.shape[2]} tokens"
     )
-    cos, sin = rope_cos_sin(positions, rope_dims, theta, x.dtype, x.device)
+    cos, sin = rope_cos_sin(positions, rope_dims, theta)  # cast to x.dtype by `rotate`
     return rotate(x, cos, sin, rope_dims, inverse)
 
 
@@ -156,4 +156,4 @@ def compressed_key_positions(
 ) -> torch.Tensor:
     """`j * ratio` for `j < t_c` (int64): compressed row j sits at the start of its block."""
     require(t_c >= 0 and ratio >= 1, f"t_c {t_c} must be >= 0 and ratio {ratio} >= 1")
-    return torch.arange(t_c, dtype=torch.int64, device=device) * ratio
+    return torch.arange(t_c, device=device) * ratio  # int64: the arange of an int

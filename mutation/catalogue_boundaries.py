@@ -74,7 +74,7 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
     (
         "rope_cos_sin: positions rounded to the tensor dtype before the angle",
         "gpu/rope.py",
-        "    angle = positions.to(torch.float64)[..., None]",
+        "    angle = positions[..., None]",
         "    angle = positions.to(dtype).to(torch.float64)[..., None]",
         "M§11 RoPE positions",
         (BOUNDARIES,),

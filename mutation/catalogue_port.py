@@ -124,8 +124,8 @@ ENTRIES: list[Mutant] = [
     M(
         "port RoPE: the gathered table uses offsets[0] for every row",
         G_ROPE,
-        "        positions = offsets[:, None] + torch.arange(t, device=x.device)[None, :]\n",
-        "        positions = offsets[:1, None] + torch.arange(t, device=x.device)[None, :]\n",
+        "        positions = offsets[:, None] + arange_like(t, x)[None, :]\n",
+        "        positions = offsets[:1, None] + arange_like(t, x)[None, :]\n",
         "M§23",
         P_ROPE,
     ),
@@ -244,6 +244,15 @@ ENTRIES: list[Mutant] = [
         "stages_or_acc = max(2 * 2 * (stages - 1) * TC_TILE * d, 4 * warps * nqp * d)",
         "kernel",
         P_TC,
+    ),
+    M(
+        "port DraftStore.alloc: a recycled row keeps its old KV and length",
+        "gpu/draft_store.py",
+        "        self.kv.k[idx].zero_()\n        self.kv.v[idx].zero_()\n"
+        "        self.kv.set_row_len(idx, 0)\n",
+        "",
+        "C§9",
+        "conformance/test_port_draft_store.py",
     ),
     M(
         "emulator mma.sync: A's registers 1 and 2 swapped (wrong fragment layout)",

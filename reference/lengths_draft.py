@@ -43,7 +43,7 @@ class DraftMirror:
         if cap is not None:
             present = np.flatnonzero(self.d_in)
             if present.shape[0] > cap:
-                order = present[np.argsort(self.d_stamp[present], kind="stable")]
+                order = present[np.argsort(self.d_stamp[present])]  # stamps are distinct
                 self.d_in[order[: present.shape[0] - cap]] = False
 
     def _extend(self, ids: np.ndarray, off: np.ndarray, t: int) -> None:
@@ -119,7 +119,7 @@ class DraftMirror:
                     if bcap > self.max:
                         return False
                 bcur += 1
-            lead = (top - st) if ragged else np.zeros(members.shape[0], dtype=np.int64)
+            lead = top - st  # zeros unless ragged: a uniform group shares one chain start
             self.d_cur[mids] = bcur - lead
             self.d_cap[mids] = bcap - lead
             self.d_filled[mids] = st + 1
