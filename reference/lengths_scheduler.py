@@ -59,7 +59,7 @@ class ScheduleMirror:
             flag = (~prompt).astype(np.int64)
         return 2 * klen + flag
 
-    def _key_tuple(self, code: int, any_prompt_imgs=False) -> list:
+    def _key_tuple(self, code: int) -> list:
         klen, flag = divmod(int(code), 2)
         key = [klen, False, 0]
         if self.sc.world == "WB":
@@ -74,14 +74,12 @@ class ScheduleMirror:
             return None
         cap = sc.prefill_max_seqs if sc.world == "WA" else None
         max_seqs = sc.max_seqs if sc.max_seqs is not None else 1 << 30
-        if running:
-            self.admitted[running] = True
-        held: list[int] = []
+        # every running id was marked admitted when it last ran, and the admission below reads
+        # only the waiting ids' marks
         if not running:
             discrete = True
-            run = waiting if cap is None else waiting[:cap]
-            held = [] if cap is None else waiting[cap:]
-            run = list(run)
+            run = list(waiting[:cap])  # [:None] is the whole queue
+            held: list[int] = [] if cap is None else waiting[cap:]
         else:
             discrete = not waiting
             wait = np.sort(np.asarray(waiting, dtype=np.int64))
@@ -92,9 +90,7 @@ class ScheduleMirror:
         self.admitted[run_arr] = True
         keys = self._keys(run_arr)
         uniq, first_idx, inv = np.unique(keys, return_index=True, return_inverse=True)
-        n_buckets = uniq.shape[0]
-        if sc.world == "WA":
-            pass  # the WA transition log line is not traced
+        n_buckets = uniq.shape[0]  # the WA transition log line is not traced
         if n_buckets <= 1:
             key = int(uniq[0])
         else:
