@@ -413,4 +413,12 @@ ENTRIES: list[Mutant] = [
         "C§15",
         ACC,
     ),
+    M(
+        "_rows: the caller's integer width, not int64",
+        R_STEP,
+        "return np.asarray(xs, dtype=np.int64)",
+        "return np.asarray(xs)",
+        "C§12 (step rules on arrays)",
+        "conformance/test_step_commit.py",
+    ),
 ]
