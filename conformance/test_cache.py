@@ -364,3 +364,94 @@ def test_malformed_cache_input_is_a_value_error_carrying_the_message_given():
         window_target_first_cached(-1, 8)
     with pytest.raises(ValueError, match="^chain length -2 must be >= 0$"):
         chain_capacity(512, 0, -2, 4096)
+
+
+# --- refusals by message, one condition broken per case ---------------------------------------
+
+
+def _refused(message, fn, *args, **kwargs):
+    import re
+
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        fn(*args, **kwargs)
+
+
+def test_each_malformed_slot_is_refused_with_its_own_message():
+    from raggedspec.reference.cache import set_len_refusal
+
+    _refused("set_len length -1 must be >= 0", set_len_refusal, -1, 0, 8)
+    _refused("layer count -1 must be >= 0", NormalCache.new_plain, -1, 64)
+    _refused("max_seq_len -1 must be >= 0", SingleCache, -1)
+    _refused("capacity_seq_len -1 must be >= 0", SingleCache, 64, -1)
+    assert SingleCache(64, 0).capacity_seq_len == 0  # capacity 0 is well formed
+    _refused("first_cached 3 must be in [0, current_seq_len 2]", SingleCache, 64, 16, 2, 3)
+    _refused("data shape (1, 1, 8, 1) must be [B,H,16,D]", SingleCache, 64, 16,
+             data=np.zeros((1, 1, 8, 1)))
+    _refused("data shape (1, 1, 16) must be [B,H,16,D]", SingleCache, 64, 16,
+             data=np.zeros((1, 1, 16)))  # axis 2 is 16 wide, but rank 3
+    sc = SingleCache(64, 16)
+    _refused("append needs a [B,H,s,D] array, got shape (1, 1, 2)", sc.append, np.zeros((1, 1, 2)))
+    _refused("append needs a [B,H,s,D] array, got shape None", sc.append, [[[[1.0]]]])
+    _refused("evict_before needs a windowed slot", sc.evict_before, 0)
+
+
+def test_evict_before_takes_both_ends_of_its_range_and_refuses_outside_it():
+    def slot():
+        sc = SingleCache(4096, 512, retain_window=8)
+        sc.append(cols(range(3)))
+        return sc
+
+    _refused("evict target 4 must be in [0, 3]", slot().evict_before, 4)
+    for target in (0, 3):
+        sc = slot()
+        sc.evict_before(target)
+        assert (sc.first_cached, sc.capacity_seq_len, sc.physical) == (target, 136, 3 - target)
+
+
+# --- boundaries, layouts and dtypes -------------------------------------------------------------
+
+
+def test_chain_capacity_keeps_a_capacity_the_chain_exactly_fills():
+    # held + n == capacity: nothing grows, whatever max_seq_len says
+    assert chain_capacity(1024, 1000, 24, 100) == 1024 == grown_capacity(1024, 1000, 24, 100)
+
+
+def test_a_windowed_slot_keeps_its_capacity_until_a_position_leaves_the_window():
+    sc = SingleCache(4096, 512, retain_window=8)
+    sc.append(cols(range(10)))  # window_target_first_cached(0, 8) == 0: nothing to evict
+    assert (sc.first_cached, sc.capacity_seq_len) == (0, 512)
+
+
+def test_a_layout_change_after_one_column_is_refused():
+    sc = SingleCache(4096, 16)
+    sc.append(cols([1.0]))
+    with pytest.raises(CacheRefusal, match="layout changed mid-sequence"):
+        sc.append(cols([2.0], d=2))
+
+
+def test_the_buffer_is_batch_by_heads_as_the_first_append_says():
+    sc = SingleCache(4096, 16)
+    src = np.arange(2 * 3 * 4 * 5, dtype=np.float64).reshape(2, 3, 4, 5)
+    sc.append(src)
+    assert sc.data.shape == (2, 3, 16, 5) and np.array_equal(sc.current_data(), src)
+
+
+def test_growth_and_eviction_keep_the_appended_dtype():
+    grown = SingleCache(4096, 16)
+    grown.append(np.ones((1, 1, 16, 1), dtype=np.float32))
+    grown.append(np.ones((1, 1, 1, 1), dtype=np.float32))  # grows to 528
+    assert grown.capacity_seq_len == 528 and grown.data.dtype == np.float32
+    windowed = SingleCache(4096, 136, retain_window=8)
+    windowed.append(np.ones((1, 1, 136, 1), dtype=np.float32))
+    windowed.append(np.ones((1, 1, 1, 1), dtype=np.float32))  # evicts before 128
+    assert windowed.first_cached == 128 and windowed.data.dtype == np.float32
+
+
+def test_new_normal_and_clone_carry_capacity_window_and_paging():
+    kv = KvCache.new_normal(4096, capacity=16, retain_window=8)
+    for half in (kv.k, kv.v):
+        assert (half.capacity_seq_len, half.retain_window) == (16, 8)
+    copy = kv.k.clone()
+    assert (copy.capacity_seq_len, copy.retain_window) == (16, 8)
+    paged = NormalCache([KvCache.new_normal(64)], paged=True)
+    assert paged.clone().paged is True

@@ -430,7 +430,9 @@ def findings_commands() -> list[tuple[list[str], list[str]]]:
 
 @pytest.mark.parametrize("argv, shown", findings_commands(), ids=lambda x: " ".join(x)[:60])
 def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
-    argv = [str(tmp_path / "t.jsonl") if a.startswith("out/") else a for a in argv]
+    root = Path(__file__).parent.parent  # the docs' paths are the checkout's, whatever the cwd
+    argv = [str(tmp_path / "t.jsonl") if a.startswith("out/")
+            else str(root / a) if a.startswith("examples/") else a for a in argv]
     code, out, err = cli(*argv, "-q")
     printed = out + err
     for line in shown:

@@ -80,6 +80,18 @@ def test_argmax_logits_per_row_takes_what_there_is_and_refuses_other_ranks():
         argmax_logits_per_row(logits, -1)
 
 
+def test_argmax_logits_per_row_refuses_a_block_with_no_vocab_column_by_shape():
+    with pytest.raises(ValueError, match="^" + re.escape("verify logits (2, 0) have no vocab "
+                                                         "column") + "$"):
+        argmax_logits_per_row(np.zeros((2, 0)), 1)
+
+
+def test_argmax_logits_per_row_compares_the_logits_as_numbers():
+    # logits handed over as numeric text (e.g. read back from a dump) are compared as numbers:
+    # 10 > 9, though the string "9" sorts after "10"
+    assert argmax_logits_per_row([["10", "9"], ["-1", "-2"]], 2) == [0, 0]
+
+
 @given(rows=st.integers(0, 9), vocab=st.integers(1, 6), expected=st.integers(0, 12),
        batch_dim=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_argmax_logits_per_row_matches_a_loop_oracle(rows, vocab, expected, batch_dim, seed):
@@ -271,6 +283,9 @@ def test_the_flag_refuses_an_impossible_accept_length():
         assert SyntheticAcceptance.from_env_value(value) is None, value
     parsed = SyntheticAcceptance.from_env_value(" 2.85 ")
     assert parsed is not None and parsed.acc_len == 2.85
+    for value, acc in (("1.0", 1.0), ("1", 1.0), ("1.5", 1.5)):  # 1.0 is the lowest accepted
+        parsed = SyntheticAcceptance.from_env_value(value)
+        assert parsed is not None and parsed.acc_len == acc, value
 
 
 # --- §17.2 speculative_mtp_v4_propose_verify_loop_is_consistent

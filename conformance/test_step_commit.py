@@ -185,3 +185,27 @@ def test_a_stale_batched_width_after_a_per_sequence_step_hits_the_follows_guard(
     assert not win.ok
     assert window_guard(row_lens is not None, KvAdvance.PER_SEQUENCE) == "follows_guard"
     assert window_guard(row_lens is not None, KvAdvance.COHORT) == "defer"
+
+
+# --- the rows' integer type
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_step_rules_compute_int32_rows_as_int64():
+    """Per-row integers are computed as int64 whatever width the caller's arrays have: the
+    results of int32 rows are int64 arrays, and a budget past int32's range is exact."""
+    from raggedspec.reference.step import budget_clamp, token_budget
+
+    i32 = np.array
+    win = plan_step_window(i32([10, 8], dtype=np.int32), i32([12, 9], dtype=np.int32), 4)
+    assert win.uncached.dtype == np.int64 and win.uncached.tolist() == [2, 1]
+    budget = token_budget(20, i32([12, 25], dtype=np.int32))
+    assert budget.dtype == np.int64 and budget.tolist() == [8, 0]
+    clamped = budget_clamp(i32([3, 3], dtype=np.int32), i32([8, 3], dtype=np.int32))
+    assert clamped.dtype == np.int64 and clamped.tolist() == [3, 2]
+    u, a = i32([2, 1], dtype=np.int32), i32([1, 3], dtype=np.int32)
+    assert plan_batch_step(u, a, 4).next_uncached.dtype == np.int64
+    per = plan_per_sequence_step(u, a, 4)
+    assert [x.dtype for x in (per.committed, per.dropped, per.next_uncached)] == [np.int64] * 3
+    # 2**31 + 5 does not fit int32; as int64, the budget of a 5-token row is 2**31.
+    assert token_budget(2**31 + 5, i32([5], dtype=np.int32)).tolist() == [2**31]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from raggedspec.conformance.test_check_trace import GRANTED, cli, small_run, write_lines
@@ -258,3 +259,20 @@ def test_the_schema_extensions_are_read_and_checked_in_csv(tmp_path):
     assert f"{path}:2: field 'q0' = -1: must be an integer >= 0" in text
     assert f"{path}:2: field 'dead_cols' = \"x\": must be an integer >= 0" in text
     assert f"{path}:2: field 'accepted_pos' = [1, 2]: must be a list of 0 / 1" in text
+
+
+def test_rows_read_as_dicts_become_the_int_row_array_with_minus_one_for_null():
+    from raggedspec.reference.trace import COL, ROW_COLUMNS, Trace
+
+    tr = Trace("unknown", {})
+    tr.add_step({"step": 0}, [
+        {"seq": 3, "own_len": 9, "group": [2, 5], "chain_start": 7, "u": None},
+        {"seq": 4, "own_len": 6, "group": None, "chain_start": None},  # nulls, absent columns
+    ])
+    arr = tr.row_array(0)
+    assert arr.dtype == np.int64 and arr.shape == (2, len(ROW_COLUMNS))
+    want = [dict.fromkeys(ROW_COLUMNS, 0) for _ in range(2)]
+    want[0].update(seq=3, own_len=9, group_u=2, group_start=5, chain_start=7)
+    want[1].update(seq=4, own_len=6, group_u=-1, group_start=-1, chain_start=-1)
+    assert [[int(r[COL[c]]) for c in ROW_COLUMNS] for r in arr] == [
+        [w[c] for c in ROW_COLUMNS] for w in want]

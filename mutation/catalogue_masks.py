@@ -381,4 +381,20 @@ ENTRIES: list[Mutant] = [
         "M§21",
         "conformance/test_scheduler_telemetry.py",
     ),
+    M(
+        "attention: exp of the raw logits (no row-max shift)",
+        "reference/attention.py",
+        "    m = np.where(np.isfinite(m), m, 0.0)\n",
+        "    m = np.zeros_like(m)\n",
+        "M§4 (stable softmax)",
+        "conformance/test_attention_inputs.py",
+    ),
+    M(
+        "attention: a fully masked row divides its NaN-holding values instead of returning 0",
+        "reference/attention.py",
+        "    return np.where(denom > 0, out / safe, 0.0)\n",
+        "    return out / safe\n",
+        "M§4 (a row with no visible key)",
+        "conformance/test_attention_inputs.py",
+    ),
 ]

@@ -413,4 +413,28 @@ ENTRIES: list[Mutant] = [
         "C§15",
         ACC,
     ),
+    M(
+        "_rows: the caller's integer width, not int64",
+        R_STEP,
+        "return np.asarray(xs, dtype=np.int64)",
+        "return np.asarray(xs)",
+        "C§12 (step rules on arrays)",
+        "conformance/test_step_commit.py",
+    ),
+    M(
+        "SingleCache.append: the grown buffer is float64, not the slot's dtype",
+        "reference/cache.py",
+        "bigger = np.zeros((b, h, grown, d), dtype=self.data.dtype)",
+        "bigger = np.zeros((b, h, grown, d))",
+        "C§3 growth (the old buffer copied)",
+        "conformance/test_cache.py",
+    ),
+    M(
+        "SingleCache.append: a windowed slot rebuilds though nothing left the window",
+        "reference/cache.py",
+        "if target > self.first_cached:",
+        "if target >= self.first_cached:",
+        "C§3 windowed compaction",
+        "conformance/test_cache.py",
+    ),
 ]
