@@ -304,4 +304,20 @@ ENTRIES: list[Mutant] = [
         "M§23",
         P_MASKS,
     ),
+    M(
+        "port extend_draft_kv_rows: the RoPE table sized to the top position, not top + 1",
+        "gpu/draft.py",
+        "cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos, top)",
+        "cos, sin = layer.ropes.get(layer.theta, top).lookup(pos, top)",
+        "C§7.2",
+        "conformance/test_port_draft_refusals.py",
+    ),
+    M(
+        "port propose_chain_batched: the seed hidden kept in its own dtype",
+        "gpu/draft.py",
+        "    prev = on_device_of(seed_hidden, like).to(model.dtype)\n",
+        "    prev = on_device_of(seed_hidden, like)\n",
+        "C§10.2",
+        "conformance/test_port_draft_refusals.py",
+    ),
 ]
