@@ -320,4 +320,12 @@ ENTRIES: list[Mutant] = [
         "C§10.2",
         "conformance/test_port_draft_refusals.py",
     ),
+    M(
+        "port attention: the softmax shift is the maximum over all query rows, not each row's",
+        "gpu/attention.py",
+        "        m = logits.amax(dim=-1, keepdim=True)\n",
+        "        m = logits.amax(dim=(-2, -1), keepdim=True)\n",
+        "M§4",
+        "conformance/test_port_attention.py",
+    ),
 ]
