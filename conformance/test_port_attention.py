@@ -297,3 +297,155 @@ def test_in_place_attention_refuses_a_row_shorter_than_its_queries():
     )
     with pytest.raises(port.MaskRefusal, match="2 query rows against only 1 keys"):
         port.dsv4_attention_in_place(torch.zeros((2, 1, 2, 4), dtype=torch.float64), kv, None, 0, 4)
+
+
+# The compute dtype and the device: a mask or sinks given in another float dtype are
+# converted to the query's compute dtype (masks hold 0 / -inf, exact in every dtype; sinks
+# are given exactly representable in float32), and dsv4_attention builds its masks on the
+# queries' device (torch's meta device runs on any machine).
+
+
+def test_mask_and_sinks_are_taken_in_the_compute_dtype():
+    rng = np.random.default_rng(11)
+    q = torch.from_numpy(rng.standard_normal((2, 2, 3, 4))).float()
+    k = torch.from_numpy(rng.standard_normal((2, 1, 5, 4))).float()
+    v = torch.from_numpy(rng.standard_normal((2, 1, 5, 4))).float()
+    mask = torch.from_numpy(np.where(rng.random((2, 1, 3, 5)) < 0.7, 0.0, -np.inf))
+    sinks = torch.tensor([0.5, -1.25])
+    want = port.attention(q, k, v, mask.float(), sinks.float())
+    got = port.attention(q, k, v, mask, sinks.double())
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    empty = port.attention(q, k[:, :, :0], v[:, :, :0], None, sinks.double())
+    assert empty.dtype == torch.float32 and torch.equal(empty, torch.zeros_like(empty))
+    assert torch.equal(port.attention(q, k[:, :, :0], v[:, :, :0], None), torch.zeros_like(q))
+
+
+def test_dsv4_attention_builds_its_masks_on_the_queries_device():
+    q, k = torch.zeros((1, 2, 3, 4), device="meta"), torch.zeros((1, 1, 5, 4), device="meta")
+    cfg = port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=3)
+    for comp in (torch.zeros((1, 1, 2, 4), device="meta"), None):
+        out = port.dsv4_attention(q, k, k.clone(), comp, None, cfg)
+        assert (out.device.type, tuple(out.shape)) == ("meta", (1, 2, 3, 4))
+
+
+def refuses(text, fn, *args):
+    with pytest.raises(ValueError) as info:
+        fn(*args)
+    assert str(info.value) == text
+
+
+def test_attention_refusals_break_one_condition_each():
+    z = torch.zeros
+    q, k = z((2, 4, 3, 8)), z((2, 2, 5, 8))
+    refuses("q [4, 3, 8], k [2, 2, 5, 8], v [2, 2, 5, 8] must all be rank 4",
+            port.attention, q[0], k, k, None)
+    refuses("q [2, 4, 3, 8], k [2, 5, 8], v [2, 2, 5, 8] must all be rank 4",
+            port.attention, q, k[0], k, None)
+    refuses("q [2, 4, 3, 8], k [2, 2, 5, 8], v [2, 5, 8] must all be rank 4",
+            port.attention, q, k, k[0], None)
+    msg = "batch/head-dim mismatch: q [2, 4, 3, 8], k {}"
+    refuses(msg.format([1, 2, 5, 8]), port.attention, q, k[:1], k, None)
+    refuses(msg.format([2, 2, 5, 8]), port.attention, q, k, k[:1], None)
+    refuses(msg.format([2, 2, 5, 4]), port.attention, q, k[..., :4], k, None)
+    refuses("k [2, 2, 5, 8] and v [2, 2, 4, 8] must share [B,Hk,t_k]",
+            port.attention, q, k, k[:, :, :4], None)
+    refuses("KV heads 3 must divide query heads 4", port.attention, q, z((2, 3, 5, 8)),
+            z((2, 3, 5, 8)), None)
+    refuses("KV heads 0 must divide query heads 4", port.attention, q, z((2, 0, 5, 8)),
+            z((2, 0, 5, 8)), None)
+    refuses("sinks shape [3] must be [4]", port.attention, q, k, k, None, z(3))
+
+
+def test_attention_takes_each_rows_own_maximum():
+    """A finite additive mask of -5000 on every key of one query row shifts that row's
+    logits only: its softmax is unchanged (a max over all rows would underflow it to 0)."""
+    rng = np.random.default_rng(4)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)) for s in
+               ((1, 1, 2, 4), (1, 1, 5, 4), (1, 1, 5, 4)))
+    shift = torch.zeros((1, 1, 2, 5))
+    shift[0, 0, 1] = -5000.0
+    got, want = port.attention(q, k, v, shift.double()), port.attention(q, k, v, None)
+    assert torch.allclose(got, want, rtol=1e-9, atol=0)
+
+
+def test_standard_layers_are_the_ratios_0_and_1():
+    assert [port.is_standard_layer(r) for r in (0, 1, 2, 4)] == [True, True, False, False]
+
+
+def test_dsv4_attention_refusals_break_one_condition_each():
+    z = torch.zeros
+    q, k = z((2, 4, 3, 8)), z((2, 2, 5, 8))
+    cfg = port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=3)
+    f = port.dsv4_attention
+    for args, rank in (((q[0], k, k), "q [4, 3, 8], k [2, 2, 5, 8], v [2, 2, 5, 8]"),
+                       ((q, k[0], k), "q [2, 4, 3, 8], k [2, 5, 8], v [2, 2, 5, 8]"),
+                       ((q, k, k[0]), "q [2, 4, 3, 8], k [2, 2, 5, 8], v [2, 5, 8]")):
+        refuses(f"{rank} must all be rank 4", f, *args, None, None, cfg)
+    msg = "k {} and v {} must both be [B=2,Hk,t_k,D=8]"
+    refuses(msg.format([2, 2, 5, 8], [2, 2, 4, 8]), f, q, k, k[:, :, :4], None, None, cfg)
+    refuses(msg.format([1, 2, 5, 8], [1, 2, 5, 8]), f, q, k[:1], k[:1], None, None, cfg)
+    refuses(msg.format([2, 2, 5, 4], [2, 2, 5, 4]), f, q, k[..., :4], k[..., :4], None, None,
+            cfg)
+    refuses("KV heads 3 must divide query heads 4", f, q, z((2, 3, 5, 8)), z((2, 3, 5, 8)),
+            None, None, cfg)
+    for prefix, ratio in ((-1, 4), (0, -1)):
+        refuses(f"raw_prefix {prefix} and compress_ratio {ratio} must be >= 0", f, q, k, k, None,
+                None, port.Dsv4AttentionConfig(ratio, 3, prefix))
+    msg = "compressed_kv {} must be [B=2,2,t_c,D=8]"
+    for comp in (z((2, 2, 3)), z((1, 2, 3, 8)), z((2, 1, 3, 8)), z((2, 2, 3, 4))):
+        refuses(msg.format(list(comp.shape)), f, q, k, k, comp, None, cfg)
+
+
+def test_dsv4_attention_counts_each_mask_path():
+    q, k = torch.zeros((2, 2, 1, 4)), torch.zeros((2, 1, 5, 4))
+    cfg = port.Dsv4AttentionConfig(compress_ratio=0, sliding_window=3)
+    port.reset_dsv4_mask_stats()
+    for _ in range(2):
+        port.dsv4_attention(q, k, k, None, None, cfg)
+        port.dsv4_attention(q, k, k, None, None,
+                            port.Dsv4AttentionConfig(0, 3, row_q0=[4, 2]))
+    assert port.dsv4_mask_stats == {"uniform": 2, "ragged": 2}
+
+
+def test_compressed_keys_are_rounded_to_the_raw_keys_dtype():
+    """bfloat16 raw keys with float32 compressed keys: the compressed keys enter as
+    bfloat16, exactly as if they had been given in bfloat16."""
+    rng = np.random.default_rng(8)
+    q = torch.from_numpy(rng.standard_normal((1, 2, 1, 4))).to(torch.bfloat16)
+    k = torch.from_numpy(rng.standard_normal((1, 1, 8, 4))).to(torch.bfloat16)
+    comp = torch.from_numpy(rng.standard_normal((1, 1, 2, 4))).float()
+    cfg = port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=8)
+    want = port.dsv4_attention(q, k, k, comp.to(torch.bfloat16), None, cfg)
+    assert torch.equal(port.dsv4_attention(q, k, k, comp, None, cfg), want)
+
+
+def test_low_precision_attention_computes_in_float32():
+    """bfloat16 and float16 inputs are computed in float32 and rounded once at the end: the
+    result is the float32 computation of the same (exactly widened) inputs, rounded."""
+    rng = np.random.default_rng(6)
+    for dt in (torch.bfloat16, torch.float16):
+        q, k, v = (torch.from_numpy(rng.standard_normal(s)).to(dt) for s in
+                   ((1, 2, 3, 8), (1, 1, 6, 8), (1, 1, 6, 8)))
+        want = port.attention(q.float(), k.float(), v.float(), None).to(dt)
+        assert torch.equal(port.attention(q, k, v, None), want)
+
+
+def test_in_place_refusals_and_the_row_with_exactly_t_q_keys():
+    kv = RaggedKv.empty(2, 1, 4, 64, 16, torch.float64)
+    kv.lens = [2, 3]
+    msg = ("q {} against kv [2, 1, 16, 4]: need [B,H,t_q,D] and [B,Hk,cap,D] with Hk dividing "
+           "H")
+    for shape in ((2, 2, 2), (3, 2, 2, 4), (2, 2, 2, 8)):
+        refuses(msg.format(list(shape)), port.dsv4_attention_in_place,
+                torch.zeros(shape, dtype=torch.float64), kv, None, 0, 4)
+    kv1 = RaggedKv.empty(2, 2, 4, 64, 16, torch.float64)
+    refuses("q [2, 3, 2, 4] against kv [2, 2, 16, 4]: need [B,H,t_q,D] and [B,Hk,cap,D] with "
+            "Hk dividing H", port.dsv4_attention_in_place,
+            torch.zeros((2, 3, 2, 4), dtype=torch.float64), kv1, None, 0, 4)
+    out = port.dsv4_attention_in_place(torch.zeros((2, 1, 2, 4), dtype=torch.float64), kv, None,
+                                       0, 4)  # row 0 holds exactly t_q = 2 keys
+    assert tuple(out.shape) == (2, 1, 2, 4)
+    z = torch.zeros
+    refuses("KV heads 0 must divide query heads 4", port.dsv4_attention, z((2, 4, 3, 8)),
+            z((2, 0, 5, 8)), z((2, 0, 5, 8)), None, None,
+            port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=3))

@@ -213,3 +213,179 @@ def test_unset_graph_length_mask_is_refused_by_both():
     )
     assert p[0] == "refused"
     assert_same_refusal(p, r)
+
+
+# Refusal texts, boundaries, result dtypes and devices. Each refusal breaks exactly one
+# condition and names the values given; the expected text is stated from the inputs.
+
+
+def refuses(exc, text, fn, *args, **kwargs):
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    assert str(info.value) == text
+
+
+def test_keep_span_and_predicate_refusals_name_the_values():
+    refuses(ValueError, "t_q -1 and t_k_full 5 must be >= 0", port.raw_keep_span, -1, 1, 5)
+    refuses(ValueError, "t_q 1 and t_k_full -1 must be >= 0", port.raw_keep_span, 1, 1, -1)
+    refuses(ValueError, "window 0 must be >= 1 (dsv4 passes max(sliding_window, 1))",
+            port.raw_keep_span, 1, 0, 5)
+    refuses(ValueError, "ratio -1 and window 3 must be >= 0", port.sdpa_sliding_window, -1, 3)
+    refuses(ValueError, "ratio 1 and window -1 must be >= 0", port.sdpa_sliding_window, 1, -1)
+    # ratio 0 and 1 are the standard layouts (window kept); 2 is the first compressed one
+    assert [port.sdpa_sliding_window(r, 5) for r in (0, 1, 2)] == [5, 5, None]
+
+
+def test_validity_refusals_name_the_values():
+    msg = "t_q {}, keep {} must be >= 0 and window {} >= 1"
+    refuses(ValueError, msg.format(-1, 1, 1), port.raw_validity, -1, 0, 0, 1, 1)
+    refuses(ValueError, msg.format(1, -1, 1), port.raw_validity, 1, 0, 0, -1, 1)
+    refuses(ValueError, msg.format(1, 1, 0), port.raw_validity, 1, 0, 0, 1, 0)
+    for q0, base in ((-1, 0), (0, -1), (vec([2, -1]), vec([0, 0]))):
+        refuses(ValueError, "q0 and raw_base must be >= 0", port.raw_validity, 1, q0, base, 1, 1)
+    msg = "t_q {}, q0 {}, t_c {} must be >= 0"
+    refuses(ValueError, msg.format(-1, [0], 2), port.compressed_validity, -1, 0, 2, 1)
+    refuses(ValueError, msg.format(1, [0], -1), port.compressed_validity, 1, 0, -1, 1)
+    refuses(ValueError, msg.format(1, [3, -1], 2), port.compressed_validity, 1, [3, -1], 2, 1)
+    refuses(ValueError, msg.format(1, [3, -1], 2), port.compressed_validity, 1, vec([3, -1]), 2, 1)
+    refuses(ValueError, "compress ratio 0 must be >= 1 when there are 2 compressed keys",
+            port.compressed_validity, 1, 0, 2, 0)
+    assert port.compressed_validity(1, 0, 0, 0).shape == (1, 0)  # no compressed key: no ratio
+
+
+def test_validity_is_built_on_the_requested_device():
+    """The `device` argument is honoured (the meta device runs on any machine): q0 and
+    raw_base are checked where they are, the result is built on `device`."""
+    for q0, base in ((3, 1), (vec([3, 5]), vec([1, 2])), ([3, 5], [1, 2])):
+        got = port.raw_validity(2, q0, base, 3, 2, device="meta")
+        assert (got.device.type, got.dtype) == ("meta", torch.bool)
+    for q0, t_c in ((3, 2), (vec([3, 5]), 2), (3, 0)):
+        got = port.compressed_validity(2, q0, t_c, 2, device="meta")
+        assert (got.device.type, got.dtype) == ("meta", torch.bool)
+
+
+def test_ragged_union_mask_refusals_name_the_values():
+    ok = to_port(np.ones((1, 7), dtype=bool))
+    refuses(ValueError, "valid shape [1, 4, 2] must be [t_q, t_k + t_c = 4]",
+            port.ragged_union_mask, vec([6]), 6, to_port(np.ones((1, 4, 2), dtype=bool)),
+            0, 3, 1, 1)
+    refuses(ValueError, "valid shape [1, 7] must be [t_q, t_k + t_c = 6]",
+            port.ragged_union_mask, vec([6]), 6, ok, 0, 4, 1, 2)
+    refuses(ValueError, "rows must be a 1-D vector, got shape [1, 2]",
+            port.ragged_union_mask, torch.tensor([[6, 4]]), 6, ok, 0, 7, 1, 0)
+    refuses(ValueError, "ragged_union_mask needs at least one row",
+            port.ragged_union_mask, vec([]), 6, ok, 0, 7, 1, 0)
+    for rows in ([7, 6], [6, -1], [5, 4]):
+        refuses(ValueError,
+                f"rows {rows} must lie in [0, q0=6] with max == q0 (resolve_ragged_rows first)",
+                port.ragged_union_mask, vec(rows), 6, ok, 0, 7, 1, 0)
+    msg = "raw_base {}, t_k {}, t_c {} must be >= 0"
+    refuses(ValueError, msg.format(-1, 7, 0), port.ragged_union_mask, vec([6]), 6, ok, -1, 7, 1, 0)
+    refuses(ValueError, msg.format(0, 8, -1), port.ragged_union_mask, vec([6]), 6, ok, 0, 8, 1, -1)
+    refuses(ValueError, msg.format(0, -1, 8), port.ragged_union_mask, vec([6]), 6, ok, 0, -1, 1, 8)
+    # t_k == 0 is well formed: only compressed keys (q0 0, ratio 1: block 0 valid, block 1 not)
+    got = port.ragged_union_mask(vec([0]), 0, to_port(np.ones((1, 2), dtype=bool)), 0, 0, 1, 2)
+    assert got.tolist() == [[[[0.0, float("-inf")]]]]
+
+
+def test_compose_caller_mask_refuses_a_raw_slice_past_the_key_axis():
+    local = to_port(np.zeros((1, 1, 1, 3)))
+    refuses(ValueError, "raw slice [2, 5) exceeds key axis 4",
+            port.compose_caller_mask, local, to_port(np.zeros((1, 4))), 1, 4, 2, 3, 0)
+
+
+@dtypes
+def test_length_mask_refusals_and_dtypes(dtype):
+    refuses(ValueError, "positions must be a 1-D vector, got shape [1, 1]",
+            port.graph_mode_length_mask, torch.tensor([[0]]), 2, dtype)
+    refuses(ValueError, "cap -1 and positions [0] must be >= 0",
+            port.graph_mode_length_mask, vec([0]), -1, dtype)
+    refuses(ValueError, "cap 2 and positions [1, -1] must be >= 0",
+            port.graph_mode_length_mask, vec([1, -1]), 2, dtype)
+    assert port.graph_mode_length_mask(vec([0, 1]), 2, dtype).dtype == dtype
+    assert port.graph_mode_length_mask(vec([0, 1]), 2).dtype == torch.float64
+
+
+@dtypes
+def test_left_padded_causal_mask_refusals_dtypes_and_device(dtype):
+    msg = "b {}, t_q {}, past {} must be >= 0"
+    f = port.make_left_padded_causal_mask
+    refuses(ValueError, msg.format(-1, 1, 2), f, -1, 1, 2, vec([]), dtype)
+    refuses(ValueError, msg.format(1, -1, 2), f, 1, -1, 2, vec([1]), dtype)
+    refuses(ValueError, msg.format(1, 1, -1), f, 1, 1, -1, vec([0]), dtype)
+    refuses(ValueError, "live must be a 1-D vector, got shape [1, 1]",
+            f, 1, 1, 2, torch.tensor([[1]]), dtype)
+    refuses(ValueError, "live lengths [1, -1] must be >= 0", f, 2, 1, 2, vec([1, -1]), dtype)
+    assert f(2, 1, 2, vec([1, 2]), dtype).dtype == dtype
+    assert f(2, 1, 2, vec([1, 2])).dtype == torch.float64
+    got = f(2, 1, 2, vec([1, 2]), dtype, device="meta")  # live checked here, mask built there
+    assert (got.device.type, got.dtype, tuple(got.shape)) == ("meta", dtype, (2, 1, 1, 3))
+
+
+MASKERS = (
+    (port.make_causal_mask_matrix, ()),
+    (port.make_sliding_window_causal_mask_matrix, (4,)),
+)
+
+
+@pytest.mark.parametrize("masker,extra", MASKERS, ids=lambda m: getattr(m, "__name__", ""))
+def test_masker_refusals_and_zero_boundaries(masker, extra):
+    msg = "b {}, t_q {}, past {} must be >= 0"
+    for b, t_q, past in ((-1, 2, 3), (2, -1, 3), (2, 2, -1)):
+        refuses(ValueError, msg.format(b, t_q, past), masker, b, t_q, past, None, None, *extra)
+    policy = ("channel",) if extra else ()
+    refuses(ValueError, "per_seq_kv_lens must be a 1-D vector, got shape [1, 2]",
+            masker, 2, 2, 3, torch.tensor([[1, 2]]), None, *extra, *policy)
+    refuses(ValueError, "channel_lead must be a 1-D vector, got shape [1, 2]",
+            masker, 2, 2, 3, None, torch.tensor([[1, 2]]), *extra, *policy)
+    # b == 0 and t_q == 0 are well formed: an empty batch, a forward with no query
+    assert tuple(masker(0, 2, 3, None, None, *extra).shape) == (2, 5)
+    assert tuple(masker(2, 0, 3, None, None, *extra).shape) == (0, 3)
+
+
+@pytest.mark.parametrize("masker,extra", MASKERS, ids=lambda m: getattr(m, "__name__", ""))
+@dtypes
+def test_masker_defaults_dtypes_and_device(masker, extra, dtype):
+    """Defaults: no flash (a full [t_q, past + t_q] mask, not the [1, 1] placeholder), no
+    ragged policy for the sliding masker (a channel lead is ignored), float64."""
+    plain = masker(2, 2, 3, None, None, *extra)
+    assert (tuple(plain.shape), plain.dtype) == ((2, 5), torch.float64)
+    assert masker(2, 2, 3, None, None, *extra, dtype=dtype).dtype == dtype
+    flash = masker(2, 2, 3, None, None, *extra, flash_on_cuda=True, dtype=dtype)
+    assert (tuple(flash.shape), flash.dtype) == ((1, 1), dtype)
+    assert masker(2, 2, 3, None, None, *extra, flash_on_cuda=True).dtype == torch.float64
+    for flash_on_cuda in (False, True):
+        got = masker(2, 2, 3, None, None, *extra, flash_on_cuda=flash_on_cuda, device="meta",
+                     dtype=dtype)
+        assert (got.device.type, got.dtype) == ("meta", dtype)
+    # the ragged path (per-seq lens; a channel lead under the "channel" policy)
+    policy = ("channel",) if extra else ()
+    for per_seq, lead in ((vec([3, 1]), None), (None, vec([0, 2]))):
+        got = masker(2, 2, 3, per_seq, lead, *extra, *policy, dtype=dtype)
+        assert (tuple(got.shape), got.dtype) == ((2, 1, 2, 5), dtype)
+        got = masker(2, 2, 3, per_seq, lead, *extra, *policy)
+        assert got.dtype == torch.float64
+    got = port.make_causal_mask_matrix(2, 2, 3, vec([3, 1]), None, device="meta", dtype=dtype)
+    assert (got.device.type, got.dtype) == ("meta", dtype)
+    if extra:  # the default policy is "none": a channel lead builds no ragged mask
+        assert tuple(masker(2, 2, 3, None, vec([0, 2]), *extra).shape) == (2, 5)
+
+
+def test_channel_lead_boundaries():
+    """A channel lead is a ragged source iff it has one entry per row, some lead > 0 and
+    none > past: all-zero leads are not (t_q 1 -> no mask); a lead == past is (live 0)."""
+    for masker, extra in MASKERS:
+        policy = ("channel",) if extra else ()
+        assert masker(2, 1, 3, None, vec([0, 0]), *extra, *policy) is None
+        got = masker(2, 1, 3, None, vec([3, 0]), *extra, *policy)
+        keep = (got[:, 0, 0] == 0).int().tolist()
+        assert keep == [[0, 0, 0, 1], [1, 1, 1, 1]]  # row 0 has live 0: only its own column
+        assert masker(2, 1, 3, None, vec([4, 0]), *extra, *policy) is None  # lead > past
+
+
+def test_sliding_masker_refuses_an_unknown_policy_and_a_zero_window():
+    f = port.make_sliding_window_causal_mask_matrix
+    refuses(ValueError, "sliding_window_ragged 'rows' must be one of ('none', 'channel')",
+            f, 2, 2, 3, None, None, 4, "rows")
+    refuses(ValueError, "window 0 must be >= 1", f, 2, 2, 3, None, None, 0)
+    assert tuple(f(2, 2, 3, None, None, 1).shape) == (2, 5)  # window 1: the diagonal only

@@ -74,3 +74,40 @@ def host_ints(x, flat: bool = True) -> np.ndarray:
         x = x.tolist()
     a = np.asarray(x, dtype=np.int64)
     return a.reshape(-1) if flat else a
+
+
+def ints_on(x, device: torch.device | str | None = None) -> torch.Tensor:
+    """`x` (a scalar, sequence, array or tensor of ints) as an int64 tensor on `device` (None:
+    a tensor stays where it is, anything else goes to the CPU)."""
+    return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+def arange_on(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """`torch.arange(n)` (int64) on `device` (None: the CPU)."""
+    return torch.arange(n, device=device)
+
+
+def arange_like(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`torch.arange(n)` (int64) on the device of `t`."""
+    return torch.arange(n, device=t.device)
+
+
+def on_device_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` moved to the device of `like` (its dtype kept)."""
+    return t.to(like.device)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """`t` moved to `device`; None (or "") keeps it where it is."""
+    return t.to(device) if device else t
+
+
+def zeros_on(shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """Zeros of `shape` in `dtype` on `device` (None: the CPU)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def as_tensor_like(x, like: torch.Tensor) -> torch.Tensor:
+    """`x` as a tensor with the dtype and on the device of `like`."""
+    return torch.as_tensor(x, device=like.device).to(like.dtype)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import neg_inf_where
+from raggedspec.gpu._common import arange_like, neg_inf_where, on_device_of
 from raggedspec.gpu.dispatch import resolve_ragged_rows
 from raggedspec.gpu.masks import (
     compose_caller_mask,
@@ -66,16 +66,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kc, vc = k.to(cd)[:, :, None], v.to(cd)[:, :, None]     # [B, Hk, 1, t_k, *]
     logits = (qc @ kc.transpose(-1, -2)).flatten(1, 2) * (1.0 / math.sqrt(d))
     if mask is not None:
-        logits = logits + mask.to(device=logits.device, dtype=cd)
+        logits = logits + mask.to(logits)  # the compute dtype, on the logits' device
     if logits.shape[-1]:
         m = logits.amax(dim=-1, keepdim=True)
     else:
-        m = torch.full(logits.shape[:-1] + (1,), float("-inf"), dtype=cd, device=q.device)
+        m = logits.new_full(logits.shape[:-1] + (1,), float("-inf"))
     if sinks is not None:
         require(sinks.shape == (h,), f"sinks shape {list(sinks.shape)} must be [{h}]")
-        sink = sinks.to(device=q.device, dtype=cd)[None, :, None, None]
+        sink = sinks.to(logits)[None, :, None, None]
         m = torch.maximum(m, sink)
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=cd, device=q.device))
+    m = torch.where(torch.isfinite(m), m, m.new_zeros(()))
     p = torch.exp(logits - m)
     denom = p.sum(dim=-1, keepdim=True)
     if sinks is not None:
@@ -83,7 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     out = (p.unflatten(1, (hk, h // hk)) @ vc).flatten(1, 2)
     positive = denom > 0
     out = torch.where(positive, out / torch.where(positive, denom, torch.ones_like(denom)),
-                      torch.zeros((), dtype=cd, device=q.device))
+                      out.new_zeros(()))
     return out.to(out_dtype)
 
 
@@ -158,7 +158,7 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         dsv4_mask_stats["ragged"] += 1
         local = ragged_union_mask(
-            rows.to(dev), q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd
+            rows, q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd
         )
     mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
 
@@ -204,7 +204,7 @@ def dsv4_attention_in_place(
     )
     b, _, t_q, d = q.shape
     hk = kv.k.shape[1]
-    dev, cd = q.device, _compute_dtype(q.dtype)
+    cd = _compute_dtype(q.dtype)
     lens = kv.lens
     host = kv.host_lens()  # decided on the host copy of the lengths: no device read
     short = np.flatnonzero(host < t_q)
@@ -213,17 +213,17 @@ def dsv4_attention_in_place(
     window = max(sliding_window, 1)
     top = int(host.max())
     keep = min(t_q + window - 1, top)
-    cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]         # [B, keep]
+    cols = (lens - keep)[:, None] + arange_like(lens, keep)[None, :]                # [B, keep]
     index = cols.clamp(min=0)[:, None, :, None].expand(b, hk, keep, d)
     k_raw, v_raw = kv.k.gather(2, index), kv.v.gather(2, index)
-    qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [B, t_q]
+    qp = (lens - t_q)[:, None] + arange_like(lens, t_q)[None, :]                     # [B, t_q]
     kp = cols[:, None, :]
     raw = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     if is_standard_layer(compress_ratio) or compressed_kv is None:
         valid, k_all, v_all = raw, k_raw, v_raw
     else:
-        comp = compressed_validity(
-            t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev
+        comp = on_device_of(
+            compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio), raw
         )
         valid = torch.cat([raw, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)

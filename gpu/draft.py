@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import host_ints
+from raggedspec.gpu._common import arange_like, host_ints, on_device_of
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.rope import rotate
 from raggedspec.reference.dispatch import resolve_ragged_chain_starts
@@ -63,9 +63,9 @@ def propose_chain_batched(
     require(seed_hidden.dim() == 2, f"seed_hidden {tuple(seed_hidden.shape)} must be [G,H]")
     require(n >= 0, f"chain length {n} must be >= 0")
     g = seed_hidden.shape[0]
-    dev = model.device
+    like = model.embed  # the model's device
     if n == 0 or g == 0:
-        return torch.zeros((g, 0), dtype=torch.int64, device=dev)
+        return like.new_zeros((g, 0), dtype=torch.int64)
     starts = host_ints(chain_starts)
     if starts.size != g:
         raise StepRefusal(
@@ -79,14 +79,14 @@ def propose_chain_batched(
     require(first.size == g, f"{first.size} last tokens for a draft group of {g}")
     if first.size and (first.min() < 0 or first.max() >= model.cfg.vocab):
         raise ValueError(f"tokens must be in [0, {model.cfg.vocab})")
-    toks = torch.from_numpy(first).to(dev)
+    toks = on_device_of(torch.from_numpy(first), like)
     if rows is not None:
         rows = host_ints(rows)
     ragged = resolve_ragged_chain_starts(starts.tolist())
-    ragged = None if ragged is None else np.asarray(ragged, dtype=np.int64)
+    ragged = None if ragged is None else host_ints(ragged)
     start_pos = int(starts[0])
-    out = torch.empty((g, n), dtype=torch.int64, device=dev)
-    prev = seed_hidden.to(device=dev, dtype=model.dtype)
+    out = like.new_empty((g, n), dtype=torch.int64)
+    prev = on_device_of(seed_hidden, like).to(model.dtype)
     for i in range(n):
         if block is None:
             heads = model.mtp_heads
@@ -137,12 +137,11 @@ def extend_draft_kv_rows(
     if isinstance(tokens, torch.Tensor):
         bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= block.cfg.vocab)
     else:
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = host_ints(tokens, flat=False)
         bad = tokens.size and (tokens.min() < 0 or tokens.max() >= block.cfg.vocab)
         tokens = torch.from_numpy(tokens)
     if bad:  # the committed tokens, checked on the host when given there
         raise ValueError(f"tokens must be in [0, {block.cfg.vocab})")
-    dev = kv.k.device
     host_off, host_lo, host_hi = (
         host_ints(off),
         host_ints(lo),
@@ -162,7 +161,7 @@ def extend_draft_kv_rows(
             f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry "
             "per row"
         )
-    hidden, tokens = hidden.to(dev), tokens.to(device=dev, dtype=torch.int64)
+    hidden, tokens = on_device_of(hidden, kv.k), on_device_of(tokens, kv.k).long()
     host_n = np.maximum(host_hi - host_lo, 0)
     if write is not None:
         host_write = host_ints(write).astype(bool)
@@ -190,9 +189,9 @@ def extend_draft_kv_rows(
     held[host_idx[host_write]] = host_lo[host_write]
     kv.lens = held
     width = int(host_n.max())
-    off, lo = torch.from_numpy(host_off).to(dev), torch.from_numpy(host_lo).to(dev)
-    n, idx = torch.from_numpy(host_n).to(dev), torch.from_numpy(host_idx).to(dev)
-    j = torch.arange(width, device=dev)[None, :]
+    off, lo = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_off, host_lo))
+    n, idx = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_n, host_idx))
+    j = arange_like(kv.k, width)[None, :]
     valid = j < n[:, None]                                                         # [R, width]
     src = (lo - off)[:, None] + j
     h = hidden.gather(

@@ -15,10 +15,20 @@ the port module is complete.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from raggedspec.gpu._common import as_list, lengths, neg_inf_where
+from raggedspec.gpu._common import (
+    arange_like,
+    arange_on,
+    as_list,
+    as_tensor_like,
+    ints_on,
+    lengths,
+    neg_inf_where,
+    on_device_of,
+    to_device,
+    zeros_on,
+)
 from raggedspec.reference.errors import MaskRefusal, require
 
 
@@ -37,11 +47,12 @@ def raw_validity(t_q: int, q0, raw_base, keep: int, window: int,
     key `kp = raw_base + c` valid for query `qp = q0 + r` iff `qp - window < kp <= qp`."""
     require(t_q >= 0 and keep >= 0 and window >= 1,
             f"t_q {t_q}, keep {keep} must be >= 0 and window {window} >= 1")
-    q0 = torch.as_tensor(q0, dtype=torch.int64, device=device)
-    raw_base = torch.as_tensor(raw_base, dtype=torch.int64, device=q0.device)
+    q0, raw_base = ints_on(q0), ints_on(raw_base)  # checked where they are, then moved
     require(not bool((q0 < 0).any() or (raw_base < 0).any()), "q0 and raw_base must be >= 0")
-    qp = q0[..., None, None] + torch.arange(t_q, device=q0.device)[:, None]
-    kp = raw_base[..., None, None] + torch.arange(keep, device=q0.device)[None, :]
+    q0 = to_device(q0, device)
+    raw_base = on_device_of(raw_base, q0)
+    qp = q0[..., None, None] + arange_like(q0, t_q)[:, None]
+    kp = raw_base[..., None, None] + arange_like(q0, keep)[None, :]
     return (kp <= qp) & (kp > qp - window)
 
 
@@ -49,19 +60,16 @@ def compressed_validity(t_q: int, q0, t_c: int, ratio: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """`bool [t_q, t_c]` (or `[B, t_q, t_c]` for a `[B]` vector `q0`): block b valid iff
     `b < floor((q0 + r + 1) / ratio)`. ValueError on `ratio < 1` with `t_c > 0`."""
-    host = (
-        None if isinstance(q0, torch.Tensor) else np.asarray(q0, dtype=np.int64)
-    )  # host: checked there
-    q0 = torch.as_tensor(q0, dtype=torch.int64, device=device)
-    negative = bool((host < 0).any()) if host is not None else bool((q0 < 0).any())
+    q0 = ints_on(q0)  # checked where it is (a host value on the CPU), then moved
+    negative = bool((q0 < 0).any())
     if t_q < 0 or t_c < 0 or negative:
         raise ValueError(f"t_q {t_q}, q0 {as_list(q0.reshape(-1))}, t_c {t_c} must be >= 0")
+    q0 = to_device(q0, device)
     if t_c == 0:
-        return torch.zeros(q0.shape + (t_q, 0), dtype=torch.bool, device=q0.device)
+        return zeros_on(q0.shape + (t_q, 0), torch.bool, q0.device)
     require(ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
-    threshold = torch.div(q0[..., None] + torch.arange(t_q, device=q0.device) + 1, ratio,
-                          rounding_mode="floor")
-    return torch.arange(t_c, device=q0.device) < threshold[..., None]
+    threshold = torch.div(q0[..., None] + arange_like(q0, t_q) + 1, ratio, rounding_mode="floor")
+    return arange_like(q0, t_c) < threshold[..., None]
 
 
 def ragged_union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, t_k: int, ratio: int,
@@ -74,7 +82,7 @@ def ragged_union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, t_k: in
     `[0, q0]` with max == q0 (what `resolve_ragged_rows` returns)."""
     require(valid.dim() == 2 and valid.shape[1] == t_k + t_c,
             f"valid shape {list(valid.shape)} must be [t_q, t_k + t_c = {t_k + t_c}]")
-    rows = lengths(rows, device=valid.device, name="rows")
+    rows = on_device_of(lengths(rows, name="rows"), valid)
     require(rows.numel() >= 1, "ragged_union_mask needs at least one row")
     require(
         not bool((rows < 0).any() or (rows > q0).any()) and int(rows.max()) == q0,
@@ -84,7 +92,7 @@ def ragged_union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, t_k: in
             f"raw_base {raw_base}, t_k {t_k}, t_c {t_c} must be >= 0")
     t_q = valid.shape[0]
     lead = q0 - rows
-    kp = raw_base + torch.arange(t_k, device=valid.device)
+    kp = raw_base + arange_like(valid, t_k)
     raw = valid[None, :, :t_k].bool() & (kp[None, None, :] >= lead[:, None, None])
     comp = compressed_validity(t_q, rows, t_c, ratio)
     return neg_inf_where(torch.cat([raw, comp], dim=2), dtype)[:, None]
@@ -100,7 +108,7 @@ def compose_caller_mask(local: torch.Tensor, caller: torch.Tensor | None, t_q: i
     MaskRefusal ("attention_mask key axis"); then a broadcast sum."""
     if caller is None:
         return local
-    caller = torch.as_tensor(caller, device=local.device).to(local.dtype)
+    caller = as_tensor_like(caller, local)
     if caller.numel() == 1:
         return local
     if caller.dim() == 2:
@@ -118,7 +126,7 @@ def compose_caller_mask(local: torch.Tensor, caller: torch.Tensor | None, t_q: i
     if width == t_k_full + t_c:
         comp = caller[..., t_k_full:]
     elif width == t_k_full:
-        comp = torch.zeros(caller.shape[:3] + (t_c,), dtype=caller.dtype, device=caller.device)
+        comp = caller.new_zeros(caller.shape[:3] + (t_c,))
     else:
         raise MaskRefusal(
             f"attention_mask key axis {width} is neither t_k_full {t_k_full} nor "
@@ -140,7 +148,7 @@ def graph_mode_length_mask(positions, cap: int, dtype: torch.dtype = torch.float
     positions = lengths(positions, name="positions")
     require(cap >= 0 and not bool((positions < 0).any()),
             f"cap {cap} and positions {as_list(positions)} must be >= 0")
-    keep = torch.arange(cap, device=positions.device)[None, :] <= positions[:, None]
+    keep = arange_like(positions, cap)[None, :] <= positions[:, None]
     return neg_inf_where(keep, dtype)[:, None, None, :]
 
 
@@ -152,10 +160,12 @@ def require_graph_length_mask(mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def make_left_padded_causal_mask(b: int, t_q: int, past: int, live,
-                                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                                 dtype: torch.dtype = torch.float64,
+                                 device: torch.device | str | None = None) -> torch.Tensor:
     """Additive `[B,1,t_q,past+t_q]`: query i of row b keeps column j iff
     `past - live_b <= j <= past + i`. MaskRefusal: `len(live) != b` ("live lengths for a
-    batch of"), any `live_b > past` ("exceeds the padded width", first such row named)."""
+    batch of"), any `live_b > past` ("exceeds the padded width", first such row named).
+    `live` is checked where it is; the mask is built on `device` (None: where `live` is)."""
     require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
     live = lengths(live, name="live")
     require(not bool((live < 0).any()), f"live lengths {as_list(live)} must be >= 0")
@@ -165,10 +175,10 @@ def make_left_padded_causal_mask(b: int, t_q: int, past: int, live,
     if bool(over.any()):
         i = int(over.nonzero()[0, 0])
         raise MaskRefusal(f"row {i} live length {int(live[i])} exceeds the padded width {past}")
-    dev = live.device
+    live = to_device(live, device)
     lead = (past - live)[:, None, None]
-    j = torch.arange(past + t_q, device=dev)[None, None, :]
-    last = past + torch.arange(t_q, device=dev)[None, :, None]
+    j = arange_like(live, past + t_q)[None, None, :]
+    last = past + arange_like(live, t_q)[None, :, None]
     return neg_inf_where((j >= lead) & (j <= last), dtype)[:, None]
 
 
@@ -193,15 +203,13 @@ def make_causal_mask_matrix(b: int, t_q: int, past: int, per_seq_kv_lens, channe
     require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
     live = _ragged_live(b, past, per_seq_kv_lens, channel_lead)
     if live is not None:
-        return make_left_padded_causal_mask(
-            b, t_q, past, live.to(device) if device else live, dtype
-        )
+        return make_left_padded_causal_mask(b, t_q, past, live, dtype, device)
     if t_q == 1:
         return None
     if flash_on_cuda:
-        return torch.zeros((1, 1), dtype=dtype, device=device)
-    j = torch.arange(past + t_q, device=device)[None, :]
-    i = torch.arange(t_q, device=device)[:, None]
+        return zeros_on((1, 1), dtype, device)
+    j = arange_on(past + t_q, device)[None, :]
+    i = arange_on(t_q, device)[:, None]
     return neg_inf_where(j <= i + past, dtype)
 
 
@@ -227,18 +235,18 @@ def make_sliding_window_causal_mask_matrix(
             f"{SLIDING_WINDOW_RAGGED_POLICIES}")
     require(window >= 1, f"window {window} must be >= 1")
     require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
-    j = torch.arange(past + t_q, device=device)
-    last = past + torch.arange(t_q, device=device)[:, None]
+    j = arange_on(past + t_q, device)
+    last = past + arange_on(t_q, device)[:, None]
     in_window = (j[None, :] <= last) & (j[None, :] > last - window)
     if sliding_window_ragged == "channel":
         live = _ragged_live(b, past, per_seq_kv_lens, channel_lead)
         if live is not None:
-            dead = make_left_padded_causal_mask(b, t_q, past, live.to(j.device), dtype)
+            dead = make_left_padded_causal_mask(b, t_q, past, on_device_of(live, j), dtype)
             return dead + neg_inf_where(in_window, dtype)[None, None]
     if t_q == 1:
         return None
     if flash_on_cuda:
-        return torch.zeros((1, 1), dtype=dtype, device=device)
+        return zeros_on((1, 1), dtype, device)
     return neg_inf_where(in_window, dtype)
 
 

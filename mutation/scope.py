@@ -54,7 +54,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/backend.py": ("conformance/test_backend.py",),
     "gpu/cache.py": ("conformance/test_port_cache.py",),
     "gpu/dispatch.py": ("conformance/test_port_dispatch.py", "conformance/test_port_malformed.py"),
-    "gpu/draft.py": ("conformance/test_port_draft.py",),
+    "gpu/draft.py": ("conformance/test_port_draft.py", "conformance/test_port_draft_refusals.py"),
     "gpu/draft_loop.py": ("conformance/test_backend.py",),
     "gpu/draft_store.py": ("conformance/test_port_draft_store.py", "conformance/test_backend.py"),
     "gpu/layouts.py": ("conformance/test_layouts.py",),
