@@ -42,12 +42,6 @@ def arange_like(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, device=like.device)
 
 
-def int64_on(x, device) -> torch.Tensor:
-    """`x` (any shape) as an int64 tensor on `device` (None: a tensor stays where it is,
-    anything else goes to the CPU)."""
-    return torch.as_tensor(x, dtype=torch.int64, device=device)
-
-
 def float64_on(values, device) -> torch.Tensor:
     """A float64 tensor of `values` on `device`."""
     return torch.tensor(values, dtype=torch.float64, device=device)
@@ -85,11 +79,6 @@ def ints_on(x, device: torch.device | str | None = None) -> torch.Tensor:
 def arange_on(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """`torch.arange(n)` (int64) on `device` (None: the CPU)."""
     return torch.arange(n, device=device)
-
-
-def arange_like(t: torch.Tensor, n: int) -> torch.Tensor:
-    """`torch.arange(n)` (int64) on the device of `t`."""
-    return torch.arange(n, device=t.device)
 
 
 def on_device_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

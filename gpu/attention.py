@@ -213,10 +213,10 @@ def dsv4_attention_in_place(
     window = max(sliding_window, 1)
     top = int(host.max())
     keep = min(t_q + window - 1, top)
-    cols = (lens - keep)[:, None] + arange_like(lens, keep)[None, :]                # [B, keep]
+    cols = (lens - keep)[:, None] + arange_like(keep, lens)[None, :]                # [B, keep]
     index = cols.clamp(min=0)[:, None, :, None].expand(b, hk, keep, d)
     k_raw, v_raw = kv.k.gather(2, index), kv.v.gather(2, index)
-    qp = (lens - t_q)[:, None] + arange_like(lens, t_q)[None, :]                     # [B, t_q]
+    qp = (lens - t_q)[:, None] + arange_like(t_q, lens)[None, :]                     # [B, t_q]
     kp = cols[:, None, :]
     raw = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     if is_standard_layer(compress_ratio) or compressed_kv is None:

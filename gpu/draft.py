@@ -191,7 +191,7 @@ def extend_draft_kv_rows(
     width = int(host_n.max())
     off, lo = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_off, host_lo))
     n, idx = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_n, host_idx))
-    j = arange_like(kv.k, width)[None, :]
+    j = arange_like(width, kv.k)[None, :]
     valid = j < n[:, None]                                                         # [R, width]
     src = (lo - off)[:, None] + j
     h = hidden.gather(

@@ -51,8 +51,8 @@ def raw_validity(t_q: int, q0, raw_base, keep: int, window: int,
     require(not bool((q0 < 0).any() or (raw_base < 0).any()), "q0 and raw_base must be >= 0")
     q0 = to_device(q0, device)
     raw_base = on_device_of(raw_base, q0)
-    qp = q0[..., None, None] + arange_like(q0, t_q)[:, None]
-    kp = raw_base[..., None, None] + arange_like(q0, keep)[None, :]
+    qp = q0[..., None, None] + arange_like(t_q, q0)[:, None]
+    kp = raw_base[..., None, None] + arange_like(keep, q0)[None, :]
     return (kp <= qp) & (kp > qp - window)
 
 
@@ -68,8 +68,8 @@ def compressed_validity(t_q: int, q0, t_c: int, ratio: int,
     if t_c == 0:
         return zeros_on(q0.shape + (t_q, 0), torch.bool, q0.device)
     require(ratio >= 1, f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
-    threshold = torch.div(q0[..., None] + arange_like(q0, t_q) + 1, ratio, rounding_mode="floor")
-    return arange_like(q0, t_c) < threshold[..., None]
+    threshold = torch.div(q0[..., None] + arange_like(t_q, q0) + 1, ratio, rounding_mode="floor")
+    return arange_like(t_c, q0) < threshold[..., None]
 
 
 def ragged_union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, t_k: int, ratio: int,
@@ -92,7 +92,7 @@ def ragged_union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, t_k: in
             f"raw_base {raw_base}, t_k {t_k}, t_c {t_c} must be >= 0")
     t_q = valid.shape[0]
     lead = q0 - rows
-    kp = raw_base + arange_like(valid, t_k)
+    kp = raw_base + arange_like(t_k, valid)
     raw = valid[None, :, :t_k].bool() & (kp[None, None, :] >= lead[:, None, None])
     comp = compressed_validity(t_q, rows, t_c, ratio)
     return neg_inf_where(torch.cat([raw, comp], dim=2), dtype)[:, None]
@@ -148,7 +148,7 @@ def graph_mode_length_mask(positions, cap: int, dtype: torch.dtype = torch.float
     positions = lengths(positions, name="positions")
     require(cap >= 0 and not bool((positions < 0).any()),
             f"cap {cap} and positions {as_list(positions)} must be >= 0")
-    keep = arange_like(positions, cap)[None, :] <= positions[:, None]
+    keep = arange_like(cap, positions)[None, :] <= positions[:, None]
     return neg_inf_where(keep, dtype)[:, None, None, :]
 
 
@@ -177,8 +177,8 @@ def make_left_padded_causal_mask(b: int, t_q: int, past: int, live,
         raise MaskRefusal(f"row {i} live length {int(live[i])} exceeds the padded width {past}")
     live = to_device(live, device)
     lead = (past - live)[:, None, None]
-    j = arange_like(live, past + t_q)[None, None, :]
-    last = past + arange_like(live, t_q)[None, :, None]
+    j = arange_like(past + t_q, live)[None, None, :]
+    last = past + arange_like(t_q, live)[None, :, None]
     return neg_inf_where((j >= lead) & (j <= last), dtype)[:, None]
 
 

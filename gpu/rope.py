@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from raggedspec.gpu._common import arange_like, float64_on, host_ints, int64_on, lengths_like
+from raggedspec.gpu._common import arange_like, float64_on, host_ints, ints_on, lengths_like
 from raggedspec.gpu.dispatch import uniform_seqlen_offset
 from raggedspec.reference.errors import require
 
@@ -35,7 +35,7 @@ def rope_cos_sin(positions, rope_dims: int, theta: float, dtype: torch.dtype = t
     position."""
     require(rope_dims >= 2 and rope_dims % 2 == 0, f"rope_dims {rope_dims} must be even and >= 2")
     require(theta > 0, f"theta {theta} must be > 0")
-    positions = int64_on(positions, device)
+    positions = ints_on(positions, device)
     require(
         positions.numel() == 0 or int(positions.min()) >= 0,
         f"positions must be >= 0, got min {int(positions.min()) if positions.numel() else None}",

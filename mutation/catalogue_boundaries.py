@@ -82,8 +82,8 @@ BOUNDARY_MUTANTS: list[tuple[str, str, str, str, str, tuple[str, ...]]] = [
     (
         "dsv4_attention_in_place: query positions held in the query dtype",
         "gpu/attention.py",
-        "    qp = (lens - t_q)[:, None] + arange_like(lens, t_q)[None, :]",
-        "    qp = ((lens - t_q)[:, None] + arange_like(lens, t_q)).to(q.dtype).long()",
+        "    qp = (lens - t_q)[:, None] + arange_like(t_q, lens)[None, :]",
+        "    qp = ((lens - t_q)[:, None] + arange_like(t_q, lens)).to(q.dtype).long()",
         "M§4 masks",
         (BOUNDARIES,),
     ),

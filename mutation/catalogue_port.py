@@ -92,8 +92,8 @@ ENTRIES: list[Mutant] = [
     M(
         "port compressed validity: floor(q / r) not floor((q + 1) / r)",
         G_MASKS,
-        "q0[..., None] + arange_like(q0, t_q) + 1, ratio,",
-        "q0[..., None] + arange_like(q0, t_q), ratio,",
+        "q0[..., None] + arange_like(t_q, q0) + 1, ratio,",
+        "q0[..., None] + arange_like(t_q, q0), ratio,",
         "M§23",
         P_MASKS,
     ),
