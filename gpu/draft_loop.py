@@ -14,6 +14,8 @@ seeds and one `gpu.draft.extend_draft_kv_rows`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -186,9 +188,7 @@ def extend_draft_kvs(
             )
         elif hidden.shape[0] != batch or not offsets.describes(batch):
             batch_fail = False
-    seed_rows, seed_cols, seed_states = [], [], []
-    trunc_idx, trunc_len = [], []
-    w_rows, w_idx, w_off, w_lo, w_hi = [], [], [], [], []
+    q = _Queued()
     store = None
     for row in range(batch):  # host: per-state integer checks and metadata, no tensor touched
         state = states[row]
@@ -206,23 +206,7 @@ def extend_draft_kvs(
                 ok = False
             else:
                 try:
-                    ok = _extend_plan(
-                        state,
-                        offsets,
-                        toks[row],
-                        row,
-                        hidden.shape[1],
-                        seed_rows,
-                        seed_cols,
-                        seed_states,
-                        trunc_idx,
-                        trunc_len,
-                        w_rows,
-                        w_idx,
-                        w_off,
-                        w_lo,
-                        w_hi,
-                    )
+                    ok = _extend_plan(state, offsets, toks[row], row, hidden.shape[1], q)
                 except Refusal as exc:
                     err = exc
                 if isinstance(state.cache, PoolKv):
@@ -233,43 +217,42 @@ def extend_draft_kvs(
         elif not ok:
             state.poisoned = True
             warn(warnings, "misaligned", row=row, why=why)
-    if seed_rows:  # the new seeds: one gather
-        got = hidden[be._ints(seed_rows), be._ints(seed_cols)]
-        for j, (state, p) in enumerate(seed_states):  # host records: views of the one gather
+    if q.seed_rows:  # the new seeds: one gather
+        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)]
+        for j, (state, p) in enumerate(q.seed_states):  # host records: views of the one gather
             state.seed = (p, got[j])
-    if trunc_idx:  # the reference's set_len(filled): lengths only
+    if q.trunc_idx:  # the reference's set_len(filled): lengths only
         held = store.kv.host_lens().copy()
-        held[np.asarray(trunc_idx, dtype=np.int64)] = trunc_len
+        held[np.asarray(q.trunc_idx, dtype=np.int64)] = q.trunc_len
         store.kv.lens = held
-    if w_rows:
-        store.reserve(max(w_hi))
-        width = max(w_hi) + 1
-        tok = np.zeros((len(w_rows), width), dtype=np.int64)
-        for r, (row, lo, hi) in enumerate(
-            zip(w_rows, w_lo, w_hi, strict=True)
-        ):  # host packing of the token lists
-            tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]
-        rows_t = be._ints(w_rows)
-        extend_draft_kv_rows(block, store.kv, hidden[rows_t], w_off, w_lo, w_hi, tok, rows=w_idx)
+    if q.w_rows:
+        store.reserve(max(q.w_hi))
+        tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
+        for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
+            tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
+        extend_draft_kv_rows(block, store.kv, hidden[be._ints(q.w_rows)], q.w_off, q.w_lo,
+                             q.w_hi, tok, rows=q.w_idx)
 
 
-def _extend_plan(
-    state,
-    offsets,
-    toks,
-    row,
-    t,
-    seed_rows,
-    seed_cols,
-    seed_states,
-    trunc_idx,
-    trunc_len,
-    w_rows,
-    w_idx,
-    w_off,
-    w_lo,
-    w_hi,
-) -> bool:
+@dataclass
+class _Queued:
+    """The batch's tensor work, queued per row on the host: the new seeds (capture row,
+    column, the state and its position), the truncated pool rows and their lengths, and the
+    rows to write (capture row, pool row, capture offset, span `(lo, hi]`)."""
+
+    seed_rows: list = field(default_factory=list)
+    seed_cols: list = field(default_factory=list)
+    seed_states: list = field(default_factory=list)
+    trunc_idx: list = field(default_factory=list)
+    trunc_len: list = field(default_factory=list)
+    w_rows: list = field(default_factory=list)
+    w_idx: list = field(default_factory=list)
+    w_off: list = field(default_factory=list)
+    w_lo: list = field(default_factory=list)
+    w_hi: list = field(default_factory=list)
+
+
+def _extend_plan(state, offsets, toks, row: int, t: int, q: _Queued) -> bool:
     """`extend_draft_kv_row`'s checks 7-13 for one row on host integers (7-10 are the
     reference's `extension_span`): False where the reference returns False; a CacheRefusal
     as the reference's; otherwise the row's metadata updated and its tensor work queued
@@ -280,9 +263,9 @@ def _extend_plan(
         return False
     lo, hi, p = span
     if p is not None:
-        seed_rows.append(row)
-        seed_cols.append(p - off)
-        seed_states.append((state, p))
+        q.seed_rows.append(row)
+        q.seed_cols.append(p - off)
+        q.seed_states.append((state, p))
     if hi <= lo:
         return True
     cache = state.cache
@@ -295,16 +278,15 @@ def _extend_plan(
         raise CacheRefusal(f"MTP draft KV truncate to {state.filled} failed: {exc}") from exc
     cache.current = state.filled  # lo == filled == current: forward_tokens' desync check holds
     if cache.materialized:
-        trunc_idx.append(cache.idx)
-        trunc_len.append(state.filled)
-    cache.check_append(hi - lo)
+        q.trunc_idx.append(cache.idx)
+        q.trunc_len.append(state.filled)
+    cache.grow_meta(hi - lo)  # refuses (CacheRefusal) before it changes anything
     cache.materialized = True
-    cache.grow_meta(hi - lo)
     cache.current = hi
     state.filled = hi
-    w_rows.append(row)
-    w_idx.append(cache.idx)
-    w_off.append(off)
-    w_lo.append(lo)
-    w_hi.append(hi)
+    q.w_rows.append(row)
+    q.w_idx.append(cache.idx)
+    q.w_off.append(off)
+    q.w_lo.append(lo)
+    q.w_hi.append(hi)
     return True
