@@ -3,7 +3,9 @@ function and test it names exists, and every rule the spec names is listed."""
 
 import ast
 import importlib
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,10 +28,40 @@ def table_rows():
     return rows
 
 
+SCRIPTS = ROOT / "scripts"
+_SCRIPT_MODULES: dict[Path, object] = {}
+
+
+def resolve_script(parts: list[str]):
+    """`scripts.x.f`: `f` of the checkout's scripts/x.py (not a package, so loaded from its
+    file); None where there is no scripts/ folder (an installed raggedspec has none)."""
+    if not SCRIPTS.is_dir():
+        return None
+    path = SCRIPTS / f"{parts[1]}.py"
+    if not path.is_file():
+        raise ModuleNotFoundError(f"no script {path.relative_to(ROOT)}")
+    if path not in _SCRIPT_MODULES:
+        spec = importlib.util.spec_from_file_location(f"rules_doc_scripts_{parts[1]}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up by name
+        sys.path.insert(0, str(SCRIPTS))  # a script imports its siblings by their bare names
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(SCRIPTS))
+        _SCRIPT_MODULES[path] = module
+    obj = _SCRIPT_MODULES[path]
+    for attr in parts[2:]:
+        obj = getattr(obj, attr)
+    return obj
+
+
 def resolve(dotted: str):
     """`reference.dispatch.f` (the table names functions by folder; the tools beside the CLI as
-    `raggedspec.x`) under the import name."""
+    `raggedspec.x`, the checkout's scripts as `scripts.x`) under the import name."""
     parts = dotted.split(".")
+    if parts[0] == "scripts" and len(parts) > 1:
+        return resolve_script(parts)
     if parts[0] != "raggedspec":  # the rules' folders, under the import name
         parts = ["raggedspec", *parts]
     for cut in range(len(parts), 1, -1):
