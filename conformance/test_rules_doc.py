@@ -1,5 +1,6 @@
 """docs/rules.md is the map rule -> function -> test. These tests keep it honest: every
-function and test it names exists, and every rule the spec names is listed."""
+function and test it names exists, every rule the spec names is listed, and every test of the
+suite is in a row (the per-rule table of `raggedspec conformance` has no "(no rule row)")."""
 
 import ast
 import importlib
@@ -122,6 +123,55 @@ def test_every_listed_test_exists():
             if name.split("::")[-1] not in names:
                 missing.append(f"{rule}: {file}::{name} does not exist")
     assert not missing, "\n".join(missing)
+
+
+def suite_tests(folder: Path = ROOT / "conformance") -> list[str]:
+    """`conformance/test_x.py::name` for every top-level test function of the suite's files,
+    and `conformance/test_x.py::TestX::test_y` for every test method of a top-level test class
+    (the node ids `raggedspec conformance` matches against the rows, parameters dropped)."""
+    found = []
+    for path in sorted(folder.glob("test_*.py")):
+        file = f"conformance/{path.name}"
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name.startswith("test"):
+                    found.append(f"{file}::{node.name}")
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                found += [
+                    f"{file}::{node.name}::{m.name}"
+                    for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and m.name.startswith("test")
+                ]
+    return found
+
+
+def unnamed_tests(table: str, tests: list[str]) -> list[str]:
+    """The tests no row of `table` (docs/rules.md's text) names, read as the per-rule table of
+    `raggedspec conformance` reads the rows (so a test listed only under a rule that is not
+    modelled is not named)."""
+    from raggedspec.conformance.runner import rule_rows
+
+    named = {t for _, row_tests in rule_rows(table) for t in row_tests}
+    return [t for t in tests if t not in named]
+
+
+def test_every_test_of_the_suite_is_in_a_rule_row():
+    """`raggedspec conformance` prints "(no rule row) FILE" for tests no row names: every
+    top-level test of conformance/test_*.py is in the row of the rule (or tool) it checks."""
+    tests = suite_tests()
+    assert len(tests) >= 1000, f"only {len(tests)} tests found under conformance/"
+    absent = unnamed_tests(RULES.read_text(), tests)
+    assert not absent, (
+        f"tests in no row of docs/rules.md ({len(absent)}): add each to the row of the rule it "
+        "checks (a tool's tests to its tooling row)\n" + "\n".join(absent)
+    )
+    # the check can fail: a test dropped from its row is reported by name
+    text = RULES.read_text()
+    dropped = "conformance/test_rules_doc.py::test_every_test_of_the_suite_is_in_a_rule_row"
+    assert dropped in text
+    assert unnamed_tests(text.replace(dropped, "conformance/test_rules_doc.py::gone"),
+                         tests) == [dropped]
 
 
 def test_unmodelled_rules_say_why():
