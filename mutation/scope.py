@@ -19,7 +19,8 @@ from pathlib import Path
 MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "reference/acceptance.py": ("conformance/test_scenario.py",),
     "reference/accounting.py": ("conformance/test_accounting.py",),
-    "reference/align.py": ("conformance/test_align.py", "conformance/test_align_draft.py"),
+    "reference/align.py": ("conformance/test_align.py", "conformance/test_align_draft.py",
+                           "conformance/test_align_checks.py"),
     "reference/attention.py": ("conformance/test_attention.py",
                                "conformance/test_attention_inputs.py"),
     "reference/backend.py": ("conformance/test_backend.py",),
