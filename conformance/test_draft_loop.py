@@ -4,11 +4,13 @@ uniform and the ragged group paths, and every way a group or a member is skipped
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import raggedspec.reference.draft as draft_mod
-from raggedspec.conformance.test_draft import MODEL, TIER_A, StepSpy, V, state_with
+from raggedspec.conformance.test_draft import MODEL, TIER_A, H, StepSpy, V, state_with
 from raggedspec.reference.cache import KvCache
 from raggedspec.reference.draft import (
     DraftKv,
@@ -271,3 +273,112 @@ def test_the_strip_runs_before_filled_is_committed(monkeypatch):
     assert order == [("strip", [13, 11]), ("strip", [12, 11])]
     assert [s.filled for s in states] == [12, 10]
     assert [s.cache.current_seq_len for s in states] == [14, 12]
+
+
+# --- a skipped group or row leaves every later one to draft ---------------------------------
+
+BAD, GOOD = (1, 0), (1, 1)
+
+
+def bad_then_good(defect, monkeypatch):
+    """Group BAD (rows 0, 1) fails by `defect`; group GOOD (rows 2, 3, uniform, chain start
+    11) is drafted after it. Returns the loop's arguments and the expected warning."""
+    states = [state_with(12, 12, 11, 0), state_with(10, 10, 9, 1),
+              state_with(12, 12, 11, 2), state_with(12, 12, 11, 3)]
+    lens, per_seq = [12, 10, 12, 12], False
+    if defect == "no row":
+        states[0].seed = states[1].seed = None
+        want = "draft group (1, 0): no row can draft (no seed at its chain start)"
+    elif defect == "no cache":
+        states[1].cache = None
+        want = "draft group (1, 0): a member has no draft KV cache; group skipped"
+    elif defect == "unbatchable":
+        states[1] = state_with(20, 10, 9, 1)  # capacity 528 against 16
+        states[1].cache.set_len(10)
+        want = "draft group (1, 0): draft caches cannot be batched; group skipped"
+    elif defect == "set_len":
+        states[1] = state_with(12, 12, 9, 1)  # same shape as row 0: batchable, starts [11, 9]
+        tiny = KvCache.new_normal(4096, 4)
+        with pytest.raises(CacheRefusal) as refused:
+            tiny.clone().set_len(11)
+        first_call(monkeypatch, "batch_draft_caches", lambda caches: tiny)
+        want = f"draft group (1, 0): set_len(11) refused ({refused.value}); group skipped"
+    elif defect == "front-align":
+        per_seq = True
+        states[1].cache.set_len(8)  # holds 8 < chain start 9
+        want = ("draft group (1, 0): front-alignment refused (chain start 9 is past the 8 "
+                "position(s) draft row 1 holds); group skipped")
+    else:  # split, after the ragged path aligned the group
+        per_seq = True
+        first_call(monkeypatch, "split_draft_cache", lambda batched, g: None)
+        want = "draft group (1, 0): the batched draft cache did not split into 2; no drafts"
+    toks = [list(range(13)), list(range(11)), list(range(13)), list(range(13))]
+    return (states, toks, lens, per_seq), want
+
+
+def first_call(monkeypatch, name, replacement):
+    """Replace `draft_mod.name` for its first call only."""
+    orig, calls = getattr(draft_mod, name), []
+
+    def once(*args):
+        calls.append(1)
+        return replacement(*args) if len(calls) == 1 else orig(*args)
+
+    monkeypatch.setattr(draft_mod, name, once)
+
+
+@pytest.mark.parametrize(
+    "defect", ["no row", "no cache", "unbatchable", "set_len", "front-align", "split"]
+)
+def test_a_skipped_group_warns_with_its_key_and_the_next_group_still_drafts(defect, monkeypatch):
+    (states, toks, lens, per_seq), want = bad_then_good(defect, monkeypatch)
+    warnings: list[str] = []
+    drafts = group_drafting_loop(MODEL, {BAD: [0, 1], GOOD: [2, 3]}, states, toks, lens,
+                                 [9] * 4, 4, per_seq, warnings)
+    assert warnings == [want]
+    assert drafts[0] == [] and drafts[1] == []
+    assert [len(d) for d in drafts[2:]] == [3, 3]
+    assert [s.filled for s in states[2:]] == [12, 12]
+    assert [s.cache.current_seq_len for s in states[2:]] == [14, 14]
+
+
+def test_every_tier_a_group_drafts():
+    states = [DraftKv(None, 11, seed=(11, np.ones(H))), DraftKv(None, 12, seed=(12, np.ones(H)))]
+    drafts = group_drafting_loop(TIER_A, {(1, 0): [0], (1, 1): [1]}, states,
+                                 [list(range(13)), list(range(14))], [12, 13], [9, 9], 4, False)
+    assert drafts == [propose_chain(TIER_A, np.ones(H), 12, 3, 99, 11, None),
+                      propose_chain(TIER_A, np.ones(H), 13, 3, 99, 12, None)]
+
+
+def test_a_failed_strip_of_one_row_leaves_the_next_row_written_back(monkeypatch):
+    orig = draft_mod.drop_dead_prefix
+
+    def strip(slot, lead):
+        if lead > 0:
+            raise CacheRefusal(f"cannot drop a {lead}-column dead prefix")
+        orig(slot, lead)
+
+    monkeypatch.setattr(draft_mod, "drop_dead_prefix", strip)
+    states = [state_with(10, 10, 9, 0), state_with(12, 12, 11, 1)]  # starts [9, 11]: leads [2, 0]
+    warnings: list[str] = []
+    drafts = group_drafting_loop(MODEL, {(1, 0): [0, 1]}, states,
+                                 [list(range(11)), list(range(13))], [10, 12], [9, 9], 4, True,
+                                 warnings)
+    assert warnings == ["row 0: stripping the draft dead prefix failed (cannot drop a 2-column "
+                        "dead prefix); draft KV poisoned"]
+    assert states[0].poisoned and states[0].filled == 10
+    assert not states[1].poisoned and states[1].filled == 12
+    assert states[1].cache.current_seq_len == 14 and [len(d) for d in drafts] == [3, 3]
+
+
+def test_the_loop_needs_one_entry_per_row():
+    states = [state_with(12, 12, 11, 0), state_with(12, 12, 11, 1)]
+    for toks, lens, budgets, got in (([[1]], [12, 12], [9, 9], "toks (1), cache_lens (2) and "
+                                      "budgets (2)"),
+                                     ([[1], [1]], [12], [9, 9], "toks (2), cache_lens (1) and "
+                                      "budgets (2)"),
+                                     ([[1], [1]], [12, 12], [9], "toks (2), cache_lens (2) and "
+                                      "budgets (1)")):
+        with pytest.raises(ValueError, match=rf"^states \(2\), {re.escape(got)} must have one "
+                                             r"entry per row$"):
+            group_drafting_loop(MODEL, {(1, 0): [0, 1]}, states, toks, lens, budgets, 4, False)

@@ -385,3 +385,146 @@ def test_a_placeholder_on_a_non_flash_fallback_is_refused():
     assert check_flash_placeholder_mask([1, 1], 5, True, True) is None  # flash is causal
     assert check_flash_placeholder_mask([1, 1], 5, False, False) is None
     assert check_flash_placeholder_mask([5, 7], 5, True, False) is None
+
+
+# ----------------------------------------------------------------------------- malformed input
+
+
+def test_malformed_sizes_are_refused_with_the_stated_messages():
+    cases = [
+        (lambda: raw_keep_span(-1, 4, 9), "t_q -1 and t_k_full 9 must be >= 0"),
+        (lambda: raw_keep_span(2, 4, -1), "t_q 2 and t_k_full -1 must be >= 0"),
+        (lambda: raw_keep_span(0, 4, 9),
+         "t_q 0 must be >= 1: a forward with no query row reaches no key"),
+        (lambda: raw_keep_span(2, 0, 9),
+         "window 0 must be >= 1 (dsv4 passes max(sliding_window, 1))"),
+        (lambda: raw_validity(-1, 0, 0, 3, 2), "t_q -1, q0 0, raw_base 0, keep 3 must be >= 0"),
+        (lambda: raw_validity(1, -1, 0, 3, 2), "t_q 1, q0 -1, raw_base 0, keep 3 must be >= 0"),
+        (lambda: raw_validity(1, 0, -1, 3, 2), "t_q 1, q0 0, raw_base -1, keep 3 must be >= 0"),
+        (lambda: raw_validity(1, 0, 0, -1, 2), "t_q 1, q0 0, raw_base 0, keep -1 must be >= 0"),
+        (lambda: raw_validity(1, 0, 0, 3, 0), "window 0 must be >= 1"),
+        (lambda: compressed_validity(-1, 0, 2, 4), "t_q -1, q0 0, t_c 2 must be >= 0"),
+        (lambda: compressed_validity(1, -1, 2, 4), "t_q 1, q0 -1, t_c 2 must be >= 0"),
+        (lambda: compressed_validity(1, 0, -1, 4), "t_q 1, q0 0, t_c -1 must be >= 0"),
+        (lambda: compressed_validity(1, 0, 2, 0),
+         "compress ratio 0 must be >= 1 when there are 2 compressed keys"),
+        (lambda: sdpa_sliding_window(-1, 8), "ratio -1 and window 8 must be >= 0"),
+        (lambda: sdpa_sliding_window(0, -1), "ratio 0 and window -1 must be >= 0"),
+        (lambda: graph_mode_length_mask([1], -1), "cap -1 and positions [1] must be >= 0"),
+        (lambda: graph_mode_length_mask([1, -2], 4), "cap 4 and positions [1, -2] must be >= 0"),
+        (lambda: make_left_padded_causal_mask(-1, 1, 4, []), "b -1, t_q 1, past 4 must be >= 0"),
+        (lambda: make_left_padded_causal_mask(1, -1, 4, [4]), "b 1, t_q -1, past 4 must be >= 0"),
+        (lambda: make_left_padded_causal_mask(1, 1, -1, [0]), "b 1, t_q 1, past -1 must be >= 0"),
+        (lambda: make_left_padded_causal_mask(2, 1, 4, [4, -1]),
+         "live lengths [4, -1] must be >= 0"),
+        (lambda: make_causal_mask_matrix(-1, 2, 4, None, None), "b -1, t_q 2, past 4 must be >= 0"),
+        (lambda: make_causal_mask_matrix(1, -1, 4, None, None), "b 1, t_q -1, past 4 must be >= 0"),
+        (lambda: make_causal_mask_matrix(1, 2, -1, None, None), "b 1, t_q 2, past -1 must be >= 0"),
+        (lambda: make_sliding_window_causal_mask_matrix(1, 2, 4, None, None, 0),
+         "window 0 must be >= 1"),
+        (lambda: make_sliding_window_causal_mask_matrix(-1, 2, 4, None, None, 3),
+         "b -1, t_q 2, past 4 must be >= 0"),
+        (lambda: make_sliding_window_causal_mask_matrix(1, -1, 4, None, None, 3),
+         "b 1, t_q -1, past 4 must be >= 0"),
+        (lambda: make_sliding_window_causal_mask_matrix(1, 2, -1, None, None, 3),
+         "b 1, t_q 2, past -1 must be >= 0"),
+        (lambda: make_sliding_window_causal_mask_matrix(1, 2, 4, None, None, 3, "x"),
+         "sliding_window_ragged 'x' must be one of ('none', 'channel')"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == message
+
+
+def test_zero_sizes_are_not_malformed():
+    assert raw_keep_span(1, 1, 0) == (0, 0)
+    assert raw_validity(0, 0, 0, 0, 1).shape == (0, 0)
+    assert compressed_validity(0, 0, 0, 0).shape == (0, 0)
+    assert sdpa_sliding_window(0, 0) == 0
+    assert graph_mode_length_mask([0], 0).shape == (1, 1, 1, 0)
+    assert make_left_padded_causal_mask(0, 0, 0, []).shape == (0, 1, 0, 0)
+    assert make_causal_mask_matrix(0, 0, 0, None, None).shape == (0, 0)
+    assert make_sliding_window_causal_mask_matrix(0, 0, 0, None, None, 1).shape == (0, 0)
+
+
+def test_shape_check_messages_name_the_widths():
+    local = _local(2, 6)
+    with pytest.raises(MaskRefusal) as e:
+        compose_caller_mask(local, np.zeros((2, 7)), 2, 8, 4, 4, 2)
+    assert str(e.value) == "attention_mask key axis 7 is neither t_k_full 8 nor t_k_full + t_c 10"
+    with pytest.raises(ValueError) as e:  # raw columns [6, 10) reach past a key axis of 8
+        compose_caller_mask(local, np.zeros((2, 8)), 2, 8, 6, 4, 2)
+    assert str(e.value) == "raw slice [6, 10) exceeds key axis 8"
+    valid = np.ones((1, 4), dtype=bool)
+    cases = [
+        (lambda: ragged_union_mask([], 0, valid, 0, 4, 4, 0),
+         "ragged_union_mask needs at least one row"),
+        (lambda: ragged_union_mask([3], 3, valid, 0, 3, 4, 2),
+         "valid shape (1, 4) must be [t_q, t_k + t_c = 5]"),
+        (lambda: ragged_union_mask([3], 3, valid, -1, 4, 4, 0),
+         "raw_base -1, t_k 4, t_c 0 must be >= 0"),
+        (lambda: ragged_union_mask([3], 3, valid, 0, -1, 4, 5),
+         "raw_base 0, t_k -1, t_c 5 must be >= 0"),
+        (lambda: ragged_union_mask([3], 3, valid, 0, 5, 4, -1),
+         "raw_base 0, t_k 5, t_c -1 must be >= 0"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == message
+
+
+def test_ragged_union_mask_edges_a_row_at_zero_no_raw_keys_and_numeric_validity():
+    # a row at position 0 (lead q0) is a resolved row; its diagonal stays live
+    mask = ragged_union_mask([0, 3], 3, np.ones((1, 4), dtype=bool), 0, 4, 4, 0)
+    assert keep_bits(mask[:, 0, 0]).tolist() == [[0, 0, 0, 1], [1, 1, 1, 1]]
+    # no raw keys: only the compressed half (block 0 complete for the row at 3: 4 <= 3 + 1)
+    comp_only = ragged_union_mask([3], 3, np.ones((1, 1), dtype=bool), 0, 0, 4, 1)
+    assert keep_bits(comp_only[:, 0, 0]).tolist() == [[1]]
+    # validity given as 0/1 numbers reads as booleans
+    valid = np.array([[1, 0, 1, 1]])
+    want = ragged_union_mask([2, 3], 3, valid.astype(bool), 0, 4, 4, 0)
+    for numeric in (valid, valid.astype(np.float64)):
+        assert np.array_equal(ragged_union_mask([2, 3], 3, numeric, 0, 4, 4, 0), want)
+
+
+def test_validity_and_masks_keep_their_stated_dtypes():
+    assert compressed_validity(2, 0, 0, 4).dtype == bool
+    assert compressed_validity(2, 0, 3, 4).dtype == bool
+    local = np.zeros((1, 1, 2, 6), dtype=np.float32)
+    for width in (8, 10):  # the raw slice alone, and with the caller's compressed columns
+        out = compose_caller_mask(local, np.zeros((2, width), dtype=np.float32), 2, 8, 4, 4, 2)
+        assert out.dtype == np.float64
+
+
+def test_the_sliding_window_entry_point_under_flash_and_with_per_seq_lens():
+    ph = make_sliding_window_causal_mask_matrix(2, 3, 4, None, None, 2, flash_on_cuda=True)
+    assert ph.shape == (1, 1) and ph.dtype == np.float64 and ph[0, 0] == 0.0
+    # "channel" reads the cache's own per-seq lens first, as §9.3 step 1
+    mask = make_sliding_window_causal_mask_matrix(2, 1, 4, [4, 2], None, 3,
+                                                  sliding_window_ragged="channel")
+    assert mask.shape == (2, 1, 1, 5)
+    assert keep_bits(mask[:, 0, 0]).tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+    mask = make_sliding_window_causal_mask_matrix(2, 1, 4, [4, 1], None, 3,
+                                                  sliding_window_ragged="channel")
+    assert keep_bits(mask[:, 0, 0]).tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
+
+
+def test_past_kv_len_of_empty_and_single_sources():
+    assert past_kv_len(NormalCache([])) == (0, None)
+    assert past_kv_len([]) == (0, None)
+    assert past_kv_len([7]) == (7, None)
+    slot = KvCache.new_normal(64)
+    slot.append(np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 3, 2)))
+    assert past_kv_len([slot]) == (3, None)
+
+
+def test_small_routing_predicates_at_their_boundaries():
+    assert sdpa_sliding_window(2, 128) is None  # ratio 2 is compressed, only 0 and 1 are Standard
+    with pytest.raises(MaskRefusal) as e:
+        check_flash_placeholder_mask([1, 1], 2, flash_build=True, runs_flash=False)
+    assert "seq_len 2" in str(e.value)
+    with pytest.raises(MaskRefusal) as e:
+        require_graph_length_mask(None)
+    assert str(e.value) == "the graph-decode arm refuses to run: its length mask is unset (None)"

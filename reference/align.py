@@ -167,10 +167,9 @@ def front_pad_kv_cache(slot, target: int, xs_per_seq: bool) -> int:
         return 0
     if not isinstance(slot, KvCache):
         return slot.front_pad(target)
-    lead_k = front_pad_single(slot.k, target)
-    lead_v = front_pad_single(slot.v, target)
-    require(lead_k == lead_v, f"K lead {lead_k} and V lead {lead_v} disagree")
-    return lead_k
+    lead = front_pad_single(slot.k, target)
+    front_pad_single(slot.v, target)  # the same length (checked above): the same lead
+    return lead
 
 
 def _dead_prefix_refusal(slot, lead: int) -> CacheRefusal | None:
@@ -567,10 +566,10 @@ def front_align_draft_group(caches: list[KvCache], starts: list[int]) -> KvCache
     "chain start {s} is past the {held} position(s)" (set_len alone would grow into spare
     capacity); a non-Normal slot; an unmaterialized buffer. A pad refusal (max_seq_len)
     propagates as CacheRefusal."""
-    target = draft_group_target(  # the values of a non-Normal row are never read
+    target = draft_group_target(  # the buffers of a non-Normal row are never read
         [c.kind for c in caches],
         [c.kind != NORMAL or (c.k.data is not None and c.v.data is not None) for c in caches],
-        [c.current_seq_len if c.kind == NORMAL else 0 for c in caches], starts)
+        [c.current_seq_len for c in caches], starts)
     rows = []
     for c, s in zip(caches, starts, strict=False):
         row = c.clone()
