@@ -35,7 +35,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "reference/lengths_scheduler.py": ("conformance/test_lengths_scheduler.py",
                                        "conformance/test_lengths.py"),
     "reference/masks.py": ("conformance/test_masks.py",),
-    "reference/model.py": ("conformance/test_model.py",),
+    "reference/model.py": ("conformance/test_model.py", "conformance/test_model_layer.py"),
     "reference/pipeline.py": ("conformance/test_spec_gaps.py",),
     "reference/policy.py": ("conformance/test_simulator.py", "conformance/test_lengths.py"),
     "reference/rope.py": ("conformance/test_rope.py",),
