@@ -76,6 +76,8 @@ def test_the_records_and_the_state_refuse_with_the_documented_texts():
         SeqRecord(-1, 5)
     with refused("sequence 3: n_tokens 0 must be >= 1"):
         SeqRecord(3, 0)
+    with refused("sequence 3: cache_len -1 must be None or >= 0"):
+        SeqRecord(3, 5, cache_len=-1)
     with refused("sequence 3: token_offset -1 must be >= 0"):
         SeqRecord(3, 5, token_offset=-1)
     with refused("steps_since_prompt -1 must be >= 0"):
