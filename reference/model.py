@@ -86,10 +86,12 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def _gain(rng: np.random.Generator, n: int) -> np.ndarray:
+    """An RMSNorm gain: `1 + 0.1 * z`, z the generator's next `n` standard normals."""
     return 1.0 + 0.1 * rng.standard_normal(n)
 
 
 def _proj(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
+    """A projection `[fan_in, fan_out]`: the generator's next standard normals / sqrt(fan_in)."""
     return rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)
 
 
@@ -241,7 +243,8 @@ class MtpBlock:
 
     def fuse(self, h: np.ndarray, tokens) -> np.ndarray:
         """`h_proj(hnorm(h)) + e_proj(enorm(embed(tokens)))`; `h [..., H]`, `tokens` of shape
-        `h.shape[:-1]`. Row- and token-local. ValueError on a shape or token mismatch."""
+        `h.shape[:-1]` (read as float64 and int64). Row- and token-local. ValueError on a shape or
+        token mismatch."""
         h = np.asarray(h, dtype=np.float64)
         tokens = np.asarray(tokens, dtype=np.int64)
         require(h.shape[-1] == self.cfg.hidden and tokens.shape == h.shape[:-1],
@@ -260,7 +263,7 @@ class MtpBlock:
                             tokens=None) -> np.ndarray:
         """One MTP decoder-layer step on `fused [G,T,H]` whose row r starts at absolute
         position `start_pos[r]` (or the one shared `start_pos[0]`); returns the **pre-norm**
-        hidden `[G,T,H]` and leaves `cache` `T` entries longer.
+        hidden `[G,T,H]` and leaves `cache` `T` entries longer (`fused` is read as float64).
 
         First `draft_step_end_column(start_pos, G, cache.current_seq_len)`: the cache must
         hold exactly `max(start_pos)` entries (refused otherwise: "desync"; also "given no
@@ -331,8 +334,8 @@ class TinyModel:
     def forward(self, tokens, cache: NormalCache, seqlen_offsets: Sequence[int],
                 row_q0: Sequence[int] | None = None, lead_pad: Sequence[int] | None = None,
                 capture=None) -> Forward:
-        """Run `tokens [B,T]` through every target layer, appending their K/V to the
-        batched `cache` (layer i uses `cache.slots[i]`; extra slots are ignored).
+        """Run `tokens [B,T]` (ids, read as int64) through every target layer, appending their
+        K/V to the batched `cache` (layer i uses `cache.slots[i]`; extra slots are ignored).
 
         Layout invariant (ValueError otherwise): the batch is front-aligned, so row i's live
         run is columns `[lead_i, C + T)` and its first query sits at its own position

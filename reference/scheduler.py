@@ -210,8 +210,9 @@ class SchedulerState:
 
 def install_admission(state: SchedulerState, decision: RaggedAdmission) -> str | None:
     """§17: the decision made once in `Engine::new` is pushed to the scheduler AND to the
-    engine/pipeline (a grant must reach both). Returns the info line
-    `Ragged batch admission is ON: ...` when granted, else None."""
+    engine/pipeline (a grant must reach both). Returns the info line `Ragged batch admission
+    is ON: completions share one bucket and the batch is re-assembled every step` when
+    granted, else None."""
     state.admission = decision
     state.engine_admission = decision
     if decision.granted:
