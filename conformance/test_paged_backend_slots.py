@@ -30,7 +30,7 @@ from raggedspec.gpu.testing import DEVICE
 from raggedspec.gpu.xs_rolling import XsRolling
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.cache import NormalCache
-from raggedspec.reference.errors import CacheRefusal
+from raggedspec.reference.errors import AlignRefusal, CacheRefusal
 
 
 def _kv(b: int, n: int, first: float = 1.0, d: int = 2, dv: int = 3):
@@ -391,3 +391,29 @@ def test_concat_takes_in_place_row_handles_beside_paged_slots():
     assert type(out) is TorchKv and _front(out) == [[1.0, 2.0, 3.0], [5.0, 6.0, 7.0]]
     both = be.concat([paged, paged])
     assert both.pool is be.pool and all(q.pool is be.pool for q in be.split(both, 2))
+
+
+def test_clone_in_reconciles_shared_xs_bases_and_keeps_per_sequence_ones():
+    """Two sequences whose xs slots saw 8 tokens with bases 0 and 4: a batch with shared xs
+    state gives every row the largest base (uniform tokens), a per-sequence one keeps each
+    row's own."""
+    be = PagedBackend(page_size=2)
+
+    class Cfg:
+        compress_ratios = [0, 4]
+
+    for xs_per_seq, bases in ((False, [4, 4]), (True, [0, 4])):
+        caches = [be.new_target_cache(Cfg, 4096, 1) for _ in range(2)]
+        for n, c in enumerate(caches):
+            be.kv_append(c.slots[0], *(np.full((1, 1, 3, 2), n + 1.0),) * 2)
+            c.slots[2].tokens, c.slots[2].base = np.array([8]), np.array([4 * n])
+        xs = be.clone_in(caches, [0, 0], xs_per_seq, False).batched.slots[2]
+        assert xs.base.tolist() == bases and xs.tokens.tolist() == [8, 8]
+
+
+def test_a_draft_group_with_a_non_normal_row_is_the_reference_refusal():
+    be = PagedBackend(page_size=2)
+    paged = be.kv_from_arrays(np.ones((1, 1, 3, 2)), np.ones((1, 1, 3, 2)), 4096)
+    xs = XsRolling(4, max_seq_len=4096, batch=1)
+    refuses(AlignRefusal, "draft row 1 is a XsRolling slot, not Normal",
+            be.front_align_draft_group, [paged, xs], [2, 2])
