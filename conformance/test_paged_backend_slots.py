@@ -77,8 +77,8 @@ def test_the_first_append_materializes_the_slot_in_pages():
     assert slot.kv is None and slot.capacity == 512 and slot.current == 0 and slot.lead is None
     k, v = _kv(2, 3)
     slot.append(k, v)
-    assert isinstance(slot.kv, PagedRaggedKv) and slot.kv.store is pool.store(1, 2, 3,
-                                                                            torch.float64, DEVICE)
+    assert isinstance(slot.kv, PagedRaggedKv) and list(pool.stores.values()) == [slot.kv.store]
+    assert slot.kv.store.dtype == torch.float64 and slot.kv.store.page_size == 2
     assert slot.current == 3 and slot.lead.tolist() == [0, 0] and slot.lead.dtype == np.int64
     assert _front(slot) == [[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]]
     slot.append(*_kv(2, 1, 4.0))
@@ -106,8 +106,8 @@ def test_a_dense_batch_assigned_to_a_slot_is_adopted_into_the_pool():
     k, v = _kv(3, 4)
     slot.kv = RaggedKv(k.float(), v.float(), [4, 0, 2], 64)
     got = slot.kv
-    assert isinstance(got, PagedRaggedKv) and got.store is pool.store(1, 2, 3, torch.float32,
-                                                                      torch.device(DEVICE))
+    assert isinstance(got, PagedRaggedKv) and list(pool.stores.values()) == [got.store]
+    assert got.store.dtype == torch.float32 and got.store.k.shape[1:] == (1, 2, 2)
     assert got.host_lens().tolist() == [4, 0, 2] and got.max_seq_len == 64
     assert got.k[0, 0, :4, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert got.v[2, 0, :2, 2].tolist() == [-21.0, -22.0]

@@ -48,7 +48,7 @@ def test_a_new_store_holds_four_zero_pages_with_page_0_reserved():
     s = PageStore(2, 3, 5, 4, torch.float32, DEVICE)
     assert tuple(s.k.shape) == (4, 2, 4, 3) and tuple(s.v.shape) == (4, 2, 4, 5)
     assert s.k.dtype == s.v.dtype == torch.float32 and s.dtype == torch.float32
-    assert s.k.device == s.v.device == torch.device(DEVICE) and s.device == DEVICE
+    assert s.k.device.type == s.v.device.type == DEVICE.type and s.device == DEVICE
     assert not s.k.any() and not s.v.any()
     assert s.page_size == 4 and s.used == 1 and s.owner.tolist() == [-1] * 4
     assert s.moved == {"write": 0, "grow": 0}
@@ -128,7 +128,7 @@ def test_an_empty_batch_has_no_pages_and_zero_width():
     assert kv.lens.tolist() == [0, 0, 0] and kv.host_lens().tolist() == [0, 0, 0]
     assert kv.width == kv.capacity == 0 and kv.batch == 3 and kv.max_seq_len == 64
     assert tuple(kv.k.shape) == (3, 1, 0, 2) and tuple(kv.v.shape) == (3, 1, 0, 3)
-    assert kv.lens.device == torch.device(DEVICE)
+    assert kv.lens.device.type == DEVICE.type
 
 
 def test_the_view_grows_in_whole_pages_and_lengths_stay_within_it():
