@@ -417,3 +417,12 @@ def test_a_draft_group_with_a_non_normal_row_is_the_reference_refusal():
     xs = XsRolling(4, max_seq_len=4096, batch=1)
     refuses(AlignRefusal, "draft row 1 is a XsRolling slot, not Normal",
             be.front_align_draft_group, [paged, xs], [2, 2])
+
+
+def test_a_slot_puts_its_pages_on_the_device_of_its_first_append():
+    """Placement (torch's meta device runs on any machine): the store the first append asks
+    the pool for sits where the appended columns are."""
+    pool = PagePool(2)
+    slot = PagedKv(4096, pool)
+    slot.append(torch.zeros((1, 1, 1, 2), device="meta"), torch.zeros((1, 1, 1, 3), device="meta"))
+    assert slot.kv.store.k.device.type == "meta" and slot.kv.lens.device.type == "meta"
