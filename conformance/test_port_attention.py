@@ -449,3 +449,92 @@ def test_in_place_refusals_and_the_row_with_exactly_t_q_keys():
     refuses("KV heads 0 must divide query heads 4", port.dsv4_attention, z((2, 4, 3, 8)),
             z((2, 0, 5, 8)), z((2, 0, 5, 8)), None, None,
             port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=3))
+
+
+# Dtypes of what joins the union: the masks are built in the compute dtype (a float64
+# caller mask keeps its float64 values), and the compressed keys and values join the raw
+# ones in the KV dtype even when the queries compute in a wider one.
+
+
+def test_a_float64_caller_mask_keeps_its_float64_values_on_both_mask_paths():
+    """Zero queries make the logits the caller mask itself: one query over two keys with
+    biases (-0.3, 0.1) weighs v0 = 1 and v1 = -1 by e^-0.3 and e^0.1. Row 1 of the ragged
+    batch starts one column later (row_q0 0 of q0 1), so it reads key 1 alone: -1."""
+    e0, e1 = math.exp(-0.3), math.exp(0.1)
+    mixed = (e0 - e1) / (e0 + e1)
+    z = torch.zeros((2, 1, 1, 1), dtype=torch.float64, device=DEVICE)
+    k = torch.zeros((2, 1, 2, 1), dtype=torch.float64, device=DEVICE)
+    v = torch.tensor([1.0, -1.0], dtype=torch.float64, device=DEVICE).reshape(1, 1, 2, 1)
+    v = v.expand(2, 1, 2, 1).contiguous()
+    caller = torch.tensor([[-0.3, 0.1]], dtype=torch.float64, device=DEVICE)
+    for rows, want in ((None, [mixed, mixed]), ([1, 0], [mixed, -1.0])):
+        cfg = port.Dsv4AttentionConfig(compress_ratio=0, sliding_window=8, row_q0=rows)
+        got = port.dsv4_attention(z, k, v, None, caller, cfg).reshape(-1).tolist()
+        assert got == pytest.approx(want, rel=1e-15, abs=1e-15), rows
+
+
+@pytest.mark.parametrize("dtype, compute", [(torch.float16, torch.float32),
+                                            (torch.bfloat16, torch.float32),
+                                            (torch.float32, torch.float32),
+                                            (torch.float64, torch.float64)],
+                         ids=["float16", "bfloat16", "float32", "float64"])
+def test_the_union_mask_reaches_attention_in_the_compute_dtype(monkeypatch, dtype, compute):
+    """Half-precision queries compute in float32, float32 and float64 in their own dtype:
+    the 0 / -inf union mask handed to `attention` is built in that dtype on the uniform
+    path, the ragged path and the in-place layout."""
+    seen = []
+    inner = port.attention
+
+    def spy(q, k, v, mask, sinks=None):
+        seen.append(mask.dtype)
+        return inner(q, k, v, mask, sinks)
+
+    monkeypatch.setattr(port, "attention", spy)
+    q = torch.zeros((2, 2, 1, 4), dtype=dtype, device=DEVICE)
+    k = torch.zeros((2, 1, 5, 4), dtype=dtype, device=DEVICE)
+    for rows in (None, [4, 2]):
+        port.dsv4_attention(q, k, k, None, None, port.Dsv4AttentionConfig(0, 3, row_q0=rows))
+    kv = RaggedKv(k, k.clone(), [5, 3], max_seq_len=4096)
+    port.dsv4_attention_in_place(q, kv, None, 0, 3)
+    assert seen == [compute] * 3
+
+
+def test_compressed_keys_join_in_the_kv_dtype_under_float64_queries():
+    """float64 queries over bfloat16 raw keys and values (distinct) with float64 compressed
+    keys: the compressed keys and values enter rounded to bfloat16, exactly as if given in
+    bfloat16, in dsv4_attention and in the in-place layout; the float64 output keeps the
+    rounding visible."""
+    rng = np.random.default_rng(9)
+    q = to_port(rng.standard_normal((2, 2, 1, 4)))
+    k = to_port(rng.standard_normal((2, 1, 8, 4)), torch.bfloat16)
+    v = to_port(rng.standard_normal((2, 1, 8, 4)), torch.bfloat16)
+    comp = to_port(rng.standard_normal((2, 1, 2, 4)))
+    rounded = comp.to(torch.bfloat16)
+    assert not torch.equal(rounded.double(), comp)  # the rounding is there to be seen
+    cfg = port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=8)
+    want = port.dsv4_attention(q, k, v, rounded, None, cfg)
+    assert torch.equal(port.dsv4_attention(q, k, v, comp, None, cfg), want)
+    kv = RaggedKv(k, v, [8, 8], max_seq_len=4096)
+    want = port.dsv4_attention_in_place(q, kv, rounded, 4, 8)
+    assert torch.equal(port.dsv4_attention_in_place(q, kv, comp, 4, 8), want)
+
+
+def test_in_place_attention_never_reads_a_key_before_the_window():
+    """One query per row, window 3: row i attends exactly its last 3 keys (`qp - 3 < kp <=
+    qp`, qp = lens[i] - 1). Every other column, older keys and the slack past the row's
+    end alike, holds NaN: the output is the plain attention over the 3 window keys."""
+    rng = np.random.default_rng(12)
+    lens, window, cap = [10, 6], 3, 12
+    k, v = np.full((2, 1, cap, 4), np.nan), np.full((2, 1, cap, 4), np.nan)
+    q = rng.standard_normal((2, 2, 1, 4))
+    sinks = rng.standard_normal(2)
+    want = []
+    for i, n in enumerate(lens):
+        k[i, :, n - window: n] = rng.standard_normal((1, window, 4))
+        v[i, :, n - window: n] = rng.standard_normal((1, window, 4))
+        want.append(ref.attention(q[i: i + 1], k[i: i + 1, :, n - window: n],
+                                  v[i: i + 1, :, n - window: n], None, sinks))
+    kv = RaggedKv(to_port(k), to_port(v), lens, max_seq_len=4096)
+    got = port.dsv4_attention_in_place(to_port(q), kv, None, 0, window, to_port(sinks))
+    assert_close64(got, np.concatenate(want), what="window keys only")
+    assert torch.isfinite(got).all()

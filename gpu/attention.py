@@ -114,8 +114,9 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     broadcast; uniform -> one `[1,1,t_q,n]` mask, ragged -> `ragged_union_mask`; caller
     mask folded (its MaskRefusals); `attention`. Masks are built in the compute dtype.
     `k, v [B,Hk,t_k,D]` and `compressed_kv [B,Hk,t_c,D]` with Hk dividing H (query head h
-    reads KV head `h // (H // Hk)`, as the reference). `cfg` is a `Dsv4AttentionConfig`
-    of this module or of the reference."""
+    reads KV head `h // (H // Hk)`, as the reference); `compressed_kv` joins the raw keys
+    and values rounded to their dtypes (k's, v's). `cfg` is a `Dsv4AttentionConfig` of
+    this module or of the reference."""
     require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
             f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must all be rank 4")
     b, h, t_q, d = q.shape
@@ -192,8 +193,9 @@ def dsv4_attention_in_place(
     `b < floor((qp + 1) / ratio)`. Equals the reference's `dsv4_attention` of the
     materialized front-aligned batch with `row_q0 = lens - t_q` (up to float summation
     order). Refusal: MaskRefusal "query rows against only" for a row shorter than `t_q`.
-    Not modelled here: `raw_prefix` (windowed eviction) and a caller mask. ValueError on
-    shapes that disagree, including Hk not dividing H."""
+    The mask is built in the compute dtype; `compressed_kv` joins the raw keys and values
+    rounded to the cache's dtype. Not modelled here: `raw_prefix` (windowed eviction) and a
+    caller mask. ValueError on shapes that disagree, including Hk not dividing H."""
     require(
         q.dim() == 4
         and q.shape[1] % kv.k.shape[1] == 0

@@ -29,6 +29,7 @@ import itertools
 import numpy as np
 import torch
 
+from raggedspec.gpu._common import on_device_of, zeros_on
 from raggedspec.reference.errors import require
 
 _IDS = itertools.count(1)
@@ -44,14 +45,15 @@ class PageStore:
                  device: torch.device | str | None) -> None:
         require(page_size >= 1, f"page_size {page_size} must be >= 1")
         self.page_size, self.dtype, self.device = int(page_size), dtype, device
-        self.k = torch.zeros((4, heads, page_size, dim), dtype=dtype, device=device)
-        self.v = torch.zeros((4, heads, page_size, v_dim), dtype=dtype, device=device)
+        self.k = zeros_on((4, heads, page_size, dim), dtype, device)
+        self.v = zeros_on((4, heads, page_size, v_dim), dtype, device)
         self.owner = np.full(4, -1, dtype=np.int64)
         self.used = 1
         self.moved = {"write": 0, "grow": 0}
 
     def _grow(self, needed: int) -> None:
-        """Room for `needed` pages (the store at least doubles: amortized copies)."""
+        """Room for `needed` pages: a store of n < needed pages grows to max(needed, 2 n)
+        (at least doubling: amortized copies), the used pages' bytes counted as "grow"."""
         n = self.k.shape[0]
         if needed <= n:
             return
@@ -78,16 +80,16 @@ class PageStore:
         """Columns `k[m] [H, D]` (and `v[m]`) into page `pages[m]` at offset `offs[m]`: the
         only K/V write. Refused (ValueError) into the zero page."""
         require(not (pages == 0).any(), "a write into the zero page")
-        p = torch.from_numpy(pages).to(self.k.device)
-        o = torch.from_numpy(offs).to(self.k.device)
+        p = on_device_of(torch.from_numpy(pages), self.k)
+        o = on_device_of(torch.from_numpy(offs), self.k)
         self.k.permute(0, 2, 1, 3)[p, o] = k.to(self.dtype)
         self.v.permute(0, 2, 1, 3)[p, o] = v.to(self.dtype)
         self.moved["write"] += k.to(self.dtype).nbytes + v.to(self.dtype).nbytes
 
     def read(self, pages: np.ndarray, offs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns at `(pages, offs)` (any shape S) as `(k [*S, H, D], v [*S, H, Dv])`."""
-        p = torch.from_numpy(pages).to(self.k.device)
-        o = torch.from_numpy(offs).to(self.k.device)
+        p = on_device_of(torch.from_numpy(pages), self.k)
+        o = on_device_of(torch.from_numpy(offs), self.k)
         return self.k.permute(0, 2, 1, 3)[p, o], self.v.permute(0, 2, 1, 3)[p, o]
 
 
@@ -111,8 +113,8 @@ class PagedRaggedKv:
     @staticmethod
     def empty(store: PageStore, b: int, max_seq_len: int) -> PagedRaggedKv:
         """B empty rows (no pages)."""
-        z = np.zeros(b, dtype=np.int64)
-        return PagedRaggedKv(store, np.zeros((b, 0), dtype=np.int64), z, z, z, 0, max_seq_len)
+        z = [0] * b
+        return PagedRaggedKv(store, np.zeros((b, 0)), z, z, z, 0, max_seq_len)
 
     # --- the RaggedKv interface the port's model and attention use
     @property
@@ -128,7 +130,7 @@ class PagedRaggedKv:
         require(not host.size or (host.min() >= 0 and host.max() <= self.capacity),
                 f"lens {host.tolist()} must lie in [0, capacity {self.capacity}]")
         self._host = host
-        self._lens = torch.from_numpy(host.copy()).to(self.store.device)
+        self._lens = on_device_of(torch.from_numpy(host.copy()), self.store.k)
 
     def host_lens(self) -> np.ndarray:
         return self._host
@@ -160,7 +162,7 @@ class PagedRaggedKv:
             page = np.zeros(cols.shape, dtype=np.int64)
         else:
             page = np.where(inside, np.take_along_axis(tab, np.where(inside, slot, 0), axis=1), 0)
-        return page.astype(np.int64), np.where(inside, logical % p, 0).astype(np.int64)
+        return page, np.where(inside, logical % p, 0).astype(np.int64)
 
     def _gather_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._view is None:
@@ -185,7 +187,7 @@ class PagedRaggedKv:
         the lengths by t: pages allocated as needed; a page this batch does not own gets a
         copy of its live prefix first. `rows` (host ints, distinct) restricts it to rows."""
         idx = np.arange(self.batch) if rows is None else np.asarray(
-            rows.tolist() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+            rows.tolist() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).ravel()
         require(k_new.dim() == 4 and k_new.shape[0] == idx.size
                 and k_new.shape[:3] == v_new.shape[:3],
                 f"append of k {list(k_new.shape)} to {idx.size} rows")
@@ -195,7 +197,7 @@ class PagedRaggedKv:
         self._make_writable(idx, t)
         cols = self._host[idx][:, None] + np.arange(t)[None, :]
         page, off = self._locate(idx, cols)
-        self.store.write(page.reshape(-1), off.reshape(-1),
+        self.store.write(page.ravel(), off.ravel(),
                          k_new.permute(0, 2, 1, 3).reshape(-1, *k_new.shape[1:2], k_new.shape[3]),
                          v_new.permute(0, 2, 1, 3).reshape(-1, *v_new.shape[1:2], v_new.shape[3]))
         host = self._host.copy()
@@ -257,7 +259,7 @@ class PagedRaggedKv:
         self.zlead = self.zlead + extra
         self._view = None
         host = self._host + extra
-        self.reserve(int(host.max()) if host.size else 0)
+        self.reserve(int(host.max()))  # a batch has at least one row
         self.lens = host
 
 
@@ -280,10 +282,8 @@ def stack_rows(parts: list[tuple[PagedRaggedKv, int, int]], lens: np.ndarray,
         zlead[r] = max(z - shift, 0)
         start[r] = kv.start[row] + max(shift - z, 0)
     p = store.page_size
-    width = max([kv.width for kv, _, _ in parts] + [int(lens.max()) if lens.size else 0])
-    out = PagedRaggedKv(store, table, start, zlead, np.zeros(len(parts), np.int64),
-                        -(-width // p) * p, max_seq_len)
-    out.lens = lens
+    width = max([kv.width for kv, _, _ in parts] + [int(n) for n in lens])
+    out = PagedRaggedKv(store, table, start, zlead, lens, -(-width // p) * p, max_seq_len)
     for kv, row, _ in parts:  # the new batch takes over the rows' pages
         pages = kv.table[row][kv.table[row] != 0]
         store.owner[pages[store.owner[pages] == kv.id]] = out.id

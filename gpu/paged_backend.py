@@ -161,7 +161,8 @@ def stack_paged(parts: list, pool: PagePool) -> PagedKv:
     rows = [r for p in parts for r in (p.rows() if isinstance(p, TorchKv) else [p])]
     require(len(rows) > 0, "concat_kv needs at least one slot")
     bad = [i for i, r in enumerate(rows) if r.materialized and not isinstance(r, PagedRowKv)]
-    require(not bad, f"row {bad[0] if bad else 0} is not a paged slot")
+    if bad:
+        raise ValueError(f"row {bad[0]} is not a paged slot")
     first = rows[0]
     cap = max(r.capacity for r in rows)
     mat = [r.materialized for r in rows]
