@@ -474,7 +474,7 @@ def _read_csv(path: Path, problems: _Problems) -> tuple[Trace, list[int]]:
                     if fields.get(k) != cur[2].get(k):
                         problems.field(
                             n,
-                            k,
+                            _csv_column(k),
                             rec.get(_csv_column(k), fields.get(k)),
                             f"must equal the step's value on its first line {cur[1]} "
                             f"({_show(cur[2].get(k))})",
@@ -550,6 +550,9 @@ def _csv_record(rec: dict, n: int, problems: _Problems) -> tuple[dict, dict]:
         problems.add(
             n, f"field 'group_u' = {_show(gu)}, 'group_start' = {_show(gs)}: both empty or both set"
         )
+    for col, v in (("group_u", gu), ("group_start", gs)):
+        if v is not None and _nonneg_int(v):
+            problems.field(n, col, v, _nonneg_int(v))
     row["group"] = None if gu is None or gs is None else [gu, gs]
     if "accepted_pos" in rec and rec["accepted_pos"] != "":
         row["accepted_pos"] = [_csv_value("q0", x) for x in rec["accepted_pos"].split(":")]
@@ -560,11 +563,7 @@ def _csv_record(rec: dict, n: int, problems: _Problems) -> tuple[dict, dict]:
         problems.field(n, "seq", row["seq"], seq_id_problem(row["seq"]))
     if row.get("own_len") is not None and _nonneg_int(row["own_len"]):
         problems.field(n, "own_len", rec["own_len"], _nonneg_int(row["own_len"]))
-    problems.check(
-        n,
-        {("group_u" if k == "group" else k): v for k, v in row.items()},
-        {k: c for k, c in ROW_FIELDS.items() if k not in ("group", "bucket")},
-    )
+    problems.check(n, row, {k: c for k, c in ROW_FIELDS.items() if k not in ("group", "bucket")})
     return fields, row
 
 
