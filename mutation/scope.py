@@ -17,7 +17,7 @@ from pathlib import Path
 # directly, or (torch backend, draft loop) runs it through the default torch backend of
 # conformance/backends.py.
 MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
-    "reference/acceptance.py": ("conformance/test_scenario.py",),
+    "reference/acceptance.py": ("conformance/test_acceptance.py", "conformance/test_scenario.py"),
     "reference/accounting.py": ("conformance/test_accounting.py",),
     "reference/align.py": ("conformance/test_align.py", "conformance/test_align_draft.py"),
     "reference/attention.py": ("conformance/test_attention.py",
