@@ -39,7 +39,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "reference/pipeline.py": ("conformance/test_spec_gaps.py",),
     "reference/policy.py": ("conformance/test_simulator.py", "conformance/test_lengths.py"),
     "reference/rope.py": ("conformance/test_rope.py",),
-    "reference/scenario.py": ("conformance/test_scenario.py",),
+    "reference/scenario.py": ("conformance/test_scenario_keys.py", "conformance/test_scenario.py"),
     "reference/scheduler.py": ("conformance/test_scheduler.py",
                                "conformance/test_scheduler_admission.py"),
     "reference/scheduler_telemetry.py": ("conformance/test_scheduler_telemetry.py",),

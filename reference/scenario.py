@@ -447,7 +447,9 @@ def _splitmix(x: int) -> int:
 
 
 def _draw(seed: int, i: int, salt: int, lo: int, hi: int) -> int:
-    """An integer in [lo, hi] from (seed, i, salt): seeded, platform independent."""
+    """An integer in [lo, hi] from (seed, i, salt): seeded, platform independent. With `sm`
+    the splitmix64 output function (64-bit wrapping), `lo + sm(sm(sm(seed ^ salt) ^ i)) %
+    (hi - lo + 1)`."""
     if lo == hi:
         return lo
     return lo + _splitmix(_splitmix(_splitmix(seed ^ salt) ^ i)) % (hi - lo + 1)
@@ -455,8 +457,8 @@ def _draw(seed: int, i: int, salt: int, lo: int, hi: int) -> int:
 
 def generate_requests(gen: dict, seed: int) -> tuple[Request, ...]:
     """The generator's requests: request i has prompt length and max_new_tokens drawn
-    uniformly from their inclusive ranges (seeded by (seed, i)); arrival 0 for all-at-once,
-    `i * stagger` for staggered."""
+    uniformly from their inclusive ranges (seeded by (seed, i): `_draw` with salt 0x5052
+    and 0x4D4E); arrival 0 for all-at-once, `i * stagger` for staggered."""
     b = gen["batch"]
     plo, phi = gen["prompt_len"]
     mlo, mhi = gen["max_new_tokens"]
@@ -531,7 +533,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
             _fail(
                 "prompt_len",
                 f"must be at most max_seq_len - 1 = {max_seq_len - 1}",
-                data.get("prompt_len"),
+                data.get("prompt_len", 16),
             )
         requests = generate_requests(gen, seed)
         generator = {k: (list(v) if isinstance(v, tuple) else v) for k, v in gen.items()}
