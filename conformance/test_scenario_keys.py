@@ -90,6 +90,9 @@ def test_the_generator_draws_each_length_by_the_documented_hash():
                                     "[low, high] pair", [1, 2, 3])),
     ({"prompt_len": [5, 4]}, key("prompt_len", "range [low, high] must have low <= high", [5, 4])),
     ({"max_new_tokens": [0, 4]}, key("max_new_tokens", "must be an integer >= 1", 0)),
+    ({"prompt_len": [4, 0]}, key("prompt_len", "must be an integer >= 1", 0)),
+    ({"prompt_len": [4, "5"]}, key("prompt_len", "must be an integer >= 1", "5")),
+    ({"per_seq_kv": "yes"}, key("per_seq_kv", "must be true or false", "yes")),
     ({"prompt_len": 10, "max_seq_len": 10},
      key("prompt_len", "must be at most max_seq_len - 1 = 9", 10)),
     ({"max_seq_len": 10}, key("prompt_len", "must be at most max_seq_len - 1 = 9", 16)),
@@ -150,6 +153,17 @@ def test_each_range_holds_its_edges(data):
     load_scenario(data)
 
 
+def test_the_generator_defaults():
+    """docs/simulator.md: batch 8, prompt_len 16, max_new_tokens 256, all at once; a
+    staggered arrival defaults to one step apart."""
+    sc = load_scenario({})
+    assert sc.requests == (Request(16, 256, 0, True),) * 8
+    assert sc.generator == {"batch": 8, "prompt_len": [16, 16], "max_new_tokens": [256, 256],
+                            "arrival": "all-at-once", "stagger": 1}
+    st = load_scenario({"arrival": "staggered", "batch": 3})
+    assert [r.arrival for r in st.requests] == [0, 1, 2]
+
+
 def test_nullable_keys_and_the_prefill_floor():
     sc = load_scenario({"max_seqs": None, "max_draft_kv_seqs": None, "prefill_max_seqs": None})
     assert (sc.max_seqs, sc.max_draft_kv_seqs, sc.prefill_max_seqs) == (None, None, None)
@@ -190,6 +204,10 @@ def test_nullable_keys_and_the_prefill_floor():
     ({"p": [True]}, key("acceptance.p", "must be a probability in [0, 1]", True)),
     ({"p": ["0.5"]}, key("acceptance.p", "must be a probability in [0, 1]", "0.5")),
     ({"p": [-0.1]}, key("acceptance.p", "must be a probability in [0, 1]", -0.1)),
+    ({"model": "profile", "p": [0.5, 2]}, key("acceptance.p", "must be a probability in [0, 1]",
+                                              2)),
+    ({"model": "heterogeneous", "p": [0.5, -1]},
+     key("acceptance.p", "must be a probability in [0, 1]", -1)),
     ({"p": [0.2, 0.3]}, key("acceptance.p", "geometric takes exactly one probability, e.g. "
                             "geometric:0.7", [0.2, 0.3])),
     ({"model": "profile", "p": [0.5] * 9},
@@ -211,6 +229,8 @@ def test_nullable_keys_and_the_prefill_floor():
     ({"model": "heterogeneous", "p_range": 0.5},
      key("acceptance.p_range", "only for heterogeneous: a [low, high] pair of probabilities",
          0.5)),
+    ({"model": "heterogeneous", "p_range": [-0.5, 0.5]},
+     key("acceptance.p_range", "must be a probability in [0, 1]", -0.5)),
     ({"model": "heterogeneous", "p_range": [0.1, 1.5]},
      key("acceptance.p_range", "must be a probability in [0, 1]", 1.5)),
     ({"model": "heterogeneous", "p_range": [0.6, 0.2]},
@@ -274,6 +294,11 @@ def test_overrides_as_a_dict_and_as_key_value_strings():
     assert sc.to_dict()["model"] == {"compress_ratios": [0, 8]}
     sc = load_scenario({"acceptance": "profile:0.5,0.25"}, ["acceptance.p=[0.125]"])
     assert sc.acceptance == AcceptanceSpec("profile", (0.125,))
+    # a dotted key completes a table that is not valid without it, or makes a new one
+    sc = load_scenario({"acceptance": {"model": "profile"}}, ["acceptance.p=[0.5]"])
+    assert sc.acceptance == AcceptanceSpec("profile", (0.5,))
+    assert load_scenario(None, ["acceptance.p=[0.3]"]).acceptance == AcceptanceSpec(
+        "geometric", (0.3,))
     assert load_scenario({"depth": 4}, []).depth == 4
     assert load_scenario({"depth": 4}, None).depth == 4
     assert load_scenario({"depth": 4}, {}).depth == 4

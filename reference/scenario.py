@@ -56,20 +56,17 @@ def _fail(key: str, allowed: str, got: Any) -> None:
     raise ScenarioError(f"scenario key '{key}': {allowed}, got {got!r}")
 
 
-def _int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """`value` as an int in `lo..=hi` (no upper bound when `hi` is None)."""
     if isinstance(value, bool) or not isinstance(value, int):
         _fail(key, f"must be an integer{_range(lo, hi)}", value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    if value < lo or (hi is not None and value > hi):
         _fail(key, f"must be an integer{_range(lo, hi)}", value)
     return int(value)
 
 
-def _range(lo: int | None, hi: int | None) -> str:
-    if lo is not None and hi is not None:
-        return f" in {lo}..={hi}"
-    if lo is not None:
-        return f" >= {lo}"
-    return ""
+def _range(lo: int, hi: int | None) -> str:
+    return f" >= {lo}" if hi is None else f" in {lo}..={hi}"
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -548,7 +545,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
             f"= {advance == 'per-sequence'}",
             per_seq_kv,
         )
-    model = data.get("model", {}) or {}
+    model = data.get("model") or {}
     if not isinstance(model, dict):
         _fail("model", "must be a table of " + ", ".join(MODEL_KEYS), model)
     for k in model:
