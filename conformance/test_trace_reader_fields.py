@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from raggedspec.reference.trace_reader import TraceError, read_trace_strict
+from raggedspec.reference.trace_reader import TraceError, _one_of, read_trace_strict
 
 STEP = {"type": "step", "step": 0, "rows": [{"seq": 0, "own_len": 5}]}
 HEADER = {"type": "header", "schema": "raggedspec-trace", "version": 1}
@@ -116,6 +116,7 @@ def test_values_at_the_edges_of_their_range_are_read(tmp_path, obj):
     (step_with(step="0"), "field 'step' = \"0\": must be an integer >= 0"),
     (step_with(step=None), "field 'step' = null: is required (an integer >= 0)"),
     ({"type": "step", "rows": []}, "field 'step' = null: is required (an integer >= 0)"),
+    ({"type": "step"}, "field 'step' = null: is required (an integer >= 0)"),
     ({"type": "step", "step": 0}, "field 'rows' = null: is required (a list of row objects)"),
     (step_with(rows={"seq": 0}), "field 'rows' = {\"seq\": 0}: is required (a list of row "
                                  "objects)"),
@@ -124,6 +125,13 @@ def test_values_at_the_edges_of_their_range_are_read(tmp_path, obj):
     (step_with(rows=[{"seq": 0}]), "field 'rows[].own_len' = null: is required (rows[0])"),
     (step_with(phase="x" * 80), 'field \'phase\' = "' + "x" * 56 + f"...: {ONE_OF_PHASE}"),
     (step_with(phase="x" * 58), 'field \'phase\' = "' + "x" * 58 + f'": {ONE_OF_PHASE}'),
+    (step_with(phase="x" * 59), 'field \'phase\' = "' + "x" * 56 + f"...: {ONE_OF_PHASE}"),
+    (step_with(phase=""), f"field 'phase' = \"\": {ONE_OF_PHASE}"),
+    (row_with(seq=2**31), f"field 'rows[].seq' = {2**31}: must be an integer >= 0 or a non-empty "
+                          "string (rows[0])"),
+    (row_with(seq=[1]), "field 'rows[].seq' = [1]: must be an integer >= 0 or a non-empty "
+                        "string (rows[0])"),
+    (step_with(rows=[5, {"seq": 0, "own_len": 1}]), "field 'rows[0]' = 5: must be a row object"),
 ])
 def test_each_bad_value_is_the_one_line_naming_field_value_and_rule(tmp_path, obj, shown):
     """A value is shown as JSON, cut to 57 characters and "..." when it is longer than 60."""
@@ -341,3 +349,61 @@ def test_int_ids_number_string_ids_after_the_largest_int_in_first_seen_order(tmp
     assert read_trace_strict(path).seq_names == {}
     only_strings = write(tmp_path, [step_with(rows=[{"seq": "z", "own_len": 1}])], "s.jsonl")
     assert read_trace_strict(only_strings, int_ids=True).seq_names == {0: "z"}
+
+
+def test_one_of_names_every_allowed_value():
+    check = _one_of(("a", "b c"))
+    assert check("a") is None and check("b c") is None
+    assert check("c") == 'must be one of "a", "b c"' and check(None) == 'must be one of "a", "b c"'
+
+
+def test_an_int_and_a_string_id_are_different_sequences(tmp_path):
+    rows = [{"seq": 1, "own_len": 2}, {"seq": "1", "own_len": 3}]
+    assert len(read_trace_strict(write(tmp_path, [step_with(rows=rows)])).rows(0)) == 2
+
+
+def test_the_default_limit_is_20_problems(tmp_path):
+    rows = [{"seq": i, "own_len": -1} for i in range(23)]
+    with pytest.raises(TraceError) as err:
+        read_trace_strict(write(tmp_path, [step_with(rows=rows)]))
+    assert len(err.value.problems) == 20 and err.value.more == 3
+
+
+def test_a_csv_trace_has_the_made_header_and_is_read_by_its_suffix_in_any_case(tmp_path):
+    path = csv_file(tmp_path, "step,seq,own_len,error\n0,1,4,\"left\r\nguard\"\n", "t.CSV")
+    tr = read_trace_strict(path)
+    assert tr.header == {**HEADER, "mode": "unknown", "scenario": None}
+    assert tr.step_fields(0)["error"] == "left\r\nguard"
+
+
+def test_every_bad_csv_line_is_reported_and_the_reading_goes_on(tmp_path):
+    path = csv_file(tmp_path, "step,seq,own_len\n0,1\nx,1,4\n1,2,-1\n2,2,4\n")
+    assert problems(path) == [
+        f"{path}:2: 2 cells, the header has 3 columns",
+        f"{path}:3: field 'step' = \"x\": must be an integer >= 0",
+        f"{path}:4: field 'own_len' = \"-1\": must be an integer >= 0",
+    ]
+    path = csv_file(tmp_path, "step\n0\n", "cols.csv")
+    assert only_problem(path) == f"{path}:1: CSV header lacks the required column(s) seq, own_len"
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("step,seq,own_len,group_u,group_start\n0,1,4,1,2147483648\n",
+     "field 'group_start' = 2147483648: must be an integer <= 2147483647"),
+    ("step,seq,own_len\n0,2147483648,4\n",
+     "field 'seq' = 2147483648: must be an integer >= 0 or a non-empty string"),
+    ("step,seq,own_len\n0,1,2147483648\n",
+     "field 'own_len' = \"2147483648\": must be an integer <= 2147483647"),
+    ("step,seq,own_len,bucket\n0,1,4,8:1\n0,2,4,\n",
+     "field 'bucket' = \"\": must equal the step's value on its first line 2 ([8, 1])"),
+])
+def test_csv_values_over_the_32_bit_limit_and_a_bucket_that_goes_missing(tmp_path, text, shown):
+    path = csv_file(tmp_path, text)
+    line = 3 if "bucket" in text else 2
+    assert only_problem(path) == f"{path}:{line}: {shown}"
+
+
+def test_an_empty_accepted_pos_cell_is_no_field(tmp_path):
+    path = csv_file(tmp_path, "step,seq,own_len,accepted_pos\n0,1,4,\n0,2,4,1:0\n")
+    rows = read_trace_strict(path).rows(0)
+    assert "accepted_pos" not in rows[0] and rows[1]["accepted_pos"] == [1, 0]
