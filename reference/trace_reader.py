@@ -354,7 +354,7 @@ def _check_row(n: int, r: dict, j: int, problems: _Problems, seen: dict) -> bool
     ok, at, prefix = True, f" (rows[{j}])", "rows[]."
     for name in ("seq", "own_len"):
         if r.get(name) is None:
-            problems.field(n, prefix + name, r.get(name), "is required", at)
+            problems.field(n, prefix + name, None, "is required", at)
             ok = False
     seq = r.get("seq")
     if seq is not None:
