@@ -299,6 +299,11 @@ def test_overrides_as_a_dict_and_as_key_value_strings():
     assert sc.acceptance == AcceptanceSpec("profile", (0.5,))
     assert load_scenario(None, ["acceptance.p=[0.3]"]).acceptance == AcceptanceSpec(
         "geometric", (0.3,))
+    # a null value leaves the key as it is, and the overrides after it still apply
+    assert load_scenario({"steps": 7}, ["steps=null", "depth=2"]).steps == 7
+    assert load_scenario(None, {"seed": None, "depth": 2}).depth == 2
+    # the first '=' splits: the value may hold one
+    assert refused(None, ["world=W=0"]) == key("world", "must be one of W0, WA, WB", "W=0")
     assert load_scenario({"depth": 4}, []).depth == 4
     assert load_scenario({"depth": 4}, None).depth == 4
     assert load_scenario({"depth": 4}, {}).depth == 4

@@ -407,3 +407,29 @@ def test_an_empty_accepted_pos_cell_is_no_field(tmp_path):
     path = csv_file(tmp_path, "step,seq,own_len,accepted_pos\n0,1,4,\n0,2,4,1:0\n")
     rows = read_trace_strict(path).rows(0)
     assert "accepted_pos" not in rows[0] and rows[1]["accepted_pos"] == [1, 0]
+
+
+def test_the_rows_after_a_non_object_row_are_still_checked(tmp_path):
+    path = write(tmp_path, [step_with(rows=[5, {"seq": 0, "own_len": -1}])])
+    assert problems(path) == [
+        f"{path}:1: field 'rows[0]' = 5: must be a row object",
+        f"{path}:1: field 'rows[].own_len' = -1: must be an integer >= 0 (rows[1])",
+    ]
+
+
+def test_every_bad_line_is_reported_and_a_refused_step_is_not_the_previous_one(tmp_path):
+    path = write(tmp_path, ["{oops", "[1]", step_with(step=5), step_with(step=5),
+                            step_with(step=4)])
+    rule = "must be greater than the previous step 5 (line 3): steps strictly increase"
+    got = problems(path)
+    assert got[0].startswith(f"{path}:1: not a JSON object (")
+    assert got[1:] == [f"{path}:2: not a JSON object (a list)",
+                       f"{path}:4: field 'step' = 5: {rule}",
+                       f"{path}:5: field 'step' = 4: {rule}"]
+
+
+def test_the_bad_byte_is_placed_on_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n" + json.dumps(STEP).encode() + b"\n\xe9\n\n\n")
+    at = len(json.dumps(STEP)) + 2
+    assert only_problem(path).startswith(f"{path}:3: not UTF-8 text (byte {at}:")
