@@ -17,7 +17,7 @@ from pathlib import Path
 # directly, or (torch backend, draft loop) runs it through the default torch backend of
 # conformance/backends.py.
 MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
-    "reference/acceptance.py": ("conformance/test_scenario.py",),
+    "reference/acceptance.py": ("conformance/test_acceptance.py", "conformance/test_scenario.py"),
     "reference/accounting.py": ("conformance/test_accounting.py",),
     "reference/align.py": ("conformance/test_align.py", "conformance/test_align_draft.py",
                            "conformance/test_align_checks.py"),
@@ -41,7 +41,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "reference/pipeline.py": ("conformance/test_spec_gaps.py",),
     "reference/policy.py": ("conformance/test_simulator.py", "conformance/test_lengths.py"),
     "reference/rope.py": ("conformance/test_rope.py",),
-    "reference/scenario.py": ("conformance/test_scenario.py",),
+    "reference/scenario.py": ("conformance/test_scenario_keys.py", "conformance/test_scenario.py"),
     "reference/scheduler.py": ("conformance/test_scheduler.py",
                                "conformance/test_scheduler_admission.py",
                                "conformance/test_scheduler_state.py"),
@@ -50,8 +50,10 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
                                "conformance/test_simulator_draft_map.py"),
     "reference/step.py": ("conformance/test_step.py", "conformance/test_step_commit.py",
                           "conformance/test_mutation_kills.py"),
-    "reference/trace.py": ("conformance/test_trace_reader.py", "conformance/test_check_trace.py"),
-    "reference/trace_reader.py": ("conformance/test_trace_reader.py",),
+    "reference/trace.py": ("conformance/test_trace.py", "conformance/test_trace_reader.py",
+                           "conformance/test_check_trace.py"),
+    "reference/trace_reader.py": ("conformance/test_trace_reader_fields.py",
+                                  "conformance/test_trace_reader.py"),
     "reference/xs_rolling.py": ("conformance/test_xs_rolling.py",
                                 "conformance/test_xs_rolling_edges.py"),
     "gpu/align.py": ("conformance/test_port_align.py",),

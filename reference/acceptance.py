@@ -41,7 +41,9 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def key_hash(seed: int, salt: int, seq, pos) -> np.ndarray:
-    """`hash(seed, salt, seq, pos)` as uint64, broadcast over `seq` and `pos` arrays."""
+    """`hash(seed, salt, seq, pos)` as uint64, broadcast over `seq` and `pos` arrays: with
+    `sm` = `splitmix64` and every step mod 2**64, `sm(sm(sm(seed * 0x100000001B3 + salt) ^ seq)
+    ^ pos)` (the seed and salt mixed once, then the sequence id, then the position)."""
     base = splitmix64(
         np.array([(int(seed) * 0x100000001B3 + int(salt)) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
     )
@@ -124,7 +126,8 @@ class Profile(_Thresholds):
 
 class Heterogeneous(_Thresholds):
     """Geometric with a per-sequence probability: `ps[seq % len(ps)]`, or drawn uniformly
-    (integer threshold) in `p_range` from `(seed, seq)`."""
+    (integer threshold) in `p_range` from `(seed, seq)`: with `lo, hi` the range's thresholds,
+    `lo + hash(seed, SALT_RATE, seq, 0) % (hi - lo + 1)`."""
 
     def __init__(
         self, ps: Sequence[float], seed: int, p_range: tuple[float, float] | None = None
@@ -231,6 +234,9 @@ class ModelOracle:
         return [int(t) for t in key_hash(self.seed, SALT_TOKEN, seq_id, pos) % U64(self.vocab)]
 
     def wrong_token(self, seq_id: int, k: int) -> int:
+        """A token other than the true one at position k: the true token shifted by
+        `1 + hash(seed, SALT_WRONG, seq_id, k) % (vocab - 1)` (mod vocab), so each of the
+        vocab - 1 others."""
         true = self.true_tokens(seq_id, k, 1)[0]
         shift = 1 + int(key_hash(self.seed, SALT_WRONG, seq_id, k)[0] % U64(self.vocab - 1))
         return (true + shift) % self.vocab

@@ -56,20 +56,17 @@ def _fail(key: str, allowed: str, got: Any) -> None:
     raise ScenarioError(f"scenario key '{key}': {allowed}, got {got!r}")
 
 
-def _int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """`value` as an int in `lo..=hi` (no upper bound when `hi` is None)."""
     if isinstance(value, bool) or not isinstance(value, int):
         _fail(key, f"must be an integer{_range(lo, hi)}", value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    if value < lo or (hi is not None and value > hi):
         _fail(key, f"must be an integer{_range(lo, hi)}", value)
     return int(value)
 
 
-def _range(lo: int | None, hi: int | None) -> str:
-    if lo is not None and hi is not None:
-        return f" in {lo}..={hi}"
-    if lo is not None:
-        return f" >= {lo}"
-    return ""
+def _range(lo: int, hi: int | None) -> str:
+    return f" >= {lo}" if hi is None else f" in {lo}..={hi}"
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -447,7 +444,9 @@ def _splitmix(x: int) -> int:
 
 
 def _draw(seed: int, i: int, salt: int, lo: int, hi: int) -> int:
-    """An integer in [lo, hi] from (seed, i, salt): seeded, platform independent."""
+    """An integer in [lo, hi] from (seed, i, salt): seeded, platform independent. With `sm`
+    the splitmix64 output function (64-bit wrapping), `lo + sm(sm(sm(seed ^ salt) ^ i)) %
+    (hi - lo + 1)`."""
     if lo == hi:
         return lo
     return lo + _splitmix(_splitmix(_splitmix(seed ^ salt) ^ i)) % (hi - lo + 1)
@@ -455,8 +454,8 @@ def _draw(seed: int, i: int, salt: int, lo: int, hi: int) -> int:
 
 def generate_requests(gen: dict, seed: int) -> tuple[Request, ...]:
     """The generator's requests: request i has prompt length and max_new_tokens drawn
-    uniformly from their inclusive ranges (seeded by (seed, i)); arrival 0 for all-at-once,
-    `i * stagger` for staggered."""
+    uniformly from their inclusive ranges (seeded by (seed, i): `_draw` with salt 0x5052
+    and 0x4D4E); arrival 0 for all-at-once, `i * stagger` for staggered."""
     b = gen["batch"]
     plo, phi = gen["prompt_len"]
     mlo, mhi = gen["max_new_tokens"]
@@ -531,7 +530,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
             _fail(
                 "prompt_len",
                 f"must be at most max_seq_len - 1 = {max_seq_len - 1}",
-                data.get("prompt_len"),
+                data.get("prompt_len", 16),
             )
         requests = generate_requests(gen, seed)
         generator = {k: (list(v) if isinstance(v, tuple) else v) for k, v in gen.items()}
@@ -546,7 +545,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
             f"= {advance == 'per-sequence'}",
             per_seq_kv,
         )
-    model = data.get("model", {}) or {}
+    model = data.get("model") or {}
     if not isinstance(model, dict):
         _fail("model", "must be a table of " + ", ".join(MODEL_KEYS), model)
     for k in model:

@@ -146,7 +146,7 @@ class Trace:
         for j, r in enumerate(rows):
             g = r.get("group") or [-1, -1]
             cs = r.get("chain_start")
-            vals = {c: r.get(c, 0) for c in ROW_COLUMNS}
+            vals = {c: r.get(c) for c in ROW_COLUMNS}
             vals.update(group_u=g[0], group_start=g[1], chain_start=-1 if cs is None else cs)
             out[j] = [0 if vals[c] is None else vals[c] for c in ROW_COLUMNS]
         return out

@@ -53,7 +53,7 @@ class TraceError(ValueError):
 
 
 def _show(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) or value else '""'
+    text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -246,7 +246,7 @@ def _read_jsonl(path: Path, problems: _Problems) -> tuple[Trace, list[int]]:
     lines: list[int] = []
     last_step: tuple[int, int] | None = None  # (step, line)
     seen_step = seen_summary = False
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8") as f:  # read_trace_strict checked it decodes
         for n, text in enumerate(f, 1):
             if not text.strip():
                 continue
@@ -354,7 +354,7 @@ def _check_row(n: int, r: dict, j: int, problems: _Problems, seen: dict) -> bool
     ok, at, prefix = True, f" (rows[{j}])", "rows[]."
     for name in ("seq", "own_len"):
         if r.get(name) is None:
-            problems.field(n, prefix + name, r.get(name), "is required", at)
+            problems.field(n, prefix + name, None, "is required", at)
             ok = False
     seq = r.get("seq")
     if seq is not None:
@@ -432,16 +432,9 @@ def _bucket_part(text: str):
 
 
 def _read_csv(path: Path, problems: _Problems) -> tuple[Trace, list[int]]:
-    trace = Trace("unknown", {})
-    trace.header = {
-        "type": "header",
-        "schema": SCHEMA,
-        "version": VERSION,
-        "mode": "unknown",
-        "scenario": None,
-    }
+    trace = Trace("unknown", None)  # a CSV has no header: mode "unknown", no scenario
     lines: list[int] = []
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         try:
             head = next(reader)
@@ -474,8 +467,8 @@ def _read_csv(path: Path, problems: _Problems) -> tuple[Trace, list[int]]:
                     if fields.get(k) != cur[2].get(k):
                         problems.field(
                             n,
-                            k,
-                            rec.get(_csv_column(k), fields.get(k)),
+                            _csv_column(k),
+                            rec[_csv_column(k)],
                             f"must equal the step's value on its first line {cur[1]} "
                             f"({_show(cur[2].get(k))})",
                         )
@@ -522,17 +515,14 @@ def _csv_record(rec: dict, n: int, problems: _Problems) -> tuple[dict, dict]:
             v = rec[col]
             if k == "prefill":
                 fields[k] = [_csv_value("seq", x) for x in v.split(":")] if v else []
-            elif k == "error":
-                fields[k] = v or None
-            else:
+            else:  # an int column, or the error text (None when empty)
                 fields[k] = _csv_value(col, v)
     if rec.get("bucket"):
         fields["bucket"] = [_bucket_part(x) for x in rec["bucket"].split(":")]
-    step_checks = {k: c for k, c in STEP_FIELDS.items() if k != "bucket"}
     problems.check(
         n,
         {_csv_column(k): v for k, v in fields.items()},
-        {_csv_column(k): c for k, c in step_checks.items()},
+        {_csv_column(k): c for k, c in STEP_FIELDS.items()},
     )
     row = {
         k: _csv_value(k, rec[k])
@@ -550,21 +540,20 @@ def _csv_record(rec: dict, n: int, problems: _Problems) -> tuple[dict, dict]:
         problems.add(
             n, f"field 'group_u' = {_show(gu)}, 'group_start' = {_show(gs)}: both empty or both set"
         )
+    for col, v in (("group_u", gu), ("group_start", gs)):
+        if v is not None and _nonneg_int(v):
+            problems.field(n, col, v, _nonneg_int(v))
     row["group"] = None if gu is None or gs is None else [gu, gs]
     if "accepted_pos" in rec and rec["accepted_pos"] != "":
         row["accepted_pos"] = [_csv_value("q0", x) for x in rec["accepted_pos"].split(":")]
     for name in ("seq", "own_len"):
         if row.get(name) is None:
-            problems.field(n, name, row.get(name), "is required")
+            problems.field(n, name, None, "is required")
     if row.get("seq") is not None and seq_id_problem(row["seq"]):
         problems.field(n, "seq", row["seq"], seq_id_problem(row["seq"]))
     if row.get("own_len") is not None and _nonneg_int(row["own_len"]):
         problems.field(n, "own_len", rec["own_len"], _nonneg_int(row["own_len"]))
-    problems.check(
-        n,
-        {("group_u" if k == "group" else k): v for k, v in row.items()},
-        {k: c for k, c in ROW_FIELDS.items() if k not in ("group", "bucket")},
-    )
+    problems.check(n, row, {k: c for k, c in ROW_FIELDS.items() if k != "group"})
     return fields, row
 
 
