@@ -52,7 +52,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/align.py": ("conformance/test_port_align.py",),
     "gpu/attention.py": ("conformance/test_port_attention.py",),
     "gpu/backend.py": ("conformance/test_backend.py",),
-    "gpu/cache.py": ("conformance/test_port_cache.py",),
+    "gpu/cache.py": ("conformance/test_port_ragged_kv.py", "conformance/test_port_cache.py"),
     "gpu/dispatch.py": ("conformance/test_port_dispatch.py", "conformance/test_port_malformed.py"),
     "gpu/draft.py": ("conformance/test_port_draft.py", "conformance/test_port_draft_refusals.py"),
     "gpu/draft_loop.py": ("conformance/test_backend.py",),
@@ -63,7 +63,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/paged.py": ("conformance/test_paged.py",),
     "gpu/paged_backend.py": ("conformance/test_paged.py",),
     "gpu/rope.py": ("conformance/test_port_rope.py",),
-    "gpu/slots.py": ("conformance/test_port_cache.py",),
+    "gpu/slots.py": ("conformance/test_port_slots.py", "conformance/test_port_cache.py"),
     "gpu/xs_rolling.py": ("conformance/test_port_xs_rolling.py",),
 }
 
