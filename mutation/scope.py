@@ -59,7 +59,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/draft_store.py": ("conformance/test_port_draft_store.py", "conformance/test_backend.py"),
     "gpu/layouts.py": ("conformance/test_layouts.py",),
     "gpu/masks.py": ("conformance/test_port_masks.py",),
-    "gpu/model.py": ("conformance/test_port_model.py",),
+    "gpu/model.py": ("conformance/test_port_model_rules.py", "conformance/test_port_model.py"),
     "gpu/paged.py": ("conformance/test_paged.py",),
     "gpu/paged_backend.py": ("conformance/test_paged.py",),
     "gpu/rope.py": ("conformance/test_port_rope.py",),
