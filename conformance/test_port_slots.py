@@ -53,32 +53,34 @@ def same(port, ref: KvCache, what: str) -> None:
         assert got is None and not port.materialized, f"{what}: materialized"
         return
     assert port.materialized, f"{what}: materialized"
+    if isinstance(port, TorchKv):  # the buffer carries the slot's max_seq_len, int64 offsets
+        assert port.kv.max_seq_len == port.max_seq_len and port.lead.dtype == np.int64, what
     assert_bit_exact(got[0], ref.k.current_data(), f"{what}: K")
     assert_bit_exact(got[1], ref.v.current_data(), f"{what}: V")
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["append", "set_len", "front_pad", "drop_front"]),
-                         st.integers(0, 20)), max_size=5)
+                         st.integers(0, 20)), max_size=6)
 
 
 def apply(op: str, n: int, port, ref: KvCache, rng, what: str) -> None:
-    """One operation on both (the reference's slot functions; the port slot's own methods)."""
+    """One operation on both (the reference's slot functions; the port slot's own methods).
+    `n` in [0, 20] picks the argument, mostly next to the rules' boundaries."""
     b = 1 if ref.k.data is None else ref.k.data.shape[0]
+    cur, cap = ref.k.current_seq_len, ref.k.capacity_seq_len
     if op == "append":
         if not isinstance(port, TorchKv):
             return
         # 530: a growth by one block (or its refusal) of a slot holding data (a refused
         # first append leaves the reference's buffer allocated, the port's not)
-        s = n if n < 15 or ref.k.data is None else 530
+        s = n % 5 if n < 15 else cap - cur if n < 18 or ref.k.data is None else 530
         k = rng.standard_normal((b, 1, s, 2))
         r, p = outcome(ref.append, k, -k), outcome(port.append, to_port(k), to_port(-k))
-    elif op == "set_len":
-        cur = ref.k.current_seq_len
-        if cur < n <= ref.k.capacity_seq_len:  # growing into stale columns: contents unspecified
-            n = cur - n % (cur + 1)
+    elif op == "set_len":  # shrinks (growing into stale columns: contents unspecified)
+        n = cap + 1 + n % 2 if n >= 18 else cur if n >= 15 else max(cur - n % 4, 0)
         r, p = outcome(ref.set_len, n), outcome(port.set_len, n)
     elif op == "front_pad":
-        target = ref.k.current_seq_len + n - 4
+        target = cur - 1 if n == 20 else MAX_SEQ_LEN + 1 if n == 19 else cur + n % 5
         if target < 0:
             return
         r = outcome(ref_align.front_pad_kv_cache, ref, target, False)
@@ -86,8 +88,9 @@ def apply(op: str, n: int, port, ref: KvCache, rng, what: str) -> None:
         if r[0] == "ok":
             assert p[1] == r[1], f"{what}: front_pad lead"
     else:
-        r = outcome(ref_align.drop_dead_prefix, ref, n % 6)
-        p = outcome(port.drop_front, n % 6)
+        lead = cur + 1 if n == 20 else cur if n == 19 else n % 5
+        r = outcome(ref_align.drop_dead_prefix, ref, lead)
+        p = outcome(port.drop_front, lead)
     assert_same_refusal(p, r, f"{what}: {op} {n}")
     same(port, ref, f"{what}: after {op} {n}")
 
@@ -98,7 +101,7 @@ def chunks(ref: KvCache, b: int) -> list[KvCache]:
                                           ref_align._chunk_single(ref.v, b), strict=True)]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(0, 12), min_size=1, max_size=3), row_ops=OPS, row_ops2=OPS,
        batch_ops=OPS, seed=st.integers(0, 2**16), order=st.randoms(use_true_random=False))
 def test_slots_follow_the_reference_through_clone_out_and_clone_in(
@@ -168,27 +171,29 @@ def same_xs(port: XsRolling, ref: RefXs, what: str) -> None:
     assert (got.tokens, got.base) == (ref.tokens, ref.base), f"{what}: tokens, base"
     assert (got.ratio, got.span, got.window, got.margin, got.max_seq_len) == (
         ref.ratio, ref.span, ref.window, ref.margin, ref.max_seq_len), f"{what}: geometry"
-    assert (got.tail is None) == (ref.tail is None), f"{what}: materialized"
+    assert (got.tail is None) == (ref.tail is None) and got.dim == ref.dim, f"{what}: dim"
     if ref.tail is not None:
-        assert got.dim == ref.dim, f"{what}: dim"
         assert_bit_exact(got.tail, ref.tail, f"{what}: tail")
         assert_bit_exact(got.comp, ref.comp, f"{what}: comp")
 
 
 @settings(max_examples=25, deadline=None)
-@given(ratio=st.sampled_from([2, 4]), steps=st.lists(st.integers(1, 9), max_size=3),
+@given(ratio=st.sampled_from([2, 4]), span=st.integers(1, 2), extra=st.integers(0, 3),
+       steps=st.lists(st.integers(1, 9), max_size=3),
        solo_steps=st.lists(st.integers(1, 9), max_size=2), cuts=st.lists(st.integers(0, 30),
        min_size=3, max_size=3), order=st.permutations([0, 1, 2]), reconcile=st.booleans(),
-       whole=st.booleans(), seed=st.integers(0, 2**16))
-def test_xs_row_handles_follow_the_reference(ratio, steps, solo_steps, cuts, order, reconcile,
-                                             whole, seed):
+       whole=st.booleans(), via_layer=st.booleans(), seed=st.integers(0, 2**16))
+def test_xs_row_handles_follow_the_reference(ratio, span, extra, steps, solo_steps, cuts, order,
+                                             reconcile, whole, via_layer, seed):
     """A two-row batch and a one-row slot (appends of hidden rows), cloned out to handles
     (`xs_rows`), each rolled back (`set_len`, the reference's refusals), viewed as a slot
     (`as_slot`), and clone-in of the three in any order (`stack_xs`, directly or through
     `stack_layer`; the one-row slot passed whole or as its handle), with or without base
-    reconciliation: tokens, bases, tail and comp equal the reference's."""
+    reconciliation: tokens, bases, tail and comp equal the reference's (a geometry other
+    than the default one, the hidden width given up front)."""
     rng = np.random.default_rng(seed)
-    pair, solo = RefXs(ratio, max_seq_len=64, batch=2), RefXs(ratio, max_seq_len=64, batch=1)
+    window = span * ratio + 16 + extra
+    pair, solo = (RefXs(ratio, span, window, 64, b, 3) for b in (2, 1))
     for t in steps:
         pair.append_rows(rng.standard_normal((2, t, 3)))
     for t in solo_steps:
@@ -198,11 +203,12 @@ def test_xs_row_handles_follow_the_reference(ratio, steps, solo_steps, cuts, ord
     refs = pair.split_rows() + solo.split_rows()
     for i, (h, r, n) in enumerate(zip(handles, refs, cuts, strict=True)):
         assert h.current_seq_len == r.current_seq_len and h.kind == r.kind == XS
-        clone = h.clone()
+        clone, before = h.clone(), r.clone()
         got, want = outcome(h.set_len, n), outcome(r.set_len, n)
         assert_same_refusal(got, want, f"row {i}: set_len {n}")
         same_xs(h.as_slot(), r, f"row {i}")
-        assert clone.tokens == int(ports[i // 2].host_tokens()[i % 2]), f"row {i}: clone"
+        same_xs(clone.as_slot(), before, f"row {i}: a clone is not changed by set_len")
+        assert clone.as_slot().host_tokens().tolist() == before.tokens
     parts = [handles[j] for j in order]
     ref_parts = [refs[j] for j in order]
     if whole:  # the one-row slot as a batched slot, rolled back as its handle was
@@ -213,11 +219,18 @@ def test_xs_row_handles_follow_the_reference(ratio, steps, solo_steps, cuts, ord
         with pytest.raises(ValueError, match=f"^{re.escape(str(exc))}$"):
             stack_xs(parts, reconcile)
         return
-    got = stack_layer(parts, 0, not reconcile) if seed % 2 else stack_xs(parts, reconcile)
+    got = stack_layer(parts, 0, not reconcile) if via_layer else stack_xs(parts, reconcile)
     same_xs(got, want, "clone-in")
 
 
 def test_xs_handles_refuse_a_negative_length_and_report_their_flag():
+    meta = xs_rows(XsRolling(2, max_seq_len=64, batch=2, device="meta"))
+    assert meta[1].as_slot().tokens.device.type == stack_xs(meta).tokens.device.type == "meta"
+    assert stack_xs(meta).device.type == meta[0].as_slot().device.type == "meta"
+    one = RefXs(2, max_seq_len=64)
+    one.append_rows(np.ones((1, 5, 3)))
+    alone = stack_xs(xs_rows(XsRolling.from_reference(one)), reconcile_bases=True)
+    same_xs(alone, RefXs.stack([one], True), "one row, bases reconciled")
     h = xs_rows(XsRolling(2, max_seq_len=64, batch=1))[0]
     with pytest.raises(ValueError, match=r"^set_len length -1 must be >= 0$"):
         h.set_len(-1)
@@ -313,8 +326,11 @@ def test_bake_turns_alignment_offsets_into_physical_zeros():
     with pytest.raises(ValueError, match=r"^rows would need dead prefixes \[3, 0\] longer than "
                                          r"their alignment offsets \[2, 0\]$"):
         slot.bake(np.array([3, 0]))
-    slot.bake(np.array([0, 0]))
+    dead = np.array([0, 0])
+    slot.bake(dead)
+    dead[0] = 5  # the slot keeps its own copy
     assert slot.lead.tolist() == [0, 0] and slot.kv.host_lens().tolist() == [6, 6]
+    assert slot.kv.max_seq_len == 4096
     assert not slot.kv.k[0, :, :2].any() and torch.equal(slot.kv.k[0, :, 2:6], k[0, :, :4])
     got = slot.front_aligned()
     assert torch.equal(got[0], view[0]) and torch.equal(got[1], view[1])
@@ -333,3 +349,56 @@ def test_a_slot_built_without_offsets_and_its_handles():
     two = TorchKv(4096, 8, 3, RaggedKv(k, k, [3, 1], 4096), [[0], [2]])
     assert two.lead.tolist() == [0, 2] and two.own.tolist() == [3, 1] and two.batch == 2
     assert [(r.row, r.lead, r.own) for r in two.rows()] == [(0, 0, 3), (1, 2, 1)]
+
+
+def test_set_len_past_the_buffer_grows_it_and_a_handle_pads_its_view():
+    """Front padding widens the capacity, not the buffer (the lead is an offset); a length set
+    past the buffer then grows it by whole blocks (slot) or pads the view (handle): the own
+    run stays at its columns, zeros after it (the reference's contents there are stale)."""
+    k = torch.arange(1.0, 9.0, dtype=F64).reshape(1, 1, 4, 2)
+    slot = TorchKv(4096, 16)
+    slot.append(k, -k)
+    assert slot.front_pad(600) == 596 and (slot.capacity, slot.kv.capacity) == (600, 16)
+    handle = slot.rows()[0]
+    slot.set_len(0)
+    slot.set_len(600)
+    assert slot.kv.capacity == 16 + 1024 and slot.kv.host_lens().tolist() == [600]
+    view = slot.front_aligned()[0]
+    assert view.shape == (1, 1, 600, 2) and torch.equal(view[:, :, :4], k)
+    assert not view[:, :, 4:].any()
+    handle.set_len(0)
+    handle.set_len(600)
+    got = handle.front_aligned()
+    assert got[0].shape == got[1].shape == (1, 1, 600, 2)
+    assert torch.equal(got[0][:, :, :4], k) and torch.equal(got[1][:, :, :4], -k)
+    assert not got[0][:, :, 4:].any()
+    empty = TorchKv(4096, 16)
+    empty.append(torch.zeros(1, 1, 1, 2, dtype=F64), torch.zeros(1, 1, 1, 2, dtype=F64))
+    row = empty.rows()[0]
+    row.set_len(0)
+    assert row.front_aligned()[0].shape == (1, 1, 0, 2)
+
+
+def test_the_first_append_allocates_the_buffer_and_later_ones_grow_it_past_its_own_width():
+    """The first append allocates `max(capacity, s, 1)` columns on the appended tensors'
+    device, V with its own width; a later append grows the buffer from its own width, never
+    refused (the slot's capacity arithmetic decided already)."""
+    meta = TorchKv(4096, 16)
+    meta.append(torch.zeros(2, 1, 3, 4, device="meta"), torch.zeros(2, 1, 3, 5, device="meta"))
+    assert meta.kv.k.device.type == meta.kv.v.device.type == "meta"
+    assert meta.kv.k.shape == (2, 1, 16, 4) and meta.kv.v.shape == (2, 1, 16, 5)
+    assert meta.lead.tolist() == [0, 0] and meta.lead.dtype == np.int64
+    assert meta.kv.max_seq_len == 4096 and meta.kv.k.dtype == torch.float32
+    wide = TorchKv(530, 16)
+    k = torch.ones(1, 1, 20, 2, dtype=F64)
+    wide.append(k, -k)  # 20 columns: capacity 528 (16 + one block), a buffer of 20
+    assert (wide.capacity, wide.kv.capacity, wide.current) == (528, 20, 20)
+    k = torch.ones(1, 1, 500, 2, dtype=F64)
+    wide.append(k, -k)  # fits the capacity; the buffer grows to 532 (> max_seq_len: not refused)
+    assert (wide.capacity, wide.kv.capacity, wide.current) == (528, 532, 520)
+    tiny = TorchKv(64, 0)
+    tiny.append(torch.zeros(1, 1, 0, 2, dtype=F64), torch.zeros(1, 1, 0, 2, dtype=F64))
+    assert tiny.kv.capacity == 1 and tiny.current == 0
+    none = TorchKv(64, 16)
+    none.append(torch.zeros(0, 1, 3, 2, dtype=F64), torch.zeros(0, 1, 3, 2, dtype=F64))
+    assert none.current == 3 and none.batch == 0 and none.rows() == []
