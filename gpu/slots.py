@@ -62,14 +62,12 @@ def shift_rows(
     in front; < 0: left, the first `-shift_i` columns dropped): one gather per buffer; the
     host lengths `own + shift`."""
     after = own + shift
-    width = max(
-        k.shape[2], int(after.max()) if after.size else 0, int(own.max()) if own.size else 0
-    )
-    if width > k.shape[2]:
-        pad = -(-(width - k.shape[2]) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+    # whole blocks past the buffer when a moved run ends past it (none when it fits)
+    pad = max(-(-(int(after.max(initial=0)) - k.shape[2]) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE, 0)
+    if pad:
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))
-        width = k.shape[2]
+    width = k.shape[2]
     dev = k.device
     sh = torch.from_numpy(shift.astype(np.int64)).to(dev)
     n = torch.from_numpy(own.astype(np.int64)).to(dev)
@@ -190,7 +188,7 @@ class TorchKv(KvMeta):
             self.lead = np.zeros(b, dtype=np.int64)
         self.grow_meta(s)
         grow_physical(self.kv, int(self.own.max()) + s if self.kv.batch else s)
-        self.kv.append(k.to(self.kv.k.dtype), v.to(self.kv.v.dtype))
+        self.kv.append(k, v)  # converted to the buffers' dtype there
         self.current += s
 
     def set_len(self, n: int) -> None:
@@ -323,14 +321,12 @@ class RowKv(KvMeta):
         if self.k is None:
             return None
         own = self.own
-        k, v = (
-            self.k[self.row : self.row + 1, :, self.shift :],
-            self.v[self.row : self.row + 1, :, self.shift :],
-        )
-        if k.shape[2] < max(own, 1):
-            pad = (0, 0, 0, max(own, 1) - k.shape[2])
-            k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
-        return materialize_front_aligned(RaggedKv(k, v, [own], self.max_seq_len), self.current)
+        k = self.k[self.row, :, self.shift : self.shift + own]
+        v = self.v[self.row, :, self.shift : self.shift + own]
+        fill = (0, 0, 0, own - k.shape[1])  # own columns past the buffer: zeros
+        kv = RaggedKv.from_rows([torch.nn.functional.pad(k, fill)],
+                                [torch.nn.functional.pad(v, fill)], self.max_seq_len)
+        return materialize_front_aligned(kv, self.current)
 
 
 class RowXs:
