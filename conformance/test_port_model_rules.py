@@ -32,20 +32,35 @@ def weights(pm: port.TinyModel) -> list[torch.Tensor]:
     return out + [getattr(layer, name) for layer in layers for name in layer.WEIGHTS]
 
 
+def ref_weights(m: TinyModel) -> list[np.ndarray]:
+    layers = [*m.layers, m.mtp.layer]
+    out = [m.embed, m.norm, m.lm_head, m.mtp_heads.h_proj, m.mtp_heads.e_proj, m.mtp.hnorm,
+           m.mtp.enorm, m.mtp.norm_out]
+    return out + [getattr(layer, name) for layer in layers for name in port.DecoderLayer.WEIGHTS]
+
+
+def test_the_port_computes_with_the_references_own_weights():
+    pm = port.TinyModel(MODEL)
+    for got, want in zip(weights(pm), ref_weights(MODEL), strict=True):
+        assert got.dtype == F64 and torch.equal(got, torch.from_numpy(want))
+
+
 def test_every_weight_cache_and_table_is_on_the_models_device_in_its_dtype():
-    pm = port.TinyModel(MODEL, torch.float32, "meta")
-    assert pm.device == torch.device("meta") and pm.dtype == torch.float32
-    assert all(w.device.type == "meta" and w.dtype == torch.float32 for w in weights(pm))
+    pm = port.TinyModel(MODEL, torch.float16, "meta")
+    assert pm.device == torch.device("meta") and pm.dtype == torch.float16
+    assert all(w.device.type == "meta" and w.dtype == torch.float16 for w in weights(pm))
+    for got, want in zip(weights(pm), ref_weights(MODEL), strict=True):
+        assert got.shape == want.shape
     assert pm.mtp.embed is pm.embed and pm.mtp.lm_head is pm.lm_head
     caches = pm.new_cache(3)
     assert len(caches) == pm.n_layers == 2
     for kv in caches:
         assert kv.k.shape == kv.v.shape == (3, 1, 512, 16) and kv.max_seq_len == 4096
-        assert kv.k.device.type == kv.v.device.type == "meta" and kv.k.dtype == torch.float32
+        assert kv.k.device.type == kv.v.device.type == "meta" and kv.k.dtype == torch.float16
     assert pm.new_cache(1, capacity=1024)[0].capacity == 1024
     draft = pm.mtp.new_draft_cache(2)
     assert draft.k.shape == (2, 1, 16, 16) and draft.k.device.type == "meta"
-    assert draft.k.dtype == torch.float32 and draft.max_seq_len == 4096
+    assert draft.k.dtype == draft.v.dtype == torch.float16 and draft.max_seq_len == 4096
     assert pm.mtp.new_draft_cache(1, 32).capacity == 32
     plain = port.TinyModel(MODEL)
     assert plain.device == torch.device("cpu") and plain.embed.dtype == F64
@@ -181,3 +196,6 @@ def test_the_mtp_block_refuses_malformed_fuse_and_step_inputs():
     assert out.shape == (2, 1, 32) and kv.host_lens().tolist() == [4, 2, 6]
     block.forward_step(fused[:1], 2, kv, rows=[1])
     assert kv.host_lens().tolist() == [4, 3, 6]
+    fresh = block.new_draft_cache(2)  # the first step: rows holding nothing, at position 0
+    block.forward_step(fused, 0, fresh)
+    assert fresh.host_lens().tolist() == [1, 1]

@@ -332,7 +332,7 @@ class MtpBlock:
             rows = host_ints(rows)
         held = cache.host_lens() if rows is None else cache.host_lens()[rows]
         require(held.size == g, f"{held.size} draft rows for a step of {g}")
-        draft_step_end_column(pos.tolist(), g, int(held.max()) if held.size else 0)
+        draft_step_end_column(pos.tolist(), g, int(held.max(initial=0)))
         off = np.flatnonzero(held != pos)
         if off.size:
             r = int(off[0])
@@ -341,7 +341,7 @@ class MtpBlock:
                 "starts at "
                 f"absolute position {int(pos[r if pos.size > 1 else 0])} (start_pos {pos.tolist()})"
             )
-        return self.layer.forward(fused, cache, offsets=pos, rows=rows)
+        return self.layer.forward(fused, cache, rows=rows)  # offsets: the held lengths (== pos)
 
     def forward_tokens(
         self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None
