@@ -190,3 +190,29 @@ def test_padded_and_kvcache_refusals():
         L.VerifyBatch(
             torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 2, 1), torch.zeros(1, 1, 2, 1), [3], [2]
         )
+
+
+def test_each_call_passes_the_kernels_own_argument_names():
+    """`call()` gives the positional arguments and keywords of each kernel's signature (the
+    module docstring's `*.call()`), `causal=True` for every causal verify."""
+    batch = _example()
+    scale = 1.0  # D = 1
+    x = L.to_varlen(batch)
+    args, kw = x.call()
+    assert args == (x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, 2, 5)
+    assert kw == {"softmax_scale": scale, "causal": True, "window_size": (2, 0)}
+    y = L.to_kvcache(batch, page_size=2)
+    args, kw = y.call()
+    assert args == (y.q, y.k_cache, y.v_cache)
+    assert kw == {"cache_seqlens": y.cache_seqlens, "cache_leftpad": None,
+                  "block_table": y.block_table, "softmax_scale": scale, "causal": True,
+                  "window_size": (2, 0)}
+    p = L.to_paged(batch, page_size=2)
+    args, kw = p.call()
+    assert args == (p.q, p.k_pages, p.v_pages, p.qo_indptr, p.kv_indptr, p.kv_indices,
+                    p.kv_last_page_len)
+    assert kw == {"page_size": 2, "causal": True, "window_left": 2, "sm_scale": scale}
+    d = L.to_padded(batch)
+    args, kw = d.call()
+    assert args == (d.q, d.k, d.v, d.attention_mask, d.position_ids)
+    assert kw == {"sliding_window": 3, "softmax_scale": scale}

@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import as_list, lengths
+from raggedspec.gpu._common import (
+    arange_like,
+    as_list,
+    as_tensor_like,
+    host_ints,
+    lengths_like,
+    zeros_on,
+)
 from raggedspec.reference.cache import (
     CACHE_GROW_SIZE,
     PLAIN_CACHE_CAPACITY,
@@ -40,14 +47,14 @@ class RaggedKv:
         require(self.k.dim() == 4 and self.v.dim() == 4 and self.k.shape[:3] == self.v.shape[:3],
                 f"k {list(self.k.shape)} and v {list(self.v.shape)} must be [B,H,capacity,*]")
         if not isinstance(lens, torch.Tensor):
-            host = np.asarray(lens, dtype=np.int64).reshape(-1)
+            host = host_ints(lens)
             if host.size != self.k.shape[0]:
                 raise ValueError(f"{host.size} lengths for {self.k.shape[0]} rows")
             if host.size and (host.min() < 0 or host.max() > self.capacity):
                 raise ValueError(f"lens {host.tolist()} must lie in [0, capacity {self.capacity}]")
             self.lens = host
             return
-        lens = lengths(lens, device=self.k.device, name="lens")
+        lens = lengths_like(lens, self.k, name="lens")
         require(
             lens.numel() == self.k.shape[0], f"{lens.numel()} lengths for {self.k.shape[0]} rows"
         )
@@ -71,7 +78,7 @@ class RaggedKv:
         """The lengths as host integers (read from the device once if they were computed
         there). The caller must not modify the array."""
         if self._host is None:
-            self._host = np.asarray(self._lens.tolist(), dtype=np.int64).reshape(-1)
+            self._host = host_ints(self._lens)
         return self._host
 
     def set_row_len(self, row: int, n: int) -> None:
@@ -84,19 +91,18 @@ class RaggedKv:
     def empty(b: int, heads: int, dim: int, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY,
               dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
               v_dim: int | None = None) -> RaggedKv:
-        """B empty rows of `capacity` zero columns."""
-        k = torch.zeros((b, heads, capacity, dim), dtype=dtype, device=device)
-        v = torch.zeros(
-            (b, heads, capacity, dim if v_dim is None else v_dim), dtype=dtype, device=device
-        )
-        return RaggedKv(k, v, torch.zeros(b, dtype=torch.int64, device=device), max_seq_len)
+        """B empty rows of `capacity` zero columns (lengths known on the host: zeros)."""
+        k = zeros_on((b, heads, capacity, dim), dtype, device)
+        v = zeros_on((b, heads, capacity, dim if v_dim is None else v_dim), dtype, device)
+        return RaggedKv(k, v, [0] * b, max_seq_len)
 
     @staticmethod
     def from_rows(ks: list[torch.Tensor], vs: list[torch.Tensor], max_seq_len: int,
                   capacity: int | None = None) -> RaggedKv:
         """Rows `ks[i] [H, n_i, D]` (and `vs[i]`) placed at column 0 of one buffer of width
         `capacity` (default: the smallest `512 + k*512` holding the longest row). A
-        constructor (not a hot path): it loops over the rows once."""
+        constructor (not a hot path): it loops over the rows once; the lengths are known on
+        the host."""
         require(
             len(ks) == len(vs) and len(ks) > 0, "from_rows needs as many K rows as V rows, >= 1"
         )
@@ -107,10 +113,10 @@ class RaggedKv:
         require(max(n) <= capacity, f"a row of {max(n)} does not fit capacity {capacity}")
         h, d, dv = ks[0].shape[0], ks[0].shape[2], vs[0].shape[2]
         kv = RaggedKv.empty(len(ks), h, d, max_seq_len, capacity, ks[0].dtype, ks[0].device, dv)
-        for i, (k, v) in enumerate(zip(ks, vs, strict=False)):
+        for i, k in enumerate(ks):
             kv.k[i, :, : n[i]] = k
-            kv.v[i, :, : n[i]] = v
-        kv.lens = torch.as_tensor(n, dtype=torch.int64, device=ks[0].device)
+            kv.v[i, :, : n[i]] = vs[i]
+        kv.lens = n
         return kv
 
     @property
@@ -142,10 +148,8 @@ class RaggedKv:
         per buffer) and advance `lens` by t. `rows` (int64 `[B']`, distinct) restricts the
         append to a subset of rows (a draft group), in place in the shared buffers.
         Refusals: capacity growth above `max_seq_len` (CacheRefusal), before any write."""
-        host_rows = None if rows is None or isinstance(rows, torch.Tensor) else \
-            np.asarray(rows, dtype=np.int64).reshape(-1)
-        idx = torch.arange(self.batch, device=self.k.device) if rows is None \
-            else lengths(rows, device=self.k.device, name="rows")
+        idx = arange_like(self.batch, self.k) if rows is None \
+            else lengths_like(rows, self.k, name="rows")
         require(k_new.dim() == 4 and v_new.dim() == 4 and k_new.shape[0] == idx.numel()
                 and k_new.shape[:3] == v_new.shape[:3] and k_new.shape[1] == self.k.shape[1]
                 and k_new.shape[3] == self.k.shape[3] and v_new.shape[3] == self.v.shape[3],
@@ -154,35 +158,31 @@ class RaggedKv:
         t = k_new.shape[2]
         if t == 0 or idx.numel() == 0:
             return
-        known = self._host is not None and (rows is None or host_rows is not None)
-        if known:
-            host_start = self._host if rows is None else self._host[host_rows]
-            self._grow_to(int(host_start.max()) + t)
-            start = self._lens if rows is None else self._lens[idx]
-        else:
-            start = self.lens[idx]
-            self._grow_to(int(start.max()) + t)
-        cols = start[:, None] + torch.arange(t, device=self.k.device)[None, :]      # [B', t]
+        # the addressed rows on the host (None: given as a device tensor, not read here)
+        host_rows = np.arange(self.batch) if rows is None else \
+            None if isinstance(rows, torch.Tensor) else host_ints(rows)
+        known = self._host is not None and host_rows is not None
+        start = self._lens[idx]
+        self._grow_to((int(self._host[host_rows].max()) if known else int(start.max())) + t)
+        cols = start[:, None] + arange_like(t, self.k)[None, :]      # [B', t]
         r = idx[:, None].expand(-1, t)
         # one advanced-index write per buffer: [B', t] (row, column) pairs, all heads at once
         self.k.permute(0, 2, 1, 3)[r, cols] = k_new.to(self.k.dtype).permute(0, 2, 1, 3)
         self.v.permute(0, 2, 1, 3)[r, cols] = v_new.to(self.v.dtype).permute(0, 2, 1, 3)
+        lens = self._lens.index_add(0, idx, torch.full_like(idx, t))
         if known:
             host = self._host.copy()
-            if rows is None:
-                host += t
-            else:
-                np.add.at(host, host_rows, t)
-            self._lens, self._host = self._lens.index_add(0, idx, torch.full_like(idx, t)), host
+            host[host_rows] += t  # the rows are distinct
+            self._lens, self._host = lens, host
         else:
-            self.lens = self.lens.index_add(0, idx, torch.full_like(idx, t))
+            self.lens = lens
 
     def set_len(self, lens) -> None:
         """Per-row lengths (grow into slack or shrink); no tensor data is touched. Refused
         (CacheRefusal, first offending row's value named as `SingleCache.try_set_len`
         names it) past the capacity. ValueError on a wrong count or a negative length."""
         if not isinstance(lens, torch.Tensor):  # host integers: checked on the host
-            host = np.asarray(lens, dtype=np.int64).reshape(-1)
+            host = host_ints(lens)
             if host.size != self.batch:
                 raise ValueError(f"{host.size} lengths for a batch of {self.batch}")
             if (host < 0).any():
@@ -192,7 +192,7 @@ class RaggedKv:
                 raise set_len_refusal(int(host[over[0]]), 0, self.capacity)
             self.lens = host
             return
-        lens = lengths(lens, device=self.k.device, name="lens")
+        lens = lengths_like(lens, self.k, name="lens")
         require(lens.numel() == self.batch, f"{lens.numel()} lengths for a batch of {self.batch}")
         require(not bool((lens < 0).any()), f"set_len lengths {as_list(lens)} must be >= 0")
         over = lens > self.capacity
@@ -206,7 +206,7 @@ class RaggedKv:
         if isinstance(n_drop, int) and self._host is not None:
             self.lens = np.maximum(self._host - n_drop, 0)
             return
-        n = torch.as_tensor(n_drop, dtype=torch.int64, device=self.k.device)
+        n = as_tensor_like(n_drop, self._lens)
         require(n.dim() == 0, f"n_drop must be a scalar, got shape {list(n.shape)}")
         self.lens = (self.lens - n).clamp(min=0)
 
@@ -214,8 +214,8 @@ class RaggedKv:
         """Per-sequence commit: row i's length becomes `cache_lens[i] + committed[i]` (its
         own, never the padded width). The reference's dead-prefix strip has nothing to do
         in this layout. Refusals: those of `set_len`."""
-        c = lengths(cache_lens, device=self.k.device, name="cache_lens")
-        m = lengths(committed, device=self.k.device, name="committed")
+        c = lengths_like(cache_lens, self.k, name="cache_lens")
+        m = lengths_like(committed, self.k, name="committed")
         require(not bool((c < 0).any() or (m < 0).any()), "cache_lens and committed must be >= 0")
         self.set_len(c + m)
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import host_ints, lengths, neg_inf_where
+from raggedspec.gpu._common import (
+    arange_like,
+    host_ints,
+    ints_on,
+    lengths_like,
+    neg_inf_where,
+)
 from raggedspec.gpu.attention import attention, dsv4_attention_in_place, is_standard_layer
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.masks import compressed_validity
@@ -79,7 +85,7 @@ def _gather_columns(buf: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -
     (every KV head of the addressed rows): one flat `index_select` (advanced indexing of the
     permuted view was ~100x slower with two CPU threads)."""
     b, hk, cap, d = buf.shape
-    heads = torch.arange(hk, device=cols.device)[None, :, None]
+    heads = arange_like(hk, cols)[None, :, None]
     flat = ((rows[:, None, None] * hk + heads) * cap + cols[:, None, :]).reshape(-1)
     return buf.reshape(b * hk * cap, d).index_select(0, flat).view(
         cols.shape[0], hk, cols.shape[1], d
@@ -101,7 +107,7 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     if rows is None:
         return dsv4_attention_in_place(q, kv, compressed_kv, compress_ratio, sliding_window, sinks)
     host_rows = host_ints(rows)
-    rows = lengths(rows, device=kv.k.device, name="rows")
+    rows = lengths_like(rows, kv.k, name="rows")
     if not (
         q.dim() == 4
         and q.shape[1] % kv.k.shape[1] == 0
@@ -122,11 +128,11 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
         raise MaskRefusal(f"{t_q} query rows against only {int(host[short[0]])} keys")
     window = max(sliding_window, 1)
     keep = min(t_q + window - 1, int(host.max()))
-    cols = (lens - keep)[:, None] + torch.arange(keep, device=dev)[None, :]          # [G, keep]
+    cols = (lens - keep)[:, None] + arange_like(keep, q)[None, :]          # [G, keep]
     src = cols.clamp(min=0)
     k_raw = _gather_columns(kv.k, rows, src)  # [G, Hk, keep, D]
     v_raw = _gather_columns(kv.v, rows, src)
-    qp = (lens - t_q)[:, None] + torch.arange(t_q, device=dev)[None, :]              # [G, t_q]
+    qp = (lens - t_q)[:, None] + arange_like(t_q, q)[None, :]              # [G, t_q]
     kp = cols[:, None, :]
     valid = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     k_all, v_all = k_raw, v_raw
@@ -199,28 +205,32 @@ class DecoderLayer:
         if t_c == 0:
             return None
         width = t_c * r
-        dev = kv.k.device
         cos, sin = self.ropes.get(self.theta, width).lookup(
-            torch.arange(width, device=dev), width - 1
+            arange_like(width, kv.k), width - 1
         )
         raw = rotate(kv.k[:, :, :width], cos, sin, cfg.rope_dims, inverse=True)
         blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)  # [B,n_kv,t_c,hd]
         cos, sin = self.ropes.get(cfg.compress_rope_theta, width).lookup(
-            torch.arange(t_c, device=dev) * r, (t_c - 1) * r
+            arange_like(t_c, kv.k) * r, (t_c - 1) * r
         )
         blocks = rotate(blocks, cos, sin, cfg.rope_dims)
-        live = (torch.arange(t_c, device=dev)[None, :] < n[:, None])[:, None, :, None]
-        return torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
+        live = (arange_like(t_c, kv.k)[None, :] < n[:, None])[:, None, :, None]
+        return torch.where(live, blocks, blocks.new_zeros(()))
 
     def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None) -> torch.Tensor:
         """Run the layer on `x [B,T,H]` whose row r sits in `kv` row `rows[r]` (every row
         of `kv` when `rows` is None): RoPE at `offsets[r] + t` (`offsets` of length 1 or B;
         default the rows' own lengths, which it must equal: the caller checks), append K
         (== V) at each row's own offset, attend (`dsv4_attention_rows`), inverse-rotate,
-        project, add, then the MLP. A compressed layer needs `rows` None."""
+        project, add, then the MLP. A compressed layer needs `rows` None (ValueError before
+        anything is appended)."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
+        require(
+            not self.ratio or rows is None,
+            "a compressed layer runs on every row of its cache (rows must be None)",
+        )
         if rows is not None and isinstance(rows, torch.Tensor):
             rows = host_ints(rows)
         held = kv.host_lens() if rows is None else kv.host_lens()[np.asarray(rows, dtype=np.int64)]
@@ -234,13 +244,7 @@ class DecoderLayer:
         q = self.rope(q, offs, cfg.rope_dims, self.theta, table=table)
         k = self.rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table)
         kv.append(k, k, rows=rows)
-        comp = None
-        if self.ratio:
-            require(
-                rows is None,
-                "a compressed layer runs on every row of its cache (rows must be None)",
-            )
-            comp = self.compressed_keys(kv)
+        comp = self.compressed_keys(kv) if self.ratio else None
         o = self.attend(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
         o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
         x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ self.wo
@@ -282,7 +286,7 @@ class MtpBlock:
     def fuse(self, h: torch.Tensor, tokens) -> torch.Tensor:
         """`h_proj(hnorm(h)) + e_proj(enorm(embed(tokens)))`; `tokens` of shape
         `h.shape[:-1]`. ValueError on a shape or token mismatch (as the reference)."""
-        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=h.device)
+        tokens = ints_on(tokens, h.device)
         require(
             h.shape[-1] == self.cfg.hidden and tuple(tokens.shape) == tuple(h.shape[:-1]),
             f"hidden {tuple(h.shape)} and tokens {tuple(tokens.shape)} disagree (hidden "
@@ -328,7 +332,7 @@ class MtpBlock:
             rows = host_ints(rows)
         held = cache.host_lens() if rows is None else cache.host_lens()[rows]
         require(held.size == g, f"{held.size} draft rows for a step of {g}")
-        draft_step_end_column(pos.tolist(), g, int(held.max()) if held.size else 0)
+        draft_step_end_column(pos.tolist(), g, int(held.max(initial=0)))
         off = np.flatnonzero(held != pos)
         if off.size:
             r = int(off[0])
@@ -337,7 +341,7 @@ class MtpBlock:
                 "starts at "
                 f"absolute position {int(pos[r if pos.size > 1 else 0])} (start_pos {pos.tolist()})"
             )
-        return self.layer.forward(fused, cache, offsets=pos, rows=rows)
+        return self.layer.forward(fused, cache, rows=rows)  # offsets: the held lengths (== pos)
 
     def forward_tokens(
         self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None
@@ -428,7 +432,7 @@ class TinyModel:
                 f"tokens must be in [0, {self.cfg.vocab}), got [{int(host_tokens.min())}, "
                 f"{int(host_tokens.max())}]"
             )
-        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
+        tokens = ints_on(tokens, self.device)
         b, _ = tokens.shape
         require(
             len(cache) >= self.n_layers, f"cache has {len(cache)} layers for {self.n_layers} layers"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from raggedspec.gpu._common import host_ints
 from raggedspec.gpu.align import materialize_front_aligned
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.xs_rolling import XsRolling
@@ -61,14 +62,12 @@ def shift_rows(
     in front; < 0: left, the first `-shift_i` columns dropped): one gather per buffer; the
     host lengths `own + shift`."""
     after = own + shift
-    width = max(
-        k.shape[2], int(after.max()) if after.size else 0, int(own.max()) if own.size else 0
-    )
-    if width > k.shape[2]:
-        pad = -(-(width - k.shape[2]) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+    # whole blocks past the buffer when a moved run ends past it (none when it fits)
+    pad = max(-(-(int(after.max(initial=0)) - k.shape[2]) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE, 0)
+    if pad:
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))
-        width = k.shape[2]
+    width = k.shape[2]
     dev = k.device
     sh = torch.from_numpy(shift.astype(np.int64)).to(dev)
     n = torch.from_numpy(own.astype(np.int64)).to(dev)
@@ -146,7 +145,7 @@ class TorchKv(KvMeta):
     ) -> None:
         super().__init__(max_seq_len, capacity, current)
         self.kv = kv
-        self.lead = None if lead is None else np.asarray(lead, dtype=np.int64).reshape(-1).copy()
+        self.lead = None if lead is None else host_ints(lead).copy()
 
     @property
     def materialized(self) -> bool:
@@ -189,7 +188,7 @@ class TorchKv(KvMeta):
             self.lead = np.zeros(b, dtype=np.int64)
         self.grow_meta(s)
         grow_physical(self.kv, int(self.own.max()) + s if self.kv.batch else s)
-        self.kv.append(k.to(self.kv.k.dtype), v.to(self.kv.v.dtype))
+        self.kv.append(k, v)  # converted to the buffers' dtype there
         self.current += s
 
     def set_len(self, n: int) -> None:
@@ -244,7 +243,7 @@ class TorchKv(KvMeta):
             )
         if extra.any():
             self.kv = shift_rows(self.kv.k, self.kv.v, self.own, extra, self.max_seq_len)
-            self.lead = np.asarray(dead, dtype=np.int64).copy()
+            self.lead = host_ints(dead).copy()
 
     def rows(self) -> list[RowKv]:
         """The slot as one handle per row (clone-out: host integers only)."""
@@ -322,14 +321,12 @@ class RowKv(KvMeta):
         if self.k is None:
             return None
         own = self.own
-        k, v = (
-            self.k[self.row : self.row + 1, :, self.shift :],
-            self.v[self.row : self.row + 1, :, self.shift :],
-        )
-        if k.shape[2] < max(own, 1):
-            pad = (0, 0, 0, max(own, 1) - k.shape[2])
-            k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
-        return materialize_front_aligned(RaggedKv(k, v, [own], self.max_seq_len), self.current)
+        k = self.k[self.row, :, self.shift : self.shift + own]
+        v = self.v[self.row, :, self.shift : self.shift + own]
+        fill = (0, 0, 0, own - k.shape[1])  # own columns past the buffer: zeros
+        kv = RaggedKv.from_rows([torch.nn.functional.pad(k, fill)],
+                                [torch.nn.functional.pad(v, fill)], self.max_seq_len)
+        return materialize_front_aligned(kv, self.current)
 
 
 class RowXs:
@@ -369,8 +366,7 @@ class RowXs:
         """This row as a one-row port `XsRolling` (conformance views)."""
         g = self.geometry
         out = XsRolling(g.ratio, g.span, g.window, g.max_seq_len, 1, g.dim, g.margin, g.device)
-        out.tokens = torch.tensor([self.tokens], dtype=torch.int64, device=g.device)
-        out.base = torch.tensor([self.base], dtype=torch.int64, device=g.device)
+        out.tokens, out.base = [self.tokens], [self.base]  # host integers: a host copy kept
         if self.ring is not None:
             out.ring, out.comp = (
                 self.ring[self.row : self.row + 1],
@@ -383,10 +379,8 @@ def xs_rows(slot: XsRolling) -> list[RowXs]:
     """`XsRolling.split_rows` as handles (the rows' tokens and bases from the slot's host
     copies; read from the device only when they were computed there)."""
     tokens, base = slot.host_tokens().tolist(), slot.host_base().tolist()
-    return [
-        RowXs(slot, slot.ring, slot.comp, i, int(t), int(b))
-        for i, (t, b) in enumerate(zip(tokens, base, strict=True))
-    ]
+    return [RowXs(slot, slot.ring, slot.comp, i, int(t), int(base[i]))
+            for i, t in enumerate(tokens)]
 
 
 # --- clone-in: handles back into one batch -------------------------------------------------------
@@ -484,8 +478,8 @@ def stack_xs(parts: list, reconcile_bases: bool = False) -> XsRolling:
             (g.ratio, g.span, g.window, g.margin) == (g0.ratio, g0.span, g0.window, g0.margin),
             "xs slots in one layer must share ratio, span, window and margin",
         )
-    tokens = np.fromiter((r.tokens for r in rows), np.int64, len(rows))
-    base = np.fromiter((r.base for r in rows), np.int64, len(rows))
+    tokens = host_ints([r.tokens for r in rows])
+    base = host_ints([r.base for r in rows])
     if reconcile_bases:
         if (tokens != tokens[0]).any():
             raise ValueError(f"reconciling xs bases needs uniform tokens, got {tokens.tolist()}")
@@ -497,21 +491,12 @@ def stack_xs(parts: list, reconcile_bases: bool = False) -> XsRolling:
     require(len(dims) <= 1, f"xs slots with hidden widths {sorted(dims)} cannot be stacked")
     if live:
         like = live[0]
-        if len(live) < len(rows):  # rows never appended to: one zero row each, as the reference's
-            zero = RowXs(
-                like.geometry,
-                like.ring.new_zeros((1, *like.ring.shape[1:])),
-                like.comp.new_zeros((1, 0, like.comp.shape[2])),
-                0,
-                0,
-                0,
-            )
-            rows = [
-                r
-                if r.ring is not None
-                else RowXs(r.geometry, zero.ring, zero.comp, 0, r.tokens, r.base)
-                for r in rows
-            ]
+        for i, r in enumerate(rows):  # a row never appended to: a zero row, as the reference's
+            if r.ring is None:
+                rows[i] = r.clone()
+                rows[i].ring = like.ring.new_zeros((1, *like.ring.shape[1:]))
+                rows[i].comp = like.comp.new_zeros((1, 0, like.comp.shape[2]))
+                rows[i].row = 0
         sources, pos, idx = _source_rows(rows)
         n = len(rows)
         out.ring = _gather([s.ring for s in sources], pos, idx, n, 1)
