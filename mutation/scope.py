@@ -65,7 +65,8 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/paged_backend.py": ("conformance/test_paged.py",),
     "gpu/rope.py": ("conformance/test_port_rope.py",),
     "gpu/slots.py": ("conformance/test_port_cache.py",),
-    "gpu/xs_rolling.py": ("conformance/test_port_xs_rolling.py",),
+    "gpu/xs_rolling.py": ("conformance/test_port_xs_rolling.py",
+                          "conformance/test_port_xs_rolling_slot.py"),
 }
 
 # path (a file, or a folder ending in "/") -> why mutmut does not mutate it
