@@ -106,11 +106,12 @@ def test_load_backend_imports_a_factory_by_name():
 
 
 def test_load_backend_refuses_unknown_specs_with_their_reasons(monkeypatch):
-    """ValueError naming the spec for an unknown name (or a non-string), a module that does
+    """ValueError naming the spec for an unknown name (or a non-string, even an unhashable
+    one), a module that does
     not import (a named backend: "needs torch and the gpu package"), a missing attribute, and
     a factory that does not return a Backend."""
     names = ", ".join(NAMED_BACKENDS)
-    for spec in ("nope", 3):
+    for spec in ("nope", 3, ["numpy"]):  # a non-string is never looked up by name
         with pytest.raises(ValueError) as info:
             load_backend(spec)
         assert str(info.value) == (
