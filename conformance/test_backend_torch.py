@@ -231,3 +231,12 @@ def test_apply_rope_rotates_forward_by_default():
     x = np.random.default_rng(0).standard_normal((1, 1, 3, 8))
     assert_close(PORT.to_numpy(PORT.apply_rope(x, [4], 4, 10000.0)),
                  REF.apply_rope(x, [4], 4, 10000.0, inverse=False), "float64", "rope")
+
+
+def test_a_target_cache_is_built_on_the_backends_device():
+    """The XsRolling slots of a new target cache live on the backend's device (here torch's
+    "meta" device, which every machine has)."""
+    be = TorchBackend("meta")
+    cache = be.new_target_cache(ModelConfig(compress_ratios=(0, 4, 128)), 4096, 2)
+    xs = [s for s in cache.slots if s.kind == "XsRolling"]
+    assert len(xs) == 2 and {s.device for s in xs} == {torch.device("meta")}
