@@ -231,3 +231,20 @@ def test_append_rows_refuses_malformed_input_with_its_message():
     with pytest.raises(ValueError) as info:
         p.append_rows(torch.zeros(1, 2, 4, dtype=torch.float64))
     assert str(info.value) == "hidden width 4 differs from the slot's 3"
+
+
+def test_the_first_append_sets_the_width_and_later_appends_take_the_slots_dtype():
+    """The first append fixes D, the buffers' dtype and an empty comp (no block yet: G = 0,
+    as the reference's buffer); a later append in another float dtype is converted to the
+    slot's; an empty batch appends nothing."""
+    p, r = port.XsRolling(4), ref.XsRolling(4)
+    p.append_rows(torch.ones(1, 2, 3, dtype=torch.float64))
+    r.append_rows(np.ones((1, 2, 3)))
+    assert p.dim == 3 and p.ring.dtype == p.comp.dtype == torch.float64
+    assert tuple(p.comp.shape) == r.comp.shape == (1, 0, 3)
+    p.append_rows(torch.full((1, 3, 3), 2.0, dtype=torch.float32))
+    assert p.ring.dtype == torch.float64 and p.tokens.tolist() == [5]
+    assert p.row_comp(0).tolist() == [[1.5, 1.5, 1.5]]  # (1 + 1 + 2 + 2) / 4
+    e = port.XsRolling(4, batch=0)
+    e.append_rows(torch.zeros(0, 5, 3))
+    assert e.batch == 0 and tuple(e.ring.shape) == (0, e.window, 3) and e.current_seq_len == 0

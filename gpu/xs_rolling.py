@@ -23,6 +23,7 @@ from raggedspec.gpu._common import (
     ints_on,
     lengths,
     lengths_like,
+    on_device_of,
     to_device,
     zeros_on,
 )
@@ -362,12 +363,11 @@ class XsRolling:
             self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
         x_new = x_new.to(self.ring.dtype)
         take_max = int(take_h.max()) if b else 0
-        dev = self.device
         if take_max > 0:
-            g_done = to_device(torch.from_numpy(g_done_h), dev)
-            j = arange_on(take_max, dev)
+            g_done = on_device_of(torch.from_numpy(g_done_h), self.ring)
+            j = arange_like(take_max, self.ring)
             g = g_done[:, None] + j  # [B, take_max]
-            p = (g[:, :, None] * r + arange_on(r, dev)).reshape(
+            p = (g[:, :, None] * r + arange_like(r, self.ring)).reshape(
                 b, -1
             )  # [B, take_max * r]
             fresh = p >= self.tokens[:, None]
@@ -382,7 +382,7 @@ class XsRolling:
             blocks = (
                 rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)
             )  # [B, take_max, D]
-            valid = (j[None, :] < to_device(torch.from_numpy(take_h), dev)[:, None])[:, :, None]
+            valid = (j[None, :] < on_device_of(torch.from_numpy(take_h), j)[:, None])[:, :, None]
             # every (row, g) pair is distinct: write all of them into a buffer wide enough,
             # the pairs past a row's take with the values they had (no mask-sized index)
             width = self.comp.shape[1]
@@ -398,7 +398,7 @@ class XsRolling:
         keep = min(t_new, w)
         if keep:
             cols = torch.remainder(
-                self.tokens[:, None] + (t_new - keep) + arange_on(keep, dev), w
+                self.tokens[:, None] + (t_new - keep) + arange_like(keep, self.ring), w
             )
             self.ring = self.ring.scatter(
                 1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep :]
