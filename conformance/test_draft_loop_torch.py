@@ -157,3 +157,14 @@ def test_malformed_batches_are_refused_alike():
         PORT.draft_chain(pm, groups, states, toks, [3, 3], [9, 9], 3, False)
     assert str(info.value) == (
         "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)")
+
+
+def test_an_unbatchable_uniform_group_is_skipped_with_a_warning_and_the_next_group_drafts():
+    """Scalar keys: two rows at C = 3 whose draft KVs differ in length cannot be batched
+    ("unbatchable", skipped); the row at C = 5 (a later group) still drafts."""
+    def cut(be, states):
+        be.kv_set_len(states[1].cache, 2)
+
+    drafts, warnings, groups = run_both([(3, True), (3, True), (5, True)], 3, False, edit=cut)
+    assert [len(d) for d in drafts] == [0, 0, 2]
+    assert warnings == [WARNINGS["unbatchable"].format(key=next(iter(groups)))]
