@@ -168,3 +168,16 @@ def test_an_unbatchable_uniform_group_is_skipped_with_a_warning_and_the_next_gro
     drafts, warnings, groups = run_both([(3, True), (3, True), (5, True)], 3, False, edit=cut)
     assert [len(d) for d in drafts] == [0, 0, 2]
     assert warnings == [WARNINGS["unbatchable"].format(key=next(iter(groups)))]
+
+
+def test_a_uniform_group_whose_set_len_is_refused_is_skipped_with_a_warning():
+    """Scalar keys: a row at C = 1 drafts from chain start 0; a row at C = 20 whose draft KV
+    was replaced by an empty one (capacity 16) cannot be set to its start 19: "set_len"
+    refused, warned, its group skipped."""
+    def fresh(be, states):
+        states[1].cache = be.new_draft_cache(models(ModelConfig())[0 if be is PORT else 1])
+
+    drafts, warnings, groups = run_both([(1, True), (20, True)], 3, False, edit=fresh)
+    assert [len(d) for d in drafts] == [2, 0] and len(warnings) == 1
+    key = list(groups)[1]
+    assert warnings[0].startswith(f"draft group {key}: set_len(19) refused (")
