@@ -33,7 +33,7 @@ import torch
 
 from raggedspec.gpu import dispatch as gdispatch
 from raggedspec.gpu import masks as gmasks
-from raggedspec.gpu._common import as_list, neg_inf_where
+from raggedspec.gpu._common import arange_like, as_list, ints_on, neg_inf_where, to_device
 from raggedspec.gpu.attention import dsv4_attention as g_dsv4_attention
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.draft import propose_chain_batched
@@ -104,10 +104,10 @@ class TorchBackend(Backend):
             t = torch.from_numpy(np.ascontiguousarray(np.asarray(a)))
         if t.is_floating_point():
             t = t.to(self.tdtype)
-        return t.to(self.dev)
+        return to_device(t, self.dev)
 
     def _ints(self, xs) -> torch.Tensor:
-        return torch.as_tensor([int(x) for x in xs], dtype=torch.int64, device=self.dev)
+        return ints_on([int(x) for x in xs], self.dev)
 
     # ------------------------------------------------------------------ construction, read-back
     def build_model(self, cfg):
@@ -281,7 +281,7 @@ class TorchBackend(Backend):
     def rope_positions(self, offsets, b, t):
         off = self._ints(offsets)
         require(off.numel() in (1, b), f"{off.numel()} offsets for a batch of {b}")
-        pos = (off[:, None] + torch.arange(t, device=self.dev)[None, :]).expand(b, t)
+        pos = (off[:, None] + arange_like(t, off)[None, :]).expand(b, t)
         return self.to_numpy(pos)
 
     def apply_rope(self, x, offsets, rope_dims, theta, inverse=False):
@@ -297,7 +297,7 @@ class TorchBackend(Backend):
         if rows is None:
             return neg_inf_where(valid, self.tdtype)[None, None]
         return self._ragged_union_mask(
-            rows.to(self.dev), q0, valid, raw_base, keep, window, ratio, t_c
+            to_device(rows, self.dev), q0, valid, raw_base, keep, window, ratio, t_c
         )
 
     def _ragged_union_mask(self, rows, q0, valid, raw_base, keep, window, ratio, t_c):
@@ -372,14 +372,14 @@ class TorchBackend(Backend):
             slot.grow_meta(t)
             grow_physical(slot.kv, int(slot.own.max()) + t)
         own = first.own
-        toks = torch.as_tensor(tokens, device=self.dev)
+        toks = ints_on(tokens, self.dev)
         if (
             np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) == own
         ).all() and not comp_start.any():
             fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture)
         else:
             fwd = self._forward_general(model, toks, [s.kv for s in kvs], self._ints(offs),
-                                        torch.from_numpy(comp_start).to(self.dev))
+                                        to_device(torch.from_numpy(comp_start), self.dev))
             if capture is not None:
                 capture.store_rows(offs, fwd.hidden.clone())
         for slot in kvs:
@@ -418,20 +418,19 @@ class TorchBackend(Backend):
         comp = None
         if t_c > 0:
             width = t_c * r
-            dev = kv.k.device
-            cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(
+            cols = (start[:, None] + arange_like(width, kv.k)[None, :]).clamp(
                 max=kv.capacity - 1
             )
             raw = kv.k.gather(2, cols[:, None, :, None].expand(b, kv.k.shape[1], width, hd))
-            cos, sin = layer.ropes.get(layer.theta, width).lookup(torch.arange(width, device=dev))
+            cos, sin = layer.ropes.get(layer.theta, width).lookup(arange_like(width, kv.k))
             raw = rotate(raw, cos, sin, cfg.rope_dims, inverse=True)
             blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)
             cos, sin = layer.ropes.get(cfg.compress_rope_theta, width).lookup(
-                torch.arange(t_c, device=dev) * r
+                arange_like(t_c, kv.k) * r
             )
             blocks = rotate(blocks, cos, sin, cfg.rope_dims)
-            live = (torch.arange(t_c, device=dev)[None, :] < live_n[:, None])[:, None, :, None]
-            comp = torch.where(live, blocks, torch.zeros((), dtype=blocks.dtype, device=dev))
+            live = (arange_like(t_c, kv.k)[None, :] < live_n[:, None])[:, None, :, None]
+            comp = torch.where(live, blocks, blocks.new_zeros(()))
         o = layer.attend(q, kv, None, comp, r, cfg.sliding_window, layer.sinks)
         o = layer.rope(o, offs, cfg.rope_dims, layer.theta, inverse=True, table=table)
         x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ layer.wo

@@ -15,7 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import as_list, host_ints, lengths
+from raggedspec.gpu._common import (
+    arange_like,
+    arange_on,
+    as_list,
+    host_ints,
+    ints_on,
+    lengths,
+    lengths_like,
+    on_device_of,
+    to_device,
+    zeros_on,
+)
 from raggedspec.reference.errors import CacheRefusal, require
 from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
 from raggedspec.reference.xs_rolling import XsRolling as RefXsRolling
@@ -28,7 +39,7 @@ def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:
     if isinstance(value, torch.Tensor):
         return value, None
     host = np.array(value, dtype=np.int64).reshape(-1)
-    return torch.from_numpy(host.copy()).to(device), host
+    return to_device(torch.from_numpy(host.copy()), device), host
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,7 +130,7 @@ def plan_xs_advance(tokens, base, window: int, t_new: int, ratio: int, span: int
     is malformed (ValueError) when its row is the first offending one, as the reference's
     row loop finds it."""
     tokens = lengths(tokens, name="tokens")
-    base = lengths(base, device=tokens.device, name="base")
+    base = lengths_like(base, tokens, name="base")
     require(
         tokens.numel() == base.numel(), f"{tokens.numel()} token counts but {base.numel()} bases"
     )
@@ -235,17 +246,15 @@ class XsRolling:
         out = XsRolling(
             ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device
         )
-        out.tokens = torch.tensor(ref.tokens, dtype=torch.int64, device=out.device).reshape(-1)
-        out.base = torch.tensor(ref.base, dtype=torch.int64, device=out.device).reshape(-1)
+        out.tokens = ints_on(ref.tokens, out.device).reshape(-1)
+        out.base = ints_on(ref.base, out.device).reshape(-1)
         if ref.tail is not None:
-            tail = torch.from_numpy(np.ascontiguousarray(ref.tail)).to(
-                device=out.device, dtype=dtype
-            )
+            tail = to_device(torch.from_numpy(np.ascontiguousarray(ref.tail)), out.device).to(dtype)
             b, w, d = tail.shape
-            cols = torch.remainder(out.tokens[:, None] - w + torch.arange(w, device=out.device), w)
+            cols = torch.remainder(out.tokens[:, None] - w + arange_like(w, out.tokens), w)
             out.ring = torch.zeros_like(tail).scatter(1, cols[:, :, None].expand(b, w, d), tail)
-            out.comp = torch.from_numpy(np.ascontiguousarray(ref.comp)).to(
-                device=out.device, dtype=dtype
+            out.comp = to_device(torch.from_numpy(np.ascontiguousarray(ref.comp)), out.device).to(
+                dtype
             )
         return out
 
@@ -255,10 +264,10 @@ class XsRolling:
         if self.ring is None:
             return None
         b, w, d = self.ring.shape
-        p = self.tokens[:, None] - w + torch.arange(w, device=self.ring.device)
+        p = self.tokens[:, None] - w + arange_like(w, self.ring)
         out = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(b, w, d))
         live = (p >= self.base[:, None])[:, :, None]
-        return torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return torch.where(live, out, out.new_zeros(()))
 
     def to_reference(self) -> RefXsRolling:
         """A reference slot with this state (tail materialized, comp copied; host arrays)."""
@@ -293,15 +302,15 @@ class XsRolling:
         """Row i's valid compressed rows `[tokens_i // ratio, D]`."""
         g = int(self.tokens[i]) // self.ratio
         if self.comp is None:
-            return torch.zeros((g, self.dim or 0), dtype=torch.float64, device=self.device)
+            return zeros_on((g, self.dim or 0), torch.float64, self.device)
         return self.comp[i, :g]
 
     def row_history(self, i: int) -> torch.Tensor:
         """Row i's retained rows, tokens `[base_i, tokens_i)` (gathered from the ring)."""
         n = int(self.tokens[i] - self.base[i])
         if self.ring is None:
-            return torch.zeros((n, self.dim or 0), dtype=torch.float64, device=self.device)
-        p = torch.arange(int(self.base[i]), int(self.tokens[i]), device=self.device)
+            return zeros_on((n, self.dim or 0), torch.float64, self.device)
+        p = arange_on(n, self.device) + int(self.base[i])
         return self.ring[i, torch.remainder(p, self.window)]
 
     # --- append -----------------------------------------------------------------------------
@@ -344,22 +353,21 @@ class XsRolling:
         g_done_h = np.fromiter((p.g_done for p in rows), np.int64, b)
         take_h = np.fromiter((p.take for p in rows), np.int64, b)
         base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
-        x_new = x_new.to(self.device)
+        x_new = to_device(x_new, self.device)
         g_needed = int((g_done_h + take_h).max()) if b else 0
         if self.ring is None:
             self.dim = d
-            self.ring = torch.zeros((b, w, d), dtype=x_new.dtype, device=self.device)
-            self.comp = torch.zeros((b, 0, d), dtype=x_new.dtype, device=self.device)
+            self.ring = x_new.new_zeros((b, w, d))
+            self.comp = x_new.new_zeros((b, 0, d))
         if self.comp.shape[1] < g_needed:
             self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
         x_new = x_new.to(self.ring.dtype)
         take_max = int(take_h.max()) if b else 0
-        dev = self.device
         if take_max > 0:
-            g_done = torch.from_numpy(g_done_h).to(dev)
-            j = torch.arange(take_max, device=dev)
+            g_done = on_device_of(torch.from_numpy(g_done_h), self.ring)
+            j = arange_like(take_max, self.ring)
             g = g_done[:, None] + j  # [B, take_max]
-            p = (g[:, :, None] * r + torch.arange(r, device=dev)).reshape(
+            p = (g[:, :, None] * r + arange_like(r, self.ring)).reshape(
                 b, -1
             )  # [B, take_max * r]
             fresh = p >= self.tokens[:, None]
@@ -374,7 +382,7 @@ class XsRolling:
             blocks = (
                 rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)
             )  # [B, take_max, D]
-            valid = (j[None, :] < torch.from_numpy(take_h).to(dev)[:, None])[:, :, None]
+            valid = (j[None, :] < on_device_of(torch.from_numpy(take_h), j)[:, None])[:, :, None]
             # every (row, g) pair is distinct: write all of them into a buffer wide enough,
             # the pairs past a row's take with the values they had (no mask-sized index)
             width = self.comp.shape[1]
@@ -390,7 +398,7 @@ class XsRolling:
         keep = min(t_new, w)
         if keep:
             cols = torch.remainder(
-                self.tokens[:, None] + torch.arange(t_new - keep, t_new, device=dev), w
+                self.tokens[:, None] + (t_new - keep) + arange_like(keep, self.ring), w
             )
             self.ring = self.ring.scatter(
                 1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep :]

@@ -287,8 +287,10 @@ class Backend:
 
 
 def missing_methods(backend) -> list[str]:
-    """The protocol methods `backend` leaves to the abstract base (not overridden)."""
-    return [m for m in PROTOCOL_METHODS if getattr(type(backend), m, None) is getattr(Backend, m)]
+    """The protocol methods `backend` does not implement: left to the abstract base (not
+    overridden), or absent from its type (an object that is not a `Backend`)."""
+    return [m for m in PROTOCOL_METHODS
+            if getattr(type(backend), m, None) in (None, getattr(Backend, m))]
 
 
 # ----------------------------------------------------------------------------- the reference
