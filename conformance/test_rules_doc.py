@@ -327,3 +327,16 @@ def test_every_section_17_2_test_is_mapped_to_a_row():
         if len(hits) != 1:
             unmatched.append(name)
     assert not unmatched and len(raw) == len(SECTION_17_2_TESTS), f"§17.2 changed: {unmatched}"
+
+
+def test_the_end_to_end_row_names_only_end_to_end_tests():
+    """The runner fails a row on its own tests and, for the end-to-end tests, on the rule of
+    the first differing tensor; a row that also names a per-method test owns only that test,
+    so an end-to-end failure blamed on another rule would leave the end-to-end row passing."""
+    from raggedspec.conformance.runner import E2E_FILE, rule_rows
+
+    rows = [tests for rule, tests in rule_rows(RULES.read_text())
+            if rule.startswith("end to end: the same scenario on two backends")]
+    assert rows, "docs/rules.md has no end-to-end row"
+    others = [t for tests in rows for t in tests if not t.startswith(E2E_FILE + "::")]
+    assert not others, f"the end-to-end row names tests outside {E2E_FILE}: {others}"
