@@ -306,6 +306,18 @@ class ClampProbe(NumpyBackend):
         return out
 
 
+def port_matches_the_clamped_reference(sc, count: str, label: str, seen: str) -> None:
+    """Run `sc` on the reference through a `ClampProbe`, steer Hypothesis toward more of the
+    probe's `count` cuts (`target`, `event` when any), and compare the port's run with it."""
+    probe = ClampProbe()
+    ref = simulator.run(sc, record_tensors=True, backend=probe)
+    target(float(getattr(probe, count)), label=label)
+    if getattr(probe, count):
+        event(seen)
+    out = simulator.run(sc, record_tensors=True, backend=backend_under_test())
+    compare_runs(out, ref, backend_under_test().dtype)
+
+
 @FEW
 @given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
        depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
@@ -320,13 +332,8 @@ def test_the_budget_clamp_binding_on_ragged_rows_matches_the_reference(max_seq_l
                             depth=depth, advance="per-sequence", xs_per_seq=True,
                             admission="grant", world="WB", max_seq_len=max_seq_len,
                             acceptance=acceptance, seed=seed))
-    probe = ClampProbe()
-    ref = simulator.run(sc, record_tensors=True, backend=probe)
-    target(float(probe.bound), label="rows the budget clamp cut")
-    if probe.bound:
-        event("budget clamp bound")
-    out = simulator.run(sc, record_tensors=True, backend=backend_under_test())
-    compare_runs(out, ref, backend_under_test().dtype)
+    port_matches_the_clamped_reference(sc, "bound", "rows the budget clamp cut",
+                                       "budget clamp bound")
 
 
 def test_the_budget_clamp_example_binds():
@@ -396,13 +403,9 @@ def test_the_budget_clamp_binding_on_rows_of_different_u_matches_the_reference(m
     steps whose rows have different `u` (so different draft counts and budgets; `target`
     pushes toward more such cuts): the port's run equals the reference's step for step."""
     sc = ragged_u_scenario(max_seq_len, plens, depth, acceptance, seed)
-    probe = ClampProbe()
-    ref = simulator.run(sc, record_tensors=True, backend=probe)
-    target(float(probe.bound_ragged_u), label="rows the clamp cut on a step of different u")
-    if probe.bound_ragged_u:
-        event("budget clamp bound on rows of different u")
-    out = simulator.run(sc, record_tensors=True, backend=backend_under_test())
-    compare_runs(out, ref, backend_under_test().dtype)
+    port_matches_the_clamped_reference(sc, "bound_ragged_u",
+                                       "rows the clamp cut on a step of different u",
+                                       "budget clamp bound on rows of different u")
 
 
 @pytest.mark.parametrize("case", range(len(RAGGED_U)))
