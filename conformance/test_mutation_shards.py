@@ -377,7 +377,7 @@ def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkey
     monkeypatch.setitem(MUTMUT_MODULES, "reference/cache.py", ("conformance/test_rope.py",))
     ran = []
 
-    def fake_run(module, root_, jobs, log, timeout):
+    def fake_run(module, root_, jobs, log, timeout, seed=None, reopen=False):
         ran.append(module)
         ws = tmp_path / f"ws-{module.replace('/', '_')}-{len(ran)}" / "mutants"
         dotted = "raggedspec." + module.removesuffix(".py").replace("/", ".")
@@ -401,6 +401,89 @@ def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkey
     assert ran == mods + ["reference/rope.py"]
     assert third.modules["reference/cache.py"].reused
     assert not third.modules["reference/rope.py"].reused
+
+
+def test_only_added_test_files_let_a_run_continue_from_a_finished_one(tmp_path, monkeypatch):
+    root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"
+    old_tests = ("conformance/test_rope.py",)
+    new_tests = old_tests + ("conformance/test_rope_more.py",)
+    (root / "conformance" / "test_rope_more.py").write_text("def test_h():\n    pass\n")
+
+    def parts(tests=new_tests):
+        return mutmut_cache.module_parts(root, m, tests, "3.8.1")
+
+    done = tmp_path / "ws" / "mutants"
+    _meta(done, m, {"raggedspec.reference.rope.x_f__mutmut_1": 1})
+    k0 = mutmut_cache.key_of(parts(old_tests))
+    assert k0 == mutmut_cache.module_key(root, m, old_tests, "3.8.1")
+    mutmut_cache.store(cache, m, k0, done, 3.0)  # an entry without its parts: never a base
+    assert mutmut_cache.base_for(cache, m, parts()) is None
+    mutmut_cache.store(cache, m, k0, done, 3.0, parts(old_tests))
+    seed, key = mutmut_cache.base_for(cache, m, parts())
+    assert key == k0 and (seed / "raggedspec" / (m + ".meta")).is_file()
+    assert mutmut_cache.base_for(cache, m, parts(old_tests)) is None  # that is a plain hit
+    assert mutmut_cache.base_for(cache, m, parts(("conformance/test_rope_more.py",))) is None
+    for path, text in [(root / m, "def f(x):\n    return x + 2\n"),
+                       (root / "conformance" / "test_rope.py", "def test_f():\n    assert 1\n"),
+                       (root / "conformance" / "conftest.py", "# other profiles\n"),
+                       (root / "conformance" / "helpers.py", "# a new helper\n")]:
+        before = path.read_text() if path.is_file() else None
+        path.write_text(text)
+        assert mutmut_cache.base_for(cache, m, parts()) is None, path
+        if before is None:
+            path.unlink()
+        else:
+            path.write_text(before)
+    assert mutmut_cache.base_for(cache, m, parts()) is not None
+    assert mutmut_cache.base_for(cache, m, mutmut_cache.module_parts(
+        root, m, new_tests, "3.9.0")) is None
+
+
+def test_seeding_keeps_kills_and_timeouts_and_reopens_every_other_verdict(tmp_path):
+    m = "reference/rope.py"
+    seed, ws = tmp_path / "seed", tmp_path / "ws"
+    names = [f"raggedspec.reference.rope.x_f__mutmut_{i}" for i in range(1, 7)]
+    _meta(seed, m, dict(zip(names, [1, 0, 36, 33, None, 3], strict=True)))
+    assert runner.seed_mutants(ws, m, seed, reopen=False) == 1
+    assert runner.seed_mutants(ws, m, seed, reopen=True) == 3
+    codes = json.loads((ws / "raggedspec" / (m + ".meta")).read_text())["exit_code_by_key"]
+    assert codes == dict(zip(names, [1, None, 36, None, None, 3], strict=True))
+
+
+def test_an_interrupted_run_is_resumed_and_added_tests_reopen_only_the_survivors(
+        tmp_path, monkeypatch):
+    root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"
+    monkeypatch.setitem(MUTMUT_MODULES, m, ("conformance/test_rope.py",))
+    calls = []
+
+    def fake_run(module, root_, jobs, log, timeout, seed=None, reopen=False):
+        calls.append((seed, reopen))
+        ws = tmp_path / f"ws{len(calls)}" / "mutants"
+        codes = {f"raggedspec.reference.rope.x_f__mutmut_{i}": 1 for i in (1, 2)}
+        if len(calls) == 1:
+            _meta(ws, module, {**codes, "raggedspec.reference.rope.x_f__mutmut_2": None})
+            raise runner.RunInterrupted("past the limit", ws, 40.0)
+        _meta(ws, module, codes)
+        got = runner.read_mutants_dir(ws).modules[module]
+        got.seconds = 5.0
+        return got, [], ws
+
+    monkeypatch.setattr("raggedspec.mutation.mutmut_run.run_module", fake_run)
+    monkeypatch.setattr("raggedspec.mutation.mutmut_run.drop_workspace", lambda ws: None)
+    with pytest.raises(runner.RunInterrupted, match="kept"):
+        runner.run_modules([m], root, 1, cache, log=lambda *_: None)
+    key = runner.module_key(root, m)
+    assert calls == [(None, False)]
+    got, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
+    assert calls[1] == (mutmut_cache.partial_dir(cache, m, key) / "mutants", False)
+    assert got.modules[m].seconds == 45.0 and got.modules[m].base == ""
+    assert not mutmut_cache.partial_dir(cache, m, key).exists()  # done: the partial is gone
+    (root / "conformance" / "test_rope_more.py").write_text("def test_h():\n    pass\n")
+    monkeypatch.setitem(MUTMUT_MODULES, m, ("conformance/test_rope.py",
+                                            "conformance/test_rope_more.py"))
+    third, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
+    assert calls[2] == (mutmut_cache.entry_dir(cache, m, key) / "mutants", True)
+    assert third.modules[m].base == key and third.modules[m].seconds == 5.0
 
 
 # --------------------------------------------------------------------------- CI record

@@ -9,7 +9,10 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -65,6 +68,7 @@ class ModuleResult:
     reused: bool = False
     key: str = ""  # mutmut_cache.module_key: the cache's key
     source_key: str = ""  # the same without mutmut's version and settings: the record's
+    base: str = ""  # the key of the finished run this one continued (added test files only)
 
     @property
     def stats(self) -> dict:
@@ -320,12 +324,44 @@ def _set_mutmut_config(workdir: Path, only_mutate: list[str], selection: list[st
     py.write_text(text)
 
 
+def seed_mutants(mutants: Path, module: str, seed: Path, reopen: bool) -> int:
+    """Put `module`'s .meta and mutated source from `seed` (a cached `mutants/` dir) into the
+    workspace's `mutants/`, where mutmut keeps every verdict it finds and checks only the
+    mutants without one; with `reopen`, the mutants not killed lose their verdict first.
+    Returns how many mutants are left to check."""
+    for suffix in ("", ".meta"):
+        src = seed / "raggedspec" / (module + suffix)
+        dst = mutants / "raggedspec" / (module + suffix)
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    meta = mutants / "raggedspec" / (module + ".meta")
+    data = json.loads(meta.read_text())
+    codes = data.get("exit_code_by_key", {})
+    for k, code in codes.items():
+        if reopen and STATUS_BY_EXIT_CODE.get(code, "suspicious") in NOT_KILLED:
+            codes[k] = None
+    meta.write_text(json.dumps(data))
+    return sum(code is None for code in codes.values())
+
+
+class RunInterrupted(RuntimeError):
+    """mutmut ran past the time limit; `mutants` holds the verdicts it wrote so far."""
+
+    def __init__(self, message: str, mutants: Path, seconds: float):
+        super().__init__(message)
+        self.mutants, self.seconds = mutants, seconds
+
+
 def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
-               timeout: float = 3600) -> tuple[ModuleResult, list[str], Path]:
+               timeout: float = 3600, seed: Path | None = None,
+               reopen: bool = False) -> tuple[ModuleResult, list[str], Path]:
     """mutmut on one module in a fresh copy, with the module's covering tests
     (`scope.MUTMUT_MODULES`) as its test selection: a baseline of those tests (failing tests
     are deselected and returned: mutmut refuses to start on a red suite), `run`, then
-    `export-cicd-stats`; (the module's result, the baseline failures, the copy's mutants/)."""
+    `export-cicd-stats`; (the module's result, the baseline failures, the copy's mutants/).
+    With `seed`, the run starts from those verdicts (`seed_mutants`). Past `timeout` seconds
+    mutmut's process group is stopped and RunInterrupted carries what it wrote."""
     tests = [t for t in MUTMUT_MODULES[module] if (root / t).exists()]
     if not tests:
         raise CatalogueError(f"{module}: none of its test files exist")
@@ -336,15 +372,26 @@ def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
     log(f"mutmut {module}: baseline {'green' if not red else 'RED: ' + ', '.join(red)} "
         f"({secs:.1f} s)")
     _set_mutmut_config(ws, [nested_path(module)], selection + [f"--deselect={t}" for t in red])
+    if seed is not None:
+        left = seed_mutants(ws / "mutants", module, seed, reopen)
+        log(f"mutmut {module}: continuing an earlier run, {left} mutants to check")
     env = _env()
-    p = subprocess.run(
+    p = subprocess.Popen(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
-        cwd=ws, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )
-    tail = "\n".join(p.stdout.replace("\r", "\n").splitlines()[-8:])
+    try:
+        out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise RunInterrupted(f"mutmut run on {module} passed its {timeout:.0f} s limit",
+                             ws / "mutants", time.monotonic() - t0) from None
+    tail = "\n".join(out.replace("\r", "\n").splitlines()[-8:])
     if p.returncode != 0:
         raise RuntimeError(f"mutmut run on {module} failed (exit {p.returncode}):\n{tail}\n"
-                           f"{p.stderr[-3000:]}")
+                           f"{err[-3000:]}")
     q = subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=ws, env=env,
                        capture_output=True, text=True)
     if q.returncode != 0:
@@ -358,13 +405,16 @@ def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
 def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Path | None = None,
                 log=print, timeout: float = 3600) -> tuple[MutmutReport, list[str]]:
     """Each module's result, from the cache when its key is there (mutmut_cache.py), else from
-    a fresh `run_module` (stored in the cache when its baseline was green); (the report over
-    all of them, the baseline failures)."""
+    a `run_module` that resumes an interrupted run under the same key, or continues from a
+    finished one whose only difference is added test files, or starts afresh (stored in the
+    cache when its baseline was green); (the report over all of them, the baseline failures).
+    A run past `timeout` keeps its verdicts for the next run and raises RunInterrupted."""
     t0 = time.monotonic()
     results: dict[str, ModuleResult] = {}
     red: list[str] = []
     for module in modules:
-        key = mutmut_cache.module_key(root, module)
+        parts = mutmut_cache.module_parts(root, module)
+        key = mutmut_cache.key_of(parts)
         source_key = mutmut_cache.module_key(root, module, tool=False)
         hit = mutmut_cache.cached(cache, module, key)
         if hit is not None:
@@ -374,13 +424,28 @@ def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Pat
             results[module] = got
             log(f"mutmut {module}: reused ({got.mutants} mutants, score {got.score:.1f}%)")
             continue
-        got, red_m, mutants = run_module(module, root, jobs, log, timeout)
-        got.key, got.source_key = key, source_key
+        seed, reopen, before, base = None, False, 0.0, ""
+        resumed = mutmut_cache.resume_from(cache, module, key)
+        if resumed is not None:
+            seed, before = resumed
+        elif (found := mutmut_cache.base_for(cache, module, parts)) is not None:
+            seed, base = found
+            reopen = True
+        try:
+            got, red_m, mutants = run_module(module, root, jobs, log, timeout, seed, reopen)
+        except RunInterrupted as e:
+            mutmut_cache.store_partial(cache, module, key, e.mutants, before + e.seconds)
+            drop_workspace(e.mutants.parent)
+            raise RunInterrupted(f"{e}; its verdicts so far are kept and the next run under "
+                                 f"this key checks only the rest", e.mutants,
+                                 before + e.seconds) from None
+        got.key, got.source_key, got.base = key, source_key, base
+        got.seconds += before
         results[module] = got
         red += [t for t in red_m if t not in red]
         log(f"mutmut {module}: {got.mutants} mutants, {got.killed} killed, score "
             f"{got.score:.1f}% ({got.seconds:.0f} s)")
         if not red_m:
-            mutmut_cache.store(cache, module, key, mutants, got.seconds)
+            mutmut_cache.store(cache, module, key, mutants, got.seconds, parts, base)
         drop_workspace(mutants.parent)  # this module's copy is done with
     return report_from_modules(results, time.monotonic() - t0), red

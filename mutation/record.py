@@ -41,6 +41,7 @@ def entry_of(mod: ModuleResult, ok: bool, when: str) -> dict:
             "skipped": mod.skipped, "other": mod.other, "score": round(mod.score, 2), "ok": ok,
             "date": when,
             "seconds": round(mod.seconds, 1), "reused": mod.reused,
+            **({"base": mod.base} if mod.base else {}),
             "survivors": [{k: s[k] for k in ("key", "function", "status", "line")}
                           for s in mod.survivors]}
 
