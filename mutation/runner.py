@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--fast: the most recorded seconds of changed modules to mutate "
                     "(default %(default)s; the rest fail the gate)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--time-limit", type=float, default=3600.0,
+                    help="seconds one module's mutmut run may take (default %(default)s); a run "
+                    "past it keeps its verdicts and the next run checks only the rest")
     ap.add_argument("--threshold", type=float, default=THRESHOLD)
     ap.add_argument(
         "--no-baseline", action="store_true", help="skip the catalogue's unmutated baseline run"
@@ -447,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 mm_assigned = module_shard(mm_all, root, k, n)
                 try:
-                    report, red_mm = run_modules(mm_assigned, root, args.jobs, cache)
+                    report, red_mm = run_modules(mm_assigned, root, args.jobs, cache,
+                                                 timeout=args.time_limit)
                     red = red + [t for t in red_mm if t not in red]
                 except (RuntimeError, subprocess.TimeoutExpired, CatalogueError) as err:
                     infra.append(f"mutmut did not complete: {err}")
