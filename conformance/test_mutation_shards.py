@@ -523,7 +523,7 @@ def test_the_fast_gate_mutates_the_dispatch_module_and_the_changed_recorded_ones
     rec.write_text(json.dumps(record))
     asked = []
 
-    def fake_run_modules(modules, root, jobs, cache):
+    def fake_run_modules(modules, root, jobs, cache, timeout=3600):
         asked.append(list(modules))
         return runner.report_from_modules({m: runner.ModuleResult(m, 1, 1) for m in modules}), []
 

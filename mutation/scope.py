@@ -32,7 +32,7 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "reference/draft.py": ("conformance/test_draft.py", "conformance/test_draft_loop.py",
                            "conformance/test_draft_checks.py"),
     "reference/errors.py": ("conformance/test_cache.py",),
-    "reference/lengths.py": ("conformance/test_lengths.py",),
+    "reference/lengths.py": ("conformance/test_lengths_grid.py", "conformance/test_lengths.py"),
     "reference/lengths_draft.py": ("conformance/test_lengths_draft.py",
                                    "conformance/test_lengths.py"),
     "reference/lengths_scheduler.py": ("conformance/test_lengths_scheduler.py",
