@@ -8,7 +8,7 @@ Fields, the gate and how to add a rule's entries: docs/mutation.md, section
 
 The entries live in one module per family (catalogue_pr.py, catalogue_draft.py,
 catalogue_step.py, catalogue_masks.py, catalogue_port.py, catalogue_kernels.py,
-catalogue_paged.py, catalogue_survivors.py); this module
+catalogue_paged.py, catalogue_survivors.py, catalogue_survivors_port.py); this module
 is the public one: `Mutant`, `M`, the lists and `select`.
 """
 
@@ -21,6 +21,7 @@ from raggedspec.mutation import (
     catalogue_pr,
     catalogue_step,
     catalogue_survivors,
+    catalogue_survivors_port,
 )
 from raggedspec.mutation.catalogue_kernels import KERNEL_MUTANTS
 from raggedspec.mutation.catalogue_paged import PAGED_MUTANTS
@@ -33,7 +34,9 @@ CATALOGUE: list[Mutant] = (
     catalogue_pr.ENTRIES + catalogue_draft.ENTRIES + catalogue_step.ENTRIES
     + catalogue_masks.ENTRIES + catalogue_survivors.REFERENCE_ENTRIES
 )
-PORT_CATALOGUE: list[Mutant] = catalogue_port.ENTRIES + catalogue_survivors.PORT_ENTRIES
+PORT_CATALOGUE: list[Mutant] = (
+    catalogue_port.ENTRIES + catalogue_survivors.PORT_ENTRIES + catalogue_survivors_port.ENTRIES
+)
 KERNEL_CATALOGUE: list[Mutant] = [M(n, f, o, w, s, *t) for n, f, o, w, s, t in KERNEL_MUTANTS]
 from raggedspec.mutation.catalogue_boundaries import BOUNDARY_MUTANTS  # noqa: E402
 KERNEL_CATALOGUE += [M(n, f, o, w, s, *t) for n, f, o, w, s, t in BOUNDARY_MUTANTS]

@@ -13,6 +13,9 @@ from raggedspec.mutation.mutant import R_ALIGN, R_DRAFT, R_MASKS, R_SCHED, M, Mu
 
 _C = "conformance/"
 R_XS, R_MODEL, R_SIM = "reference/xs_rolling.py", "reference/model.py", "reference/simulator.py"
+R_TRACE, R_TREAD = "reference/trace.py", "reference/trace_reader.py"
+R_ACCEPT, R_SCEN = "reference/acceptance.py", "reference/scenario.py"
+R_BACKEND = "reference/backend.py"
 G_ATTN, G_PAGED, G_PBACK = "gpu/attention.py", "gpu/paged.py", "gpu/paged_backend.py"
 
 
@@ -24,6 +27,8 @@ A_CHK, D_LOOP, D_CHK = "test_align_checks.py", "test_draft_loop.py", "test_draft
 XS_EDGE, LAYER = "test_xs_rolling_edges.py", "test_model_layer.py"
 S_STATE, P_ATTN = "test_scheduler_state.py", "test_port_attention.py"
 P_STORE, P_SLOTS = "test_paged_store.py", "test_paged_backend_slots.py"
+T_FIELDS, PROTO = "test_trace_reader_fields.py", "test_backend_protocol.py"
+ACCEPT, S_KEYS = "test_acceptance.py", "test_scenario_keys.py"
 
 REFERENCE_ENTRIES: list[Mutant] = [
     # ------------------------------------------------------------------ reference/align.py
@@ -278,6 +283,126 @@ REFERENCE_ENTRIES: list[Mutant] = [
         "C§7.1 draft map",
         _t("test_simulator_draft_map.py",
            "test_the_least_recently_checked_in_entry_is_evicted_above_the_cap"),
+    ),
+    # ------------------------------------------------------------------ reference/trace.py
+    M(
+        "_key_part: a negative bucket part read as text (`lstrip` -> `rstrip`)",
+        R_TRACE,
+        'if text.lstrip("-").isdigit():',
+        'if text.rstrip("-").isdigit():',
+        "trace.md CSV",
+        _t("test_trace.py", "test_csv_cells_a_foreign_engine_writes_read_as_the_docs_say"),
+    ),
+    M(
+        "_read_csv: the row's seq read into the step fields (`[1:10]` -> `[1:11]`)",
+        R_TRACE,
+        "for k in CSV_COLUMNS[1:10]:",
+        "for k in CSV_COLUMNS[1:11]:",
+        "trace.md CSV",
+        _t("test_trace.py", "test_the_csv_form_reads_back_typed_as_the_jsonl_step"),
+    ),
+    M(
+        "read_trace: a blank line ends the trace (`continue` -> `break`)",
+        R_TRACE,
+        "            if not line:\n                continue\n",
+        "            if not line:\n                break\n",
+        "trace.md JSONL",
+        _t("test_trace.py", "test_an_engine_trace_without_header_or_type_reads_as_steps"),
+    ),
+    # ------------------------------------------------------------------ reference/trace_reader.py
+    M(
+        "_csv_record: group_u / group_start not range-checked",
+        R_TREAD,
+        '    for col, v in (("group_u", gu), ("group_start", gs)):\n'
+        "        if v is not None and _nonneg_int(v):\n"
+        "            problems.field(n, col, v, _nonneg_int(v))\n",
+        "",
+        "trace.md Reading a trace",
+        _t(T_FIELDS, "test_a_bad_csv_cell_is_the_one_line_naming_its_column"),
+    ),
+    M(
+        "_show: a 61-character value shown whole (`<= 60` -> `<= 61`)",
+        R_TREAD,
+        "return text if len(text) <= 60 else text[:57] + \"...\"",
+        "return text if len(text) <= 61 else text[:57] + \"...\"",
+        "trace.md Reading a trace",
+        _t(T_FIELDS, "test_each_bad_value_is_the_one_line_naming_field_value_and_rule"),
+    ),
+    M(
+        "_read_jsonl: a line that is not JSON ends the reading (`continue` -> `break`)",
+        R_TREAD,
+        '                problems.add(n, f"not a JSON object ({exc})")\n                continue\n',
+        '                problems.add(n, f"not a JSON object ({exc})")\n                break\n',
+        "trace.md Reading a trace",
+        _t(T_FIELDS,
+           "test_every_bad_line_is_reported_and_a_refused_step_is_not_the_previous_one"),
+    ),
+    # ------------------------------------------------------------------ reference/acceptance.py
+    M(
+        "_Thresholds.accepted: a draw equal to its threshold accepted (`>=` -> `>`)",
+        R_ACCEPT,
+        "wrong = draws.astype(np.int64) >= self.thresholds(seq)[:, :m]",
+        "wrong = draws.astype(np.int64) > self.thresholds(seq)[:, :m]",
+        "simulator.md Acceptance models",
+        _t(ACCEPT, "test_a_draft_is_right_iff_its_draw_is_below_the_threshold"),
+    ),
+    M(
+        "key_hash: the seed multiplied by a mistyped FNV prime",
+        R_ACCEPT,
+        "np.array([(int(seed) * 0x100000001B3 + int(salt))",
+        "np.array([(int(seed) * 0x1000000001B3 + int(salt))",
+        "simulator.md Acceptance models",
+        _t(ACCEPT, "test_key_hash_is_the_documented_composition"),
+    ),
+    M(
+        "ModelOracle.draft: an n = 0 call counted as a drafting verify (`<= 0` -> `< 0`)",
+        R_ACCEPT,
+        "        if n <= 0:\n            return []\n        big_l = len(context)\n",
+        "        if n < 0:\n            return []\n        big_l = len(context)\n",
+        "simulator.md Acceptance models",
+        _t(ACCEPT, "test_the_model_oracle_streams_and_counts_its_drafting_verifies"),
+    ),
+    M(
+        "load_accept_file: eight missing sequences marked as cut (`> 8` -> `>= 8`)",
+        R_ACCEPT,
+        "{' ...' if len(missing) > 8 else ''}",
+        "{' ...' if len(missing) >= 8 else ''}",
+        "simulator.md Acceptance models",
+        _t(ACCEPT, "test_the_accept_file_refusals_name_the_file_and_what_is_wrong"),
+    ),
+    # ------------------------------------------------------------------ reference/scenario.py
+    M(
+        "_apply_overrides: key=a=b split at the last '=' (`partition` -> `rpartition`)",
+        R_SCEN,
+        'k, _, v = o.partition("=")',
+        'k, _, v = o.rpartition("=")',
+        "simulator.md Keys, defaults and ranges",
+        _t(S_KEYS, "test_overrides_as_a_dict_and_as_key_value_strings"),
+    ),
+    M(
+        "load_scenario: the generator's default prompt_len 17, not 16",
+        R_SCEN,
+        '"prompt_len": _int_range("prompt_len", data.get("prompt_len", 16), 1),',
+        '"prompt_len": _int_range("prompt_len", data.get("prompt_len", 17), 1),',
+        "simulator.md Keys, defaults and ranges",
+        _t(S_KEYS, "test_the_generator_defaults"),
+    ),
+    # ------------------------------------------------------------------ reference/backend.py
+    M(
+        "missing_methods: a method absent from a non-Backend object not counted as missing",
+        R_BACKEND,
+        "if getattr(type(backend), m, None) in (None, getattr(Backend, m))]",
+        "if getattr(type(backend), m, None) is getattr(Backend, m)]",
+        "backend protocol",
+        _t(PROTO, "test_missing_methods_names_what_a_subclass_leaves_to_the_base"),
+    ),
+    M(
+        "NumpyBackend.to_numpy: the caller's array itself, not a copy",
+        R_BACKEND,
+        "return np.array(x, copy=True)",
+        "return np.asarray(x)",
+        "backend protocol",
+        _t(PROTO, "test_to_numpy_returns_a_copy"),
     ),
 ]
 

@@ -1,0 +1,148 @@
+"""Catalogue entries for the bugs the survivors of mutmut's runs on the torch port's cache,
+slot, model, XsRolling and draft-loop modules (`gpu/cache.py`, `gpu/slots.py`, `gpu/model.py`,
+`gpu/xs_rolling.py`, `gpu/draft_loop.py`) showed the suite once missed: growth decided by rows
+an append does not address, a buffer allocated with the wrong width or dtype, a handle or an
+offset array shared instead of copied, a clamp or a sentinel dropped, a refusal after the
+write it should prevent, a skipped draft group that ends the loop. Each is a named, realistic
+change to the rule it breaks, run against the test written for it (`conformance/...::test_...`);
+`ENTRIES` join `PORT_CATALOGUE` in `mutation.catalogue` (the reference-side survivor entries,
+and the port's earlier ones, are in `catalogue_survivors.py`).
+"""
+
+from __future__ import annotations
+
+from raggedspec.mutation.mutant import M, Mutant
+
+_C = "conformance/"
+G_CACHE, G_SLOTS, G_MODEL = "gpu/cache.py", "gpu/slots.py", "gpu/model.py"
+G_XS, G_LOOP = "gpu/xs_rolling.py", "gpu/draft_loop.py"
+P_KV, P_SLOTS, P_MODEL = "test_port_ragged_kv.py", "test_port_slots.py", "test_port_model_rules.py"
+P_XS, P_LOOP = "test_port_xs_rolling_slot.py", "test_draft_loop_torch.py"
+
+
+def _t(file: str, test: str) -> str:
+    return f"{_C}{file}::{test}"
+
+
+ENTRIES: list[Mutant] = [
+    # ------------------------------------------------------------------ gpu/cache.py
+    M(
+        "port RaggedKv.append: growth decided by every row, not only the addressed ones",
+        G_CACHE,
+        "self._grow_to((int(self._host[host_rows].max()) if known else int(start.max())) + t)",
+        "self._grow_to((int(self._host.max()) if known else int(start.max())) + t)",
+        "port: RaggedKv growth",
+        _t(P_KV, "test_growth_is_decided_by_the_addressed_rows_only"),
+    ),
+    M(
+        "port RaggedKv._grow_to: an append that exactly fills the capacity grows (`<=` -> `<`)",
+        G_CACHE,
+        "        if needed <= self.capacity:\n            return\n",
+        "        if needed < self.capacity:\n            return\n",
+        "port: RaggedKv growth",
+        _t(P_KV, "test_an_append_that_exactly_fills_the_capacity_writes_into_the_shared_buffer"),
+    ),
+    # ------------------------------------------------------------------ gpu/slots.py
+    M(
+        "port TorchKv.append: the first append's V buffer takes K's width",
+        G_SLOTS,
+        "max(self.capacity, s, 1), k.dtype, k.device, v.shape[3]\n",
+        "max(self.capacity, s, 1), k.dtype, k.device\n",
+        "port: K/V slots",
+        _t(P_SLOTS,
+           "test_the_first_append_allocates_the_buffer_and_later_ones_grow_it_past_its_own_width"),
+    ),
+    M(
+        "port TorchKv.bake: the slot keeps the caller's dead-prefix array (no copy)",
+        G_SLOTS,
+        "            self.lead = host_ints(dead).copy()\n",
+        "            self.lead = host_ints(dead)\n",
+        "port: K/V slots",
+        _t(P_SLOTS, "test_bake_turns_alignment_offsets_into_physical_zeros"),
+    ),
+    M(
+        "port RowXs.clone: the handle itself, so a rollback of the handle moves its clone",
+        G_SLOTS,
+        "return RowXs(self.geometry, self.ring, self.comp, self.row, self.tokens, self.base)",
+        "return self",
+        "port: XsRolling handles",
+        _t(P_SLOTS, "test_xs_row_handles_follow_the_reference"),
+    ),
+    # ------------------------------------------------------------------ gpu/model.py
+    M(
+        "port TinyModel.__init__: the MTP heads' e_proj built from h_proj",
+        G_MODEL,
+        "_tensor(ref_model.mtp_heads.e_proj, dtype, self.device)",
+        "_tensor(ref_model.mtp_heads.h_proj, dtype, self.device)",
+        "port: model weights",
+        _t(P_MODEL, "test_the_port_computes_with_the_references_own_weights"),
+    ),
+    M(
+        "port MtpBlock.new_draft_cache: the draft KV in float64 whatever the model's dtype",
+        G_MODEL,
+        "cfg.max_seq_len, capacity, self.dtype, self.device\n",
+        "cfg.max_seq_len, capacity, device=self.device\n",
+        "port: model placement and dtype",
+        _t(P_MODEL, "test_every_weight_cache_and_table_is_on_the_models_device_in_its_dtype"),
+    ),
+    M(
+        "port DecoderLayer.forward: a compressed layer refuses a row subset after appending keys",
+        G_MODEL,
+        "        require(\n            not self.ratio or rows is None,\n"
+        '            "a compressed layer runs on every row of its cache (rows must be None)",\n'
+        "        )\n",
+        "",
+        "port: model layer",
+        _t(P_MODEL, "test_a_compressed_layer_refuses_a_row_subset"),
+        subs=((
+            "        kv.append(k, k, rows=rows)\n",
+            "        kv.append(k, k, rows=rows)\n"
+            "        require(\n            not self.ratio or rows is None,\n"
+            '            "a compressed layer runs on every row of its cache (rows must be None)",\n'
+            "        )\n",
+        ),),
+    ),
+    # ------------------------------------------------------------------ gpu/xs_rolling.py
+    M(
+        "port XsRolling.append_rows: a later append kept in its own dtype (not the slot's)",
+        G_XS,
+        "        x_new = x_new.to(self.ring.dtype)\n",
+        "",
+        "M§13",
+        _t(P_XS, "test_the_first_append_sets_the_width_and_later_appends_take_the_slots_dtype"),
+    ),
+    M(
+        "port plan_xs_advance: need_start not clamped at the start of the history",
+        G_XS,
+        "need_start = (g_done + 1 - span).clamp(min=0) * ratio",
+        "need_start = (g_done + 1 - span) * ratio",
+        "M§13",
+        _t(P_XS, "test_the_plan_clamps_at_the_start_of_the_history"),
+    ),
+    M(
+        "port plan_xs_advance: rows without a new block marked 0, not -1",
+        G_XS,
+        "none = torch.full_like(tokens, -1)",
+        "none = torch.zeros_like(tokens)",
+        "M§13",
+        _t(P_XS, "test_the_plan_marks_rows_without_a_new_block_with_minus_one"),
+    ),
+    # ------------------------------------------------------------------ gpu/draft_loop.py
+    M(
+        "port draft_group_loop: a group the plan skips stops the loop (`continue` -> `break`)",
+        G_LOOP,
+        "        if plan is None:\n            continue\n",
+        "        if plan is None:\n            break\n",
+        "C§9.3",
+        _t(P_LOOP,
+           "test_an_unbatchable_uniform_group_is_skipped_with_a_warning_and_the_next_group_drafts"),
+    ),
+    M(
+        "port _draft_group_plan: a uniform group's set_len checked against max_seq_len",
+        G_LOOP,
+        "refusal = set_len_refusal(starts[0], 0, first.capacity)",
+        "refusal = set_len_refusal(starts[0], 0, first.max_seq_len)",
+        "C§9.3",
+        _t(P_LOOP, "test_a_uniform_group_whose_set_len_is_refused_is_skipped_with_a_warning"),
+    ),
+]
