@@ -359,8 +359,6 @@ class TorchBackend(Backend):
                 slot.bake(attn_dead)
         lead_np = np.asarray(leads, dtype=np.int64)
         comp_start = lead_np - (first.lead if first.kv is not None else 0)
-        if (comp_start < 0).any():
-            raise ValueError(f"compressed keys from leads {leads} inside the dead prefix")
         if first.kv is None:
             for slot in kvs:
                 slot.kv = RaggedKv.empty(
@@ -402,7 +400,9 @@ class TorchBackend(Backend):
         """`gpu.model.DecoderLayer.forward` of a compressed layer whose rows' live runs start
         at physical `start_i` (not 0): the compressed keys are rebuilt from
         `[start_i, lens_i)` (un-rotated at positions 0.., averaged per complete block,
-        rotated at `j * ratio`, blocks past a row's own count zeroed)."""
+        rotated at `j * ratio`, blocks past a row's own count zeroed). A negative `start_i`
+        (no `lead_pad` on a batch whose rows have dead prefixes) reads the columns before the
+        row's own as zeros, the reference's dead columns."""
         cfg = layer.cfg
         b, t, _ = x.shape
         nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
@@ -418,10 +418,10 @@ class TorchBackend(Backend):
         comp = None
         if t_c > 0:
             width = t_c * r
-            cols = (start[:, None] + arange_like(width, kv.k)[None, :]).clamp(
-                max=kv.capacity - 1
-            )
-            raw = kv.k.gather(2, cols[:, None, :, None].expand(b, kv.k.shape[1], width, hd))
+            cols = start[:, None] + arange_like(width, kv.k)[None, :]
+            idx = cols.clamp(min=0, max=kv.capacity - 1)[:, None, :, None]
+            raw = kv.k.gather(2, idx.expand(b, kv.k.shape[1], width, hd))
+            raw = torch.where((cols >= 0)[:, None, :, None], raw, raw.new_zeros(()))
             cos, sin = layer.ropes.get(layer.theta, width).lookup(arange_like(width, kv.k))
             raw = rotate(raw, cos, sin, cfg.rope_dims, inverse=True)
             blocks = raw.unflatten(2, (t_c, r)).mean(dim=3)
