@@ -18,6 +18,7 @@ G_CACHE, G_SLOTS, G_MODEL = "gpu/cache.py", "gpu/slots.py", "gpu/model.py"
 G_XS, G_LOOP = "gpu/xs_rolling.py", "gpu/draft_loop.py"
 P_KV, P_SLOTS, P_MODEL = "test_port_ragged_kv.py", "test_port_slots.py", "test_port_model_rules.py"
 P_XS, P_LOOP = "test_port_xs_rolling_slot.py", "test_draft_loop_torch.py"
+P_EXT = "test_draft_extension_torch.py"
 
 
 def _t(file: str, test: str) -> str:
@@ -144,5 +145,64 @@ ENTRIES: list[Mutant] = [
         "refusal = set_len_refusal(starts[0], 0, first.max_seq_len)",
         "C§9.3",
         _t(P_LOOP, "test_a_uniform_group_whose_set_len_is_refused_is_skipped_with_a_warning"),
+    ),
+    M(
+        "port extend_draft_kvs: a capture that does not describe the batch accepted (`or` -> "
+        "`and`)",
+        G_LOOP,
+        "elif hidden.shape[0] != batch or not offsets.describes(batch):",
+        "elif hidden.shape[0] != batch and not offsets.describes(batch):",
+        "C§7.2",
+        _t(P_EXT,
+           "test_a_capture_that_does_not_describe_the_batch_poisons_every_row_as_misaligned"),
+    ),
+    M(
+        "port extend_draft_kvs: a capture of another rank refused without its message",
+        G_LOOP,
+        "            batch_fail = StepRefusal(\n                f\"captured hidden has rank",
+        "            batch_fail = StepRefusal(\n                f\"captured hidden of rank",
+        "C§7.2",
+        _t(P_EXT, "test_a_capture_of_another_rank_poisons_every_row_with_its_step_refusal"),
+    ),
+    M(
+        "port extend_draft_kvs: a row without a draft state ends the extension (`continue` -> "
+        "`break`)",
+        G_LOOP,
+        "        if state is None:\n            continue\n        ok, err = True, None\n",
+        "        if state is None:\n            break\n        ok, err = True, None\n",
+        "C§7.2",
+        _t(P_EXT, "test_the_rows_after_a_row_without_a_state_are_extended"),
+    ),
+    M(
+        "port extend_draft_kvs: a refused row's truncate not poisoning it",
+        G_LOOP,
+        "        if err is not None:\n            state.poisoned = True\n",
+        "        if err is not None:\n            state.poisoned = False\n",
+        "C§7.2",
+        _t(P_EXT, "test_a_refused_truncate_poisons_that_row_only_and_stays_poisoned"),
+    ),
+    M(
+        "port extend_draft_kvs: the token packing one column late",
+        G_LOOP,
+        "tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]",
+        "tok[r, lo + 2 : hi + 2] = toks[row][lo + 1 : hi + 1]",
+        "C§7.2",
+        _t(P_EXT, "test_per_row_offsets_spans_of_different_lengths_and_a_capture_ending_early"),
+    ),
+    M(
+        "port _extend_plan: nothing to write (`hi == lo`) still truncates and writes (`<=` -> `<`)",
+        G_LOOP,
+        "    if hi <= lo:\n        return True\n",
+        "    if hi < lo:\n        return True\n",
+        "C§7.2",
+        _t(P_EXT, "test_nothing_to_write_leaves_the_row_fine_and_its_draft_kv_untouched"),
+    ),
+    M(
+        "port _extend_plan: a state without a draft KV does not advance filled",
+        G_LOOP,
+        "    if cache is None:\n        state.filled = hi\n        return True\n",
+        "    if cache is None:\n        return True\n",
+        "C§7.2",
+        _t(P_EXT, "test_a_state_without_a_draft_kv_only_advances_filled"),
     ),
 ]
