@@ -24,7 +24,8 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "reference/attention.py": ("conformance/test_attention.py",
                                "conformance/test_attention_inputs.py"),
     "reference/backend.py": ("conformance/test_backend.py",
-                             "conformance/test_backend_protocol.py"),
+                             "conformance/test_backend_protocol.py",
+                             "conformance/test_backend_views.py"),
     "reference/cache.py": ("conformance/test_cache.py", "conformance/test_small_rules.py"),
     "reference/capability.py": ("conformance/test_capability.py",),
     "reference/dispatch.py": ("conformance/test_dispatch.py", "conformance/test_draft.py",
@@ -75,9 +76,11 @@ MUTMUT_MODULES: dict[str, tuple[str, ...]] = {
     "gpu/paged_backend.py": ("conformance/test_paged_backend_slots.py",
                              "conformance/test_paged.py"),
     "gpu/rope.py": ("conformance/test_port_rope.py",),
-    "gpu/slots.py": ("conformance/test_port_slots.py", "conformance/test_port_cache.py"),
+    "gpu/slots.py": ("conformance/test_port_slots.py", "conformance/test_port_cache.py",
+                     "conformance/test_port_slots_edges.py"),
     "gpu/xs_rolling.py": ("conformance/test_port_xs_rolling.py",
-                          "conformance/test_port_xs_rolling_slot.py"),
+                          "conformance/test_port_xs_rolling_slot.py",
+                          "conformance/test_port_xs_rolling_append.py"),
 }
 
 # path (a file, or a folder ending in "/") -> why mutmut does not mutate it
