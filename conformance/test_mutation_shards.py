@@ -484,6 +484,8 @@ def test_an_interrupted_run_is_resumed_and_added_tests_reopen_only_the_survivors
     third, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
     assert calls[2] == (mutmut_cache.entry_dir(cache, m, key) / "mutants", True)
     assert third.modules[m].base == key and third.modules[m].seconds == 5.0
+    again, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
+    assert len(calls) == 3 and again.modules[m].reused and again.modules[m].base == key
 
 
 # --------------------------------------------------------------------------- CI record

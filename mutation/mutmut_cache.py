@@ -128,6 +128,15 @@ def cached_seconds(cache: Path, module: str, key: str) -> float:
         return 0.0
 
 
+def cached_base(cache: Path, module: str, key: str) -> str:
+    """The key of the run the entry under `key` continued ("" for a run from scratch)."""
+    try:
+        return str(json.loads((entry_dir(cache, module, key) / "result.json").read_text())
+                   .get("base", ""))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return ""
+
+
 def _copy_module_files(mutants: Path, module: str, dst_mutants: Path) -> None:
     for suffix in ("", ".meta"):
         src = mutants / "raggedspec" / (module + suffix)

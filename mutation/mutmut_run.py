@@ -420,6 +420,7 @@ def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Pat
         if hit is not None:
             got = read_mutants_dir(hit).modules.get(module, ModuleResult(module))
             got.seconds = mutmut_cache.cached_seconds(cache, module, key)
+            got.base = mutmut_cache.cached_base(cache, module, key)
             got.reused, got.key, got.source_key = True, key, source_key
             results[module] = got
             log(f"mutmut {module}: reused ({got.mutants} mutants, score {got.score:.1f}%)")
