@@ -404,6 +404,14 @@ REFERENCE_ENTRIES: list[Mutant] = [
         "backend protocol",
         _t(PROTO, "test_to_numpy_returns_a_copy"),
     ),
+    M(
+        "NumpyBackend._slot_view: an unmaterialized K half copied as if it held a buffer",
+        R_BACKEND,
+        'return {"k": None if k is None else k.copy(),',
+        'return {"k": k.copy(),',
+        "backend protocol",
+        _t("test_backend_views.py", "test_materialize_reads_unmaterialized_slots_as_none_halves"),
+    ),
 ]
 
 PORT_ENTRIES: list[Mutant] = [

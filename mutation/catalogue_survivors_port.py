@@ -19,6 +19,7 @@ G_XS, G_LOOP = "gpu/xs_rolling.py", "gpu/draft_loop.py"
 P_KV, P_SLOTS, P_MODEL = "test_port_ragged_kv.py", "test_port_slots.py", "test_port_model_rules.py"
 P_XS, P_LOOP = "test_port_xs_rolling_slot.py", "test_draft_loop_torch.py"
 P_EXT = "test_draft_extension_torch.py"
+P_EDGE, P_XSA = "test_port_slots_edges.py", "test_port_xs_rolling_append.py"
 
 
 def _t(file: str, test: str) -> str:
@@ -204,5 +205,71 @@ ENTRIES: list[Mutant] = [
         "    if cache is None:\n        return True\n",
         "C§7.2",
         _t(P_EXT, "test_a_state_without_a_draft_kv_only_advances_filled"),
+    ),
+    # ------------------------------------------------------------------ gpu/slots.py, edges
+    M(
+        "port shift_rows: a run that fills the buffer read one column short",
+        G_SLOTS,
+        "cols = src.clamp(min=0, max=max(width - 1, 0))[:, None, :, None]",
+        "cols = src.clamp(min=0, max=max(width - 2, 0))[:, None, :, None]",
+        "port: K/V slots",
+        _t(P_EDGE, "test_shift_rows_reads_a_run_that_fills_the_buffer_up_to_its_last_column"),
+    ),
+    M(
+        "port stack_kv: a batched slot stacked as one row, not row by row",
+        G_SLOTS,
+        "rows = [r for p in parts for r in (p.rows() if isinstance(p, TorchKv) else [p])]",
+        "rows = list(parts)",
+        "port: K/V slots",
+        _t(P_EDGE, "test_stack_kv_takes_batched_slots_row_by_row"),
+    ),
+    M(
+        "port stack_kv: K gathered along the head-dim axis",
+        G_SLOTS,
+        "k = _gather([s.k for s in sources], pos, idx, n, 2)",
+        "k = _gather([s.k for s in sources], pos, idx, n, 3)",
+        "port: K/V slots",
+        _t(P_EDGE, "test_stack_kv_gathers_rows_of_buffers_of_different_widths"),
+    ),
+    M(
+        "port stack_layer: the XsRolling bases not reconciled when xs_per_seq is off",
+        G_SLOTS,
+        "return stack_kv(slots) if slots[0].kind == NORMAL else stack_xs(slots, not xs_per_seq)",
+        "return stack_kv(slots) if slots[0].kind == NORMAL else stack_xs(slots, False)",
+        "port: K/V slots",
+        _t(P_EDGE, "test_stack_layer_of_one_slot_and_of_xs_rows_reconciled_with_the_flag_off"),
+    ),
+    M(
+        "port stack_xs: a row without a compressed block given one zero block",
+        G_SLOTS,
+        "rows[i].comp = like.comp.new_zeros((1, 0, like.comp.shape[2]))",
+        "rows[i].comp = like.comp.new_zeros((1, 1, like.comp.shape[2]))",
+        "port: K/V slots",
+        _t(P_EDGE, "test_stack_xs_of_rows_without_a_compressed_block_keeps_comp_empty"),
+    ),
+    M(
+        "port TorchKv.append: the buffer grown to the append's width, not the rows' need",
+        G_SLOTS,
+        "grow_physical(self.kv, int(self.own.max()) + s if self.kv.batch else s)",
+        "grow_physical(self.kv, s)",
+        "port: K/V slots",
+        _t(P_EDGE, "test_an_append_after_a_strip_grows_the_buffer_past_max_seq_len_unrefused"),
+    ),
+    # ------------------------------------------------------------------ gpu/xs_rolling.py, edges
+    M(
+        "port XsRolling.append_rows: the plan without the slot's retention margin",
+        G_XS,
+        "            self.span,\n            self.margin,\n        ).rows\n",
+        "            self.span,\n        ).rows\n",
+        "M§13",
+        _t(P_XSA, "test_the_retention_base_reads_the_slots_own_margin"),
+    ),
+    M(
+        "port XsRolling.append_rows: an append reaching max_seq_len refused (`>` -> `>=`)",
+        G_XS,
+        "over = np.flatnonzero(tok_after > self.max_seq_len)",
+        "over = np.flatnonzero(tok_after >= self.max_seq_len)",
+        "M§13",
+        _t(P_XSA, "test_an_append_may_reach_max_seq_len_and_the_next_is_refused"),
     ),
 ]
