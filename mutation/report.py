@@ -203,7 +203,8 @@ def module_table(record: dict, modules: list[str]) -> list[str]:
         lines.append(
             f"| `{m}` | {e['mutants']} | {e['killed']} | {e['survived']} | {e['timeouts']} | "
             f"{e['other'] + e['skipped']} | {e['score']:.1f}% | {'pass' if e['ok'] else 'FAIL'}"
-            f" | {e['date']}, {e['seconds']:.0f} s{' (cached)' if e.get('reused') else ''} |")
+            f" | {e['date']}, {e['seconds']:.0f} s{' (continued)' if e.get('base') else ''}"
+            f"{' (cached)' if e.get('reused') else ''} |")
     return lines
 
 
