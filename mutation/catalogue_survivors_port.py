@@ -2,9 +2,11 @@
 slot, model, XsRolling and draft-loop modules (`gpu/cache.py`, `gpu/slots.py`, `gpu/model.py`,
 `gpu/xs_rolling.py`, `gpu/draft_loop.py`) showed the suite once missed: growth decided by rows
 an append does not address, a buffer allocated with the wrong width or dtype, a handle or an
-offset array shared instead of copied, a clamp or a sentinel dropped, a refusal after the
-write it should prevent, a skipped draft group that ends the loop. Each is a named, realistic
-change to the rule it breaks, run against the test written for it (`conformance/...::test_...`);
+offset array shared instead of copied, a clamp, a margin or a sentinel dropped, a refusal after
+the write it should prevent, a skipped draft group that ends the loop, a draft-KV extension
+that accepts a capture it should refuse, a pooled attention that ignores compressed keys, a
+half-precision input computed without its float32 upcast. Each is a named, realistic change
+to the rule it breaks, run against the test written for it (`conformance/...::test_...`);
 `ENTRIES` join `PORT_CATALOGUE` in `mutation.catalogue` (the reference-side survivor entries,
 and the port's earlier ones, are in `catalogue_survivors.py`).
 """
@@ -20,6 +22,7 @@ P_KV, P_SLOTS, P_MODEL = "test_port_ragged_kv.py", "test_port_slots.py", "test_p
 P_XS, P_LOOP = "test_port_xs_rolling_slot.py", "test_draft_loop_torch.py"
 P_EXT = "test_draft_extension_torch.py"
 P_EDGE, P_XSA = "test_port_slots_edges.py", "test_port_xs_rolling_append.py"
+P_BR = "test_port_model_branches.py"
 
 
 def _t(file: str, test: str) -> str:
@@ -271,5 +274,66 @@ ENTRIES: list[Mutant] = [
         "over = np.flatnonzero(tok_after >= self.max_seq_len)",
         "M§13",
         _t(P_XSA, "test_an_append_may_reach_max_seq_len_and_the_next_is_refused"),
+    ),
+    # ------------------------------------------------------------------ gpu/model.py, branches
+    M(
+        "port dsv4_attention_rows: pooled rows over a compressed layer ignore its compressed keys",
+        G_MODEL,
+        "    if not is_standard_layer(compress_ratio) and compressed_kv is not None:\n",
+        "    if is_standard_layer(compress_ratio) and compressed_kv is not None:\n",
+        "C§5.3",
+        _t(P_BR, "test_pooled_attention_over_a_compressed_layer_is_each_rows_reference_"
+           "attention_alone"),
+    ),
+    M(
+        "port dsv4_attention_rows: the compressed threshold from the end of the query, not its "
+        "start",
+        G_MODEL,
+        "            t_q, host - t_q, compressed_kv.shape[2], compress_ratio, device=dev\n",
+        "            t_q, host, compressed_kv.shape[2], compress_ratio, device=dev\n",
+        "C§5.3",
+        _t(P_BR, "test_pooled_attention_over_a_compressed_layer_is_each_rows_reference_"
+           "attention_alone"),
+    ),
+    M(
+        "port dsv4_attention_rows: compressed keys joined in their own dtype, not the cache's",
+        G_MODEL,
+        "        k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)\n",
+        "        k_all = torch.cat([k_raw.to(compressed_kv.dtype), compressed_kv], dim=2)\n",
+        "C§5.3",
+        _t(P_BR, "test_pooled_compressed_keys_join_the_raw_keys_in_the_caches_dtype"),
+    ),
+    M(
+        "port dsv4_attention_rows: a row with exactly t_q keys refused (`<` -> `<=`)",
+        G_MODEL,
+        "    short = np.flatnonzero(host < t_q)\n",
+        "    short = np.flatnonzero(host <= t_q)\n",
+        "C§5.3",
+        _t(P_BR, "test_a_row_with_exactly_t_q_keys_is_attended_not_refused"),
+    ),
+    M(
+        "port rms_norm: a half-precision input normalized in its own dtype (no float32 upcast)",
+        G_MODEL,
+        "    cd = compute_dtype(x.dtype)\n    xc = x.to(cd)\n",
+        "    cd = x.dtype\n    xc = x.to(cd)\n",
+        "port: model dtype",
+        _t(P_BR, "test_rms_norm_of_a_half_input_is_the_float32_computation_rounded_once"),
+    ),
+    M(
+        "port silu: a half-precision input computed in its own dtype (no float32 upcast)",
+        G_MODEL,
+        "    xc = x.to(compute_dtype(x.dtype))\n    return (xc / (1.0 + torch.exp(-xc)))",
+        "    xc = x\n    return (xc / (1.0 + torch.exp(-xc)))",
+        "port: model dtype",
+        _t(P_BR, "test_silu_of_a_half_input_is_the_float32_computation_rounded_once"),
+    ),
+    M(
+        "port RopeTables.get: a table grown one doubling too far (`<` -> `<=`)",
+        G_MODEL,
+        "            while n < needed:\n",
+        "            while n <= needed:\n",
+        "port: model",
+        _t(P_BR,
+           "test_a_rope_table_is_the_first_doubling_of_the_initial_size_that_covers_the_need"),
     ),
 ]
