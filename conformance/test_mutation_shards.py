@@ -377,7 +377,7 @@ def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkey
     monkeypatch.setitem(MUTMUT_MODULES, "reference/cache.py", ("conformance/test_rope.py",))
     ran = []
 
-    def fake_run(module, root_, jobs, log, timeout, seed=None, reopen=False):
+    def fake_run(module, root_, jobs, log, timeout, seed=None, reopen=False, only=None):
         ran.append(module)
         ws = tmp_path / f"ws-{module.replace('/', '_')}-{len(ran)}" / "mutants"
         dotted = "raggedspec." + module.removesuffix(".py").replace("/", ".")
@@ -419,8 +419,9 @@ def test_only_added_test_files_let_a_run_continue_from_a_finished_one(tmp_path, 
     mutmut_cache.store(cache, m, k0, done, 3.0)  # an entry without its parts: never a base
     assert mutmut_cache.base_for(cache, m, parts()) is None
     mutmut_cache.store(cache, m, k0, done, 3.0, parts(old_tests))
-    seed, key = mutmut_cache.base_for(cache, m, parts())
+    seed, key, added = mutmut_cache.base_for(cache, m, parts())
     assert key == k0 and (seed / "raggedspec" / (m + ".meta")).is_file()
+    assert added == ["conformance/test_rope_more.py"]
     assert mutmut_cache.base_for(cache, m, parts(old_tests)) is None  # that is a plain hit
     assert mutmut_cache.base_for(cache, m, parts(("conformance/test_rope_more.py",))) is None
     for path, text in [(root / m, "def f(x):\n    return x + 2\n"),
@@ -450,14 +451,35 @@ def test_seeding_keeps_kills_and_timeouts_and_reopens_every_other_verdict(tmp_pa
     assert codes == dict(zip(names, [1, None, 36, None, None, 3], strict=True))
 
 
+def test_the_added_tests_alone_decide_the_reopened_mutants_and_the_rest_keep_their_verdict(
+        tmp_path):
+    m = "reference/rope.py"
+    seed, ws = tmp_path / "seed", tmp_path / "ws"
+    names = [f"raggedspec.reference.rope.x_f__mutmut_{i}" for i in range(1, 6)]
+    # killed, survived, no tests, survived, timeout
+    _meta(seed, m, dict(zip(names, [1, 0, 33, 0, 36], strict=True)))
+    old = runner.reopened_codes(seed, m)
+    assert old == {names[1]: 0, names[2]: 33, names[3]: 0}
+    runner.seed_mutants(ws, m, seed, reopen=True)
+    # the added file kills mutant 2, covers nothing of mutant 3, lets mutant 4 live
+    _meta(ws, m, dict(zip(names, [1, 1, 33, 0, 36], strict=True)))
+    runner.settle_reopened(ws, m, old)
+    codes = json.loads((ws / "raggedspec" / (m + ".meta")).read_text())["exit_code_by_key"]
+    assert codes == dict(zip(names, [1, 1, 33, 0, 36], strict=True))
+    _meta(ws, m, dict(zip(names, [1, None, 5, 0, 36], strict=True)))  # unreached, no tests
+    runner.settle_reopened(ws, m, old)
+    codes = json.loads((ws / "raggedspec" / (m + ".meta")).read_text())["exit_code_by_key"]
+    assert codes == dict(zip(names, [1, 0, 33, 0, 36], strict=True))
+
+
 def test_an_interrupted_run_is_resumed_and_added_tests_reopen_only_the_survivors(
         tmp_path, monkeypatch):
     root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"
     monkeypatch.setitem(MUTMUT_MODULES, m, ("conformance/test_rope.py",))
     calls = []
 
-    def fake_run(module, root_, jobs, log, timeout, seed=None, reopen=False):
-        calls.append((seed, reopen))
+    def fake_run(module, root_, jobs, log, timeout, seed=None, reopen=False, only=None):
+        calls.append((seed, reopen, only))
         ws = tmp_path / f"ws{len(calls)}" / "mutants"
         codes = {f"raggedspec.reference.rope.x_f__mutmut_{i}": 1 for i in (1, 2)}
         if len(calls) == 1:
@@ -473,16 +495,17 @@ def test_an_interrupted_run_is_resumed_and_added_tests_reopen_only_the_survivors
     with pytest.raises(runner.RunInterrupted, match="kept"):
         runner.run_modules([m], root, 1, cache, log=lambda *_: None)
     key = runner.module_key(root, m)
-    assert calls == [(None, False)]
+    assert calls == [(None, False, None)]
     got, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
-    assert calls[1] == (mutmut_cache.partial_dir(cache, m, key) / "mutants", False)
+    assert calls[1] == (mutmut_cache.partial_dir(cache, m, key) / "mutants", False, None)
     assert got.modules[m].seconds == 45.0 and got.modules[m].base == ""
     assert not mutmut_cache.partial_dir(cache, m, key).exists()  # done: the partial is gone
     (root / "conformance" / "test_rope_more.py").write_text("def test_h():\n    pass\n")
     monkeypatch.setitem(MUTMUT_MODULES, m, ("conformance/test_rope.py",
                                             "conformance/test_rope_more.py"))
     third, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
-    assert calls[2] == (mutmut_cache.entry_dir(cache, m, key) / "mutants", True)
+    assert calls[2] == (mutmut_cache.entry_dir(cache, m, key) / "mutants", True,
+                        ["conformance/test_rope_more.py"])
     assert third.modules[m].base == key and third.modules[m].seconds == 5.0
     again, _ = runner.run_modules([m], root, 1, cache, log=lambda *_: None)
     assert len(calls) == 3 and again.modules[m].reused and again.modules[m].base == key
