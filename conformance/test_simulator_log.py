@@ -416,14 +416,15 @@ def test_the_engine_keeps_no_periodic_acceptance_report():
 def test_the_engine_sets_up_its_scheduler_from_the_scenario(extra, granted):
     """Ragged admission (M §17) is granted only in WB with per-sequence advance granted; a
     refusal keeps its reason; both copies (scheduler, engine) hold the one decision. The
-    scheduler state carries the scenario's world, WA prompt cap and prefill floor."""
+    scheduler state carries the scenario's world, running cap, WA prompt cap and prefill
+    floor."""
     sc = load_scenario({"batch": 2, "prompt_len": 4, "max_new_tokens": 3, "steps": 2,
-                        "prefill_max_seqs": 3, "prefill_floor": 2, **extra})
+                        "max_seqs": 5, "prefill_max_seqs": 3, "prefill_floor": 2, **extra})
     eng = simulator.TensorEngine(sc)
     want = RaggedAdmission(True, None) if granted else RaggedAdmission(
         False, "per-sequence advance not granted")
     assert eng.state.admission == want and eng.state.engine_admission == want
-    assert eng.state.world == sc.world and eng.state.prefill_cap == 3
+    assert eng.state.world == sc.world and eng.state.max_seqs == 5 and eng.state.prefill_cap == 3
     assert eng.state.floor == PrefillFloor(2)
     assert simulator.TensorEngine(load_scenario({"batch": 1, "steps": 1})).state.floor == (
         PrefillFloor(4))
