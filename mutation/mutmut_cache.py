@@ -11,7 +11,7 @@ interrupted run (the per-module time limit) keeps its verdicts under its key, an
 run under that key checks only the mutants still unchecked; a run whose only change is new
 test files added to the module's list starts from the newest finished entry whose every
 part is unchanged, keeps its killed mutants killed (the same tests still run) and checks the
-others again with the new tests. Any other module is mutated afresh. Not in the key: the
+others again with the new test files alone. Any other module is mutated afresh. Not in the key: the
 other source modules the tests or the module import (the reference a port test compares
 against, a helper the module calls). A change there keeps the cached verdicts until that
 module's own source or tests change, `--no-cache` is given, or a full run without the
@@ -201,12 +201,15 @@ def resume_from(cache: Path | None, module: str, key: str) -> tuple[Path, float]
     return d / "mutants", seconds
 
 
-def base_for(cache: Path | None, module: str, parts: dict[str, str]) -> tuple[Path, str] | None:
-    """(the `mutants/` dir, the key) of a finished entry of `module` whose verdicts stay true
-    under `parts`: mutmut's version and settings, the module and the shared helpers as they
-    are now, and every test file it ran unchanged and still listed, new test files added. A
-    mutant such a run killed is killed again (the same tests still run, derandomized), so
-    only its other mutants need a run; None when no entry qualifies (the newest one wins)."""
+def base_for(cache: Path | None, module: str,
+             parts: dict[str, str]) -> tuple[Path, str, list[str]] | None:
+    """(the `mutants/` dir, the key, the test files added since) of a finished entry of
+    `module` whose verdicts stay true under `parts`: mutmut's version and settings, the module
+    and the shared helpers as they are now, and every test file it ran unchanged and still
+    listed, new test files added. A mutant such a run killed is killed again (the same tests
+    still run, derandomized), and one it did not kill is killed now exactly when an added test
+    fails on it, so only its other mutants need a run, and only with the added files; None
+    when no entry qualifies (the newest one wins)."""
     if cache is None:
         return None
     found = []
@@ -222,11 +225,12 @@ def base_for(cache: Path | None, module: str, parts: dict[str, str]) -> tuple[Pa
             continue
         if {n for n in parts if n not in old and not _is_listed_test(n)}:
             continue  # something beside new test files is new: a helper, the tool
-        found.append(((d / "result.json").stat().st_mtime, d / "mutants", res["key"]))
+        added = [n for n in parts if n not in old and _is_listed_test(n)]
+        found.append(((d / "result.json").stat().st_mtime, d / "mutants", res["key"], added))
     if not found:
         return None
-    _, mutants, key = max(found)
-    return mutants, key
+    _, mutants, key, added = max(found)
+    return mutants, key, added
 
 
 def _is_listed_test(part: str) -> bool:

@@ -345,6 +345,28 @@ def seed_mutants(mutants: Path, module: str, seed: Path, reopen: bool) -> int:
     return sum(code is None for code in codes.values())
 
 
+def reopened_codes(seed: Path, module: str) -> dict[str, int | None]:
+    """The verdicts `seed_mutants(..., reopen=True)` takes away: each mutant not killed."""
+    data = json.loads((seed / "raggedspec" / (module + ".meta")).read_text())
+    return {k: c for k, c in data.get("exit_code_by_key", {}).items()
+            if STATUS_BY_EXIT_CODE.get(c, "suspicious") in NOT_KILLED}
+
+
+def settle_reopened(mutants: Path, module: str, old: dict[str, int | None]) -> None:
+    """After a run of the reopened mutants with only the added test files: a mutant those
+    did not kill (survived, no test covers it, not reached) gets its earlier verdict back,
+    since the earlier tests did not kill it either."""
+    if not old:
+        return
+    meta = mutants / "raggedspec" / (module + ".meta")
+    data = json.loads(meta.read_text())
+    codes = data.get("exit_code_by_key", {})
+    for k, was in old.items():
+        if k in codes and STATUS_BY_EXIT_CODE.get(codes[k], "suspicious") in NOT_KILLED:
+            codes[k] = was
+    meta.write_text(json.dumps(data))
+
+
 class RunInterrupted(RuntimeError):
     """mutmut ran past the time limit; `mutants` holds the verdicts it wrote so far."""
 
@@ -354,17 +376,23 @@ class RunInterrupted(RuntimeError):
 
 
 def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
-               timeout: float = 3600, seed: Path | None = None,
-               reopen: bool = False) -> tuple[ModuleResult, list[str], Path]:
+               timeout: float = 3600, seed: Path | None = None, reopen: bool = False,
+               only: list[str] | None = None) -> tuple[ModuleResult, list[str], Path]:
     """mutmut on one module in a fresh copy, with the module's covering tests
     (`scope.MUTMUT_MODULES`) as its test selection: a baseline of those tests (failing tests
     are deselected and returned: mutmut refuses to start on a red suite), `run`, then
     `export-cicd-stats`; (the module's result, the baseline failures, the copy's mutants/).
-    With `seed`, the run starts from those verdicts (`seed_mutants`). Past `timeout` seconds
-    mutmut's process group is stopped and RunInterrupted carries what it wrote."""
+    With `seed`, the run starts from those verdicts (`seed_mutants`); with `reopen` and
+    `only` (the test files added since the seed's run), the reopened mutants run with those
+    files alone and `settle_reopened` gives back the verdicts they do not change. Past
+    `timeout` seconds mutmut's process group is stopped and RunInterrupted carries what it
+    wrote."""
     tests = [t for t in MUTMUT_MODULES[module] if (root / t).exists()]
+    if only:
+        tests = [t for t in tests if t in only]
     if not tests:
         raise CatalogueError(f"{module}: none of its test files exist")
+    old = reopened_codes(seed, module) if seed is not None and reopen and only else {}
     ws = make_workspace(root, "mutmut", nested=True)
     selection = [nested_path(t) for t in tests]
     t0 = time.monotonic()
@@ -386,12 +414,14 @@ def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
+        settle_reopened(ws / "mutants", module, old)
         raise RunInterrupted(f"mutmut run on {module} passed its {timeout:.0f} s limit",
                              ws / "mutants", time.monotonic() - t0) from None
     tail = "\n".join(out.replace("\r", "\n").splitlines()[-8:])
     if p.returncode != 0:
         raise RuntimeError(f"mutmut run on {module} failed (exit {p.returncode}):\n{tail}\n"
                            f"{err[-3000:]}")
+    settle_reopened(ws / "mutants", module, old)
     q = subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=ws, env=env,
                        capture_output=True, text=True)
     if q.returncode != 0:
@@ -425,15 +455,16 @@ def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Pat
             results[module] = got
             log(f"mutmut {module}: reused ({got.mutants} mutants, score {got.score:.1f}%)")
             continue
-        seed, reopen, before, base = None, False, 0.0, ""
+        seed, reopen, before, base, added = None, False, 0.0, "", None
         resumed = mutmut_cache.resume_from(cache, module, key)
         if resumed is not None:
             seed, before = resumed
         elif (found := mutmut_cache.base_for(cache, module, parts)) is not None:
-            seed, base = found
+            seed, base, added = found
             reopen = True
         try:
-            got, red_m, mutants = run_module(module, root, jobs, log, timeout, seed, reopen)
+            got, red_m, mutants = run_module(module, root, jobs, log, timeout, seed, reopen,
+                                             added)
         except RunInterrupted as e:
             mutmut_cache.store_partial(cache, module, key, e.mutants, before + e.seconds)
             drop_workspace(e.mutants.parent)
