@@ -169,9 +169,8 @@ def test_each_forward_and_state_record_of_the_per_sequence_example(tmp_path, str
                 length, pending, big_l, off = row["own_len"], 0, row["own_len"] + 1, 0
             else:
                 big_l = row["own_len"] + row["u"] + row["committed"]
-                lazy = strip == "lazy"
-                pending = row["lead"] if lazy else 0
-                length = (row["lead"] if lazy else 0) + row["own_len"] + row["committed"]
+                pending = row["lead"] if strip == "lazy" else 0
+                length = pending + row["own_len"] + row["committed"]
                 off = rec["positions"][r]
             seq = st["seqs"][i]
             assert (seq["pending"], seq["len"]) == (pending, length)
