@@ -472,6 +472,20 @@ def test_the_added_tests_alone_decide_the_reopened_mutants_and_the_rest_keep_the
     assert codes == dict(zip(names, [1, 0, 33, 0, 36], strict=True))
 
 
+def test_a_continued_run_gives_its_mutants_a_larger_cpu_time_floor_in_its_copy_only(tmp_path):
+    from raggedspec.mutation import mutmut_run
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.mutmut]\nonly_mutate = ["x"]\ntimeout_constant = 0.5\n')
+    mutmut_run._set_mutmut_config(tmp_path, ["raggedspec/reference/rope.py"], None)
+    assert "timeout_constant = 0.5\n" in (tmp_path / "pyproject.toml").read_text()
+    mutmut_run._set_mutmut_config(tmp_path, ["raggedspec/reference/rope.py"], None,
+                                  mutmut_run.CONTINUATION_TIMEOUT_CONSTANT)
+    text = (tmp_path / "pyproject.toml").read_text()
+    assert f"timeout_constant = {mutmut_run.CONTINUATION_TIMEOUT_CONSTANT}\n" in text
+    assert mutmut_run.CONTINUATION_TIMEOUT_CONSTANT > 0.5
+    assert 'only_mutate = ["raggedspec/reference/rope.py"]' in text
+
+
 def test_an_interrupted_run_is_resumed_and_added_tests_reopen_only_the_survivors(
         tmp_path, monkeypatch):
     root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"

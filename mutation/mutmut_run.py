@@ -307,14 +307,25 @@ def _mutmut_config(workdir: Path) -> dict:
     return tomllib.loads((workdir / "pyproject.toml").read_text())["tool"]["mutmut"]
 
 
-def _set_mutmut_config(workdir: Path, only_mutate: list[str], selection: list[str] | None) -> None:
-    """Rewrite the copy's [tool.mutmut] `only_mutate` and (when given) the stats-run test
-    selection. Only ever called on a workspace copy."""
+# The CPU-time floor of a continued run's mutants: mutmut limits each mutant to
+# (its tests' measured seconds + timeout_constant) * timeout_multiplier * 2 CPU seconds, and
+# the added test files alone measure so little that a mutant they run to the end is stopped
+# first (and a timeout counts as killed). A larger constant only lets more mutants finish.
+CONTINUATION_TIMEOUT_CONSTANT = 10.0
+
+
+def _set_mutmut_config(workdir: Path, only_mutate: list[str], selection: list[str] | None,
+                       timeout_constant: float | None = None) -> None:
+    """Rewrite the copy's [tool.mutmut] `only_mutate`, (when given) the stats-run test
+    selection and (when given) `timeout_constant`. Only ever called on a workspace copy."""
     py = workdir / "pyproject.toml"
     text = py.read_text()
     text = re.sub(
         r"(?m)^only_mutate = .*$", lambda _: "only_mutate = " + json.dumps(only_mutate), text
     )
+    if timeout_constant is not None:
+        text = re.sub(r"(?m)^timeout_constant = .*$",
+                      lambda _: f"timeout_constant = {timeout_constant}", text)
     if selection is not None:
         text = re.sub(
             r"(?m)^pytest_add_cli_args_test_selection = .*$",
@@ -399,7 +410,8 @@ def run_module(module: str, root: Path = ROOT, jobs: int = 2, log=print,
     red, secs = _baseline_run(ws, selection, jobs)
     log(f"mutmut {module}: baseline {'green' if not red else 'RED: ' + ', '.join(red)} "
         f"({secs:.1f} s)")
-    _set_mutmut_config(ws, [nested_path(module)], selection + [f"--deselect={t}" for t in red])
+    _set_mutmut_config(ws, [nested_path(module)], selection + [f"--deselect={t}" for t in red],
+                       CONTINUATION_TIMEOUT_CONSTANT if old else None)
     if seed is not None:
         left = seed_mutants(ws / "mutants", module, seed, reopen)
         log(f"mutmut {module}: continuing an earlier run, {left} mutants to check")
