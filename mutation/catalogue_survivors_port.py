@@ -23,6 +23,7 @@ P_XS, P_LOOP = "test_port_xs_rolling_slot.py", "test_draft_loop_torch.py"
 P_EXT = "test_draft_extension_torch.py"
 P_EDGE, P_XSA = "test_port_slots_edges.py", "test_port_xs_rolling_append.py"
 P_BR = "test_port_model_branches.py"
+G_BACKEND, P_PROTO = "gpu/backend.py", "test_backend_torch_protocol.py"
 
 
 def _t(file: str, test: str) -> str:
@@ -335,5 +336,55 @@ ENTRIES: list[Mutant] = [
         "port: model",
         _t(P_BR,
            "test_a_rope_table_is_the_first_doubling_of_the_initial_size_that_covers_the_need"),
+    ),
+    # ------------------------------------------------------------------ gpu/backend.py
+    M(
+        "port TorchBackend.new_target_cache: a ratio-1 layer gets no history slot (`> 0` -> `> 1`)",
+        G_BACKEND,
+        "                  for r in cfg.compress_ratios if r > 0]",
+        "                  for r in cfg.compress_ratios if r > 1]",
+        "port: backend",
+        _t(P_PROTO, "test_the_target_cache_has_the_references_slots"),
+    ),
+    M(
+        "port TorchBackend.new_draft_cache: one draft store per width, whatever the KV heads",
+        G_BACKEND,
+        "        hd = (model.cfg.n_kv_heads, model.cfg.head_dim)\n",
+        "        hd = (1, model.cfg.head_dim)\n",
+        "port: backend",
+        _t(P_PROTO, "test_a_fresh_backend_keeps_one_draft_store_per_kv_heads_and_width"),
+    ),
+    M(
+        "port TorchBackend.to_numpy: a host array returned without a copy",
+        G_BACKEND,
+        "        return np.array(x, copy=True)\n",
+        "        return np.asarray(x)\n",
+        "port: backend",
+        _t(P_PROTO, "test_to_numpy_copies_a_host_array"),
+    ),
+    M(
+        "port TorchBackend.set_lens: K/V slots set to the history length and XsRolling to the "
+        "K/V one",
+        G_BACKEND,
+        "            slot.set_len(xs_len if slot.kind == XS else kv_len)\n",
+        "            slot.set_len(kv_len if slot.kind == XS else xs_len)\n",
+        "port: backend",
+        _t(P_PROTO, "test_set_lens_sets_kv_slots_and_xs_slots_to_their_own_lengths"),
+    ),
+    M(
+        "port TorchBackend.front_align: K/V-only rows aligned with the XsRolling flag on",
+        G_BACKEND,
+        "return align.front_align_batch([NormalCache([kv]) for kv in kvs], xs_per_seq=False)",
+        "return align.front_align_batch([NormalCache([kv]) for kv in kvs], xs_per_seq=True)",
+        "port: backend",
+        _t(P_PROTO, "test_front_align_refuses_an_xs_slot_with_the_xs_flag_off"),
+    ),
+    M(
+        "port TorchBackend.prime_draft_kv: priming warns with the extension's text",
+        G_BACKEND,
+        "model, warnings, why=PRIME_MISALIGNED)",
+        "model, warnings)",
+        "port: backend",
+        _t(P_PROTO, "test_priming_warns_the_prefix_cache_text_into_the_callers_list"),
     ),
 ]
