@@ -277,10 +277,12 @@ def failed_decode(tr):
     return next(s for s in tr.steps() if s["phase"] == "decode" and s["error"])
 
 
-def assert_failed_rows(step):
+def assert_failed_rows(tr, step):
+    """A failed step's rows: nothing drafted, accepted, committed or filled, and -1 (null)
+    for group and chain start."""
     for r in step["rows"]:
         assert (r["drafted"], r["accepted"], r["committed"], r["filled"]) == (0, 0, 0, 0)
-        assert r["group"] is None and r["chain_start"] is None
+    assert (tr.row_array(step["step"])[:, policy.NULL_COLS] == -1).all()
 
 
 @pytest.mark.parametrize("sc, exc, kind", [
@@ -296,7 +298,7 @@ def test_a_refused_clone_in_fails_the_step_before_anything_is_measured(sc, exc, 
     st = failed_decode(tr)
     assert (st["advance"], st["cache_instruction"], st["width"], st["padding_fraction"],
             st["groups"], st["committed"], st["error"]) == ("cohort", "In", 0, 0.0, 0, 0, kind)
-    assert_failed_rows(st)
+    assert_failed_rows(tr, st)
     assert tr.messages == [f"{kind}: no room"]
     assert tr.summary["errors"] == 1 and len(tr) == st["step"] + 1  # nothing left to run
 
@@ -307,7 +309,7 @@ def test_a_refused_row_length_resolution_is_the_left_aligned_guard():
     st = failed_decode(tr)
     assert (st["advance"], st["width"], st["padding_fraction"], st["error"]) == (
         "per-sequence", 12, 2 / 24, "left-aligned guard")
-    assert_failed_rows(st)
+    assert_failed_rows(tr, st)
     assert tr.messages == ["left-aligned guard: rows disagree"]
 
 
@@ -318,7 +320,7 @@ def test_a_refused_draft_chain_fails_the_step_after_grouping():
                      backend=SpyBackend(fail={"draft_chain": StepRefusal("chain broke")}))
     st = failed_decode(tr)
     assert (st["step"], st["groups"], st["error"]) == (2, 1, "draft chain refused")
-    assert_failed_rows(st)
+    assert_failed_rows(tr, st)
     assert tr.messages == ["draft chain refused: chain broke"]
     state = [r for r in tr.tensor_log if r["phase"] == "state"][-1]
     assert state["step"] == 2 and [state["seqs"][i]["pending"] for i in (0, 1)] == [0, 0]
@@ -330,8 +332,17 @@ def test_a_refused_rollback_is_the_xs_rollback_refusal():
     eng, tr = engine(scenario(acceptance="all-reject"), backend=spy)
     st = failed_decode(tr)
     assert st["error"] == "xs rollback refused" and spy.args("truncate_by") == [(3,)]
-    assert_failed_rows(st)
+    assert_failed_rows(tr, st)
     assert tr.messages == ["xs rollback refused: xs would go negative"]
+
+
+def test_a_cohort_step_that_drops_one_column_truncates_by_one():
+    """w = 2, every draft rejected: keep = u + a = 1, n_drop = 1 each step, so C advances by
+    exactly one column a step (§16 cohort rollback)."""
+    spy = SpyBackend()
+    eng, tr = engine(scenario(depth=1, steps=4, acceptance="all-reject"), backend=spy)
+    assert [s["width"] for s in steps_of(tr)[1:]] == [6, 7, 8]
+    assert spy.args("truncate_by") == [(1,)] * 3
 
 
 def test_a_cohort_step_that_keeps_every_column_truncates_nothing():
@@ -346,7 +357,7 @@ def test_a_refused_set_len_is_the_per_sequence_commit_refusal(strip):
     eng, tr = engine(per_seq_pair(strip=strip), backend=spy)
     st = failed_decode(tr)
     assert st["error"] == "per-sequence commit refused"
-    assert_failed_rows(st)
+    assert_failed_rows(tr, st)
     assert tr.messages == ["per-sequence commit refused: past the capacity"]
 
 
@@ -454,3 +465,25 @@ def test_a_sequence_that_finishes_on_a_deferred_step_leaves_the_batch():
     seen = [(s["step"], s["phase"]) for s in st for r in s["rows"] if r["seq"] == 3]
     assert prompted == [1] and seen == [(2, "defer"), (3, "defer")]
     assert len(st) == 8 and all(s["phase"] == "defer" for s in st[4:5])
+
+
+def test_a_cohort_verify_runs_at_the_shared_offset_even_on_a_ragged_batch(tmp_path):
+    """§16 step 7, the non-per-row route: one shared offset C and no per-row leads. WA: A and
+    B decode, B ends; D (7 tokens) is prompted; A (5 cached, 3 uncached) and D are then
+    assembled 7 wide with A 2 columns behind, and both tails pass the window check (u = 1),
+    so the step verifies (no deferral) at offset 7 for both rows."""
+    path = tmp_path / "accepts.json"
+    path.write_text('{"0": [2, 3, 0, 2], "1": [0, 0, 3, 2], "2": [3, 1, 1, 0]}')
+    sc = load_scenario({"requests": [{"prompt_len": 4, "max_new_tokens": 30},
+                                     {"prompt_len": 4, "max_new_tokens": 2},
+                                     {"prompt_len": 7, "max_new_tokens": 30, "arrival": 1}],
+                        "steps": 4, "depth": 3, "world": "WA", "prefill_floor": 1,
+                        "xs_per_seq": True, "acceptance": {"model": "file", "path": str(path)}})
+    tr = simulator.TensorEngine(sc, record_tensors=True).run()
+    st = steps_of(tr)[3]
+    assert (st["phase"], st["advance"], st["cache_instruction"], st["width"]) == (
+        "decode", "cohort", "In", 7)
+    assert [(r["seq"], r["lead"], r["u"]) for r in st["rows"]] == [(2, 0, 1), (0, 2, 1)]
+    rec = tr.tensors[-1]
+    assert (rec["step"], rec["ids"]) == (3, [2, 0])
+    assert rec["positions"] == [7] and rec["lead"] == [0, 0] and rec["row_q0"] is None
