@@ -1,0 +1,489 @@
+"""The tensor-mode step logic of reference/simulator.py read off its outputs: the scheduler
+loop's idle and mixed steps, the prompt, decode and defer steps, the per-sequence commit under
+each strip policy (cache-and-draft.md §5.5, §12.2), the step failures with their trace error
+and message text (§13, §16 step 4), and what `record_tensors=True` logs for each forward.
+Small explicit scenarios; a `NumpyBackend` subclass observes the backend calls the engine makes
+and, where a test asks, refuses one of them, so each refusal path runs on demand."""
+
+import pytest
+
+from raggedspec.reference import policy, simulator
+from raggedspec.reference.backend import NumpyBackend
+from raggedspec.reference.xs_rolling import XsRolling
+from raggedspec.reference.errors import (
+    AlignRefusal,
+    CacheRefusal,
+    DispatchRefusal,
+    StepRefusal,
+)
+from raggedspec.reference.scenario import load_scenario
+
+GRANTED = {"advance": "per-sequence", "world": "WB", "admission": "grant", "xs_per_seq": True}
+
+
+class SpyBackend(NumpyBackend):
+    """The NumPy reference, recording the arguments of the calls the engine's control flow
+    hands over, refusing `fail[name]` (an exception) when set, and adding `warn[name]` to the
+    warnings list the draft calls are given."""
+
+    def __init__(self, fail=None, warn=None):
+        super().__init__()
+        self.fail, self.warn, self.calls = fail or {}, warn or {}, []
+
+    def _hook(self, name, *args, warnings=None):
+        self.calls.append((name, args))
+        if name in self.warn:
+            warnings.append(self.warn[name])
+        if name in self.fail:
+            raise self.fail[name]
+
+    def clone_in(self, caches, pending_leads, xs_per_seq, per_sequence):
+        self._hook("clone_in", list(pending_leads), xs_per_seq, per_sequence)
+        ci = super().clone_in(caches, pending_leads, xs_per_seq, per_sequence)
+        self.calls.append(("clone_in ->", (ci.ragged_decode_supported,)))
+        return ci
+
+    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
+        self._hook("resolve_row_cache_lens", enabled, cache_len, list(lead_pad))
+        return super().resolve_row_cache_lens(enabled, cache_len, lead_pad)
+
+    def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, psa, warnings=None):
+        self._hook("draft_chain", warnings=warnings)
+        return super().draft_chain(model, groups, states, toks, cache_lens, budgets, w, psa,
+                                   warnings)
+
+    def extend_draft_kvs(self, states, capture, toks, batch, model, warnings=None):
+        self._hook("extend_draft_kvs", warnings=warnings)
+        super().extend_draft_kvs(states, capture, toks, batch, model, warnings)
+
+    def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
+        self._hook("prime_draft_kv", warnings=warnings)
+        super().prime_draft_kv(states, capture, toks, batch, model, warnings)
+
+    def truncate_by(self, cache, n_drop):
+        self._hook("truncate_by", n_drop)
+        super().truncate_by(cache, n_drop)
+
+    def set_lens(self, cache, kv_len, xs_len):
+        self._hook("set_lens", kv_len, xs_len)
+        super().set_lens(cache, kv_len, xs_len)
+
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+        self._hook("forward", tokens.shape)
+        return super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture)
+
+    def args(self, name):
+        return [a for n, a in self.calls if n == name]
+
+
+def scenario(**kw):
+    base = {"batch": 2, "prompt_len": 6, "max_new_tokens": 30, "steps": 3, "depth": 3}
+    return load_scenario({**base, **kw})
+
+
+def per_seq_pair(**kw):
+    """Granted per-sequence advance (WB), prompts 12 (seq 0) and 10 (seq 1) in steps 1 and 0,
+    one decode of both in step 2, all drafts accepted."""
+    return load_scenario({"requests": [{"prompt_len": 12, "max_new_tokens": 40},
+                                       {"prompt_len": 10, "max_new_tokens": 40}],
+                          "depth": 3, "steps": 3, "acceptance": "all-accept", **GRANTED, **kw})
+
+
+def engine(sc, **kw):
+    eng = simulator.TensorEngine(sc, **kw)
+    return eng, eng.run()
+
+
+def steps_of(trace):
+    return list(trace.steps())
+
+
+# ----------------------------------------------------------------------------- run()
+
+
+def test_run_loads_a_dict_and_passes_progress_and_backend_through():
+    seen, spy = [], SpyBackend()
+    tr = simulator.run({"batch": 1, "prompt_len": 4, "steps": 3},
+                       lambda t, n: seen.append((t, n)), backend=spy)
+    assert seen == [(1, 3), (2, 3), (3, 3)]  # after each step t: (t + 1, steps)
+    assert len(spy.args("forward")) == 3  # the prompt and two decodes ran on the spy
+    assert tr.tensors == [] and tr.tensor_log == []  # record_tensors defaults to off
+
+
+def test_requests_are_admitted_in_arrival_order_not_index_order():
+    sc = load_scenario({"requests": [{"prompt_len": 4, "arrival": 2},
+                                     {"prompt_len": 5, "arrival": 0}], "steps": 3, "depth": 0})
+    st = steps_of(simulator.run(sc))
+    assert st[0]["phase"] == "prompt" and st[0]["prefill"] == [1]
+    assert [r["seq"] for r in st[0]["rows"]] == [1]
+
+
+def test_an_idle_step_is_all_zero_and_keeps_the_running_rate():
+    """No running sequence: phase idle, cohort, no instruction, zero counts and width, no
+    bucket, no prefill, no error, and the tokens-per-step rate so far (the idle step adds
+    nothing to the telemetry)."""
+    sc = load_scenario({"requests": [{"prompt_len": 4, "max_new_tokens": 2},
+                                     {"prompt_len": 4, "max_new_tokens": 2, "arrival": 6}],
+                        "steps": 8, "depth": 2, "acceptance": "all-accept"})
+    tr = simulator.run(sc)
+    st = steps_of(tr)
+    assert [s["phase"] for s in st] == ["prompt", "decode", "idle", "idle", "idle", "idle",
+                                        "prompt", "decode"]
+    rate = st[1]["tok_per_step"]
+    # the decode drafted w - u = 2 and accepted both: the telemetry counts 1 + 2 (§15) while
+    # the row commits the one token its max_new_tokens leaves
+    assert rate == 3.0 and st[1]["committed"] == 1
+    for t in (2, 3, 4, 5):
+        want = {"step": t, "phase": "idle", "advance": "cohort", "cache_instruction": None,
+                "running": 0, "waiting": 0, "buckets": 0, "groups": 0, "width": 0,
+                "padding_fraction": 0.0, "committed": 0, "tok_per_step": rate, "bucket": None,
+                "prefill": [], "error": None}
+        got = tr.step_fields(t)
+        assert got == want and list(got) == list(want)
+        assert type(got["padding_fraction"]) is float and type(got["tok_per_step"]) is float
+        assert st[t]["rows"] == [] and tr.row_array(t).shape == (0, len(policy.COL))
+
+
+def test_an_idle_step_before_any_decode_has_rate_zero():
+    sc = load_scenario({"requests": [{"prompt_len": 4, "arrival": 2}], "steps": 3, "depth": 0})
+    st = steps_of(simulator.run(sc))
+    assert [s["phase"] for s in st] == ["idle", "idle", "prompt"]
+    assert st[0]["tok_per_step"] == 0.0 and st[0]["step"] == 0 and st[1]["step"] == 1
+
+
+def test_a_mixed_step_commits_the_decode_rows_and_the_prompts_token():
+    """A fresh prompt whose key collides with a completion runs in the same step: the step's
+    committed count is the decode rows' plus one per prompt."""
+    sc = load_scenario({"requests": [{"prompt_len": 8, "max_new_tokens": 20},
+                                     {"prompt_len": 9, "max_new_tokens": 20, "arrival": 1}],
+                        "steps": 2, "depth": 2, "acceptance": "all-accept"})
+    st = steps_of(simulator.run(sc))[1]
+    assert st["phase"] == "decode" and st["prefill"] == [1]
+    assert [r["committed"] for r in st["rows"]] == [3]  # w = 3: 2 accepted + the bonus
+    assert st["committed"] == 3 + 1
+
+
+def test_a_prompt_that_reaches_max_new_tokens_ends_its_sequence():
+    """max_new_tokens 1: the prompt step's token is the last; nothing else runs."""
+    sc = load_scenario({"batch": 2, "prompt_len": 5, "max_new_tokens": 1, "steps": 4})
+    tr = simulator.run(sc)
+    assert [s["phase"] for s in tr.steps()] == ["prompt"]
+    assert tr.step_fields(0)["committed"] == 2
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def test_prompt_and_decode_rows_are_int_rows_with_null_group_and_chain_start():
+    """Rows are the schema's int array; an undrafted row (depth 0) and a prompt row carry -1
+    for group and chain start."""
+    tr = simulator.run(scenario(depth=0, steps=2))
+    for t in (0, 1):
+        rows = tr.row_array(t)
+        assert rows.dtype == policy.ROW_DTYPE
+        assert (rows[:, policy.NULL_COLS] == -1).all()
+    assert [r["group"] for r in tr.rows(1)] == [None, None]
+
+
+def test_a_row_commits_no_more_than_its_max_new_tokens():
+    """All drafts accepted (w = 4): rem = max_new_tokens - emitted; k = min(a, rem) drafts
+    and the bonus only when rem > a. rem 3 = a 3: three drafts, no bonus; rem 2 < a: two."""
+    for max_new, want in ((4, 3), (3, 2), (9, 4)):
+        tr = simulator.run(scenario(batch=1, max_new_tokens=max_new, steps=2,
+                                    acceptance="all-accept"))
+        (row,) = tr.rows(1)
+        assert (row["drafted"], row["accepted"], row["committed"]) == (3, 3, want)
+
+
+def test_the_acceptance_telemetry_is_kept_per_request():
+    eng, tr = engine(scenario(batch=2, steps=3, acceptance="all-accept"))
+    assert set(eng.tel.by_request) == {0, 1}
+    for i in (0, 1):
+        rows = [r for s in tr.steps() if s["phase"] == "decode" for r in s["rows"]
+                if r["seq"] == i]
+        assert eng.tel.by_request[i].proposed == sum(r["drafted"] for r in rows) == 6
+        assert eng.tel.by_request[i].accepted == sum(r["accepted"] for r in rows) == 6
+
+
+# ----------------------------------------------------------------------------- per-sequence step
+
+
+def test_a_per_sequence_step_logs_its_ragged_forward():
+    """Lead [0, 2] at width 12: padding 2 / (2 * 12); the verify forward runs at the rows' own
+    offsets [12, 10], row_q0 = those offsets (per_seq_kv on), leads [0, 2]."""
+    spy = SpyBackend()
+    eng, tr = engine(per_seq_pair(), record_tensors=True, backend=spy)
+    dec = next(s for s in tr.steps() if s["phase"] == "decode")
+    assert dec["padding_fraction"] == 2 / 24 and dec["advance"] == "per-sequence"
+    (rec,) = tr.tensors
+    assert (rec["step"], rec["phase"], rec["ids"]) == (dec["step"], "decode", [0, 1])
+    assert rec["positions"] == [12, 10] and rec["row_q0"] == [12, 10] and rec["lead"] == [0, 2]
+    assert rec["tokens"].shape == (2, 4)
+    prompts = [r for r in tr.tensor_log if r["phase"] == "prompt"]
+    assert [(r["step"], r["ids"]) for r in prompts] == [
+        (s["step"], s["prefill"]) for s in tr.steps() if s["prefill"]]
+    states = [r for r in tr.tensor_log if r["phase"] == "state"]
+    assert [r["step"] for r in states] == [s["step"] for s in tr.steps()]
+    (ci,) = spy.args("clone_in")
+    assert ci[1] is True and ci[2] is True  # xs_per_seq, per-sequence advance
+    (ok,) = spy.args("clone_in ->")
+    assert eng.state.ragged_decode_supported is ok[0]
+
+
+def test_a_cohort_step_hands_clone_in_a_false_per_sequence_flag():
+    spy = SpyBackend()
+    engine(scenario(steps=2), backend=spy)
+    (ci,) = spy.args("clone_in")
+    assert ci == ([0, 0], False, False)
+
+
+def xs_lens(cache):
+    return [s.current_seq_len for s in cache.slots if isinstance(s, XsRolling)]
+
+
+def kv_lens(cache):
+    return [s.current_seq_len for s in cache.slots if not isinstance(s, XsRolling)]
+
+
+@pytest.mark.parametrize("strip, kv, pending", [
+    ("eager", [16, 14], [0, 0]),  # drop the lead, set_len(own + committed)
+    ("lazy", [16, 16], [0, 2]),  # K/V set_len(lead + own + committed), the lead stays pending
+    ("none", [16, 16], [0, 0]),  # K/V set_len(C + committed): the padded length, nothing pending
+])
+def test_the_per_sequence_commit_under_each_strip_policy(strip, kv, pending):
+    """Own lengths [12, 10], leads [0, 2], C = 12, all 3 drafts + the bonus committed: the
+    XsRolling slots always hold own + committed = [16, 14] (§5.5, §12.2)."""
+    spy = SpyBackend()
+    eng, tr = engine(per_seq_pair(strip=strip), backend=spy)
+    assert [r["committed"] for r in tr.rows(2)] == [4, 4]
+    for i in (0, 1):
+        assert set(kv_lens(eng.caches[i])) == {kv[i]}
+        assert set(xs_lens(eng.caches[i])) == {[16, 14][i]}
+    assert [eng.pending[i] for i in (0, 1)] == pending
+    if strip != "eager":
+        assert {a for a in spy.args("set_lens")} == {(kv[0], 16), (kv[1], 14)}
+
+
+def test_the_lazy_strip_hands_the_pending_lead_to_the_next_clone_in():
+    spy = SpyBackend()
+    engine(per_seq_pair(strip="lazy", steps=4), backend=spy)
+    assert [a[0] for a in spy.args("clone_in")] == [[0, 0], [0, 2]]
+
+
+# ----------------------------------------------------------------------------- step failures
+
+
+def failed_decode(tr):
+    return next(s for s in tr.steps() if s["phase"] == "decode" and s["error"])
+
+
+def assert_failed_rows(tr, step):
+    """A failed step's rows: nothing drafted, accepted, committed or filled, and -1 (null)
+    for group and chain start."""
+    for r in step["rows"]:
+        assert (r["drafted"], r["accepted"], r["committed"], r["filled"]) == (0, 0, 0, 0)
+    assert (tr.row_array(step["step"])[:, policy.NULL_COLS] == -1).all()
+
+
+@pytest.mark.parametrize("sc, exc, kind", [
+    (scenario(steps=3), CacheRefusal("no room"), "clone_in refused"),
+    (per_seq_pair(steps=4), CacheRefusal("no room"), "capacity refused"),
+    (per_seq_pair(steps=4), AlignRefusal("no room"), "clone_in refused"),
+])
+def test_a_refused_clone_in_fails_the_step_before_anything_is_measured(sc, exc, kind):
+    """§13: under PerSequence a CacheRefusal out of clone_in is the capacity refusal; any other
+    refusal (or any under the cohort rule) is clone_in's. The step keeps its defaults (cohort,
+    width 0, no padding, no groups), its rows carry nothing, and its sequences end."""
+    eng, tr = engine(sc, backend=SpyBackend(fail={"clone_in": exc}))
+    st = failed_decode(tr)
+    assert (st["advance"], st["cache_instruction"], st["width"], st["padding_fraction"],
+            st["groups"], st["committed"], st["error"]) == ("cohort", "In", 0, 0.0, 0, 0, kind)
+    assert_failed_rows(tr, st)
+    assert tr.messages == [f"{kind}: no room"]
+    assert tr.summary["errors"] == 1 and len(tr) == st["step"] + 1  # nothing left to run
+
+
+def test_a_refused_row_length_resolution_is_the_left_aligned_guard():
+    eng, tr = engine(per_seq_pair(), backend=SpyBackend(
+        fail={"resolve_row_cache_lens": DispatchRefusal("rows disagree")}))
+    st = failed_decode(tr)
+    assert (st["advance"], st["width"], st["padding_fraction"], st["error"]) == (
+        "per-sequence", 12, 2 / 24, "left-aligned guard")
+    assert_failed_rows(tr, st)
+    assert tr.messages == ["left-aligned guard: rows disagree"]
+
+
+def test_a_refused_draft_chain_fails_the_step_after_grouping():
+    """The refusal lands after the groups were counted (one group, key (1, 0)) and after
+    clone_in consumed the pending leads (the logged state shows pending 0)."""
+    eng, tr = engine(per_seq_pair(strip="lazy", steps=4), record_tensors=True,
+                     backend=SpyBackend(fail={"draft_chain": StepRefusal("chain broke")}))
+    st = failed_decode(tr)
+    assert (st["step"], st["groups"], st["error"]) == (2, 1, "draft chain refused")
+    assert_failed_rows(tr, st)
+    assert tr.messages == ["draft chain refused: chain broke"]
+    state = [r for r in tr.tensor_log if r["phase"] == "state"][-1]
+    assert state["step"] == 2 and [state["seqs"][i]["pending"] for i in (0, 1)] == [0, 0]
+
+
+def test_a_refused_rollback_is_the_xs_rollback_refusal():
+    """Cohort, all drafts rejected: keep = 1 of w = 4, so the batch truncates by 3 (§16)."""
+    spy = SpyBackend(fail={"truncate_by": StepRefusal("xs would go negative")})
+    eng, tr = engine(scenario(acceptance="all-reject"), backend=spy)
+    st = failed_decode(tr)
+    assert st["error"] == "xs rollback refused" and spy.args("truncate_by") == [(3,)]
+    assert_failed_rows(tr, st)
+    assert tr.messages == ["xs rollback refused: xs would go negative"]
+
+
+def test_a_cohort_step_that_drops_one_column_truncates_by_one():
+    """w = 2, every draft rejected: keep = u + a = 1, n_drop = 1 each step, so C advances by
+    exactly one column a step (§16 cohort rollback)."""
+    spy = SpyBackend()
+    eng, tr = engine(scenario(depth=1, steps=4, acceptance="all-reject"), backend=spy)
+    assert [s["width"] for s in steps_of(tr)[1:]] == [6, 7, 8]
+    assert spy.args("truncate_by") == [(1,)] * 3
+
+
+def test_a_cohort_step_that_keeps_every_column_truncates_nothing():
+    spy = SpyBackend()
+    engine(scenario(acceptance="all-accept"), backend=spy)
+    assert spy.args("truncate_by") == []
+
+
+@pytest.mark.parametrize("strip", ["lazy", "none"])
+def test_a_refused_set_len_is_the_per_sequence_commit_refusal(strip):
+    spy = SpyBackend(fail={"set_lens": CacheRefusal("past the capacity")})
+    eng, tr = engine(per_seq_pair(strip=strip), backend=spy)
+    st = failed_decode(tr)
+    assert st["error"] == "per-sequence commit refused"
+    assert_failed_rows(tr, st)
+    assert tr.messages == ["per-sequence commit refused: past the capacity"]
+
+
+def test_a_refused_prompt_forward_fails_the_prompt_step():
+    """The prompt's forward refused (a capacity refusal): the prompt step records the error,
+    commits nothing, and its sequences end; the run has nothing left to do."""
+    spy = SpyBackend(fail={"forward": CacheRefusal("too long")})
+    tr = simulator.run(scenario(batch=2, steps=4), backend=spy)
+    st = steps_of(tr)
+    assert len(st) == 1 and st[0]["phase"] == "prompt" and st[0]["error"] == "capacity refused"
+    assert [r["committed"] for r in st[0]["rows"]] == [0, 0] and st[0]["committed"] == 0
+    assert tr.messages == ["capacity refused: too long"] and tr.summary["errors"] == 1
+
+
+def test_the_draft_calls_write_their_warnings_into_the_trace_messages():
+    spy = SpyBackend(warn={"prime_draft_kv": "primed", "draft_chain": "drafted",
+                           "extend_draft_kvs": "extended"})
+    tr = simulator.run(scenario(batch=1, steps=2), backend=spy)
+    assert tr.messages == ["primed", "drafted", "extended"]
+
+
+# ----------------------------------------------------------------------------- window guard
+
+
+def test_a_step_that_did_not_assemble_a_per_sequence_batch_trips_the_follows_guard(tmp_path):
+    """WA, granted: step 1 assembles A and B (C = 16) and commits A 4, B 1; step 2 issues
+    Nothing on the resident cache, C + w = 20 wide: cache_lens [20, 20] against token
+    lengths [21, 18] leave B's tail 0 (§16 step 4)."""
+    path = tmp_path / "accepts.json"
+    path.write_text('{"0": [3], "1": [0]}')
+    sc = load_scenario({"batch": 2, "prompt_len": 16, "max_new_tokens": 40, "steps": 4,
+                        "depth": 3, "world": "WA", "advance": "per-sequence",
+                        "xs_per_seq": True, "admission": "grant",
+                        "acceptance": {"model": "file", "path": str(path)}})
+    tr = simulator.run(sc)
+    st = failed_decode(tr)
+    assert (st["step"], st["cache_instruction"], st["error"]) == (2, "Nothing", "follows guard")
+    assert tr.messages == [
+        "follows guard: MTP step refused by the follows guard: kv_advance is PerSequence but "
+        "this step did not assemble the batch (cache_lens [20, 20], token lengths [21, 18], "
+        "w 4); the resident batched cache is C + w wide"]
+
+
+class NotOk(SpyBackend):
+    def plan_step_window(self, cache_lens, tok_lens, w):
+        return super().plan_step_window(cache_lens, tok_lens, w)[0], False
+
+
+def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard():
+    tr = simulator.run(per_seq_pair(), backend=NotOk())
+    st = failed_decode(tr)
+    assert st["error"] == "left-aligned guard"
+    assert tr.messages == [
+        "left-aligned guard: MTP step refused by the left-aligned guard: per-row cache_lens "
+        "[12, 10] and token lengths [13, 11] leave a tail outside [1, 4]"]
+
+
+# ----------------------------------------------------------------------------- defer
+
+
+def deferring(**kw):
+    """WA cohort (per-sequence requested and refused, so per_seq_kv stays on): seq 2 (3
+    tokens) runs ahead; seqs 0 and 3 (4 tokens) join it 3 columns behind, so every window
+    check fails and the step defers (§16 step 4)."""
+    reqs = [{"prompt_len": p, "max_new_tokens": 25} for p in (4, 9, 3, 4)]
+    for i, m in kw.pop("max_new", {}).items():
+        reqs[i]["max_new_tokens"] = m
+    return load_scenario({"requests": reqs, "steps": 8, "world": "WA",
+                          "advance": "per-sequence", "xs_per_seq": True, **kw})
+
+
+def test_a_deferred_step_is_one_plain_decode_at_each_rows_own_position():
+    """Each deferral clears the draft map, feeds every row its last token at its own
+    position (C - lead, = row_q0 with per_seq_kv), commits exactly one token per row and
+    leaves nothing filled."""
+    spy = SpyBackend()
+    eng, tr = engine(deferring(), record_tensors=True, backend=spy)
+    assert tr.summary["refusal"] is not None
+    st = steps_of(tr)
+    defers = [s for s in st if s["phase"] == "defer"]
+    recs = [r for r in tr.tensor_log if r["phase"] == "defer"]
+    assert len(defers) == len(recs) >= 4
+    assert all(r["phase"] == "decode" for r in tr.tensors)  # `tensors`: the verify forwards
+    assert [r["step"] for r in recs] == [s["step"] for s in defers]
+    for s, rec in zip(defers, recs, strict=True):
+        rows = s["rows"]
+        own = [r["own_len"] for r in rows]
+        assert rec["ids"] == [r["seq"] for r in rows]
+        assert rec["positions"] == own == [s["width"] - r["lead"] for r in rows]
+        assert rec["row_q0"] == own and rec["lead"] == [r["lead"] for r in rows]
+        assert any(r["lead"] for r in rows)
+        # the token at index own_len: the last one before the step (own_len cached + 1)
+        assert rec["tokens"].tolist() == [[eng.toks[r["seq"]][r["own_len"]]] for r in rows]
+        assert [r["committed"] for r in rows] == [1] * len(rows) and s["committed"] == len(rows)
+        assert [r["filled"] for r in rows] == [0] * len(rows)
+    assert st[-1]["phase"] == "defer" and eng.dmap.entries == {}
+
+
+def test_a_sequence_that_finishes_on_a_deferred_step_leaves_the_batch():
+    """Seq 3 gets one token from its prompt and one per deferral: with max_new_tokens 3 it
+    ends on its second deferral and is in no later step."""
+    tr = simulator.run(deferring(max_new={3: 3}))
+    st = steps_of(tr)
+    prompted = [s["step"] for s in st if 3 in s["prefill"]]
+    seen = [(s["step"], s["phase"]) for s in st for r in s["rows"] if r["seq"] == 3]
+    assert prompted == [1] and seen == [(2, "defer"), (3, "defer")]
+    assert len(st) == 8 and all(s["phase"] == "defer" for s in st[4:5])
+
+
+def test_a_cohort_verify_runs_at_the_shared_offset_even_on_a_ragged_batch(tmp_path):
+    """§16 step 7, the non-per-row route: one shared offset C and no per-row leads. WA: A and
+    B decode, B ends; D (7 tokens) is prompted; A (5 cached, 3 uncached) and D are then
+    assembled 7 wide with A 2 columns behind, and both tails pass the window check (u = 1),
+    so the step verifies (no deferral) at offset 7 for both rows."""
+    path = tmp_path / "accepts.json"
+    path.write_text('{"0": [2, 3, 0, 2], "1": [0, 0, 3, 2], "2": [3, 1, 1, 0]}')
+    sc = load_scenario({"requests": [{"prompt_len": 4, "max_new_tokens": 30},
+                                     {"prompt_len": 4, "max_new_tokens": 2},
+                                     {"prompt_len": 7, "max_new_tokens": 30, "arrival": 1}],
+                        "steps": 4, "depth": 3, "world": "WA", "prefill_floor": 1,
+                        "xs_per_seq": True, "acceptance": {"model": "file", "path": str(path)}})
+    tr = simulator.TensorEngine(sc, record_tensors=True).run()
+    st = steps_of(tr)[3]
+    assert (st["phase"], st["advance"], st["cache_instruction"], st["width"]) == (
+        "decode", "cohort", "In", 7)
+    assert [(r["seq"], r["lead"], r["u"]) for r in st["rows"]] == [(2, 0, 1), (0, 2, 1)]
+    rec = tr.tensors[-1]
+    assert (rec["step"], rec["ids"]) == (3, [2, 0])
+    assert rec["positions"] == [7] and rec["lead"] == [0, 0] and rec["row_q0"] is None
