@@ -27,7 +27,6 @@ A_CHK, D_LOOP, D_CHK = "test_align_checks.py", "test_draft_loop.py", "test_draft
 XS_EDGE, LAYER = "test_xs_rolling_edges.py", "test_model_layer.py"
 S_STATE, P_ATTN = "test_scheduler_state.py", "test_port_attention.py"
 P_STORE, P_SLOTS = "test_paged_store.py", "test_paged_backend_slots.py"
-LOG = "test_simulator_log.py"
 T_FIELDS, PROTO = "test_trace_reader_fields.py", "test_backend_protocol.py"
 ACCEPT, S_KEYS = "test_acceptance.py", "test_scenario_keys.py"
 
@@ -387,55 +386,6 @@ REFERENCE_ENTRIES: list[Mutant] = [
         '"prompt_len": _int_range("prompt_len", data.get("prompt_len", 17), 1),',
         "simulator.md Keys, defaults and ranges",
         _t(S_KEYS, "test_the_generator_defaults"),
-    ),
-    # ------------------------------------------------------------------ simulator: the tensor log
-    M(
-        "_record_forward: the recorded compressed width counts the dead prefix (`-` -> `+`)",
-        R_SIM,
-        "t_c = max((after - lead) // ratio for lead in leads)",
-        "t_c = max((after + lead) // ratio for lead in leads)",
-        "C§17.1 tensor log",
-        _t(LOG, "test_each_forward_and_state_record_of_the_per_sequence_example"),
-    ),
-    M(
-        "_record_forward: a ratio-1 layer recorded as compressed (`> 1` -> `>= 1`)",
-        R_SIM,
-        "            if ratio > 1:  # compressed keys",
-        "            if ratio >= 1:  # compressed keys",
-        "C§17.1 tensor log",
-        _t(LOG, "test_the_masks_follow_the_window_and_each_layers_ratio"),
-    ),
-    M(
-        "_fail: a failed step counted as the only error so far (`+=` -> `=`)",
-        R_SIM,
-        "        self.errors += 1\n",
-        "        self.errors = 1\n",
-        "C§16",
-        _t(LOG, "test_each_refused_prompt_fails_its_requests_and_counts_one_error"),
-    ),
-    M(
-        "_terminal: a request at max_seq_len tokens keeps decoding (`>=` -> `>`)",
-        R_SIM,
-        "or n >= self.sc.max_seq_len",
-        "or n > self.sc.max_seq_len",
-        "C§16",
-        _t(LOG, "test_a_request_stops_at_max_seq_len_tokens"),
-    ),
-    M(
-        "TensorEngine: the draft-KV map without the scenario's LRU cap",
-        R_SIM,
-        "self.dmap = SizedDraftKvMap(self.be, self.model, sc.max_draft_kv_seqs)",
-        "self.dmap = SizedDraftKvMap(self.be, self.model, None)",
-        "C§7.1",
-        _t(LOG, "test_the_draft_map_cap_of_the_scenario_evicts_the_least_recent_state"),
-    ),
-    M(
-        "TensorEngine: ragged admission granted in every world, not only WB",
-        R_SIM,
-        'granted = sc.world == "WB" and self.per_seq',
-        "granted = self.per_seq",
-        "M§17",
-        _t(LOG, "test_the_engine_sets_up_its_scheduler_from_the_scenario"),
     ),
     # ------------------------------------------------------------------ reference/backend.py
     M(
