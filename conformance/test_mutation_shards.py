@@ -69,7 +69,7 @@ def _reaches(start: Path, target: str) -> bool:
 @pytest.mark.parametrize("module", sorted(MUTMUT_MODULES))
 def test_each_listed_test_file_exists_and_reaches_its_module(module):
     tests = MUTMUT_MODULES[module]
-    assert tests and len(tests) <= 4  # a module's mutants run a few files, never the suite
+    assert tests and len(tests) <= 6  # a module's mutants run a few files, never the suite
     dotted = module.removesuffix(".py").replace("/", ".")
     for t in tests:
         assert (ROOT / t).is_file(), t
