@@ -474,6 +474,7 @@ def run_modules(modules: list[str], root: Path = ROOT, jobs: int = 2, cache: Pat
         elif (found := mutmut_cache.base_for(cache, module, parts)) is not None:
             seed, base, added = found
             reopen = True
+            before = mutmut_cache.cached_seconds(cache, module, base)  # a run's whole cost
         try:
             got, red_m, mutants = run_module(module, root, jobs, log, timeout, seed, reopen,
                                              added)
