@@ -397,3 +397,28 @@ def test_an_interrupted_bench_keeps_the_earlier_result_and_its_own_finished_case
     partial = json.loads((out / "bench.partial.json").read_text())
     assert len(partial["rows"]) == 1 and not partial.get("complete")
     assert runner.read_result(out / "bench.partial.json")["rows"] == partial["rows"]
+
+
+# ---------------------------------------------------------------- the lengths-only benchmark
+
+
+def test_the_lengths_benchmark_times_a_run_of_every_step_and_keeps_its_summary():
+    from raggedspec.bench import lengths as lengths_bench
+
+    for advance in ("per-sequence", "cohort"):
+        res = lengths_bench.bench(batch=64, steps=50, advance=advance)
+        assert (res["batch"], res["steps"], res["advance"]) == (64, 50, advance)
+        assert res["summary"]["steps"] == 50 and res["seconds"] > 0 and res["cpu_seconds"] > 0
+        # every request is long enough to run all 50 steps: each row commits every step
+        assert res["summary"]["committed"] >= 64 * 50
+    assert lengths_bench.bench(8, 20, "cohort")["summary"]["max_spread"] == 0
+
+
+def test_the_lengths_benchmark_command_needs_bench_and_times_both_rules(capsys):
+    from raggedspec.bench import lengths as lengths_bench
+
+    assert lengths_bench.main([]) == 2
+    assert lengths_bench.main(["--bench", "--batch", "4", "--steps", "5"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert ["'advance': 'per-sequence'" in lines[0], "'advance': 'cohort'" in lines[1]] == [
+        True, True]

@@ -365,11 +365,6 @@ def test_the_draft_kv_lru_cap_starves_rows_beyond_64():
     assert all(r["drafted"] == 3 for r in [s for s in run_b128("per-sequence").steps()][-1]["rows"])
 
 
-def test_bench_smoke():
-    res = lengths.bench(batch=64, steps=50)
-    assert res["summary"]["steps"] == 50 and res["seconds"] > 0
-
-
 def test_a_custom_token_oracle_drives_both_modes_alike():
     """A user's TokenOracle (raggedspec.conformance.test_scenario._ConstantOracle: of n drafts the
     first n - 1 agree) decides accepts through verify_proposed in both modes."""

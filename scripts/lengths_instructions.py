@@ -1,12 +1,12 @@
 """Instructions executed by the lengths-only simulator, two trees side by side.
 
-A load-independent comparison for a shared machine: each tree's `reference.lengths.bench`
-(B rows, prompt 64, depth 3, profile 0.74/0.54/0.41) runs under valgrind's callgrind at two
-step counts, and the difference of the two totals (startup and imports cancel) gives the
-instructions per 1,000 decode steps of each advance rule. Prints one Markdown row per tree
-and rule: its tok_per_step (which must agree across trees), the instructions, and the ratio to
-the first tree. Needs valgrind; each run takes about 50x its native time (about 1-2 minutes at
-B = 1024 x 1,300 steps).
+A load-independent comparison for a shared machine: each tree's lengths benchmark
+(`bench.lengths.bench`, B rows, prompt 64, depth 3, profile 0.74/0.54/0.41) runs under
+valgrind's callgrind at two step counts, and the difference of the two totals (startup and
+imports cancel) gives the instructions per 1,000 decode steps of each advance rule. Prints one
+Markdown row per tree and rule: its tok_per_step (which must agree across trees), the
+instructions, and the ratio to the first tree. Needs valgrind; each run takes about 50x its
+native time (about 1-2 minutes at B = 1024 x 1,300 steps).
 
     python scripts/lengths_instructions.py BEFORE_TREE AFTER_TREE [--batch 1024] \
         [--steps 300 1300]
@@ -29,7 +29,10 @@ from pathlib import Path
 
 DRIVER = (
     "import sys\n"
-    "from raggedspec.reference.lengths import bench\n"
+    "try:\n"
+    "    from raggedspec.bench.lengths import bench\n"
+    "except ImportError:  # a tree from before the benchmark moved beside the tools\n"
+    "    from raggedspec.reference.lengths import bench\n"
     "print(bench(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])['summary'])\n"
 )
 
