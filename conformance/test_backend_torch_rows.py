@@ -48,3 +48,48 @@ def test_row_positions_without_a_dead_prefix_decode_as_the_reference(ratios, len
     assert_close(ph, rh, "float64", "hidden")
     assert_close(pl, rl, "float64", "logits")
     assert_same_cache(pc, rc, "float64", "batched cache after the forward")
+
+
+@pytest.mark.parametrize("bad", [64, -1])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_token_outside_the_vocabulary_is_refused_before_any_slot_changes(bad, ragged):
+    """The reference's first refusal after the shape (`tokens must be in [0, vocab)`), on the
+    port's fast path (a uniform batch) and its general one (a ragged batch with its leads):
+    the same text, and every slot keeps its length, capacity and contents."""
+    cfg = ModelConfig(compress_ratios=(0, 4))
+    lens = (3, 7) if ragged else (5, 5)
+    for be in (PORT, REF):
+        model = be.build_model(cfg)
+        ci = be.clone_in([_prompt(be, model, cfg, n) for n in lens], [0] * len(lens), True, True)
+        c = be.cache_len(ci.batched)
+        before = be.materialize(ci.batched)
+        with pytest.raises(ValueError) as got:
+            be.forward(model, np.array([[1], [bad]]), ci.batched,
+                       [c - lead for lead in ci.lead_pad], None, ci.lead_pad)
+        lo, hi = min(1, bad), max(1, bad)
+        assert str(got.value) == f"tokens must be in [0, {cfg.vocab}), got [{lo}, {hi}]"
+        after = be.materialize(ci.batched)
+        assert (after["len"], after["capacity"]) == (before["len"], before["capacity"])
+        for (k0, v0), (k1, v1) in zip(before["kv"], after["kv"], strict=True):
+            assert_close(k1, k0, "float64", "K after the refusal")
+            assert_close(v1, v0, "float64", "V after the refusal")
+
+
+def test_a_chain_on_a_kv_slot_near_max_seq_len_grows_it_as_the_reference():
+    """C §10.2, §3: a plain K/V slot of two rows holding 600 entries in a capacity of 1024
+    (max_seq_len 1030) drafts 2 tokens as the reference does; the chain's buffer growth is the
+    rows' need plus the chain, and the capacity, length and contents after it are the
+    reference's."""
+    cfg = ModelConfig()
+    rng = np.random.default_rng(7)
+    k = rng.integers(-4, 5, (2, cfg.n_kv_heads, 600, cfg.head_dim)).astype(np.float64)
+    seed = rng.standard_normal((2, cfg.hidden))
+    out = []
+    for be in (PORT, REF):
+        model = be.build_model(cfg)
+        kv = be.kv_from_arrays(k, k, 1030)
+        out.append((be.propose_chain(model, seed, [3, 9], 2, [600, 600], kv),
+                    be.kv_len(kv), be.materialize(kv)))
+    (pc, pn, pm), (rc, rn, rm) = out
+    assert pc == rc and pn == rn == 602
+    assert_same_cache(pm, rm, "float64", "the slot after the chain")

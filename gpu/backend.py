@@ -319,11 +319,16 @@ class TorchBackend(Backend):
         physical zeros), so the port's per-row window is the reference's. Then the port
         model (`gpu.model.TinyModel.forward`, positions = own lengths); when the RoPE
         offsets or the compressed-key start differ from the own lengths (a ragged batch
-        decoded without per-row masks), the same layers run with those (`_forward_general`)."""
+        decoded without per-row masks), the same layers run with those (`_forward_general`).
+        Refusals, before any slot changes and in the reference's order: the tokens' shape and
+        vocabulary range, the slot count, the offset and lead counts, a row's layout."""
         tokens = np.asarray(tokens, dtype=np.int64)
         require(
             tokens.ndim == 2 and tokens.size > 0, f"tokens {tokens.shape} must be [B,T], B, T >= 1"
         )
+        vocab = model.cfg.vocab  # refused before anything changes, on every path
+        require(tokens.min() >= 0 and tokens.max() < vocab,
+                f"tokens must be in [0, {vocab}), got [{tokens.min()}, {tokens.max()}]")
         b, t = tokens.shape
         n = model.n_layers
         require(len(cache.slots) >= n, f"cache has {len(cache.slots)} slots for {n} layers")
