@@ -470,6 +470,10 @@ def test_the_added_tests_alone_decide_the_reopened_mutants_and_the_rest_keep_the
     runner.settle_reopened(ws, m, old)
     codes = json.loads((ws / "raggedspec" / (m + ".meta")).read_text())["exit_code_by_key"]
     assert codes == dict(zip(names, [1, 0, 33, 0, 36], strict=True))
+    _meta(ws, m, dict(zip(names, [1, -24, 36, 0, 36], strict=True)))  # reopened ones time out
+    runner.settle_reopened(ws, m, old)
+    codes = json.loads((ws / "raggedspec" / (m + ".meta")).read_text())["exit_code_by_key"]
+    assert codes == dict(zip(names, [1, 0, 33, 0, 36], strict=True))  # the old timeout stays
 
 
 def test_a_continued_run_gives_its_mutants_a_larger_cpu_time_floor_in_its_copy_only(tmp_path):

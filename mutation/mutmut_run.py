@@ -366,14 +366,17 @@ def reopened_codes(seed: Path, module: str) -> dict[str, int | None]:
 def settle_reopened(mutants: Path, module: str, old: dict[str, int | None]) -> None:
     """After a run of the reopened mutants with only the added test files: a mutant those
     did not kill (survived, no test covers it, not reached) gets its earlier verdict back,
-    since the earlier tests did not kill it either."""
+    since the earlier tests did not kill it either. A timeout is not taken as a kill here:
+    the earlier tests ran the mutant to its end, and the added files' short measured time
+    makes mutmut's CPU limit stop mutants they would not kill."""
     if not old:
         return
     meta = mutants / "raggedspec" / (module + ".meta")
     data = json.loads(meta.read_text())
     codes = data.get("exit_code_by_key", {})
     for k, was in old.items():
-        if k in codes and STATUS_BY_EXIT_CODE.get(codes[k], "suspicious") in NOT_KILLED:
+        status = STATUS_BY_EXIT_CODE.get(codes.get(k), "suspicious")
+        if k in codes and (status in NOT_KILLED or status == "timeout"):
             codes[k] = was
     meta.write_text(json.dumps(data))
 
