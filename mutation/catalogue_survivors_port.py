@@ -24,6 +24,7 @@ P_EXT = "test_draft_extension_torch.py"
 P_EDGE, P_XSA = "test_port_slots_edges.py", "test_port_xs_rolling_append.py"
 P_BR = "test_port_model_branches.py"
 G_BACKEND, P_PROTO = "gpu/backend.py", "test_backend_torch_protocol.py"
+P_FWD, P_ROWS = "test_backend_torch_forward.py", "test_backend_torch_rows.py"
 
 
 def _t(file: str, test: str) -> str:
@@ -386,5 +387,55 @@ ENTRIES: list[Mutant] = [
         "model, warnings)",
         "port: backend",
         _t(P_PROTO, "test_priming_warns_the_prefix_cache_text_into_the_callers_list"),
+    ),
+    M(
+        "port TorchBackend.forward: the layout refusal names the second bad row, not the first",
+        G_BACKEND,
+        "            i = int(bad[0])\n",
+        "            i = int(bad[-1])\n",
+        "port: backend",
+        _t(P_FWD, "test_a_malformed_forward_is_refused_with_the_references_message"),
+    ),
+    M(
+        "port TorchBackend.forward: a token outside the vocabulary not refused",
+        G_BACKEND,
+        "        require(tokens.min() >= 0 and tokens.max() < vocab,\n",
+        "        require(tokens.min() >= -1 and tokens.max() < vocab,\n",
+        "port: backend",
+        _t(P_ROWS, "test_a_token_outside_the_vocabulary_is_refused_before_any_slot_changes"),
+    ),
+    M(
+        "port TorchBackend._compressed_layer: the RoPE table sized for the offsets only",
+        G_BACKEND,
+        "        table = layer.ropes.get(layer.theta, int(offs.max()) + t)\n",
+        "        table = layer.ropes.get(layer.theta, int(offs.max()))\n",
+        "port: backend",
+        _t(P_FWD, "test_a_step_past_the_rope_table_built_so_far_matches_the_reference"),
+    ),
+    M(
+        "port TorchBackend._compressed_layer: the last physical column left out of the gather",
+        G_BACKEND,
+        "            idx = cols.clamp(min=0, max=kv.capacity - 1)[:, None, :, None]\n",
+        "            idx = cols.clamp(min=0, max=kv.capacity - 2)[:, None, :, None]\n",
+        "port: backend",
+        _t(P_FWD, "test_a_live_run_ending_at_the_last_physical_column_compresses_it"),
+    ),
+    M(
+        "port TorchBackend.mtp_step: a K/V slot stepped without the growth refusal",
+        G_BACKEND,
+        "        kv.check_append(t)\n        kv.grow_meta(t)\n"
+        "        grow_physical(kv.kv, int(kv.own.max()) + t)\n",
+        "        kv.capacity = max(kv.capacity, kv.current + t)\n"
+        "        grow_physical(kv.kv, int(kv.own.max()) + t)\n",
+        "port: backend",
+        _t(P_FWD, "test_a_refused_mtp_step_on_a_kv_slot_leaves_it_as_it_was"),
+    ),
+    M(
+        "port TorchBackend.propose_chain: a K/V slot's buffer pre-grown by less than the chain",
+        G_BACKEND,
+        "                grow_physical(kv.kv, int(kv.own.max()) + n)\n",
+        "                grow_physical(kv.kv, int(kv.own.max()) - n)\n",
+        "port: backend",
+        _t(P_ROWS, "test_a_chain_on_a_kv_slot_near_max_seq_len_grows_it_as_the_reference"),
     ),
 ]
