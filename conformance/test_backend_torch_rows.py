@@ -93,3 +93,64 @@ def test_a_chain_on_a_kv_slot_near_max_seq_len_grows_it_as_the_reference():
     (pc, pn, pm), (rc, rn, rm) = out
     assert pc == rc and pn == rn == 602
     assert_same_cache(pm, rm, "float64", "the slot after the chain")
+
+
+def test_the_plain_layout_is_every_offset_at_its_own_length_and_no_compressed_shift():
+    plain = TorchBackend._plain_layout
+    own = np.array([5, 3])
+    assert plain(np.array([5, 3]), own, np.array([0, 0])) is True
+    assert plain(np.array([5, 5]), own, np.array([0, 0])) is False  # a shared offset
+    assert plain(np.array([5, 3]), own, np.array([0, -2])) is False  # keys before its own
+
+
+def _ragged_without_leads(be, model, cfg, lens=(3, 7)):
+    ci = be.clone_in([_prompt(be, model, cfg, n) for n in lens], [0] * len(lens), True, True)
+    c = be.cache_len(ci.batched)
+    return ci, c, [c - lead for lead in ci.lead_pad]
+
+
+def test_the_forward_takes_the_general_path_exactly_where_the_layout_is_not_plain(monkeypatch):
+    """A uniform batch runs the port model's own forward; per-row query positions without a
+    dead prefix (RoPE at the shared offset, compressed keys from column 0) run the general
+    layers; each gives the reference's hidden (test above), so only the route tells them
+    apart."""
+    calls = []
+    general = TorchBackend._forward_general
+
+    def counting(self, *args):
+        calls.append(args[3].tolist())
+        return general(self, *args)
+
+    monkeypatch.setattr(TorchBackend, "_forward_general", counting)
+    cfg = ModelConfig(compress_ratios=(0, 4))
+    model = PORT.build_model(cfg)
+    ci, c, _ = _ragged_without_leads(PORT, model, cfg, (5, 5))
+    PORT.forward(model, np.array([[1], [2]]), ci.batched, [c], None, None)
+    assert calls == []
+    ci, c, row_q0 = _ragged_without_leads(PORT, model, cfg)
+    PORT.forward(model, np.array([[1], [2]]), ci.batched, [c], row_q0, None)
+    assert calls == [[c]]  # the shared offset, as the step gave it
+
+
+def test_every_rope_of_a_compressed_layer_on_the_general_path_reads_its_shared_table():
+    """The general path's compressed layer rotates q, k and the output with the layer's theta
+    through the one table its model keeps for that theta, grown to cover offset + T."""
+    cfg = ModelConfig(compress_ratios=(0, 4))
+    model = PORT.build_model(cfg)
+    ci, c, row_q0 = _ragged_without_leads(PORT, model, cfg)
+    seen = []
+    for layer in model.layers:
+        if layer.ratio:
+            rope = layer.rope
+
+            def spy(x, offs, dims, theta, *args, _layer=layer, _rope=rope, **kw):
+                seen.append((theta == _layer.theta, kw.get("table")))
+                return _rope(x, offs, dims, theta, *args, **kw)
+
+            layer.rope = spy
+    PORT.forward(model, np.array([[1], [2]]), ci.batched, [c], row_q0, None)
+    compressed = [layer for layer in model.layers if layer.ratio]
+    assert len(seen) == 3 * len(compressed) > 0
+    for ok, table in seen:
+        table_of_theta = compressed[0].ropes.tables[compressed[0].theta]
+        assert ok and table is table_of_theta and table.n_positions >= c + 1

@@ -337,10 +337,9 @@ class TorchBackend(Backend):
         leads = [0] * b if lead_pad is None else [int(x) for x in lead_pad]
         require(len(leads) == b, f"{len(leads)} leads for a batch of {b}")
         c = cache.current_seq_len
-        bad = np.flatnonzero(
-            np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,))
-            != c - np.asarray(leads, np.int64)
-        )
+        offs_np = np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,))  # host ints, once
+        lead_np = np.asarray(leads, dtype=np.int64)
+        bad = np.flatnonzero(offs_np != c - lead_np)
         if bad.size:  # one vector comparison of the host integers; the first offending row named
             i = int(bad[0])
             off = offs[i if len(offs) == b else 0]
@@ -362,7 +361,6 @@ class TorchBackend(Backend):
         else:
             for slot in kvs:
                 slot.bake(attn_dead)
-        lead_np = np.asarray(leads, dtype=np.int64)
         comp_start = lead_np - (first.lead if first.kv is not None else 0)
         if first.kv is None:
             for slot in kvs:
@@ -376,9 +374,7 @@ class TorchBackend(Backend):
             grow_physical(slot.kv, int(slot.own.max()) + t)
         own = first.own
         toks = ints_on(tokens, self.dev)
-        if (
-            np.broadcast_to(np.asarray(offs, dtype=np.int64), (b,)) == own
-        ).all() and not comp_start.any():
+        if self._plain_layout(offs_np, own, comp_start):
             fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture)
         else:
             fwd = self._forward_general(model, toks, [s.kv for s in kvs], self._ints(offs),
@@ -388,6 +384,14 @@ class TorchBackend(Backend):
         for slot in kvs:
             slot.current += t
         return fwd
+
+    @staticmethod
+    def _plain_layout(offsets: np.ndarray, own: np.ndarray, comp_start: np.ndarray) -> bool:
+        """Whether the port model's own forward computes this step: every row's RoPE offset
+        is its own length and its compressed keys start at its own first column. Otherwise
+        `_forward_general` (the same layers at the given offsets and starts); both give the
+        reference's result where this holds, the general one where it does not."""
+        return bool((offsets == own).all() and not comp_start.any())
 
     def _forward_general(self, model, tokens, kvs, offsets, comp_start):
         """The port layers with RoPE at `offsets` (not the own lengths) and each compressed
