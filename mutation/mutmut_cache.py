@@ -137,7 +137,8 @@ def cached_base(cache: Path, module: str, key: str) -> str:
         return ""
 
 
-def _copy_module_files(mutants: Path, module: str, dst_mutants: Path) -> None:
+def copy_module_files(mutants: Path, module: str, dst_mutants: Path) -> None:
+    """Copy `module`'s mutated source and .meta (those present) between `mutants/` dirs."""
     for suffix in ("", ".meta"):
         src = mutants / "raggedspec" / (module + suffix)
         if src.is_file():
@@ -157,7 +158,7 @@ def store(cache: Path | None, module: str, key: str, mutants: Path, seconds: flo
     d = entry_dir(cache, module, key)
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    _copy_module_files(mutants, module, tmp / "mutants")
+    copy_module_files(mutants, module, tmp / "mutants")
     (tmp / "result.json").parent.mkdir(parents=True, exist_ok=True)
     (tmp / "result.json").write_text(json.dumps({"module": module, "key": key,
                                                  "seconds": seconds, "parts": parts or {},
@@ -182,7 +183,7 @@ def store_partial(cache: Path | None, module: str, key: str, mutants: Path,
     d = partial_dir(cache, module, key)
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    _copy_module_files(mutants, module, tmp / "mutants")
+    copy_module_files(mutants, module, tmp / "mutants")
     (tmp / "partial.json").write_text(json.dumps({"module": module, "key": key,
                                                   "seconds": seconds}))
     shutil.rmtree(d, ignore_errors=True)

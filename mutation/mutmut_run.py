@@ -11,7 +11,6 @@ import difflib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -340,12 +339,7 @@ def seed_mutants(mutants: Path, module: str, seed: Path, reopen: bool) -> int:
     workspace's `mutants/`, where mutmut keeps every verdict it finds and checks only the
     mutants without one; with `reopen`, the mutants not killed lose their verdict first.
     Returns how many mutants are left to check."""
-    for suffix in ("", ".meta"):
-        src = seed / "raggedspec" / (module + suffix)
-        dst = mutants / "raggedspec" / (module + suffix)
-        if src.is_file():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
+    mutmut_cache.copy_module_files(seed, module, mutants)
     meta = mutants / "raggedspec" / (module + ".meta")
     data = json.loads(meta.read_text())
     codes = data.get("exit_code_by_key", {})
