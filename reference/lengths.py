@@ -58,6 +58,16 @@ from raggedspec.reference.step import (budget_clamp, mtp_window, per_seq_advance
 from raggedspec.reference.trace import Trace
 
 
+def _i64(values) -> np.ndarray:
+    """`values` (lengths, counts, arrival steps) as an int64 array."""
+    return np.asarray(values, dtype=np.int64)
+
+
+def _zeros(n: int) -> np.ndarray:
+    """n int64 zeros: every integer state array and per-step vector starts from these."""
+    return np.zeros(n, dtype=np.int64)
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -76,7 +86,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         self.model = build_model(sc.acceptance, sc.seed, sc)
         self.tokens_mode = self.model.needs_tokens
         cfg = model_config(sc)
-        self.oracle = build_oracle(self.model, sc.seed, cfg.vocab) if self.tokens_mode else None
+        self.oracle = build_oracle(self.model, sc.seed, cfg.vocab)
         self.has_xs = any(r > 0 for r in cfg.compress_ratios)
         self.tier_a = (
             cfg.mtp == "heads"
@@ -87,12 +97,12 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         self.can = ragged_capable(sc)
         n = sc.batch
         req = sc.requests
-        self.P = np.array([r.prompt_len for r in req], dtype=np.int64)
-        self.M = np.array([r.max_new_tokens for r in req], dtype=np.int64)
-        self.arrival = np.array([r.arrival for r in req], dtype=np.int64)
-        self.may = np.array([r.may_draft for r in req], dtype=bool)
+        self.P = _i64([r.prompt_len for r in req])
+        self.M = _i64([r.max_new_tokens for r in req])
+        self.arrival = _i64([r.arrival for r in req])
+        self.may = np.array([r.may_draft for r in req])
         def z(v: int = 0) -> np.ndarray:
-            return np.full(n, v, dtype=np.int64)
+            return _zeros(n) + v
 
         self.L, self.stored, self.tcap, self.pending = z(), z(-1), z(PLAIN_CACHE_CAPACITY), z()
         self.is_prompt = np.ones(n, dtype=bool)
@@ -117,14 +127,9 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         self.ragged_supported = False
         self.floor_count = 0
         self.sched = BucketTelemetry()
-        self.tel = AcceptanceTelemetry(logging_enabled=False)
-        self.acc = np.zeros(
-            6, dtype=np.int64
-        )  # accepted, proposed, steps, drafted_steps, committed, batch_steps
-        self.acc_at, self.reach_at = (
-            np.zeros(POSITION_CAP, np.int64),
-            np.zeros(POSITION_CAP, np.int64),
-        )
+        self.tel = AcceptanceTelemetry()  # filled once at the end; no step is recorded into it
+        self.acc = _zeros(6)  # accepted, proposed, steps, drafted_steps, committed, batch_steps
+        self.acc_at, self.reach_at = _zeros(POSITION_CAP), _zeros(POSITION_CAP)
         self.by_batch: dict[int, np.ndarray] = {}
         self.errors = 0
         self.stalls = {STALL_UNIFORM: 0, STALL_RAGGED: 0, STALL_INELIGIBLE: 0}
@@ -153,7 +158,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
                     step_fields(
                         t,
                         "idle",
-                        self._advance_name(False),
+                        "cohort",
                         None,
                         0,
                         len(self.waiting),
@@ -175,12 +180,10 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
             bucket = self._key_tuple(key)
             comp = chosen[~self.is_prompt[chosen]]
             prom = chosen[self.is_prompt[chosen]]
-            fields = None
-            rows = np.zeros((0, NCOL), ROW_DTYPE)
-            committed = 0
+            fields, committed = None, 0
             if comp.shape[0]:
                 fields, rows = self._decode(comp)
-                committed += int(rows[:, COL["committed"]].sum()) if rows.shape[0] else 0
+                committed = int(rows[:, COL["committed"]].sum())
                 self.last_completion = comp.tolist()
             if prom.shape[0]:
                 prow, perr = self._prompt(prom)
@@ -189,7 +192,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
                 if fields is None:
                     fields = {
                         "phase": "prompt",
-                        "advance": self._advance_name(False),
+                        "advance": "cohort",
                         "instr": "Reset",
                         "width": int(self.P[prom[0]]),
                         "pad": 0.0,
@@ -232,9 +235,6 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         if self.progress is not None:
             self.progress(t + 1, self.sc.steps)
 
-    def _advance_name(self, per_seq_step: bool) -> str:
-        return "per-sequence" if per_seq_step else "cohort"
-
     def _tps(self) -> float:
         return float(self.acc[4] / self.acc[2]) if self.acc[2] else 0.0
 
@@ -270,7 +270,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         rows[:, COL["committed"]] = 1
         if self.mtp:
             self._checkout(ids)
-            self._extend(ids, np.zeros(b, dtype=np.int64), width)
+            self._extend(ids, _zeros(b), width)
             self._checkin(ids)
             rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0)
         self._finish(ids)
@@ -282,15 +282,8 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
         fill_rows(rows, seq=ids, row=np.arange(b))
         rows[:, NULL_COLS] = -1
-        res = {
-            "phase": "decode",
-            "advance": "cohort",
-            "instr": None,
-            "width": 0,
-            "pad": 0.0,
-            "groups": 0,
-            "error": None,
-        }
+        res = {"phase": "decode", "advance": "cohort", "width": 0, "pad": 0.0, "groups": 0,
+               "error": None}  # "instr" is set on both branches below
         pre, post = engine_cache_instruction(
             sc.world, "completion", ids.tolist(), self.last_completion, False, self.granted
         )
@@ -303,9 +296,9 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
             c = int(own.max())
             mismatch = bool((own != own[0]).any())
             self.ragged_supported = self.can
-            if self.per_seq or (mismatch and self.can):
+            if self.per_seq or self.can:  # front-align (lead 0 everywhere when uniform)
                 lead = c - own
-                padded = np.where(lead > 0, np.maximum(self.tcap[ids], c), self.tcap[ids])
+                padded = np.maximum(self.tcap[ids], c)  # the longest row's own is <= its cap
                 refused = (lead > 0) & (padded > self.max)
                 if refused.any():
                     # PerSequence: front_align_batch's refusal propagates; otherwise
@@ -318,22 +311,19 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
             elif mismatch:
                 return self._decode_fail(res, rows, ids, ERR_CLONE_IN)
             else:
-                lead = np.zeros(b, dtype=np.int64)
-            mtp_lead = lead
+                lead = _zeros(b)
             bc, bcap = c, int(self.tcap[ids].max())
-            assembled = True
         else:
             res["instr"] = "Nothing"
             _, bc, bcap, lead = self.resident
-            mtp_lead = np.zeros(b, dtype=np.int64)
-            assembled = False
         res["width"] = bc
         fill_rows(rows, own_len=bc - lead, width=bc, lead=lead)
-        res["pad"] = float(lead.sum() / (b * bc)) if bc else 0.0
-        psa = per_seq_advance(assembled, post.kind == "Out", self.kv)
-        res["advance"] = self._advance_name(psa)
-        row_lens = (bc - mtp_lead) if (psa and (mtp_lead > 0).any()) else None
-        cache_lens = row_lens if row_lens is not None else np.full(b, bc, dtype=np.int64)
+        res["pad"] = float(lead.sum() / (b * bc))  # bc >= 1: a row holds at least its prompt
+        # the per-row step needs the batch assembled here (In), so its leads are this step's
+        psa = per_seq_advance(pre.kind == "In", post.kind == "Out", self.kv)
+        res["advance"] = "per-sequence" if psa else "cohort"
+        row_lens = (bc - lead) if (psa and (lead > 0).any()) else None
+        cache_lens = row_lens if row_lens is not None else _zeros(b) + bc
         L = self.L[ids]
         window = plan_step_window(cache_lens, L, w)
         u = window.uncached
@@ -345,7 +335,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
                 return self._decode_fail(res, rows, ids, GUARD_ERRORS[what])
             return self._defer(res, rows, ids, bc, bcap, lead)
         budget = token_budget(self.max, L)
-        drafts = np.zeros(b, dtype=np.int64)
+        drafts = _zeros(b)
         if self.mtp:
             self._checkout(ids)
             if not self._draft(ids, u, cache_lens, budget, psa, drafts, rows, res):
@@ -395,7 +385,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
             else:
                 self.stored[ids] = bc + committed
                 self.pending[ids] = 0
-        rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0) if self.mtp else 0
+        rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0)  # no MTP: none in
         self._finish(ids)
         return res, rows
 
@@ -428,12 +418,12 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
     def _accept(self, ids, L, drafts) -> np.ndarray:
         if not self.tokens_mode:
             d = drafts > 0
-            a = np.zeros(ids.shape[0], dtype=np.int64)
+            a = _zeros(ids.shape[0])
             if d.any():
                 a[d] = self.model.accepted(ids[d], L[d], drafts[d], self.vk[ids[d]])
                 self.vk[ids[d]] += 1
             return a
-        out = np.zeros(ids.shape[0], dtype=np.int64)
+        out = _zeros(ids.shape[0])
         for r, i in enumerate(ids.tolist()):  # a custom oracle is Python per row, inherently
             ctx = self.toks[i]
             prop = self.oracle.draft(i, ctx, int(drafts[r])) if drafts[r] else []
@@ -443,7 +433,7 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         return out
 
     def _account(self, b: int, d: np.ndarray, a: np.ndarray) -> None:
-        reached = np.where(d == 0, 0, np.minimum(a + 1, d))
+        reached = np.minimum(a + 1, d)  # 0 where nothing was drafted
         # position j counts the rows whose count exceeds j: a reversed cumulative histogram
         acc_at = np.bincount(np.minimum(a, POSITION_CAP), minlength=POSITION_CAP + 1)[
             ::-1
@@ -451,12 +441,12 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
         reach_at = np.bincount(np.minimum(reached, POSITION_CAP), minlength=POSITION_CAP + 1)[
             ::-1
         ].cumsum()[::-1][1:]
-        vals = np.array([a.sum(), d.sum(), b, (d > 0).sum(), (1 + a).sum(), 0], dtype=np.int64)
+        vals = _i64([a.sum(), d.sum(), b, (d > 0).sum(), (1 + a).sum(), 0])
         self.acc += vals
         self.acc[5] += 1
         self.acc_at += acc_at
         self.reach_at += reach_at
-        entry = self.by_batch.setdefault(b, np.zeros(6 + 2 * POSITION_CAP, dtype=np.int64))
+        entry = self.by_batch.setdefault(b, _zeros(6 + 2 * POSITION_CAP))
         entry[:6] += vals
         entry[5] += 1
         entry[6:6 + POSITION_CAP] += acc_at
@@ -472,14 +462,13 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
                 drafted_steps=int(v[3]),
                 committed=int(v[4]),
                 batch_steps=int(v[5]),
-                pos_over_cap=0,
                 accepted_at=[int(x) for x in acc_at],
                 reached_at=[int(x) for x in reach_at],
             )
 
         self.tel.total = stats(self.acc, self.acc_at, self.reach_at)
         for b, e in self.by_batch.items():
-            self.tel.by_batch[b] = stats(e[:6], e[6:6 + POSITION_CAP], e[6 + POSITION_CAP:])
+            self.tel.by_batch[b] = stats(e, e[6:6 + POSITION_CAP], e[6 + POSITION_CAP:])
 
 
 def run(scenario, progress=None) -> Trace:
