@@ -9,7 +9,7 @@ Fields, the gate and how to add a rule's entries: docs/mutation.md, section
 The entries live in one module per family (catalogue_pr.py, catalogue_draft.py,
 catalogue_step.py, catalogue_masks.py, catalogue_port.py, catalogue_kernels.py,
 catalogue_paged.py, catalogue_survivors.py, catalogue_survivors_port.py,
-catalogue_survivors_sim.py); this module
+catalogue_survivors_sim.py, catalogue_survivors_lengths.py); this module
 is the public one: `Mutant`, `M`, the lists and `select`.
 """
 
@@ -22,6 +22,7 @@ from raggedspec.mutation import (
     catalogue_pr,
     catalogue_step,
     catalogue_survivors,
+    catalogue_survivors_lengths,
     catalogue_survivors_port,
     catalogue_survivors_sim,
 )
@@ -35,7 +36,7 @@ __all__ = ["ALL", "CATALOGUE", "KERNEL_CATALOGUE", "PORT_CATALOGUE", "TOPIC_FILE
 CATALOGUE: list[Mutant] = (
     catalogue_pr.ENTRIES + catalogue_draft.ENTRIES + catalogue_step.ENTRIES
     + catalogue_masks.ENTRIES + catalogue_survivors.REFERENCE_ENTRIES
-    + catalogue_survivors_sim.ENTRIES
+    + catalogue_survivors_sim.ENTRIES + catalogue_survivors_lengths.ENTRIES
 )
 PORT_CATALOGUE: list[Mutant] = (
     catalogue_port.ENTRIES + catalogue_survivors.PORT_ENTRIES + catalogue_survivors_port.ENTRIES
