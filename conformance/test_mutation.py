@@ -96,6 +96,20 @@ def test_mutated_source_refuses_a_missing_or_ambiguous_snippet_and_a_no_op():
     )
 
 
+def test_the_first_failing_test_keeps_a_parametrized_id_that_holds_spaces():
+    """The catalogue records (and later runs first) the first failing node id: a parameter
+    id with spaces or dashes is kept whole, up to pytest's ` - ` before the message."""
+    from raggedspec.mutation.catalogue_run import _first_failure
+
+    out = ("x\nFAILED conformance/t.py::test_a[idle steps, the map at 2] - AssertionError: 1\n"
+           "FAILED conformance/t.py::test_b - assert 0")
+    assert _first_failure(out) == "conformance/t.py::test_a[idle steps, the map at 2]"
+    one = "FAILED conformance/t.py::test_b - assert 0"
+    assert _first_failure(one) == "conformance/t.py::test_b"
+    assert _first_failure("ERROR conformance/t.py::test_c[0-bfloat16]") == (
+        "conformance/t.py::test_c[0-bfloat16] (error)")
+
+
 def test_an_applied_mutant_really_changes_behaviour_and_only_in_the_copy(tmp_path):
     m = _entry("resolve_draft_leads: align to the group MINIMUM not the maximum")
     checkout = ROOT / m.file

@@ -89,7 +89,8 @@ class MutantResult:
         return self.status in ("CAUGHT", "TIMEOUT")
 
 
-_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
+# a node id runs to the end of its parameter brackets, which may hold spaces (`[idle steps]`)
+_FAILED = re.compile(r"^(FAILED|ERROR) ([^\s\[]+(?:\[.*?\](?= - |$))?)", re.M)
 
 
 def _first_failure(output: str) -> str:
