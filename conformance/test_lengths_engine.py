@@ -156,7 +156,7 @@ CASES = {
         max_seq_len=540, requests=reqs((507, 16, 6), (501, 5, 3), (507, 17, 0), (509, 17, 1),
                                        (501, 14, 0, False)),
         steps=14, depth=1, seed=5, model={"compress_ratios": [0, 1]}), {"defer"}),
-    "granted rows at exactly a 1024 cap": (dict(
+    "WB rows at exactly a 1024 cap": (dict(
         PER_SEQ, world="WB", xs_per_seq=True, max_draft_kv_seqs=None,
         acceptance="heterogeneous:0.1,0.95",
         max_seqs=2, prefill_floor=0, max_seq_len=1024, requests=reqs(
