@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from raggedspec.mutation.catalogue import ALL
-from raggedspec.mutation.runner import PACKAGES, mutated_source
+from raggedspec.mutation.runner import mutated_source
 from raggedspec import vectors
 from raggedspec.cli import main
 from raggedspec.vectors.port import PORT_HOST_ONLY, reference_table
@@ -299,9 +299,8 @@ def mutant_tree(tmp: Path, name: str) -> Path:
     mutant = next(m for m in ALL if m.name == name)
     tree = tmp / "tree"
     for part in ("reference", "gpu", "raggedspec", "examples", "mutation"):
-        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
-    for part in [p for p in PACKAGES if (tree / p).is_dir()]:  # as raggedspec.<part>
-        (tree / "raggedspec" / part).symlink_to(Path("..") / part, target_is_directory=True)
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"),
+                        symlinks=True)
     target = tree / mutant.file
     target.write_text(mutated_source(mutant, target.read_text()))
     return tree

@@ -35,7 +35,7 @@ def sweep(only: str | None = None) -> dict[str, list[str]]:
     """{entry name: the vector functions its mutant fails} for the reference catalogue."""
     sys.path.insert(0, str(ROOT))
     from raggedspec.mutation.catalogue import CATALOGUE
-    from raggedspec.mutation.runner import PACKAGES, mutated_source
+    from raggedspec.mutation.runner import mutated_source
 
     entries = [m for m in CATALOGUE if m.scope == "reference" and (not only or only in m.name)]
     base = Path(tempfile.mkdtemp(prefix="raggedspec-vectors-catalogue-"))
@@ -49,9 +49,8 @@ def sweep(only: str | None = None) -> dict[str, list[str]]:
         )
         tree = base / "tree"
         for part in ("reference", "gpu", "raggedspec", "examples", "mutation"):
-            shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
-        for part in [p for p in PACKAGES if (tree / p).is_dir()]:  # as raggedspec.<part>
-            (tree / "raggedspec" / part).symlink_to(Path("..") / part, target_is_directory=True)
+            shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"),
+                        symlinks=True)
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
         env.pop("PYTHONPATH", None)
         results = {}
