@@ -2,17 +2,17 @@
 table (rule, examples run, result).
 
 Usage `raggedspec conformance [--backend numpy|torch|cupy|package.module:factory] [--device
-...] [--dtype ...] [--profile ...] [--tests PATH ...] [-k EXPR]`; tests map to rules through
-the tables of docs/rules.md. Exit 0 all passed, 1 some failed, 2 bad usage or an unusable
-backend, 3 pytest's internal error. Options, the environment it sets, how examples are
-counted and every exit code: docs/conformance.md, section "conformance/runner.py".
+...] [--dtype ...] [--profile ...] [--tests PATH ...] [-k EXPR]`; each test names the rules
+it pins with `@pytest.mark.rule(...)` (docs/rules.md's row names). Exit 0 all passed, 1 some
+failed, 2 bad usage or an unusable backend, 3 pytest's internal error. Options, the environment
+it sets, how examples are counted and every exit code: docs/conformance.md, section
+"conformance/runner.py".
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.resources
-import contextlib
 import os
 import re
 import sys
@@ -29,7 +29,6 @@ EXIT_CODES_TEXT = (
     "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
     "path or a selection matching no test; 3 an internal error of pytest or raggedspec."
 )
-_TEST_REF = re.compile(r"(conformance/[\w/]+\.py)::([\w:]+)")
 # "60 passing examples, 0 failing examples" (Hypothesis <= 6.15x) or "60 passing, 0 failing,
 # and 2 invalid test cases" (newer): accept both wordings.
 _STATS = re.compile(r"during (\w+) phase.*?(\d+) passing(?: examples)?, (\d+) failing", re.S)
@@ -97,30 +96,40 @@ def add_parser(sub) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- rules
 
 
-def rule_rows(table: str | None = None) -> list[tuple[str, list[str]]]:
-    """`(rule, [test node ids])` for every table row of docs/rules.md (`table`: its text; by
-    default the copy shipped in the package, `raggedspec.docs`), a rule listed twice reported
-    once."""
+def marker_name(row: str) -> str:
+    """The marker name of a docs/rules.md row: its first cell without backticks and without a
+    trailing parenthesised spec reference ("`front_pad_single` (C §4.1)" -> "front_pad_single")."""
+    return re.sub(r"\s*\([^()]*\)\s*$", "", row.replace("`", "")).strip()
+
+
+def table_rows(table: str | None = None) -> list[tuple[str, str, str]]:
+    """`(rule, function, invariant)` for every row of docs/rules.md's tables (`table`: its text;
+    by default the copy shipped in the package, `raggedspec.docs`)."""
     if table is None:
         table = (importlib.resources.files("raggedspec.docs") / "rules.md").read_text()
-    rows, seen = [], set()
+    rows = []
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if (
-            not line.startswith("|")
-            or len(cells) != 4
-            or set(cells[0]) <= set("-: ")
-            or cells[0] == "rule"
-        ):
-            continue
-        if cells[1].lower().startswith("not modelled"):
-            continue
-        tests = [f"{f}::{n}" for f, n in _TEST_REF.findall(cells[2])]
-        key = (cells[0], tuple(tests))
-        if tests and key not in seen:
-            seen.add(key)
-            rows.append((cells[0], tests))
+        if line.startswith("|") and len(cells) == 3 and cells[0] != "rule" \
+                and not set(cells[0]) <= set("-: "):
+            rows.append((cells[0], cells[1], cells[2]))
     return rows
+
+
+def rule_names(table: str | None = None) -> list[str]:
+    """The marker names of the modelled rows (a row whose function reads "not modelled" has no
+    test), in table order."""
+    return [marker_name(rule) for rule, function, _ in table_rows(table)
+            if not function.lower().startswith("not modelled")]
+
+
+def rules_of(item) -> list[str]:
+    """The rule names a collected test carries (`@pytest.mark.rule(...)`, its class's and its
+    module's `pytestmark` included), in order, each once."""
+    names: list[str] = []
+    for mark in item.iter_markers("rule"):
+        names += [n for n in mark.args if n not in names]
+    return names
 
 
 def _examples(stats: str | None) -> int | None:
@@ -131,19 +140,33 @@ def _examples(stats: str | None) -> int | None:
 
 
 _BLAME = re.compile(r"\[first differing tensor; rule: ([^\]]+)\]")
-E2E_FILE = "conformance/test_end_to_end.py"
+# conftest records every collected test's rules here before any deselection
+RULE_MARKS = pytest.StashKey[dict]() if (pytest := sys.modules.get("pytest")) else None
+E2E_RULE = "end to end: the same scenario on two backends"
+NO_RULE = "(no rule marker)"
 
 
 class Collector:
-    """pytest plugin: per test node id, its outcome ("passed", "failed", "skipped"), the
-    examples it ran (1 for a plain test) and, for an end-to-end failure, the rule its first
-    differing tensor belongs to (`blame`, from the Mismatch message) and that message."""
+    """pytest plugin: per test node id, the rules it carries, its outcome ("passed", "failed",
+    "skipped"), the examples it ran (1 for a plain test) and, for an end-to-end failure, the
+    rule its first differing tensor belongs to (`blame`, from the Mismatch message) and that
+    message."""
 
     def __init__(self) -> None:
         self.results: dict[str, dict] = {}
 
+    def _rec(self, nodeid: str) -> dict:
+        return self.results.setdefault(nodeid, {"outcome": "passed", "examples": 0, "rules": []})
+
+    def pytest_itemcollected(self, item) -> None:
+        self._rec(item.nodeid)["rules"] = rules_of(item)
+
+    def pytest_deselected(self, items) -> None:
+        for item in items:
+            self.results.pop(item.nodeid, None)
+
     def pytest_runtest_logreport(self, report) -> None:
-        rec = self.results.setdefault(report.nodeid, {"outcome": "passed", "examples": 0})
+        rec = self._rec(report.nodeid)
         if report.failed:
             rec["outcome"] = "failed"
             text = str(report.longrepr)
@@ -155,67 +178,38 @@ class Collector:
             rec["outcome"] = "skipped"
 
     def pytest_runtest_teardown(self, item) -> None:
-        rec = self.results.setdefault(item.nodeid, {"outcome": "passed", "examples": 0})
         n = _examples(getattr(item, "hypothesis_statistics", None))
-        rec["examples"] = 1 if n is None else n
+        self._rec(item.nodeid)["examples"] = 1 if n is None else n
 
 
-def _base(nodeid: str) -> str:
-    """`file::test` of a node id (parameters dropped, path relative to the repo root)."""
-    nodeid = nodeid.split("[", 1)[0]
-    file, _, name = nodeid.partition("::")
-    path = Path(file)
-    if path.is_absolute():
-        with contextlib.suppress(ValueError):  # a path outside the checkout stays as it is
-            file = path.relative_to(ROOT).as_posix()
-    return f"{file}::{name}"
+def rule_table(results: dict[str, dict], rules: list[str]) -> list[tuple[str, int, str]]:
+    """`(rule, examples, result)` per rule of `rules` (then any rule a test names that the table
+    lacks, and the tests with no rule marker): "pass" (every test carrying it that ran passed),
+    "FAIL", "skipped" or "not run". A failed test fails every rule it carries, except an
+    end-to-end failure whose first differing tensor is named (`blame`): that fails the named
+    rule and the end-to-end rule only."""
+    recs: dict[str, list[dict]] = {}
+    failed: set[str] = set()
+    for rec in results.values():
+        carried = rec.get("rules") or [NO_RULE]
+        for rule in carried:
+            recs.setdefault(rule, []).append(rec)
+        if rec["outcome"] == "failed":
+            failed |= {rec["blame"], E2E_RULE} if rec.get("blame") else set(carried)
+    extra = sorted(r for r in recs if r not in rules)
 
+    def summarize(rule: str) -> tuple[str, int, str]:
+        mine = recs.get(rule, [])
+        examples = sum(r["examples"] for r in mine)
+        if rule in failed:
+            return rule, examples, "FAIL"
+        if not mine:
+            return rule, 0, "not run"
+        if {r["outcome"] for r in mine} == {"skipped"}:
+            return rule, examples, "skipped"
+        return rule, examples, "pass"
 
-def rule_table(
-    results: dict[str, dict], rows: list[tuple[str, list[str]]]
-) -> list[tuple[str, int, str]]:
-    """`(rule, examples, result)`: result "pass" (every test of the rule that ran passed),
-    "FAIL", "skipped", or "not run"; then the tests no row names, per file. A row fails
-    when one of its own tests failed (a row listing per-method tests and end-to-end tests
-    owns the per-method ones), or when an end-to-end failure's first differing tensor
-    belongs to its rule (`conformance.backends.rule_of`); an end-to-end failure without
-    such a tensor fails every row listing it."""
-    by_test: dict[str, list[dict]] = {}
-    for nodeid, rec in results.items():
-        by_test.setdefault(_base(nodeid), []).append(rec)
-
-    blamed = {rec["blame"] for recs in by_test.values() for rec in recs if rec.get("blame")}
-
-    def summarize(rule, tests):
-        recs = [r for t in tests for r in by_test.get(t, [])]
-        if not recs:
-            return 0, "not run"
-        examples = sum(r["examples"] for r in recs)
-        own = [t for t in tests if not t.startswith(E2E_FILE + "::")] or tests
-        own_recs = [r for t in own for r in by_test.get(t, [])]
-        shared = [r for t in tests if t not in own for r in by_test.get(t, [])]
-        # an end-to-end failure marks its own rows and the rule its first differing tensor
-        # belongs to, not every row that lists the end-to-end test
-        failed = (
-            any(r["outcome"] == "failed" for r in own_recs)
-            or any(rule.startswith(b) for b in blamed)
-            or any(r["outcome"] == "failed" and not r.get("blame") for r in shared)
-        )
-        if failed:
-            return examples, "FAIL"
-        if {r["outcome"] for r in recs} == {"skipped"}:
-            return examples, "skipped"
-        return examples, "pass"
-
-    table = [(rule, *summarize(rule, tests)) for rule, tests in rows]
-    named = {t for _, tests in rows for t in tests}
-    unnamed: dict[str, list[str]] = {}
-    for test in by_test:
-        if test not in named:
-            unnamed.setdefault(test.split("::")[0], []).append(test)
-    for file in sorted(unnamed):
-        table.append((f"(no rule row) {file}", *summarize(f"(no rule row) {file}", unnamed[file])))
-    return table
+    return [summarize(rule) for rule in list(rules) + extra]
 
 
 def format_table(table: list[tuple[str, int, str]], title: str, hide_not_run: bool = False) -> str:
@@ -316,7 +310,7 @@ def run(args) -> int:
         return EXIT_USAGE
     print(
         format_table(
-            rule_table(collector.results, rule_rows()),
+            rule_table(collector.results, rule_names()),
             title,
             hide_not_run=bool(args.tests or args.keyword),
         )
@@ -324,7 +318,7 @@ def run(args) -> int:
     for nodeid, rec in collector.results.items():
         if rec.get("blame"):
             print(
-                f"end to end: {nodeid}: first differing tensor belongs to rule "
+                f"blamed: {nodeid}: its first differing tensor belongs to rule "
                 f'"{rec["blame"]}": {rec["message"][:300]}'
             )
     return rc

@@ -61,6 +61,7 @@ def pure_hash(seed: int, salt: int, seq: int, pos: int) -> int:
 # ---------------------------------------------------------------------------------- keying
 
 
+@pytest.mark.rule("randomness keyed by (seed, seq, position), not by row")
 def test_splitmix64_is_the_published_generator():
     assert sm(0) == 0xE220A8397B1DCDAF and sm(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
     xs = [0, 1, 2, 0x9E3779B97F4A7C15, 12345, M64, 1 << 63, 0xDEADBEEF]
@@ -69,6 +70,7 @@ def test_splitmix64_is_the_published_generator():
     assert splitmix64(np.array([3], dtype=np.uint64)).dtype == np.uint64
 
 
+@pytest.mark.rule("randomness keyed by (seed, seq, position), not by row")
 @pytest.mark.parametrize("seed, salt", [(0, 0), (0, SALT_ACCEPT), (7, SALT_TOKEN),
                                         (12345, SALT_WRONG), (2**40 + 3, SALT_RATE)])
 def test_key_hash_is_the_documented_composition(seed, salt):
@@ -78,6 +80,7 @@ def test_key_hash_is_the_documented_composition(seed, salt):
     assert got.tolist() == [[pure_hash(seed, salt, int(s), int(p)) for p in pos] for s in seqs]
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_threshold_is_round_p_times_2_pow_32_on_the_closed_unit_interval():
     assert (threshold(0.0), threshold(1.0), threshold(0.5)) == (0, 1 << 32, 1 << 31)
     assert threshold(0) == 0 and threshold(1) == 1 << 32
@@ -91,6 +94,7 @@ def draw(seed, seq, pos) -> int:
     return pure_hash(seed, SALT_ACCEPT, seq, pos) >> 32
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_a_draft_is_right_iff_its_draw_is_below_the_threshold():
     """A draw equal to the threshold is wrong; p = 1 always passes, p = 0 never does."""
     seed, seq, pos = 4, 11, 40
@@ -101,6 +105,7 @@ def test_a_draft_is_right_iff_its_draw_is_below_the_threshold():
     assert Geometric(0.0, seed).accept_one(seq, pos, 8) == 0
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_heterogeneous_range_draw_is_the_documented_one():
     lo, hi = threshold(0.25), threshold(0.75)
     seqs = np.arange(50)
@@ -124,6 +129,7 @@ MODELS = [Geometric(0.6, 1), Profile([0.9, 0.2], 1), Heterogeneous([0.3, 0.8], 1
           Heterogeneous([], 1, (0.2, 0.9)), AllAccept(), AllReject(), FileStream([2, 0, 5])]
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: type(m).__name__)
 def test_every_model_returns_int64_counts_in_0_n_also_for_an_empty_batch(model):
     n = np.array([0, 1, 3, 8, 8, 0])
@@ -136,6 +142,7 @@ def test_every_model_returns_int64_counts_in_0_n_also_for_an_empty_batch(model):
     assert type(model.accept_one(3, 9, 2)) is int
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("n", [[-1], [9], [3, -2]])
 def test_a_draft_count_outside_0_8_is_refused(n):
     with pytest.raises(ValueError) as err:
@@ -143,12 +150,14 @@ def test_a_draft_count_outside_0_8_is_refused(n):
     assert str(err.value) == f"drafts {n} must be in 0..=8"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_a_profile_needs_a_probability():
     with pytest.raises(ValueError) as err:
         Profile([], 0)
     assert str(err.value) == "a profile needs at least one probability"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_file_model_takes_entry_k_mod_len_clamped_to_n():
     f = FileStream({"default": [1], "2": [3, 0, 5]})
     assert f.accept_one(2, 0, 8) == 3 and f.accept_one(2, 0, 8, k=1) == 0
@@ -160,6 +169,7 @@ def test_the_file_model_takes_entry_k_mod_len_clamped_to_n():
     assert str(err.value) == "no accept counts for sequence 5 and no default"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("data, message", [
     ({}, 'an accept-count file holds a list or {"default": [...], ...}'),
     (5, 'an accept-count file holds a list or {"default": [...], ...}'),
@@ -178,6 +188,7 @@ def where(path) -> str:
     return f"scenario key 'acceptance.path': accept-count file {str(path)!r}"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_accept_file_refusals_name_the_file_and_what_is_wrong(tmp_path):
     bad = tmp_path / "latin1.json"
     bad.write_bytes(b"[1, \xff]")
@@ -215,6 +226,7 @@ def test_the_accept_file_refusals_name_the_file_and_what_is_wrong(tmp_path):
 # ----------------------------------------------------------------- build_model / build_oracle
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("text, cls", [("geometric:0.3", Geometric), ("profile:0.9,0.4", Profile),
                                        ("heterogeneous:0.2,0.7", Heterogeneous),
                                        ("all-accept", AllAccept), ("all-reject", AllReject)])
@@ -232,6 +244,7 @@ def test_build_model_makes_each_named_model_with_its_probabilities_and_seed(text
             seqs, pos, n, 0)).all()
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_build_model_draws_a_heterogeneous_range_and_reads_the_file(tmp_path):
     spec = parse_acceptance({"model": "heterogeneous", "p_range": [0.3, 0.6]})
     m = build_model(spec, 2)
@@ -283,6 +296,7 @@ def make_recorder(scenario):
 FACTORY = "raggedspec.conformance.test_acceptance:make_recorder"
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_oracle_factory_gets_the_scenario_and_the_checked_oracle_passes_calls_through():
     sc = load_scenario({"acceptance": f"oracle:{FACTORY}"})
     model = build_model(sc.acceptance, sc.seed, sc)
@@ -304,6 +318,7 @@ def make_nothing(scenario):
     return None
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_a_factory_result_without_the_methods_is_refused_word_for_word():
     sc = load_scenario({"acceptance": "oracle:raggedspec.conformance.test_acceptance:make_nothing"})
     with pytest.raises(ScenarioError) as err:
@@ -314,6 +329,7 @@ def test_a_factory_result_without_the_methods_is_refused_word_for_word():
         "prompt(seq_id, length), target(seq_id, context) and draft(seq_id, context, n)")
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_build_oracle_turns_a_count_model_into_its_model_oracle():
     m = Geometric(0.5, 8)
     o = build_oracle(m, 8, 16)
@@ -323,6 +339,7 @@ def test_build_oracle_turns_a_count_model_into_its_model_oracle():
 # ----------------------------------------------------------------------------- resolve_factory
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_resolve_factory_refusals_word_for_word(tmp_path, monkeypatch):
     w = "scenario key 'acceptance.factory': "
     for bad in (None, "", "os", "os:", ":sep"):
@@ -357,6 +374,7 @@ def test_resolve_factory_refusals_word_for_word(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- the model oracle
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_model_oracle_streams_and_counts_its_drafting_verifies():
     """prompt = the true stream from 0; target = the true token at len(context); the k-th
     draft with n > 0 (k from 0, n = 0 not counted) takes the file model's entry k."""
@@ -374,6 +392,7 @@ def test_the_model_oracle_streams_and_counts_its_drafting_verifies():
     assert o.draft(4, prompt, 3)[0] != o.true_tokens(4, 6, 1)[0]  # its own k = 0
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_wrong_token_is_the_documented_shift_of_the_true_one():
     for vocab in (2, 3, 16):
         o = ModelOracle(AllReject(), 7, vocab)
@@ -408,12 +427,14 @@ class _Fixed:
         return self.d
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_checked_oracle_accepts_tokens_0_to_vocab_minus_1():
     o = CheckedOracle(_Fixed(prompt=[0, 3], target=0, draft=[3, 0]), 4)
     assert o.prompt(0, 2) == [0, 3] and o.target(0, []) == 0 and o.draft(0, [], 2) == [3, 0]
     assert type(CheckedOracle(_Fixed(target=np.int32(3)), 4).target(0, [])) is int
 
 
+@pytest.mark.rule("pluggable token oracle")
 @pytest.mark.parametrize("call, oracle, text", [
     (lambda o: o.draft(1, [5, 5], 2), _Fixed(draft=None),
      "draft(seq_id=1, context of 2 tokens, n=2) returned None; it must return a list of exactly "

@@ -72,6 +72,7 @@ def xs_slot(tokens):
 
 # --- §4.1 front_pad_single -----------------------------------------------------------------
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_moves_the_live_run_to_the_end_with_zeros_in_front():
     sc = kv_slot(10, 100, extra=5).k
     lead = front_pad_single(sc, 12)
@@ -81,6 +82,7 @@ def test_front_pad_single_moves_the_live_run_to_the_end_with_zeros_in_front():
     assert not sc.data[:, :, 12:].any()  # the stale columns are not carried
 
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_lead_zero_touches_no_buffer():
     sc = kv_slot(10, 100, extra=5).k
     buf = sc.data
@@ -90,17 +92,20 @@ def test_front_pad_single_lead_zero_touches_no_buffer():
     assert front_pad_single(empty, 0) == 0 and empty.data is None  # lead 0 before the buffer check
 
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_refuses_a_target_shorter_than_live():
     sc = kv_slot(10, 100).k
     with pytest.raises(CacheRefusal, match="front_pad to 5 is shorter than the 10 live positions"):
         front_pad_single(sc, 5)
 
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_refuses_an_unmaterialized_buffer():
     with pytest.raises(CacheRefusal, match="unmaterialized"):
         front_pad_single(SingleCache(4096, 16, current_seq_len=3), 5)
 
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_refuses_a_capacity_above_max_seq_len():
     sc = kv_slot(10, 100, max_seq_len=600).k
     with pytest.raises(CacheRefusal, match="above max_seq_len") as e:
@@ -110,6 +115,7 @@ def test_front_pad_single_refuses_a_capacity_above_max_seq_len():
     assert front_pad_single(sc, 600) == 590 and sc.capacity_seq_len == 600
 
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_keeps_a_capacity_wider_than_the_target():
     sc = kv_slot(10, 100, extra=600).k
     assert sc.capacity_seq_len == 1024
@@ -117,6 +123,7 @@ def test_front_pad_single_keeps_a_capacity_wider_than_the_target():
     assert sc.capacity_seq_len == 1024 and sc.data.shape[2] == 1024
 
 
+@pytest.mark.rule("front_pad_single")
 def test_front_pad_single_refuses_a_windowed_slot_that_evicted_its_front():
     sc = SingleCache(4096, 512, retain_window=8)
     sc.append(np.zeros((1, 1, 140, 1)))
@@ -128,6 +135,7 @@ def test_front_pad_single_refuses_a_windowed_slot_that_evicted_its_front():
 
 # --- §4.2 front_pad_kv_cache ---------------------------------------------------------------
 
+@pytest.mark.rule("front_pad_kv_cache")
 def test_front_pad_kv_cache_pads_both_halves():
     kv = kv_slot(4, 100)
     assert front_pad_kv_cache(kv, 7, xs_per_seq=False) == 3
@@ -136,6 +144,7 @@ def test_front_pad_kv_cache_pads_both_halves():
     assert kv.v.current_seq_len == 7
 
 
+@pytest.mark.rule("front_pad_kv_cache")
 def test_front_pad_kv_cache_on_an_xs_slot_is_refused_with_the_flag_off_and_a_no_op_with_it_on():
     xs = xs_slot(13)
     with pytest.raises(CacheRefusal, match="XsRolling") as e:
@@ -146,6 +155,7 @@ def test_front_pad_kv_cache_on_an_xs_slot_is_refused_with_the_flag_off_and_a_no_
     assert xs.tokens == [13] and xs.base == [0] and xs.tail is tail and xs.comp is comp
 
 
+@pytest.mark.rule("front_pad_kv_cache")
 @pytest.mark.parametrize("kind", ["Rotating", "TurboQuant"])
 def test_front_pad_kv_cache_refuses_other_slot_kinds(kind):
     with pytest.raises(CacheRefusal, match=kind):
@@ -154,6 +164,7 @@ def test_front_pad_kv_cache_refuses_other_slot_kinds(kind):
 
 # --- §4.3 / §4.4 strip -----------------------------------------------------------------------
 
+@pytest.mark.rule("drop_front_single")
 def test_drop_front_single_narrows_to_width_minus_lead():
     sc = kv_slot(10, 100).k
     front_pad_single(sc, 12)
@@ -166,6 +177,7 @@ def test_drop_front_single_narrows_to_width_minus_lead():
     assert list(sc.data[0, 0, :10, 0]) == list(range(100, 110))
 
 
+@pytest.mark.rule("drop_front_single")
 def test_drop_front_single_lead_zero_is_a_no_op():
     sc = kv_slot(10, 100).k
     buf = sc.data
@@ -173,6 +185,7 @@ def test_drop_front_single_lead_zero_is_a_no_op():
     assert sc.data is buf and (sc.current_seq_len, sc.capacity_seq_len) == (10, 512)
 
 
+@pytest.mark.rule("drop_front_single")
 def test_drop_front_single_refusals():
     sc = kv_slot(12, 100).k
     with pytest.raises(
@@ -188,6 +201,7 @@ def test_drop_front_single_refusals():
         drop_front_single(narrow, 1)
 
 
+@pytest.mark.rule("drop_dead_prefix")
 def test_drop_dead_prefix_strips_both_halves():
     kv = kv_slot(4, 100)
     front_pad_kv_cache(kv, 7, False)
@@ -197,6 +211,7 @@ def test_drop_dead_prefix_strips_both_halves():
     assert list(kv.v.data[0, 0, :4, 0]) == [100.5, 101.5, 102.5, 103.5]
 
 
+@pytest.mark.rule("drop_dead_prefix")
 def test_drop_dead_prefix_is_a_no_op_for_xs_slots_and_lead_zero():
     xs = xs_slot(13)
     tail = xs.tail
@@ -208,6 +223,7 @@ def test_drop_dead_prefix_is_a_no_op_for_xs_slots_and_lead_zero():
     assert kv.k.data is k and kv.v.data is v and kv.current_seq_len == 4
 
 
+@pytest.mark.rule("drop_dead_prefix")
 def test_drop_dead_prefix_refuses_other_kinds_and_over_long_leads():
     with pytest.raises(CacheRefusal, match="Rotating"):
         drop_dead_prefix(OtherSlot("Rotating", 4), 1)
@@ -221,6 +237,7 @@ def test_drop_dead_prefix_refuses_other_kinds_and_over_long_leads():
 
 # --- §4.5 front_align_batch -----------------------------------------------------------------
 
+@pytest.mark.rule("front_align_batch")
 def test_front_align_batch_example_lives_12_and_10():
     a, b = seq([12, 12], mark=100), seq([10, 10], mark=500)
     assert front_align_batch([a, b], xs_per_seq=False) == [0, 2]
@@ -230,6 +247,7 @@ def test_front_align_batch_example_lives_12_and_10():
     assert k_row(a.slots[1]) == list(range(10_100, 10_112))
 
 
+@pytest.mark.rule("front_align_batch")
 def test_front_align_batch_reads_the_lead_from_the_last_non_xs_slot():
     a = NormalCache([kv_slot(12, 100), kv_slot(12, 200), xs_slot(12)])
     b = NormalCache([kv_slot(10, 300), kv_slot(10, 400), xs_slot(10)])
@@ -237,6 +255,7 @@ def test_front_align_batch_reads_the_lead_from_the_last_non_xs_slot():
     assert b.slots[2].tokens == [10]  # the xs slot carries its own length
 
 
+@pytest.mark.rule("front_align_batch")
 def test_front_align_batch_target_counts_every_slot_including_xs():
     # T = max over all slots of all sequences: sequence 0's xs history is the widest.
     a = NormalCache([kv_slot(10, 100), xs_slot(12)])
@@ -245,6 +264,7 @@ def test_front_align_batch_target_counts_every_slot_including_xs():
     assert a.slots[0].current_seq_len == 12 and b.slots[0].current_seq_len == 12
 
 
+@pytest.mark.rule("front_align_batch")
 def test_front_align_batch_refusal_leaves_the_batch_untouched():
     a, b = seq([12, 12], mark=100), seq([5, 5], mark=500)
     c = seq([10, 10], mark=900, max_seq_len=11)
@@ -256,6 +276,7 @@ def test_front_align_batch_refusal_leaves_the_batch_untouched():
     assert bufs == [(s.k.data, s.v.data, s.current_seq_len) for x in (a, b, c) for s in x.slots]
 
 
+@pytest.mark.rule("front_align_would_succeed")
 def test_front_align_would_succeed_is_a_non_mutating_check():
     a, b = seq([12], mark=100), seq([10], mark=500)
     buf = b.slots[0].k.data
@@ -294,6 +315,7 @@ def normal_batches(draw, uniform=False):
     return caches, lens
 
 
+@pytest.mark.rule("front_align_batch")
 @given(normal_batches())
 def test_front_align_batch_ends_every_row_at_t_and_the_strip_undoes_it(batch):
     caches, lens = batch
@@ -319,6 +341,7 @@ def test_front_align_batch_ends_every_row_at_t_and_the_strip_undoes_it(batch):
                 assert np.array_equal(half.data[:, :, :n], oh.data[:, :, :n])
 
 
+@pytest.mark.rule("front_align_batch")
 @given(normal_batches(uniform=True))
 def test_front_align_batch_leaves_a_uniform_batch_structurally_untouched(batch):
     caches, lens = batch
@@ -330,6 +353,7 @@ def test_front_align_batch_leaves_a_uniform_batch_structurally_untouched(batch):
 
 # --- §5.1 / §14 uniformity and capability ---------------------------------------------------
 
+@pytest.mark.rule("first_mismatched_cache_len")
 def test_first_mismatched_cache_len_names_layer_expected_got_and_sequence():
     assert first_mismatched_cache_len([seq([5, 5]), seq([5, 5]), seq([5, 7])], False) == (
         1,
@@ -349,6 +373,7 @@ def test_first_mismatched_cache_len_names_layer_expected_got_and_sequence():
     )
 
 
+@pytest.mark.rule("first_mismatched_cache_len")
 def test_first_mismatched_cache_len_skips_xs_slots_only_with_the_flag_on():
     a = NormalCache([kv_slot(8, 1), xs_slot(9)])
     b = NormalCache([kv_slot(8, 2), xs_slot(7)])
@@ -356,6 +381,7 @@ def test_first_mismatched_cache_len_skips_xs_slots_only_with_the_flag_on():
     assert first_mismatched_cache_len([a, b], False) == (1, 9, 7, 1)
 
 
+@pytest.mark.rule("ensure_uniform_batch_cache_lens")
 def test_ensure_uniform_batch_cache_lens_refuses_naming_the_values():
     ensure_uniform_batch_cache_lens([seq([5, 5]), seq([5, 5])], False)
     with pytest.raises(
@@ -366,6 +392,7 @@ def test_ensure_uniform_batch_cache_lens_refuses_naming_the_values():
     assert "layer 1" in msg and "5" in msg and "7" in msg and "sequence 2" in msg
 
 
+@pytest.mark.rule("batch_can_be_ragged / ragged_decode_supported")
 def test_batch_can_be_ragged_requires_every_slot_to_carry_its_own_length():
     assert batch_can_be_ragged([seq([5, 5]), seq([7, 7])], False)
     for kind in ("Rotating", "TurboQuant"):
@@ -379,6 +406,7 @@ def test_batch_can_be_ragged_requires_every_slot_to_carry_its_own_length():
 
 # --- §5.2-§5.5 clone_in / clone_out ---------------------------------------------------------
 
+@pytest.mark.rule("clone_in_cache")
 def test_clone_in_cache_front_aligns_a_ragged_batch_and_publishes_the_leads():
     a, b = seq([12, 12], mark=100), seq([10, 10], mark=500)
     out = clone_in_cache([a, b], [], xs_per_seq=False)
@@ -390,12 +418,14 @@ def test_clone_in_cache_front_aligns_a_ragged_batch_and_publishes_the_leads():
     assert list(layer0.k.data[0, 0, :12, 0]) == list(range(100, 112))
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_clone_in_cache_publishes_none_for_a_uniform_batch():
     out = clone_in_cache([seq([9, 9]), seq([9, 9])], [0, 0], xs_per_seq=False)
     assert out.lead_pad is None and out.ragged_decode_supported
     assert out.batched.current_seq_len == 9
 
 
+@pytest.mark.rule("ensure_uniform_batch_cache_lens", "clone_in_cache")
 def test_clone_in_cache_refuses_a_ragged_batch_that_cannot_be_ragged():
     a = NormalCache([kv_slot(12, 1), OtherSlot("Rotating", 12)])
     b = NormalCache([kv_slot(10, 2), OtherSlot("Rotating", 10)])
@@ -408,6 +438,7 @@ def test_clone_in_cache_refuses_a_ragged_batch_that_cannot_be_ragged():
     assert b.slots[0].k.data is buf and b.slots[0].current_seq_len == 10  # not aligned
 
 
+@pytest.mark.rule("batch_can_be_ragged / ragged_decode_supported")
 def test_clone_in_cache_publishes_the_capability_for_a_uniform_batch():
     rot = [NormalCache([kv_slot(4, 1), OtherSlot("Rotating", 4)]) for _ in range(2)]
     assert clone_in_cache(rot, [], True).ragged_decode_supported is False
@@ -416,6 +447,7 @@ def test_clone_in_cache_publishes_the_capability_for_a_uniform_batch():
     assert clone_in_cache(v4, [], True).ragged_decode_supported is True
 
 
+@pytest.mark.rule("front_align_would_succeed", "clone_in_cache")
 def test_clone_in_cache_checks_would_succeed_before_touching_anything():
     a, b = seq([12], mark=1), seq([5], mark=2)
     c = seq([10], mark=3, max_seq_len=11)
@@ -425,6 +457,7 @@ def test_clone_in_cache_checks_would_succeed_before_touching_anything():
     assert bufs == [(s.k.data, s.current_seq_len) for x in (a, b, c) for s in x.slots]
 
 
+@pytest.mark.rule("batch concatenation", "clone_in_cache")
 def test_clone_in_cache_pads_the_capacity_slack_to_the_batch_max():
     a = seq([10], mark=100, extra=600)   # capacity 1024, stale columns 10..610
     b = seq([10], mark=500)              # capacity 512
@@ -436,6 +469,7 @@ def test_clone_in_cache_pads_the_capacity_slack_to_the_batch_max():
     assert out.batched.current_seq_len == 10
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_clone_in_cache_takes_the_batched_length_from_the_first_sequence_with_xs_rows_ragged():
     a = NormalCache([kv_slot(9, 1), xs_slot(9)])
     b = NormalCache([kv_slot(9, 2), xs_slot(6)])
@@ -445,6 +479,7 @@ def test_clone_in_cache_takes_the_batched_length_from_the_first_sequence_with_xs
     assert out.batched.slots[1].tokens == [9, 6]
 
 
+@pytest.mark.rule("clone_in_cache", "clone_out_cache")
 def test_clone_in_cache_strips_pending_leads_first():
     a, b = seq([12, 12], mark=100), seq([10, 10], mark=500)
     first = clone_in_cache([a, b], [], False)
@@ -458,6 +493,7 @@ def test_clone_in_cache_strips_pending_leads_first():
     assert rows2[1].current_seq_len == 10 and k_row(rows2[1].slots[0]) == list(range(500, 510))
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_clone_in_cache_refuses_a_pending_strip_before_stripping_anything():
     a = seq([12, 12], mark=100)
     front_pad_kv_cache(a.slots[0], 14, False)
@@ -469,6 +505,7 @@ def test_clone_in_cache_refuses_a_pending_strip_before_stripping_anything():
     assert a.slots[0].current_seq_len == 14 and b.slots[0].current_seq_len == 14  # nothing stripped
 
 
+@pytest.mark.rule("clone_out_cache")
 def test_clone_out_cache_gives_each_row_the_batched_length_and_capacity():
     a = NormalCache([kv_slot(12, 100), xs_slot(12)])
     b = NormalCache([kv_slot(10, 500), xs_slot(10)])
@@ -483,6 +520,7 @@ def test_clone_out_cache_gives_each_row_the_batched_length_and_capacity():
         clone_out_cache(out.batched, 3)
 
 
+@pytest.mark.rule("clone_in_cache_reporting_lead")
 def test_clone_in_cache_reporting_lead_aligns_only_under_per_sequence():
     a, b = seq([12, 12], mark=100), seq([10, 10], mark=500)
     out = clone_in_cache_reporting_lead([a, b], [], False, per_sequence=True)
@@ -511,6 +549,7 @@ def one_decode_step(batched, rng):
     return cols
 
 
+@pytest.mark.rule("strip policy eager vs lazy")
 @given(st.lists(st.integers(1, 40), min_size=2, max_size=5), st.integers(0, 2**32 - 1))
 def test_eager_and_lazy_strip_policies_give_every_row_its_own_length(lens, seed):
     """§5.5: under either policy a row's recorded length is its own; recording the padded

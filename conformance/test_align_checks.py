@@ -75,6 +75,7 @@ class PortSlot:
 
 # --- malformed input: ValueError with the stated message -----------------------------------
 
+@pytest.mark.rule("front_pad_single")
 def test_negative_targets_and_leads_are_malformed_input():
     with pytest.raises(ValueError, match=r"^front_pad target -1 must be >= 0$"):
         front_pad_single(kv_slot(3, 1).k, -1)
@@ -86,6 +87,7 @@ def test_negative_targets_and_leads_are_malformed_input():
         drop_dead_prefix(kv_slot(3, 1), -3)
 
 
+@pytest.mark.rule("front_pad_kv_cache")
 def test_a_slot_whose_halves_disagree_is_malformed_input():
     kv = kv_slot(4, 1)
     kv.v.current_seq_len = 2
@@ -93,6 +95,7 @@ def test_a_slot_whose_halves_disagree_is_malformed_input():
         front_pad_kv_cache(kv, 6, False)
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_empty_and_mismatched_batches_are_malformed_input():
     with pytest.raises(ValueError, match=r"^clone_in_cache needs at least one sequence$"):
         clone_in_cache([], [], False)
@@ -108,6 +111,7 @@ def test_empty_and_mismatched_batches_are_malformed_input():
         clone_in_cache([NormalCache([kv_slot(4, 1)]), NormalCache([xs_slot(4)])], [], True)
 
 
+@pytest.mark.rule("batch concatenation")
 def test_concatenation_refusals_name_the_mismatch():
     with pytest.raises(ValueError,
                        match=r"^cannot concatenate materialized and unmaterialized slots$"):
@@ -118,6 +122,7 @@ def test_concatenation_refusals_name_the_mismatch():
         concat_kv([draft_slot(4, 16, 1), wide])
 
 
+@pytest.mark.rule("clone_out_cache")
 def test_clone_out_and_split_count_check_messages():
     batched = concat_kv([draft_slot(4, 16, 1), draft_slot(4, 16, 2)])
     with pytest.raises(ValueError, match=r"^layer 0 holds 2 rows, not 3$"):
@@ -131,6 +136,7 @@ def test_clone_out_and_split_count_check_messages():
         split_draft_cache(batched, 0)
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_draft_group_checks_messages_and_zero_starts():
     with pytest.raises(ValueError, match=r"^chain starts \[3, -1\] must be >= 0$"):
         draft_group_target(["Normal", "Normal"], [True, True], [5, 5], [3, -1])
@@ -140,6 +146,7 @@ def test_draft_group_checks_messages_and_zero_starts():
         front_align_draft_group([], [])
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_the_integer_checks_take_one_entry_per_member():
     with pytest.raises(ValueError):
         draft_caches_batchable(["Normal", "Normal"], [True], [(4, 16), (4, 16)])
@@ -153,6 +160,7 @@ def test_the_integer_checks_take_one_entry_per_member():
 
 # --- the integer refusal rules at their boundaries -----------------------------------------
 
+@pytest.mark.rule("front_pad_single")
 def test_a_slot_that_evicted_even_one_position_is_windowed():
     assert str(front_pad_refusal(3, 5, True, 1, 16, 4096)) == (
         "front_pad to 5: a windowed slot (first cached 1) cannot be front-padded")
@@ -162,6 +170,7 @@ def test_a_slot_that_evicted_even_one_position_is_windowed():
     assert drop_front_refusal(2, 10, True, 16, 0) is None
 
 
+@pytest.mark.rule("drop_front_single")
 def test_drop_front_refusal_messages():
     assert str(drop_front_refusal(2, 4, False, 0, 0)) == (
         "cannot drop a 2-column dead prefix from an unmaterialized slot (4 positions)")
@@ -173,6 +182,7 @@ def test_drop_front_refusal_messages():
 
 # --- both halves are checked before either changes -------------------------------------------
 
+@pytest.mark.rule("front_pad_kv_cache")
 def test_a_v_half_that_cannot_be_padded_leaves_the_k_half_untouched():
     kv = kv_slot(4, 100)
     kv.v.max_seq_len = 5  # K may grow to 6, V may not
@@ -182,6 +192,7 @@ def test_a_v_half_that_cannot_be_padded_leaves_the_k_half_untouched():
     assert kv.k.data is k_buf and kv.k.current_seq_len == 4
 
 
+@pytest.mark.rule("drop_dead_prefix")
 def test_a_v_half_that_cannot_be_stripped_leaves_the_k_half_untouched():
     kv = kv_slot(4, 100)
     front_pad_kv_cache(kv, 6, False)
@@ -194,6 +205,7 @@ def test_a_v_half_that_cannot_be_stripped_leaves_the_k_half_untouched():
 
 # --- a port's K/V slot goes through the same checks --------------------------------------
 
+@pytest.mark.rule("drop_dead_prefix")
 def test_a_port_slot_is_asked_with_the_target_and_the_lead():
     slot = PortSlot(4)
     assert front_pad_kv_cache(slot, 7, False) == 3
@@ -208,6 +220,7 @@ def test_a_port_slot_is_asked_with_the_target_and_the_lead():
     assert refusing.calls == [("pad_refusal", 7), ("drop_refusal", 2)]
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_clone_in_cache_hands_every_layer_to_the_given_stack_layer():
     seen = []
 
@@ -225,6 +238,7 @@ def test_clone_in_cache_hands_every_layer_to_the_given_stack_layer():
 
 # --- leads, capability and refusals of the two In policies ---------------------------------
 
+@pytest.mark.rule("front_align_batch")
 def test_a_sequence_without_a_kv_slot_has_lead_zero():
     assert front_align_batch([NormalCache([xs_slot(12)]), NormalCache([xs_slot(10)])],
                              True) == [0, 0]
@@ -232,6 +246,7 @@ def test_a_sequence_without_a_kv_slot_has_lead_zero():
     assert front_align_batch([], False) == []
 
 
+@pytest.mark.rule("first_mismatched_cache_len")
 def test_xs_slots_are_skipped_in_any_layer_where_either_side_is_xs():
     a = NormalCache([xs_slot(9), kv_slot(8, 1)])
     b = NormalCache([xs_slot(7), kv_slot(6, 2)])
@@ -240,6 +255,7 @@ def test_xs_slots_are_skipped_in_any_layer_where_either_side_is_xs():
                                        NormalCache([xs_slot(6)])], True) is None
 
 
+@pytest.mark.rule("clone_in_cache_reporting_lead")
 def test_the_eager_policy_keeps_the_xs_flag_for_alignment_and_assembly():
     a = NormalCache([kv_slot(12, 100), xs_slot(12)])
     b = NormalCache([kv_slot(10, 500), xs_slot(10)])
@@ -248,6 +264,7 @@ def test_the_eager_policy_keeps_the_xs_flag_for_alignment_and_assembly():
     assert out.batched.slots[1].tokens == [12, 10]
 
 
+@pytest.mark.rule("clone_in_cache_reporting_lead")
 def test_without_per_sequence_the_lazy_alignment_leads_are_reported():
     a, b = seq([12], mark=100), seq([10], mark=500)
     out = clone_in_cache_reporting_lead([a, b], [], False, per_sequence=False)
@@ -262,6 +279,7 @@ def test_without_per_sequence_the_lazy_alignment_leads_are_reported():
     assert out.lead_pad == [0, 0] and out.ragged_decode_supported is False
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_with_the_flag_off_xs_bases_are_reconciled_on_assembly():
     a = XsRolling(4, window=32)
     a.append_rows(np.arange(40, dtype=np.float64).reshape(1, 40, 1))
@@ -278,6 +296,7 @@ def test_with_the_flag_off_xs_bases_are_reconciled_on_assembly():
 
 # --- what assembly and the splits carry over -----------------------------------------------
 
+@pytest.mark.rule("clone_in_cache")
 def test_other_kinds_are_kept_as_a_length_record_through_in_and_out():
     one = clone_in_cache([NormalCache([kv_slot(4, 1), OtherSlot("TurboQuant", 4)])], [], True)
     rec = one.batched.slots[1]
@@ -291,6 +310,7 @@ def test_other_kinds_are_kept_as_a_length_record_through_in_and_out():
     assert rows[0].slots[0] is not rows[1].slots[0]
 
 
+@pytest.mark.rule("clone_in_cache")
 def test_paged_is_carried_through_in_and_out():
     caches = [NormalCache([kv_slot(4, 1)], paged=True), NormalCache([kv_slot(4, 2)], paged=True)]
     out = clone_in_cache(caches, [], False)
@@ -298,6 +318,7 @@ def test_paged_is_carried_through_in_and_out():
     assert [r.paged for r in clone_out_cache(out.batched, 2)] == [True, True]
 
 
+@pytest.mark.rule("clone_out_cache")
 def test_unmaterialized_slots_split_into_metadata_copies():
     batched = concat_kv([bare_kv(6, 16, 900, 2, 8), bare_kv(6, 16, 900, 2, 8)])
     assert batched.k.data is None and batched.v.data is None
@@ -310,6 +331,7 @@ def test_unmaterialized_slots_split_into_metadata_copies():
                 assert half.data is None and meta(half) == (900, 16, 6, 2, 8)
 
 
+@pytest.mark.rule("clone_out_cache")
 def test_dtype_and_retain_window_are_carried_over():
     def f32(live, cap, mark, retain):
         k = (np.arange(cap, dtype=np.float32) + mark).reshape(1, 1, cap, 1)
@@ -326,6 +348,7 @@ def test_dtype_and_retain_window_are_carried_over():
     assert sc.data.dtype == np.float32 and list(sc.data[0, 0, :6, 0]) == [0, 0, 1, 2, 3, 4]
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_split_draft_cache_chunks_more_rows_than_pieces_by_candle_sizes():
     assert _chunk_sizes(2, 3) == [1, 1]
     assert _chunk_sizes(5, 2) == [3, 2]
@@ -337,12 +360,14 @@ def test_split_draft_cache_chunks_more_rows_than_pieces_by_candle_sizes():
         [100 * m + i for i in range(4)] for m in range(5)]
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_split_draft_cache_gives_none_when_only_one_half_has_too_few_rows():
     batched = concat_kv([draft_slot(4, 8, 1), draft_slot(4, 8, 2)])
     batched.v.data = batched.v.data[:1]
     assert split_draft_cache(batched, 2) is None
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_a_draft_row_with_one_half_unmaterialized_is_refused():
     half = draft_slot(9, 16, 200)
     half.v.data = None

@@ -25,6 +25,7 @@ from raggedspec.reference.errors import AlignRefusal, CacheRefusal
 
 # --- §9.6 batch_draft_caches ----------------------------------------------------------------
 
+@pytest.mark.rule("batch concatenation", "batch_draft_caches")
 def test_batch_draft_caches_concatenates_a_uniform_group():
     slots = [draft_slot(6, 16, m) for m in (100, 200, 300)]
     out = batch_draft_caches(slots)
@@ -36,6 +37,7 @@ def test_batch_draft_caches_concatenates_a_uniform_group():
     assert list(out.v.data[2, 0, :2, 0]) == [1300, 1301]
 
 
+@pytest.mark.rule("batch_draft_caches")
 def test_batch_draft_caches_refusals_return_none():
     assert batch_draft_caches([]) is None
     assert batch_draft_caches([draft_slot(6, 16, 1), draft_slot(7, 16, 2)]) is None  # length
@@ -51,6 +53,7 @@ def test_batch_draft_caches_refusals_return_none():
     assert batch_draft_caches([draft_slot(6, 16, 1), wide]) is None  # concat fails
 
 
+@pytest.mark.rule("batch_draft_caches")
 def test_batch_draft_caches_one_member_is_a_plain_clone_and_metadata_is_the_first():
     one = draft_slot(6, 16, 100)
     out = batch_draft_caches([one])
@@ -64,6 +67,7 @@ def test_batch_draft_caches_one_member_is_a_plain_clone_and_metadata_is_the_firs
 
 # --- §9.7 front_align_draft_group ------------------------------------------------------------
 
+@pytest.mark.rule("front_align_draft_group")
 def test_a_ragged_draft_group_is_left_aligned_where_the_old_path_refused_it():
     slots = [draft_slot(9, 32, m) for m in (100, 200, 300)]
     assert batch_draft_caches(slots) is not None  # equal live/capacity: Some before alignment
@@ -77,6 +81,7 @@ def test_a_ragged_draft_group_is_left_aligned_where_the_old_path_refused_it():
     assert [s.current_seq_len for s in slots] == [9, 9, 9]  # inputs untouched
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_front_align_draft_group_refuses_a_mismatched_or_over_long_group():
     slots = [draft_slot(9, 32, 100), draft_slot(9, 32, 200)]
     with pytest.raises(AlignRefusal, match=r"2 cache\(s\) for 1 chain start"):
@@ -94,6 +99,7 @@ def test_front_align_draft_group_refuses_a_mismatched_or_over_long_group():
         )
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_front_align_draft_group_pad_refusal_propagates():
     a = draft_slot(9, 16, 100)
     b = draft_slot(9, 16, 200)
@@ -104,6 +110,7 @@ def test_front_align_draft_group_pad_refusal_propagates():
 
 # --- §9.8 split_draft_cache ------------------------------------------------------------------
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_split_draft_cache_chunks_on_dim_0_with_the_batched_metadata():
     batched = front_align_draft_group([draft_slot(9, 32, m) for m in (100, 200, 300)], [7, 4, 6])
     rows = split_draft_cache(batched, 3)
@@ -118,6 +125,7 @@ def test_split_draft_cache_chunks_on_dim_0_with_the_batched_metadata():
         split_draft_cache(batched, 0)
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_a_uniform_draft_group_round_trips_through_the_batched_cache_unchanged():
     slots = [draft_slot(6, 16, m) for m in (100, 200, 300)]
     starts = [s.current_seq_len for s in slots]
@@ -164,6 +172,7 @@ def run_draft_group_loop(steps, strip, n_draft=3, advance=(3, 1, 2)):
     return history
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches():
     stripped = run_draft_group_loop(12, strip=True)
     assert stripped[1] == ([10, 5, 8], 200.0)
@@ -182,6 +191,7 @@ def test_the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches():
         assert max(lens) - min(lens) == 2
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 @given(st.data())
 def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
     n_rows = data.draw(st.integers(1, 8))
@@ -226,6 +236,7 @@ def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
             assert list(s.v.data[0, 0, : s.current_seq_len, 0]) == expect_v[r]
 
 
+@pytest.mark.rule("batch_draft_caches")
 @pytest.mark.parametrize("kinds, mats, shapes, want", [
     ([], [], [], False),
     (["Rotating"], [False], [(0, 0)], True),  # one member always batches (a plain clone)

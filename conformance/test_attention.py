@@ -155,6 +155,7 @@ def alone(row: Row, cfg_ratio: int, window: int, sinks):
 # ----------------------------------------------------------------------------- attention()
 
 
+@pytest.mark.rule("attention with sinks")
 @given(b=st.integers(1, 3), hk=st.integers(1, 2), group=st.integers(1, 2),
        t_q=st.integers(1, 5), t_k=st.integers(1, 12), with_sinks=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
@@ -172,6 +173,7 @@ def test_attention_equals_the_loop_oracle(b, hk, group, t_q, t_k, with_sinks, se
     np.testing.assert_allclose(got, attention_oracle(q, k, v, keep, sinks), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.rule("attention with sinks")
 def test_the_sink_is_a_denominator_only_column():
     rng = np.random.default_rng(7)
     q, k, v = (
@@ -192,6 +194,7 @@ def test_the_sink_is_a_denominator_only_column():
     assert np.abs(attention(q, k, v, None, np.full(2, 60.0))).max() < 1e-20
 
 
+@pytest.mark.rule("attention with sinks")
 def test_masked_keys_never_reach_the_output_and_never_make_nan():
     rng = np.random.default_rng(8)
     q, k, v = (
@@ -220,6 +223,7 @@ def _plain(b=1, t_q=1, t_k=4, d=4, seed=0):
     return rng.normal(size=(b, 2, t_q, d)), rng.normal(size=(b, 1, t_k, d))
 
 
+@pytest.mark.rule("dsv4_attention refusals")
 def test_dsv4_refuses_more_queries_than_keys():
     q, k = _plain(t_q=5, t_k=4)
     with pytest.raises(MaskRefusal, match="5 query rows against only 4 keys"):
@@ -232,6 +236,7 @@ def test_dsv4_refuses_more_queries_than_keys():
     assert dsv4_attention(q4, k, k, None, None, Dsv4AttentionConfig(0, 8)).shape == (1, 2, 4, 4)
 
 
+@pytest.mark.rule("dsv4_attention refusals")
 def test_dsv4_refuses_a_raw_prefix_past_the_window_base():
     q, k = _plain(t_q=1, t_k=6)
     # t_k_full = 4 + 6 = 10, window 8 -> raw_base 2 < raw_prefix 4
@@ -239,6 +244,7 @@ def test_dsv4_refuses_a_raw_prefix_past_the_window_base():
         dsv4_attention(q, k, k, None, None, Dsv4AttentionConfig(0, 8, raw_prefix=4))
 
 
+@pytest.mark.rule("dsv4_attention refusals")
 def test_dsv4_passes_on_the_ragged_row_refusals():
     q, k = _plain(b=3, t_q=1, t_k=7)
     for rows, words in (([7, 4, 2], "AHEAD of the batch"), ([6, 4], "for a batch of"),
@@ -250,6 +256,7 @@ def test_dsv4_passes_on_the_ragged_row_refusals():
 # ----------------------------------------------------------------------------- dsv4 rules
 
 
+@pytest.mark.rule("dsv4_attention")
 def test_raw_prefix_is_pure_accounting():
     rng = np.random.default_rng(11)
     rows = make_rows([20, 13, 17], 3, 4, 2, 8, rng, extra_c=1)
@@ -265,6 +272,7 @@ def test_raw_prefix_is_pure_accounting():
         assert np.array_equal(cut, full)
 
 
+@pytest.mark.rule("dsv4_attention Standard layer forces compressed_kv None")
 def test_a_standard_layer_never_reads_compressed_keys():
     rng = np.random.default_rng(12)
     q, k = _plain(b=2, t_q=3, t_k=9, seed=3)
@@ -278,6 +286,7 @@ def test_a_standard_layer_never_reads_compressed_keys():
                   - dsv4_attention(q, k, k, None, None, cfg4)).max() > 1e-2
 
 
+@pytest.mark.rule("dsv4_attention")
 def test_the_caller_mask_is_folded_in():
     rng = np.random.default_rng(13)
     row = make_rows([9], 2, 4, 2, 4, rng)[0]
@@ -302,6 +311,7 @@ def test_the_caller_mask_is_folded_in():
     assert np.abs(got - dsv4_attention(q, k, v, comp, None, cfg)).max() > 1e-2
 
 
+@pytest.mark.rule("dsv4_attention absorbed-decode gate")
 def test_the_absorbed_decode_gate():
     assert absorbed_decode_eligible(1, 1, True) is True
     assert absorbed_decode_eligible(1, 1, False) is False  # sinks are required
@@ -310,6 +320,7 @@ def test_the_absorbed_decode_gate():
     assert absorbed_decode_eligible(1, 1, True, no_absorbed_decode=True) is False
 
 
+@pytest.mark.rule("dsv4_attention uniform row_q0")
 def test_a_uniform_row_q0_is_bit_identical_to_none_over_54_configs():
     configs = 0
     for b in (1, 3):
@@ -334,6 +345,7 @@ def test_a_uniform_row_q0_is_bit_identical_to_none_over_54_configs():
 # ----------------------------------------------------------------------------- §5 fixture
 
 
+@pytest.mark.rule("dsv4_attention")
 def test_repository_ragged_fixture_lens_10_8_5():
     lens, t_q, window, ratio = [10, 8, 5], 2, 10, 4
     rng = np.random.default_rng(2024)
@@ -383,6 +395,7 @@ case = dict(t_q=st.integers(1, 9), window=st.integers(1, 128), ratio=ratios,
             seed=st.integers(0, 2**32 - 1))
 
 
+@pytest.mark.rule("dsv4_attention")
 @given(lengths=ragged_lengths(1, 6, 1, 80), **case)
 def test_a_ragged_batch_gives_each_row_its_solo_attention(lengths, t_q, window, ratio, heads,
                                                           with_sinks, extra_c, seed):
@@ -397,6 +410,7 @@ def test_a_ragged_batch_gives_each_row_its_solo_attention(lengths, t_q, window, 
                                    rtol=TOL, atol=TOL)
 
 
+@pytest.mark.rule("dsv4_attention with several KV heads")
 @given(lengths=ragged_lengths(1, 4, 1, 40), t_q=st.integers(1, 5), window=st.integers(1, 32),
        ratio=ratios, hk=st.sampled_from([2, 4]), group=st.sampled_from([1, 2, 4, 8]),
        seed=st.integers(0, 2**32 - 1))
@@ -425,6 +439,7 @@ def test_with_several_kv_heads_query_head_h_reads_kv_head_h_div_group(lengths, t
                                        rtol=TOL, atol=TOL)
 
 
+@pytest.mark.rule("dsv4_attention with several KV heads")
 def test_dsv4_refuses_kv_heads_that_do_not_divide_the_query_heads():
     q, k = _plain()
     k2 = np.repeat(k, 2, axis=1)
@@ -436,6 +451,7 @@ def test_dsv4_refuses_kv_heads_that_do_not_divide_the_query_heads():
         dsv4_attention(q, k2, k2, comp, None, Dsv4AttentionConfig(4, 4))
 
 
+@pytest.mark.rule("dsv4_attention")
 @given(lengths=ragged_lengths(1, 6, 1, 80), **case)
 def test_the_dead_prefix_never_reaches_any_output(lengths, t_q, window, ratio, heads,
                                                   with_sinks, extra_c, seed):
@@ -448,6 +464,7 @@ def test_the_dead_prefix_never_reaches_any_output(lengths, t_q, window, ratio, h
     assert np.array_equal(dsv4_attention(*noise, None, cfg, sinks), zero)
 
 
+@pytest.mark.rule("dsv4_attention uniform row_q0")
 @given(lengths=uniform_lengths(1, 6, 1, 80), **case)
 def test_a_uniform_batch_never_reaches_the_ragged_path(lengths, t_q, window, ratio, heads,
                                                        with_sinks, extra_c, seed):
@@ -462,6 +479,7 @@ def test_a_uniform_batch_never_reaches_the_ragged_path(lengths, t_q, window, rat
     assert dsv4_mask_stats == {"uniform": 2, "ragged": 0}
 
 
+@pytest.mark.rule("dsv4_attention uniform row_q0")
 @given(lengths=ragged_lengths(2, 6, 1, 80, force_ragged=True), t_q=st.integers(1, 9))
 def test_a_ragged_row_q0_takes_the_ragged_path(lengths, t_q):
     rows = make_rows(lengths, t_q, 4, 1, 4, np.random.default_rng(0))
@@ -473,6 +491,7 @@ def test_a_ragged_row_q0_takes_the_ragged_path(lengths, t_q):
 # ----------------------------------------------------------------------------- §12
 
 
+@pytest.mark.rule("xs-history reset")
 def test_the_xs_history_resets_only_when_every_offset_is_zero():
     assert xs_history_should_reset([0, 0, 0]) is True
     assert xs_history_should_reset([0]) is True
@@ -481,6 +500,7 @@ def test_the_xs_history_resets_only_when_every_offset_is_zero():
     assert xs_history_should_reset([]) is True  # chosen: vacuous truth
 
 
+@pytest.mark.rule("v4_paged_dispatch_precheck")
 def test_the_paged_arm_refuses_a_batch():
     assert v4_paged_dispatch_precheck(1) is None
     with pytest.raises(DispatchRefusal, match="bs=2 > 1 on the paged arm"):

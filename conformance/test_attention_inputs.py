@@ -38,6 +38,7 @@ def refused(fn, message, *args):
 # --- malformed shapes: one condition broken per case -------------------------------------
 
 
+@pytest.mark.rule("attention with sinks")
 def test_attention_refuses_each_malformed_shape_with_its_own_message():
     q, kv = z(1, 1, 1, 1), z(1, 1, 2, 1)
     refused(attention, "q (1, 1, 1), k (1, 1, 2, 1), v (1, 1, 2, 1) must all be rank 4",
@@ -62,6 +63,7 @@ def test_attention_refuses_each_malformed_shape_with_its_own_message():
     refused(attention, "sinks shape (2,) must be [1]", q, kv, kv, None, np.zeros(2))
 
 
+@pytest.mark.rule("dsv4_attention refusals")
 def test_dsv4_attention_refuses_each_malformed_input_with_its_own_message():
     cfg = Dsv4AttentionConfig(0, 4)
     q, kv = z(1, 1, 1, 1), z(1, 1, 2, 1)
@@ -94,6 +96,7 @@ def test_dsv4_attention_refuses_each_malformed_input_with_its_own_message():
 # --- float64 whatever the inputs' dtype ------------------------------------------------------
 
 
+@pytest.mark.rule("attention with sinks")
 def test_attention_computes_float32_inputs_in_float64():
     rng = np.random.default_rng(3)
     q, k, v = (rng.normal(size=s) for s in ((1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 2)))
@@ -103,6 +106,7 @@ def test_attention_computes_float32_inputs_in_float64():
     assert got.dtype == np.float64 and np.array_equal(got, want)
 
 
+@pytest.mark.rule("attention with sinks")
 def test_a_mask_and_sinks_given_as_object_arrays_of_floats_are_read_as_float64():
     rng = np.random.default_rng(5)
     q, k, v = (rng.normal(size=s) for s in ((1, 2, 2, 3), (1, 2, 4, 3), (1, 2, 4, 1)))
@@ -116,6 +120,7 @@ def test_a_mask_and_sinks_given_as_object_arrays_of_floats_are_read_as_float64()
 # --- softmax edges ----------------------------------------------------------------------------
 
 
+@pytest.mark.rule("attention with sinks")
 def test_no_keys_gives_zeros_with_and_without_sinks():
     q, k, v = z(2, 3, 4, 2), z(2, 3, 0, 2), z(2, 3, 0, 5)
     for sinks in (None, np.array([0.0, 1.0, -2.0])):
@@ -123,6 +128,7 @@ def test_no_keys_gives_zeros_with_and_without_sinks():
         assert out.shape == (2, 3, 4, 5) and np.array_equal(out, np.zeros((2, 3, 4, 5)))
 
 
+@pytest.mark.rule("attention with sinks")
 def test_large_logits_do_not_overflow():
     # logits q.k / sqrt(1) = 1600 and 1560: exp overflows unless the row max is subtracted
     q = np.full((1, 1, 1, 1), 40.0)
@@ -135,6 +141,7 @@ def test_large_logits_do_not_overflow():
     assert np.isclose(sunk[0, 0, 0, 0], (1.0 + 2.0 * e) / (2.0 + e), rtol=1e-15, atol=0)
 
 
+@pytest.mark.rule("attention with sinks")
 def test_a_fully_masked_row_is_zero_without_an_invalid_division():
     q, k, v = z(1, 1, 2, 1), np.ones((1, 1, 2, 1)), np.ones((1, 1, 2, 1))
     mask = np.array([[0.0, 0.0], [-np.inf, -np.inf]])  # query row 1 sees no key
@@ -143,6 +150,7 @@ def test_a_fully_masked_row_is_zero_without_an_invalid_division():
     assert out[0, 0, :, 0].tolist() == [1.0, 0.0]
 
 
+@pytest.mark.rule("attention with sinks")
 def test_a_fully_masked_row_is_zero_whatever_its_values_hold():
     # masked columns weigh exactly 0, and a row with no visible key returns 0, never NaN,
     # even when the masked values are not finite (0 * inf and 0 * NaN are NaN)
@@ -155,6 +163,7 @@ def test_a_fully_masked_row_is_zero_whatever_its_values_hold():
 # --- path counters, the Standard-layer boundary, the paged arm ----------------------------
 
 
+@pytest.mark.rule("dsv4_attention uniform row_q0")
 def test_the_ragged_path_counts_every_call():
     q, k = z(3, 1, 1, 1), np.ones((3, 1, 7, 1))
     cfg = Dsv4AttentionConfig(4, 4, row_q0=[6, 4, 2])  # q0 = 7 - 1 = 6: row 0 at the end
@@ -164,15 +173,18 @@ def test_the_ragged_path_counts_every_call():
     assert dsv4_mask_stats == {"uniform": 0, "ragged": 2}
 
 
+@pytest.mark.rule("dsv4_attention Standard layer forces compressed_kv None")
 def test_a_standard_layer_is_config_ratio_0_or_internal_ratio_1_only():
     assert [is_standard_layer(r) for r in (0, 1, 2, 4, 128)] == [True, True, False, False, False]
 
 
+@pytest.mark.rule("v4_paged_dispatch_precheck")
 def test_the_paged_arm_takes_an_empty_batch_and_refuses_a_negative_one():
     assert v4_paged_dispatch_precheck(0) is None
     refused(v4_paged_dispatch_precheck, "batch size -1 must be >= 0", -1)
 
 
+@pytest.mark.rule("dsv4_attention Standard layer forces compressed_kv None")
 def test_a_standard_layer_ignores_compressed_keys_of_any_shape():
     q, kv = np.ones((1, 1, 1, 1)), np.ones((1, 1, 2, 1))
     plain = dsv4_attention(q, kv, kv, None, None, Dsv4AttentionConfig(1, 4))

@@ -10,6 +10,7 @@ same class and same message."""
 
 from __future__ import annotations
 
+import pytest
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -62,6 +63,7 @@ def both(method: str, *args, **kwargs):
     )
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_backend_under_test_implements_every_protocol_method():
     """A port must override every method of `raggedspec.reference.backend.Backend` (none left to the
     abstract base, whose methods raise NotImplementedError naming themselves)."""
@@ -73,6 +75,7 @@ def test_the_backend_under_test_implements_every_protocol_method():
 # ----------------------------------------------------------------------------- length vectors
 
 
+@pytest.mark.rule("resolve_row_cache_lens, backend")
 @given(enabled=st.booleans(), leads=lead_pads(max_rows=6, max_lead=12), extra=st.integers(-3, 20),
        no_zero=st.booleans())
 def test_resolve_row_cache_lens_matches_the_reference(enabled, leads, extra, no_zero):
@@ -87,6 +90,7 @@ def test_resolve_row_cache_lens_matches_the_reference(enabled, leads, extra, no_
         assert_exact(p[1], r[1], "row cache lens")
 
 
+@pytest.mark.rule("ragged_row_q0, backend")
 @given(offsets=st.lists(st.integers(0, 40), min_size=1, max_size=6), per_seq=st.booleans())
 def test_ragged_row_q0_matches_the_reference(offsets, per_seq):
     p, r = both("ragged_row_q0", offsets, per_seq)
@@ -94,6 +98,7 @@ def test_ragged_row_q0_matches_the_reference(offsets, per_seq):
     assert_exact(p[1], r[1], "row_q0")
 
 
+@pytest.mark.rule("plan_step_window, token_budget, backend")
 @given(data=st.data(), w=st.integers(1, 9))
 def test_plan_step_window_and_token_budget_match_the_reference(data, w):
     n = data.draw(st.integers(0, 6))
@@ -109,6 +114,7 @@ def test_plan_step_window_and_token_budget_match_the_reference(data, w):
         assert_exact(p[1], r[1], "budgets")
 
 
+@pytest.mark.rule("draft group partition from length vectors, backend")
 @given(data=st.data(), per_row=st.booleans())
 def test_draft_groups_keys_and_chain_starts_match_the_reference(data, per_row):
     """C §9.1: the same groups (keys ascending, rows ascending), the same per-row keys and
@@ -129,6 +135,7 @@ def test_draft_groups_keys_and_chain_starts_match_the_reference(data, per_row):
         assert_exact(p[1], r[1], "chain starts")
 
 
+@pytest.mark.rule("verify's first mismatch and the budget clamp, backend")
 @given(blocks=verify_blocks(), budgets=st.lists(st.integers(0, 12), min_size=8, max_size=8))
 def test_verify_first_mismatch_and_budget_clamp_match_the_reference(blocks, budgets):
     """C §11: the first mismatch of every row (ragged proposal and target lengths) and the
@@ -143,6 +150,7 @@ def test_verify_first_mismatch_and_budget_clamp_match_the_reference(blocks, budg
     assert_exact(p[1], r[1], "clamped")
 
 
+@pytest.mark.rule("cohort and per-sequence advance arithmetic, backend")
 @given(step=accept_steps())
 def test_cohort_and_per_sequence_advance_match_the_reference(step):
     """C §12: `(keep, n_drop, next)` of the cohort rule and `(committed, dropped, next)` of
@@ -187,6 +195,7 @@ def same_slot(p_kv, r_kv, what: str) -> None:
             assert_exact(pv, rv, f"{what} V")
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 @given(
     lens=corner_lengths(max_rows=5, max_len=40),
     seed=st.integers(0, 99),
@@ -221,6 +230,7 @@ def test_append_growth_and_set_len_match_the_reference(lens, seed, capacity, max
             same_slot(pk, rk, "after set_len")
 
 
+@pytest.mark.rule("front alignment, concatenation, split and dead-prefix strip, backend")
 @given(
     lens=corner_lengths(max_rows=5, max_len=40),
     seed=st.integers(0, 99),
@@ -266,6 +276,7 @@ def test_front_align_concat_split_and_strip_match_the_reference(lens, seed, max_
                 same_slot(a, b, f"piece {i} stripped")
 
 
+@pytest.mark.rule("front_align_draft_group, backend")
 @given(
     lens=corner_lengths(max_rows=5, max_len=30, boundaries=False),
     seed=st.integers(0, 99),
@@ -292,6 +303,7 @@ def test_front_align_draft_group_matches_the_reference(lens, seed, data):
 # attention
 
 
+@pytest.mark.rule("dead-prefix union mask, backend")
 @given(
     data=st.data(),
     t_q=st.integers(1, 5),
@@ -315,6 +327,7 @@ def test_union_mask_matches_the_reference_bit_for_bit(data, t_q, window, ratio, 
         assert_exact(port().to_numpy(p[1]), r[1], "union mask")
 
 
+@pytest.mark.rule("RoPE positions and rotation, backend")
 @given(
     offsets=st.lists(st.integers(0, 300), min_size=1, max_size=5),
     b=st.integers(1, 5),
@@ -336,6 +349,7 @@ def test_rope_positions_and_rotation_match_the_reference(offsets, b, t, theta, i
     assert_close(be.to_numpy(got), REF.apply_rope(x, offsets, 4, theta, inverse), be.dtype, "rope")
 
 
+@pytest.mark.rule("dsv4_attention, backend")
 @given(
     data=st.data(),
     t_q=st.integers(1, 4),
@@ -405,6 +419,7 @@ def same_cache(p, r, what: str) -> None:
     assert_same_cache(port().materialize(p), REF.materialize(r), port().dtype, what)
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 @settings(max_examples=quarter_of_the_profile())
 @given(
     plens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
@@ -483,6 +498,7 @@ def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_
             same_cache(pi.batched, ri.batched, "batched cache after set_lens")
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 @settings(max_examples=quarter_of_the_profile())
 @given(
     plens=st.lists(st.integers(1, 10), min_size=1, max_size=4),

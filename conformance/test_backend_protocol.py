@@ -33,6 +33,7 @@ from raggedspec.reference.model import ModelConfig
 # ----------------------------------------------------------------------------- the abstract base
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
 def test_every_method_of_the_abstract_base_raises_naming_itself(method):
     """`Backend`'s methods raise NotImplementedError naming the backend and the method."""
@@ -43,6 +44,7 @@ def test_every_method_of_the_abstract_base_raises_naming_itself(method):
     assert str(info.value) == f"backend 'abstract' does not implement {method}"
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_missing_methods_names_what_a_subclass_leaves_to_the_base():
     """Every protocol method of a bare subclass is missing, in the table's order; an override
     is not; the reference backend overrides every one; an object that is not a Backend
@@ -64,6 +66,7 @@ def test_missing_methods_names_what_a_subclass_leaves_to_the_base():
 # ----------------------------------------------------------------------------- load_backend
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_numpy_backend_is_cpu_and_float64_only():
     """`device` must be "cpu" and `dtype` "float64" (the defaults); anything else is malformed."""
     be = NumpyBackend()
@@ -78,6 +81,7 @@ def test_the_numpy_backend_is_cpu_and_float64_only():
     assert str(info.value) == "the numpy backend is float64 only, not 'float32'"
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_load_backend_resolves_none_numpy_an_instance_and_device_dtype():
     """None and "numpy" give a NumpyBackend; device and dtype reach the factory when given;
     a Backend instance comes back as is."""
@@ -94,6 +98,7 @@ def test_load_backend_resolves_none_numpy_an_instance_and_device_dtype():
     assert load_backend(mine) is mine
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_load_backend_imports_a_factory_by_name():
     """"package.module:factory" imports the module and calls `factory(device=, dtype=)`; a
     named backend ("torch") resolves through `NAMED_BACKENDS`."""
@@ -105,6 +110,7 @@ def test_load_backend_imports_a_factory_by_name():
     assert (torch_be.device, torch_be.dtype) == ("cpu", "float64")
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_load_backend_refuses_unknown_specs_with_their_reasons(monkeypatch):
     """ValueError naming the spec for an unknown name (or a non-string, even an unhashable
     one), a module that does
@@ -161,6 +167,7 @@ def prompt_cache(n: int):
     return REF.clone_out(cache, 1)[0]
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_build_model_and_new_target_cache_follow_the_config():
     """`build_model(cfg)` is the reference's `TinyModel(cfg)`; a target cache holds one K/V
     slot per layer, then one XsRolling slot (with the cache's max_seq_len and batch) per
@@ -174,6 +181,7 @@ def test_build_model_and_new_target_cache_follow_the_config():
     assert [(x.ratio, x.max_seq_len, x.batch) for x in xs] == [(4, 600, 3), (1, 600, 3)]
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_to_numpy_returns_a_copy():
     """`to_numpy` gives a host array the caller may keep: a copy, not a view."""
     x = np.arange(4.0)
@@ -183,6 +191,7 @@ def test_to_numpy_returns_a_copy():
     assert out[0] == 0.0
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 def test_clone_in_aligns_first_under_per_sequence():
     """C §5.4: under PerSequence the front alignment runs before the clone-in and its
     refusal propagates (an XsRolling slot with the xs flag off); the cohort path refuses the
@@ -195,6 +204,7 @@ def test_clone_in_aligns_first_under_per_sequence():
     assert ci.lead_pad == [2, 0] and REF.cache_len(ci.batched) == 5
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 def test_set_lens_sets_kv_and_xs_slots_to_their_own_lengths():
     """C §5.5: every K/V slot `set_len(kv_len)`, every XsRolling slot `set_len(xs_len)`."""
     cache = prompt_cache(8)
@@ -204,6 +214,7 @@ def test_set_lens_sets_kv_and_xs_slots_to_their_own_lengths():
     assert [x["tokens"] for x in view["xs"]] == [[6]]
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 def test_kv_slots_hold_float64_at_the_asked_capacity():
     """A K/V slot built from (or appended with) integer arrays holds float64 K and V, both
     halves at the asked capacity."""
@@ -218,6 +229,7 @@ def test_kv_slots_hold_float64_at_the_asked_capacity():
     assert vv[0, 0, :, 0].tolist() == [1.0, 5.0, 1.0, 5.0]
 
 
+@pytest.mark.rule("RoPE positions and rotation, backend")
 def test_rope_positions_are_int64_and_refuse_a_wrong_offset_count():
     """M §11: `[B, T]` host int64 (an empty batch too); offsets of length 1 or B only."""
     pos = REF.rope_positions([], 0, 3)
@@ -228,6 +240,7 @@ def test_rope_positions_are_int64_and_refuse_a_wrong_offset_count():
     assert str(info.value) == "2 offsets for a batch of 3"
 
 
+@pytest.mark.rule("RoPE positions and rotation, backend")
 def test_apply_rope_rotates_forward_by_default():
     """`apply_rope(..., inverse=False)`: the default is the forward rotation, and the inverse
     undoes it."""
@@ -238,6 +251,7 @@ def test_apply_rope_rotates_forward_by_default():
     assert np.allclose(REF.apply_rope(x, [4], 4, 10000.0, inverse=False), fwd, atol=0)
 
 
+@pytest.mark.rule("verify's first mismatch and the budget clamp, backend")
 def test_the_row_vector_adapters_read_rows_pairwise():
     """The per-row adapters pair the rows of their two vectors (zip, not strict): a longer
     vector's extra rows are not read. Values: C §11.1 first mismatch, §11.2 clamp
@@ -280,6 +294,7 @@ def misaligned_capture(off: int, t: int = 2):
     return cap.take()
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_priming_and_extension_warn_into_the_callers_list():
     """C §7.2 / §7.4: a capture that does not start at the draft KV's end poisons the row and
     warns, priming with the prefix-cache text, the step's extension with its own."""
@@ -291,6 +306,7 @@ def test_priming_and_extension_warn_into_the_callers_list():
     assert state.poisoned and warnings == [f"row 0: {EXTEND_MISALIGNED}; draft KV poisoned"]
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_extend_draft_kvs_writes_the_committed_pairs():
     """C §7.2: after a decode step of t = 2 tokens at offset `filled`, committing both, the
     draft KV holds `L - 1` entries and the seed moves to `L - 2`."""
@@ -304,6 +320,7 @@ def test_extend_draft_kvs_writes_the_committed_pairs():
     assert state.seed[0] == len(toks) - 2
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_propose_chain_is_the_reference_chain():
     """C §10.2 through the protocol: n greedy tokens from one seed, the draft KV one entry
     longer per step; the same chain as `propose_chain_batched` on the same inputs."""
@@ -314,6 +331,7 @@ def test_propose_chain_is_the_reference_chain():
     assert len(got[0]) == 3 and REF.kv_len(kv) == 3
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_draft_chain_drafts_a_ragged_group_and_warns_into_the_callers_list():
     """C §9.3: under per-sequence advance a group of rows at different lengths is
     front-aligned and drafts `w - u` tokens per row (no warning); a group with no seeded row

@@ -35,6 +35,7 @@ def models(cfg):
 # --- construction ---------------------------------------------------------------------------
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_constructor_resolves_device_and_dtype(monkeypatch):
     """Device: the argument, else `RAGGEDSPEC_DEVICE`, else "cpu"; dtype float64 by default;
     an unknown dtype or device, or CUDA where torch has none, is malformed (ValueError)."""
@@ -74,6 +75,7 @@ def _prompt(be, model, cfg, n):
     return be.clone_out(cache, 1)[0]
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 @pytest.mark.parametrize("ratios", [(0, 4), (4,), (0, 2)])
 @pytest.mark.parametrize("lens,t", [((3, 5), 2), ((9, 2, 6), 1), ((12, 4), 3)])
 def test_a_ragged_cohort_with_per_row_offsets_but_no_row_masks_matches_the_reference(
@@ -114,6 +116,7 @@ def _same_kv(p, r, what):
     assert_same_cache(PORT.materialize(p), REF.materialize(r), "float64", what)
 
 
+@pytest.mark.rule("propose_chain on the backend's draft cache, port")
 @pytest.mark.parametrize("n", [0, 1, 3, 20])
 def test_propose_chain_on_a_draft_kv_matches_the_reference(n):
     """C §10.2 on a sequence's draft KV (the port: its pool row): n greedy tokens, the KV one
@@ -134,6 +137,7 @@ def test_propose_chain_on_a_draft_kv_matches_the_reference(n):
     assert_exact(PORT.kv_len(pk), REF.kv_len(rk), "draft KV length after an empty group")
 
 
+@pytest.mark.rule("propose_chain on the backend's draft cache, port")
 @pytest.mark.parametrize("n", [1, 2, 20])
 def test_propose_chain_on_a_kv_slot_matches_the_reference(n):
     """C §10.2, §3 on a plain K/V slot of two rows holding 14 entries (capacity 16): the
@@ -151,6 +155,7 @@ def test_propose_chain_on_a_kv_slot_matches_the_reference(n):
     _same_kv(pk, rk, "slot after the chain")
 
 
+@pytest.mark.rule("propose_chain on the backend's draft cache, port")
 def test_propose_chain_without_a_block_matches_the_reference():
     """Tier A (heads only, no draft KV): the chain from the heads alone."""
     cfg = ModelConfig(mtp="heads")
@@ -173,6 +178,7 @@ def _primed(be, model, cfg, toks):
     return state
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_extend_draft_kvs_matches_the_reference():
     """C §7.2 through the protocol: after priming, a 2-token capture at the draft KV's end
     extends it as the reference does (filled, seed, draft KV); a capture that does not start
@@ -208,6 +214,7 @@ def test_extend_draft_kvs_matches_the_reference():
 # --- length vectors --------------------------------------------------------------------------
 
 
+@pytest.mark.rule("verify's first mismatch and the budget clamp, backend")
 def test_the_row_vector_adapters_read_rows_pairwise_as_the_reference():
     """The per-row adapters pair their two vectors' rows (zip, not strict) as the
     reference's: a longer vector's extra rows are not read."""
@@ -218,6 +225,7 @@ def test_the_row_vector_adapters_read_rows_pairwise_as_the_reference():
         assert be.draft_group_keys([1, 2], [5], False) == REF.draft_group_keys([1], [5], False)
 
 
+@pytest.mark.rule("RoPE positions and rotation, backend")
 def test_rope_positions_refuse_a_wrong_offset_count():
     """Offsets of length 1 or B only, with the reference's message."""
     with pytest.raises(ValueError) as info:
@@ -226,6 +234,7 @@ def test_rope_positions_refuse_a_wrong_offset_count():
     assert PORT.rope_positions([5, 2], 2, 2).tolist() == [[5, 6], [2, 3]]
 
 
+@pytest.mark.rule("RoPE positions and rotation, backend")
 def test_apply_rope_rotates_forward_by_default():
     """`apply_rope(..., inverse=False)` by default: the reference's forward rotation."""
     x = np.random.default_rng(0).standard_normal((1, 1, 3, 8))
@@ -233,6 +242,7 @@ def test_apply_rope_rotates_forward_by_default():
                  REF.apply_rope(x, [4], 4, 10000.0, inverse=False), "float64", "rope")
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_a_target_cache_is_built_on_the_backends_device():
     """The XsRolling slots of a new target cache live on the backend's device (here torch's
     "meta" device, which every machine has)."""

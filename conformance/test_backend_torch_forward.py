@@ -66,6 +66,7 @@ def _refusal(exc, fn, *args):
 CFG = ModelConfig(compress_ratios=(0, 4))
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 @pytest.mark.parametrize(
     "tokens,offsets,leads,message",
     [
@@ -108,6 +109,7 @@ def test_a_malformed_forward_is_refused_with_the_references_message(
             assert_exact(k1, k0, f"{be.name}: K after the refusal")
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 def test_a_forward_on_too_few_slots_is_refused_with_the_references_message():
     """A cache with fewer slots than the model has layers: ValueError naming both counts."""
     cfg = ModelConfig(compress_ratios=(0, 0))
@@ -117,6 +119,7 @@ def test_a_forward_on_too_few_slots_is_refused_with_the_references_message():
                         None) == "cache has 1 slots for 2 layers"
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 def test_the_port_refuses_to_decode_on_an_unmaterialized_cache_of_nonzero_length():
     """A K/V slot set to length 3 before anything was appended holds no rows the port could
     place; its forward refuses (ValueError naming the length) and the slots stay unmaterialized.
@@ -131,6 +134,7 @@ def test_the_port_refuses_to_decode_on_an_unmaterialized_cache_of_nonzero_length
     assert PORT.materialize(cache)["kv"] == [(None, None), (None, None)]
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 def test_the_port_refuses_a_dead_prefix_longer_than_a_rows_alignment_offset():
     """Per-row query positions that would make a row of a uniform batch (alignment offsets
     all 0, a fresh batch's int64 zeros) treat one of its own columns as dead: the port's
@@ -143,6 +147,7 @@ def test_the_port_refuses_a_dead_prefix_longer_than_a_rows_alignment_offset():
         "rows would need dead prefixes [0, 1] longer than their alignment offsets [0, 0]")
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 @pytest.mark.parametrize("tokens", [[[3.0, 17.0], [5.0, 1.0]], [["3", "17"], ["5", "1"]]])
 def test_tokens_are_read_as_int64_ids(tokens):
     """M §4: the forward reads `tokens` as int64 ids (the reference's `np.asarray(tokens,
@@ -189,6 +194,7 @@ def _same_step(cfg, lens, t, row_masks, models=None):
     assert_same_cache(pc, rc, "float64", "batched cache after the forward")
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 @pytest.mark.parametrize("row_masks", [False, True])
 @pytest.mark.parametrize("lens", [(2, 1), (3, 1, 2)])
 def test_a_ragged_step_before_any_complete_block_matches_the_reference(lens, row_masks):
@@ -198,6 +204,7 @@ def test_a_ragged_step_before_any_complete_block_matches_the_reference(lens, row
     _same_step(ModelConfig(compress_ratios=(0, 4)), lens, 1, row_masks)
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 def test_a_live_run_ending_at_the_last_physical_column_compresses_it():
     """M §13: the longest row holds 511 tokens and the step's one more fills its 512-column
     buffer exactly, so its last complete block ends at the last physical column; the shorter
@@ -206,6 +213,7 @@ def test_a_live_run_ending_at_the_last_physical_column_compresses_it():
     _same_step(ModelConfig(compress_ratios=(0, 4)), (511, 200), 1, False)
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 def test_a_step_past_the_rope_table_built_so_far_matches_the_reference():
     """M §11: a fresh model's RoPE table covers the positions its prompts used (1023 here);
     a general-path step of two tokens whose last position is 1024 rotates there too (the
@@ -224,6 +232,7 @@ def _unaligned(be, cfg):
     return be.kv_from_arrays(k, k, 1030, 512)
 
 
+@pytest.mark.rule("the target forward on the in-place layout, backend, port")
 def test_a_forward_on_a_buffer_that_is_not_whole_blocks_wide_matches_the_reference():
     """C §3: a slot holding 600 of 1024 columns takes one more token without growing (its
     capacity is the reference's 1024, never 600 + 512 = 1112 > 1030): hidden and slot as the
@@ -239,6 +248,7 @@ def test_a_forward_on_a_buffer_that_is_not_whole_blocks_wide_matches_the_referen
     assert out[0][1]["capacity"] == [1024]
 
 
+@pytest.mark.rule("the MTP step on a K/V slot and on a draft KV, backend, port")
 def test_an_mtp_step_on_a_buffer_that_is_not_whole_blocks_wide_matches_the_reference():
     """C §3, §10.1: the same slot as a draft K/V slot takes one MTP step without growing past
     its capacity 1024: hidden and slot as the reference's."""
@@ -269,6 +279,7 @@ def _slots(be, lens, capacity=16, max_seq_len=4096):
     return out
 
 
+@pytest.mark.rule("the MTP step on a K/V slot and on a draft KV, backend, port")
 def test_mtp_steps_on_a_uniform_kv_slot_match_the_reference():
     """C §10.1 on a two-row K/V slot holding 3 entries: a one-token step of both rows (one
     position per row), then a two-token step at the one shared position 4: each step's
@@ -285,6 +296,7 @@ def test_mtp_steps_on_a_uniform_kv_slot_match_the_reference():
                           "float64", f"slot after the {t}-token step")
 
 
+@pytest.mark.rule("the MTP step on a K/V slot and on a draft KV, backend, port")
 def test_an_mtp_step_on_a_front_aligned_ragged_group_matches_the_reference():
     """C §9.3, §10.1: rows of 5 and 3 entries front-aligned to 5 (`front_align_draft_group`)
     take one step at their own positions [5, 3]: hidden and slot as the reference's."""
@@ -298,6 +310,7 @@ def test_an_mtp_step_on_a_front_aligned_ragged_group_matches_the_reference():
     assert_same_cache(out[0][1], out[1][1], "float64", "slot after the step")
 
 
+@pytest.mark.rule("the MTP step on a K/V slot and on a draft KV, backend, port")
 @pytest.mark.parametrize(
     "lens,t,pos,exc,message",
     [
@@ -325,6 +338,7 @@ def test_a_refused_mtp_step_on_a_kv_slot_leaves_it_as_it_was(lens, t, pos, exc, 
         assert_same_cache(be.materialize(kv), before, "float64", f"{be.name}: slot after")
 
 
+@pytest.mark.rule("the MTP step on a K/V slot and on a draft KV, backend, port")
 def test_a_draft_kv_refuses_more_positions_than_rows_before_it_changes():
     """C §10.1 on a sequence's draft KV (the port: its pool row): a one-row step of two tokens
     given two positions is one position per ROW too many: the reference's DispatchRefusal,

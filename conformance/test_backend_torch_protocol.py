@@ -60,12 +60,14 @@ def prompt(be, model, cfg, n, batch=1):
 # --- construction -----------------------------------------------------------------------------
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_a_cpu_device_with_an_index_is_accepted():
     """The CUDA device-count check applies to CUDA devices only: "cpu:5" is a cpu device."""
     be = TorchBackend("cpu:5")
     assert (be.device, be.dev) == ("cpu:5", torch.device("cpu:5"))
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_slots_model_and_masks_hold_floats_in_the_backend_dtype(dtype):
     """`_t` and the model: floats in the backend dtype (a K/V slot's buffers round its input;
@@ -90,6 +92,7 @@ def test_slots_model_and_masks_hold_floats_in_the_backend_dtype(dtype):
         assert_exact(be.to_numpy(mask), REF.union_mask(2, 6, row_q0, 3, 4, 1), f"mask {row_q0}")
 
 
+@pytest.mark.rule("dead-prefix union mask, backend")
 def test_the_uniform_union_mask_of_a_float64_backend_is_float64():
     """The default dtype: the uniform mask too is float64, not torch's default float32."""
     mask = TorchBackend("cpu").union_mask(2, 5, None, 4, 0, 0)
@@ -97,6 +100,7 @@ def test_the_uniform_union_mask_of_a_float64_backend_is_float64():
     assert_exact(TorchBackend("cpu").to_numpy(mask), REF.union_mask(2, 5, None, 4, 0, 0), "mask")
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_a_fresh_backend_keeps_one_draft_store_per_kv_heads_and_width():
     """`new_draft_cache`: a row of the backend's `DraftStore` for the model's (n_kv_heads,
     head_dim), `[rows, n_kv_heads, width, head_dim]` in the backend dtype, shared by every
@@ -118,6 +122,7 @@ def test_a_fresh_backend_keeps_one_draft_store_per_kv_heads_and_width():
     assert be.new_draft_cache(be.build_model(ModelConfig(mtp="heads"))) is None
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_target_cache_has_the_references_slots():
     """One K/V slot per layer, then one XsRolling per compressed layer (ratio 1 included),
     each with the cache's `max_seq_len` and row count: the reference's kinds and views, and
@@ -134,6 +139,7 @@ def test_the_target_cache_has_the_references_slots():
         "CacheRefusal", "xs row 0 would hold 5 tokens, above max_seq_len 4")
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_to_numpy_copies_a_host_array():
     """A host array comes back as a new array (writing it leaves the input alone)."""
     be = TorchBackend("cpu")
@@ -148,6 +154,7 @@ def test_to_numpy_copies_a_host_array():
 # --- target cache rules -----------------------------------------------------------------------
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 def test_set_lens_sets_kv_slots_and_xs_slots_to_their_own_lengths():
     """`set_lens(cache, kv_len, xs_len)`: every K/V slot to kv_len, every XsRolling to
     xs_len, as the reference."""
@@ -160,6 +167,7 @@ def test_set_lens_sets_kv_slots_and_xs_slots_to_their_own_lengths():
     assert_same_cache(*views, "float64", "after set_lens")
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 def test_clone_in_under_per_sequence_advance_aligns_eagerly():
     """Per-sequence advance front-aligns before the lazy clone-in: a ragged batch with an
     XsRolling slot and the xs flag off is refused by the alignment (CacheRefusal), not by the
@@ -172,6 +180,7 @@ def test_clone_in_under_per_sequence_advance_aligns_eagerly():
     assert outs[0] == outs[1] and outs[0][0] == "CacheRefusal"
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 def test_clone_out_refuses_a_bad_row_count_as_the_reference():
     """b >= 1; a materialized K/V layer or an XsRolling layer with another row count than b
     is named; an unmaterialized cache gives b empty row caches."""
@@ -195,6 +204,7 @@ def test_clone_out_refuses_a_bad_row_count_as_the_reference():
 # --- one K/V slot -----------------------------------------------------------------------------
 
 
+@pytest.mark.rule("front alignment, concatenation, split and dead-prefix strip, backend")
 def test_split_of_an_unmaterialized_slot_gives_g_copies_of_its_metadata():
     """`split_draft_cache`: g >= 1 (refused word for word); an unmaterialized slot gives g
     unmaterialized pieces with its length and capacity."""
@@ -210,6 +220,7 @@ def test_split_of_an_unmaterialized_slot_gives_g_copies_of_its_metadata():
         assert p == r == {"len": 3, "kv": [(None, None)], "capacity": [512], "xs": []}
 
 
+@pytest.mark.rule("front alignment, concatenation, split and dead-prefix strip, backend")
 def test_front_align_refuses_an_xs_slot_with_the_xs_flag_off():
     """`front_align` is `front_align_batch` with the xs flag off: an XsRolling slot is
     refused as the reference refuses it."""
@@ -221,6 +232,7 @@ def test_front_align_refuses_an_xs_slot_with_the_xs_flag_off():
         "front-padded while ARC_V4_XS_PER_SEQ is off (xs_per_seq=False)")
 
 
+@pytest.mark.rule("front_align_draft_group, backend")
 def test_front_align_draft_group_refuses_non_normal_and_unmaterialized_rows():
     """C §9.7: a row that is not a Normal slot, or whose buffer is unmaterialized, is
     refused (AlignRefusal) before any work, the row named."""
@@ -237,6 +249,7 @@ def test_front_align_draft_group_refuses_non_normal_and_unmaterialized_rows():
 # --- attention --------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("dsv4_attention, backend")
 def test_dsv4_attention_without_sinks_matches_the_reference():
     """`sinks=None`: attention without sink logits, as the reference."""
     be = TorchBackend("cpu")
@@ -295,6 +308,7 @@ def draft_both(plan, w, per_seq, cfg=CFG, seed=False):
     return pd, pw
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_draft_chain_aligns_a_ragged_group_under_per_sequence_advance():
     """C §9.5: with per-sequence advance a group of rows at C = 3 and 5 is front-aligned and
     each row drafts w - u = 2 tokens, as the reference; without it the rows are not
@@ -303,6 +317,7 @@ def test_draft_chain_aligns_a_ragged_group_under_per_sequence_advance():
     assert [len(d) for d in drafts] == [2, 2] and warnings == []
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_draft_chain_warns_into_the_callers_list():
     """C §9.3: a group whose only row has no seed warns "no row" into the caller's list (the
     key of a row at C = 3 with u = 1 and scalar keys: `(u, C + u - 2)` = (1, 2))."""
@@ -310,6 +325,7 @@ def test_draft_chain_warns_into_the_callers_list():
     assert drafts == [[]] and warnings == [WARNINGS["no row"].format(key=(1, 2))]
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_draft_chain_of_a_heads_only_model_runs_the_backends_chain():
     """Tier A (no block, no draft KV): each group's chain is this backend's
     `propose_chain` from the heads alone, as the reference's."""
@@ -318,6 +334,7 @@ def test_draft_chain_of_a_heads_only_model_runs_the_backends_chain():
     assert [len(d) for d in drafts] == [2, 2] and warnings == []
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 def test_priming_warns_the_prefix_cache_text_into_the_callers_list():
     """C §7.4: a capture that does not start at the draft KV's end poisons the row and warns
     with the priming text (not the extension's)."""

@@ -30,6 +30,7 @@ def _prompt(be, model, cfg, n):
     return cache
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 @pytest.mark.parametrize("ratios", [(0,), (0, 4), (4,), (0, 2)])
 @pytest.mark.parametrize("lens,t", [((3, 7), 1), ((9, 2, 6), 2), ((12, 4), 3)])
 def test_row_positions_without_a_dead_prefix_decode_as_the_reference(ratios, lens, t):
@@ -50,6 +51,7 @@ def test_row_positions_without_a_dead_prefix_decode_as_the_reference(ratios, len
     assert_same_cache(pc, rc, "float64", "batched cache after the forward")
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 @pytest.mark.parametrize("bad", [64, -1])
 @pytest.mark.parametrize("ragged", [False, True])
 def test_a_token_outside_the_vocabulary_is_refused_before_any_slot_changes(bad, ragged):
@@ -75,6 +77,7 @@ def test_a_token_outside_the_vocabulary_is_refused_before_any_slot_changes(bad, 
             assert_close(v1, v0, "float64", "V after the refusal")
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 def test_a_chain_on_a_kv_slot_near_max_seq_len_grows_it_as_the_reference():
     """C §10.2, §3: a plain K/V slot of two rows holding 600 entries in a capacity of 1024
     (max_seq_len 1030) drafts 2 tokens as the reference does; the chain's buffer growth is the
@@ -95,6 +98,7 @@ def test_a_chain_on_a_kv_slot_near_max_seq_len_grows_it_as_the_reference():
     assert_same_cache(pm, rm, "float64", "the slot after the chain")
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 def test_the_plain_layout_is_every_offset_at_its_own_length_and_no_compressed_shift():
     plain = TorchBackend._plain_layout
     own = np.array([5, 3])
@@ -109,6 +113,7 @@ def _ragged_without_leads(be, model, cfg, lens=(3, 7)):
     return ci, c, [c - lead for lead in ci.lead_pad]
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 def test_the_forward_takes_the_general_path_exactly_where_the_layout_is_not_plain(monkeypatch):
     """A uniform batch runs the port model's own forward; per-row query positions without a
     dead prefix (RoPE at the shared offset, compressed keys from column 0) run the general
@@ -132,6 +137,7 @@ def test_the_forward_takes_the_general_path_exactly_where_the_layout_is_not_plai
     assert calls == [[c]]  # the shared offset, as the step gave it
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 def test_every_rope_of_a_compressed_layer_on_the_general_path_reads_its_shared_table():
     """The general path's compressed layer rotates q, k and the output with the layer's theta
     through the one table its model keeps for that theta, grown to cover offset + T."""

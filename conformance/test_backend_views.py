@@ -8,6 +8,7 @@ slot starts at capacity 512, a draft KV at 16)."""
 
 from __future__ import annotations
 
+import pytest
 import numpy as np
 
 from raggedspec.reference.backend import NumpyBackend
@@ -16,6 +17,7 @@ from raggedspec.reference.model import ModelConfig
 REF = NumpyBackend()
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_materialize_reads_unmaterialized_slots_as_none_halves():
     """A fresh target cache (ratios 4 and 0, batch 2): two K/V slots of length 0 and
     capacity 512, each `(None, None)`, and one XsRolling slot of two empty rows; a fresh

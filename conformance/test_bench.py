@@ -32,6 +32,7 @@ def smoke(tmp_path_factory):
     return rc, out, json.loads((out / "bench.json").read_text())
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
     rc, _, res = smoke
     assert rc == 0
@@ -61,6 +62,7 @@ def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
     assert "eager" in res["notes"]["flex"]  # the table says flex was not compiled on the CPU
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
     _, _, res = smoke
     lossy = [r for r in res["rows"] if r["min_len"] < r["L"]]
@@ -72,6 +74,7 @@ def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
         assert row["strategies"]["cohort"]["err_full"] <= strategies.TOLERANCE["float32"]
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_smoke_byte_accounting_follows_the_formulas(smoke):
     _, _, res = smoke
     s = res["settings"]
@@ -94,6 +97,7 @@ def test_smoke_byte_accounting_follows_the_formulas(smoke):
     assert report.bound_ms(res, row) == pytest.approx(row["live_kv_bytes"] / (max(bw) * 1e9) * 1e3)
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     _, out, res = smoke
     md = (out / "bench.md").read_text()
@@ -114,6 +118,7 @@ def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     ).stat().st_size > 10_000
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_negative_control_without_dead_prefix_mask_is_wrong_and_not_timed(tmp_path):
     rc = runner.main(
         [
@@ -166,6 +171,7 @@ class _ReadsSlack(strategies.InplaceSdpa):
         return (c[None, :] <= qpos[:, None])[None, None]
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
     case = _case(dtype)
@@ -179,6 +185,7 @@ def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
         assert res["status"] == "WRONG" and res["err"] > tol, type(wrong).__name__
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_a_strategy_that_disagrees_is_wrong_not_timed_and_fails_the_run(tmp_path, monkeypatch):
     monkeypatch.setitem(strategies.TOLERANCE, "float32", 0.0)  # nothing float32 can meet
     rc = runner.main(
@@ -226,6 +233,7 @@ def _brute_force(q, k, v, lens, w, keep=None):
     return out
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("keep", [None, 10])
 def test_reference_attention_equals_brute_force(keep):
     case = strategies.Case(
@@ -236,6 +244,7 @@ def test_reference_attention_equals_brute_force(keep):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_make_lens_rules():
     lens = strategies.make_lens(128, 4096, 64, 4, seed=0)
     assert lens == strategies.make_lens(128, 4096, 64, 4, seed=0)          # seeded
@@ -247,6 +256,7 @@ def test_make_lens_rules():
         strategies.make_lens(3, 10, 9, 2, seed=0)
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_the_headline_case_runs_first():
     order = runner.case_order(dict(runner.FULL))
     assert len(order) == 36 and len(set(order)) == 36
@@ -254,6 +264,7 @@ def test_the_headline_case_runs_first():
     assert sorted(w for (w, *_rest) in order[:2]) == [2, 4]
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("argv, needle", [
     (["--strategies", "per_row,bogus"], "unknown ['bogus']"),
     (["--q-heads", "6", "--kv-heads", "4"], "multiple of --kv-heads 4"),
@@ -264,6 +275,7 @@ def test_usage_errors_exit_2(argv, needle, tmp_path, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
     monkeypatch.setattr(kernel_emulator, "compilers", lambda: {"g++": None, "nvcc": None})
     reason = strategies.Cupy().unavailable(torch.device("cpu"))
@@ -278,6 +290,7 @@ def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
         "no module raggedspec.gpu.cupy_kernels (the CuPy kernels are not written yet)"
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     assert runner.main(["--e2e", "--smoke", "--out", str(tmp_path), "-q"]) == 0
     res = json.loads((tmp_path / "e2e.json").read_text())
@@ -300,6 +313,7 @@ def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     assert (tmp_path / "e2e.md").read_text() == md
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("cupy_ms, per_row_ms, verdict", [
     (1.05, 40.0, "targets MET"),        # 1.05x the bound, 38x the per-row loop
     (1.20, 40.0, "targets MISSED"),     # over 1.10x the bound
@@ -333,6 +347,7 @@ def test_headline_verdict_on_the_targets(cupy_ms, per_row_ms, verdict):
     )
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.skipif(not EMULATED, reason="the emulated kernel backend needs g++ on the PATH")
 def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
     assert (
@@ -360,6 +375,7 @@ def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
     )
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, capsys):
     from raggedspec.gpu.cupy_backend import cupy_unavailable
 
@@ -376,6 +392,7 @@ def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, caps
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_an_interrupted_bench_keeps_the_earlier_result_and_its_own_finished_cases(
     tmp_path, monkeypatch
 ):
@@ -402,6 +419,7 @@ def test_an_interrupted_bench_keeps_the_earlier_result_and_its_own_finished_case
 # ---------------------------------------------------------------- the lengths-only benchmark
 
 
+@pytest.mark.rule("lengths-only benchmark B = 1024, 10,000 steps")
 def test_the_lengths_benchmark_times_a_run_of_every_step_and_keeps_its_summary():
     from raggedspec.bench import lengths as lengths_bench
 
@@ -414,6 +432,7 @@ def test_the_lengths_benchmark_times_a_run_of_every_step_and_keeps_its_summary()
     assert lengths_bench.bench(8, 20, "cohort")["summary"]["max_spread"] == 0
 
 
+@pytest.mark.rule("lengths-only benchmark B = 1024, 10,000 steps")
 def test_the_lengths_benchmark_command_needs_bench_and_times_both_rules(capsys):
     from raggedspec.bench import lengths as lengths_bench
 

@@ -98,6 +98,7 @@ def rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- allocation
 
 
+@pytest.mark.rule("allocation boundaries: capacity, draft start, 512-column blocks, draft map")
 @given(n=allocation_lengths(1, 1600), t=st.one_of(around([1, 16, 512], 1), st.integers(1, 600)),
        capacity=st.sampled_from([16, 512]), slack=st.one_of(around([0]), st.integers(-600, 600)),
        seed=st.integers(0, 9))
@@ -143,6 +144,7 @@ def test_append_at_every_allocation_boundary_matches_the_reference(n, t, capacit
     assert_exact(np.asarray(pm["kv"][0][0]), rm["kv"][0][0], "K")
 
 
+@pytest.mark.rule("allocation boundaries: capacity, draft start, 512-column blocks, draft map")
 @given(n=around([MAX_DRAFT_KV_SEQS], 1), touch=st.integers(0, 80))
 @example(n=MAX_DRAFT_KV_SEQS + 1, touch=0)
 @example(n=MAX_DRAFT_KV_SEQS, touch=MAX_DRAFT_KV_SEQS - 1)
@@ -159,6 +161,7 @@ def test_the_draft_map_holds_64_and_evicts_the_least_recently_checked_in(n, touc
     assert sorted(m.entries) == sorted(order[-MAX_DRAFT_KV_SEQS:])
 
 
+@pytest.mark.rule("allocation boundaries: capacity, draft start, 512-column blocks, draft map")
 @FEW
 @given(start=around([DRAFT_CACHE_CAPACITY]), n=st.integers(1, 3), seed=st.integers(0, 99))
 @example(start=15, n=2, seed=0)   # the chain crosses the draft cache's first 16 columns
@@ -186,6 +189,7 @@ def test_propose_chain_across_the_draft_caches_first_16_columns(start, n, seed):
 # ----------------------------------------------------------------------------- low precision
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.parametrize("dtype", LOW)
 @given(offsets=st.lists(bf16_inexact_positions(257, 4000), min_size=1, max_size=3),
        t=st.integers(1, 3), inverse=st.booleans(), seed=st.integers(0, 99))
@@ -204,6 +208,7 @@ def test_rope_at_positions_the_dtype_cannot_hold(dtype, offsets, t, inverse, see
     assert_exact(be.rope_positions(offsets, b, t), REF.rope_positions(offsets, b, t), "positions")
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.parametrize("dtype", LOW)
 @given(own=st.lists(st.one_of(allocation_lengths(1, 3000), bf16_inexact_positions(257, 3000)),
                     min_size=1, max_size=3),
@@ -257,6 +262,7 @@ LONG = [  # (scenario, a length some row passes)
 ]
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("case", range(len(LONG)))
 def test_long_prompts_end_to_end_in_low_precision(dtype, case):
@@ -318,6 +324,7 @@ def port_matches_the_clamped_reference(sc, count: str, label: str, seen: str) ->
     compare_runs(out, ref, backend_under_test().dtype)
 
 
+@pytest.mark.rule("budget clamp binding on ragged rows")
 @FEW
 @given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
        depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
@@ -336,6 +343,7 @@ def test_the_budget_clamp_binding_on_ragged_rows_matches_the_reference(max_seq_l
                                        "budget clamp bound")
 
 
+@pytest.mark.rule("budget clamp binding on ragged rows")
 def test_the_budget_clamp_example_binds():
     """The explicit example above does reach the case: the clamp cuts a row's accepted count."""
     sc = load_scenario(dict(batch=3, prompt_len=[2, 6], max_new_tokens=30, steps=10, depth=3,
@@ -346,6 +354,7 @@ def test_the_budget_clamp_example_binds():
     assert probe.bound >= 1
 
 
+@pytest.mark.rule("one uncached token per row under per-sequence advance")
 @FEW
 @given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
        depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
@@ -389,6 +398,7 @@ def ragged_u_scenario(max_seq_len, plens, depth, acceptance, seed):
                               acceptance=acceptance, seed=seed))
 
 
+@pytest.mark.rule("budget clamp binding on rows of different u")
 @FEW
 @given(max_seq_len=st.integers(8, 15), plens=st.tuples(st.integers(2, 3), st.integers(3, 6)),
        depth=st.integers(2, 3), acceptance=st.sampled_from(["geometric:0.5", "geometric:0.8"]),
@@ -408,6 +418,7 @@ def test_the_budget_clamp_binding_on_rows_of_different_u_matches_the_reference(m
                                        "budget clamp bound on rows of different u")
 
 
+@pytest.mark.rule("budget clamp binding on rows of different u")
 @pytest.mark.parametrize("case", range(len(RAGGED_U)))
 def test_the_budget_clamp_examples_bind_on_rows_of_different_u(case):
     """Each explicit example above does reach the case: the clamp cuts a row's accepted count
@@ -417,6 +428,7 @@ def test_the_budget_clamp_examples_bind_on_rows_of_different_u(case):
     assert probe.bound_ragged_u >= 1
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,
                     reason="the kernel emulator needs g++")
 @settings(max_examples=10)

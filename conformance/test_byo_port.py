@@ -6,6 +6,7 @@ run on the reference passes. Unknown backends and unavailable devices exit 2."""
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -58,6 +59,7 @@ EXAMPLE = "the spec's worked examples end to end (C §16)"
 ADVANCE = "cohort and per-sequence advance arithmetic, backend (C §12.1, §12.2)"
 
 
+@pytest.mark.rule("bring your own port")
 def test_the_suite_names_the_rule_an_example_port_breaks():
     bad = runner(
         "--backend",
@@ -82,6 +84,7 @@ def test_the_suite_names_the_rule_an_example_port_breaks():
     assert rows[MASK][1] == rows[E2E][1] == rows[EXAMPLE][1] == rows[ADVANCE][1] == "pass"
 
 
+@pytest.mark.rule("bring your own port")
 def test_unknown_backends_and_unavailable_devices_exit_2():
     missing = runner("--backend", "no_such_package.module:factory")
     assert missing.returncode == 2 and "cannot import 'no_such_package.module'" in missing.stderr
@@ -93,6 +96,7 @@ def test_unknown_backends_and_unavailable_devices_exit_2():
         assert cuda.returncode == 2 and "CUDA is not available" in cuda.stderr
 
 
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
 def test_the_runner_reads_example_counts_in_both_hypothesis_wordings():
     """Hypothesis reworded its statistics ("60 passing examples, 0 failing examples" became
     "60 passing, 0 failing, and 2 invalid test cases"); the per-rule table must count both,

@@ -27,6 +27,7 @@ BUILT_IN = [
 ]
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.parametrize("layout, fn, n", BUILT_IN, ids=[f"{f.__name__}" for _, f, _ in BUILT_IN])
 def test_built_in_adapter_passes(layout, fn, n):
     result = check(fn, layout, "float32", examples=n)
@@ -34,6 +35,7 @@ def test_built_in_adapter_passes(layout, fn, n):
     assert result.examples == n
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_built_in_adapter_passes_other_dtypes(dtype):
     result = check(A.sdpa_padded, "padded", dtype, examples=15)
@@ -158,6 +160,7 @@ def not_causal_varlen(*args, causal=False, window_size=(-1, -1), **kw):
     return A.sdpa_varlen(*args, causal=False, window_size=(window_size[0], -1), **kw)
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.parametrize(
     "layout, fn, words",
     [
@@ -181,6 +184,7 @@ ONE_WIDER = "row 0, query 0 (position 3): attends key 1, which its window of 2 e
 DEAD = "row 1, query 0 (position 1): attends dead columns 0, 1, 2 (the row's lead is 3"
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.parametrize("layout, fn, window, words, expect_keys", [
     ("varlen", window_ignored_varlen, 2, "no sliding window", NO_WINDOW),
     ("varlen", window_one_wider_varlen, 2, "the window keeps one key too many", ONE_WIDER),
@@ -196,6 +200,7 @@ def test_wrong_rule_named_on_a_fixed_case(layout, fn, window, words, expect_keys
     assert expect_keys in report, report
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_page_table_read_late_is_caught():
     result = check(page_late_paged, "paged", "float32", examples=100)
     assert not result.passed and "kv_indices = " in result.report, result.report
@@ -204,12 +209,14 @@ def test_page_table_read_late_is_caught():
     assert "its page 0 is page id" in result.report
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_same_examples_every_run():
     first = check(torch_is_causal_varlen, "varlen", "float32", examples=50)
     second = check(torch_is_causal_varlen, "varlen", "float32", examples=50)
     assert (first.examples, first.report) == (second.examples, second.report)
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.parametrize("fn, words", [
     (lambda q, *args, **kw: None, "the function returned a NoneType, not a tensor"),
     (lambda q, *args, **kw: q[None], "the output does not have the varlen layout's shape"),
@@ -219,6 +226,7 @@ def test_output_of_the_wrong_kind_is_a_mismatch(fn, words):
     assert not result.passed and words in result.report, result.report
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_kernel_that_raises_is_a_mismatch():
     def refuses_empty_rows(q, k, v, cu_seqlens_q, *rest, **kw):
         if bool((cu_seqlens_q[1:] == cu_seqlens_q[:-1]).any()):
@@ -229,6 +237,7 @@ def test_kernel_that_raises_is_a_mismatch():
     assert not result.passed and "raised RuntimeError: empty row" in result.report
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_the_adapter_of_docs_kernels_md_passes():
     """The adapter example of docs/kernels.md, run as written."""
     text = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
@@ -240,6 +249,7 @@ def test_the_adapter_of_docs_kernels_md_passes():
     assert result.passed, result.report
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_the_command_names_the_layouts_and_dtypes_it_runs():
     """The parser's lists (kept free of torch imports) are those of the layouts and cases."""
     from raggedspec.gpu.layouts import LAYOUTS
@@ -250,6 +260,7 @@ def test_the_command_names_the_layouts_and_dtypes_it_runs():
     assert set(check_kernel.DTYPE_NAMES) == set(DTYPES)
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_sinks_in_the_padded_layout():
     """With sinks drawn, the built-in padded adapter passes, and one that drops them fails
     with that named."""
@@ -267,6 +278,7 @@ def test_sinks_in_the_padded_layout():
 # ----------------------------------------------------------------------------- the command
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 def test_command_pass_and_mismatch_exit_codes(capsys):
     assert (
         main(
@@ -299,6 +311,7 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
     assert "MISMATCH in the varlen layout" in out and "cu_seqlens_q = [" in out
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -349,6 +362,7 @@ def test_command_bad_usage(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
     reason="flash-attn needs CUDA and the flash_attn package",
@@ -361,6 +375,7 @@ def test_flash_attn(layout, fn):
     assert result.passed, result.report
 
 
+@pytest.mark.rule("raggedspec check-kernel")
 @pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
     reason="FlashInfer needs CUDA and the flashinfer package",

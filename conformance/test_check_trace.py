@@ -79,11 +79,13 @@ FIXTURE_RULES = {
 }
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_every_bug_class_has_a_fixture():
     assert set(FIXTURE_RULES) == set(trace_bugs.BUGS)
     assert {p.stem for p in TRACES.glob("*.jsonl")} == set(FIXTURE_RULES)
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 @pytest.mark.parametrize("name", sorted(FIXTURE_RULES))
 def test_each_fixture_is_flagged_by_the_rule_it_breaks_and_by_no_other(name):
     path = TRACES / f"{name}.jsonl"
@@ -95,6 +97,7 @@ def test_each_fixture_is_flagged_by_the_rule_it_breaks_and_by_no_other(name):
     assert code == 1 and all(f": {rule} [" in out for rule in FIXTURE_RULES[name])
 
 
+@pytest.mark.rule("raggedspec check-trace")
 @pytest.mark.parametrize("name", sorted(FIXTURE_RULES))
 def test_the_fixtures_are_what_the_bugged_lengths_model_writes(name):
     assert (TRACES / f"{name}.jsonl").read_text().splitlines() == lines_of(
@@ -102,6 +105,7 @@ def test_the_fixtures_are_what_the_bugged_lengths_model_writes(name):
     )
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_the_gallery_shows_the_checkers_current_output():
     doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
     for name in FIXTURE_RULES:
@@ -113,6 +117,7 @@ def test_the_gallery_shows_the_checkers_current_output():
         assert f"| `{rule.id}` | {rule.spec} | {rule.invariant} |" in doc
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_without_the_bug_the_fixture_scenarios_are_clean():
     """(The no-strip class's bug is its scenario's strip "none": without it, the claimed eager.)"""
     for name, (changes, _bug, claimed) in trace_bugs.BUGS.items():
@@ -167,6 +172,7 @@ def assert_clean(trace) -> None:
     assert {"lead", "uniform-no-lead"} <= ran
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 @given(data=scenarios)
 def test_every_lengths_mode_trace_is_clean_and_replays_exactly(data):
     """Strip "none" is left out: it is the negative control, the no-strip fixture."""
@@ -180,12 +186,14 @@ def test_every_lengths_mode_trace_is_clean_and_replays_exactly(data):
         assert csv_result["violations"] == [] and not csv_result["replay"].get("diverged")
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 @settings(max_examples=15)
 @given(data=scenarios)
 def test_every_tensor_mode_trace_is_clean_and_replays_exactly(data):
     assert_clean(simulator.run(load_scenario(data)))
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_property_reaches_both_advance_rules_every_world_and_failed_steps():
     """The generated runs exercise what the rules read: per-sequence and cohort steps, defer
     steps, failed steps, shattered W0 batches; each rule that the simulator's fields feed ran."""
@@ -224,6 +232,7 @@ def decode_step(t: int, rows: list[dict], advance: str = "per-sequence") -> dict
     return {"type": "step", "step": t, "phase": "decode", "advance": advance, "rows": rows}
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_a_rule_runs_only_where_its_fields_are_present(tmp_path):
     path = write_lines(
         tmp_path / "min.jsonl",
@@ -236,6 +245,7 @@ def test_a_rule_runs_only_where_its_fields_are_present(tmp_path):
     assert "replay: not run: no scenario" in out
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_per_sequence_rule_falls_back_to_committed_without_u():
     tr = small_run(**GRANTED)
     steps = [
@@ -265,6 +275,7 @@ def _as_trace(steps: list[dict]):
     return tr
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_a_cohort_row_that_advances_on_its_own_is_flagged():
     tr = small_run(depth=0, world="W0")
     steps = [dict(s) for s in tr.steps()]
@@ -280,6 +291,7 @@ def test_a_cohort_row_that_advances_on_its_own_is_flagged():
     )
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_extension_rules_q0_dead_cols_and_accepted_pos():
     rows0 = [
         {
@@ -319,6 +331,7 @@ def test_the_extension_rules_q0_dead_cols_and_accepted_pos():
     assert violated(cohort) == {"q0": 1}  # a cohort row's position is the batch width, 12
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_accepted_beyond_drafted_and_commit_are_flagged():
     rows = [
         {"seq": 0, "own_len": 10, "drafted": 2, "accepted": 3, "committed": 4},
@@ -336,6 +349,7 @@ def test_accepted_beyond_drafted_and_commit_are_flagged():
 # ------------------------------------------------------------------------------ the CLI
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     tr = small_run(**GRANTED)
     path = tmp_path / "t.jsonl"
@@ -364,6 +378,7 @@ def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     )
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_check_trace_replays_a_headerless_csv_with_a_scenario_file(tmp_path):
     data = {
         "batch": 3,
@@ -401,6 +416,7 @@ def test_check_trace_replays_a_headerless_csv_with_a_scenario_file(tmp_path):
     assert code == 1 and "replay: diverged at step" in out and "seq req-" in out
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_a_header_scenario_that_does_not_load_is_bad_usage(tmp_path):
     head = {"type": "header", "schema": "raggedspec-trace", "version": 1, "scenario": {"batch": 0}}
     path = write_lines(
@@ -428,6 +444,7 @@ def findings_commands() -> list[tuple[list[str], list[str]]]:
     return out
 
 
+@pytest.mark.rule("raggedspec check-trace")
 @pytest.mark.parametrize("argv, shown", findings_commands(), ids=lambda x: " ".join(x)[:60])
 def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
     root = Path(__file__).parent.parent  # the docs' paths are the checkout's, whatever the cwd
@@ -441,6 +458,7 @@ def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
     assert code == (1 if "refused:" in " ".join(shown) else 0)
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_remaining_branches_of_the_rules_fail_when_broken():
     # lead identity; a ragged batch with no zero lead; committed above accepted + 1
     rows = [
@@ -467,6 +485,7 @@ def test_the_remaining_branches_of_the_rules_fail_when_broken():
     )
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_group_count_reads_the_row_keys_when_the_step_has_no_groups():
     rows = [{"seq": i, "own_len": 10 + i, "u": 1, "group": [1, i]} for i in range(4)]
     sc = load_scenario({"batch": 4, "depth": 2})
@@ -477,6 +496,7 @@ def test_the_group_count_reads_the_row_keys_when_the_step_has_no_groups():
     )
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_replay_does_not_run_on_ids_it_cannot_match():
     sc = load_scenario({"batch": 2})
     mixed = [decode_step(0, [{"seq": 0, "own_len": 4}, {"seq": "b", "own_len": 4}])]
@@ -486,6 +506,7 @@ def test_the_replay_does_not_run_on_ids_it_cannot_match():
     assert reason == "seq 5 (first at step 0) has no request in the scenario (2 requests)"
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_schema_extension_example_in_docs_trace_md_is_clean(tmp_path):
     doc = (Path(__file__).parent.parent / "docs" / "trace.md").read_text()
     block = doc.split("### Schema extensions")[1].split("```json\n")[1].split("\n```")[0]

@@ -41,6 +41,7 @@ SMALL = ["--batch", "4", "--steps", "30", "--set", "max_new_tokens=[20,40]"]
 # ------------------------------------------------------------------------ help and usage
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_help_works_on_every_command():
     top = run_module("--help")
     assert top.returncode == 0
@@ -73,6 +74,7 @@ def test_help_works_on_every_command():
             assert flag in out.stdout, f"{command} --help does not mention {flag}"
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @pytest.mark.parametrize(
     "argv", [[], ["frobnicate"], ["simulate", "--depth", "three"], ["drift", "--bogus"]]
 )
@@ -81,6 +83,7 @@ def test_bad_usage_exits_2(argv, capsys):
     assert "usage: raggedspec" in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @pytest.mark.parametrize("argv, words", [
     (["--depth", "9"], ["'depth'", "0..=8", "9"]),
     (["--batch", "0"], ["'batch'", "1..=", "got 0"]),
@@ -96,6 +99,7 @@ def test_a_bad_scenario_value_exits_2_naming_the_key_and_range(argv, words, tmp_
     assert not (tmp_path / "t.jsonl").exists()
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_bad_scenario_file_exits_2_from_the_console(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("batch = 4\ndepth = 12\n")
@@ -106,6 +110,7 @@ def test_a_bad_scenario_file_exits_2_from_the_console(tmp_path):
     assert missing.returncode == 2 and "nope.toml" in missing.stderr
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_refusal_raised_by_a_rule_exits_1(monkeypatch, capsys):
     def refuse(args):
         raise StepRefusal("MTP step refused by the follows guard: rows [3, 1]")
@@ -119,6 +124,7 @@ def test_a_refusal_raised_by_a_rule_exits_1(monkeypatch, capsys):
 # ------------------------------------------------------------------------------ simulate
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_simulate_writes_a_trace_that_read_trace_reads_back(tmp_path, capsys):
     out = tmp_path / "run" / "t.jsonl"
     assert cli.main(["simulate", *SMALL, "--out", str(out), "--csv"]) == 0
@@ -145,6 +151,7 @@ def test_simulate_writes_a_trace_that_read_trace_reads_back(tmp_path, capsys):
     )
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_simulate_flags_reach_the_scenario_and_override_the_file(tmp_path, capsys):
     sc = tmp_path / "s.json"
     sc.write_text(json.dumps({"batch": 3, "depth": 2, "steps": 12, "max_new_tokens": 30}))
@@ -167,6 +174,7 @@ def test_simulate_flags_reach_the_scenario_and_override_the_file(tmp_path, capsy
     assert max(r["drafted"] for s in decode for r in s["rows"]) == 5
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_simulate_exits_1_when_a_rule_refuses_a_step_and_still_writes_the_trace(tmp_path, capsys):
     # The no-strip negative control records padded lengths until the left-aligned guard refuses.
     out = tmp_path / "t.jsonl"
@@ -193,6 +201,7 @@ def test_simulate_exits_1_when_a_rule_refuses_a_step_and_still_writes_the_trace(
     assert any(s.get("error") for s in read_trace(out).steps())
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_refused_per_sequence_request_is_a_warning_naming_the_check(tmp_path, capsys):
     code = cli.main(
         ["simulate", *SMALL, "--advance", "per-sequence", "--out", str(tmp_path / "t.jsonl")]
@@ -210,6 +219,7 @@ class Tty(io.StringIO):
         return True
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_progress_is_a_bar_on_a_tty_lines_otherwise_and_nothing_when_quiet(monkeypatch):
     from raggedspec.progress import Progress
 
@@ -239,6 +249,7 @@ def test_progress_is_a_bar_on_a_tty_lines_otherwise_and_nothing_when_quiet(monke
     assert cli.progress_factory(cli.build_parser().parse_args(["drift"]))("x").mode == "lines"
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_simulation_on_a_tty_shows_the_bar_on_stderr(tmp_path, monkeypatch, capsys):
     tty = Tty()
     monkeypatch.setattr(sys, "stderr", tty)
@@ -250,6 +261,7 @@ def test_a_simulation_on_a_tty_shows_the_bar_on_stderr(tmp_path, monkeypatch, ca
 # --------------------------------------------------------------------------------- docs
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
     from raggedspec.reference.scenario import ACCEPTANCE_MODELS, FIELDS, MODEL_KEYS
 
@@ -270,6 +282,7 @@ def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
 # ------------------------------------------------------------------------- review fixes
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @pytest.mark.parametrize(
     "make, words",
     [
@@ -345,6 +358,7 @@ def docs_oracle_example() -> str:
     return m.group(1)
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_the_documented_oracle_example_runs_from_the_console_script(tmp_path):
     """docs/simulator.md's `oracle:my_module:make_oracle` with my_module.py in the current
     folder works from the console script (the folder is put on sys.path for the import), in
@@ -383,6 +397,7 @@ def test_the_documented_oracle_example_runs_from_the_console_script(tmp_path):
     assert {r["accepted"] for r in rows} >= {0, 2} or {r["accepted"] for r in rows} >= {1, 2}
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path, capsys):
     for mode in ("lengths", "tensor"):
         code = cli.main(
@@ -405,6 +420,7 @@ def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path, capsys):
         assert "'acceptance.factory'" in err and "exactly 3 token(s) (got 2)" in err
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_the_csv_carries_the_step_fields_with_their_types(tmp_path):
     """CSV: step-level width, committed, prefill and error are columns; read back, every
     step with rows equals the JSONL step (ints, floats, bucket booleans, lists, null)."""
@@ -447,6 +463,7 @@ def test_the_csv_carries_the_step_fields_with_their_types(tmp_path):
     assert all(s["rows"][0]["bucket"][1] is False for s in got)
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_the_progress_bar_finishes_when_the_run_ends_early(tmp_path, monkeypatch):
     tty = Tty()
     monkeypatch.setattr(sys, "stderr", tty)
@@ -462,6 +479,7 @@ def test_the_progress_bar_finishes_when_the_run_ends_early(tmp_path, monkeypatch
     assert bar.stream.getvalue().endswith("run: ended at step 3 of at most 10\n")
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_max_seq_len_arrival_and_no_xs_per_seq_flags(tmp_path, capsys):
     sc = write(tmp_path / "s.json", json.dumps({"batch": 3, "xs_per_seq": True, "steps": 4}))
     out = tmp_path / "t.jsonl"
@@ -497,6 +515,7 @@ def test_max_seq_len_arrival_and_no_xs_per_seq_flags(tmp_path, capsys):
     assert "all-at-once, staggered" in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_simulate_runs_the_tensor_mode_on_the_torch_backend_with_the_same_trace(tmp_path, capsys):
     """`--backend torch` reaches the simulator: the integer trace equals the numpy backend's,
     and the backend flags are refused (exit 2, saying why) outside tensor mode or for an

@@ -17,6 +17,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 # --------------------------------------------------------------------------------- drift
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_drift_plots_a_hand_made_engine_trace_and_a_bare_one_side_by_side(tmp_path, capsys):
     steps = engine_trace(
         section_17_3(10, strip=True), accepts=[{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 11
@@ -45,6 +46,7 @@ def test_drift_plots_a_hand_made_engine_trace_and_a_bare_one_side_by_side(tmp_pa
     assert "`rows[].drafted`" in captured.err
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_drift_from_a_scenario_writes_three_runs_and_the_sweep(tmp_path, capsys):
     sc = tmp_path / "s.toml"
     sc.write_text('batch = 6\nprompt_len = 24\nmax_new_tokens = 60\nsteps = 40\nworld = "WB"\n'
@@ -70,6 +72,7 @@ def drift_figures():
     return FIGURE_NAMES
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_drift_with_no_scenario_uses_the_built_in_one(tmp_path, capsys):
     out = tmp_path / "d"
     assert (
@@ -93,6 +96,7 @@ def test_drift_with_no_scenario_uses_the_built_in_one(tmp_path, capsys):
     assert "refused" not in lines[0] + lines[1]
 
 
+@pytest.mark.rule("raggedspec drift")
 @pytest.mark.parametrize("argv, words", [
     (["--trace", "missing.jsonl"], ["missing.jsonl", "does not exist"]),
     (["--batches", "0,2"], ["--batches", ">= 1"]),

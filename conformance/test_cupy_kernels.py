@@ -76,6 +76,7 @@ def ragged_kv(draw, max_b=3, max_cap=12):
 
 
 # --------------------------------------------------------------------------- data movement
+@pytest.mark.rule("front-align kernel")
 @FEW
 @given(case=ragged_kv(), extra=st.integers(0, 2))
 def test_front_align_places_each_live_run_at_the_end_in_one_launch(kern, case, extra):
@@ -92,6 +93,7 @@ def test_front_align_places_each_live_run_at_the_end_in_one_launch(kern, case, e
     assert np.array_equal(ko, port[0].numpy()) and np.array_equal(vo, port[1].numpy())
 
 
+@pytest.mark.rule("dead-prefix strip kernel")
 @FEW
 @given(case=ragged_kv())
 def test_strip_returns_the_front_aligned_rows_to_their_place(kern, case):
@@ -108,6 +110,7 @@ def test_strip_returns_the_front_aligned_rows_to_their_place(kern, case):
         assert not ks[b, :, n:].any() and not vs[b, :, n:].any()
 
 
+@pytest.mark.rule("front-align kernel")
 def test_a_strided_view_is_read_by_value_not_by_its_memory(kern):
     """A non-contiguous input (a slice of a wider buffer) gives what its contiguous copy gives:
     the kernels index flat memory, so the host makes inputs contiguous first."""
@@ -121,6 +124,7 @@ def test_a_strided_view_is_read_by_value_not_by_its_memory(kern):
     assert np.array_equal(get(kern, ko), get(kern, want))
 
 
+@pytest.mark.rule("dead-prefix strip kernel")
 def test_strip_refuses_a_lead_past_the_held_columns_as_the_port_does(kern):
     k = np.ones((2, 1, 4, 2))
     got = outcome(kern.strip_dead_prefix, put(kern, k), put(kern, k), [1, 4], 3)
@@ -129,6 +133,7 @@ def test_strip_refuses_a_lead_past_the_held_columns_as_the_port_does(kern):
 
 
 # --------------------------------------------------------------------------- masks
+@pytest.mark.rule("ragged union mask kernel")
 @FEW
 @given(data=st.data())
 def test_ragged_union_mask_equals_the_reference_bit_for_bit(kern, data):
@@ -149,6 +154,7 @@ def test_ragged_union_mask_equals_the_reference_bit_for_bit(kern, data):
     assert got.dtype == np.float64 and np.array_equal(got, want)
 
 
+@pytest.mark.rule("ragged union mask kernel")
 def test_ragged_union_mask_refuses_rows_that_skipped_resolve_ragged_rows(kern):
     with pytest.raises(ValueError, match=r"rows \[3, 5\] must lie in \[0, q0=4\]"):
         kern.ragged_union_mask([3, 5], 4, 1, 0, 5, 0, 1, 4)
@@ -157,6 +163,7 @@ def test_ragged_union_mask_refuses_rows_that_skipped_resolve_ragged_rows(kern):
 
 
 # --------------------------------------------------------------------------- RoPE
+@pytest.mark.rule("per-row RoPE kernel")
 @FEW
 @given(data=st.data())
 def test_per_row_rope_equals_the_reference(kern, data):
@@ -176,6 +183,7 @@ def test_per_row_rope_equals_the_reference(kern, data):
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
 
 
+@pytest.mark.rule("per-row RoPE kernel")
 def test_rope_refuses_what_the_port_refuses(kern):
     x = put(kern, np.zeros((2, 1, 1, 4)))
     with pytest.raises(ValueError, match="3 offsets for a batch of 2"):
@@ -223,6 +231,7 @@ def _qkv(b, hk, g, w, d, cap, lens, seed, slack=16.0):
     return q, k, v
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @FEW
 @given(case=verify_cases())
 def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64(kern, case):
@@ -238,6 +247,7 @@ def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (lens, nt, n_split)
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @FEW
 @given(data=st.data())
 def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch(kern, data):
@@ -296,6 +306,7 @@ def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (own, rows, ratio, window)
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_query_rows_read_the_kv_rows_they_name(kern):
     """rows = [2, 0] of three KV rows of different lengths: query row 0 attends over KV row 2
     (its length, its keys), query row 1 over KV row 0; each equals the kernel run on that KV
@@ -321,6 +332,7 @@ def test_query_rows_read_the_kv_rows_they_name(kern):
         assert np.max(np.abs(got[g] - want)) <= 1e-12 * np.max(np.abs(want)), (g, i)
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, dtype):
     b, hk, g, w, d, cap, lens = 3, 2, 2, 4, 16, 70, [70, 9, 41]
@@ -347,6 +359,7 @@ def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, 
     assert np.max(np.abs(got - want)) <= bound
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does(kern):
     q, k, v = _qkv(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
     got = outcome(kern.verify_attention, put(kern, q), put(kern, k), put(kern, v), [8, 2])
@@ -357,6 +370,7 @@ def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does
     )
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_routes_it_to_torch(
     kern,
 ):
@@ -389,6 +403,7 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
 
 
 # --------------------------------------------------------------------------- NVRTC front end
+@pytest.mark.rule("the kernels build for sm_90: the nvcc front end and NVRTC")
 @pytest.mark.skipif(kernel_emulator.compilers()["nvcc"] is None,
                     reason="nvcc is not on the PATH: the CUDA front-end check needs it")
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
@@ -399,6 +414,7 @@ def test_the_kernels_compile_for_the_gpu_at_the_benchmark_sizes(dtype):
         kernel_emulator.nvcc_check(ck.defines(dtype, nq, 128, 128))
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")
 def test_the_torch_entry_point_matches_the_reference_on_cuda():
     b, hk, g, w, d, cap, lens = 4, 2, 2, 2, 32, 300, [300, 17, 200, 2]
@@ -414,6 +430,7 @@ def test_the_torch_entry_point_matches_the_reference_on_cuda():
 
 
 # --------------------------------------------------------------------------- the backend
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_cupy_backend_overrides_every_protocol_method_through_the_torch_port():
     from raggedspec.gpu.cupy_backend import CupyBackend
     from raggedspec.reference.backend import missing_methods
@@ -423,6 +440,7 @@ def test_the_cupy_backend_overrides_every_protocol_method_through_the_torch_port
         assert method in vars(CupyBackend), f"CupyBackend.{method} is not the kernel's"
 
 
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
 def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
     from raggedspec.gpu.cupy_backend import cupy_unavailable
     from raggedspec import cli
@@ -442,6 +460,7 @@ def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.rule("the kernel backend end to end, emulated")
 @pytest.mark.skipif(
     kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"
 )

@@ -31,6 +31,7 @@ from raggedspec.reference.errors import DispatchRefusal
 # --- masks §2: resolve_ragged_rows ---------------------------------------------------------
 
 
+@pytest.mark.rule("resolve_ragged_rows")
 def test_resolve_ragged_rows_table():
     assert resolve_ragged_rows(None, 12, 3) is None
     assert resolve_ragged_rows([7, 7, 7, 7], 7, 4) is None
@@ -46,6 +47,7 @@ def test_resolve_ragged_rows_table():
     assert "6" in str(e.value)
 
 
+@pytest.mark.rule("resolve_ragged_rows", "§22 dispatch tests: each predicate tested directly")
 def test_a_uniform_batch_never_reaches_the_ragged_path():
     # empty and a uniform vector of the WRONG length are filtered before the width check
     assert resolve_ragged_rows([], 9, 3) is None
@@ -53,6 +55,7 @@ def test_a_uniform_batch_never_reaches_the_ragged_path():
     assert resolve_ragged_rows([9], 9, 1) is None
 
 
+@pytest.mark.rule("resolve_ragged_rows")
 def test_resolve_ragged_rows_check_order():
     # width is checked before "ahead": a wrong-width vector with a row ahead is a width refusal
     with pytest.raises(DispatchRefusal, match="for a batch of"):
@@ -64,6 +67,7 @@ def test_resolve_ragged_rows_check_order():
     assert resolve_ragged_rows([6, 5, 5], 6, 3) == [6, 5, 5]
 
 
+@pytest.mark.rule("resolve_ragged_rows")
 def test_a_vector_with_more_rows_than_the_batch_is_a_width_refusal():
     # the catalogue mutant "!= to <" let a vector LONGER than b through the width check;
     # the existing tables only had shorter ones (moved here from test_mutation_kills.py)
@@ -73,6 +77,7 @@ def test_a_vector_with_more_rows_than_the_batch_is_a_width_refusal():
         resolve_ragged_rows([6, 4, 5, 6], 6, 3)
 
 
+@pytest.mark.rule("resolve_ragged_rows")
 @given(lengths=ragged_lengths(min_rows=1, max_rows=8))
 def test_resolve_ragged_rows_dispatch_property(lengths):
     q0 = max(lengths)
@@ -86,6 +91,7 @@ def test_resolve_ragged_rows_dispatch_property(lengths):
 # --- masks §11: uniform_seqlen_offset --------------------------------------------------------
 
 
+@pytest.mark.rule("uniform_seqlen_offset", "§22 dispatch tests: each predicate tested directly")
 def test_uniform_seqlen_offset_examples():
     assert uniform_seqlen_offset([]) is None
     assert uniform_seqlen_offset([7]) == 7
@@ -98,6 +104,7 @@ def test_uniform_seqlen_offset_examples():
 # --- §6 capture --------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("CaptureOffsets::row", "CaptureOffsets::describes", "resolve_capture_offsets")
 def test_the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_do_not():
     one = CaptureOffsets([12])
     assert [one.row(r) for r in range(4)] == [12, 12, 12, 12]
@@ -116,6 +123,7 @@ def test_the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_
     assert resolve_capture_offsets([12, 12, 11]).values == (12, 12, 11)
 
 
+@pytest.mark.rule("MtpHiddenCapture")
 def test_mtp_hidden_capture_stores_only_while_armed_and_take_clears():
     cap = MtpHiddenCapture()
     h = np.arange(6.0).reshape(1, 2, 3)
@@ -143,16 +151,19 @@ def test_mtp_hidden_capture_stores_only_while_armed_and_take_clears():
 # --- §8.2 per-row cache lengths ----------------------------------------------------------------
 
 
+@pytest.mark.rule("resolve_row_cache_lens")
 def test_a_uniform_batch_never_reaches_the_per_row_step_arithmetic():
     assert resolve_row_cache_lens(True, 40, [0, 0, 0, 0]) is None
     assert resolve_row_cache_lens(True, 40, []) is None
 
 
+@pytest.mark.rule("resolve_row_cache_lens")
 def test_the_per_row_step_arithmetic_is_opt_in():
     assert resolve_row_cache_lens(False, 40, [0, 7, 0, 3]) is None
     assert resolve_row_cache_lens(True, 40, [0, 7, 0, 3]) == [40, 33, 40, 37]
 
 
+@pytest.mark.rule("resolve_row_cache_lens")
 def test_a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name():
     with pytest.raises(DispatchRefusal) as e:
         resolve_row_cache_lens(True, 10, [0, 12])
@@ -168,6 +179,7 @@ def test_a_batch_that_is_not_a_left_aligned_cohort_is_refused_by_name():
     assert resolve_row_cache_lens(True, 10, [0, 10]) == [10, 0]
 
 
+@pytest.mark.rule("resolve_row_cache_lens")
 @given(leads=lead_pads(min_rows=1, max_rows=8, max_lead=20), extra=st.integers(0, 30))
 def test_resolve_row_cache_lens_dispatch_property(leads, extra):
     c = max(leads) + extra
@@ -182,6 +194,7 @@ def test_resolve_row_cache_lens_dispatch_property(leads, extra):
 # --- §9 draft groups ------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("resolve_ragged_chain_starts")
 def test_a_uniform_draft_group_never_reaches_the_ragged_chain_path():
     assert resolve_ragged_chain_starts([40, 40, 40]) is None
     assert resolve_ragged_chain_starts([40]) is None
@@ -189,6 +202,7 @@ def test_a_uniform_draft_group_never_reaches_the_ragged_chain_path():
     assert resolve_ragged_chain_starts([40, 33, 40]) == [40, 33, 40]  # the whole slice
 
 
+@pytest.mark.rule("resolve_draft_leads")
 def test_the_draft_leads_are_the_distance_to_the_groups_widest_row():
     assert resolve_draft_leads(True, [40, 33, 37, 40]) == [0, 7, 3, 0]
     assert resolve_draft_leads(True, [40, 40, 40]) is None
@@ -198,6 +212,7 @@ def test_the_draft_leads_are_the_distance_to_the_groups_widest_row():
     assert resolve_draft_leads(True, [11, 9]) == [0, 2]  # §16 PerSequence example
 
 
+@pytest.mark.rule("chain_start_of", "draft_group_key")
 def test_the_group_key_and_the_per_row_chain_start_are_the_same_expression():
     for c in (2, 3, 40, 4096):
         for u in range(1, 5):
@@ -206,12 +221,14 @@ def test_the_group_key_and_the_per_row_chain_start_are_the_same_expression():
             assert draft_group_key(u, c, True) == (u, 0)
 
 
+@pytest.mark.rule("chain_start_of")
 def test_chain_start_of_needs_a_pair_to_seed_from():
     assert chain_start_of(0, 2) == 0 and chain_start_of(1, 1) == 0
     with pytest.raises(ValueError):
         chain_start_of(0, 1)
 
 
+@pytest.mark.rule("draft_groups")
 def test_the_draft_group_partition_stops_collapsing_once_the_rows_carry_their_own_positions():
     mixed = [1, 2, 1, 3, 2, 1, 4, 1]
     w = 5
@@ -229,6 +246,7 @@ def test_the_draft_group_partition_stops_collapsing_once_the_rows_carry_their_ow
     assert per_row == {(1, 0): [0, 2, 5, 7], (2, 0): [1, 4], (3, 0): [3], (4, 0): [6]}
 
 
+@pytest.mark.rule("draft_groups")
 def test_a_sequence_that_may_not_draft_is_in_no_draft_group():
     assert draft_groups([1, 1, 1], [10, 10, 10], [True, True, True], 3, False) == {
         (1, 9): [0, 1, 2]
@@ -238,6 +256,7 @@ def test_a_sequence_that_may_not_draft_is_in_no_draft_group():
     assert draft_groups([3], [10], [True], 3, False) == {}  # u == w has no draft slot
 
 
+@pytest.mark.rule("draft_groups")
 def test_the_worked_examples_group_their_rows():
     # §16 cohort example: C=10, u=[1,2] -> (1,9)=[A], (2,10)=[B]
     assert draft_groups([1, 2], [10, 10], [True, True], 4, False) == {(1, 9): [0], (2, 10): [1]}
@@ -246,12 +265,14 @@ def test_the_worked_examples_group_their_rows():
     assert [chain_start_of(c, 1) for c in (12, 10)] == [11, 9]
 
 
+@pytest.mark.rule("draft_groups")
 def test_draft_group_keys_and_rows_are_ascending():
     groups = draft_groups([3, 1, 2, 1], [10, 10, 10, 10], [True] * 4, 4, True)
     assert list(groups) == [(1, 0), (2, 0), (3, 0)]
     assert groups[(1, 0)] == [1, 3]
 
 
+@pytest.mark.rule("draft_groups")
 @given(data=st.data())
 def test_per_row_keys_never_exceed_depth_plus_one_groups(data):
     depth = data.draw(st.integers(0, 8))
@@ -269,6 +290,7 @@ def test_per_row_keys_never_exceed_depth_plus_one_groups(data):
         assert key_c == 0 and all(u[i] == key_u for i in rows) and rows == sorted(rows)
 
 
+@pytest.mark.rule("draft_group_key", "draft_groups")
 @given(data=st.data())
 def test_scalar_keys_put_one_chain_start_in_each_group(data):
     w = data.draw(st.integers(1, 9))
@@ -290,6 +312,7 @@ def test_scalar_keys_put_one_chain_start_in_each_group(data):
 # ------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("draft_step_end_column")
 def test_the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_layout():
     assert draft_step_end_column([7], 1, 7) == 7
     assert draft_step_end_column([7], 4, 7) == 7
@@ -313,12 +336,14 @@ def test_the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_
         draft_step_end_column([], 1, 0)
 
 
+@pytest.mark.rule("draft_step_end_column")
 def test_a_stale_start_on_an_empty_draft_cache_is_a_desync():
     # masks §22 smoke test: a stale start of 137 on an empty cache -> "desync"
     with pytest.raises(DispatchRefusal, match="desync"):
         draft_step_end_column([137], 1, 0)
 
 
+@pytest.mark.rule("ragged_row_q0")
 def test_ragged_row_q0_is_opt_in():
     assert ragged_row_q0([10, 8, 5], False) is None
     assert ragged_row_q0([10, 8, 5], True) == [10, 8, 5]
@@ -331,6 +356,11 @@ def test_ragged_row_q0_is_opt_in():
 # -------------------------------
 
 
+@pytest.mark.rule(
+    "uniform_seqlen_offset",
+    "§22 dispatch tests: each predicate tested directly",
+    "resolve_capture_offsets",
+)
 @given(lengths=uniform_lengths(min_rows=1, max_rows=16, min_len=2, max_len=500))
 def test_every_resolver_returns_the_scalar_form_for_a_uniform_batch(lengths):
     b, v = len(lengths), lengths[0]
@@ -345,6 +375,12 @@ def test_every_resolver_returns_the_scalar_form_for_a_uniform_batch(lengths):
     assert len(draft_groups([1] * b, lengths, [True] * b, 4, False)) == 1
 
 
+@pytest.mark.rule(
+    "uniform_seqlen_offset",
+    "resolve_capture_offsets",
+    "resolve_ragged_chain_starts",
+    "resolve_draft_leads",
+)
 @given(lengths=ragged_lengths(min_rows=2, max_rows=16, min_len=2, max_len=500, force_ragged=True))
 def test_every_resolver_returns_the_per_row_form_for_a_ragged_batch(lengths):
     b, top = len(lengths), max(lengths)

@@ -93,10 +93,12 @@ def state_with(n_held: int, filled: int, seed_pos: int | None, seed: int) -> Dra
 # --- §17.2 argmax and propose_chain ---------------------------------------------------------------
 
 
+@pytest.mark.rule("argmax_token_picks_max")
 def test_argmax_token_picks_max():
     assert argmax_token(np.array([0.1, 0.9, 0.2, 0.5])) == 1
 
 
+@pytest.mark.rule("propose_chain single-sequence")
 def test_propose_chain_returns_depth_tokens():
     small = TinyModel(ModelConfig(hidden=4, vocab=8))
     cache = small.mtp.new_draft_cache()
@@ -105,6 +107,7 @@ def test_propose_chain_returns_depth_tokens():
     assert cache.current_seq_len == 3
 
 
+@pytest.mark.rule("propose_chain single-sequence")
 @pytest.mark.parametrize("depth, max_tokens, n", [(5, 2, 2), (4, 4, 4), (8, 0, 0), (0, 8, 0)])
 def test_propose_chain_respects_max_tokens_cap(depth, max_tokens, n):
     cache = MODEL.mtp.new_draft_cache()
@@ -112,6 +115,7 @@ def test_propose_chain_respects_max_tokens_cap(depth, max_tokens, n):
     assert len(chain) == n and cache.current_seq_len == n
 
 
+@pytest.mark.rule("propose_chain single-sequence", "synthetic_load_smoke.rs MTP checks")
 def test_propose_chain_refuses_a_block_without_a_draft_kv():
     with pytest.raises(StepRefusal, match="draft KV"):
         propose_chain(MODEL, np.ones(H), 1, 3, 16, 0, None)
@@ -121,6 +125,7 @@ def test_propose_chain_refuses_a_block_without_a_draft_kv():
         propose_chain_batched(MODEL, np.ones((2, H)), [1, 2], 2, [0, 0], None)
 
 
+@pytest.mark.rule("extend_draft_cache", "synthetic_load_smoke.rs MTP checks")
 def test_smoke_a_prefill_of_five_context_positions_then_two_drafts():
     """masks §22 smoke: prefill of 5 context positions -> cache 5, two drafts -> 7."""
     rng = np.random.default_rng(4)
@@ -133,12 +138,14 @@ def test_smoke_a_prefill_of_five_context_positions_then_two_drafts():
     assert cache.current_seq_len == 7
 
 
+@pytest.mark.rule("propose_chain single-sequence", "synthetic_load_smoke.rs MTP checks")
 def test_smoke_a_stale_start_on_an_empty_cache_is_a_desync():
     with pytest.raises(Refusal) as err:
         propose_chain(MODEL, np.ones(H), 1, 2, 16, 137, MODEL.mtp.new_draft_cache())
     assert "desync" in str(err.value) and "137" in str(err.value)
 
 
+@pytest.mark.rule("propose_chain_batched: scalar vs per-row positions")
 def test_propose_chain_batched_empty_cases_and_refusals():
     cache = history(4, 0)
     assert propose_chain_batched(MODEL, np.ones((3, H)), [1, 2, 3], 0, [4, 4, 4], cache) == [
@@ -152,6 +159,7 @@ def test_propose_chain_batched_empty_cases_and_refusals():
         propose_chain_batched(MODEL, np.ones((2, H)), [1, 2], 2, [4], cache)
 
 
+@pytest.mark.rule("the chain feeds the pre-norm hidden forward")
 def test_the_chain_feeds_the_pre_norm_hidden_and_the_drafted_token_forward():
     """Oracle loop from the block's primitives: step i runs at start + i on
     fuse(prev, tok); prev := the pre-norm hidden, tok := argmax lm_head(norm_out(hidden))."""
@@ -175,6 +183,7 @@ def test_the_chain_feeds_the_pre_norm_hidden_and_the_drafted_token_forward():
     assert c1.current_seq_len == 10 and np.array_equal(c1.k.current_data(), c2.k.current_data())
 
 
+@pytest.mark.rule("Tier A chain")
 def test_a_tier_a_chain_uses_no_position_and_no_cache():
     rng = np.random.default_rng(2)
     seed_h = rng.standard_normal((2, H))
@@ -215,6 +224,7 @@ class StepSpy:
         monkeypatch.setattr(MtpBlock, "forward_step_rows", forward_step_rows)
 
 
+@pytest.mark.rule("propose_chain_batched: scalar vs per-row positions")
 def test_a_uniform_draft_group_never_reaches_the_ragged_chain_path(monkeypatch):
     spy = StepSpy(monkeypatch)
     caches = [history(9, s) for s in range(3)]
@@ -225,6 +235,10 @@ def test_a_uniform_draft_group_never_reaches_the_ragged_chain_path(monkeypatch):
     assert dsv4_mask_stats["ragged"] == 0
 
 
+@pytest.mark.rule(
+    "forward_tokens_rows and its wrappers",
+    "propose_chain_batched: scalar vs per-row positions",
+)
 def test_a_ragged_draft_group_runs_every_step_at_each_rows_own_position(monkeypatch):
     spy = StepSpy(monkeypatch)
     caches = [history(9, s) for s in range(3)]
@@ -236,6 +250,11 @@ def test_a_ragged_draft_group_runs_every_step_at_each_rows_own_position(monkeypa
     assert batched.current_seq_len == 10  # max(starts) + n
 
 
+@pytest.mark.rule(
+    "forward_tokens_rows and its wrappers",
+    "propose_chain_batched: scalar vs per-row positions",
+    "group loop: write-back with split and strip, then record drafts",
+)
 @given(st.data())
 def test_a_ragged_draft_group_drafts_each_row_as_if_alone(data):
     g = data.draw(st.integers(1, 4), label="G")
@@ -305,6 +324,7 @@ def test_a_ragged_draft_group_drafts_each_row_as_if_alone(data):
 # ------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_checkout_creates_a_fresh_state_with_an_empty_draft_cache():
     m = DraftKvMap(MODEL.mtp)
     s = m.checkout_draft_kv("a")
@@ -313,6 +333,7 @@ def test_checkout_creates_a_fresh_state_with_an_empty_draft_cache():
     assert DraftKvMap(None).checkout_draft_kv("a").cache is None  # Tier A
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_checkout_removes_an_existing_entry_and_checkin_reinserts_it():
     m = DraftKvMap(MODEL.mtp)
     s = m.checkout_draft_kv("a")
@@ -323,6 +344,7 @@ def test_checkout_removes_an_existing_entry_and_checkin_reinserts_it():
     assert again is s and again.filled == 5 and len(m.entries) == 0
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_checkin_evicts_the_least_recently_used_beyond_64():
     assert MAX_DRAFT_KV_SEQS == 64
     m = DraftKvMap(MODEL.mtp)
@@ -335,6 +357,7 @@ def test_checkin_evicts_the_least_recently_used_beyond_64():
     assert stamps == sorted(stamps)
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_drop_removes_and_flushes_and_clear_empties_the_whole_map():
     m = DraftKvMap(MODEL.mtp)
     for i in range(3):
@@ -350,6 +373,10 @@ def test_drop_removes_and_flushes_and_clear_empties_the_whole_map():
 # ----------------------------------------------------------------------
 
 
+@pytest.mark.rule(
+    "draft-KV slot invariant: slot k holds (h_k, tok_{k+1}) at absolute k",
+    "§7.3 worked example (cohort, w=4)",
+)
 def test_the_cohort_worked_example():
     """§7.3: row 1, C=10, u=2, 2 proposed, 1 accepted, L 12 -> 14; filled = 11 -> 13,
     seed (12, h[1,2]), slots 11 and 12 written from hidden rows 1..3 with toks[12..14]."""
@@ -370,6 +397,10 @@ def test_the_cohort_worked_example():
     assert state.seed[0] == 11 + 3 - 2 and state.filled >= 12
 
 
+@pytest.mark.rule(
+    "extend_draft_kv_row checks 1-13 in order",
+    "extend after the verify forward; Ok(false) / Err poison",
+)
 def test_per_row_capture_offsets_extend_each_row_from_its_own_offset():
     """§16 PerSequence draft side: filled [12, 10], capture offsets [12, 10], hidden [2,4,H];
     A commits 3 (L 13 -> 16), B commits 1 (L 11 -> 12) -> filled [15, 11], seeds at 14, 10."""
@@ -405,6 +436,7 @@ def cap(offsets, shape):
     return (CaptureOffsets(offsets), np.zeros(shape))
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 @pytest.mark.parametrize("case, state, capture, row, batch, model, result", [
     ("1 poisoned", fresh(poisoned=True), cap([4], (1, 2, H)), 0, 1, MODEL, False),
     ("1 before 2", fresh(poisoned=True), None, 0, 1, MODEL, False),
@@ -427,6 +459,7 @@ def test_every_early_return_of_extend_draft_kv_row(case, state, capture, row, ba
     ) == before  # nothing written or seeded
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_capture_of_any_other_rank_is_an_error():
     with pytest.raises(StepRefusal, match="rank 4"):
         extend_draft_kv_row(fresh(), cap([4], (1, 1, 2, H)), list(range(9)), 0, 1, MODEL)
@@ -434,6 +467,7 @@ def test_a_capture_of_any_other_rank_is_an_error():
         extend_draft_kv_row(fresh(), cap([4], (H,)), list(range(9)), 0, 1, MODEL)
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_rank_2_capture_is_a_batch_of_one():
     rng = np.random.default_rng(0)
     state, hidden = fresh(filled=4), rng.standard_normal((3, H))
@@ -443,6 +477,7 @@ def test_a_rank_2_capture_is_a_batch_of_one():
     assert extend_draft_kv_row(fresh(), (CaptureOffsets([4]), hidden), toks, 0, 2, MODEL) is False
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_nothing_to_write_keeps_filled_but_may_move_the_seed():
     rng = np.random.default_rng(1)
     state, hidden = fresh(filled=6), rng.standard_normal((1, 3, H))
@@ -462,6 +497,7 @@ def test_nothing_to_write_keeps_filled_but_may_move_the_seed():
     assert state.seed is old
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_hi_never_exceeds_l_minus_1():
     """Only pairs (h_i, tok_{i+1}) with i <= L-2 are written: a capture reaching L never
     writes position L-1 (its next token is not committed)."""
@@ -474,12 +510,14 @@ def test_hi_never_exceeds_l_minus_1():
     assert state.filled == 7 and state.cache.current_seq_len == 7
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_failed_truncate_is_an_error_naming_filled():
     state = DraftKv(cache=history(12, 0), filled=20)  # capacity 16: set_len(20) is refused
     with pytest.raises(CacheRefusal, match="MTP draft KV truncate to 20 failed"):
         extend_draft_kv_row(state, cap([20], (1, 3, H)), list(range(25)), 0, 1, MODEL)
 
 
+@pytest.mark.rule("extend_draft_cache")
 def test_extend_draft_cache_without_a_block_or_tokens():
     cache = history(5, 0)
     assert extend_draft_cache(None, cache, np.zeros((2, H)), [1, 2], 5) == 5
@@ -489,6 +527,7 @@ def test_extend_draft_cache_without_a_block_or_tokens():
         extend_draft_cache(MODEL.mtp, cache, np.zeros((1, H)), [1], 4)
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_block_state_without_a_cache_only_advances_filled():
     """Check 11, the (unreachable in practice) cache-less branch: filled = hi, nothing run."""
     state = DraftKv(cache=None, filled=2)
@@ -501,6 +540,7 @@ def test_a_block_state_without_a_cache_only_advances_filled():
     assert state.filled == 5 and state.seed is None  # p = 7 is outside [2, 5)
 
 
+@pytest.mark.rule("Tier A chain")
 def test_a_seeded_tier_a_group_drafts_without_any_cache():
     """Unspecified, chosen: without a block the loop runs the heads-only chain and writes
     nothing back (Tier A never gets a seed from the capture, so only a hand-seeded state
@@ -515,6 +555,7 @@ def test_a_seeded_tier_a_group_drafts_without_any_cache():
     assert s.filled == 11 and s.cache is None
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_tier_a_row_never_gets_a_seed():
     state = DraftKv(cache=None)
     hidden = np.ones((1, 5, H))
@@ -529,6 +570,7 @@ def test_a_tier_a_row_never_gets_a_seed():
 # ------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("prompt-time priming")
 def test_prompt_priming_fills_l_minus_1_and_seeds_l_minus_2():
     rng = np.random.default_rng(74)
     prompts = rng.integers(0, V, (2, 7))
@@ -558,6 +600,7 @@ def test_prompt_priming_fills_l_minus_1_and_seeds_l_minus_2():
     ]
 
 
+@pytest.mark.rule("prompt-time priming")
 def test_a_prefix_cache_hit_poisons_the_sequence_for_good():
     state = DraftKvMap(MODEL.mtp).checkout_draft_kv("p")
     warnings: list[str] = []
@@ -579,6 +622,7 @@ def test_a_prefix_cache_hit_poisons_the_sequence_for_good():
     )
 
 
+@pytest.mark.rule("extend after the verify forward; Ok(false) / Err poison")
 def test_an_extension_error_poisons_only_that_row():
     good, bad = fresh(filled=4), DraftKv(cache=history(12, 0), filled=20)
     warnings: list[str] = []

@@ -33,6 +33,7 @@ from raggedspec.reference.errors import CacheRefusal
 # --- malformed input: ValueError with the stated message -----------------------------------
 
 
+@pytest.mark.rule("argmax_token_picks_max")
 def test_argmax_token_takes_one_non_empty_row():
     assert argmax_token(np.array([3.0])) == 0
     assert argmax_token([0.5, 2.0, 2.0]) == 1  # the first on a tie
@@ -42,6 +43,7 @@ def test_argmax_token_takes_one_non_empty_row():
         argmax_token(np.ones((2, 2)))
 
 
+@pytest.mark.rule("Tier A chain")
 def test_chain_inputs_are_checked_with_the_stated_messages():
     cache = MODEL.mtp.new_draft_cache()
     with pytest.raises(ValueError, match=r"^depth -1 and max_tokens 5 must be >= 0$"):
@@ -56,6 +58,7 @@ def test_chain_inputs_are_checked_with_the_stated_messages():
         propose_chain_batched(MODEL, np.ones((1, H)), [1, 2], 2, [0], cache)
 
 
+@pytest.mark.rule("extend_draft_cache")
 def test_extend_draft_cache_checks_the_hidden_rows():
     cache = MODEL.mtp.new_draft_cache()
     with pytest.raises(ValueError, match=rf"^hidden \(1, 1, {H}\) must be \[1, H\] for 1 next "
@@ -67,12 +70,14 @@ def test_extend_draft_cache_checks_the_hidden_rows():
     assert cache.current_seq_len == 0
 
 
+@pytest.mark.rule("extend_draft_cache")
 def test_extend_draft_cache_without_a_block_or_a_cache_reports_zero():
     assert extend_draft_cache(None, None, np.ones((2, H)), [1, 2], 7) == 0
 
 
 # --- the extension rule on the shortest histories ------------------------------------------
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_extension_span_on_the_shortest_histories():
     # L = 2: p = 0 is the one pair (h_0, tok_1); the capture from 0 holds it
     assert extension_span(0, 0, 3, [5, 6]) == (0, 1, 0)
@@ -82,6 +87,7 @@ def test_extension_span_on_the_shortest_histories():
     assert extension_span(0, 0, 3, []) == (0, 0, None)
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_nothing_to_write_leaves_a_longer_draft_kv_untouched():
     state = DraftKv(cache=history(14, 4), filled=12)  # a chain's speculative tail past filled
     hidden = np.random.default_rng(3).standard_normal((1, 2, H))
@@ -92,6 +98,7 @@ def test_nothing_to_write_leaves_a_longer_draft_kv_untouched():
     assert state.seed[0] == 11 and np.array_equal(state.seed[1], hidden[0, 1])
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_model_without_an_mtp_attribute_is_tier_a():
     state = DraftKv(cache=None)
     assert extend_draft_kv_row(state, (CaptureOffsets([0]), np.ones((1, 3, H))), list(range(4)),
@@ -99,6 +106,7 @@ def test_a_model_without_an_mtp_attribute_is_tier_a():
     assert state.seed is None and state.filled == 0
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_the_seed_is_kept_as_float64():
     state = DraftKv(cache=history(4, 2), filled=4)
     hidden = np.random.default_rng(4).standard_normal((1, 3, H)).astype(np.float32)
@@ -110,6 +118,7 @@ def test_the_seed_is_kept_as_float64():
 
 # --- the extension loop: a skipped or failed row leaves the later rows to extend -------------
 
+@pytest.mark.rule("extend_draft_cache")
 def test_rows_after_a_missing_or_failed_state_are_extended():
     hidden = np.zeros((3, 3, H))
     toks = [list(range(25)), list(range(9)), list(range(9))]
@@ -125,6 +134,7 @@ def test_rows_after_a_missing_or_failed_state_are_extended():
     assert len(warnings) == 1 and warnings[0].startswith("row 0: draft KV extension failed (")
 
 
+@pytest.mark.rule("extend_draft_cache")
 def test_a_misaligned_row_is_warned_by_its_index():
     ok, late = DraftKv(cache=history(4, 3), filled=4), DraftKv(cache=history(2, 3), filled=2)
     warnings: list[str] = []
@@ -136,6 +146,7 @@ def test_a_misaligned_row_is_warned_by_its_index():
 
 # --- which rows of a group draft ------------------------------------------------------------
 
+@pytest.mark.rule("group loop: member skips")
 def test_a_row_left_out_does_not_end_the_group():
     states = [state_with(12, 12, 11, s) for s in range(4)]
     states[1].seed = (10, states[1].seed[1])  # not at its chain start 11
@@ -145,6 +156,7 @@ def test_a_row_left_out_does_not_end_the_group():
 
 # --- the map's clock --------------------------------------------------------------------------
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_each_checkin_ticks_the_clock_once_from_zero():
     m = DraftKvMap(MODEL.mtp)
     a, b = DraftKv(cache=None), DraftKv(cache=None)
@@ -156,6 +168,7 @@ def test_each_checkin_ticks_the_clock_once_from_zero():
 
 # --- tokens and hidden rows in other array forms -----------------------------------------
 
+@pytest.mark.rule("extend_draft_cache")
 def test_next_tokens_given_as_a_row_are_read_flattened():
     rng = np.random.default_rng(6)
     h, nxt = rng.standard_normal((2, H)), [3, 4]
@@ -165,6 +178,7 @@ def test_next_tokens_given_as_a_row_are_read_flattened():
     assert np.array_equal(row.k.current_data(), flat.k.current_data())
 
 
+@pytest.mark.rule("Tier A chain")
 def test_last_tokens_given_as_a_column_or_as_whole_floats_draft_the_same_chain():
     seed = np.random.default_rng(7).standard_normal((2, H))
     want = propose_chain_batched(TIER_A, seed, [3, 5], 3, [4, 4], None)
@@ -172,6 +186,7 @@ def test_last_tokens_given_as_a_column_or_as_whole_floats_draft_the_same_chain()
     assert propose_chain_batched(TIER_A, seed, np.array([3.0, 5.0]), 3, [4, 4], None) == want
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_refused_truncate_names_the_draft_kv():
     state = DraftKv(cache=history(12, 0), filled=20)
     with pytest.raises(CacheRefusal, match=r"^MTP draft KV truncate to 20 failed: "):

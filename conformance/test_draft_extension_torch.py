@@ -103,6 +103,7 @@ def two_primed(be, model):
     return [primed(be, model, toks_of(5, 0)), primed(be, model, toks_of(5, 1))]
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_a_capture_of_another_rank_poisons_every_row_with_its_step_refusal():
     """Check 4: a capture of rank 1 or 4 is refused (StepRefusal naming the rank and the
     shape) for every row with a state; each such row is poisoned with the extension's
@@ -123,6 +124,7 @@ def test_a_capture_of_another_rank_poisons_every_row_with_its_step_refusal():
         assert [s.filled for s in ps] == [4, 4, 4]
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_a_rank_two_capture_is_a_batch_of_one():
     """Check 4: `[T,H]` is `[1,T,H]`: a primed row (filled 4) extended by a 2-column capture
     at 4 with L = 7 writes positions 4 and 5 (filled 6) and moves the seed to 5."""
@@ -138,6 +140,7 @@ def test_a_rank_two_capture_is_a_batch_of_one():
     assert_close(PORT.to_numpy(s.seed[1]), hidden[1], "float64", "seed hidden")
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_a_capture_that_does_not_describe_the_batch_poisons_every_row_as_misaligned():
     """Checks 5 and 6, each alone: a one-row capture for a batch of 2 (its one offset
     describes any batch), and a 2-row capture whose 3 offsets describe a batch of 3, not 2:
@@ -154,6 +157,7 @@ def test_a_capture_that_does_not_describe_the_batch_poisons_every_row_as_misalig
             (4, True, 3, 4), (4, True, 3, 4)]
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_no_capture_leaves_every_row_as_it_was_but_a_poisoned_row_is_still_warned():
     """Checks 1-2: without a capture a row is fine (True, untouched, no warning); a poisoned
     row returns False first and is warned misaligned again."""
@@ -168,6 +172,7 @@ def test_no_capture_leaves_every_row_as_it_was_but_a_poisoned_row_is_still_warne
         (4, False, 3, 4), (4, True, 3, 4)]
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_the_rows_after_a_row_without_a_state_are_extended():
     """A row without a state is skipped, the rows after it are still extended."""
     hidden = hidden_of(3, 2, CFG.hidden)
@@ -183,6 +188,7 @@ def test_the_rows_after_a_row_without_a_state_are_extended():
         assert_close(PORT.to_numpy(ps[r].seed[1]), hidden[r, 1], "float64", f"row {r} seed")
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_per_row_offsets_spans_of_different_lengths_and_a_capture_ending_early():
     """Checks 7-13 per row from its own offset: row 0 (filled 4, off 4, T 3, L 8) writes
     `[4, 7)` and seeds at 6; row 1 (filled 6, off 6, L 11) writes `[6, 9)`, its capture
@@ -201,6 +207,7 @@ def test_per_row_offsets_spans_of_different_lengths_and_a_capture_ending_early()
     assert_close(PORT.to_numpy(ps[0].seed[1]), hidden[0, 2], "float64", "row 0 seed")
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_nothing_to_write_leaves_the_row_fine_and_its_draft_kv_untouched():
     """Check 10 (`hi <= lo`): a row filled past its draft KV's capacity (20 of 16) with a
     capture at 20 and L = 21 has `lo = hi = 20`: True, no truncate (so no refusal), nothing
@@ -224,6 +231,7 @@ def test_nothing_to_write_leaves_the_row_fine_and_its_draft_kv_untouched():
     assert_close(PORT.to_numpy(s.seed[1]), hidden[0, 1], "float64", "seed")
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_a_state_without_a_draft_kv_only_advances_filled():
     """Check 11: a state of the block model whose cache is None (filled 4), a capture `[4, 6)`
     and L = 7: True, filled 6, the seed moved to 5, nothing else."""
@@ -238,6 +246,7 @@ def test_a_state_without_a_draft_kv_only_advances_filled():
     assert (s.filled, s.poisoned, s.seed[0], s.cache) == (6, False, 5, None)
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_a_refused_truncate_poisons_that_row_only_and_stays_poisoned():
     """Check 12: row 0 filled 20 on a draft KV of capacity 16, with something to write
     (`[20, 22)`): `set_len(20)` is refused, the CacheRefusal "MTP draft KV truncate to 20
@@ -270,6 +279,7 @@ def test_a_refused_truncate_poisons_that_row_only_and_stays_poisoned():
     assert [(s.filled, s.poisoned) for s in ps] == [(20, True), (8, False)]
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_a_uniform_group_with_ragged_starts_is_refused_and_its_rows_keep_their_lengths():
     """C §9.3, §10.2: a group drafted without per-sequence advance is set to its first start
     (2) as one length; a member whose start is 4 makes the chain refuse ("desync",

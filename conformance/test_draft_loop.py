@@ -33,6 +33,10 @@ def two_row_group(per_seq: bool):
     return [a, b], toks, key
 
 
+@pytest.mark.rule(
+    "group loop: group cache via resolve_draft_leads",
+    "group loop: write-back with split and strip, then record drafts",
+)
 def test_the_per_sequence_example_drafts_a_ragged_group_in_one_forward(monkeypatch):
     states, toks, key = two_row_group(per_seq=True)
     alone = []
@@ -59,6 +63,7 @@ def test_the_per_sequence_example_drafts_a_ragged_group_in_one_forward(monkeypat
     assert all(s.cache.k.current_data().shape[2] == s.cache.current_seq_len for s in states)
 
 
+@pytest.mark.rule("group loop: group cache via resolve_draft_leads")
 def test_a_uniform_group_takes_batch_draft_caches_and_the_scalar_chain(monkeypatch):
     states = [
         state_with(14, 13, 11, s) for s in range(3)
@@ -78,6 +83,7 @@ def test_a_uniform_group_takes_batch_draft_caches_and_the_scalar_chain(monkeypat
     ] * 3
 
 
+@pytest.mark.rule("group loop: group cache via resolve_draft_leads")
 def test_with_the_flag_off_a_group_is_never_front_aligned(monkeypatch):
     """resolve_draft_leads is gated on per_seq_advance: even unequal starts take
     batch_draft_caches + set_len(starts[0]) (nothing would mask the padding)."""
@@ -108,6 +114,7 @@ def test_with_the_flag_off_a_group_is_never_front_aligned(monkeypatch):
     assert batched == [2] and all(len(d) == 3 for d in drafts)
 
 
+@pytest.mark.rule("group loop: member skips")
 @pytest.mark.parametrize(
     "defect", ["budget 0", "no state", "poisoned", "no seed", "stale seed", "filled short"]
 )
@@ -135,6 +142,7 @@ def test_a_member_that_cannot_draft_is_skipped(defect):
         assert (states[1].filled, states[1].cache.current_seq_len) == before
 
 
+@pytest.mark.rule("group loop: member skips")
 def test_nothing_to_draft_warns_once_and_only_with_a_block():
     states = [state_with(12, 12, None, 0), state_with(12, 12, None, 1)]
     groups = {(1, 11): [0], (2, 12): [1]}
@@ -158,6 +166,7 @@ def test_nothing_to_draft_warns_once_and_only_with_a_block():
     assert quiet == []
 
 
+@pytest.mark.rule("group loop: group cache via resolve_draft_leads")
 def test_an_unbatchable_uniform_group_is_skipped_with_a_warning():
     a, b = state_with(12, 12, 11, 0), state_with(20, 12, 11, 1)  # capacity 16 vs 528
     b.cache.set_len(12)
@@ -177,6 +186,7 @@ def test_an_unbatchable_uniform_group_is_skipped_with_a_warning():
     assert (a.filled, a.cache.current_seq_len, b.filled) == (12, 12, 12)
 
 
+@pytest.mark.rule("group loop: group cache via resolve_draft_leads")
 def test_a_refused_set_len_or_front_alignment_skips_the_group(monkeypatch):
     states, toks, key = two_row_group(per_seq=True)
     states[1].cache.set_len(8)  # holds 8 < chain start 9: front_align_draft_group refuses
@@ -203,6 +213,7 @@ def test_a_refused_set_len_or_front_alignment_skips_the_group(monkeypatch):
     assert drafts == [[], []] and "set_len(11)" in warnings[0]
 
 
+@pytest.mark.rule("group loop: chain errors propagate")
 def test_a_chain_error_propagates(monkeypatch):
     def boom(*args, **kwargs):
         raise StepRefusal("chain failed")
@@ -215,6 +226,7 @@ def test_a_chain_error_propagates(monkeypatch):
         )
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 def test_a_split_failure_gives_the_group_no_drafts(monkeypatch):
     monkeypatch.setattr(draft_mod, "split_draft_cache", lambda batched, g: None)
     states = [state_with(12, 12, 11, s) for s in range(2)]
@@ -233,6 +245,7 @@ def test_a_split_failure_gives_the_group_no_drafts(monkeypatch):
     assert drafts == [[], []] and [s.filled for s in states] == [12, 12] and len(warnings) == 1
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 def test_a_failed_strip_poisons_the_row_but_still_records_its_draft(monkeypatch):
     orig = draft_mod.drop_dead_prefix
     seen = []
@@ -257,6 +270,7 @@ def test_a_failed_strip_poisons_the_row_but_still_records_its_draft(monkeypatch)
     assert len(warnings) == 1 and "row 1" in warnings[0]
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 def test_the_strip_runs_before_filled_is_committed(monkeypatch):
     """Write-back order: drop_dead_prefix(row_cache, lead), then filled = chain_start + 1."""
     order = []
@@ -327,6 +341,7 @@ def first_call(monkeypatch, name, replacement):
     monkeypatch.setattr(draft_mod, name, once)
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 @pytest.mark.parametrize(
     "defect", ["no row", "no cache", "unbatchable", "set_len", "front-align", "split"]
 )
@@ -342,6 +357,7 @@ def test_a_skipped_group_warns_with_its_key_and_the_next_group_still_drafts(defe
     assert [s.cache.current_seq_len for s in states[2:]] == [14, 14]
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 def test_every_tier_a_group_drafts():
     states = [DraftKv(None, 11, seed=(11, np.ones(H))), DraftKv(None, 12, seed=(12, np.ones(H)))]
     drafts = group_drafting_loop(TIER_A, {(1, 0): [0], (1, 1): [1]}, states,
@@ -350,6 +366,7 @@ def test_every_tier_a_group_drafts():
                       propose_chain(TIER_A, np.ones(H), 13, 3, 99, 12, None)]
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 def test_a_failed_strip_of_one_row_leaves_the_next_row_written_back(monkeypatch):
     orig = draft_mod.drop_dead_prefix
 
@@ -371,6 +388,7 @@ def test_a_failed_strip_of_one_row_leaves_the_next_row_written_back(monkeypatch)
     assert states[1].cache.current_seq_len == 14 and [len(d) for d in drafts] == [3, 3]
 
 
+@pytest.mark.rule("group loop: write-back with split and strip, then record drafts")
 def test_the_loop_needs_one_entry_per_row():
     states = [state_with(12, 12, 11, 0), state_with(12, 12, 11, 1)]
     for toks, lens, budgets, got in (([[1]], [12, 12], [9, 9], "toks (1), cache_lens (2) and "

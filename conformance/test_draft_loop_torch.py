@@ -77,6 +77,7 @@ def run_both(plan, w, per_seq, cfg=None, edit=None):
     return rd, rw, groups
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_groups_without_a_drafting_row_warn_once_and_later_groups_still_draft():
     """Scalar keys `(u, C + u - 2)`: the unseeded rows' groups (before and after) draft
     nothing and warn "no row" once per call; the seeded row's group drafts `w - u` tokens."""
@@ -85,6 +86,7 @@ def test_groups_without_a_drafting_row_warn_once_and_later_groups_still_draft():
     assert warnings == [WARNINGS["no row"].format(key=next(iter(groups)))]
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_a_member_without_a_draft_kv_skips_its_group_with_a_warning():
     """A seeded member whose draft KV is gone: its group is skipped ("no cache"), the next
     group drafts."""
@@ -96,6 +98,7 @@ def test_a_member_without_a_draft_kv_skips_its_group_with_a_warning():
     assert warnings == [WARNINGS["no cache"].format(key=next(iter(groups)))]
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_the_heads_only_model_drafts_without_a_draft_kv():
     """Tier A: no block, no draft KV; each group's chain from the heads alone (seeds set by
     hand: priming stashes none without a block); a group with no seeded row warns nothing."""
@@ -118,6 +121,7 @@ def test_the_heads_only_model_drafts_without_a_draft_kv():
     assert [len(d) for d in drafts] == [0, 1] and warnings == []
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_a_ragged_group_under_per_sequence_advance_drafts_every_row():
     """One per-row group of rows at C = 3, 6, 4: front-aligned (lengths only), each row
     `chain_start + n` long afterwards, its capacity the batched one less its lead."""
@@ -125,6 +129,7 @@ def test_a_ragged_group_under_per_sequence_advance_drafts_every_row():
     assert [len(d) for d in drafts] == [3, 3, 3] and warnings == []
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_a_refused_alignment_skips_the_group_with_a_warning():
     """A member whose draft KV holds less than its chain start: the ragged alignment is
     refused (AlignRefusal), warned "front-align", the group skipped."""
@@ -136,6 +141,7 @@ def test_a_refused_alignment_skips_the_group_with_a_warning():
     assert warnings[0].startswith("draft group (1, 0): front-alignment refused (")
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_malformed_batches_are_refused_alike():
     """Row counts that disagree, and (the port) draft KVs that are not rows of one pool."""
     cfg = ModelConfig()
@@ -159,6 +165,7 @@ def test_malformed_batches_are_refused_alike():
         "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)")
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_an_unbatchable_uniform_group_is_skipped_with_a_warning_and_the_next_group_drafts():
     """Scalar keys: two rows at C = 3 whose draft KVs differ in length cannot be batched
     ("unbatchable", skipped); the row at C = 5 (a later group) still drafts."""
@@ -170,6 +177,7 @@ def test_an_unbatchable_uniform_group_is_skipped_with_a_warning_and_the_next_gro
     assert warnings == [WARNINGS["unbatchable"].format(key=next(iter(groups)))]
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 def test_a_uniform_group_whose_set_len_is_refused_is_skipped_with_a_warning():
     """Scalar keys: a row at C = 1 drafts from chain start 0; a row at C = 20 whose draft KV
     was replaced by an empty one (capacity 16) cannot be set to its start 19: "set_len"

@@ -44,6 +44,7 @@ def brute_spread(steps):
     return out
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 @given(
     st.lists(
         st.dictionaries(st.integers(0, 20), st.integers(0, 500), max_size=9),
@@ -67,6 +68,7 @@ def test_spread_band_equals_a_brute_force_recomputation(lengths_by_step, prompt_
             assert y == lens[seq] - min(lens.values())
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_a_uniform_batch_has_a_zero_width_band():
     steps = engine_trace([{0: 100 + t, 1: 100 + t, 2: 100 + t} for t in range(30)])
     band = drift.spread_band(steps)
@@ -75,6 +77,7 @@ def test_a_uniform_batch_has_a_zero_width_band():
     assert band.max_spread == 0
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_a_constant_spread_gives_flat_lines_and_a_constant_band():
     steps = engine_trace([{0: 50 + 3 * t, 1: 52 + 3 * t, 2: 55 + 3 * t} for t in range(20)])
     band = drift.spread_band(steps)
@@ -83,6 +86,7 @@ def test_a_constant_spread_gives_flat_lines_and_a_constant_band():
     assert {q: set(ys) for q, (_, ys) in band.rows.items()} == {0: {0}, 1: {2}, 2: {5}}
 
 
+@pytest.mark.rule("§17.3 no-strip negative control")
 def test_the_section_17_3_control_collapses_to_spread_2_and_the_stripped_run_keeps_drifting():
     stripped = drift.spread_band(engine_trace(section_17_3(12, strip=True)))
     control = drift.spread_band(engine_trace(section_17_3(12, strip=False)))
@@ -94,6 +98,7 @@ def test_the_section_17_3_control_collapses_to_spread_2_and_the_stripped_run_kee
     assert stripped.max_spread == 27 and control.max_spread == 3
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_only_decode_steps_are_measured_when_the_trace_has_phases():
     steps = engine_trace(
         [{0: 5, 1: 90}, {0: 10, 1: 12}, {0: 20, 1: 20}], phases={0: "prompt", 2: "idle"}
@@ -105,6 +110,7 @@ def test_only_decode_steps_are_measured_when_the_trace_has_phases():
     assert list(drift.spread_band(steps).step) == [0, 1, 2]
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_the_row_lines_start_with_the_row_that_drifts_furthest():
     steps = engine_trace(
         [{0: 10, 1: 10, 2: 10, 3: 10}, {0: 11, 1: 19, 2: 12, 3: 13}, {0: 12, 2: 14, 3: 15}]
@@ -116,6 +122,7 @@ def test_the_row_lines_start_with_the_row_that_drifts_furthest():
 # ---------------------------------------------------------------- per-position acceptance
 
 
+@pytest.mark.rule("per-position acceptance read back from a trace")
 def test_per_position_acceptance_of_the_spec_marker_example():
     # cache-and-draft §17.2 per_position_acceptance_is_on_the_marker_and_the_report:
     # accepts 3,2,1,0 at depth 3 -> accepted_at [3,2,1], reached [4,3,2], p_pos .75,.6667,.5.
@@ -127,6 +134,7 @@ def test_per_position_acceptance_of_the_spec_marker_example():
     assert pp.p == [0.75, 0.5, 0.25]
 
 
+@pytest.mark.rule("per-position acceptance read back from a trace")
 def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
     # §17.2: 100 steps at depth 3; step_of(3,1) -> accepted_at [100,0,0], reached [100,100,0];
     # alternating 2/0 -> [50,50,0], [100,50,50], p_pos [0.5, 1, 0].
@@ -140,6 +148,7 @@ def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
     assert one.p[0] == 1.0 and alt.p[0] == 0.5
 
 
+@pytest.mark.rule("per-position acceptance read back from a trace")
 @given(st.lists(st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))),
                 min_size=1, max_size=40))
 def test_per_position_counts_equal_a_brute_force_count(pairs):
@@ -156,6 +165,7 @@ def test_per_position_counts_equal_a_brute_force_count(pairs):
 # ----------------------------------------------------------- tok_per_step and summaries
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_tok_per_step_prefers_the_summary_then_the_steps_then_the_rows():
     steps = engine_trace(
         [{0: 10, 1: 10}, {0: 12, 1: 11}], accepts=[{0: (3, 3), 1: (3, 0)}, {0: (3, 1), 1: (3, 2)}]
@@ -173,6 +183,7 @@ def test_tok_per_step_prefers_the_summary_then_the_steps_then_the_rows():
         drift.tok_per_step(TraceData("t", steps))
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_the_summary_reports_the_plotted_values():
     rng = random.Random(3)
     lens = []
@@ -197,6 +208,7 @@ def test_the_summary_reports_the_plotted_values():
 # ------------------------------------------------------------ reading other engines' traces
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_a_jsonl_and_a_csv_trace_read_back_to_the_same_data(tmp_path):
     accepts = [{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7
     steps = engine_trace(section_17_3(6, strip=True), accepts=accepts)
@@ -218,6 +230,7 @@ def minimal_engine_lines(n_steps=10):
     ]
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(tmp_path):
     path = tmp_path / "engine.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in minimal_engine_lines()))
@@ -233,6 +246,7 @@ def test_a_minimal_engine_trace_is_summarized_and_every_missing_field_is_named(t
     )
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 @pytest.mark.parametrize("text, field", [
     ('{"step": 0, "rows": [{"seq": 1}]}', "rows[].own_len"),
     ('{"step": 0, "rows": [{"own_len": 4}]}', "rows[].seq"),
@@ -249,6 +263,7 @@ def test_a_trace_without_a_required_field_is_refused_by_name(tmp_path, text, fie
     assert field in str(err.value) and str(path) in str(err.value)
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_a_csv_without_own_len_is_refused_by_name(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("step,seq\n0,1\n")
@@ -259,6 +274,7 @@ def test_a_csv_without_own_len_is_refused_by_name(tmp_path):
 # ---------------------------------------------------------------------------- the report
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_the_summaries_of_the_three_section_17_3_style_runs():
     runs = [TraceData("cohort", engine_trace([{0: 10 + t, 1: 10 + t} for t in range(9)])),
             TraceData("per-sequence, strip", engine_trace(section_17_3(8, strip=True))),
@@ -272,6 +288,7 @@ def test_the_summaries_of_the_three_section_17_3_style_runs():
     assert json.loads(json.dumps(summaries)) == summaries  # plain JSON data
 
 
+@pytest.mark.rule("§17.3 no-strip negative control")
 def test_the_no_strip_control_rebuilds_section_17_3_from_the_stripped_run():
     control = drift.no_strip_control(engine_trace(section_17_3(12, strip=True)))
     expected = section_17_3(12, strip=False)

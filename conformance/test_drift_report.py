@@ -18,6 +18,7 @@ from raggedspec.drift import TraceData
 SMALL_W0 = {"batch": 4, "prompt_len": 16, "max_new_tokens": 24, "steps": 20, "world": "W0"}
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_scenario_runs_grant_per_sequence_and_explain_a_world_that_splits_ragged_rows():
     runs = drift.scenario_runs(SMALL_W0)
     assert [r.header["scenario"]["advance"] for r in runs] == [
@@ -35,6 +36,7 @@ def test_scenario_runs_grant_per_sequence_and_explain_a_world_that_splits_ragged
     assert runs[2].control is not None and runs[0].control is None
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_the_sweep_reports_both_rules_per_batch_and_drives_the_progress_bar():
     calls = []
 
@@ -58,6 +60,7 @@ def test_the_sweep_reports_both_rules_per_batch_and_drives_the_progress_bar():
 # ------------------------------------------------------------------------- review fixes
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_deferred_steps_carry_leads_and_count_in_spread_and_padding_but_not_in_acceptance():
     """A `defer` step (the window deferral's plain decode) runs on the batched cache with
     its leads, so spread and padding count it; acceptance counts only `decode` steps."""
@@ -82,6 +85,7 @@ def test_deferred_steps_carry_leads_and_count_in_spread_and_padding_but_not_in_a
     assert drift.tok_per_step(TraceData("t", steps)) == (4 + 1 + 3 + 2) / 4
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_rows_cover_says_when_only_the_running_bucket_is_measured():
     one = engine_trace([{0: 10, 1: 10}, {0: 11, 1: 11}])
     assert drift.rows_cover(one) == "every running sequence"
@@ -105,6 +109,7 @@ def figure_text(fig):
     return " | ".join(" ".join(x.split()) for x in out)  # wrapped lines joined back
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_a_w0_run_that_shatters_does_not_claim_every_row_holds_the_same_length():
     """W0 puts each cache length in its own bucket, so a granted per-sequence run's steps
     hold one length each: spread 0 within the bucket that ran. The summary and the figure say
@@ -118,6 +123,7 @@ def test_a_w0_run_that_shatters_does_not_claim_every_row_holds_the_same_length()
     assert text.count("every running row holds the same length") == 1  # the cohort panel only
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_a_run_a_refusal_ended_is_labelled_in_every_figure_and_the_summary():
     """The no-strip control is refused after a few steps; its panel title says so, the
     dotted line says it is computed (not simulated), and its averages are labelled."""
@@ -143,6 +149,7 @@ def test_a_run_a_refusal_ended_is_labelled_in_every_figure_and_the_summary():
     assert any(f"averages cover only its {n} measured steps" in x for x in none["notes"])
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_the_spread_legend_matches_the_panels_and_rows_do_not_overdraw_the_max_line():
     runs = drift.scenario_runs(SMALL_W0 | {"world": "WB", "steps": 40, "max_new_tokens": 60})
     fig = drift.figure_spread(runs)
@@ -163,6 +170,7 @@ def test_the_spread_legend_matches_the_panels_and_rows_do_not_overdraw_the_max_l
         )
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_a_constant_bucket_series_is_explained_not_plotted():
     flat = [TraceData("a", engine_trace([{0: 10 + t, 1: 9 + t} for t in range(5)]))]
     fig = drift.figure_groups_buckets(flat)
@@ -175,6 +183,7 @@ def test_a_constant_bucket_series_is_explained_not_plotted():
     assert len(fig.axes) == 2 and "a (1 at every step)" in figure_text(fig)
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_the_per_position_titles_are_plain_words():
     text = figure_text(
         drift.figure_per_position([TraceData("t", steps_with_accepts([(3, 2), (3, 0)]))])
@@ -183,6 +192,7 @@ def test_the_per_position_titles_are_plain_words():
     assert "Of the drafts that reached position j" in text and "the fraction accepted" in text
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_the_sweep_explains_the_b2_drop_and_names_its_ratio():
     """At B = 2 with per-sequence advance (the built-in scenario) the two rows stop drafting:
     their draft caches' capacities differ when they meet at equal lengths, and
@@ -231,6 +241,7 @@ def _inside(fig) -> list[str]:
     return out
 
 
+@pytest.mark.rule("raggedspec drift")
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_no_title_or_legend_is_clipped_at_any_panel_count(n):
     accepts = [{0: (3, 2), 1: (3, 0), 2: (3, 1)}] * 7
@@ -242,6 +253,7 @@ def test_no_title_or_legend_is_clipped_at_any_panel_count(n):
         assert _inside(fig) == [], (make.__name__, n)
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_summary_records_scenario_and_seed_and_does_not_depend_on_the_output_folder(tmp_path):
     over = {"batch": 3, "steps": 12, "max_new_tokens": 10, "seed": 7}
     a = drift.drift_from_scenario(None, tmp_path / "a", overrides=over, batches=[1, 2])
@@ -256,6 +268,7 @@ def test_summary_records_scenario_and_seed_and_does_not_depend_on_the_output_fol
     assert a["removed_stale"] == []
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_a_reused_output_folder_loses_the_figures_this_run_does_not_draw(tmp_path):
     over = {"batch": 3, "steps": 12, "max_new_tokens": 10}
     drift.drift_from_scenario(None, tmp_path, overrides=over, batches=[1, 2])
@@ -269,6 +282,7 @@ def test_a_reused_output_folder_loses_the_figures_this_run_does_not_draw(tmp_pat
     assert sorted(again["files"]) == kept
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_a_figure_that_fails_to_draw_leaves_the_earlier_report_untouched(tmp_path, monkeypatch):
     import raggedspec.drift.figures as figures
 

@@ -145,6 +145,7 @@ def run_both(data: dict, port=None):
     return out, ref, port
 
 
+@pytest.mark.rule("end to end: the same scenario on two backends")
 @given(data=scenarios)
 def test_every_step_of_a_generated_scenario_matches_the_reference(data):
     """The issue's end-to-end property: same scenario, two backends, every step's state
@@ -168,6 +169,7 @@ GQA = {
 }
 
 
+@pytest.mark.rule("end to end with several KV heads")
 @settings(max_examples=max(25, settings.default.max_examples // 4))
 @example(data=GQA[2])
 @example(data=GQA[4])
@@ -186,6 +188,7 @@ def test_models_with_several_kv_heads_match_the_reference(data):
     assert counts["forwards"] >= 1 or not any(s["phase"] != "idle" for s in ref.steps())
 
 
+@pytest.mark.rule("end to end with several KV heads")
 def test_the_gqa_examples_have_several_kv_heads_and_reach_the_ragged_paths():
     """Non-degeneracy of the explicit GQA examples: ratios 2, 4 and 8, each with several KV
     heads; together they run ragged per-sequence steps, ragged cohort batches and the MTP
@@ -275,6 +278,7 @@ FIXED = [
 ]
 
 
+@pytest.mark.rule("end to end: the same scenario on two backends")
 @pytest.mark.parametrize("case", range(len(FIXED)))
 def test_fixed_scenarios_match_the_reference(case):
     """Hand-picked scenarios through the paths the property must reach; compared the same way."""
@@ -283,6 +287,7 @@ def test_fixed_scenarios_match_the_reference(case):
     assert counts["forwards"] >= 3 and counts["tensors"] > 20
 
 
+@pytest.mark.rule("end to end: the same scenario on two backends")
 def test_the_fixed_scenarios_reach_the_interesting_paths():
     """Non-degeneracy: across the fixed scenarios the reference runs ragged per-sequence
     steps (a lead > 0 with per-row positions), the lazy and none strip policies, deferrals
@@ -326,6 +331,11 @@ def accept_file(tmp_path, counts):
     return str(path)
 
 
+@pytest.mark.rule(
+    "dead-prefix union mask, backend",
+    "the port's per-sequence caches and clone-in",
+    "the spec's worked examples end to end",
+)
 def test_the_per_sequence_example_matches_tensor_for_tensor(tmp_path):
     """C §16 PerSequence example (A own 12, B own 10 -> leads [0, 2], chain starts [11, 9],
     A accepts 2, B 0) on both backends: the ragged step's masks kill B's two dead columns,
@@ -350,6 +360,7 @@ def test_the_per_sequence_example_matches_tensor_for_tensor(tmp_path):
     assert np.isneginf(mask[1, 0, :, :2]).all() and not np.isneginf(mask[0, 0, 0, :2]).any()
 
 
+@pytest.mark.rule("the spec's worked examples end to end")
 def test_the_cohort_example_matches_tensor_for_tensor(tmp_path):
     """C §16 cohort example (C = 10, A u=1, B u=2; keep 2, n_drop 2) on both backends."""
     data = {
@@ -391,6 +402,7 @@ class _RoundsHidden(NumpyBackend):
         return fwd
 
 
+@pytest.mark.rule("the end-to-end comparison can fail")
 def test_the_comparison_catches_a_mask_that_forgets_the_dead_prefix():
     """Negative control: the same ragged scenario on a backend whose forward forgets the dead
     prefix fails the comparison at the first ragged step's hidden state, not before."""
@@ -402,6 +414,7 @@ def test_the_comparison_catches_a_mask_that_forgets_the_dead_prefix():
     assert compare_runs(good, ref, "float64")["tensors"] > 100
 
 
+@pytest.mark.rule("the end-to-end comparison can fail")
 def test_the_comparison_catches_a_length_recorded_with_its_padding():
     """Negative control: a backend whose per-sequence commit keeps the padded width (the
     re-converging rows of DESIGN.md) changes the integer trace, which the comparison names."""

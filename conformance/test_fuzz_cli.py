@@ -11,6 +11,7 @@ fuzzer explores input handling, not long simulations.
 
 from __future__ import annotations
 
+import pytest
 import contextlib
 import io
 import json
@@ -234,6 +235,7 @@ def check_run(argv_template: list[str], scenario: bytes = b"", trace: bytes = b"
             assert err.strip(), argv  # an error says why
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @fuzz(40)
 @given(scenario=scenario_bytes)
 def test_fuzzed_scenario_files(scenario):
@@ -252,12 +254,14 @@ def test_fuzzed_scenario_files(scenario):
     )
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @fuzz(25)
 @given(trace=trace_bytes)
 def test_fuzzed_trace_files(trace):
     check_run(["drift", "--trace", "{trace}", "--out", "{keep}", "-q"], trace=trace)
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @fuzz(40)
 @given(command=st.sampled_from(["simulate", "drift"]), middle=tokens, scenario=scenario_bytes)
 def test_fuzzed_argument_lists(command, middle, scenario):

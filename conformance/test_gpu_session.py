@@ -81,6 +81,7 @@ def step_rows(summary: str, column: int = 1) -> dict[str, str]:
 # --------------------------------------------------------------------------- the whole smoke
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @needs_gxx
 def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(
     tmp_path, session_module
@@ -118,6 +119,7 @@ def test_the_cpu_smoke_ends_inside_its_deadline_and_accounts_for_every_step(
 # --------------------------------------------------------------------------- the deadline
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @needs_gxx
 def test_a_tiny_deadline_skips_the_later_steps_each_with_a_note(tmp_path, session_module):
     out = tmp_path / "out"
@@ -142,6 +144,7 @@ def test_a_tiny_deadline_skips_the_later_steps_each_with_a_note(tmp_path, sessio
     assert "## Notes" in (out / "summary.md").read_text()
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_each_timeout_is_the_cap_clipped_to_the_time_left(session_module, tmp_path):
     gs = session_module
     out = tmp_path / "out"
@@ -161,6 +164,7 @@ def test_each_timeout_is_the_cap_clipped_to_the_time_left(session_module, tmp_pa
     assert limit == 0 and why.startswith("skipped: needs >= 5 s") and "20 s kept" in why
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_a_step_over_its_limit_is_killed_with_its_children(session_module, tmp_path):
     gs = session_module
     out = tmp_path / "out"
@@ -183,6 +187,7 @@ def test_a_step_over_its_limit_is_killed_with_its_children(session_module, tmp_p
     assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_a_script_stopped_from_outside_takes_its_running_step_along(tmp_path):
     out = tmp_path / "out"
     cmd = [
@@ -226,6 +231,7 @@ _ck.ragged_verify_attention_emulated = _wrong
 """
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @needs_gxx
 def test_a_failing_preflight_exits_3_skips_the_cupy_steps_and_runs_the_rest(tmp_path):
     inject = tmp_path / "inject"
@@ -254,6 +260,7 @@ def test_a_failing_preflight_exits_3_skips_the_cupy_steps_and_runs_the_rest(tmp_
     assert "FAILED check(s): reference:float64" in (out / "session.log").read_text()
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @needs_gxx
 def test_the_preflight_catches_a_wrong_kernel_and_names_the_check(monkeypatch, capsys, tmp_path):
     real = ck.ragged_verify_attention_emulated
@@ -293,18 +300,21 @@ def _passing_run(mode: str, tmp_path: Path) -> dict:
     return rows
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @needs_gxx
 def test_the_preflight_passes_under_the_emulator_and_skips_the_stream_check(tmp_path):
     side = _passing_run("emulate", tmp_path)["side_stream"]
     assert side["status"] == "skipped" and "CUDA" in side["detail"]
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @pytest.mark.skipif(NO_CUPY is not None, reason=f"CuPy needs a CUDA GPU: {NO_CUPY}")
 def test_the_preflight_passes_through_cupy_with_the_stream_check(tmp_path):
     assert preflight.pick_mode("auto") == ("cupy", None)
     assert _passing_run("cupy", tmp_path)["side_stream"]["status"] == "ok"
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_the_reference_reads_only_each_rows_live_keys():
     c = preflight.REFERENCE_CASE
     q, k, v = preflight.ragged_inputs(4, c["hk"], c["g"], c["w"], 8, 20, [20, 5, 9, 2], seed=3)
@@ -317,6 +327,7 @@ def test_the_reference_reads_only_each_rows_live_keys():
     assert preflight.rel_err(want * float("nan"), want) == float("inf")
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 @pytest.mark.skipif(NO_CUPY is None, reason="CuPy runs here: the refusal needs a machine without")
 def test_asking_for_cupy_where_it_cannot_run_exits_2(capsys):
     assert preflight.main(["--mode", "cupy"]) == preflight.EXIT_USAGE
@@ -326,6 +337,7 @@ def test_asking_for_cupy_where_it_cannot_run_exits_2(capsys):
 # --------------------------------------------------------------------------- plugin, usage
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_a_bench_cut_short_still_shows_its_finished_cases_in_the_summary(session_module, tmp_path):
     import session_report
 
@@ -379,6 +391,7 @@ def test_a_bench_cut_short_still_shows_its_finished_cases_in_the_summary(session
     assert "| the full table |" in text and "cut short" not in text
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_the_junit_plugin_writes_one_file_per_test_file_with_its_counts(tmp_path):
     tests = tmp_path / "t"
     tests.mkdir()
@@ -424,6 +437,7 @@ def test_the_junit_plugin_writes_one_file_per_test_file_with_its_counts(tmp_path
     assert (b.get("tests"), b.get("failures"), b.get("skipped")) == ("1", "0", "0")
 
 
+@pytest.mark.rule("GPU session script and raggedspec preflight")
 def test_bad_usage_exits_2_and_writes_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     proc = subprocess.run(

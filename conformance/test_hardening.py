@@ -37,6 +37,7 @@ def one_error_line(err: str) -> str:
 # ------------------------------------------------------------------- scenario files
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @pytest.mark.parametrize(
     "content", [b"\x00\xff\xfe binary", "batch = 2\n".encode("utf-16")], ids=["binary", "utf-16"]
 )
@@ -52,6 +53,10 @@ def test_a_scenario_file_that_is_not_utf8_exits_2_naming_the_file(content, tmp_p
     assert out.read_text() == "earlier trace\n"
 
 
+@pytest.mark.rule(
+    "scenario config and validation",
+    "raggedspec command line and raggedspec simulate",
+)
 def test_a_length_past_32_bits_exits_2_naming_the_key_and_range(tmp_path, capsys):
     sc = tmp_path / "s.toml"
     sc.write_text("max_seq_len = 1000000000000\n")
@@ -66,6 +71,7 @@ def test_a_length_past_32_bits_exits_2_naming_the_key_and_range(tmp_path, capsys
     )
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_an_acceptance_oracle_that_raises_exits_2_naming_it(tmp_path, capsys):
     mod = tmp_path / "raising_oracle.py"
     mod.write_text("def make(scenario):\n    raise RuntimeError('oracle is broken')\n")
@@ -91,6 +97,7 @@ def test_an_acceptance_oracle_that_raises_exits_2_naming_it(tmp_path, capsys):
 # ------------------------------------------------------------------------- outputs
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 @pytest.mark.parametrize("where", ["child of a file", "directory", "csv under a file"])
 def test_bad_output_paths_exit_2_before_any_work_and_clobber_nothing(where, tmp_path, capsys):
     afile = tmp_path / "afile"
@@ -111,6 +118,7 @@ def test_bad_output_paths_exit_2_before_any_work_and_clobber_nothing(where, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "t.jsonl"]
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_an_unwritable_output_folder_exits_2(tmp_path, monkeypatch, capsys):
     import raggedspec.outputs
 
@@ -127,6 +135,7 @@ def test_an_unwritable_output_folder_exits_2(tmp_path, monkeypatch, capsys):
     assert list(ro.iterdir()) == []
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_output_path_checks_name_the_flag_and_refuse_each_case(tmp_path):
     f = tmp_path / "f"
     f.write_text("x")
@@ -142,6 +151,7 @@ def test_output_path_checks_name_the_flag_and_refuse_each_case(tmp_path):
     assert not (tmp_path / "new").exists()  # a check creates nothing
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_failed_or_interrupted_write_leaves_every_existing_file_and_no_temporary(tmp_path):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("old a")
@@ -160,6 +170,7 @@ def test_a_failed_or_interrupted_write_leaves_every_existing_file_and_no_tempora
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_simulate_interrupted_while_writing_the_csv_keeps_the_earlier_trace(
     tmp_path, monkeypatch, capsys
 ):
@@ -179,6 +190,7 @@ def test_simulate_interrupted_while_writing_the_csv_keeps_the_earlier_trace(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_bug_exits_3_with_the_traceback_saved_to_the_printed_file(tmp_path, monkeypatch, capsys):
     import raggedspec.drift
 
@@ -202,6 +214,7 @@ def test_a_bug_exits_3_with_the_traceback_saved_to_the_printed_file(tmp_path, mo
 # ----------------------------------------------------------------------- run size
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_run_over_the_size_limit_is_refused_with_its_estimate_unless_forced(
     tmp_path, monkeypatch, capsys
 ):
@@ -217,6 +230,7 @@ def test_a_run_over_the_size_limit_is_refused_with_its_estimate_unless_forced(
     assert rc == 0 and out.is_file() and "over the limit" in err
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_the_largest_allowed_batch_is_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "t.jsonl"
     out.write_text("earlier trace\n")
@@ -227,6 +241,7 @@ def test_the_largest_allowed_batch_is_refused_before_any_work(tmp_path, capsys):
     assert out.read_text() == "earlier trace\n"
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_a_huge_tensor_scenario_is_refused_for_its_memory(tmp_path, capsys):
     rc, err = run_cli(
         [
@@ -248,6 +263,7 @@ def test_a_huge_tensor_scenario_is_refused_for_its_memory(tmp_path, capsys):
     assert rc == 2 and "memory" in one_error_line(err) and "tensor mode" in err
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_the_estimate_is_above_what_a_small_run_writes(tmp_path, capsys):
     from raggedspec.estimate import estimate
     from raggedspec.reference.scenario import load_scenario
@@ -269,12 +285,14 @@ def test_the_estimate_is_above_what_a_small_run_writes(tmp_path, capsys):
 # ------------------------------------------------------------------------ drift
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_drift_label_without_a_trace_exits_2(tmp_path, capsys):
     rc, err = run_cli(["drift", "--label", "mine", "--out", tmp_path / "o"], capsys)
     assert rc == 2 and "--label" in one_error_line(err) and "--trace" in err
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 @pytest.mark.parametrize(
     "line, words",
     [
@@ -308,6 +326,7 @@ def test_trace_fields_of_the_wrong_type_exit_2_naming_file_field_and_value(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace")
 def test_a_trace_that_is_not_utf8_exits_2(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_bytes(b"\xff\xfe\x00binary")
@@ -318,6 +337,7 @@ def test_a_trace_that_is_not_utf8_exits_2(tmp_path, capsys):
 # ------------------------------------------------------------------------ bench
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize(
     "content, words",
     [
@@ -353,6 +373,7 @@ def run_module(*args):
     )
 
 
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
 def test_conformance_on_a_missing_path_or_an_empty_selection_exits_2():
     p = run_module("conformance", "--backend", "numpy", "--tests", "conformance/no_such_test.py")
     assert (
@@ -372,6 +393,7 @@ def test_conformance_on_a_missing_path_or_an_empty_selection_exits_2():
     assert p.returncode == 2 and "no test selected" in p.stderr and "no_such_name" in p.stderr
 
 
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
 def test_an_end_to_end_failure_blames_the_rule_of_its_first_differing_tensor():
     """A port that rotates every row at row 0's offset: the RoPE row fails, the union-mask row
     (which also lists the failing end-to-end test) passes, and the failure is named."""
@@ -396,7 +418,7 @@ def test_an_end_to_end_failure_blames_the_rule_of_its_first_differing_tensor():
     rope = next(r for r in rows if r.startswith("RoPE positions and rotation, backend"))
     mask = next(r for r in rows if r.startswith("dead-prefix union mask, backend"))
     assert rows[rope] == "FAIL" and rows[mask] == "pass", rows
-    blame = [ln for ln in p.stdout.splitlines() if ln.startswith("end to end: ")]
+    blame = [ln for ln in p.stdout.splitlines() if ln.startswith("blamed: ")]
     assert (
         len(blame) == 1
         and "rope_positions" in blame[0]
@@ -404,38 +426,31 @@ def test_an_end_to_end_failure_blames_the_rule_of_its_first_differing_tensor():
     )
 
 
-def test_rule_table_marks_only_the_rows_whose_own_tests_failed_or_that_the_tensor_names():
-    from raggedspec.conformance.runner import rule_table
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
+def test_rule_table_fails_the_rules_a_failed_test_carries_or_the_tensor_it_names():
+    from raggedspec.conformance.runner import E2E_RULE, NO_RULE, rule_table
 
-    e2e = "conformance/test_end_to_end.py::test_e2e"
-    rows = [
-        ("dead-prefix union mask, backend (x)", ["conformance/test_backend.py::test_mask", e2e]),
-        ("RoPE positions and rotation, backend (y)", ["conformance/test_backend.py::test_rope"]),
-        ("end to end (z)", [e2e]),
-    ]
-    ok = {"outcome": "passed", "examples": 1}
+    mask, rope = "dead-prefix union mask, backend", "RoPE positions and rotation, backend"
+    rules = [mask, rope, E2E_RULE]
+    ok = {"outcome": "passed", "examples": 2}
     results = {
-        "conformance/test_backend.py::test_mask": ok,
-        "conformance/test_backend.py::test_rope": ok,
-        e2e: {"outcome": "failed", "examples": 1, "blame": "RoPE positions and rotation, backend"},
+        "t_mask": dict(ok, rules=[mask]),
+        "t_rope": dict(ok, rules=[rope]),
+        "t_e2e": {"outcome": "failed", "examples": 1, "rules": [mask, E2E_RULE], "blame": rope},
     }
-    got = {rule: result for rule, _, result in rule_table(results, rows)}
-    assert got == {
-        "dead-prefix union mask, backend (x)": "pass",
-        "RoPE positions and rotation, backend (y)": "FAIL",
-        "end to end (z)": "FAIL",
-    }
-    results[e2e] = {
-        "outcome": "failed",
-        "examples": 1,
-    }  # no tensor named: every row listing it fails
-    got = {rule: result for rule, _, result in rule_table(results, rows)}
-    assert (
-        got["dead-prefix union mask, backend (x)"] == "FAIL"
-        and got["RoPE positions and rotation, backend (y)"] == "pass"
-    )
+    got = {rule: (n, result) for rule, n, result in rule_table(results, rules)}
+    assert got == {mask: (3, "pass"), rope: (2, "FAIL"), E2E_RULE: (1, "FAIL")}
+    del results["t_e2e"]["blame"]  # no tensor named: every rule the test carries fails
+    got = {rule: result for rule, _, result in rule_table(results, rules)}
+    assert got == {mask: "FAIL", rope: "pass", E2E_RULE: "FAIL"}
+    results = {"t": dict(ok, rules=[]), "u": dict(ok, rules=["a rule the table lacks"]),
+               "s": {"outcome": "skipped", "examples": 0, "rules": [rope]}}
+    got = {rule: result for rule, _, result in rule_table(results, [mask, rope])}
+    assert got == {mask: "not run", rope: "skipped", NO_RULE: "pass",
+                   "a rule the table lacks": "pass"}
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_mutation_only_matching_nothing_exits_2(capsys):
     rc = cli.main(["mutation", "--catalogue-only", "--only", "no such entry zzz"])
     out, err = capsys.readouterr()
@@ -443,6 +458,7 @@ def test_mutation_only_matching_nothing_exits_2(capsys):
     assert "mutation gate: PASS" not in out and TRACEBACK not in err
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_a_documented_equivalent_prints_as_equivalent_with_its_reason():
     from raggedspec.mutation.runner import MutantResult, load_equivalents, shown_status
 
@@ -459,6 +475,7 @@ def test_a_documented_equivalent_prints_as_equivalent_with_its_reason():
 # --------------------------------------------------------------------- exit codes
 
 
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
 def test_every_help_and_the_readme_state_the_exit_codes(capsys):
     for argv in (
         ["--help"],
@@ -473,6 +490,7 @@ def test_every_help_and_the_readme_state_the_exit_codes(capsys):
         assert code in readme.split("## Exit codes")[1].split("\n## ")[0]
 
 
+@pytest.mark.rule("raggedspec drift")
 def test_drift_over_the_memory_limit_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
     import raggedspec.estimate
 
@@ -483,6 +501,7 @@ def test_drift_over_the_memory_limit_is_refused_before_any_run(tmp_path, monkeyp
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_mutation_json_under_a_file_is_refused_before_the_run(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep me\n")

@@ -137,6 +137,7 @@ def bf16(rng, shape) -> tuple[np.ndarray, np.ndarray]:
     return bits, ck.bf16_values(bits).astype(np.float64)
 
 
+@pytest.mark.rule("the emulator's warp semantics")
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_mma_with_the_ptx_fragment_layout_is_a_matmul(lib, seed):
@@ -151,6 +152,7 @@ def test_mma_with_the_ptx_fragment_layout_is_a_matmul(lib, seed):
     )[:4]
 
 
+@pytest.mark.rule("the emulator's warp semantics")
 def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_given(lib):
     rng = np.random.default_rng(7)
     m = rng.integers(0, 2**16, size=(32, 8), dtype=np.uint16)
@@ -168,6 +170,7 @@ def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_giv
             assert x2[lane, i] == mats[i, r, c] | (mats[i, r, c + 1] << 16), ("x2", lane, i)
 
 
+@pytest.mark.rule("the emulator's warp semantics")
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_the_kernels_operand_pattern_multiplies_random_tiles(lib, seed):
@@ -181,6 +184,7 @@ def test_the_kernels_operand_pattern_multiplies_random_tiles(lib, seed):
     assert np.allclose(o_out, vv.T @ pv.T, rtol=1e-5, atol=1e-5)  # O^T [dims, queries]
 
 
+@pytest.mark.rule("the emulator's warp semantics")
 @pytest.mark.parametrize("mask", [1, 4, 8, 16, 31])
 def test_shfl_xor_exchanges_within_each_warp(lib, mask):
     x = np.arange(64, dtype=np.float32) * 1.5
@@ -190,6 +194,7 @@ def test_shfl_xor_exchanges_within_each_warp(lib, mask):
     assert np.array_equal(out, x[(lanes & ~31) | ((lanes % 32) ^ mask)])
 
 
+@pytest.mark.rule("the emulator's warp semantics")
 @pytest.mark.parametrize("short_bytes", [0, 6, 16])
 def test_cp_async_lands_only_at_its_wait(lib, short_bytes):
     src = (np.arange(64) + 1).astype(np.uint8)
@@ -207,6 +212,7 @@ def test_cp_async_lands_only_at_its_wait(lib, short_bytes):
     )
 
 
+@pytest.mark.rule("the emulator's warp semantics")
 def test_a_kernel_using_more_dynamic_shared_memory_than_launched_with_is_reported(lib):
     """t_cp_async lands 48 bytes; launched with 32 it writes past them: the launch raises
     instead of corrupting memory quietly (the host's size and the kernel's layout disagree)."""

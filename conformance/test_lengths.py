@@ -66,6 +66,10 @@ scenarios = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.rule(
+    "scheduler worlds, bucket selection, engine cache instruction",
+    "lengths-only mode == tensor mode",
+)
 @given(data=scenarios)
 def test_lengths_mode_gives_the_tensor_modes_integer_trace(data):
     """The issue's property: the same decisions with no tensors give the identical trace
@@ -75,6 +79,10 @@ def test_lengths_mode_gives_the_tensor_modes_integer_trace(data):
     assert normalized_lines(lengths.run(sc)) == normalized_lines(simulator.run(sc))
 
 
+@pytest.mark.rule(
+    "window check, the two guards and the deferral",
+    "lengths-only mode == tensor mode",
+)
 def test_the_equality_covers_the_interesting_paths():
     """Non-degeneracy of the property above: across a fixed set of scenarios drawn from
     the same space, both modes agree and the runs include ragged per-sequence steps,
@@ -123,6 +131,7 @@ def test_the_equality_covers_the_interesting_paths():
     assert any(x.startswith("error:") for x in seen), seen
 
 
+@pytest.mark.rule("Tier A never drafts in the fused path")
 def test_tier_a_never_drafts_in_the_fused_path():
     """§19.6 / §7.2 step 3: without an MTP block no seed is stashed, so no row drafts."""
     sc = load_scenario(
@@ -174,6 +183,7 @@ def solo_runs(steps: int = 200):
     return out
 
 
+@pytest.mark.rule("per_sequence_advance_is_token_identical_to_the_b1_reference")
 def test_the_engine_alone_matches_the_solo_oracle():
     """The engine's own solo runs (the other requests never arrive, so the stream keeps
     its id) agree with `solo_runs` for a few streams: the oracle is the engine's B = 1."""
@@ -204,6 +214,7 @@ def per_stream(trace):
     return out
 
 
+@pytest.mark.rule("per_sequence_advance_never_lets_a_tail_ratchet_at_b128")
 def test_per_sequence_advance_never_lets_a_tail_ratchet_at_b128():
     """Depth 3, 200 steps, 128 sequences starting at u = 1: under per-sequence advance every
     u is 1 and every row drafts 3; the cohort control saturates (u = w) and exactly the
@@ -217,6 +228,7 @@ def test_per_sequence_advance_never_lets_a_tail_ratchet_at_b128():
     assert len(saturated) > 0 and saturated == zero
 
 
+@pytest.mark.rule("the_two_advance_rules_are_identical_at_batch_one")
 def test_the_two_advance_rules_are_identical_at_batch_one():
     """Depth 1..8, 40 steps, batch 1: emissions, u, drafts, accepts and lengths agree."""
     for depth in range(1, 9):
@@ -239,6 +251,7 @@ def test_the_two_advance_rules_are_identical_at_batch_one():
         assert strip(coh) == strip(per) and len(strip(coh)) == 39
 
 
+@pytest.mark.rule("per_sequence_advance_is_token_identical_to_the_b1_reference")
 def test_per_sequence_advance_is_token_identical_to_the_b1_reference():
     """w = 4, 60 steps: each of the 128 batched streams commits, step by step, what it
     commits alone (the oracle's tokens are the true stream, so equal emissions are equal
@@ -250,6 +263,7 @@ def test_per_sequence_advance_is_token_identical_to_the_b1_reference():
     assert sum(cohort[i][:60] != solo[i][:60] for i in range(128)) > 64
 
 
+@pytest.mark.rule("per_sequence_advance_is_token_identical_to_the_b1_reference")
 def test_per_sequence_streams_are_token_identical_to_their_solo_runs_in_tensor_mode():
     """The same in tensor mode on real token lists (4 streams, 12 steps, w = 4)."""
     reqs = [{"prompt_len": 6, "max_new_tokens": 60} for _ in range(4)]
@@ -267,6 +281,7 @@ def test_per_sequence_streams_are_token_identical_to_their_solo_runs_in_tensor_m
         assert n > r["prompt_len"] + 12 and eng.toks[i][:n] == solo.toks[i][:n]
 
 
+@pytest.mark.rule("cohort keep == min per-sequence committed")
 def test_cohort_keep_is_the_min_of_the_per_sequence_commits():
     """On every steady cohort step the batched cache advances by keep = min_i(u_i + a_i),
     which equals min_i(committed_i = min(u_i + a_i, w)) of the per-sequence rule."""
@@ -283,6 +298,7 @@ def test_cohort_keep_is_the_min_of_the_per_sequence_commits():
     assert checked > 150
 
 
+@pytest.mark.rule("tok_per_step at B = 128: bounded by the cohort rule, freed by per-sequence")
 def test_tok_per_step_at_b128_is_bounded_by_the_cohort_rule_and_freed_by_the_per_sequence_rule():
     """w = 4, 200 steps, B = 128, tok/step = emitted / (steps * n): per-sequence > 1.10 x
     cohort; per-sequence equals the mean of the solo runs (|diff| < 1e-9); cohort < solo."""
@@ -297,6 +313,7 @@ def test_tok_per_step_at_b128_is_bounded_by_the_cohort_rule_and_freed_by_the_per
     assert coh < solo_mean
 
 
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
 def test_the_marker_tok_per_step_is_the_accounting_ratio():
     """The trace's tok_per_step is the MTP[agg] ratio committed/steps (with the §15 skew:
     1 + a per row-step) and the markers agree with the summary."""
@@ -308,12 +325,17 @@ def test_the_marker_tok_per_step_is_the_accounting_ratio():
     assert f"steps={len(rows)} " in tr.markers()[0] and "batch_steps=200 " in tr.markers()[0]
 
 
+@pytest.mark.rule("tok_per_step at B = 128: bounded by the cohort rule, freed by per-sequence")
 def test_spread_grows_under_per_sequence_advance_and_stays_zero_under_cohort():
     assert run_b128("cohort").summary["max_spread"] == 0
     assert run_b128("per-sequence").summary["max_spread"] > 20
     assert run_b128("per-sequence").summary["mean_padding_fraction"] > 0
 
 
+@pytest.mark.rule(
+    "window check, the two guards and the deferral",
+    "strip policy eager / lazy / none",
+)
 def test_without_the_strip_the_recorded_lengths_trip_the_left_aligned_guard():
     """strip = "none" records the padded width as the row's own length (§9.8 / masks §14,
     the compounding trap): the next ragged step's per-row lengths overrun the tokens and the
@@ -337,6 +359,7 @@ def test_without_the_strip_the_recorded_lengths_trip_the_left_aligned_guard():
     assert all(s["error"] is None for s in ok.steps())
 
 
+@pytest.mark.rule("strip policy eager / lazy / none")
 def test_the_lazy_and_eager_strips_take_the_same_decisions():
     """§5.5 / masks §23: eager vs lazy strip is a cost difference only."""
     base = {
@@ -354,6 +377,7 @@ def test_the_lazy_and_eager_strips_take_the_same_decisions():
     assert key(eager) == key(lazy) and len(key(eager)) > 60
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_the_draft_kv_lru_cap_starves_rows_beyond_64():
     """arc's MAX_DRAFT_KV_SEQS = 64 (§7.1): at B = 128 the LRU map evicts half the rows
     every step; an evicted row's fresh state fails the contiguity check and is poisoned, so
@@ -365,6 +389,7 @@ def test_the_draft_kv_lru_cap_starves_rows_beyond_64():
     assert all(r["drafted"] == 3 for r in [s for s in run_b128("per-sequence").steps()][-1]["rows"])
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_a_custom_token_oracle_drives_both_modes_alike():
     """A user's TokenOracle (raggedspec.conformance.test_scenario._ConstantOracle: of n drafts the
     first n - 1 agree) decides accepts through verify_proposed in both modes."""
@@ -388,6 +413,10 @@ def test_a_custom_token_oracle_drives_both_modes_alike():
 # ----------------------------------------------------------------------------- review fixes
 
 
+@pytest.mark.rule(
+    "window check, the two guards and the deferral",
+    "MTP[agg] and SCHED[agg] markers",
+)
 def test_deferred_steps_count_in_the_summarys_spread_and_padding():
     """A `defer` step runs the plain decode on the batched cache, leads included, so the
     summary's max_spread and mean_padding_fraction count it (brute force over the trace's
@@ -425,6 +454,7 @@ def sequential_admission(new, room, cap):
     return taken
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 @given(
     new=st.lists(st.booleans(), max_size=40),
     room=st.integers(-3, 45),
@@ -435,6 +465,7 @@ def test_the_vectorized_admission_equals_the_sequential_rule(new, room, cap):
     assert got.tolist() == sequential_admission(new, room, cap)
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode", "lengths mode, scheduler half")
 def test_the_admission_caps_are_exercised_and_both_modes_agree():
     """max_seqs and the WA prefill cap hold sequences back (waiting > 0 with room to run
     them later); lengths and tensor mode agree step for step."""
@@ -460,6 +491,7 @@ def test_the_admission_caps_are_exercised_and_both_modes_agree():
         assert any(s["waiting"] > 0 and s["running"] > 0 for s in tr.steps())
 
 
+@pytest.mark.rule("pluggable token oracle")
 @pytest.mark.parametrize("factory, words", [
     ("make_short_drafter", ["draft(seq_id=", "n=3)", "exactly 3 token(s) (got 2)"]),
     ("make_out_of_vocab", ["context of 7 tokens)", "returned 64", "[0, vocab = 64)"]),
@@ -495,6 +527,7 @@ def test_a_broken_custom_oracle_is_refused_identically_in_both_modes(factory, wo
         assert w in messages[0], f"{w!r} not in {messages[0]!r}"
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_the_lengths_engine_says_why_rows_stop_drafting():
     """`Trace.draft_stalls` (lengths mode): at B = 2 with per-sequence advance the two rows'
     draft caches get different capacities on a ragged step, then meet at equal lengths; the

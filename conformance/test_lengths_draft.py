@@ -11,6 +11,7 @@ loop, the draft-KV map's checkout / checkin with LRU eviction).
 
 from __future__ import annotations
 
+import pytest
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,6 +51,7 @@ def ids(*xs):
     return np.asarray(xs, dtype=np.int64)
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_checkout_gives_a_missing_entry_a_fresh_state_and_takes_every_entry_out():
     e = Engine(3, d_in=[True, False, True], d_cur=[4, 9, 7], d_cap=[528, 528, 528],
                d_filled=[3, 9, 6], d_seed=[2, 8, 5], d_pois=[False, True, True])
@@ -60,6 +62,7 @@ def test_checkout_gives_a_missing_entry_a_fresh_state_and_takes_every_entry_out(
     assert e.d_in.tolist() == [False, False, True]
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_checkin_stamps_in_row_order_and_evicts_the_oldest_beyond_the_cap():
     e = Engine(4, cap=3, d_in=[False, True, False, False], d_stamp=[0, 4, 0, 0])
     e.clock = 10
@@ -89,6 +92,7 @@ def extend_case():
     return e, np.asarray(cols[2], dtype=np.int64)
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_extend_follows_each_check_of_extend_draft_kv_row():
     e, off = extend_case()
     e._extend(np.arange(len(off)), off, 3)
@@ -99,6 +103,7 @@ def test_extend_follows_each_check_of_extend_draft_kv_row():
     assert e.d_pois.tolist() == [False, True, False, False, False, False, True, True]
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_extend_grows_to_exactly_max_seq_len_and_poisons_past_it():
     """filled 16 of capacity 16, one more column: the capacity becomes 16 + 512 = 528,
     allowed when max_seq_len is 528, refused (poisoned, nothing written) at 527."""
@@ -110,6 +115,7 @@ def test_extend_grows_to_exactly_max_seq_len_and_poisons_past_it():
         assert e.d_cur[0] == (17 if ok else 16)  # set_len(filled) before the refusal
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_tier_a_extends_nothing():
     e, off = extend_case()
     e.tier_a = True
@@ -133,6 +139,7 @@ def eligible(n, start, **kw):
     return Engine(n, d_seed=start, d_filled=start, d_cur=[s + 1 for s in start], **kw)
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_an_ineligible_row_is_counted_and_drafts_nothing():
     """u = 1, cache_len 9: chain start 8. Row 0 has budget 0; row 1 a seed at 7, not 8;
     row 2 budget 1, filled == start: it drafts w - u = 2."""
@@ -144,6 +151,7 @@ def test_an_ineligible_row_is_counted_and_drafts_nothing():
     assert rows[2, COL["chain_start"]] == 8 and rows[2, COL["group_u"]] == 1
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_a_uniform_chain_grows_its_capacity_only_when_full():
     """Chain start 15 in capacity 16: one draft fits (cur 16, cap 16); from 16, two drafts
     need one 512-column block (cur 18, cap 528); with max_seq_len 100 that block is refused
@@ -160,6 +168,7 @@ def test_a_uniform_chain_grows_its_capacity_only_when_full():
     assert not draft(e, [1], [17], [5], False)[0]
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_a_refused_uniform_group_is_counted_and_the_next_group_still_drafts():
     """Group u = 1 (rows 0, 1: lengths 9 and 10 differ, not batchable) is refused; group
     u = 2 (row 2) drafts. A lone row whose start equals its capacity is batchable."""
@@ -174,6 +183,7 @@ def test_a_refused_uniform_group_is_counted_and_the_next_group_still_drafts():
     assert ok and drafts.tolist() == [0, 0, 1] and e.stalls[STALL_UNIFORM] == 5 + 2
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_a_ragged_group_drafts_front_aligned_and_strips_each_rows_lead():
     """Per-sequence advance, chain starts 5 and 3 (top 5, leads 0 and 2): the front-aligned
     batch is 5 wide; two drafts grow it to 5 + 512 = 517 and end at 7, so row 0 holds 7 of
@@ -187,6 +197,7 @@ def test_a_ragged_group_drafts_front_aligned_and_strips_each_rows_lead():
     assert rows[:, COL["group_start"]].tolist() == [0, 0]
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_a_ragged_group_is_refused_by_its_rows_not_by_the_widest_alone():
     """Refused (counted, then the next group drafts) when a start is past its row's held
     length, or when a row with a lead would be padded above max_seq_len; a lead-0 row's
@@ -208,6 +219,7 @@ def test_a_ragged_group_is_refused_by_its_rows_not_by_the_widest_alone():
     assert draft(e, [1, 1], [6, 4], [5, 5], True)[1].tolist() == [2, 2]
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_a_step_with_no_candidate_row_drafts_nothing_and_does_not_fail():
     """u == w (nothing left to draft) or may-not-draft rows: no group, the step goes on."""
     e = eligible(2, [8, 8], w=3, may=[True, False])
@@ -215,6 +227,7 @@ def test_a_step_with_no_candidate_row_drafts_nothing_and_does_not_fail():
     assert ok and drafts.tolist() == [0, 0] and res == {}
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_the_growth_check_runs_only_when_the_chain_outgrows_its_capacity():
     """max_seq_len 12 with the draft KV's initial capacity 16: a chain from 10 to 16 fits
     the 16 columns it has, so it is never checked against max_seq_len; one more column
@@ -226,6 +239,7 @@ def test_the_growth_check_runs_only_when_the_chain_outgrows_its_capacity():
     assert not draft(e, [1], [11], [5], False)[0]
 
 
+@pytest.mark.rule("lengths mode, draft half")
 def test_a_ragged_group_at_its_boundaries():
     """A start equal to its row's held length is not past it (drafts); a row with lead 1 is
     padded like any other lead (capacity 601 > max_seq_len 600: refused)."""

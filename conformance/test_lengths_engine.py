@@ -239,6 +239,7 @@ def both(data: dict):
     return tr_l
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode")
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_lengths_engine_agrees_with_the_tensor_mode_off_the_grid(name):
     data, want = CASES[name]
@@ -259,6 +260,7 @@ ROLLBACK = {  # name -> (accepts file, D's prompt, a late request?, the refused 
 }
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode")
 @pytest.mark.parametrize("name", list(ROLLBACK))
 def test_a_ragged_cohort_step_the_compressed_cache_cannot_roll_back_is_refused_alike(tmp_path,
                                                                                      name):
@@ -280,6 +282,7 @@ def test_a_ragged_cohort_step_the_compressed_cache_cannot_roll_back_is_refused_a
                    for s in tr.steps())
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode")
 def test_the_file_models_verify_count_moves_only_for_rows_that_drafted(tmp_path):
     """The file model reads a row's k-th entry on its k-th drafted verify: with the draft-KV
     map at 2 for 4 rows, rows skip drafting on some steps, and both modes must read the same
@@ -299,6 +302,7 @@ def test_the_file_models_verify_count_moves_only_for_rows_that_drafted(tmp_path)
     assert any(0 in d[:-1] and max(d[d.index(0):]) > 0 for d in drafted.values()), drafted
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode")
 def test_run_takes_a_scenario_a_table_or_a_path_and_reports_progress(tmp_path):
     """`lengths.run` loads a dict or a path as `load_scenario` does, takes a `Scenario` as it
     is, calls `progress(step + 1, steps)` once per step and writes a trace of mode

@@ -61,6 +61,7 @@ def normalized(trace) -> list[str]:
     return [json.dumps(head)] + out[1:]
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode")
 @pytest.mark.parametrize("i", range(len(GRID)))
 def test_the_lengths_mode_gives_the_tensor_modes_trace_on_the_grid(i):
     sc = load_scenario(GRID[i])
@@ -89,6 +90,7 @@ def paths_of(data: dict, trace) -> set[str]:
     return seen
 
 
+@pytest.mark.rule("lengths-only mode == tensor mode")
 def test_the_grid_reaches_every_path_the_equality_is_meant_to_check():
     seen: set[str] = set()
     for data in GRID:

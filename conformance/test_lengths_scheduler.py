@@ -46,6 +46,7 @@ def run(n):
     return np.arange(n, dtype=np.int64)
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_keys_encode_each_worlds_key():
     """Prompt rows key on L - 1 (0 for an empty prompt), decode rows on their stored length;
     WA with ragged batches supported keys every decode row on 0; granted WB keys every decode
@@ -63,12 +64,14 @@ def test_keys_encode_each_worlds_key():
         assert m._keys(run(4)).dtype == np.int64
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_key_tuples_carry_the_ragged_flag_only_in_wb():
     assert Mirror("WB")._key_tuple(7) == [3, False, 0, True]
     assert Mirror("WB")._key_tuple(6) == [3, False, 0, False]
     assert Mirror("W0")._key_tuple(7) == [3, False, 0]
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_the_log2_table_holds_math_log2_and_grows_on_demand():
     m = Mirror(max_seq_len=10)
     assert m._log2(np.array([1, 8, 0, 5])).tolist() == [0.0, 3.0, 0.0, math.log2(5)]
@@ -82,6 +85,7 @@ def test_the_log2_table_holds_math_log2_and_grows_on_demand():
     assert Mirror(max_seq_len=10)._log2(np.zeros(0, dtype=np.int64)).tolist() == []
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 @pytest.mark.parametrize("new, room, cap, want", [
     ([True, False, True], 2, None, [True, True, False]),      # room 2: the first two
     ([True, False, True, True], 5, 1, [True, True, False, False]),  # one new admitted
@@ -93,6 +97,7 @@ def test_admission_at_its_boundaries(new, room, cap, want):
     assert admit_waiting(np.asarray(new), room, cap).tolist() == want
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_admission_reads_integer_marks_as_booleans_and_returns_a_mask():
     """0/1 marks mean not-new/new: with cap 0 only the re-admissions (ids 0 and 2 of 3) are
     admitted, and the result is a boolean mask that selects them."""
@@ -122,6 +127,7 @@ def select_both(lens_flags_members, discrete=False, world="WB"):
     return got
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_bucket_selection_coalesces_onto_min_within_the_payback():
     # greedy is the 3-member bucket; gap 2 costs 3 * 2 <= 1 * 256: run min
     assert select_both({(4, 0): [(0, 5)], (6, 0): [(0, 5)] * 3}) == (4, 0)
@@ -172,6 +178,7 @@ def schedule_both(m, running, waiting, *, admitted=(), floor_count=0):
     return got
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_the_wa_prefill_cap_promotes_the_first_cap_waiting_in_queue_order():
     """Nothing running: WA promotes the first `prefill_max_seqs` of the queue as queued (not
     sorted by id) and holds the rest in order; the other worlds ignore the cap."""
@@ -182,6 +189,7 @@ def test_the_wa_prefill_cap_promotes_the_first_cap_waiting_in_queue_order():
     assert got == ([3, 1, 2, 0], (4, False, 0), 1, [], 0)
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_the_wa_prefill_cap_counts_only_new_requests_next_to_running_ones():
     """Running 0; waiting 3, 2, 1 where 1 ran before (a waitlisted completion): sorted by id,
     1 is re-admitted outside the cap, 2 takes the one new place, 3 is held. All four share
@@ -193,6 +201,7 @@ def test_the_wa_prefill_cap_counts_only_new_requests_next_to_running_ones():
     assert m.admitted.tolist() == [True, True, True, False]
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_a_step_with_nothing_to_admit_runs_the_shortest_bucket():
     """Waiting only, or running only, is a discrete step: the shortest bucket (key 4) runs
     even though the 3-member bucket at key 398 has the larger priority and is too far away
@@ -209,6 +218,7 @@ def test_a_step_with_nothing_to_admit_runs_the_shortest_bucket():
     assert got == ([1, 2, 3], (199, False, 0), 2, [0], 0)
 
 
+@pytest.mark.rule("lengths mode, scheduler half")
 def test_the_wa_floor_counts_only_multi_bucket_steps():
     """One bucket (two decode rows at stored 4, one running, one re-admitted): everything
     runs and the floor counter is left as it was (the floor applies only to a choice among

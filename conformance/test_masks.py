@@ -42,12 +42,14 @@ def keep_bits(mask: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- §3
 
 
+@pytest.mark.rule("raw_keep_span")
 def test_raw_keep_span_pinned_values():
     assert raw_keep_span(1, 128, 2048) == (1920, 128)
     assert raw_keep_span(2048, 128, 2048) == (0, 2048)
     assert raw_keep_span(1, 8, 64) == (56, 8)
 
 
+@pytest.mark.rule("raw_keep_span")
 def test_raw_keep_span_equals_the_brute_force_reachable_set():
     narrowed = 0
     for window in (1, 2, 4, 8, 128):
@@ -66,6 +68,7 @@ def test_raw_keep_span_equals_the_brute_force_reachable_set():
     assert narrowed > 0  # non-degeneracy: at least one case drops keys
 
 
+@pytest.mark.rule("raw_keep_span")
 def test_raw_keep_span_rejects_malformed_input():
     with pytest.raises(ValueError, match="window 0"):
         raw_keep_span(1, 0, 8)
@@ -76,6 +79,7 @@ def test_raw_keep_span_rejects_malformed_input():
 # ----------------------------------------------------------------------------- §4 steps 5-6
 
 
+@pytest.mark.rule("dsv4 raw validity", "dsv4 compressed validity")
 @given(t_q=st.integers(1, 9), extra=st.integers(0, 40), window=st.integers(1, 20),
        t_c=st.integers(0, 12), ratio=st.sampled_from([1, 2, 4, 8]))
 def test_raw_and_compressed_validity_match_the_position_rules(t_q, extra, window, t_c, ratio):
@@ -99,6 +103,7 @@ def test_raw_and_compressed_validity_match_the_position_rules(t_q, extra, window
 # ----------------------------------------------------------------------------- §5
 
 
+@pytest.mark.rule("dsv4 compressed validity", "ragged_union_mask")
 def test_csa_worked_example_rows_6_4_2():
     rows, t_q, t_k_full, q0, window, ratio, t_c = [6, 4, 2], 1, 7, 6, 4, 4, 1
     base, keep = raw_keep_span(t_q, window, t_k_full)
@@ -118,6 +123,7 @@ def test_csa_worked_example_rows_6_4_2():
     assert [(r + 1) // ratio for r in rows] == [1, 1, 0]
 
 
+@pytest.mark.rule("ragged_union_mask")
 @given(lengths=ragged_lengths(1, 6, 1, 40), t_q=st.integers(1, 9), window=st.integers(1, 48),
        ratio=st.sampled_from([1, 2, 4, 8, 16]), extra_c=st.integers(0, 3))
 def test_ragged_union_mask_equals_the_per_row_position_oracle(lengths, t_q, window, ratio,
@@ -144,6 +150,7 @@ def test_ragged_union_mask_equals_the_per_row_position_oracle(lengths, t_q, wind
             assert got[i, 0, r, :keep].any()  # no row is fully masked
 
 
+@pytest.mark.rule("ragged_union_mask")
 def test_ragged_union_mask_rejects_rows_that_skipped_the_resolver():
     valid = np.ones((1, 4), dtype=bool)
     with pytest.raises(ValueError, match="max == q0"):
@@ -159,6 +166,7 @@ def _local(t_q, n):
     return np.zeros((1, 1, t_q, n))
 
 
+@pytest.mark.rule("compose_caller_mask")
 def test_compose_caller_mask_ignores_the_flash_placeholder():
     local = np.where(np.eye(2, 5, dtype=bool), 0.0, NEG)[None, None]
     for placeholder in (np.zeros((1, 1)), np.full((1, 1, 1, 1), NEG)):
@@ -167,6 +175,7 @@ def test_compose_caller_mask_ignores_the_flash_placeholder():
     assert compose_caller_mask(local, None, 2, 9, 4, 4, 1) is local
 
 
+@pytest.mark.rule("compose_caller_mask")
 def test_compose_caller_mask_slices_raw_columns_and_pads_compressed_with_zero():
     t_q, t_k_full, raw_base, t_k, t_c = 2, 9, 4, 5, 2
     caller = np.zeros((t_q, t_k_full))
@@ -179,6 +188,7 @@ def test_compose_caller_mask_slices_raw_columns_and_pads_compressed_with_zero():
     assert keep_bits(out[0, 0]).tolist() == want.tolist()  # compressed columns padded with 0
 
 
+@pytest.mark.rule("compose_caller_mask")
 def test_compose_caller_mask_keeps_the_callers_compressed_columns_and_minus_inf_wins():
     t_q, t_k_full, raw_base, t_k, t_c = 1, 6, 2, 4, 2
     caller = np.zeros((2, 1, t_q, t_k_full + t_c))
@@ -189,6 +199,7 @@ def test_compose_caller_mask_keeps_the_callers_compressed_columns_and_minus_inf_
     assert keep_bits(out[:, 0, 0]).tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]]
 
 
+@pytest.mark.rule("compose_caller_mask")
 def test_compose_caller_mask_refusals():
     local = _local(2, 6)
     with pytest.raises(MaskRefusal, match="must be rank 2.*or rank 4.*rank 3"):
@@ -205,6 +216,7 @@ def test_compose_caller_mask_refusals():
 # ----------------------------------------------------------------------------- §7, §8
 
 
+@pytest.mark.rule("sdpa_sliding_window")
 def test_sdpa_sliding_window_only_for_standard_layers():
     assert sdpa_sliding_window(0, 128) == 128
     assert sdpa_sliding_window(1, 128) == 128
@@ -212,6 +224,7 @@ def test_sdpa_sliding_window_only_for_standard_layers():
     assert sdpa_sliding_window(128, 128) is None
 
 
+@pytest.mark.rule("graph_mode_length_mask")
 def test_graph_mode_length_mask_example():
     mask = graph_mode_length_mask([2, 5], 8)
     assert mask.shape == (2, 1, 1, 8)
@@ -219,6 +232,7 @@ def test_graph_mode_length_mask_example():
                                                  [1, 1, 1, 1, 1, 1, 0, 0]]
 
 
+@pytest.mark.rule("graph_mode_length_mask")
 def test_graph_decode_refuses_an_unset_length_mask():
     with pytest.raises(MaskRefusal, match="graph-decode arm.*unset"):
         require_graph_length_mask(None)
@@ -229,6 +243,7 @@ def test_graph_decode_refuses_an_unset_length_mask():
 # ----------------------------------------------------------------------------- §9.1
 
 
+@pytest.mark.rule("PastKvLenCache")
 def test_past_kv_len_per_implementor():
     assert past_kv_len(RaggedKvLens(9, [9, 4, 6])) == (9, [9, 4, 6])
     slots = [KvCache.new_normal(64), KvCache.new_normal(64)]
@@ -255,6 +270,7 @@ def left_padded_host(b, t_q, past, live):
     return out
 
 
+@pytest.mark.rule("make_left_padded_causal_mask")
 def test_make_left_padded_causal_mask_example():
     mask = make_left_padded_causal_mask(2, 2, 6, [6, 2])
     assert mask.shape == (2, 1, 2, 8)
@@ -264,6 +280,7 @@ def test_make_left_padded_causal_mask_example():
     ]
 
 
+@pytest.mark.rule("make_left_padded_causal_mask")
 def test_make_left_padded_causal_mask_refusals():
     with pytest.raises(MaskRefusal, match="2 live lengths for a batch of 3"):
         make_left_padded_causal_mask(3, 1, 6, [6, 2])
@@ -271,6 +288,7 @@ def test_make_left_padded_causal_mask_refusals():
         make_left_padded_causal_mask(2, 1, 6, [6, 7])
 
 
+@pytest.mark.rule("make_left_padded_causal_mask")
 @given(live_lead=lead_pads(1, 5, 12), t_q=st.integers(1, 6), extra=st.integers(0, 6))
 def test_make_left_padded_causal_mask_equals_the_host_triple_loop(live_lead, t_q, extra):
     past = max(live_lead) + extra
@@ -279,6 +297,7 @@ def test_make_left_padded_causal_mask_equals_the_host_triple_loop(live_lead, t_q
     assert np.array_equal(got, left_padded_host(len(live), t_q, past, live))
 
 
+@pytest.mark.rule("make_left_padded_causal_mask")
 def test_fully_live_rows_reproduce_the_ordinary_causal_mask():
     padded = make_left_padded_causal_mask(3, 4, 5, [5, 5, 5])
     causal = make_causal_mask_matrix(3, 4, 5, None, None)
@@ -289,12 +308,14 @@ def test_fully_live_rows_reproduce_the_ordinary_causal_mask():
 # ----------------------------------------------------------------------------- §9.3
 
 
+@pytest.mark.rule("make_causal_mask_matrix")
 def test_make_causal_mask_matrix_channel_example():
     mask = make_causal_mask_matrix(2, 1, 5, None, [0, 4])
     assert mask.shape == (2, 1, 1, 6)
     assert keep_bits(mask[:, 0, 0]).tolist() == [[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]]
 
 
+@pytest.mark.rule("make_causal_mask_matrix")
 def test_an_all_zero_lead_keeps_the_uniform_fast_path():
     assert make_causal_mask_matrix(2, 1, 5, None, [0, 0]) is None
     plain = make_causal_mask_matrix(2, 3, 5, None, None)
@@ -302,6 +323,7 @@ def test_an_all_zero_lead_keeps_the_uniform_fast_path():
     assert plain.ndim == 2  # not the [B,1,..] ragged shape
 
 
+@pytest.mark.rule("make_causal_mask_matrix")
 def test_per_seq_kv_lens_come_first_even_at_decode():
     mask = make_causal_mask_matrix(2, 1, 6, [6, 2], [0, 5])  # cache beats the channel
     assert keep_bits(mask[:, 0, 0]).tolist() == [[1] * 7, [0, 0, 0, 0, 1, 1, 1]]
@@ -309,6 +331,7 @@ def test_per_seq_kv_lens_come_first_even_at_decode():
         make_causal_mask_matrix(2, 1, 6, [6, 9], None)
 
 
+@pytest.mark.rule("make_causal_mask_matrix")
 def test_the_channel_is_skipped_when_it_does_not_fit():
     # lead longer than past (underflow) and a lead vector of the wrong length are skipped
     assert make_causal_mask_matrix(2, 1, 5, None, [0, 7]) is None
@@ -316,6 +339,7 @@ def test_the_channel_is_skipped_when_it_does_not_fit():
     assert make_causal_mask_matrix(2, 2, 5, None, [0, 7]).shape == (2, 7)
 
 
+@pytest.mark.rule("make_causal_mask_matrix")
 def test_flash_on_cuda_gets_the_placeholder_and_prefill_gets_rank_2_causal():
     ph = make_causal_mask_matrix(2, 3, 4, None, None, flash_on_cuda=True)
     assert ph.shape == (1, 1) and ph[0, 0] == 0.0
@@ -339,6 +363,7 @@ def sliding_ragged_oracle(t_q, past, live, window):
     return out
 
 
+@pytest.mark.rule("ragged sliding-window masker policy")
 def test_sliding_window_policy_none_has_no_ragged_branch():
     assert make_sliding_window_causal_mask_matrix(2, 1, 5, None, [0, 4], 3) is None
     mask = make_sliding_window_causal_mask_matrix(2, 2, 5, [5, 1], [0, 4], 3)
@@ -346,6 +371,7 @@ def test_sliding_window_policy_none_has_no_ragged_branch():
     assert keep_bits(mask).tolist() == [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]]
 
 
+@pytest.mark.rule("ragged sliding-window masker policy")
 @given(leads=lead_pads(1, 4, 8), t_q=st.integers(1, 5), extra=st.integers(0, 5),
        window=st.integers(1, 12))
 def test_sliding_window_policy_channel_applies_the_window_on_top_of_the_dead_prefix(
@@ -362,6 +388,7 @@ def test_sliding_window_policy_channel_applies_the_window_on_top_of_the_dead_pre
         assert got is None if t_q == 1 else got.ndim == 2
 
 
+@pytest.mark.rule("ragged sliding-window masker policy")
 def test_sliding_window_policy_is_validated():
     with pytest.raises(ValueError, match="sliding_window_ragged"):
         make_sliding_window_causal_mask_matrix(1, 2, 3, None, None, 4, sliding_window_ragged="x")
@@ -370,6 +397,7 @@ def test_sliding_window_policy_is_validated():
 # ----------------------------------------------------------------------------- §10
 
 
+@pytest.mark.rule("mask_must_be_applied_as_bias")
 def test_mask_must_be_applied_as_bias_is_rank_at_least_3():
     assert mask_must_be_applied_as_bias(None) is False
     assert mask_must_be_applied_as_bias([4, 9]) is False  # rank 2 stays on flash
@@ -378,6 +406,7 @@ def test_mask_must_be_applied_as_bias_is_rank_at_least_3():
     assert mask_must_be_applied_as_bias([1, 1, 4, 9]) is True  # not the old dims[0] > 1 form
 
 
+@pytest.mark.rule("flash placeholder on a fallback")
 def test_a_placeholder_on_a_non_flash_fallback_is_refused():
     with pytest.raises(MaskRefusal, match=r"\[1, 1\].*seq_len 5.*non-causal"):
         check_flash_placeholder_mask([1, 1], 5, flash_build=True, runs_flash=False)
@@ -390,6 +419,7 @@ def test_a_placeholder_on_a_non_flash_fallback_is_refused():
 # ----------------------------------------------------------------------------- malformed input
 
 
+@pytest.mark.rule("ragged sliding-window masker policy")
 def test_malformed_sizes_are_refused_with_the_stated_messages():
     cases = [
         (lambda: raw_keep_span(-1, 4, 9), "t_q -1 and t_k_full 9 must be >= 0"),
@@ -437,6 +467,7 @@ def test_malformed_sizes_are_refused_with_the_stated_messages():
         assert str(e.value) == message
 
 
+@pytest.mark.rule("ragged sliding-window masker policy")
 def test_zero_sizes_are_not_malformed():
     assert raw_keep_span(1, 1, 0) == (0, 0)
     assert raw_validity(0, 0, 0, 0, 1).shape == (0, 0)
@@ -448,6 +479,7 @@ def test_zero_sizes_are_not_malformed():
     assert make_sliding_window_causal_mask_matrix(0, 0, 0, None, None, 1).shape == (0, 0)
 
 
+@pytest.mark.rule("ragged_union_mask")
 def test_shape_check_messages_name_the_widths():
     local = _local(2, 6)
     with pytest.raises(MaskRefusal) as e:
@@ -475,6 +507,7 @@ def test_shape_check_messages_name_the_widths():
         assert str(e.value) == message
 
 
+@pytest.mark.rule("ragged_union_mask")
 def test_ragged_union_mask_edges_a_row_at_zero_no_raw_keys_and_numeric_validity():
     # a row at position 0 (lead q0) is a resolved row; its diagonal stays live
     mask = ragged_union_mask([0, 3], 3, np.ones((1, 4), dtype=bool), 0, 4, 4, 0)
@@ -489,6 +522,7 @@ def test_ragged_union_mask_edges_a_row_at_zero_no_raw_keys_and_numeric_validity(
         assert np.array_equal(ragged_union_mask([2, 3], 3, numeric, 0, 4, 4, 0), want)
 
 
+@pytest.mark.rule("dsv4 compressed validity")
 def test_validity_and_masks_keep_their_stated_dtypes():
     assert compressed_validity(2, 0, 0, 4).dtype == bool
     assert compressed_validity(2, 0, 3, 4).dtype == bool
@@ -498,6 +532,7 @@ def test_validity_and_masks_keep_their_stated_dtypes():
         assert out.dtype == np.float64
 
 
+@pytest.mark.rule("ragged sliding-window masker policy")
 def test_the_sliding_window_entry_point_under_flash_and_with_per_seq_lens():
     ph = make_sliding_window_causal_mask_matrix(2, 3, 4, None, None, 2, flash_on_cuda=True)
     assert ph.shape == (1, 1) and ph.dtype == np.float64 and ph[0, 0] == 0.0
@@ -511,6 +546,7 @@ def test_the_sliding_window_entry_point_under_flash_and_with_per_seq_lens():
     assert keep_bits(mask[:, 0, 0]).tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
 
 
+@pytest.mark.rule("PastKvLenCache")
 def test_past_kv_len_of_empty_and_single_sources():
     assert past_kv_len(NormalCache([])) == (0, None)
     assert past_kv_len([]) == (0, None)
@@ -520,6 +556,7 @@ def test_past_kv_len_of_empty_and_single_sources():
     assert past_kv_len([slot]) == (3, None)
 
 
+@pytest.mark.rule("flash placeholder on a fallback")
 def test_small_routing_predicates_at_their_boundaries():
     assert sdpa_sliding_window(2, 128) is None  # ratio 2 is compressed, only 0 and 1 are Standard
     with pytest.raises(MaskRefusal) as e:

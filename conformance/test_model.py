@@ -96,6 +96,7 @@ def raw_base_of(t_q: int, window: int, t_k_full: int) -> int:
 # -----------------------------------------------------------------
 
 
+@pytest.mark.rule("MTP decode kit: fuse and logits")
 def test_mtp_decode_kit_step_shape():
     model = TinyModel(ModelConfig(hidden=16, vocab=32))
     block = model.mtp
@@ -111,6 +112,7 @@ def test_mtp_decode_kit_step_shape():
 # --- weights and the target forward -----------------------------------------------------------
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_weights_are_seeded():
     a, b, c = TinyModel(), TinyModel(), TinyModel(ModelConfig(seed=7))
     assert np.array_equal(a.embed, b.embed) and np.array_equal(
@@ -123,6 +125,7 @@ def test_weights_are_seeded():
     assert TinyModel(ModelConfig(mtp="heads")).mtp is None
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_config_refuses_inconsistent_sizes():
     with pytest.raises(ValueError, match="rope_dims"):
         ModelConfig(rope_dims=3)
@@ -137,6 +140,7 @@ def test_config_refuses_inconsistent_sizes():
 GQA = TinyModel(ModelConfig(n_heads=8, n_kv_heads=2, compress_ratios=(0, 4), seed=3))
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_several_kv_heads_each_have_their_own_projection_norm_and_compressed_keys():
     """`n_kv_heads = 2`: KV head j is `kv_norm(rms(attn_norm(x)) @ wkv[:, j*hd:(j+1)*hd])`
     (its own slice of `wkv`, the shared per-head gain), the caches hold `[B, 2, T, hd]`, and
@@ -158,6 +162,7 @@ def test_several_kv_heads_each_have_their_own_projection_norm_and_compressed_key
     assert [s.k.current_data().shape for s in cache.slots] == [(1, 2, 5, hd)] * 2
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_a_gqa_prefill_equals_its_incremental_decode():
     """Causality and positions with several KV heads: decoding tokens one step at a time
     gives the hidden states of one prefill of all of them (1e-12)."""
@@ -170,6 +175,7 @@ def test_a_gqa_prefill_equals_its_incremental_decode():
     assert close(whole.hidden[:, 6:], np.concatenate(rest, axis=1))
 
 
+@pytest.mark.rule("target forward: K/V at the shared offset, the pre-norm hidden")
 def test_forward_appends_every_layer_and_returns_the_pre_norm_hidden():
     cache = MODEL.new_cache()
     f1 = MODEL.forward(np.array([[1, 2, 3, 4, 5, 6]]), cache, [0])
@@ -185,6 +191,7 @@ def test_forward_appends_every_layer_and_returns_the_pre_norm_hidden():
     assert close(f_all.hidden[:, 6:], f2.hidden) and close(f_all.hidden[:, :6], f1.hidden)
 
 
+@pytest.mark.rule("What V4 captures: store_rows(seqlen_offsets, xs) of MtpHiddenCapture")
 def test_forward_captures_the_pre_norm_hidden_of_every_position():
     cap = MtpHiddenCapture()
     MODEL.forward(np.array([[1, 2, 3]]), MODEL.new_cache(), [0], capture=cap)
@@ -205,6 +212,7 @@ def test_forward_captures_the_pre_norm_hidden_of_every_position():
     assert offsets.values == (6, 4) and hidden.shape == (2, 1, 32)
 
 
+@pytest.mark.rule("target forward: K/V at the shared offset, the pre-norm hidden")
 def test_forward_refuses_offsets_that_disagree_with_the_layout():
     batched, leads = front_aligned(
         MODEL, [prefill_alone(MODEL, [1] * 6), prefill_alone(MODEL, [2] * 4)]
@@ -231,6 +239,10 @@ def run_ragged_case(model: TinyModel, lens: list[int], t: int, seed: int):
     return fb, alone, batched, own, leads, control, new
 
 
+@pytest.mark.rule(
+    "ragged target batch == each row alone",
+    "compressed keys are start-anchored per row",
+)
 @given(st.data())
 def test_a_ragged_batch_is_each_row_run_alone(data):
     model = data.draw(st.sampled_from([MODEL, NARROW]), label="model")
@@ -258,6 +270,7 @@ def test_a_ragged_batch_is_each_row_run_alone(data):
             )
 
 
+@pytest.mark.rule("ragged target batch == each row alone")
 def test_the_repository_ragged_fixture():
     """masks §5: lens [10, 8, 5], t_q 2, CSA, leads [0, 2, 5]: (a) each row alone, (b) with
     row_q0 None the shorter rows differ, (c) perturbing the dead prefix changes nothing
@@ -286,6 +299,7 @@ def test_the_repository_ragged_fixture():
     assert np.array_equal(fp.logits, fb.logits) and np.array_equal(fp.hidden, fb.hidden)
 
 
+@pytest.mark.rule("a uniform row_q0 is the scalar path")
 def test_a_uniform_row_q0_is_bit_identical_and_never_reaches_the_ragged_mask():
     own = [prefill_alone(MODEL, [i + 1] * 9) for i in range(3)]
     batched, leads = front_aligned(MODEL, own)
@@ -307,6 +321,7 @@ def test_a_uniform_row_q0_is_bit_identical_and_never_reaches_the_ragged_mask():
     assert dsv4_mask_stats == {"uniform": 0, "ragged": MODEL.n_layers}
 
 
+@pytest.mark.rule("compressed keys are start-anchored per row")
 def test_compressed_keys_are_start_anchored_per_row():
     """Block j of row i is the mean of the row's own un-rotated keys j*r .. j*r+r-1, rotated
     at j*r with compress_rope_theta; a shorter row's missing blocks are zeros."""
@@ -339,6 +354,7 @@ def test_compressed_keys_are_start_anchored_per_row():
 # --- the MTP block -----------------------------------------------------------------------------
 
 
+@pytest.mark.rule("draft KV created by MtpBlock::new_draft_cache")
 def test_new_draft_cache_is_an_empty_capacity_16_slot():
     c = MODEL.mtp.new_draft_cache()
     assert (c.kind, c.current_seq_len, c.k.capacity_seq_len, c.k.max_seq_len) == (
@@ -349,6 +365,7 @@ def test_new_draft_cache_is_an_empty_capacity_16_slot():
     )
 
 
+@pytest.mark.rule("forward_tokens_rows and its wrappers")
 def test_the_mtp_step_refuses_a_desynced_draft_cache():
     block = MODEL.mtp
     cache = block.new_draft_cache()
@@ -365,6 +382,7 @@ def test_the_mtp_step_refuses_a_desynced_draft_cache():
     assert cache.current_seq_len == 8
 
 
+@pytest.mark.rule("draft-KV slot invariant: slot k holds (h_k, tok_{k+1}) at absolute k")
 def test_draft_kv_slot_k_is_the_mtp_state_of_its_pair_at_position_k():
     """Independent oracle: slot k's K = RoPE_k(kv_norm(attn_norm(fused) @ wkv)) with
     fused = h_proj(hnorm(h_k)) + e_proj(enorm(embed(tok_{k+1}))), RoPE at absolute k."""
@@ -387,6 +405,7 @@ def test_draft_kv_slot_k_is_the_mtp_state_of_its_pair_at_position_k():
         assert close(cache.k.data[0, 0, k], want) and close(cache.v.data[0, 0, k], want)
 
 
+@pytest.mark.rule("RoPE positions per row in the model")
 def test_rope_positions_are_the_rows_own():
     """masks §11: rows at [10, 7] feeding 3 tokens rotate at [10, 11, 12] and [7, 8, 9],
     although the new tokens of both rows sit in cache columns 10..12. Layer 0's input is the

@@ -61,6 +61,7 @@ SMALLEST = dict(vocab=1, hidden=1, n_heads=1, head_dim=2, rope_dims=2, compress_
                 sliding_window=1, max_seq_len=1, mlp_mult=1)
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_the_smallest_config_every_bound_allows_is_accepted():
     """Every bound is inclusive: vocab, hidden, n_heads, sliding_window, max_seq_len,
     mlp_mult at 1, head_dim and rope_dims at 2 (rope_dims == head_dim), one ratio 0."""
@@ -69,6 +70,7 @@ def test_the_smallest_config_every_bound_allows_is_accepted():
     assert ModelConfig(head_dim=8, rope_dims=8).rope_dims == 8
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 @pytest.mark.parametrize("field, value", [("vocab", 0), ("hidden", 0), ("n_heads", 0),
                                           ("head_dim", 1)])
 def test_the_config_refuses_a_size_below_its_bound(field, value):
@@ -79,18 +81,21 @@ def test_the_config_refuses_a_size_below_its_bound(field, value):
         ModelConfig(**kw)
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 @pytest.mark.parametrize("rope_dims, head_dim", [(0, 16), (1, 16), (3, 16), (18, 16)])
 def test_the_config_refuses_rope_dims_odd_below_2_or_above_head_dim(rope_dims, head_dim):
     with refused(f"rope_dims {rope_dims} must be even, >= 2 and <= head_dim {head_dim}"):
         ModelConfig(rope_dims=rope_dims, head_dim=head_dim)
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 @pytest.mark.parametrize("ratios", [(), (0, -1), (-4,)])
 def test_the_config_refuses_no_ratio_or_a_negative_one(ratios):
     with refused(f"compress_ratios {ratios} must be a non-empty tuple of ratios >= 0"):
         ModelConfig(compress_ratios=ratios)
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 @pytest.mark.parametrize("field", ["sliding_window", "max_seq_len", "mlp_mult"])
 def test_the_config_refuses_a_window_length_or_mlp_multiple_below_1(field):
     vals = {**dict(sliding_window=16, max_seq_len=4096, mlp_mult=2), field: 0}
@@ -102,6 +107,7 @@ def test_the_config_refuses_a_window_length_or_mlp_multiple_below_1(field):
 # --- weights -------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_the_weight_draws_are_the_documented_ones():
     """A gain is `1 + 0.1 * z` and a projection `z / sqrt(fan_in)`, z the next standard
     normals of the generator (so equal seeds give equal weights)."""
@@ -111,6 +117,7 @@ def test_the_weight_draws_are_the_documented_ones():
     assert np.array_equal(p, np.random.default_rng(6).standard_normal((9, 4)) / np.sqrt(9))
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_every_norm_gain_is_per_dimension_and_every_layer_has_a_per_head_sink():
     """RMSNorm gains over the hidden size (attention and MLP norms, the final norm, the MTP
     block's hnorm/enorm/norm_out), per-head gains over head_dim (q and KV norms), one sink
@@ -128,6 +135,7 @@ def test_every_norm_gain_is_per_dimension_and_every_layer_has_a_per_head_sink():
         assert g.shape == (12,) and np.unique(g).size == 12
 
 
+@pytest.mark.rule("tiny seeded V4-like model: ModelConfig, seeded weights")
 def test_silu_is_x_times_its_sigmoid():
     x = np.array([-30.0, -3.0, -0.5, 0.0, 0.25, 2.0, 30.0])
     assert close(silu(x), x * 0.5 * (1.0 + np.tanh(x / 2.0)))
@@ -166,6 +174,7 @@ def layer_oracle(layer, x: np.ndarray) -> np.ndarray:
     return x + (lambda z: z / (1.0 + np.exp(-z)))(m @ layer.w_up) @ layer.w_down
 
 
+@pytest.mark.rule("target forward: K/V at the shared offset, the pre-norm hidden")
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_a_layer_forward_is_its_documented_steps(ratio):
     """A 10-token prefill through a window of 3: the last queries read compressed blocks
@@ -181,6 +190,7 @@ def test_a_layer_forward_is_its_documented_steps(ratio):
     assert slot.current_seq_len == 10
 
 
+@pytest.mark.rule("compressed keys are start-anchored per row")
 def test_a_compressed_layer_refuses_missing_leads_and_a_windowed_slot():
     model = TinyModel(ModelConfig(compress_ratios=(4,), seed=4))
     layer, hd = model.layers[0], model.cfg.head_dim
@@ -200,6 +210,7 @@ def test_a_compressed_layer_refuses_missing_leads_and_a_windowed_slot():
 # --- the MTP block -------------------------------------------------------------------------
 
 
+@pytest.mark.rule("MTP decode kit: fuse and logits")
 def test_fuse_checks_shapes_and_token_range_with_the_documented_texts():
     model = TinyModel(ModelConfig(seed=3))
     block, rng = model.mtp, np.random.default_rng(3)
@@ -214,6 +225,7 @@ def test_fuse_checks_shapes_and_token_range_with_the_documented_texts():
     assert block.fuse(rng.standard_normal((1, 32)), [63]).shape == (1, 32)
 
 
+@pytest.mark.rule("MTP decode kit: fuse and logits")
 def test_the_mtp_block_computes_in_float64_and_reads_token_ids_as_integers():
     """Inputs are converted before use: a float32 hidden / fused gives exactly the result of
     its float64 values, integral float token ids the embeddings of those ids."""
@@ -229,6 +241,7 @@ def test_the_mtp_block_computes_in_float64_and_reads_token_ids_as_integers():
     assert a.dtype == np.float64 and np.array_equal(a, b)
 
 
+@pytest.mark.rule("MTP decode kit: fuse and logits")
 def test_the_mtp_step_refuses_a_fused_input_of_the_wrong_shape():
     model = TinyModel(ModelConfig(seed=3))
     block = model.mtp
@@ -237,6 +250,7 @@ def test_the_mtp_step_refuses_a_fused_input_of_the_wrong_shape():
             block.forward_tokens_rows(np.zeros(shape), [0], block.new_draft_cache())
 
 
+@pytest.mark.rule("forward_tokens_rows and its wrappers")
 def test_a_ragged_mtp_group_gives_each_row_its_own_result():
     """§10.1: rows at [7, 5] on a left-aligned 2-row draft cache (row 1's 5 entries end at
     the shared end column 7, 2 dead columns before them): each row's step equals that row
@@ -273,6 +287,7 @@ def test_a_ragged_mtp_group_gives_each_row_its_own_result():
 # --- the target forward --------------------------------------------------------------------
 
 
+@pytest.mark.rule("target forward: K/V at the shared offset, the pre-norm hidden")
 def test_the_target_forward_refuses_malformed_input_with_the_documented_texts():
     model = TinyModel(ModelConfig(seed=6))
     with refused("tokens (3,) must be [B,T], B, T >= 1"):
@@ -290,6 +305,7 @@ def test_the_target_forward_refuses_malformed_input_with_the_documented_texts():
     assert model.forward(np.array([[0, 63]]), model.new_cache(), [0]).logits.shape == (1, 2, 64)
 
 
+@pytest.mark.rule("target forward: K/V at the shared offset, the pre-norm hidden")
 def test_the_target_forward_ignores_extra_slots_and_reads_integral_float_ids():
     """Layer i uses slot i; a slot beyond the last layer is left untouched. Token ids are
     read as int64."""

@@ -56,12 +56,14 @@ def _digest(path: Path) -> str:
 # --------------------------------------------------------------------------- catalogue
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_every_catalogue_entry_applies_exactly_once_to_todays_source():
     # a refactor that moves a snippet makes its entry fail here, loudly, instead of the
     # runner silently mutating nothing
     assert runner.check_catalogue(ALL, ROOT) == {}
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_the_catalogue_holds_every_source_pr_mutation_and_at_least_60_entries():
     names = {m.name for m in ALL}
     assert len(SOURCE_PR_MUTATIONS) == 22
@@ -72,6 +74,7 @@ def test_the_catalogue_holds_every_source_pr_mutation_and_at_least_60_entries():
     assert sorted(m.name for m in pr) == sorted(SOURCE_PR_MUTATIONS)
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_only_the_documented_equivalent_is_expected_to_survive_and_it_is_justified():
     eq = runner.load_equivalents()
     survivors = [m.name for m in ALL if m.expect == "survive"]
@@ -82,6 +85,7 @@ def test_only_the_documented_equivalent_is_expected_to_survive_and_it_is_justifi
         assert e["why"].strip() and "\n" not in e["why"]
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_mutated_source_refuses_a_missing_or_ambiguous_snippet_and_a_no_op():
     src = "a = 1\nb = 1\n"
     with pytest.raises(runner.CatalogueError, match="0 times"):
@@ -96,6 +100,7 @@ def test_mutated_source_refuses_a_missing_or_ambiguous_snippet_and_a_no_op():
     )
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_the_first_failing_test_keeps_a_parametrized_id_that_holds_spaces():
     """The catalogue records (and later runs first) the first failing node id: a parameter
     id with spaces or dashes is kept whole, up to pytest's ` - ` before the message."""
@@ -110,6 +115,7 @@ def test_the_first_failing_test_keeps_a_parametrized_id_that_holds_spaces():
         "conformance/t.py::test_c[0-bfloat16] (error)")
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_an_applied_mutant_really_changes_behaviour_and_only_in_the_copy(tmp_path):
     m = _entry("resolve_draft_leads: align to the group MINIMUM not the maximum")
     checkout = ROOT / m.file
@@ -131,6 +137,7 @@ def test_an_applied_mutant_really_changes_behaviour_and_only_in_the_copy(tmp_pat
 # --------------------------------------------------------------------------- running and gating
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_the_runner_catches_a_real_mutant_and_gates_on_a_planted_survivor():
     caught = _entry("chain_start_of: off by one against the group key")
     caught = Mutant(caught.name, caught.file, caught.old, caught.new, caught.spec,
@@ -169,6 +176,7 @@ def test_the_runner_catches_a_real_mutant_and_gates_on_a_planted_survivor():
     assert not runner.gate(wrong, None, {"catalogue": {caught.name: "x"}, "mutmut": []}).ok
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_main_exits_nonzero_on_a_planted_catalogue_survivor(monkeypatch, tmp_path):
     planted = Mutant(
         "planted: a comment-only change",
@@ -191,6 +199,7 @@ def test_main_exits_nonzero_on_a_planted_catalogue_survivor(monkeypatch, tmp_pat
 # --------------------------------------------------------------------------- mutmut results
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_the_score_is_killed_plus_timeout_over_total_minus_skipped(tmp_path):
     p = tmp_path / "mutmut-cicd-stats.json"
     p.write_text(
@@ -248,6 +257,7 @@ def _fake_mutants(tmp_path, codes, stats=None):
     return d
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_the_mutants_dir_reader_builds_the_per_function_table_and_names_the_mutated_line(tmp_path):
     d = _fake_mutants(tmp_path, {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0,
                                  "pkg.mod.xǁCǁg__mutmut_1": 36})
@@ -278,6 +288,7 @@ def test_the_mutants_dir_reader_builds_the_per_function_table_and_names_the_muta
     )
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_the_mutmut_gate_needs_each_modules_score_and_a_justification_for_every_survivor(
         tmp_path):
     # one module, 20 mutants: 19 killed and one survivor (95% exactly)
@@ -298,6 +309,7 @@ def test_the_mutmut_gate_needs_each_modules_score_and_a_justification_for_every_
     assert not v.ok and v.reasons == ["mutmut: pkg/mod.py scores 95.0%, under 96%"]
 
 
+@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 def test_main_gates_an_existing_mutants_dir(tmp_path):
     d = _fake_mutants(
         tmp_path,

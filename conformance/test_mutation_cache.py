@@ -15,6 +15,7 @@ from raggedspec.mutation import mutmut_cache, runner
 from raggedspec.mutation.scope import MUTMUT_MODULES
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_only_added_test_files_let_a_run_continue_from_a_finished_one(tmp_path, monkeypatch):
     root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"
     old_tests = ("conformance/test_rope.py",)
@@ -52,6 +53,7 @@ def test_only_added_test_files_let_a_run_continue_from_a_finished_one(tmp_path, 
         root, m, new_tests, "3.9.0")) is None
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_seeding_keeps_kills_and_timeouts_and_reopens_every_other_verdict(tmp_path):
     m = "reference/rope.py"
     seed, ws = tmp_path / "seed", tmp_path / "ws"
@@ -63,6 +65,7 @@ def test_seeding_keeps_kills_and_timeouts_and_reopens_every_other_verdict(tmp_pa
     assert codes == dict(zip(names, [1, None, 36, None, None, 3], strict=True))
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_added_tests_alone_decide_the_reopened_mutants_and_the_rest_keep_their_verdict(
         tmp_path):
     m = "reference/rope.py"
@@ -88,6 +91,7 @@ def test_the_added_tests_alone_decide_the_reopened_mutants_and_the_rest_keep_the
     assert codes == dict(zip(names, [1, 0, 33, 0, 36], strict=True))  # the old timeout stays
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_a_continued_run_gives_its_mutants_a_larger_cpu_time_floor_in_its_copy_only(tmp_path):
     from raggedspec.mutation import mutmut_run
     (tmp_path / "pyproject.toml").write_text(
@@ -102,6 +106,7 @@ def test_a_continued_run_gives_its_mutants_a_larger_cpu_time_floor_in_its_copy_o
     assert 'only_mutate = ["raggedspec/reference/rope.py"]' in text
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_an_interrupted_run_is_resumed_and_added_tests_reopen_only_the_survivors(
         tmp_path, monkeypatch):
     root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"

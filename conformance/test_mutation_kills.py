@@ -206,6 +206,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules")
 @pytest.mark.parametrize(
     "call, message", [(c, m) for _, c, m in MALFORMED], ids=[n for n, _, _ in MALFORMED]
 )
@@ -214,6 +215,7 @@ def test_malformed_input_is_a_value_error_naming_the_offending_values(call, mess
         call()
 
 
+@pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules")
 def test_the_zero_boundaries_are_well_formed():
     # b == 0 and q0 == 0 are legal (an empty batch has no ragged rows)
     assert resolve_ragged_rows(None, 0, 0) is None
@@ -244,6 +246,7 @@ def test_the_zero_boundaries_are_well_formed():
     assert cache.slots[0].current_seq_len == 4
 
 
+@pytest.mark.rule("truncate_cache_by")
 def test_truncate_cache_by_rolls_back_the_slots_after_a_length_only_slot():
     # the length-only (Rotating/TurboQuant) slot sits BETWEEN Normal slots: skipping it must
     # not end the loop
@@ -253,6 +256,7 @@ def test_truncate_cache_by_rolls_back_the_slots_after_a_length_only_slot():
     assert cache.slots[2].v.current_seq_len == 17
 
 
+@pytest.mark.rule("MtpHiddenCapture")
 def test_a_fresh_hidden_capture_is_disarmed_and_empty():
     cap = MtpHiddenCapture()
     assert cap.armed is False

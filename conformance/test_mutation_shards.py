@@ -24,6 +24,7 @@ NONE = {"catalogue": {}, "mutmut": []}
 # --------------------------------------------------------------------------- scope
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_every_rule_file_is_mutated_or_excluded_with_a_reason_and_never_both():
     assert runner.unclassified(ROOT) == {}
     assert all(why.strip() for why in EXCLUDED.values())
@@ -66,6 +67,7 @@ def _reaches(start: Path, target: str) -> bool:
     return False
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 @pytest.mark.parametrize("module", sorted(MUTMUT_MODULES))
 def test_each_listed_test_file_exists_and_reaches_its_module(module):
     tests = MUTMUT_MODULES[module]
@@ -76,6 +78,7 @@ def test_each_listed_test_file_exists_and_reaches_its_module(module):
         assert _reaches(ROOT / t, dotted), f"{t} never imports {dotted}"
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_docs_page_shows_the_scope_tables_of_the_code():
     doc = (ROOT / "docs" / "mutation.md").read_text()
     m = re.search(r"<!-- BEGIN generated:mutmut-scope -->\n(.*?)\n<!-- END", doc, re.S)
@@ -91,6 +94,7 @@ def test_the_docs_page_shows_the_scope_tables_of_the_code():
 # --------------------------------------------------------------------------- shards
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_catalogue_shards_are_disjoint_complete_and_within_one_of_each_other(n):
     names = [m.name for m in select("all")]
@@ -101,6 +105,7 @@ def test_catalogue_shards_are_disjoint_complete_and_within_one_of_each_other(n):
     assert parts == [runner.catalogue_shard(names, k, n) for k in range(1, n + 1)]
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_module_shards_are_disjoint_complete_deterministic_and_balanced_by_size(n):
     sizes = {m: (ROOT / m).stat().st_size for m in MUTMUT_MODULES if (ROOT / m).is_file()}
@@ -115,6 +120,7 @@ def test_module_shards_are_disjoint_complete_deterministic_and_balanced_by_size(
     assert runner.module_shards(dict(shuffled), n) == parts  # the input order does not matter
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_a_shard_spec_must_be_k_of_n():
     assert runner.parse_shard("2/3") == (2, 3)
     for bad in ("0/3", "4/3", "3", "a/b", "1/0"):
@@ -178,6 +184,7 @@ def _tables(doc: str) -> list[str]:
     return [line for line in doc.splitlines() if line.startswith(("|", "- `"))]
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 @pytest.mark.parametrize("n", [2, 3])
 def test_merged_shards_gate_and_document_exactly_as_one_unsharded_run(tmp_path, n):
     whole = _result(1, 1, CAT, MODS)
@@ -220,6 +227,7 @@ def _refused(capsys, paths) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_merge_refuses_missing_overlapping_and_mismatched_shards(tmp_path, capsys):
     s1, s2, s3 = _shard_files(tmp_path, 3)
     err = _refused(capsys, [s1, s3])
@@ -260,6 +268,7 @@ def test_merge_refuses_missing_overlapping_and_mismatched_shards(tmp_path, capsy
     assert str(junk) in _refused(capsys, [junk])
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_raggedspec_command_forwards_merge(tmp_path, capsys):
     from raggedspec.cli import main as cli_main
 
@@ -277,6 +286,7 @@ def _meta(mutants: Path, module: str, codes: dict[str, int | None]) -> None:
     f.write_text(json.dumps({"exit_code_by_key": codes}))
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_per_module_counts_come_from_each_modules_meta_file(tmp_path):
     d = tmp_path / "mutants"
     # mutmut's exit codes: 1 killed, 0 survived, 36 timeout, 34 skipped, 33 no tests
@@ -322,6 +332,7 @@ def _tree(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_a_cached_module_is_reused_exactly_while_its_key_is_unchanged(tmp_path):
     root, cache, m = _tree(tmp_path), tmp_path / "cache", "reference/rope.py"
 
@@ -370,6 +381,7 @@ def test_a_cached_module_is_reused_exactly_while_its_key_is_unchanged(tmp_path):
     assert source() != s0
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkeypatch):
     root, cache = _tree(tmp_path), tmp_path / "cache"
     (root / "reference" / "cache.py").write_text("def h():\n    return 2\n")
@@ -406,6 +418,7 @@ def test_run_modules_mutates_only_the_modules_whose_key_changed(tmp_path, monkey
 # --------------------------------------------------------------------------- CI record
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_ci_plan_reruns_changed_modules_and_fails_recorded_failures():
     record = {"modules": {"a.py": {"source_key": "1", "ok": True},
                           "b.py": {"source_key": "2", "ok": True},
@@ -416,6 +429,7 @@ def test_the_ci_plan_reruns_changed_modules_and_fails_recorded_failures():
     assert runner.ci_plan(record, {"c.py": "3-new"}) == {"c.py": "changed"}
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_ci_gate_mutates_changed_modules_cheapest_first_within_its_budget():
     record = {"modules": {"a.py": {"seconds": 300.0}, "b.py": {"seconds": 200.0},
                           "c.py": {"seconds": 250.0}}}
@@ -426,6 +440,7 @@ def test_the_ci_gate_mutates_changed_modules_cheapest_first_within_its_budget():
     assert runner.within_budget(["a.py"], record, 100) == ([], ["a.py"])
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_the_fast_gate_mutates_the_dispatch_module_and_the_changed_recorded_ones(
         tmp_path, monkeypatch):
     now = runner.module_key(ROOT, "reference/rope.py", tool=False)
@@ -453,6 +468,7 @@ def test_the_fast_gate_mutates_the_dispatch_module_and_the_changed_recorded_ones
     assert rc == 1  # align did not fit the budget
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_shards_of_a_real_command_merge_to_its_unsharded_verdict(tmp_path, capsys):
     d = tmp_path / "mutants"
     for mod, n_killed in (("reference/rope.py", 19), ("reference/masks.py", 3),
@@ -483,6 +499,7 @@ def test_shards_of_a_real_command_merge_to_its_unsharded_verdict(tmp_path, capsy
     capsys.readouterr()
 
 
+@pytest.mark.rule("mutation scope, shards, result cache and CI plan")
 def test_a_module_outside_the_scope_table_is_refused_before_any_run(capsys):
     assert runner.main(["--mutmut-only", "--module", "gpu/testing.py", "--no-docs"]) == 2
     assert "gpu/testing.py" in capsys.readouterr().err

@@ -68,6 +68,7 @@ def _attention_matches(pslot: PagedKv, dslot, rng: np.random.Generator, window: 
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got - want).abs().max()
 
 
+@pytest.mark.rule("paged KV: every row's view through its block table")
 @settings(deadline=None)
 @given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), d=st.sampled_from([2, 3]),
        page=st.sampled_from(PAGE_SIZES), seed=st.integers(0, 10_000), data=st.data())
@@ -143,6 +144,7 @@ def _counted(monkeypatch) -> dict:
     return seen
 
 
+@pytest.mark.rule("paged KV: strip, rollback, commit and alignment are table updates")
 def test_strips_rollbacks_commits_and_alignment_move_no_kv_bytes(monkeypatch):
     """Only appends write: clone-in with pending leads (a strip), front alignment, the
     forward's zero baking, rollback, clone-out, commit and a dead-prefix strip leave the
@@ -179,6 +181,7 @@ def test_strips_rollbacks_commits_and_alignment_move_no_kv_bytes(monkeypatch):
     assert torch.equal(store.k, snapshot[0]) and torch.equal(store.v, snapshot[1])
 
 
+@pytest.mark.rule("paged KV: strip, rollback, commit and alignment are table updates")
 def test_the_dense_layout_would_have_moved_bytes_for_the_same_strip():
     """Non-degeneracy of the counter's scenario: in the in-place layout the same strip that
     cuts into a row's own run is a gather (the paged one is a table offset)."""
@@ -193,6 +196,7 @@ def test_the_dense_layout_would_have_moved_bytes_for_the_same_strip():
     assert np.array_equal(paged.kv.table, pages) and paged.kv.start.tolist() == [2]
 
 
+@pytest.mark.rule("paged KV: one writer per page")
 def test_a_shared_page_is_copied_before_a_write():
     """A clone shares pages; a write into a page it does not own copies the page's live
     prefix into a fresh page, so the original's columns stay as they were."""
@@ -208,6 +212,7 @@ def test_a_shared_page_is_copied_before_a_write():
     assert a.kv.table[0, 0] != b.kv.table[0, 1] and b.kv.table[0, 0] != a.kv.table[0, 0]
 
 
+@pytest.mark.rule("paged KV: one writer per page")
 def test_a_dense_first_batch_is_adopted_into_pages():
     """The forward's empty first batch (a dense `RaggedKv`) becomes pages on assignment."""
     be = PagedBackend(page_size=2)
@@ -219,6 +224,7 @@ def test_a_dense_first_batch_is_adopted_into_pages():
     assert torch.equal(slot.kv.v[1, :, :1], -k[1, :, :1])
 
 
+@pytest.mark.rule("paged KV: every row's view through its block table")
 @settings(max_examples=4, deadline=None)
 @given(data=scenarios, page=st.sampled_from([1, 3, 16]))
 def test_generated_scenarios_match_the_reference_on_pages(data, page):
@@ -229,6 +235,7 @@ def test_generated_scenarios_match_the_reference_on_pages(data, page):
     assert counts["forwards"] >= 1 or not any(s["phase"] != "idle" for s in ref.steps())
 
 
+@pytest.mark.rule("paged KV: every row's view through its block table")
 @pytest.mark.parametrize("case", [0, 3, 8])
 def test_fixed_scenarios_match_the_reference_on_pages(case):
     port, ref, be = run_both(FIXED[case], port=PagedBackend(page_size=3))
@@ -236,6 +243,7 @@ def test_fixed_scenarios_match_the_reference_on_pages(case):
     assert counts["forwards"] >= 3 and counts["tensors"] > 20
 
 
+@pytest.mark.rule("paged KV: every row's view through its block table")
 @pytest.mark.parametrize("name", ["test_append_growth_and_set_len_match_the_reference",
                                   "test_front_align_concat_split_and_strip_match_the_reference",
                                   "test_cohort_and_per_sequence_advance_match_the_reference",
@@ -247,6 +255,7 @@ def test_per_method_conformance_on_pages(name, monkeypatch):
     getattr(per_method, name)()
 
 
+@pytest.mark.rule("paged KV bytes per step, benchmark")
 @pytest.mark.parametrize("lens,w", [([4096, 4090, 4033], 3), ([17, 1], 1), ([15, 16, 31, 32], 5)])
 def test_the_paged_bytes_are_counted_on_the_paged_layout(lens, w):
     """The benchmark's paged counts: the step's append writes exactly its new columns' K and
@@ -258,6 +267,7 @@ def test_the_paged_bytes_are_counted_on_the_paged_layout(lens, w):
     assert got["paged_strip_bytes"] == 0 and got["paged_rollback_bytes"] == 0
 
 
+@pytest.mark.rule("paged KV bytes per step, benchmark")
 def test_the_benchmark_report_shows_the_paged_bytes():
     """The data-movement row's paged cells, and a dash for a result without them."""
     row = {"paged_append_bytes": 3072, "paged_cow_bytes": 1024, "paged_rollback_bytes": 0,

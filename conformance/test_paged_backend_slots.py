@@ -52,6 +52,7 @@ def refuses(exc, text, fn, *args):
     assert str(info.value) == text
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_pool_keeps_one_store_per_geometry_dtype_and_device():
     refuses(ValueError, "page_size 0 must be >= 1", PagePool, 0)
     pool = PagePool(3)
@@ -71,6 +72,7 @@ def test_a_pool_keeps_one_store_per_geometry_dtype_and_device():
     assert PagedBackend(page_size=2).pool.page_size == 2 and PagedBackend().name == "paged"
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_the_first_append_materializes_the_slot_in_pages():
     pool = PagePool(2)
     slot = PagedKv(4096, pool)
@@ -86,6 +88,7 @@ def test_the_first_append_materializes_the_slot_in_pages():
     assert slot.kv.host_lens().tolist() == [4, 4]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_an_append_grows_the_capacity_by_blocks_and_is_refused_above_max_seq_len():
     slot = PagedKv(1024, PagePool(4), capacity=4)
     slot.append(*_kv(1, 3))
@@ -100,6 +103,7 @@ def test_an_append_grows_the_capacity_by_blocks_and_is_refused_above_max_seq_len
     assert small.current == 4 and small.capacity == 4 and small.kv.host_lens().tolist() == [4]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_dense_batch_assigned_to_a_slot_is_adopted_into_the_pool():
     pool = PagePool(2)
     slot = PagedKv(4096, pool)
@@ -117,6 +121,7 @@ def test_a_dense_batch_assigned_to_a_slot_is_adopted_into_the_pool():
     assert slot.kv is paged
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_clone_keeps_the_metadata_over_independent_pages():
     pool = PagePool(2)
     slot = PagedKv(4096, pool, capacity=8)
@@ -129,6 +134,7 @@ def test_a_clone_keeps_the_metadata_over_independent_pages():
     assert _front(slot) == [[1.0, 2.0, 3.0]] and _front(c) == [[1.0, 2.0, 3.0, 9.0]]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_strip_shrinks_the_lead_first_then_advances_the_row():
     pool = PagePool(2)
     slot = PagedKv(4096, pool, capacity=8)
@@ -146,6 +152,7 @@ def test_a_strip_shrinks_the_lead_first_then_advances_the_row():
             slot.drop_front, 3)
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_bake_turns_alignment_offsets_into_zero_columns():
     pool = PagePool(2)
     slot = PagedKv(4096, pool)
@@ -161,6 +168,7 @@ def test_bake_turns_alignment_offsets_into_zero_columns():
     assert slot.lead.dtype == np.int64 and slot.kv.host_lens().tolist() == [2, 1]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_row_handles_share_the_batch_pages():
     pool = PagePool(2)
     empty = PagedKv(4096, pool, capacity=8, current=3)
@@ -181,6 +189,7 @@ def test_row_handles_share_the_batch_pages():
     assert c.capacity == 8 and c.shift == 0 and c.max_seq_len == 4096
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_stacking_paged_slots_and_its_refusals():
     pool = PagePool(2)
     refuses(ValueError, "concat_kv needs at least one slot", stack_paged, [], pool)
@@ -204,6 +213,7 @@ def test_stacking_paged_slots_and_its_refusals():
     refuses(ValueError, "row 1 is not a paged slot", stack_paged, [a, t], pool)
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_the_backend_makes_paged_target_slots_and_stacks_layers():
     be = PagedBackend(page_size=4)
 
@@ -225,6 +235,7 @@ def test_the_backend_makes_paged_target_slots_and_stacks_layers():
             be._stack_layer, [slot, cache.slots[2]], 3, False)
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_split_gives_g_pieces_of_table_rows():
     be = PagedBackend(page_size=2)
     slot = be.kv_from_arrays(*(x.cpu().numpy() for x in _kv(3, 2)), 4096, capacity=8)
@@ -243,6 +254,7 @@ def test_split_gives_g_pieces_of_table_rows():
     assert [p.kv.batch for p in be.split(t, 2)] == [1, 1]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_dense_copies_rows_and_metadata_into_an_in_place_slot():
     pool = PagePool(2)
     blank = dense(PagedKv(4096, pool, capacity=8, current=2))
@@ -257,6 +269,7 @@ def test_dense_copies_rows_and_metadata_into_an_in_place_slot():
     assert _front(slot)[0] == [1.0, 2.0, 3.0]  # a copy, not a view of the pages
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_the_draft_group_op_aligns_in_place_copies_of_paged_slots():
     """Two one-row paged slots cut to their starts (2 and 1) and front-aligned to 2: an
     in-place slot of rows [1, 2] and [0, 5]; the paged slots keep their rows."""
@@ -268,6 +281,7 @@ def test_the_draft_group_op_aligns_in_place_copies_of_paged_slots():
     assert _front(a) == [[1.0, 2.0, 3.0]] and _front(b) == [[5.0, 6.0, 7.0]]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_strip_of_one_column_cuts_only_the_rows_it_reaches():
     """Leads [2, 0], a strip of 1: row 0 loses one of its two dead columns (its run stays),
     row 1 one own column; current and capacity go down by 1."""
@@ -283,6 +297,7 @@ def test_a_strip_of_one_column_cuts_only_the_rows_it_reaches():
     assert PagePool(1).page_size == 1
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_bake_keeps_the_lead_as_host_int64():
     slot = PagedKv(4096, PagePool(2))
     slot.append(*_kv(1, 2))
@@ -292,6 +307,7 @@ def test_bake_keeps_the_lead_as_host_int64():
     assert slot.lead.dtype == np.int64 and slot.lead.tolist() == [1]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_stacked_row_handles_keep_their_leads_and_stay_appendable():
     pool = PagePool(2)
     slot = PagedKv(4096, pool, capacity=8)
@@ -317,6 +333,7 @@ def test_stacked_row_handles_keep_their_leads_and_stay_appendable():
     assert _front(blanks[0]) == [[1.0]]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_the_backend_keeps_its_device_and_dtype_and_its_xs_slots_geometry():
     be = PagedBackend(device="meta", dtype="float32", page_size=4)
     assert be.dev.type == "meta" and be.dtype == "float32" and be.tdtype == torch.float32
@@ -331,6 +348,7 @@ def test_the_backend_keeps_its_device_and_dtype_and_its_xs_slots_geometry():
                for s in xs)
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_clone_in_on_paged_slots_is_the_reference_clone_in():
     """Two sequences (3 and 5 columns), pending leads [1, 0]: the lead pad, the ragged-decode
     flag and every row's front-aligned cache are the NumPy reference's."""
@@ -352,6 +370,7 @@ def test_clone_in_on_paged_slots_is_the_reference_clone_in():
     assert slot.pool is be.pool
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 @pytest.mark.parametrize("xs_per_seq", [False, True])
 def test_clone_in_stacks_xs_slots_as_the_reference_does(xs_per_seq):
     """Caches with a compressed layer (ratio 4: two K/V slots and an XsRolling slot), one
@@ -382,6 +401,7 @@ def test_clone_in_stacks_xs_slots_as_the_reference_does(xs_per_seq):
         assert str(info.value) == text
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_concat_takes_in_place_row_handles_beside_paged_slots():
     be = PagedBackend(page_size=2)
     paged = be.kv_from_arrays(*(x.cpu().numpy() for x in _kv(1, 3)), 4096)
@@ -393,6 +413,7 @@ def test_concat_takes_in_place_row_handles_beside_paged_slots():
     assert both.pool is be.pool and all(q.pool is be.pool for q in be.split(both, 2))
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_clone_in_reconciles_shared_xs_bases_and_keeps_per_sequence_ones():
     """Two sequences whose xs slots saw 8 tokens with bases 0 and 4: a batch with shared xs
     state gives every row the largest base (uniform tokens), a per-sequence one keeps each
@@ -411,6 +432,7 @@ def test_clone_in_reconciles_shared_xs_bases_and_keeps_per_sequence_ones():
         assert xs.base.tolist() == bases and xs.tokens.tolist() == [8, 8]
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_draft_group_with_a_non_normal_row_is_the_reference_refusal():
     be = PagedBackend(page_size=2)
     paged = be.kv_from_arrays(np.ones((1, 1, 3, 2)), np.ones((1, 1, 3, 2)), 4096)
@@ -419,6 +441,7 @@ def test_a_draft_group_with_a_non_normal_row_is_the_reference_refusal():
             be.front_align_draft_group, [paged, xs], [2, 2])
 
 
+@pytest.mark.rule("paged KV backend slots, one method per case")
 def test_a_slot_puts_its_pages_on_the_device_of_its_first_append():
     """Placement (torch's meta device runs on any machine): the store the first append asks
     the pool for sits where the appended columns are."""

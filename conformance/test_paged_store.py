@@ -44,6 +44,7 @@ def _fill(kv: PagedRaggedKv, per_row: list[list[float]]) -> None:
             kv.append(k, v, rows=[i])
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_a_new_store_holds_four_zero_pages_with_page_0_reserved():
     s = PageStore(2, 3, 5, 4, torch.float32, DEVICE)
     assert tuple(s.k.shape) == (4, 2, 4, 3) and tuple(s.v.shape) == (4, 2, 4, 5)
@@ -56,6 +57,7 @@ def test_a_new_store_holds_four_zero_pages_with_page_0_reserved():
     assert wide.k.dtype == wide.v.dtype == torch.float64
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_page_size_is_at_least_one():
     assert PageStore(1, 2, 2, 1, torch.float64, DEVICE).page_size == 1
     for bad in (0, -3):
@@ -64,6 +66,7 @@ def test_page_size_is_at_least_one():
         assert str(info.value) == f"page_size {bad} must be >= 1"
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_pages_are_allocated_in_order_to_their_owner():
     s = _store()
     assert s.alloc(2, 7).tolist() == [1, 2] and s.used == 3
@@ -73,6 +76,7 @@ def test_pages_are_allocated_in_order_to_their_owner():
     assert s.k.shape[0] == 4 and s.moved["grow"] == 0  # four pages held four: no growth
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_the_store_grows_to_at_least_twice_its_pages_and_counts_the_copy():
     """A growth copies the used pages (K and V bytes into "grow") into a store of
     max(needed, 2 n) pages; the new pages are zero and unowned."""
@@ -88,6 +92,7 @@ def test_the_store_grows_to_at_least_twice_its_pages_and_counts_the_copy():
     assert not s.k.any() and not s.v.any()
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_reserve_makes_room_for_count_more_pages_now():
     s = _store()
     s.alloc(2, 1)  # 3 of 4 pages used
@@ -100,6 +105,7 @@ def test_reserve_makes_room_for_count_more_pages_now():
     assert s.k is k and s.moved["grow"] == grown
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_a_write_stores_columns_in_the_store_dtype_and_counts_their_bytes():
     s = _store(dtype=torch.float32)
     pages = s.alloc(2, 1)
@@ -120,6 +126,7 @@ def test_a_write_stores_columns_in_the_store_dtype_and_counts_their_bytes():
     assert not s.k[0].any() and s.moved["write"] == 2 * (2 + 3) * 4
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_empty_batch_has_no_pages_and_zero_width():
     s = _store()
     kv = PagedRaggedKv.empty(s, 3, 64)
@@ -131,6 +138,7 @@ def test_an_empty_batch_has_no_pages_and_zero_width():
     assert kv.lens.device.type == DEVICE.type
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_the_view_grows_in_whole_pages_and_lengths_stay_within_it():
     kv = PagedRaggedKv.empty(_store(page=4), 2, 64)
     kv.reserve(5)
@@ -149,6 +157,7 @@ def test_the_view_grows_in_whole_pages_and_lengths_stay_within_it():
     assert str(info.value) == "3 lengths for 2 rows"
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_writes_each_row_at_its_end_through_fresh_pages():
     """Row 0 gets 5 columns and row 1 2 (page size 2): pages 1-3 for row 0, page 4 for
     row 1, in order; a second append of 2 columns per row continues each row's own run."""
@@ -169,6 +178,7 @@ def test_an_append_writes_each_row_at_its_end_through_fresh_pages():
     assert s.moved["write"] == (5 + 2 + 2 + 2) * (2 + 3) * 8
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_of_nothing_changes_nothing_and_a_bad_shape_is_refused():
     s = _store(page=2)
     kv = PagedRaggedKv.empty(s, 2, 64)
@@ -189,6 +199,7 @@ def test_an_append_of_nothing_changes_nothing_and_a_bad_shape_is_refused():
     assert _row(kv, 1) == [5.0, 7.0, 8.0] and _row(kv, 0) == [1.0, 2.0, 3.0]
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_into_a_shared_page_copies_its_live_prefix_first():
     """A clone shares every page and both batches take new ids: the clone's append into
     its half-full last page (offsets 0-1 live) copies those 2 columns to a fresh page
@@ -214,6 +225,7 @@ def test_an_append_into_a_shared_page_copies_its_live_prefix_first():
     assert b.table.tolist() == [[1, 3]] and s.moved["write"] - writes == (2 + 3) * 8
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_advance_drops_the_zero_lead_first_then_moves_start():
     s = _store(page=2)
     kv = PagedRaggedKv.empty(s, 2, 64)
@@ -231,6 +243,7 @@ def test_advance_drops_the_zero_lead_first_then_moves_start():
     assert s.moved["write"] == writes  # offsets only
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_prepend_zeros_grows_the_lead_and_the_view():
     s = _store(page=4)
     kv = PagedRaggedKv.empty(s, 2, 64)
@@ -243,6 +256,7 @@ def test_prepend_zeros_grows_the_lead_and_the_view():
     assert kv.zlead.tolist() == [1, 3] and kv.width == 8
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_past_a_zero_lead_longer_than_the_row_shrinks_the_lead_to_it():
     """A zero lead past the row's length is slack: the append's columns follow the row's
     live length, its lead cut down to it first."""
@@ -255,6 +269,7 @@ def test_an_append_past_a_zero_lead_longer_than_the_row_shrinks_the_lead_to_it()
     assert kv.zlead.tolist() == [2] and _row(kv, 0) == [0.0, 0.0, 7.0, 8.0]
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_stacked_rows_keep_their_views_and_take_over_the_owned_pages():
     s = _store(page=2)
     a = PagedRaggedKv.empty(s, 2, 64)
@@ -280,6 +295,7 @@ def test_stacked_rows_keep_their_views_and_take_over_the_owned_pages():
     assert str(info.value) == "rows from 2 page stores cannot be stacked"
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_a_store_and_its_batches_live_on_the_store_device():
     """Placement (torch's meta device runs on any machine): the pages and the device
     lengths sit where the store was made, and a write indexes them there."""
@@ -290,6 +306,7 @@ def test_a_store_and_its_batches_live_on_the_store_device():
     assert kv.lens.device.type == "meta" and kv.host_lens().tolist() == [1, 1]
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_a_batch_keeps_its_tables_and_offsets_as_host_int64():
     """Tables, starts and zero leads given as int32, or offsets computed in uint64, stay
     host int64 (uint64 against int64 would turn them into float64 in NumPy)."""
@@ -306,6 +323,7 @@ def test_a_batch_keeps_its_tables_and_offsets_as_host_int64():
     assert kv.zlead.tolist() == [0] and kv.start.tolist() == [1] and _row(kv, 0) == [2.0, 3.0]
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_reserving_what_the_view_already_holds_keeps_it():
     """A width given off the page grid (6 columns of pages of 4) is already "at least 6
     wide": reserving 6 or fewer changes neither the width nor the cached view."""
@@ -320,6 +338,7 @@ def test_reserving_what_the_view_already_holds_keeps_it():
     assert kv.width == 8 and kv.k is not view
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_pages_of_one_column_read_zero_leads_and_empty_slots_as_zeros():
     s = _store(page=1)
     kv = PagedRaggedKv.empty(s, 2, 64)
@@ -329,6 +348,7 @@ def test_pages_of_one_column_read_zero_leads_and_empty_slots_as_zeros():
     assert kv.k[1, 0, 1:, 0].tolist() == [0.0, 0.0, 0.0]  # past row 1's table: the zero page
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_to_given_rows_takes_a_scalar_or_a_device_tensor():
     s = _store(page=2)
     kv = PagedRaggedKv.empty(s, 2, 64)
@@ -338,6 +358,7 @@ def test_an_append_to_given_rows_takes_a_scalar_or_a_device_tensor():
     assert _row(kv, 0) == [1.0, 2.0, 3.0] and _row(kv, 1) == [5.0, 6.0]
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_into_an_owned_page_writes_in_place():
     """Page 1 belongs to the batch that filled it: the next column lands there, no copy,
     no fresh page."""
@@ -349,6 +370,7 @@ def test_an_append_into_an_owned_page_writes_in_place():
     assert s.moved["write"] == 2 * (2 + 3) * 8
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_a_shared_first_page_is_copied_and_a_page_boundary_copies_nothing():
     """The clone's append into shared page 1 (2 live columns) copies them first; rolled
     back to a page boundary, an append into the shared page after it copies no column
@@ -369,6 +391,7 @@ def test_a_shared_first_page_is_copied_and_a_page_boundary_copies_nothing():
     assert s.moved["write"] - writes == (2 + 3) * 8  # the new column only
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_logical_columns_no_page_holds_are_not_copied():
     """A row whose start is 3 but holds no page: its append allocates the first page and
     writes only its new column (the three columns below read as the zero page)."""
@@ -379,6 +402,7 @@ def test_logical_columns_no_page_holds_are_not_copied():
     assert _row(kv, 0) == [5.0]
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_follows_a_shrunk_zero_lead_within_the_row_pages():
     """After the lead shrinks to the row's length the append's logical columns start at 0:
     the row's one page takes them, no page is added."""
@@ -391,6 +415,7 @@ def test_an_append_follows_a_shrunk_zero_lead_within_the_row_pages():
     assert kv.table.tolist() == [[1]] and s.used == 2
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_an_append_before_the_first_logical_column_is_refused():
     s = _store(page=2)
     kv = PagedRaggedKv(s, [[1]], [-2], [0], [1], 2, 64)
@@ -399,6 +424,7 @@ def test_an_append_before_the_first_logical_column_is_refused():
     assert str(info.value) == "row 0: append at logical column -1"
 
 
+@pytest.mark.rule("paged KV store and block table, one rule per case")
 def test_zeros_prepended_within_the_width_show_in_the_cached_view():
     s = _store(page=4)
     kv = PagedRaggedKv.empty(s, 1, 64)

@@ -80,6 +80,10 @@ def live(single: SingleCache) -> np.ndarray:
     return single.data[:, :, : single.physical]
 
 
+@pytest.mark.rule(
+    "front_align_batch + clone_in_cache, port layout",
+    "SingleCache::append, port layout",
+)
 @dtypes
 @given(lens=corner_lengths(1, 4, 80), t=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
        big=st.booleans())
@@ -114,6 +118,7 @@ def test_materialized_batch_and_append_match_the_reference(dtype, lens, t, seed,
         assert_bit_exact(v, live(batched.v), "V after append")
 
 
+@pytest.mark.rule("per-seq commit, port layout")
 @given(
     lens=corner_lengths(1, 4, 60, boundaries=False),
     steps=st.integers(1, 3),
@@ -150,6 +155,7 @@ def test_per_sequence_steps_match_the_reference_cycle(lens, steps, depth, seed):
             assert_bit_exact(v_row[None], live(c.slots[0].v), f"row {i} V")
 
 
+@pytest.mark.rule("truncate_cache_by, port layout")
 @given(lens=corner_lengths(1, 4, 60, boundaries=False), depth=st.integers(1, 8), data=st.data(),
        seed=st.integers(0, 2**32 - 1))
 def test_cohort_rollback_matches_the_reference(lens, depth, data, seed):
@@ -192,6 +198,10 @@ def draft_group(draw):
     return held, starts
 
 
+@pytest.mark.rule(
+    "front_align_draft_group, port layout",
+    "split_draft_cache, concat_kv, port layout",
+)
 @dtypes
 @given(group=draft_group(), n_draft=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
 def test_draft_group_alignment_and_chain_write_back_match_the_reference(
@@ -232,6 +242,7 @@ def test_draft_group_alignment_and_chain_write_back_match_the_reference(
         assert_bit_exact(v_row[None], live(piece.v), f"draft row {i} V")
 
 
+@pytest.mark.rule("drop_dead_prefix, port layout")
 @dtypes
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
 def test_strip_dead_prefix_matches_drop_front_single(dtype, data, seed):
@@ -285,6 +296,7 @@ def test_strip_dead_prefix_matches_drop_front_single(dtype, data, seed):
             assert_bit_exact(v_row[None], live(sv), f"row {i} V")
 
 
+@pytest.mark.rule("front_align_draft_group, port layout")
 def test_draft_group_worked_example_on_the_port():
     """§9.7: three rows, each live 9 (capacity 32) marked 100/200/300, starts [7, 4, 6]:
     width 7, K rows [100..106], [0,0,0,200..203], [0,300..305] (the spec's numbers)."""
@@ -307,6 +319,7 @@ def marked(b, width):
     return vals[:, None, :, None].clone()
 
 
+@pytest.mark.rule("front_align_batch + clone_in_cache, port layout")
 def test_front_align_leads_at_zero_and_empty():
     """A zero-length row is legal (its lead is the whole target); an empty batch has target 0."""
     target, leads = port.front_align_leads([0, 3])
@@ -316,6 +329,7 @@ def test_front_align_leads_at_zero_and_empty():
     assert (target, leads.tolist()) == (0, [])
 
 
+@pytest.mark.rule("front_align_batch + clone_in_cache, port layout")
 def test_materialize_pads_to_an_explicit_target_and_handles_no_rows():
     """Rows [100, 101] and [200] (capacity 4) front-aligned to 3 columns: [0, 100, 101] and
     [0, 0, 200]; with no rows the batch is 0 columns wide."""
@@ -328,6 +342,7 @@ def test_materialize_pads_to_an_explicit_target_and_handles_no_rows():
     assert list(k.shape) == [0, 1, 0, 1] and list(v.shape) == [0, 1, 0, 1]
 
 
+@pytest.mark.rule("drop_dead_prefix, port layout")
 def test_strip_dead_prefix_shifts_each_row_and_zero_fills_the_kept_width():
     """Width 4, current 4, leads [1, 0]: row 0 keeps columns [1, 4) then one zero column
     (nothing lies past the buffer), row 1 is unchanged; lens [3, 4]; max_seq_len carried."""
@@ -337,6 +352,7 @@ def test_strip_dead_prefix_shifts_each_row_and_zero_fills_the_kept_width():
     assert kv.lens.tolist() == [3, 4] and kv.max_seq_len == 777
 
 
+@pytest.mark.rule("front_align_draft_group, port layout")
 def test_front_align_draft_group_keeps_the_buffers_and_max_seq_len():
     kv = RaggedKv(marked(2, 4), marked(2, 4), [3, 4], 777)
     grp = port.front_align_draft_group(kv, [0, 2])
@@ -344,6 +360,7 @@ def test_front_align_draft_group_keeps_the_buffers_and_max_seq_len():
     assert grp.lens.tolist() == [0, 2] and grp.max_seq_len == 777
 
 
+@pytest.mark.rule("split_draft_cache, concat_kv, port layout")
 def test_split_draft_cache_and_concat_kv_keep_each_rows_length():
     """Four rows split in 2 are rows {0, 1} and {2, 3} with their own lengths; two rows cannot
     make 3 pieces (None); concatenating a capacity-2 and a capacity-4 set zero-pads the first."""
@@ -398,6 +415,11 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.rule(
+    "front_align_batch + clone_in_cache, port layout",
+    "drop_dead_prefix, port layout",
+    "front_align_draft_group, port layout",
+)
 @pytest.mark.parametrize("call, message", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
 def test_each_malformed_alignment_input_is_a_value_error_with_its_message(call, message):
     with pytest.raises(ValueError) as err:
@@ -405,6 +427,7 @@ def test_each_malformed_alignment_input_is_a_value_error_with_its_message(call, 
     assert str(err.value) == message
 
 
+@pytest.mark.rule("front_align_draft_group, port layout")
 def test_an_empty_draft_group_is_refused_by_name():
     empty = RaggedKv.empty(0, 1, 1, 4096, 4)
     with pytest.raises(AlignRefusal) as err:

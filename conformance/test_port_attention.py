@@ -80,6 +80,7 @@ def opt(a, dtype=None):
     return None if a is None else to_port(a, dtype)
 
 
+@pytest.mark.rule("attention with sinks, port")
 @given(case=attention_case())
 def test_float64_attention_matches_the_reference(case):
     q, k, v, mask, sinks = case
@@ -89,6 +90,7 @@ def test_float64_attention_matches_the_reference(case):
     assert torch.isfinite(got).all()  # all-masked rows without a sink give 0, never NaN
 
 
+@pytest.mark.rule("attention with sinks, port")
 @LOW
 @given(case=attention_case(all_masked_rows=False))
 def test_low_precision_attention_is_within_twice_the_naive_error(dtype, case):
@@ -156,6 +158,7 @@ def port_cfg(cfg):
     return port.Dsv4AttentionConfig(cfg.compress_ratio, cfg.sliding_window, cfg.raw_prefix, rows)
 
 
+@pytest.mark.rule("dsv4_attention, port")
 @given(case=dsv4_case())
 def test_float64_dsv4_attention_matches_the_reference_including_refusals(case):
     q, k, v, comp, caller, cfg, sinks = case
@@ -186,6 +189,7 @@ def naive_dsv4(q, k, v, comp, cfg, sinks):
     return naive_attention(q, kk, vv, torch.from_numpy(mask).to(q.device), sinks)
 
 
+@pytest.mark.rule("dsv4_attention, port")
 @LOW
 @given(case=dsv4_case())
 def test_low_precision_dsv4_attention_is_within_twice_the_naive_error(dtype, case):
@@ -217,6 +221,7 @@ def test_low_precision_dsv4_attention_is_within_twice_the_naive_error(dtype, cas
         assert_dtype_bound(p[1], naive, r[1], dtype, scale, "dsv4_attention")
 
 
+@pytest.mark.rule("dsv4 uniform path never ragged, port")
 @given(case=dsv4_case())
 def test_a_uniform_row_q0_never_takes_the_ragged_mask_path(case):
     q, k, v, comp, _caller, cfg, sinks = case
@@ -235,6 +240,7 @@ def test_a_uniform_row_q0_never_takes_the_ragged_mask_path(case):
     assert port.dsv4_mask_stats == {"uniform": 1, "ragged": 0}
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_dsv4_refusal_messages_name_the_values():
     q, k = (
         torch.zeros((1, 1, 5, 4), dtype=torch.float64),
@@ -250,6 +256,7 @@ def test_dsv4_refusal_messages_name_the_values():
 # ----------------------------------------------------------------------------- in place
 
 
+@pytest.mark.rule("dsv4 attention over the in-place layout, port")
 @given(
     own=corner_lengths(1, 5, 300, boundaries=False),
     t_q=st.integers(1, 3),
@@ -288,6 +295,7 @@ def test_in_place_attention_equals_the_reference_on_the_front_aligned_batch(
     assert_close64(got, want, what="dsv4_attention_in_place")
 
 
+@pytest.mark.rule("dsv4 attention over the in-place layout, port")
 def test_in_place_attention_refuses_a_row_shorter_than_its_queries():
     kv = RaggedKv(
         torch.zeros((2, 1, 8, 4), dtype=torch.float64),
@@ -305,6 +313,7 @@ def test_in_place_attention_refuses_a_row_shorter_than_its_queries():
 # queries' device (torch's meta device runs on any machine).
 
 
+@pytest.mark.rule("attention with sinks, port")
 def test_mask_and_sinks_are_taken_in_the_compute_dtype():
     rng = np.random.default_rng(11)
     q = torch.from_numpy(rng.standard_normal((2, 2, 3, 4))).float()
@@ -320,6 +329,7 @@ def test_mask_and_sinks_are_taken_in_the_compute_dtype():
     assert torch.equal(port.attention(q, k[:, :, :0], v[:, :, :0], None), torch.zeros_like(q))
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_dsv4_attention_builds_its_masks_on_the_queries_device():
     q, k = torch.zeros((1, 2, 3, 4), device="meta"), torch.zeros((1, 1, 5, 4), device="meta")
     cfg = port.Dsv4AttentionConfig(compress_ratio=4, sliding_window=3)
@@ -334,6 +344,7 @@ def refuses(text, fn, *args):
     assert str(info.value) == text
 
 
+@pytest.mark.rule("attention with sinks, port")
 def test_attention_refusals_break_one_condition_each():
     z = torch.zeros
     q, k = z((2, 4, 3, 8)), z((2, 2, 5, 8))
@@ -356,6 +367,7 @@ def test_attention_refusals_break_one_condition_each():
     refuses("sinks shape [3] must be [4]", port.attention, q, k, k, None, z(3))
 
 
+@pytest.mark.rule("attention with sinks, port")
 def test_attention_takes_each_rows_own_maximum():
     """A finite additive mask of -5000 on every key of one query row shifts that row's
     logits only: its softmax is unchanged (a max over all rows would underflow it to 0)."""
@@ -368,10 +380,12 @@ def test_attention_takes_each_rows_own_maximum():
     assert torch.allclose(got, want, rtol=1e-9, atol=0)
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_standard_layers_are_the_ratios_0_and_1():
     assert [port.is_standard_layer(r) for r in (0, 1, 2, 4)] == [True, True, False, False]
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_dsv4_attention_refusals_break_one_condition_each():
     z = torch.zeros
     q, k = z((2, 4, 3, 8)), z((2, 2, 5, 8))
@@ -396,6 +410,7 @@ def test_dsv4_attention_refusals_break_one_condition_each():
         refuses(msg.format(list(comp.shape)), f, q, k, k, comp, None, cfg)
 
 
+@pytest.mark.rule("dsv4 uniform path never ragged, port")
 def test_dsv4_attention_counts_each_mask_path():
     q, k = torch.zeros((2, 2, 1, 4)), torch.zeros((2, 1, 5, 4))
     cfg = port.Dsv4AttentionConfig(compress_ratio=0, sliding_window=3)
@@ -407,6 +422,7 @@ def test_dsv4_attention_counts_each_mask_path():
     assert port.dsv4_mask_stats == {"uniform": 2, "ragged": 2}
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_compressed_keys_are_rounded_to_the_raw_keys_dtype():
     """bfloat16 raw keys with float32 compressed keys: the compressed keys enter as
     bfloat16, exactly as if they had been given in bfloat16."""
@@ -419,6 +435,7 @@ def test_compressed_keys_are_rounded_to_the_raw_keys_dtype():
     assert torch.equal(port.dsv4_attention(q, k, k, comp, None, cfg), want)
 
 
+@pytest.mark.rule("attention with sinks, port")
 def test_low_precision_attention_computes_in_float32():
     """bfloat16 and float16 inputs are computed in float32 and rounded once at the end: the
     result is the float32 computation of the same (exactly widened) inputs, rounded."""
@@ -430,6 +447,7 @@ def test_low_precision_attention_computes_in_float32():
         assert torch.equal(port.attention(q, k, v, None), want)
 
 
+@pytest.mark.rule("dsv4 attention over the in-place layout, port")
 def test_in_place_refusals_and_the_row_with_exactly_t_q_keys():
     kv = RaggedKv.empty(2, 1, 4, 64, 16, torch.float64)
     kv.lens = [2, 3]
@@ -456,6 +474,7 @@ def test_in_place_refusals_and_the_row_with_exactly_t_q_keys():
 # ones in the KV dtype even when the queries compute in a wider one.
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_a_float64_caller_mask_keeps_its_float64_values_on_both_mask_paths():
     """Zero queries make the logits the caller mask itself: one query over two keys with
     biases (-0.3, 0.1) weighs v0 = 1 and v1 = -1 by e^-0.3 and e^0.1. Row 1 of the ragged
@@ -473,6 +492,7 @@ def test_a_float64_caller_mask_keeps_its_float64_values_on_both_mask_paths():
         assert got == pytest.approx(want, rel=1e-15, abs=1e-15), rows
 
 
+@pytest.mark.rule("dsv4_attention, port")
 @pytest.mark.parametrize("dtype, compute", [(torch.float16, torch.float32),
                                             (torch.bfloat16, torch.float32),
                                             (torch.float32, torch.float32),
@@ -499,6 +519,7 @@ def test_the_union_mask_reaches_attention_in_the_compute_dtype(monkeypatch, dtyp
     assert seen == [compute] * 3
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_compressed_keys_join_in_the_kv_dtype_under_float64_queries():
     """float64 queries over bfloat16 raw keys and values (distinct) with float64 compressed
     keys: the compressed keys and values enter rounded to bfloat16, exactly as if given in
@@ -519,6 +540,7 @@ def test_compressed_keys_join_in_the_kv_dtype_under_float64_queries():
     assert torch.equal(port.dsv4_attention_in_place(q, kv, comp, 4, 8), want)
 
 
+@pytest.mark.rule("dsv4_attention, port")
 def test_in_place_attention_never_reads_a_key_before_the_window():
     """One query per row, window 3: row i attends exactly its last 3 keys (`qp - 3 < kp <=
     qp`, qp = lens[i] - 1). Every other column, older keys and the slack past the row's

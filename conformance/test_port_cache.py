@@ -27,6 +27,7 @@ def filled(lens, seed=0, max_seq_len=4096, capacity=None):
     return RaggedKv.from_rows(ks, vs, max_seq_len, capacity), ks, vs
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 @given(top=st.sampled_from(GROWTH_BOUNDARIES + (100, 1500)), t=st.integers(1, 600),
        max_seq_len=st.sampled_from([1024, 1536, 2048, 1100]))
 def test_growth_refusal_matches_single_cache_append(top, t, max_seq_len):
@@ -45,6 +46,7 @@ def test_growth_refusal_matches_single_cache_append(top, t, max_seq_len):
         assert kv.capacity == sc.capacity_seq_len
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 def test_growth_refusal_example():
     kv, _, _ = filled([1023, 5], max_seq_len=1024)
     with pytest.raises(
@@ -57,6 +59,7 @@ def test_growth_refusal_example():
     assert kv.lens.tolist() == [1023, 5]  # refused before any write
 
 
+@pytest.mark.rule("per-seq commit, port layout")
 @given(lens=corner_lengths(1, 4, 600), new=st.lists(st.integers(0, 1100), min_size=4, max_size=4))
 def test_set_len_refusal_matches_the_reference(lens, new):
     kv, _, _ = filled(lens)
@@ -70,6 +73,7 @@ def test_set_len_refusal_matches_the_reference(lens, new):
         assert kv.lens.tolist() == new
 
 
+@pytest.mark.rule("split_draft_cache, concat_kv, port layout")
 @given(lens=corner_lengths(1, 7, 30, boundaries=False), g=st.integers(1, 9))
 def test_split_rows_uses_the_reference_chunking(lens, g):
     """Candle chunk sizes (as `split_draft_cache`): pieces of consecutive rows, None when
@@ -90,6 +94,7 @@ def test_split_rows_uses_the_reference_chunking(lens, g):
     assert_bit_exact(materialize_front_aligned(back)[0], materialize_front_aligned(kv)[0])
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 @given(
     lens=corner_lengths(2, 6, 40, boundaries=False), data=st.data(), seed=st.integers(0, 2**32 - 1)
 )
@@ -115,6 +120,7 @@ def test_append_to_a_row_subset_writes_only_those_rows(lens, data, seed):
             assert_bit_exact(kv.k[i], before.k[i])
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 def test_clone_in_of_the_last_clone_outs_pieces_moves_no_kv():
     """The port's clone-out hands out row handles (host integers, no tensor); a clone-in of
     one batch's handles in order is the same buffer (no K/V copied: same storage); out of

@@ -56,6 +56,7 @@ def row_positions(draw):
     return rows, q0, b
 
 
+@pytest.mark.rule("resolve_ragged_rows, port")
 @given(case=row_positions())
 def test_resolve_ragged_rows_matches_the_reference(case):
     rows, q0, b = case
@@ -65,11 +66,13 @@ def test_resolve_ragged_rows_matches_the_reference(case):
         same_optional(p[1], r[1])
 
 
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port")
 @given(offsets=st.one_of(uniform_lengths(0, 6, 0, 40), corner_lengths(1, 6, 40, boundaries=False)))
 def test_uniform_seqlen_offset_matches_the_reference(offsets):
     assert port.uniform_seqlen_offset(vec(offsets)) == ref.uniform_seqlen_offset(offsets)
 
 
+@pytest.mark.rule("resolve_ragged_rows, port")
 @given(lens=uniform_lengths(0, 8, 0, 600))
 def test_a_uniform_batch_never_takes_the_ragged_path_on_the_port(lens):
     """Every port predicate returns the scalar form (None / the one offset) for a uniform
@@ -81,6 +84,7 @@ def test_a_uniform_batch_never_takes_the_ragged_path_on_the_port(lens):
     assert port.uniform_seqlen_offset(v) == (lens[0] if lens else None)
 
 
+@pytest.mark.rule("resolve_ragged_rows, port")
 def test_negative_positions_are_malformed_for_port_and_reference():
     """Negative row positions are malformed input (ValueError) on both sides."""
     for port_fn, ref_fn, args in [

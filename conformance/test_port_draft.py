@@ -108,6 +108,7 @@ def chain_group(draw):
     return starts, tails, others, order, draw(st.integers(1, 8)), draw(st.integers(0, 2**32 - 1))
 
 
+@pytest.mark.rule("propose_chain_batched, port", "uniform draft group takes the scalar chain, port")
 @given(case=chain_group())
 def test_the_chain_on_pool_rows_matches_the_reference_group(case):
     """Reference: `front_align_draft_group`, `propose_chain_batched`, `split_draft_cache`,
@@ -170,6 +171,7 @@ def test_the_chain_on_pool_rows_matches_the_reference_group(case):
         assert_bit_exact(pool.k[slot, :, :m], before.k[slot, :, :m], "another sequence's draft KV")
 
 
+@pytest.mark.rule("uniform draft group takes the scalar chain, port")
 def test_a_uniform_group_takes_the_scalar_step_and_a_ragged_group_per_row_positions(monkeypatch):
     """The branch itself, as the reference's test observes it (spies on the block's two
     steps, the chain counter, RoPE's table shape): starts [7, 7, 7] -> `forward_step` at
@@ -208,6 +210,7 @@ def test_a_uniform_group_takes_the_scalar_step_and_a_ragged_group_per_row_positi
         assert pool.lens.tolist() == [s + 3 for s in starts]
 
 
+@pytest.mark.rule("propose_chain_batched, port")
 def test_chain_refusals_and_empty_cases_match_the_reference():
     rng = np.random.default_rng(1)
     ks = [rng.standard_normal((9, HD)) for _ in range(2)]
@@ -247,6 +250,7 @@ def test_chain_refusals_and_empty_cases_match_the_reference():
         len(ref.propose_chain_batched(MODEL, np.zeros((0, H)), [], 3, [], None))
 
 
+@pytest.mark.rule("propose_chain_batched, port")
 def test_a_tier_a_chain_matches_the_reference_without_any_cache():
     rng = np.random.default_rng(2)
     seeds, lasts = rng.standard_normal((3, H)), rng.integers(0, V, 3)
@@ -293,6 +297,7 @@ def write_back_group(draw):
     )
 
 
+@pytest.mark.rule("draft group loop on the pool, port")
 @given(case=write_back_group())
 def test_the_backend_group_loop_on_pool_rows_is_the_reference_group_loop(case):
     """The group loop the torch backend runs (`TorchBackend.draft_chain` on rows of its
@@ -338,6 +343,7 @@ def test_the_backend_group_loop_on_pool_rows_is_the_reference_group_loop(case):
         assert_close64(k_row[s:], held[s:], what=f"row {r}: drafted entries")
 
 
+@pytest.mark.rule("propose_chain on the backend's draft cache, port")
 @given(n1=st.integers(0, 3), n2=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_the_backend_propose_chain_runs_on_its_own_draft_cache(n1, n2, seed):
     """`TorchBackend.propose_chain` on the backend's `new_draft_cache` (a pool row), twice in
@@ -386,6 +392,7 @@ def extension_batch(draw):
     return t, rows, order, draw(st.integers(0, 2**32 - 1))
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 @given(case=extension_batch())
 def test_extend_draft_kv_rows_is_extend_draft_kv_row_for_every_row_at_once(case):
     """Reference: `extend_draft_kv_row` row by row. Port: one `extend_draft_kv_rows` call for
@@ -438,6 +445,7 @@ def test_extend_draft_kv_rows_is_extend_draft_kv_row_for_every_row_at_once(case)
     assert int(pool.lens[extra]) == 5 and torch.equal(pool.k[extra, :, :5], before.k[extra, :, :5])
 
 
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
 def test_extend_draft_kv_rows_writes_nothing_past_hi_and_refuses_a_truncate_past_capacity():
     rng = np.random.default_rng(3)
     pool = pool_of([rng.standard_normal((4, HD)), rng.standard_normal((2, HD))])

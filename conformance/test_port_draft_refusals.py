@@ -27,6 +27,7 @@ def refuses(exc, text, fn, *args, **kwargs):
     assert str(info.value) == text
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_argmax_tokens_takes_the_last_axis_and_refuses_an_empty_vocab():
     assert port.argmax_tokens(torch.tensor([1.0, 3.0, 2.0])).tolist() == 1  # 1-D: one token
     assert port.argmax_tokens(torch.zeros((2, 1))).tolist() == [0, 0]  # V == 1
@@ -46,6 +47,7 @@ def pool(n_rows: int, held: int = 2) -> RaggedKv:
     return RaggedKv.from_rows(rows, [r.clone() for r in rows], 4096, 16)
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_chain_refusals_name_the_values():
     seeds = to_port(np.zeros((2, H)))
     refuses(ValueError, f"seed_hidden (2, 1, {H}) must be [G,H]",
@@ -62,6 +64,7 @@ def test_chain_refusals_name_the_values():
     assert (tuple(got.shape), got.dtype) == ((2, 1), torch.int64)
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 @pytest.mark.parametrize("model", [PORT, PORT_A], ids=["block", "tier_a"])
 def test_chain_results_are_int64_and_a_float32_seed_runs_in_the_model_dtype(model):
     seeds = np.random.default_rng(1).standard_normal((2, H))
@@ -86,6 +89,7 @@ def toks(r_n: int, width: int = 8) -> torch.Tensor:
     return torch.arange(r_n * width).reshape(r_n, width) % V
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_extension_token_refusals_on_the_host_and_on_the_device():
     for bad in ([[0, -1]], [[0, V]]):
         for given in (np.asarray(bad), torch.tensor(bad)):
@@ -99,6 +103,7 @@ def test_extension_token_refusals_on_the_host_and_on_the_device():
     assert kv.host_lens().tolist() == [3]
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_extension_shape_refusals_break_one_condition_each():
     hid = to_port(np.zeros((2, 6, H)))
     msg = ("hidden {}, tokens {}, off/lo/hi/rows ({}, 2, {}, {}) must all have one entry "
@@ -120,6 +125,7 @@ def test_extension_shape_refusals_break_one_condition_each():
             extend, pool(2), [0, 0], [2, 2], [3, 3], t2, write=[True])
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_extension_span_refusals_and_boundaries():
     msg = ("extension spans lo {}, hi {} lie outside the capture (off {}, T 6) or the tokens "
            "({})")
@@ -144,6 +150,7 @@ def test_extension_span_refusals_and_boundaries():
     assert kv.host_lens().tolist() == [2]
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_extension_at_the_capacity_grows_the_row():
     kv = pool(1, held=16)  # capacity 16, full
     extend(kv, [16], [16], [17], toks(1, 20))
@@ -153,6 +160,7 @@ def test_extension_at_the_capacity_grows_the_row():
             toks(1, 20))
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_extension_into_a_float32_pool_from_a_float32_capture():
     """The pool keeps its dtype (the K is cast to it) and a float32 capture is fused in the
     block's dtype: the written K equals the float64 path's, rounded once to float32."""
@@ -170,6 +178,7 @@ def test_extension_into_a_float32_pool_from_a_float32_capture():
         want.abs().max())
 
 
+@pytest.mark.rule("draft chain and extension refusals, port")
 def test_extension_past_the_rope_table_grows_the_table():
     """A fresh model's RoPE table holds 1024 positions; writing positions 1023 and 1024 needs
     1025. The K equals the one computed with the table grown beforehand."""

@@ -23,6 +23,7 @@ from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY
 from raggedspec.reference.errors import CacheRefusal
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
 def test_a_fresh_store_holds_no_rows_in_the_given_dtype_and_head_width(dtype):
     store = DraftStore(3, dtype, "cpu")
@@ -31,6 +32,7 @@ def test_a_fresh_store_holds_no_rows_in_the_given_dtype_and_head_width(dtype):
     assert store.kv.lens.tolist() == [] and store.free == []
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 def test_the_store_allocates_on_the_device_it_is_given(monkeypatch):
     """A CPU run has one device, so the device a store's buffers are created on is read from
     the allocation itself."""
@@ -48,6 +50,7 @@ def test_the_store_allocates_on_the_device_it_is_given(monkeypatch):
     assert seen == [dev]
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 def test_rows_are_handed_out_lowest_first_and_the_row_count_doubles_from_8():
     store = DraftStore(2, torch.float64, "cpu")
     assert [store.alloc() for _ in range(8)] == list(range(8))
@@ -60,6 +63,7 @@ def test_rows_are_handed_out_lowest_first_and_the_row_count_doubles_from_8():
     assert store.kv.host_lens().tolist() == [0] * 32
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 def test_a_recycled_row_is_zeroed_with_length_0_and_the_other_rows_keep_theirs():
     store = DraftStore(2, torch.float64, "cpu")
     a, b = store.alloc(), store.alloc()
@@ -75,6 +79,7 @@ def test_a_recycled_row_is_zeroed_with_length_0_and_the_other_rows_keep_theirs()
     assert bool((store.kv.k[b] == 9.0).all())
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 def test_a_store_row_grows_past_any_sequence_length_without_refusal():
     """The store's own width is never refused (refusals are the handles' metadata): a row
     appended far past the draft capacity grows by whole 512-column blocks."""
@@ -87,6 +92,7 @@ def test_a_store_row_grows_past_any_sequence_length_without_refusal():
     assert store.kv.capacity == DRAFT_CACHE_CAPACITY + 12 * 512
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 def test_a_handle_starts_empty_and_unmaterialized_and_returns_its_row_when_it_dies():
     store = DraftStore(2, torch.float64, "cpu")
     h = PoolKv(store, 4096)
@@ -100,6 +106,7 @@ def test_a_handle_starts_empty_and_unmaterialized_and_returns_its_row_when_it_di
     assert idx in store.free
 
 
+@pytest.mark.rule("the pooled draft KV: rows and handles, port")
 def test_set_len_of_a_materialized_handle_sets_only_its_own_row():
     store = DraftStore(2, torch.float64, "cpu")
     h, other = PoolKv(store, 4096), PoolKv(store, 4096)

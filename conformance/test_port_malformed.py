@@ -37,6 +37,7 @@ def _tensors(kwargs):
     }
 
 
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port", "resolve_ragged_rows, port")
 @pytest.mark.parametrize(
     "fn, kwargs, params", VECTOR_PARAMS, ids=[f.__name__ for f, _, _ in VECTOR_PARAMS]
 )
@@ -70,6 +71,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.rule("resolve_ragged_rows, port")
 @pytest.mark.parametrize("call, fragments", [c[1:] for c in REFUSALS], ids=[c[0] for c in REFUSALS])
 def test_each_malformed_input_is_refused_alone_and_named(call, fragments):
     with pytest.raises(ValueError) as err:
@@ -78,6 +80,7 @@ def test_each_malformed_input_is_refused_alone_and_named(call, fragments):
         assert fragment in str(err.value), f"{fragment!r} not in {str(err.value)!r}"
 
 
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port", "resolve_ragged_rows, port")
 def test_inputs_on_the_boundary_of_each_check_pass():
     """The smallest valid value of every checked quantity is accepted (a `<` that became
     `<=` refuses it)."""

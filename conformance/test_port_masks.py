@@ -29,6 +29,7 @@ def vec(xs):
     return torch.tensor(list(xs), dtype=torch.int64, device=DEVICE)
 
 
+@pytest.mark.rule("raw_keep_span, port", "dsv4 raw / compressed validity, port")
 @given(
     t_q=st.integers(0, 9),
     q0=st.integers(0, 60),
@@ -51,6 +52,7 @@ def test_validity_matches_the_reference(t_q, q0, base, keep, window, t_c, ratio)
         assert port.raw_keep_span(t_q, window, q0) == ref.raw_keep_span(t_q, window, q0)
 
 
+@pytest.mark.rule("dsv4 raw / compressed validity, port")
 @given(
     rows=corner_lengths(1, 6, 60, boundaries=False),
     t_q=st.integers(1, 6),
@@ -68,6 +70,7 @@ def test_vector_validity_is_the_per_row_reference_stacked(rows, t_q, t_c, ratio)
     )
 
 
+@pytest.mark.rule("ragged_union_mask, port")
 @dtypes
 @given(leads=lead_pads(1, 6, 20), extra=st.integers(0, 40), t_q=st.integers(1, 5),
        window=st.integers(1, 30), ratio=st.sampled_from([0, 4, 8, 128]), data=st.data())
@@ -88,6 +91,7 @@ def test_ragged_union_mask_matches_the_reference(dtype, leads, extra, t_q, windo
     )
 
 
+@pytest.mark.rule("ragged_union_mask, port")
 def test_ragged_union_mask_kills_the_dead_prefix_in_the_worked_example():
     """Rows 6, 4, 2 at q0 = 6 (leads 0, 2, 4), t_q 1, window 8: row i keeps columns
     `[lead_i, 6]` only (independent oracle: the spec's left-aligned picture)."""
@@ -97,6 +101,7 @@ def test_ragged_union_mask_kills_the_dead_prefix_in_the_worked_example():
     assert keep.tolist() == [[1] * 7, [0, 0] + [1] * 5, [0] * 4 + [1] * 3]
 
 
+@pytest.mark.rule("compose_caller_mask, port")
 @dtypes
 @given(data=st.data())
 def test_compose_caller_mask_matches_the_reference_including_refusals(dtype, data):
@@ -136,6 +141,7 @@ def test_compose_caller_mask_matches_the_reference_including_refusals(dtype, dat
         assert_bit_exact(p[1], r[1])
 
 
+@pytest.mark.rule("graph_mode_length_mask, port")
 @dtypes
 @given(positions=st.lists(st.integers(0, 40), min_size=1, max_size=6), cap=st.integers(0, 32))
 def test_graph_mode_length_mask_matches_the_reference(dtype, positions, cap):
@@ -143,6 +149,7 @@ def test_graph_mode_length_mask_matches_the_reference(dtype, positions, cap):
                      ref.graph_mode_length_mask(positions, cap))
 
 
+@pytest.mark.rule("make_left_padded_causal_mask, port")
 @dtypes
 @given(data=st.data())
 def test_left_padded_causal_mask_matches_the_reference_including_refusals(dtype, data):
@@ -157,6 +164,7 @@ def test_left_padded_causal_mask_matches_the_reference_including_refusals(dtype,
         assert_bit_exact(p[1], r[1])
 
 
+@pytest.mark.rule("make_causal_mask_matrix, sliding-window masker, port")
 @given(data=st.data())
 def test_masker_entry_points_match_the_reference(data):
     b = data.draw(st.integers(1, 4))
@@ -199,6 +207,7 @@ def test_masker_entry_points_match_the_reference(data):
                 assert_bit_exact(p[1], r[1], pf.__name__)
 
 
+@pytest.mark.rule("sdpa_sliding_window, mask_must_be_applied_as_bias, port")
 @given(ratio=st.integers(0, 200), w=st.integers(0, 200),
        dims=st.one_of(st.none(), st.lists(st.integers(1, 4), max_size=5)))
 def test_mask_predicates_match_the_reference(ratio, w, dims):
@@ -206,6 +215,7 @@ def test_mask_predicates_match_the_reference(ratio, w, dims):
     assert port.mask_must_be_applied_as_bias(dims) == ref.mask_must_be_applied_as_bias(dims)
 
 
+@pytest.mark.rule("graph_mode_length_mask, port")
 def test_unset_graph_length_mask_is_refused_by_both():
     p, r = (
         outcome(port.require_graph_length_mask, None),
@@ -225,6 +235,7 @@ def refuses(exc, text, fn, *args, **kwargs):
     assert str(info.value) == text
 
 
+@pytest.mark.rule("raw_keep_span, port", "sdpa_sliding_window, mask_must_be_applied_as_bias, port")
 def test_keep_span_and_predicate_refusals_name_the_values():
     refuses(ValueError, "t_q -1 and t_k_full 5 must be >= 0", port.raw_keep_span, -1, 1, 5)
     refuses(ValueError, "t_q 1 and t_k_full -1 must be >= 0", port.raw_keep_span, 1, 1, -1)
@@ -236,6 +247,7 @@ def test_keep_span_and_predicate_refusals_name_the_values():
     assert [port.sdpa_sliding_window(r, 5) for r in (0, 1, 2)] == [5, 5, None]
 
 
+@pytest.mark.rule("dsv4 raw / compressed validity, port")
 def test_validity_refusals_name_the_values():
     msg = "t_q {}, keep {} must be >= 0 and window {} >= 1"
     refuses(ValueError, msg.format(-1, 1, 1), port.raw_validity, -1, 0, 0, 1, 1)
@@ -253,6 +265,7 @@ def test_validity_refusals_name_the_values():
     assert port.compressed_validity(1, 0, 0, 0).shape == (1, 0)  # no compressed key: no ratio
 
 
+@pytest.mark.rule("dsv4 raw / compressed validity, port")
 def test_validity_is_built_on_the_requested_device():
     """The `device` argument is honoured (the meta device runs on any machine): q0 and
     raw_base are checked where they are, the result is built on `device`."""
@@ -264,6 +277,7 @@ def test_validity_is_built_on_the_requested_device():
         assert (got.device.type, got.dtype) == ("meta", torch.bool)
 
 
+@pytest.mark.rule("ragged_union_mask, port")
 def test_ragged_union_mask_refusals_name_the_values():
     ok = to_port(np.ones((1, 7), dtype=bool))
     refuses(ValueError, "valid shape [1, 4, 2] must be [t_q, t_k + t_c = 4]",
@@ -288,12 +302,14 @@ def test_ragged_union_mask_refusals_name_the_values():
     assert got.tolist() == [[[[0.0, float("-inf")]]]]
 
 
+@pytest.mark.rule("compose_caller_mask, port")
 def test_compose_caller_mask_refuses_a_raw_slice_past_the_key_axis():
     local = to_port(np.zeros((1, 1, 1, 3)))
     refuses(ValueError, "raw slice [2, 5) exceeds key axis 4",
             port.compose_caller_mask, local, to_port(np.zeros((1, 4))), 1, 4, 2, 3, 0)
 
 
+@pytest.mark.rule("graph_mode_length_mask, port")
 @dtypes
 def test_length_mask_refusals_and_dtypes(dtype):
     refuses(ValueError, "positions must be a 1-D vector, got shape [1, 1]",
@@ -306,6 +322,7 @@ def test_length_mask_refusals_and_dtypes(dtype):
     assert port.graph_mode_length_mask(vec([0, 1]), 2).dtype == torch.float64
 
 
+@pytest.mark.rule("make_left_padded_causal_mask, port")
 @dtypes
 def test_left_padded_causal_mask_refusals_dtypes_and_device(dtype):
     msg = "b {}, t_q {}, past {} must be >= 0"
@@ -328,6 +345,7 @@ MASKERS = (
 )
 
 
+@pytest.mark.rule("make_causal_mask_matrix, sliding-window masker, port")
 @pytest.mark.parametrize("masker,extra", MASKERS, ids=lambda m: getattr(m, "__name__", ""))
 def test_masker_refusals_and_zero_boundaries(masker, extra):
     msg = "b {}, t_q {}, past {} must be >= 0"
@@ -343,6 +361,7 @@ def test_masker_refusals_and_zero_boundaries(masker, extra):
     assert tuple(masker(2, 0, 3, None, None, *extra).shape) == (0, 3)
 
 
+@pytest.mark.rule("make_causal_mask_matrix, sliding-window masker, port")
 @pytest.mark.parametrize("masker,extra", MASKERS, ids=lambda m: getattr(m, "__name__", ""))
 @dtypes
 def test_masker_defaults_dtypes_and_device(masker, extra, dtype):
@@ -371,6 +390,7 @@ def test_masker_defaults_dtypes_and_device(masker, extra, dtype):
         assert tuple(masker(2, 2, 3, None, vec([0, 2]), *extra).shape) == (2, 5)
 
 
+@pytest.mark.rule("make_causal_mask_matrix, sliding-window masker, port")
 def test_channel_lead_boundaries():
     """A channel lead is a ragged source iff it has one entry per row, some lead > 0 and
     none > past: all-zero leads are not (t_q 1 -> no mask); a lead == past is (live 0)."""
@@ -383,6 +403,7 @@ def test_channel_lead_boundaries():
         assert masker(2, 1, 3, None, vec([4, 0]), *extra, *policy) is None  # lead > past
 
 
+@pytest.mark.rule("make_causal_mask_matrix, sliding-window masker, port")
 def test_sliding_masker_refuses_an_unknown_policy_and_a_zero_window():
     f = port.make_sliding_window_causal_mask_matrix
     refuses(ValueError, "sliding_window_ragged 'rows' must be one of ('none', 'channel')",

@@ -220,6 +220,7 @@ def forward_case(draw):
     return name, lens, ts, draw(st.integers(0, 2**32 - 1))
 
 
+@pytest.mark.rule("TinyModel forward on the in-place KV layout, port")
 @given(case=forward_case())
 def test_float64_forward_matches_the_reference(case):
     """1..6 rows of own lengths 1..80, verify windows 1..9, ratios (0, 4) and (4, 0, 3), one
@@ -271,6 +272,7 @@ def test_float64_forward_matches_the_reference(case):
         before = [materialize_front_aligned(kv)[0] for kv in cache]
 
 
+@pytest.mark.rule("TinyModel forward on the in-place KV layout, port")
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("lens,t", [([0, 0, 0], 9), ([0, 7, 13], 3), ([10, 8, 5], 2), ([33], 1)])
 def test_prefills_and_a_zero_length_row_match_the_reference(name, lens, t):
@@ -303,6 +305,7 @@ GQA_MODELS = {
 }
 
 
+@pytest.mark.rule("end to end with several KV heads")
 @pytest.mark.parametrize("name", sorted(GQA_MODELS))
 @pytest.mark.parametrize("lens", [[0, 0], [10, 8, 5], [3, 17]])
 def test_a_gqa_forward_matches_the_reference(name, lens):
@@ -329,6 +332,7 @@ def test_a_gqa_forward_matches_the_reference(name, lens):
             assert_close64(k, ref_kv(batched, layer)[0], what=f"layer {layer} K")
 
 
+@pytest.mark.rule("forward layout checks and cache growth, port")
 def test_the_empty_caches_have_the_models_kv_heads():
     """`TinyModel.new_cache` and `MtpBlock.new_draft_cache`: empty `[B, n_kv_heads, cap,
     head_dim]` buffers (capacity 512 and 16), every row at length 0."""
@@ -345,6 +349,7 @@ def test_the_empty_caches_have_the_models_kv_heads():
 # --------------------------------------------------
 
 
+@pytest.mark.rule("TinyModel forward on the in-place KV layout, port")
 @LOW
 @settings(max_examples=40)
 @given(case=forward_case())
@@ -383,6 +388,7 @@ def test_low_precision_forward_is_within_twice_the_naive_error(dtype, case):
 # --- dispatch, pieces and refusals ---------------------------------------------------------------
 
 
+@pytest.mark.rule("uniform seqlen offsets in the model forward, port")
 def test_a_uniform_batch_never_takes_the_gathered_rope_path():
     """A uniform batch builds the `[1, T]` table (no per-row gather) in every layer; a
     ragged batch the `[B, T]` one."""
@@ -397,6 +403,7 @@ def test_a_uniform_batch_never_takes_the_gathered_rope_path():
         )  # q, k, inverse o
 
 
+@pytest.mark.rule("compressed keys per row from the row's own live run, port")
 @given(lens=corner_lengths(1, 5, 60, boundaries=False), seed=st.integers(0, 2**32 - 1))
 def test_compressed_keys_are_start_anchored_per_row_as_the_reference(lens, seed):
     """`DecoderLayer.compressed_keys` on the in-place rows == the reference's on the
@@ -417,6 +424,7 @@ def test_compressed_keys_are_start_anchored_per_row_as_the_reference(lens, seed)
         assert not host(got[i, 0, n // 4:]).any()
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 @given(pool=corner_lengths(2, 6, 40, boundaries=False), t_q=st.integers(1, 3), data=st.data())
 def test_attention_on_pool_rows_equals_in_place_attention_on_those_rows(pool, t_q, data):
     """`dsv4_attention_rows` on a subset of a pool's rows (only their windows gathered) ==
@@ -439,6 +447,7 @@ def test_attention_on_pool_rows_equals_in_place_attention_on_those_rows(pool, t_
     assert_bit_exact(got, want, "pool rows")
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 def test_attention_on_pool_rows_refuses_a_row_shorter_than_its_queries():
     kv = RaggedKv(
         torch.zeros((3, 1, 8, 4), dtype=torch.float64),
@@ -452,6 +461,7 @@ def test_attention_on_pool_rows_refuses_a_row_shorter_than_its_queries():
         )
 
 
+@pytest.mark.rule("forward layout checks and cache growth, port")
 def test_forward_refuses_inconsistent_layouts_and_tokens():
     hist = history(MODEL, [6, 4], np.random.default_rng(2))
     pm = port_model("ratios_0_4")
@@ -467,6 +477,7 @@ def test_forward_refuses_inconsistent_layouts_and_tokens():
         pm.forward(torch.tensor([[3], [4]]), cache)
 
 
+@pytest.mark.rule("forward layout checks and cache growth, port")
 def test_growth_past_max_seq_len_is_refused_by_both_with_the_same_message():
     """Rows at 510 and 300 feeding 5 tokens into a 512-column cache with max_seq_len 512:
     the append's growth to 1024 is refused by both (CacheRefusal, same message)."""
@@ -480,6 +491,7 @@ def test_growth_past_max_seq_len_is_refused_by_both_with_the_same_message():
     assert_same_refusal(p, r, "growth")
 
 
+@pytest.mark.rule("MtpHiddenCapture of the pre-norm hidden, port")
 def test_forward_captures_the_pre_norm_hidden_at_every_rows_own_offset():
     cap = MtpHiddenCapture()
     cap.arm()
@@ -504,6 +516,7 @@ def ref_draft_cache(n: int, rng) -> tuple[KvCache, np.ndarray, np.ndarray]:
     return cache, h, nxt
 
 
+@pytest.mark.rule("MTP block fuse / logits / forward_tokens_rows, port")
 def test_fuse_and_logits_match_the_reference():
     rng = np.random.default_rng(5)
     h, toks = rng.standard_normal((3, 2, 32)), rng.integers(0, 64, (3, 2))
@@ -516,6 +529,7 @@ def test_fuse_and_logits_match_the_reference():
         block.fuse(to_port(h), torch.from_numpy(toks[:, :1]))
 
 
+@pytest.mark.rule("MTP block fuse / logits / forward_tokens_rows, port")
 @given(held=st.integers(1, 20), start=st.integers(0, 22), g=st.integers(1, 3), t=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1))
 def test_the_mtp_step_matches_the_reference_including_the_desync_refusal(held, start, g, t, seed):
@@ -543,6 +557,7 @@ def test_the_mtp_step_matches_the_reference_including_the_desync_refusal(held, s
         assert r[1] is DispatchRefusal and "desync" in r[2]
 
 
+@pytest.mark.rule("MTP block fuse / logits / forward_tokens_rows, port")
 def test_the_mtp_step_refuses_what_the_reference_refuses_and_a_per_row_desync():
     rng = np.random.default_rng(6)
     block = port_model("ratios_0_4").mtp

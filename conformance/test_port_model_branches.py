@@ -66,6 +66,7 @@ COMPRESSED_CASES = [
 ]
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 @pytest.mark.parametrize("lens,rows,t_q,window,ratio,hk,t_c,with_sinks", COMPRESSED_CASES)
 def test_pooled_attention_over_a_compressed_layer_is_each_rows_reference_attention_alone(
         lens, rows, t_q, window, ratio, hk, t_c, with_sinks):
@@ -88,6 +89,7 @@ def test_pooled_attention_over_a_compressed_layer_is_each_rows_reference_attenti
     assert np.abs(plain - want).max() > 1e-6
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 def test_a_row_with_exactly_t_q_keys_is_attended_not_refused():
     rng = np.random.default_rng(5)
     kv, ks, vs = pool([3, 7], 1, 4, rng)
@@ -96,6 +98,7 @@ def test_a_row_with_exactly_t_q_keys_is_attended_not_refused():
     assert_close64(got, each_row_alone(q, ks, vs, [0, 1], None, 0, 4, None), what="t_q keys")
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 @pytest.mark.parametrize("ratio", [0, 1])
 def test_pooled_attention_on_a_standard_layer_ignores_compressed_keys(ratio):
     """A Standard layer (config ratio 0, internal ratio 1) never reads compressed keys: the
@@ -112,6 +115,7 @@ def test_pooled_attention_on_a_standard_layer_ignores_compressed_keys(ratio):
     assert_close64(without, each_row_alone(q, ks, vs, rows, None, ratio, 3, sinks))
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 def test_pooled_attention_over_a_compressed_layer_without_compressed_keys_is_raw_only():
     """A compressed layer before any row has a complete block gets no compressed keys
     (None): the raw window alone, as the reference's."""
@@ -122,6 +126,7 @@ def test_pooled_attention_over_a_compressed_layer_without_compressed_keys_is_raw
     assert_close64(got, each_row_alone(q, ks, vs, [2, 1], None, 4, 16, None))
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 @pytest.mark.parametrize("comp_dtype", [torch.float32, torch.float64])
 def test_pooled_compressed_keys_join_the_raw_keys_in_the_caches_dtype(comp_dtype):
     """Compressed keys given in another dtype than a bfloat16 cache join the raw keys and
@@ -149,6 +154,7 @@ def half_inputs(dtype):
     return x, gain
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rms_norm_of_a_half_input_is_the_float32_computation_rounded_once(dtype):
     x, gain = half_inputs(dtype)
@@ -160,6 +166,7 @@ def test_rms_norm_of_a_half_input_is_the_float32_computation_rounded_once(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_rms_norm_computes_with_its_gain_in_the_inputs_compute_dtype():
     """A float64 gain on a float32 input is taken in float32: the float32 computation, not
     a float64 product rounded at the end."""
@@ -173,6 +180,7 @@ def test_rms_norm_computes_with_its_gain_in_the_inputs_compute_dtype():
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_of_a_half_input_is_the_float32_computation_rounded_once(dtype):
     x, _ = half_inputs(dtype)
@@ -186,6 +194,7 @@ def test_silu_of_a_half_input_is_the_float32_computation_rounded_once(dtype):
 # --- RoPE tables ------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_a_rope_table_is_the_first_doubling_of_the_initial_size_that_covers_the_need():
     ropes = port.RopeTables(8, F64, "cpu", n_positions=4)
     assert ropes.get(1.0, 4).n_positions == 4 and ropes.get(2.0, 8).n_positions == 8
@@ -194,6 +203,7 @@ def test_a_rope_table_is_the_first_doubling_of_the_initial_size_that_covers_the_
     assert one.get(1.0, 1).n_positions == 1 and one.get(2.0, 3).n_positions == 4
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rope_tables_are_in_the_models_dtype(dtype):
     direct = port.RopeTables(8, dtype, "cpu").get(10.0, 3)
@@ -219,6 +229,7 @@ def small_table_layer(ref_layer) -> port.DecoderLayer:
                              F64, DEVICE)
 
 
+@pytest.mark.rule("TinyModel forward on the in-place KV layout, port")
 @pytest.mark.parametrize("offsets", [[9, 4], torch.tensor([9, 4]), [6], 6])
 def test_a_layer_rotates_at_the_offsets_it_is_given_as_the_reference_layer(offsets):
     """`DecoderLayer.forward(..., offsets)`: row r's queries and keys at `offsets[r] + t`
@@ -242,6 +253,7 @@ def test_a_layer_rotates_at_the_offsets_it_is_given_as_the_reference_layer(offse
     assert layer.ropes.tables[layer.theta].n_positions >= max(offs) + t
 
 
+@pytest.mark.rule("TinyModel forward on the in-place KV layout, port")
 def test_every_rope_of_a_layer_reads_the_shared_table_of_its_theta():
     """The query, key and inverse output rotations are each one gather from the model's
     shared table of the layer's theta, sized for the rows' offsets + T."""
@@ -265,12 +277,14 @@ def test_every_rope_of_a_layer_reads_the_shared_table_of_its_theta():
 # --- compressed keys --------------------------------------------------------------------------
 
 
+@pytest.mark.rule("compressed keys per row from the row's own live run, port")
 def test_the_compressed_keys_of_a_cache_without_rows_are_none():
     layer = port.TinyModel(MODEL).layers[1]
     assert layer.ratio == 4
     assert layer.compressed_keys(RaggedKv.empty(0, 1, 16, 4096, 8, F64, DEVICE)) is None
 
 
+@pytest.mark.rule("compressed keys per row from the row's own live run, port")
 def test_compressed_keys_read_tables_sized_exactly_to_their_width():
     """Tables holding exactly the `t_c * ratio` positions the compressed keys read are
     enough; the keys are the reference's, row by row (1e-12), zero past a row's blocks."""
@@ -293,6 +307,7 @@ def test_compressed_keys_read_tables_sized_exactly_to_their_width():
 # --- the model ---------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_a_tier_a_model_has_the_mtp_heads_and_no_block():
     ref = TinyModel(ModelConfig(mtp="heads"))
     pm = port.TinyModel(ref)
@@ -301,6 +316,7 @@ def test_a_tier_a_model_has_the_mtp_heads_and_no_block():
     assert torch.equal(pm.mtp_heads.e_proj, torch.from_numpy(ref.mtp_heads.e_proj))
 
 
+@pytest.mark.rule("forward layout checks and cache growth, port")
 def test_a_seqlen_offset_refusal_names_the_rows_own_offset():
     pm = port.TinyModel(MODEL)
     rng = np.random.default_rng(41)

@@ -39,12 +39,14 @@ def ref_weights(m: TinyModel) -> list[np.ndarray]:
     return out + [getattr(layer, name) for layer in layers for name in port.DecoderLayer.WEIGHTS]
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_the_port_computes_with_the_references_own_weights():
     pm = port.TinyModel(MODEL)
     for got, want in zip(weights(pm), ref_weights(MODEL), strict=True):
         assert got.dtype == F64 and torch.equal(got, torch.from_numpy(want))
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_every_weight_cache_and_table_is_on_the_models_device_in_its_dtype():
     pm = port.TinyModel(MODEL, torch.float16, "meta")
     assert pm.device == torch.device("meta") and pm.dtype == torch.float16
@@ -67,6 +69,7 @@ def test_every_weight_cache_and_table_is_on_the_models_device_in_its_dtype():
     assert pm.layers[1].ratio == 4 and pm.layers[0].theta == MODEL.layers[0].theta
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_rope_tables_grow_by_doubling_and_are_kept_per_theta():
     ropes = port.RopeTables(8, F64, "cpu", n_positions=4)
     a = ropes.get(10.0, 3)
@@ -79,6 +82,7 @@ def test_rope_tables_grow_by_doubling_and_are_kept_per_theta():
     assert b.cos.dtype == F64 and c.cos.device.type == "cpu"
 
 
+@pytest.mark.rule("the port model's weights, devices and dtypes, port")
 def test_rms_norm_and_silu_compute_in_float32_for_the_half_dtypes():
     assert port.compute_dtype(torch.bfloat16) == port.compute_dtype(torch.float16) == torch.float32
     assert port.compute_dtype(F64) == F64 and port.compute_dtype(torch.float32) == torch.float32
@@ -100,6 +104,7 @@ def cache_of(lens, layers=2) -> list[RaggedKv]:
     return out
 
 
+@pytest.mark.rule("forward layout checks and cache growth, port")
 def test_forward_refuses_malformed_tokens_caches_and_offsets_with_their_messages():
     pm = port.TinyModel(MODEL)
     cache = cache_of([6, 4])
@@ -138,6 +143,7 @@ def test_forward_refuses_malformed_tokens_caches_and_offsets_with_their_messages
     assert uniform[0].host_lens().tolist() == [6, 6]
 
 
+@pytest.mark.rule("dsv4 attention on a subset of a pool's rows, port")
 def test_pooled_attention_refuses_shapes_that_disagree():
     kv = cache_of([5, 3, 7], 1)[0]
     rows = torch.tensor([2, 0])
@@ -154,6 +160,7 @@ def test_pooled_attention_refuses_shapes_that_disagree():
     assert got.shape == (2, 2, 2, 16)
 
 
+@pytest.mark.rule("compressed keys per row from the row's own live run, port")
 def test_a_compressed_layer_refuses_a_row_subset():
     pm = port.TinyModel(MODEL)
     cache = cache_of([4, 6], 1)[0]
@@ -166,6 +173,7 @@ def test_a_compressed_layer_refuses_a_row_subset():
     assert out.shape == (1, 1, 32) and cache.host_lens().tolist() == [4, 7]
 
 
+@pytest.mark.rule("MTP block fuse / logits / forward_tokens_rows, port")
 def test_the_mtp_block_refuses_malformed_fuse_and_step_inputs():
     block = port.TinyModel(MODEL).mtp
     h = torch.zeros((3, 2, 32), dtype=F64)

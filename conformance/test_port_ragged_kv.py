@@ -47,6 +47,7 @@ def kv_of(lens, cap: int = 8, d: int = 2, max_seq_len: int = 4096, device_lens=F
 # --- constructor ------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_the_constructor_refuses_buffers_that_are_not_b_h_capacity():
     k = torch.zeros(2, 1, 4, 2)
     with pytest.raises(ValueError, match=r"^k \[2, 1, 4, 2\] and v \[2, 1, 4\] must be "
@@ -57,6 +58,7 @@ def test_the_constructor_refuses_buffers_that_are_not_b_h_capacity():
     assert RaggedKv(k, torch.zeros(2, 1, 4, 3), [0, 0], 64).v.shape == (2, 1, 4, 3)
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 @pytest.mark.parametrize("device_lens", [False, True], ids=["host", "device"])
 def test_the_constructor_checks_count_and_range_of_the_lengths(device_lens):
     k = torch.zeros(2, 3, 4, 2)  # 2 rows, 3 heads: the count is of rows
@@ -74,6 +76,7 @@ def test_the_constructor_checks_count_and_range_of_the_lengths(device_lens):
             RaggedKv(k, k, torch.tensor([[0, 0]]), 64)
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_lengths_from_host_integers_are_kept_on_the_host_and_a_device_vector_is_read_once():
     host = kv_of([3, 1])
     assert reads(host.host_lens) == 0 and host.host_lens().tolist() == [3, 1]
@@ -89,6 +92,7 @@ def test_lengths_from_host_integers_are_kept_on_the_host_and_a_device_vector_is_
 # --- empty, from_rows, clone -------------------------------------------------------------------
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_empty_places_both_buffers_and_the_lengths_on_the_device_asked_for():
     kv = RaggedKv.empty(2, 3, 4, 64, capacity=16, device="meta", v_dim=5)
     assert kv.k.device.type == kv.v.device.type == kv.lens.device.type == "meta"
@@ -99,6 +103,7 @@ def test_empty_places_both_buffers_and_the_lengths_on_the_device_asked_for():
     assert same.v.shape == (1, 1, 8, 4) and same.v.dtype == same.k.dtype == torch.bfloat16
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_from_rows_refuses_unequal_or_empty_row_lists_and_a_row_past_the_capacity():
     k = torch.zeros(1, 3, 2)
     for ks, vs in (([], []), ([k, k], [k])):
@@ -109,6 +114,7 @@ def test_from_rows_refuses_unequal_or_empty_row_lists_and_a_row_past_the_capacit
         RaggedKv.from_rows([k], [k], 64, capacity=2)
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_from_rows_keeps_the_devices_dtype_and_vs_own_width():
     ks = [torch.zeros(2, n, 3, device="meta", dtype=torch.float32) for n in (4, 1)]
     vs = [torch.zeros(2, n, 5, device="meta", dtype=torch.float32) for n in (4, 1)]
@@ -119,6 +125,7 @@ def test_from_rows_keeps_the_devices_dtype_and_vs_own_width():
     assert kv.host_lens().tolist() == [4, 1] and reads(kv.host_lens) == 0
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_clone_keeps_max_seq_len_and_the_host_copy():
     kv = kv_of([3, 1], max_seq_len=100)
     c = kv.clone()
@@ -135,6 +142,7 @@ def new_cols(b: int, t: int, d: int = 2, base: float = 1000.0) -> torch.Tensor:
     return base + torch.arange(b * t * d, dtype=F64).reshape(b, 1, t, d)
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 @pytest.mark.parametrize("how", ["host", "device", "host lens, device rows"])
 def test_an_append_to_a_row_subset_writes_at_each_rows_own_offset(how):
     """Rows [2, 0] of lens [3, 1, 0] get 2 columns each at their own offsets; row 1 and every
@@ -152,6 +160,7 @@ def test_an_append_to_a_row_subset_writes_at_each_rows_own_offset(how):
     assert torch.equal(kv.k, want) and torch.equal(kv.v[:, :, :5], -want[:, :, :5])
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 @pytest.mark.parametrize("device_lens", [False, True], ids=["host", "device"])
 def test_an_append_to_every_row_advances_every_length(device_lens):
     kv = kv_of([3, 1], device_lens=device_lens)
@@ -162,6 +171,7 @@ def test_an_append_to_every_row_advances_every_length(device_lens):
     assert torch.equal(kv.k[0, :, 3:6], new[0]) and torch.equal(kv.v[1, :, 1:4], -new[1])
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 def test_growth_is_decided_by_the_addressed_rows_only():
     """Row 0 holds 510 of 512 columns; appending 4 columns to row 1 alone needs no growth."""
     kv = RaggedKv.empty(2, 1, 2, 4096)
@@ -170,6 +180,7 @@ def test_growth_is_decided_by_the_addressed_rows_only():
     assert kv.capacity == 512 and kv.host_lens().tolist() == [510, 4]
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 @pytest.mark.parametrize("device_lens", [False, True], ids=["host", "device"])
 def test_growth_to_a_block_boundary_keeps_both_buffers_aligned(device_lens):
     """500 + 524 = 1024 columns: one more 512-column block, K and V grown alike, every old
@@ -183,6 +194,7 @@ def test_growth_to_a_block_boundary_keeps_both_buffers_aligned(device_lens):
     assert torch.equal(kv.v, -kv.k)
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 def test_an_append_that_exactly_fills_the_capacity_writes_into_the_shared_buffer():
     """A split piece is a view of the batch's buffers: an append that needs no growth writes
     there (one scatter, no new buffer)."""
@@ -194,6 +206,7 @@ def test_an_append_that_exactly_fills_the_capacity_writes_into_the_shared_buffer
     assert torch.equal(kv.k[0, :, 6:8], new[0]) and torch.equal(kv.v[0, :, 6:8], -new[0])
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 def test_an_append_of_nothing_changes_nothing():
     kv = kv_of([3, 1])
     before = kv.k.clone()
@@ -208,6 +221,7 @@ def z(*shape) -> torch.Tensor:
     return torch.zeros(shape, dtype=F64)
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 @pytest.mark.parametrize("k_new, v_new, rows", [
     (z(2, 1, 1, 3), z(2, 1, 1, 2), None),        # K's last dim
     (z(2, 1, 1, 2), z(2, 1, 1, 3), None),        # V's last dim
@@ -227,6 +241,7 @@ def test_an_append_of_the_wrong_shape_is_refused_before_any_write(k_new, v_new, 
     assert kv.host_lens().tolist() == [3, 1]
 
 
+@pytest.mark.rule("SingleCache::append, port layout")
 def test_rows_must_be_a_vector():
     kv = kv_of([3, 1])
     with pytest.raises(ValueError, match=r"^rows must be a 1-D vector, got shape \[1, 2\]$"):
@@ -236,6 +251,7 @@ def test_rows_must_be_a_vector():
 # --- set_len, set_row_len, truncate_by, commit ------------------------------------------------
 
 
+@pytest.mark.rule("per-seq commit, port layout")
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["host", "device"])
 def test_set_len_grows_into_slack_and_shrinks_and_refuses_the_rules_cases(as_tensor):
     kv = kv_of([3, 1])
@@ -260,12 +276,14 @@ def test_set_len_grows_into_slack_and_shrinks_and_refuses_the_rules_cases(as_ten
             kv.set_len(torch.tensor([[0, 0]]))
 
 
+@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
 def test_set_row_len_changes_one_row_on_host_and_device():
     kv = kv_of([3, 1, 2])
     kv.set_row_len(1, 7)
     assert kv.lens.tolist() == [3, 7, 2] and kv.host_lens().tolist() == [3, 7, 2]
 
 
+@pytest.mark.rule("truncate_cache_by, port layout")
 @pytest.mark.parametrize("device_lens", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("n_drop", [3, torch.tensor(3)], ids=["int", "tensor"])
 def test_truncate_by_saturates_every_row_at_zero(device_lens, n_drop):
@@ -279,6 +297,7 @@ def test_truncate_by_saturates_every_row_at_zero(device_lens, n_drop):
         kv.truncate_by(torch.tensor([1, 1]))
 
 
+@pytest.mark.rule("per-seq commit, port layout")
 def test_commit_per_sequence_sets_each_rows_own_length():
     kv = kv_of([3, 1])
     kv.commit_per_sequence([0, 1], [3, 0])
@@ -300,6 +319,7 @@ def test_commit_per_sequence_sets_each_rows_own_length():
 # --- split and concatenation ------------------------------------------------------------------
 
 
+@pytest.mark.rule("split_draft_cache, concat_kv, port layout")
 def test_split_rows_refuses_no_pieces_and_keeps_max_seq_len():
     kv = kv_of([3, 1], max_seq_len=100)
     with pytest.raises(ValueError, match=r"^split needs g >= 1, got 0$"):
@@ -307,6 +327,7 @@ def test_split_rows_refuses_no_pieces_and_keeps_max_seq_len():
     assert [p.max_seq_len for p in split_rows(kv, 2)] == [100, 100]
 
 
+@pytest.mark.rule("split_draft_cache, concat_kv, port layout")
 def test_concat_rows_pads_every_part_to_the_widest_capacity():
     """Parts of capacities 4 and 8 (head dim 8, the wider capacity): the narrow part's rows
     get zero columns 4..7, every row keeps its data and length; max_seq_len from the first."""

@@ -46,6 +46,7 @@ def rope_case(draw, max_offset: int = 1100):
     return rng.normal(size=(b, h, t, d)), offsets, rope_dims
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 @given(
     positions=st.lists(st.integers(0, 5000), max_size=12),
     rope_dims=st.sampled_from([2, 4, 8, 64]),
@@ -60,6 +61,7 @@ def test_cos_sin_tables_match_the_reference(positions, rope_dims, theta):
     assert_close64(sin, want_sin, what="sin")
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 @pytest.mark.parametrize("use_table", [False, True])
 @given(case=rope_case(), inverse=st.booleans())
 def test_float64_rope_matches_the_reference(use_table, case, inverse):
@@ -94,6 +96,7 @@ def naive_rope(x: torch.Tensor, offsets: list[int], rope_dims: int, theta: float
     return out
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @given(case=rope_case())
 def test_low_precision_rope_is_within_twice_the_naive_error(dtype, case):
@@ -106,6 +109,7 @@ def test_low_precision_rope_is_within_twice_the_naive_error(dtype, case):
     assert_dtype_bound(got, naive, want, dtype, float(np.abs(x).max()), "apply_rope")
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 @given(case=rope_case())
 def test_inverse_undoes_the_rotation(case):
     x, offsets, rope_dims = case
@@ -116,6 +120,7 @@ def test_inverse_undoes_the_rotation(case):
     assert_close64(back, x, what="inverse(rope(x))")
 
 
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port")
 @given(lens=uniform_lengths(1, 5, 0, 1100), ragged=corner_lengths(2, 5, 1100))
 def test_a_uniform_batch_never_takes_the_gathered_path(lens, ragged):
     """The port's dispatch predicate: a uniform offset vector builds the `[1, T]` table
@@ -135,6 +140,7 @@ def test_a_uniform_batch_never_takes_the_gathered_path(lens, ragged):
     assert_bit_exact(port.rotate(x, c[:, None], s[:, None], 4), wide)
 
 
+@pytest.mark.rule("compressed key positions, port")
 @given(t_c=st.integers(0, 40), ratio=st.sampled_from([1, 4, 128]), seed=st.integers(0, 2**32 - 1),
        inverse=st.booleans())
 def test_compressed_key_positions_and_rotation_match_the_reference(t_c, ratio, seed, inverse):
@@ -151,6 +157,7 @@ def test_compressed_key_positions_and_rotation_match_the_reference(t_c, ratio, s
     )
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 def test_bad_offsets_are_malformed_for_both():
     x = np.zeros((3, 1, 2, 4))
     for offsets in ([1, 2], [-1]):
@@ -206,6 +213,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port", "compressed key positions, port")
 @pytest.mark.parametrize("call, message", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
 def test_each_malformed_rope_input_is_a_value_error_with_its_message(call, message):
     with pytest.raises(ValueError) as err:
@@ -213,6 +221,7 @@ def test_each_malformed_rope_input_is_a_value_error_with_its_message(call, messa
     assert str(err.value) == message
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port", "compressed key positions, port")
 def test_the_boundary_values_are_accepted():
     """theta may lie in (0, 1]; a table may hold no positions; rope_dims 2 rotates pair 0 by
     the position itself (theta ** 0 = 1), so cos/sin are cos(p), sin(p)."""
@@ -226,6 +235,7 @@ def test_the_boundary_values_are_accepted():
     assert port.compressed_key_positions(0, 1).tolist() == []
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 def test_a_table_holds_exactly_its_positions_on_the_host_offset_path():
     """Host offsets [2, 4], T = 2: the largest position is 5, so a 6-position table serves
     the batch (equal to the computed rotation) and a 5-position table refuses it."""
@@ -238,6 +248,7 @@ def test_a_table_holds_exactly_its_positions_on_the_host_offset_path():
     assert str(err.value) == "position 5 is past the table's 5 positions"
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_tables_are_in_their_dtype_and_every_rotation_in_the_input_dtype(dtype):
     cos, sin = port.rope_cos_sin([0, 7], 4, THETA, dtype)
@@ -251,6 +262,7 @@ def test_tables_are_in_their_dtype_and_every_rotation_in_the_input_dtype(dtype):
     assert port.rotate(x, *port.rope_cos_sin([[0, 1]], 4, THETA), 4).dtype == dtype
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port", "compressed key positions, port")
 def test_tables_and_positions_are_made_on_the_requested_device():
     """The meta device exists on every machine: what a function builds for `device="meta"`
     must be there (a CPU run cannot tell a dropped device argument otherwise)."""
@@ -261,6 +273,7 @@ def test_tables_and_positions_are_made_on_the_requested_device():
     assert port.compressed_key_positions(3, 4, device="meta").device.type == "meta"
 
 
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port")
 def test_host_offsets_pick_the_table_shape_and_count_every_call():
     x = _x(2)
     port.reset_rope_path_stats()
@@ -275,6 +288,7 @@ def test_host_offsets_pick_the_table_shape_and_count_every_call():
     assert_close64(ragged, want, what="ragged host offsets")
 
 
+@pytest.mark.rule("compressed key positions, port")
 def test_apply_rope_at_positions_rotates_forward_by_default():
     x = np.random.default_rng(0).normal(size=(1, 1, 2, 4))
     got = port.apply_rope_at_positions(to_port(x), [3, 9], 4, THETA)

@@ -101,6 +101,7 @@ def chunks(ref: KvCache, b: int) -> list[KvCache]:
                                           ref_align._chunk_single(ref.v, b), strict=True)]
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 @settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(0, 12), min_size=1, max_size=3), row_ops=OPS, row_ops2=OPS,
        batch_ops=OPS, seed=st.integers(0, 2**16), order=st.randoms(use_true_random=False))
@@ -177,6 +178,7 @@ def same_xs(port: XsRolling, ref: RefXs, what: str) -> None:
         assert_bit_exact(got.comp, ref.comp, f"{what}: comp")
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 @settings(max_examples=25, deadline=None)
 @given(ratio=st.sampled_from([2, 4]), span=st.integers(1, 2), extra=st.integers(0, 3),
        steps=st.lists(st.integers(1, 9), max_size=3),
@@ -223,6 +225,7 @@ def test_xs_row_handles_follow_the_reference(ratio, span, extra, steps, solo_ste
     same_xs(got, want, "clone-in")
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 def test_xs_handles_refuse_a_negative_length_and_report_their_flag():
     meta = xs_rows(XsRolling(2, max_seq_len=64, batch=2, device="meta"))
     assert meta[1].as_slot().tokens.device.type == stack_xs(meta).tokens.device.type == "meta"
@@ -238,6 +241,7 @@ def test_xs_handles_refuse_a_negative_length_and_report_their_flag():
     assert h.supports_per_sequence_len() is False and h.supports_per_sequence_len(0) is False
 
 
+@pytest.mark.rule("stacking slots into one batch, port")
 def test_stack_xs_refuses_mixed_geometry_and_hidden_widths_and_unequal_tokens_to_reconcile():
     a, b = RefXs(2, max_seq_len=64), RefXs(2, max_seq_len=64)
     a.append_rows(np.ones((1, 3, 3)))
@@ -259,6 +263,7 @@ def test_stack_xs_refuses_mixed_geometry_and_hidden_widths_and_unequal_tokens_to
 # --- what the reference has no counterpart for ----------------------------------------------
 
 
+@pytest.mark.rule("stacking slots into one batch, port")
 def test_stack_layer_refuses_mixed_kinds_and_stack_kv_its_malformed_inputs():
     kv, xs = TorchKv(64), XsRolling(2, max_seq_len=64, batch=1)
     with pytest.raises(ValueError, match=r"^layer 3 mixes slot kinds \['Normal', 'XsRolling'\]$"):
@@ -278,6 +283,7 @@ def test_stack_layer_refuses_mixed_kinds_and_stack_kv_its_malformed_inputs():
 
 
 
+@pytest.mark.rule("slot buffers: physical growth, row shifts and baked offsets, port layout")
 def test_grow_physical_pads_whole_blocks_or_widens_a_paged_view():
     k = torch.arange(1.0, 17.0, dtype=F64).reshape(1, 1, 8, 2)
     kv = RaggedKv(k, -k, [8], 4096)
@@ -303,6 +309,7 @@ def test_grow_physical_pads_whole_blocks_or_widens_a_paged_view():
     assert paged.asked == [30]
 
 
+@pytest.mark.rule("slot buffers: physical growth, row shifts and baked offsets, port layout")
 def test_shift_rows_moves_each_own_run_and_zero_fills():
     """Row 0 (3 own columns) moved right by 2, row 1 (4) left by 1, row 2 (0) kept: zeros in
     front and past every run; the host lengths `own + shift`; a width past the buffer grows
@@ -319,6 +326,7 @@ def test_shift_rows_moves_each_own_run_and_zero_fills():
     assert not wide.k[0, :, 0].any() and torch.equal(wide.v[1, :, :1], -k[1, :, :1])
 
 
+@pytest.mark.rule("slot buffers: physical growth, row shifts and baked offsets, port layout")
 def test_bake_turns_alignment_offsets_into_physical_zeros():
     k = torch.arange(1.0, 1 + 2 * 8 * 2, dtype=F64).reshape(2, 1, 8, 2)
     slot = TorchKv(4096, 16, 6, RaggedKv(k, -k, [4, 6], 4096), [2, 0])
@@ -339,6 +347,7 @@ def test_bake_turns_alignment_offsets_into_physical_zeros():
     assert slot.kv is before
 
 
+@pytest.mark.rule("slot buffers: physical growth, row shifts and baked offsets, port layout")
 def test_a_slot_built_without_offsets_and_its_handles():
     slot = TorchKv(4096)
     assert (slot.capacity, slot.current, slot.lead, slot.batch) == (512, 0, None, 0)
@@ -351,6 +360,7 @@ def test_a_slot_built_without_offsets_and_its_handles():
     assert [(r.row, r.lead, r.own) for r in two.rows()] == [(0, 0, 3), (1, 2, 1)]
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 def test_set_len_past_the_buffer_grows_it_and_a_handle_pads_its_view():
     """Front padding widens the capacity, not the buffer (the lead is an offset); a length set
     past the buffer then grows it by whole blocks (slot) or pads the view (handle): the own
@@ -379,6 +389,7 @@ def test_set_len_past_the_buffer_grows_it_and_a_handle_pads_its_view():
     assert row.front_aligned()[0].shape == (1, 1, 0, 2)
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 def test_the_first_append_allocates_the_buffer_and_later_ones_grow_it_past_its_own_width():
     """The first append allocates `max(capacity, s, 1)` columns on the appended tensors'
     device, V with its own width; a later append grows the buffer from its own width, never

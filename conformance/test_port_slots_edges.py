@@ -57,6 +57,7 @@ def cols(n: int, start: float = 1.0) -> np.ndarray:
 # --- shift_rows at the last column ------------------------------------------------------------
 
 
+@pytest.mark.rule("slot buffers: physical growth, row shifts and baked offsets, port layout")
 def test_shift_rows_reads_a_run_that_fills_the_buffer_up_to_its_last_column():
     """A run as wide as the buffer moved left by 1 keeps its columns 1.. at 0.., the last
     column read too, a zero after it; a one-column buffer whose only column is cut holds
@@ -73,6 +74,7 @@ def test_shift_rows_reads_a_run_that_fills_the_buffer_up_to_its_last_column():
     assert cut.host_lens().tolist() == [0]
 
 
+@pytest.mark.rule("slot buffers: physical growth, row shifts and baked offsets, port layout")
 def test_a_strip_of_a_whole_one_column_buffer_equals_the_reference():
     """A slot of capacity 0 allocates a buffer of one column on its first one-column append
     (the capacity grows to 512); stripping that column leaves nothing, as the reference."""
@@ -89,6 +91,7 @@ def test_a_strip_of_a_whole_one_column_buffer_equals_the_reference():
 # --- appends, set_len and clone at the edges ---------------------------------------------------
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 def test_an_append_after_a_strip_grows_the_buffer_past_max_seq_len_unrefused():
     """560 columns at most: 520 appended (capacity 528, a buffer of 520), 500 stripped
     (capacity 28), 510 appended: the capacity grows by one block to 540 <= 560 and the append
@@ -107,6 +110,7 @@ def test_an_append_after_a_strip_grows_the_buffer_past_max_seq_len_unrefused():
     same(port, ref, "after strip and append")
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 def test_a_slot_of_no_rows_sets_its_length_and_an_empty_slot_clones():
     """A batch of no rows keeps its length on the host (set_len within the capacity); a slot
     with no buffer clones to another with no buffer and the same metadata."""
@@ -122,6 +126,7 @@ def test_a_slot_of_no_rows_sets_its_length_and_an_empty_slot_clones():
     assert (twin.max_seq_len, twin.capacity, twin.current) == (64, 32, 5)
 
 
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
 def test_a_row_handle_refuses_front_padding_with_the_references_messages():
     """front_pad of a handle: a target shorter than its live run, past max_seq_len, or of an
     unmaterialized handle is refused (front_pad_refusal's messages), nothing changed."""
@@ -145,6 +150,7 @@ def test_a_row_handle_refuses_front_padding_with_the_references_messages():
 # --- clone-in -------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("stacking slots into one batch, port")
 def test_stack_kv_takes_batched_slots_row_by_row():
     """A materialized batched slot given whole is its rows (with a handle of another slot
     after them): the same K/V as the reference's concatenation of its pieces."""
@@ -161,6 +167,7 @@ def test_stack_kv_takes_batched_slots_row_by_row():
     same(got, ref_align.concat_kv([ref, other_ref]), "a batched slot and a handle")
 
 
+@pytest.mark.rule("stacking slots into one batch, port")
 def test_stack_kv_gathers_rows_of_buffers_of_different_widths():
     """Rows of equal length from a 16-column buffer and from one grown to 20 columns (20
     appended, set back to 4): stacked, in both orders, as the reference's concatenation
@@ -181,6 +188,7 @@ def test_stack_kv_gathers_rows_of_buffers_of_different_widths():
         same(got, ref_align.concat_kv(refs), "two buffer widths")
 
 
+@pytest.mark.rule("stacking slots into one batch, port")
 def test_stack_layer_of_one_slot_and_of_xs_rows_reconciled_with_the_flag_off():
     """One slot alone is a layer of its kind. XsRolling rows of equal tokens and different
     bases (ratio 2, span 1, margin 2: 7 appended keeps base 4; 9 appended keeps 6, set back
@@ -205,6 +213,7 @@ def test_stack_layer_of_one_slot_and_of_xs_rows_reconciled_with_the_flag_off():
     same_xs(on, RefXs.stack([a, b], False), "xs flag on")
 
 
+@pytest.mark.rule("stacking slots into one batch, port")
 def test_stack_xs_of_rows_without_a_compressed_block_keeps_comp_empty():
     """A row that holds fewer tokens than the ratio (no compressed block) next to a row never
     appended to: the stacked comp is as wide as the widest live comp, 0 columns, as the

@@ -104,6 +104,7 @@ def plan_case(draw):
     return tokens, base, window, draw(st.integers(0, 40)), ratio, span, margin
 
 
+@pytest.mark.rule("plan_xs_advance, port")
 @given(case=plan_case())
 def test_plan_xs_advance_matches_the_reference_including_refusals(case):
     tokens, base, window, t_new, ratio, span, margin = case
@@ -130,6 +131,7 @@ def test_plan_xs_advance_matches_the_reference_including_refusals(case):
         assert host(got[1].dest).tolist() == [r.dest for r in want[1].rows]
 
 
+@pytest.mark.rule("plan_xs_advance, port")
 def test_plan_xs_advance_worked_rows_on_the_port():
     """The reference test's hand-worked rows (§13 formulas): ratio 4 tok 13 + 5 and
     61 (base 40) + 9; ratio 128 tok 250 (base 128) + 9; and the two refusals."""
@@ -184,6 +186,7 @@ SHAPES = [
 SPEC_PREFILLS = [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
 
 
+@pytest.mark.rule("mtp_verify_rollback_restores_the_compressor_rows_exactly, port")
 @pytest.mark.parametrize("ratio,prefills", SPEC_PREFILLS)
 def test_mtp_verify_rollback_restores_the_compressor_rows_exactly_on_the_port(ratio, prefills):
     """The spec's numbers: prefill committed - 1, then 1, then a verify window of w (commit
@@ -215,6 +218,7 @@ def test_mtp_verify_rollback_restores_the_compressor_rows_exactly_on_the_port(ra
     assert crossed > 0
 
 
+@pytest.mark.rule("mtp_verify_rollback_restores_the_compressor_rows_exactly, port")
 @pytest.mark.parametrize("ratio,prefills", SPEC_PREFILLS)
 def test_a_ragged_batch_rolls_each_row_back_to_its_own_commit_on_the_port(ratio, prefills):
     """The five prefills as one ragged batch (the reference's stack, converted): a verify
@@ -252,6 +256,11 @@ def test_a_ragged_batch_rolls_each_row_back_to_its_own_commit_on_the_port(ratio,
 # ------------------------------------------------------
 
 
+@pytest.mark.rule(
+    "XsRolling append and compressor, port",
+    "XsRolling length setters, port",
+    "XsRolling rollback refusal, one rule for both layouts",
+)
 @given(data=st.data())
 def test_random_ragged_feeds_rollbacks_and_refusals_match_the_reference(data):
     """Ragged batches of 1..4 rows (prefills 0..300 in two parts), then 1..6 rounds of an
@@ -285,6 +294,10 @@ def test_random_ragged_feeds_rollbacks_and_refusals_match_the_reference(data):
             both(p, r, "set_len", max(0, r.current_seq_len - data.draw(st.integers(0, 20))))
 
 
+@pytest.mark.rule(
+    "XsRolling length setters, port",
+    "XsRolling rollback refusal, one rule for both layouts",
+)
 def test_length_setter_and_append_refusals_match_the_reference_messages():
     """The reference test's refusal numbers (tokens 61, base 40; ratio 4): past the tokens,
     behind base, resume point 36 behind base 40, non-uniform; above max_seq_len; a history
@@ -345,6 +358,7 @@ def test_length_setter_and_append_refusals_match_the_reference_messages():
 # -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @given(ratio=st.sampled_from(RATIOS), sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
        seed=st.integers(0, 2**32 - 1))
@@ -380,6 +394,7 @@ def test_low_precision_tail_is_bit_exact_and_comp_within_the_naive_bound(dtype, 
     )
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_compress_blocks_matches_the_reference():
     x = np.random.default_rng(0).standard_normal((2, 3, 19, 4))
     for ratio in (1, 4, 128):

@@ -25,6 +25,7 @@ def same_xs(port: XsRolling, ref: RefXs, what: str) -> None:
         assert_bit_exact(got.comp, ref.comp, f"{what}: comp")
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_the_retention_base_reads_the_slots_own_margin():
     """Ratio 2, span 1, margin 2 (window 4): 7 tokens keep history from
     `max(0, ((7 - 2) // 2 + 1 - 1) * 2) = 4`, 3 more from `((10 - 2) // 2) * 2 = 8`; the
@@ -40,6 +41,7 @@ def test_the_retention_base_reads_the_slots_own_margin():
         same_xs(port, ref, f"after {t} more")
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_an_append_may_reach_max_seq_len_and_the_next_is_refused():
     """`max_seq_len` 8: 8 tokens are accepted (tokens 8 is not above it); one more would
     hold 9, refused with the reference's message and nothing changed."""
@@ -58,6 +60,7 @@ def test_an_append_may_reach_max_seq_len_and_the_next_is_refused():
     same_xs(port, ref, "after the refusal")
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_a_slot_of_no_rows_allocates_no_compressed_column():
     """A slot of no rows appended 8 hidden rows (ratio 4): ring `[0, W, D]` and comp
     `[0, 0, D]`, as the reference's, whose comp is as wide as the most blocks of any row."""

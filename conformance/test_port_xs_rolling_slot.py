@@ -23,6 +23,7 @@ META = torch.device("meta")
 # --- plan_xs_advance -----------------------------------------------------------------------
 
 
+@pytest.mark.rule("plan_xs_advance, port")
 def test_the_plan_marks_rows_without_a_new_block_with_minus_one():
     """`need_start`, `off`, `length` are -1 where `take == 0` (the reference's None)."""
     plan = port.plan_xs_advance([13, 0], [0, 0], 24, 2, 4, 2, 16)
@@ -31,6 +32,7 @@ def test_the_plan_marks_rows_without_a_new_block_with_minus_one():
     assert plan.tokens_after.tolist() == [15, 2] and plan.dest.tolist() == [3, 0]
 
 
+@pytest.mark.rule("plan_xs_advance, port")
 def test_the_plan_clamps_at_the_start_of_the_history():
     """Tokens 0 + 8 at ratio 4, span 2: `need_start = max(0, 0 + 1 - 2) * 4 = 0`, `off = 0 +
     24 - 0`, `length = 2 * 4 - 0`; `keep_from = max(0, (max(8 - 16, 0) // 4 + 1 - 2) * 4) = 0`.
@@ -41,6 +43,7 @@ def test_the_plan_clamps_at_the_start_of_the_history():
     assert (row.g_done, row.take, row.need_start, row.base_after) == (0, 2, 0, 0)
 
 
+@pytest.mark.rule("plan_xs_advance, port")
 def test_the_plan_refuses_malformed_input_with_its_message():
     """Negative lengths name the vector; the counts must match; every size in range (zeros
     allowed where the docstring says `>= 0`, ratio and span from 1)."""
@@ -70,6 +73,7 @@ def _fed_reference(ratio=4, span=3, window=30, max_seq_len=900, batch=2, margin=
     return r
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_from_and_to_reference_keep_every_field():
     """Both conversions keep ratio, span, window, max_seq_len, batch, dim and margin; lengths
     are int64 (an empty batch too); floats in the asked dtype one way, float64 the other."""
@@ -89,6 +93,7 @@ def test_from_and_to_reference_keep_every_field():
     assert port._device_and_host(5, "cpu")[1].tolist() == [5]
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_from_reference_and_clone_keep_the_asked_device():
     """A converted slot's lengths are on the asked device, and a clone is on its source's."""
     p = port.XsRolling.from_reference(ref.XsRolling(4, batch=2), device=META)
@@ -99,6 +104,7 @@ def test_from_reference_and_clone_keep_the_asked_device():
 # --- rows of an unmaterialized slot, helpers -----------------------------------------------
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_an_unmaterialized_slot_has_empty_float64_rows():
     """Before the first append: row i's history is `tokens_i - base_i` rows of width
     `dim` (0 when unknown), its comp `tokens_i // ratio` rows; float64 zeros."""
@@ -112,6 +118,7 @@ def test_an_unmaterialized_slot_has_empty_float64_rows():
     assert tuple(q.row_history(0).shape) == (2, 0) and tuple(q.row_comp(0).shape) == (0, 0)
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_resumable_from():
     """`max(0, length // ratio + 1 - span) * ratio` elementwise, int64; negative refused."""
     got = port.resumable_from([0, 3, 8, 9, 20], 4, 2)
@@ -123,6 +130,7 @@ def test_resumable_from():
     assert str(info.value) == "length [3, -1] must be >= 0"
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_compress_blocks_checks_and_precision():
     """`[..., T, D]` (2-D included) and a ratio >= 1, else malformed; a half dtype averages
     in float32 and comes back in its own dtype."""
@@ -143,6 +151,7 @@ def test_compress_blocks_checks_and_precision():
     assert port.compress_blocks(x, 4).dtype == torch.bfloat16
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_the_slot_helpers():
     """`supports_per_sequence_len` is the xs flag; `reset` empties every row (batch kept);
     `clone` is an independent copy with every field, on the same device, host lengths kept
@@ -176,6 +185,7 @@ def test_the_slot_helpers():
     assert p.host_tokens().dtype == p.host_base().dtype == np.int64
 
 
+@pytest.mark.rule("XsRolling length setters, port")
 def test_the_length_setters_refuse_malformed_input_with_their_messages():
     """A row-length vector of the wrong size or with a negative entry, and a negative
     uniform length, are malformed (ValueError)."""
@@ -191,6 +201,7 @@ def test_the_length_setters_refuse_malformed_input_with_their_messages():
     assert str(info.value) == "set_len length -1 must be >= 0"
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_the_constructor_defaults_and_range_checks():
     """The reference's defaults (max_seq_len 4096, `span_groups_for(ratio)`, `W = span *
     ratio + margin`, the cpu) unless given; span and window from 1, max_seq_len and batch
@@ -209,6 +220,7 @@ def test_the_constructor_defaults_and_range_checks():
                                    f"batch {batch} out of range")
 
 
+@pytest.mark.rule("XsRolling slot construction, conversion and helpers, port")
 def test_host_lengths_read_from_the_device_are_int64_vectors():
     """`host_tokens` / `host_base` of lengths held on the device only: 1-D int64 (an empty
     batch too)."""
@@ -219,6 +231,7 @@ def test_host_lengths_read_from_the_device_are_int64_vectors():
             assert h.dtype == np.int64 and h.shape == (batch,)
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_append_rows_refuses_malformed_input_with_its_message():
     """`x_new` must be a `[B, t_new, D]` tensor of the slot's batch and (once set) width."""
     p = port.XsRolling(4, batch=1)
@@ -233,6 +246,7 @@ def test_append_rows_refuses_malformed_input_with_its_message():
     assert str(info.value) == "hidden width 4 differs from the slot's 3"
 
 
+@pytest.mark.rule("XsRolling append and compressor, port")
 def test_the_first_append_sets_the_width_and_later_appends_take_the_slots_dtype():
     """The first append fixes D, the buffers' dtype and an empty comp (no block yet: G = 0,
     as the reference's buffer); a later append in another float dtype is converted to the

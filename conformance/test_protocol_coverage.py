@@ -37,6 +37,7 @@ def _own_methods(cls: type) -> list[str]:
             if getattr(getattr(cls, m), "__wrapped__", getattr(cls, m)) is not getattr(base, m)]
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_the_recorder_wraps_every_protocol_method_of_the_backends():
     """Each protocol method of the three backends is a recording wrapper (so the gate below
     sees every call), and the list of methods is PROTOCOL's."""
@@ -48,6 +49,7 @@ def test_the_recorder_wraps_every_protocol_method_of_the_backends():
         assert unwrapped == [], f"{cls.__name__}: not recorded: {unwrapped}"
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_the_kernel_backend_owns_only_the_methods_it_overrides():
     """Looked through the wrappers, `CupyBackend`'s own protocol methods are the ones its
     class body defines."""
@@ -55,6 +57,7 @@ def test_the_kernel_backend_owns_only_the_methods_it_overrides():
     assert set(_own_methods(CupyBackend)) == defined
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_uncalled_methods_names_a_method_that_was_never_called():
     """The gate's check fails on a method never called: a record missing one method names it."""
     calls = {"NumpyBackend": set(PROTOCOL_METHODS) - {"propose_chain"}}
@@ -63,6 +66,7 @@ def test_uncalled_methods_names_a_method_that_was_never_called():
     assert uncalled_methods({"TorchBackend": set(PROTOCOL_METHODS)}, "TorchBackend") == []
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_a_wrapped_method_records_its_class_and_passes_the_call_through():
     class Probe(NumpyBackend):
         def cache_len(self, cache):  # a protocol method, overridden
@@ -74,6 +78,7 @@ def test_a_wrapped_method_records_its_class_and_passes_the_call_through():
     assert _recording("x", lambda self: 1)(None) == 1
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_a_method_the_class_does_not_implement_is_not_wrapped():
     """A port that leaves a method as `Backend`'s keeps it detectable as missing."""
     class Partial(Backend):
@@ -92,6 +97,7 @@ def required_backends() -> list[str]:
     return ["NumpyBackend"] + (["TorchBackend"] if selection()[0] == "torch" else [])
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_every_protocol_method_is_called_by_the_suite():
     """The gate (run last, over the whole folder only): no protocol method of the reference
     or of the torch port goes uncalled, and, where the g++ kernel emulator runs, every method
@@ -104,6 +110,7 @@ def test_every_protocol_method_is_called_by_the_suite():
     assert all(not v for v in missing.values()), f"methods the suite never calls: {missing}"
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
 def test_each_protocol_stub_of_the_base_class_refuses_naming_the_method(method):
     """A port that leaves a method to `Backend` gets NotImplementedError naming the backend and

@@ -61,6 +61,7 @@ def rand(shape, seed=0):
 # ----------------------------------------------------------------------------- examples
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_decode_offsets_6_4_2_rotate_at_6_4_2():
     x = rand((3, 2, 1, 8))
     out = apply_rope(x, [6, 4, 2], 4, THETA)
@@ -69,6 +70,7 @@ def test_decode_offsets_6_4_2_rotate_at_6_4_2():
     assert not np.allclose(out[1], apply_rope(x[1:2], [6], 4, THETA)[0])
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_prefill_at_offset_0_rotates_0_to_4():
     x = rand((1, 2, 5, 6), seed=1)
     out = apply_rope(x, [0], 6, THETA)
@@ -76,12 +78,14 @@ def test_prefill_at_offset_0_rotates_0_to_4():
     assert np.array_equal(out[:, :, 0], x[:, :, 0])  # position 0 is the identity, exactly
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_mtp_verify_rows_10_and_7_with_w3():
     x = rand((2, 1, 3, 8), seed=2)
     out = apply_rope(x, [10, 7], 8, THETA)
     assert_positions(out, x, [[10, 11, 12], [7, 8, 9]], 8)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_only_the_last_rope_dims_rotate():
     x = rand((2, 3, 4, 10), seed=3)
     out = apply_rope(x, [5, 9], 4, THETA)
@@ -89,12 +93,14 @@ def test_only_the_last_rope_dims_rotate():
     assert not np.allclose(out[..., 6:], x[..., 6:])
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_one_offset_is_shared_by_every_row():
     x = rand((3, 1, 2, 4), seed=4)
     assert np.array_equal(apply_rope(x, [7], 4, THETA), apply_rope(x, [7, 7, 7], 4, THETA))
     assert_positions(apply_rope(x, [7], 4, THETA), x, [[7, 8]] * 3, 4)
 
 
+@pytest.mark.rule("RoPE compressed keys at j*ratio")
 def test_compressed_keys_rotate_at_block_starts_independent_of_the_row():
     assert compressed_key_positions(3, 4) == [0, 4, 8]
     assert compressed_key_positions(2, 128) == [0, 128]
@@ -104,6 +110,7 @@ def test_compressed_keys_rotate_at_block_starts_independent_of_the_row():
     assert_positions(out, x, [[0, 4, 8], [0, 4, 8]], 8, theta=160000.0)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_rope_cos_sin_shape_and_values():
     cos, sin = rope_cos_sin(np.array([0, 3]), 4, THETA)
     assert cos.shape == sin.shape == (2, 2)
@@ -111,6 +118,7 @@ def test_rope_cos_sin_shape_and_values():
     np.testing.assert_allclose(cos[1], np.cos([3.0, 3.0 * THETA ** -0.5]), rtol=0, atol=1e-15)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 def test_malformed_rope_inputs_are_rejected():
     x = rand((2, 1, 3, 8))
     with pytest.raises(ValueError, match="3 offsets for a batch of 2"):
@@ -135,6 +143,7 @@ rope_shape = dict(t=st.integers(1, 9), heads=st.integers(1, 3),
                   seed=st.integers(0, 2**32 - 1))
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions")
 @given(offsets=ragged_lengths(1, 6, 0, 80), **rope_shape)
 def test_per_row_rope_equals_each_row_alone(offsets, t, heads, dims, seed):
     dim, rope_dims = dims
@@ -144,6 +153,7 @@ def test_per_row_rope_equals_each_row_alone(offsets, t, heads, dims, seed):
         assert np.array_equal(out[i: i + 1], apply_rope(x[i: i + 1], [off], rope_dims, THETA))
 
 
+@pytest.mark.rule("RoPE inverse tail")
 @given(offsets=ragged_lengths(1, 6, 0, 80), cohort=st.booleans(), **rope_shape)
 def test_inverse_after_forward_is_the_identity(offsets, cohort, t, heads, dims, seed):
     dim, rope_dims = dims
@@ -155,6 +165,7 @@ def test_inverse_after_forward_is_the_identity(offsets, cohort, t, heads, dims, 
         assert not np.allclose(fwd, x)  # non-degeneracy: something rotated
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats")
 @given(offsets=ragged_lengths(1, 6, 0, 80), inverse=st.booleans(), **rope_shape)
 def test_the_rope_branches_agree_bit_for_bit(offsets, inverse, t, heads, dims, seed):
     dim, rope_dims = dims
@@ -167,6 +178,7 @@ def test_the_rope_branches_agree_bit_for_bit(offsets, inverse, t, heads, dims, s
         assert np.array_equal(apply_rope(x, offsets, rope_dims, THETA, inverse, cohort), per_row)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats")
 @given(offsets=st.one_of(uniform_lengths(1, 6, 0, 80), ragged_lengths(1, 6, 0, 80)),
        cohort=st.booleans(), inverse=st.booleans())
 def test_the_dispatch_takes_the_batched_branch_exactly_when_offsets_are_uniform(
@@ -182,6 +194,7 @@ def test_the_dispatch_takes_the_batched_branch_exactly_when_offsets_are_uniform(
     }
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats")
 def test_a_uniform_vector_longer_than_one_takes_the_batched_branch():
     # the old `len() == 1` dispatch would send this down the per-row loop
     reset_rope_cohort_stats()
@@ -192,6 +205,7 @@ def test_a_uniform_vector_longer_than_one_takes_the_batched_branch():
 # ----------------------------------------------------------------------------- refusals, boundaries
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions", "RoPE compressed keys at j*ratio")
 def test_each_malformed_input_is_refused_by_its_own_message():
     x = rand((2, 1, 4, 8))  # B=2, H=1, T=4, D=8: every size differs from the offsets' count 3
     with pytest.raises(ValueError, match=re.escape("x must be [B,H,T,D], got shape (4, 8)")):
@@ -217,6 +231,7 @@ def test_each_malformed_input_is_refused_by_its_own_message():
         compressed_key_positions(2, 0)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions", "RoPE compressed keys at j*ratio")
 def test_the_smallest_legal_values_are_accepted():
     # rope_dims 2 (one pair), theta 1 and 0.5 (any theta > 0), ratio 1, no positions at all
     x = rand((2, 1, 3, 4), seed=6)
@@ -228,12 +243,14 @@ def test_the_smallest_legal_values_are_accepted():
     assert cos.shape == sin.shape == (0, 2)
 
 
+@pytest.mark.rule("RoPE compressed keys at j*ratio")
 def test_a_position_beyond_int64_is_refused_not_rotated_at_a_rounded_angle():
     # 2**63 has no int64 position; float(2**63 + 1) would silently round
     with pytest.raises((OverflowError, ValueError)):
         apply_rope_at_positions(rand((1, 1, 1, 4)), [2**63 + 1], 4, THETA)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats")
 def test_integer_and_float32_inputs_rotate_in_float64():
     xi = np.arange(2 * 1 * 2 * 4).reshape(2, 1, 2, 4) - 5  # integers: the rotation is not
     for x in (xi, rand((2, 1, 2, 4), seed=7).astype(np.float32)):
@@ -244,6 +261,7 @@ def test_integer_and_float32_inputs_rotate_in_float64():
             assert_positions(out, want, [[3, 4], [8, 9]][: out.shape[0]], 4)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats", "RoPE inverse tail")
 def test_each_branch_rotates_forward_unless_asked_for_the_inverse():
     x = rand((2, 1, 2, 4), seed=8)
     for out in (rope_batched(x, 5, 4, THETA), rope_gathered(x, [5, 5], 4, THETA),
@@ -257,6 +275,7 @@ def test_each_branch_rotates_forward_unless_asked_for_the_inverse():
             np.testing.assert_allclose(back[i, 0, t], want, rtol=0, atol=ORACLE_TOL)
 
 
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats")
 def test_ragged_offsets_take_the_per_row_branch_unless_the_cohort_flag_is_set():
     reset_rope_cohort_stats()
     x = rand((2, 1, 1, 4))

@@ -29,6 +29,7 @@ from raggedspec.reference.step import verify_proposed
 # ----------------------------------------------------------------------------- loading
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_defaults_load_and_round_trip_through_to_dict():
     sc = load_scenario()
     assert sc.batch == 8 and sc.depth == 3 and sc.w == 4
@@ -38,6 +39,7 @@ def test_defaults_load_and_round_trip_through_to_dict():
     assert load_scenario(json.loads(json.dumps(sc.to_dict()))) == sc
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_toml_and_json_files_load_the_same_scenario(tmp_path):
     toml = tmp_path / "s.toml"
     toml.write_text(
@@ -53,6 +55,7 @@ def test_toml_and_json_files_load_the_same_scenario(tmp_path):
     assert all(4 <= r.prompt_len <= 9 for r in a.requests)
 
 
+@pytest.mark.rule("request generator")
 def test_the_generator_is_seeded_and_staggers_arrivals():
     a = load_scenario({"batch": 20, "prompt_len": [1, 50], "max_new_tokens": [5, 9], "seed": 7,
                        "arrival": "staggered", "stagger": 3})
@@ -64,6 +67,7 @@ def test_the_generator_is_seeded_and_staggers_arrivals():
     assert len({r.prompt_len for r in a.requests}) > 5
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_explicit_requests_and_overrides():
     sc = load_scenario(
         {
@@ -83,11 +87,13 @@ def test_explicit_requests_and_overrides():
     assert sc2.batch == 2 and sc2.acceptance.p == (0.25,)
 
 
+@pytest.mark.rule("advance request vs flags and the refusal chain")
 def test_per_sequence_advance_sets_the_flag_it_stands_for():
     assert load_scenario({"advance": "per-sequence"}).per_seq_kv is True
     assert load_scenario({"advance": "cohort"}).per_seq_kv is False
 
 
+@pytest.mark.rule("scenario config and validation")
 @pytest.mark.parametrize("data, key, words", [
     ({"bogus": 1}, "bogus", "unknown key"),
     ({"batch": 0}, "batch", "1..="),
@@ -123,6 +129,7 @@ def test_a_bad_scenario_names_the_key_and_the_allowed_range(data, key, words):
     assert isinstance(err.value, ValueError)
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_a_missing_file_is_a_scenario_error(tmp_path):
     with pytest.raises(ScenarioError, match="does not exist"):
         load_scenario(tmp_path / "nope.toml")
@@ -137,6 +144,7 @@ def _accept_file(tmp_path, text, name="acc.json"):
     return str(path)
 
 
+@pytest.mark.rule("scenario config and validation", "acceptance models, integer and seeded")
 @pytest.mark.parametrize(
     "make, key, words",
     [
@@ -197,6 +205,7 @@ def test_bad_acceptance_files_and_factories_are_refused_at_load_time(tmp_path, m
         assert w in msg, f"{w!r} not in {msg!r}"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_every_request(
     tmp_path,
 ):
@@ -206,6 +215,7 @@ def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_eve
         load_scenario({"batch": 4, "acceptance": f"file:{path}"})
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize(
     "value, key, words",
     [
@@ -237,6 +247,7 @@ def test_a_probability_model_without_its_probabilities_is_refused(value, key, wo
         assert w in msg, f"{w!r} not in {msg!r}"
 
 
+@pytest.mark.rule("scenario config and validation", "acceptance models, integer and seeded")
 def test_bare_geometric_is_the_documented_default_and_tables_round_trip():
     assert load_scenario({"acceptance": "geometric"}).acceptance.p == (0.7,)
     for value in (
@@ -258,6 +269,7 @@ def test_bare_geometric_is_the_documented_default_and_tables_round_trip():
     assert sc.acceptance.p_range == (0.1, 0.2) and sc.acceptance.p == ()
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_acceptance_shorthands():
     assert parse_acceptance("all-accept").model == "all-accept"
     assert parse_acceptance("heterogeneous:0.2,0.9").p == (0.2, 0.9)
@@ -281,6 +293,7 @@ def brute_run(seed: int, seq: int, pos: int, n: int, thresholds) -> int:
     return a
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @given(
     seq=st.integers(0, 500), pos=st.integers(0, 5000), n=st.integers(0, 8), seed=st.integers(0, 99)
 )
@@ -294,6 +307,7 @@ def test_geometric_and_profile_match_a_brute_force_walk(seq, pos, n, seed):
     assert prof.accept_one(seq, pos, n) == want
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_geometric_has_the_geometric_distribution():
     rows = 40_000
     a = Geometric(0.7, 3).accepted(np.arange(rows) % 97, np.arange(rows) * 13, np.full(rows, 3), 0)
@@ -301,6 +315,7 @@ def test_geometric_has_the_geometric_distribution():
     assert np.allclose(freq, [0.3, 0.21, 0.147, 0.343], atol=0.01)
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_profile_separates_positions():
     rows = 40_000
     a = Profile([0.74, 0.54, 0.41], 1).accepted(
@@ -312,6 +327,7 @@ def test_the_profile_separates_positions():
     assert abs(p0 - 0.74) < 0.01 and abs(p1 - 0.54) < 0.015 and abs(p2 - 0.41) < 0.02
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_heterogeneous_rates_are_per_sequence():
     h = Heterogeneous([0.05, 0.95], 0)
     seqs = np.repeat([0, 1], 5000)
@@ -322,6 +338,7 @@ def test_heterogeneous_rates_are_per_sequence():
     assert t.min() >= threshold(0.2) and t.max() <= threshold(0.4) and len(set(t.tolist())) > 100
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_all_accept_all_reject_and_the_file_stream(tmp_path):
     n = np.array([0, 1, 3, 8])
     assert AllAccept().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 1, 3, 8]
@@ -334,6 +351,7 @@ def test_all_accept_all_reject_and_the_file_stream(tmp_path):
     assert FileStream([2, 0]).accepted([1, 1], [0, 0], [1, 3], [0, 1]).tolist() == [1, 0]
 
 
+@pytest.mark.rule("randomness keyed by (seed, seq, position), not by row")
 @given(
     seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True),
     pos=st.integers(0, 4000),
@@ -350,6 +368,7 @@ def test_accepts_do_not_depend_on_batch_mates_or_row_order(seqs, pos, n):
     assert batched.tolist() == alone == reversed_.tolist()
 
 
+@pytest.mark.rule("pluggable token oracle")
 @given(seq=st.integers(0, 300), ctx_len=st.integers(1, 300), n=st.integers(0, 8),
        model=st.sampled_from(["geo", "prof", "all", "none"]))
 def test_the_model_oracle_verifies_to_exactly_the_models_count(seq, ctx_len, n, model):
@@ -429,6 +448,7 @@ def make_raising(scenario):
     raise RuntimeError("the oracle's weights are missing")
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_checked_oracle_refuses_every_breach_of_the_protocol():
     """CheckedOracle is the one place both modes check a custom oracle: the number of
     tokens and each token's range, naming the call and the bad value."""
@@ -491,6 +511,7 @@ def test_the_checked_oracle_refuses_every_breach_of_the_protocol():
             assert w in msg, f"{w!r} not in {msg!r}"
 
 
+@pytest.mark.rule("pluggable token oracle")
 @pytest.mark.parametrize("factory, words", [
     ("make_not_an_oracle", ["make_not_an_oracle", "no callable prompt, target, draft"]),
     ("make_raising", ["make_raising", "RuntimeError", "weights are missing"]),
@@ -506,6 +527,7 @@ def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error(factory, wo
         assert w in str(err.value)
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_a_custom_token_oracle_loads_from_a_factory():
     from raggedspec.reference.acceptance import build_model, build_oracle
 
@@ -520,6 +542,7 @@ def test_a_custom_token_oracle_loads_from_a_factory():
     assert oracle.draft(0, [1, 1], 3) == [1, 1, 2] and oracle.target(0, [1]) == 1
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_the_example_scenarios_load():
     from pathlib import Path
 

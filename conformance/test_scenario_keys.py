@@ -48,6 +48,7 @@ def key(k: str, what: str, got) -> str:
 # --------------------------------------------------------------------------- the generator
 
 
+@pytest.mark.rule("request generator")
 def test_the_generator_draws_each_length_by_the_documented_hash():
     assert sm(0) == 0xE220A8397B1DCDAF  # the published first output for state 0
 
@@ -71,6 +72,7 @@ def test_the_generator_draws_each_length_by_the_documented_hash():
 # ------------------------------------------------------------------------ refusals, exactly
 
 
+@pytest.mark.rule("scenario config and validation")
 @pytest.mark.parametrize("data, message", [
     ({"bogus": 1}, key("bogus", "unknown key; allowed keys: requests, batch, prompt_len, "
                        "max_new_tokens, arrival, stagger, depth, max_seq_len, advance, world, "
@@ -142,6 +144,7 @@ def test_each_refusal_names_the_key_what_it_must_be_and_the_value(data, message)
     assert refused(data) == message
 
 
+@pytest.mark.rule("scenario config and validation")
 @pytest.mark.parametrize("data", [
     {"depth": 0}, {"depth": 8}, {"batch": 1}, {"max_seq_len": 2, "prompt_len": 1},
     {"max_seq_len": 2**31 - 1}, {"prompt_len": 4095},
@@ -153,6 +156,7 @@ def test_each_range_holds_its_edges(data):
     load_scenario(data)
 
 
+@pytest.mark.rule("request generator")
 def test_the_generator_defaults():
     """docs/simulator.md: batch 8, prompt_len 16, max_new_tokens 256, all at once; a
     staggered arrival defaults to one step apart."""
@@ -164,6 +168,7 @@ def test_the_generator_defaults():
     assert [r.arrival for r in st.requests] == [0, 1, 2]
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_nullable_keys_and_the_prefill_floor():
     sc = load_scenario({"max_seqs": None, "max_draft_kv_seqs": None, "prefill_max_seqs": None})
     assert (sc.max_seqs, sc.max_draft_kv_seqs, sc.prefill_max_seqs) == (None, None, None)
@@ -190,6 +195,7 @@ def test_nullable_keys_and_the_prefill_floor():
 # ------------------------------------------------------------------------------ acceptance
 
 
+@pytest.mark.rule("scenario config and validation")
 @pytest.mark.parametrize("value, message", [
     ("geometric:x", key("acceptance", "probabilities must be comma-separated numbers, e.g. "
                         "geometric:0.7", "geometric:x")),
@@ -254,6 +260,7 @@ def test_each_acceptance_refusal_word_for_word(value, message):
     assert str(err.value) == message
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_the_acceptance_forms_parse_to_their_specs_and_tables():
     assert parse_acceptance("geometric:0.25") == AcceptanceSpec("geometric", (0.25,))
     assert parse_acceptance({"model": "geometric", "p": 0.4}) == AcceptanceSpec("geometric",
@@ -283,6 +290,7 @@ def test_the_acceptance_forms_parse_to_their_specs_and_tables():
 # ------------------------------------------------------------------------------- overrides
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_overrides_as_a_dict_and_as_key_value_strings():
     sc = load_scenario({"batch": 2}, {"depth": 1, "model.vocab": 8, "seed": None})
     assert (sc.depth, sc.model, sc.seed, sc.batch) == (1, {"vocab": 8}, 0, 2)
@@ -316,6 +324,7 @@ def test_overrides_as_a_dict_and_as_key_value_strings():
 # --------------------------------------------------------------------------- file sources
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_the_sources_a_scenario_is_read_from(tmp_path):
     sc = load_scenario({"batch": 2, "depth": 1})
     assert load_scenario(sc) == sc
@@ -345,6 +354,7 @@ def test_the_sources_a_scenario_is_read_from(tmp_path):
     assert refused(listed) == "a scenario must be a table of keys, got list"
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_a_scenario_is_frozen_and_its_batch_is_its_request_count():
     sc = load_scenario({"requests": [{"prompt_len": 2}, {"prompt_len": 3}]})
     assert isinstance(sc, Scenario) and sc.batch == 2 and sc.w == 4
@@ -352,6 +362,7 @@ def test_a_scenario_is_frozen_and_its_batch_is_its_request_count():
         sc.depth = 1
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_a_file_that_cannot_be_read_is_a_scenario_error(tmp_path, monkeypatch):
     import errno
     from pathlib import Path
@@ -366,6 +377,7 @@ def test_a_file_that_cannot_be_read_is_a_scenario_error(tmp_path, monkeypatch):
     assert refused(path) == f"scenario file {path} cannot be read: Permission denied"
 
 
+@pytest.mark.rule("scenario config and validation")
 def test_the_model_config_takes_the_scenario_seed_and_length_unless_given():
     cfg = model_config(load_scenario({"seed": 3, "max_seq_len": 100}))
     assert (cfg.seed, cfg.max_seq_len, cfg.vocab, cfg.n_kv_heads) == (3, 100, 64, 1)

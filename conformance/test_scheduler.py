@@ -58,16 +58,19 @@ def state_for(world: str, **kw) -> SchedulerState:
 # ------------------------------------------------------------------ §15 cache_bucket_len
 
 
+@pytest.mark.rule("cache_bucket_len")
 def test_cache_bucket_len_of_a_fresh_101_token_sequence_is_100():
     assert cache_bucket_len(None, 101) == 100
 
 
+@pytest.mark.rule("cache_bucket_len")
 def test_cache_bucket_len_reads_the_own_cache_not_the_token_count():
     # An MTP row whose cache length differs from len()-1: the cache wins.
     assert cache_bucket_len(37, 101) == 37
     assert cache_bucket_len(0, 50) == 0, "a populated slot of length 0 is still populated"
 
 
+@pytest.mark.rule("cache_bucket_len")
 def test_cache_bucket_len_saturates_and_refuses_negative_input():
     assert cache_bucket_len(None, 0) == 0
     with pytest.raises(ValueError, match="-1"):
@@ -76,6 +79,7 @@ def test_cache_bucket_len_saturates_and_refuses_negative_input():
         cache_bucket_len(None, -3)
 
 
+@pytest.mark.rule("cache_bucket_len reads the first populated slot")
 def test_first_populated_slot_len_reads_slot_0_first():
     assert first_populated_slot_len([12, 40, 7]) == 12
     assert first_populated_slot_len([None, 40, 7]) == 40
@@ -83,6 +87,7 @@ def test_first_populated_slot_len_reads_slot_0_first():
     assert first_populated_slot_len([]) is None
 
 
+@pytest.mark.rule("compute_priority")
 def test_compute_priority_is_urgency_plus_log2_of_the_token_count():
     assert compute_priority(0, 8) == 3.0
     assert compute_priority(2, 1024) == 12.0
@@ -97,6 +102,7 @@ def test_compute_priority_is_urgency_plus_log2_of_the_token_count():
 # ------------------------------------------------------------------ §15 keys by world
 
 
+@pytest.mark.rule("keys by world: W0 3-tuple")
 def test_keys_by_world_w0_is_the_3_tuple_and_images_count_only_for_prompts():
     c = comp(0, 101, images=True, token_offset=3)
     p = prompt(1, 101, images=True, token_offset=3)
@@ -106,6 +112,7 @@ def test_keys_by_world_w0_is_the_3_tuple_and_images_count_only_for_prompts():
     assert scheduler_key("W0", c, ragged_decode_supported=True, ragged_len=5) == (100, False, 3)
 
 
+@pytest.mark.rule("WA key pinned to 0 while ragged_decode_supported")
 def test_keys_by_world_wa_pins_completions_to_0_only_while_ragged_decode_supported():
     c, p = comp(0, 101, cache_len=70), prompt(1, 91)
     assert scheduler_key("WA", c) == (70, False, 0)
@@ -114,6 +121,7 @@ def test_keys_by_world_wa_pins_completions_to_0_only_while_ragged_decode_support
         "prompts keep their exact key"
 
 
+@pytest.mark.rule("WB keys, granted and refused; the refused bucket key")
 def test_keys_by_world_wb_granted_and_refused():
     c1, c2, p = comp(0, 140), comp(1, 101), prompt(2, 120)
     running = [c1, c2, p]
@@ -124,6 +132,7 @@ def test_keys_by_world_wb_granted_and_refused():
     assert scheduler_key("WB", c1) == (139, False, 0, False)
 
 
+@pytest.mark.rule("keys by world: W0 3-tuple")
 def test_scheduler_key_refuses_an_unknown_world():
     with pytest.raises(ValueError, match="'W9'"):
         scheduler_key("W9", comp(0, 5))
@@ -131,6 +140,7 @@ def test_scheduler_key_refuses_an_unknown_world():
         SchedulerState(world="WC")
 
 
+@pytest.mark.rule("WB ragged_bucket_len")
 def test_the_ragged_bucket_takes_its_members_minimum_length():
     seqs = [comp(i, n) for i, n in enumerate([140, 101, 300])]
     st_ = state_for("WB", admission=GRANT)
@@ -138,6 +148,7 @@ def test_the_ragged_bucket_takes_its_members_minimum_length():
     assert keys == [(100, False, 0, True)] * 3
 
 
+@pytest.mark.rule("WB ragged_bucket_len")
 def test_prompts_are_never_folded_into_the_ragged_completion_bucket():
     # Completions at cache 119/159/199; prompts shorter, equal to and longer than the key.
     seqs = [comp(i, 120 + i * 40) for i in range(3)]
@@ -149,6 +160,7 @@ def test_prompts_are_never_folded_into_the_ragged_completion_bucket():
     assert len({keys[3], keys[4], keys[5]}) == 3 and not any(k[3] for k in keys[3:])
 
 
+@pytest.mark.rule("WB ragged_bucket_len")
 def test_ragged_bucket_len_is_none_without_completions():
     assert ragged_bucket_len([prompt(0, 9), prompt(1, 30)], GRANT) is None
 
@@ -165,6 +177,10 @@ def running_sets(draw, min_size=1, max_size=12):
     return [SeqRecord(i, n, cache, pr, off, img) for i, (n, cache, pr, off, img) in enumerate(raw)]
 
 
+@pytest.mark.rule(
+    "§22 dispatch tests: each predicate tested directly",
+    "WB keys, granted and refused; the refused bucket key",
+)
 @given(running=running_sets())
 def test_wb_refused_key_is_the_w0_key_plus_false(running):
     """§22 dispatch test: structurally, a refused WB run builds the W0 partition."""
@@ -179,6 +195,7 @@ def test_wb_refused_key_is_the_w0_key_plus_false(running):
         )
 
 
+@pytest.mark.rule("WB keys, granted and refused; the refused bucket key")
 @given(running=running_sets())
 def test_wb_granted_every_completion_shares_one_key_whatever_the_lengths(running):
     """Lengths never split the completions; only the offset (part of every key) can.
@@ -203,6 +220,7 @@ def _prio(n: int, tokens: int, urgency: int = 0) -> float:
     return n * (urgency + math.log2(tokens))
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_coalesces_32_at_101_with_32_at_102():
     short, long_ = (101, False, 0), (102, False, 0)
     buckets = {short: list(range(32)), long_: list(range(32, 64))}
@@ -212,6 +230,7 @@ def test_select_running_bucket_coalesces_32_at_101_with_32_at_102():
     assert select_running_bucket(buckets, pr, False) == short
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_keeps_the_cohort_1_at_21_vs_63_at_500():
     new, cohort = (21, False, 0), (500, False, 0)
     buckets = {new: [0], cohort: list(range(1, 64))}
@@ -220,6 +239,7 @@ def test_select_running_bucket_keeps_the_cohort_1_at_21_vs_63_at_500():
     assert select_running_bucket(buckets, pr, False) == cohort
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_refuses_to_coalesce_eight_lengths_64_apart():
     keys = [(100 + 64 * j, False, 0) for j in range(8)]
     buckets = {k: [j] for j, k in enumerate(keys)}
@@ -229,12 +249,14 @@ def test_select_running_bucket_refuses_to_coalesce_eight_lengths_64_apart():
     assert select_running_bucket(buckets, pr, False) == greedy
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_discrete_is_min_length():
     short, long_ = (101, False, 0), (500, False, 0)
     buckets = {long_: list(range(63)), short: [99]}
     assert select_running_bucket(buckets, {}, True) == short
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_coalesces_at_exactly_the_payback_bound():
     """(total - n_min) * gap <= n_min * 256 with equality -> min; one more token -> greedy."""
     assert COALESCE_PAYBACK_STEPS == 256
@@ -246,6 +268,7 @@ def test_select_running_bucket_coalesces_at_exactly_the_payback_bound():
         assert select_running_bucket(buckets, pr, False) == (lo if want_min else hi)
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_coalesce_uses_the_nearest_longer_bucket():
     lo, near, far = (100, False, 0), (101, False, 0), (5000, False, 0)
     buckets = {lo: [0], near: [1], far: [2]}
@@ -254,6 +277,7 @@ def test_select_running_bucket_coalesce_uses_the_nearest_longer_bucket():
     assert select_running_bucket(buckets, pr, False) == lo
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 @pytest.mark.parametrize("other", [(101, True, 0), (101, False, 1)], ids=["imgs", "offset"])
 def test_the_coalescing_target_must_agree_on_imgs_and_offset(other):
     lo = (100, False, 0)
@@ -263,6 +287,7 @@ def test_the_coalescing_target_must_agree_on_imgs_and_offset(other):
     assert select_running_bucket(buckets, pr, False) == other
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_the_coalescence_override_never_targets_across_the_ragged_flag():
     ragged, pk = (119, False, 0, True), (120, False, 0, False)
     buckets = {ragged: list(range(32)), pk: list(range(32, 64))}
@@ -275,6 +300,7 @@ def test_the_coalescence_override_never_targets_across_the_ragged_flag():
                                  {ragged: pr[ragged], same: pr[pk]}, False) == ragged
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_breaks_ties_by_the_smallest_key():
     a, b = (5, False, 0), (5, True, 0)
     assert select_running_bucket({b: [0], a: [1]}, {}, True) == a
@@ -284,6 +310,7 @@ def test_select_running_bucket_breaks_ties_by_the_smallest_key():
     assert select_running_bucket({a: [0], b: [1], c: [2]}, {a: 0.0, b: 7.0, c: 7.0}, False) == b
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_refuses_malformed_input():
     with pytest.raises(ValueError, match="at least one bucket"):
         select_running_bucket({}, {}, True)
@@ -314,6 +341,7 @@ def oracle_select(buckets, priorities, discrete):
     return greedy
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 @given(data=st.data())
 def test_select_running_bucket_matches_an_independent_oracle(data):
     keys = data.draw(
@@ -335,6 +363,7 @@ def test_select_running_bucket_matches_an_independent_oracle(data):
 # ------------------------------------------------------------------ §16 bucketing + urgency
 
 
+@pytest.mark.rule("bucket_and_waitlist_seqs_waiting and urgency")
 def test_bucket_and_waitlist_with_one_bucket_runs_everything_and_resets_urgency():
     st_ = state_for("W0")
     st_.urgency = {0: 3, 1: 5}
@@ -343,6 +372,7 @@ def test_bucket_and_waitlist_with_one_bucket_runs_everything_and_resets_urgency(
     assert st_.urgency == {0: 0, 1: 0}
 
 
+@pytest.mark.rule("bucket_and_waitlist_seqs_waiting and urgency")
 def test_waitlisted_sequences_gain_urgency_and_keep_their_state():
     st_ = state_for("W0")
     st_.urgency = {2: 4}
@@ -353,6 +383,7 @@ def test_waitlisted_sequences_gain_urgency_and_keep_their_state():
     assert st_.urgency == {0: 0, 1: 0, 2: 5}
 
 
+@pytest.mark.rule("keys by world: W0 3-tuple", "bucket_and_waitlist_seqs_waiting and urgency")
 @given(
     running=running_sets(),
     world=st.sampled_from(["W0", "WA", "WB"]),
@@ -397,6 +428,7 @@ def test_bucketing_properties_in_every_world(
 # schedule()
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_nothing_waiting_or_running_schedules_nothing():
     st_ = state_for("W0")
     out = schedule([], [], st_)
@@ -407,6 +439,10 @@ def test_nothing_waiting_or_running_schedules_nothing():
 LENS_64_APART = [50, 114, 179, 243, 307, 371, 436, 500]
 
 
+@pytest.mark.rule(
+    "WA key pinned to 0 while ragged_decode_supported",
+    "8@500 + 1@100 and eight lengths 64 apart, by world",
+)
 @pytest.mark.parametrize("world,kw,want", [
     ("W0", {}, 1),
     ("WA", {"ragged_decode_supported": False}, 1),
@@ -422,6 +458,7 @@ def test_eight_lengths_64_apart_split_permanently_unless_ragged(world, kw, want)
         assert out.completion == [0], "running only is discrete: the shortest bucket runs"
 
 
+@pytest.mark.rule("8@500 + 1@100 and eight lengths 64 apart, by world")
 @pytest.mark.parametrize("world,kw,n_run", [
     ("W0", {}, 8),
     ("WA", {"ragged_decode_supported": True}, 9),
@@ -441,6 +478,7 @@ def test_a_formed_cohort_and_a_newcomer_8_at_500_plus_1_at_100(world, kw, n_run)
         assert 8 in out.completion
 
 
+@pytest.mark.rule("WA key pinned to 0 while ragged_decode_supported")
 def test_prompts_keep_their_exact_length_buckets_in_wa():
     st_ = state_for("WA", ragged_decode_supported=True)
     out = schedule([], [prompt(i, n) for i, n in enumerate([37, 91, 155])], st_)
@@ -448,6 +486,7 @@ def test_prompts_keep_their_exact_length_buckets_in_wa():
     assert out.discrete is True
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_scheduler_runs_the_whole_admitted_batch():
     """32 at 100 tokens + 32 at 102: coalesces within a few steps and stays whole."""
     st_ = state_for("W0", max_seqs=128)
@@ -465,6 +504,7 @@ def test_scheduler_runs_the_whole_admitted_batch():
     assert converged is not None and converged <= 3
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_a_split_far_beyond_the_payback_never_merges():
     """Negative control for the test above: 1 at 100 tokens vs 3 at 900, a gap far
     beyond the payback bound, never runs all four together."""
@@ -480,6 +520,7 @@ def test_a_split_far_beyond_the_payback_never_merges():
     assert max(sizes) < 4
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_both_waiting_and_running_sorts_waiting_by_id_and_admits_up_to_max_seqs():
     st_ = state_for("W0", max_seqs=4)
     running = [comp(0, 10), comp(1, 10)]
@@ -493,6 +534,7 @@ def test_both_waiting_and_running_sorts_waiting_by_id_and_admits_up_to_max_seqs(
     assert [s.id for s in out.waiting] == [7, 5, 6], "held first, then the waitlisted"
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_schedule_keeps_every_sequence_exactly_once():
     st_ = state_for("WA", ragged_decode_supported=False, prefill_cap=1, max_seqs=5)
     running = [comp(0, 10), comp(1, 20)]
@@ -503,6 +545,7 @@ def test_schedule_keeps_every_sequence_exactly_once():
     assert sorted(ids) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.rule("per-step flow schedule()")
 @given(
     running=running_sets(0, 8),
     new=st.lists(st.tuples(st.integers(1, 40), st.booleans()), max_size=5),
@@ -529,6 +572,7 @@ def test_schedule_loses_and_duplicates_nothing(running, new, world, grant, flag,
         assert len(set(keys)) == 1
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_schedule_refuses_duplicate_ids():
     with pytest.raises(ValueError, match="unique"):
         schedule([comp(1, 5)], [prompt(1, 5)], state_for("W0"))

@@ -36,6 +36,7 @@ from raggedspec.reference.scheduler import (
 # ------------------------------------------------------------------ §16 WA floor and cap
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 def test_prefill_floor_defaults_on_and_zero_is_the_kill_switch():
     assert DEFAULT_PREFILL_FLOOR_STEPS == 4
     assert prefill_starvation_floor(None) == 4
@@ -46,6 +47,7 @@ def test_prefill_floor_defaults_on_and_zero_is_the_kill_switch():
         assert prefill_starvation_floor(garbage) == 4, garbage
 
 
+@pytest.mark.rule("WA prefill cap ARC_PREFILL_MAX_SEQS")
 def test_prefill_admission_cap_parsing():
     assert prefill_admission_cap(None) is None
     assert prefill_admission_cap("0") is None
@@ -66,12 +68,14 @@ def prompt_steps_won(
     return won
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 @pytest.mark.parametrize("flag", [False, True])
 def test_a_prompt_starves_behind_47_decoders_0_of_24_and_floor_4_gives_4_of_24(flag):
     assert prompt_steps_won("WA", None, 24, flag) == 0
     assert prompt_steps_won("WA", 4, 24, flag) == 4
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 @pytest.mark.parametrize("floor", [1, 2, 3, 4, 7])
 def test_the_floor_forces_a_prompt_every_floor_plus_1_steps(floor):
     st_ = state_for("WA", floor=PrefillFloor(floor))
@@ -81,6 +85,7 @@ def test_the_floor_forces_a_prompt_every_floor_plus_1_steps(floor):
     assert wins == [(k + 1) % (floor + 1) == 0 for k in range(24)]
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 def test_the_floor_is_not_applied_when_discrete():
     st_ = state_for("WA", floor=PrefillFloor(1), ragged_decode_supported=True)
     running = [comp(i, 500) for i in range(47)] + [prompt(47, 300)]
@@ -90,11 +95,13 @@ def test_the_floor_is_not_applied_when_discrete():
     assert st_.floor.steps_since_prompt == 0
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 def test_the_floor_exists_only_in_wa():
     assert prompt_steps_won("W0", 4, 24, False) == 0
     assert prompt_steps_won("WB", 4, 24, False) == 0
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 def test_the_floor_counter_resets_when_a_prompt_bucket_wins_on_its_own():
     f = PrefillFloor(4, steps_since_prompt=3)
     pk, dk = (10, False, 0), (0, False, 0)
@@ -107,6 +114,7 @@ def test_the_floor_counter_resets_when_a_prompt_bucket_wins_on_its_own():
         PrefillFloor(0)
 
 
+@pytest.mark.rule("WA transition log and once-only floor/cap lines")
 def test_the_floor_logs_once_when_it_fires():
     st_ = state_for("WA", floor=PrefillFloor(1))
     running = [comp(i, 500) for i in range(47)] + [prompt(47, 300)]
@@ -121,6 +129,10 @@ def test_the_floor_logs_once_when_it_fires():
     assert len(fired) == 1
 
 
+@pytest.mark.rule(
+    "WA prefill cap ARC_PREFILL_MAX_SEQS",
+    "WA transition log and once-only floor/cap lines",
+)
 def test_wa_prefill_cap_bounds_promotions_in_queue_order_when_nothing_runs():
     st_ = state_for("WA", prefill_cap=2)
     out = schedule([], [prompt(i, 20) for i in [4, 1, 3]], st_)
@@ -132,6 +144,7 @@ def test_wa_prefill_cap_bounds_promotions_in_queue_order_when_nothing_runs():
     assert out0.promoted == [4, 1, 3] and out0.held == [], "the cap is a WA rule"
 
 
+@pytest.mark.rule("WA prefill cap ARC_PREFILL_MAX_SEQS")
 def test_wa_prefill_cap_does_not_count_already_admitted_sequences():
     st_ = state_for("WA", prefill_cap=1)
     st_.admitted.add(5)  # id 5 was admitted on an earlier step and then waitlisted
@@ -142,6 +155,7 @@ def test_wa_prefill_cap_does_not_count_already_admitted_sequences():
     )
 
 
+@pytest.mark.rule("WA transition log and once-only floor/cap lines")
 def test_wa_transition_line_is_logged_only_when_buckets_or_flag_change():
     st_ = state_for("WA")
     run = [comp(0, 10), comp(1, 20)]
@@ -157,6 +171,7 @@ def test_wa_transition_line_is_logged_only_when_buckets_or_flag_change():
 # ------------------------------------------------------------------ §16 bucket_shattering_law
 
 
+@pytest.mark.rule("bucket_shattering_law")
 @pytest.mark.parametrize("n,d", [(8, 8), (32, 8), (32, 32), (128, 32), (128, 128)])
 def test_bucket_shattering_law(n, d):
     steps = 32
@@ -166,6 +181,7 @@ def test_bucket_shattering_law(n, d):
     assert granted == (n * steps, n), "the granted column is the negative control"
 
 
+@pytest.mark.rule("bucket_shattering_law")
 def test_b1_is_untouched_by_either_admission_rule():
     for a in (REFUSE, GRANT):
         assert bucket_shattering_law(1, 1, 64, 16, a) == (16, 1)
@@ -174,6 +190,7 @@ def test_b1_is_untouched_by_either_admission_rule():
 # ------------------------------------------------------------------ §17 RaggedAdmission
 
 
+@pytest.mark.rule("RaggedAdmission")
 def test_ragged_admission_default_is_refused_without_a_reason():
     assert RaggedAdmission() == RaggedAdmission.refused()
     a = RaggedAdmission.refused()
@@ -181,6 +198,7 @@ def test_ragged_admission_default_is_refused_without_a_reason():
     assert a.buckets_by_cache_length() and not a.assembles_every_step()
 
 
+@pytest.mark.rule("RaggedAdmission")
 def test_ragged_admission_decide_grants_or_keeps_why():
     g = RaggedAdmission.decide(None)
     assert g.granted and g.refusal is None
@@ -192,6 +210,7 @@ def test_ragged_admission_decide_grants_or_keeps_why():
     assert e.refusal == "select_running_bucket runs one bucket"
 
 
+@pytest.mark.rule("§22 dispatch tests: each predicate tested directly", "issues_cache_in")
 def test_issues_cache_in_truth_table():
     for no_kv in (False, True):
         for changed in (False, True):
@@ -201,6 +220,7 @@ def test_issues_cache_in_truth_table():
     assert not issues_cache_in(True, True, True), "no_kv still wins"
 
 
+@pytest.mark.rule("a grant must reach both scheduler and engine")
 def test_a_grant_reaches_both_the_scheduler_and_the_engine():
     st_ = state_for("WB")
     line = install_admission(st_, GRANT)
@@ -218,6 +238,7 @@ def test_a_grant_reaches_both_the_scheduler_and_the_engine():
     assert install_admission(state_for("WB"), REFUSE) is None
 
 
+@pytest.mark.rule("a grant must reach both scheduler and engine")
 def test_a_grant_that_reached_only_the_scheduler_is_refused():
     st_ = state_for("WB")
     st_.admission = GRANT
@@ -234,6 +255,7 @@ def test_a_grant_that_reached_only_the_scheduler_is_refused():
 # ------------------------------------------------------------------ §18 engine cache instruction
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 @pytest.mark.parametrize("world", ["W0", "WA"])
 def test_completion_pre_op_w0_wa_is_in_only_on_membership_change(world):
     assert engine_cache_instruction(world, "completion", [1, 2], [1, 2], False) == (NOTHING, OUT)
@@ -249,6 +271,7 @@ def test_completion_pre_op_w0_wa_is_in_only_on_membership_change(world):
     )
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_completion_pre_op_wb_follows_issues_cache_in():
     for no_kv in (False, True):
         for last in ([1, 2], [3]):
@@ -262,6 +285,7 @@ def test_completion_pre_op_wb_follows_issues_cache_in():
                 assert post == (CacheOp("Reset", False, False) if no_kv else OUT)
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_prompt_pre_op_is_in_at_a_nonzero_offset_else_reset_with_preallocated_cache():
     reset = CacheOp("Reset", load_preallocated_cache=True, reset_non_granular=False)
     for world in ("W0", "WA", "WB"):
@@ -276,6 +300,7 @@ def test_prompt_pre_op_is_in_at_a_nonzero_offset_else_reset_with_preallocated_ca
         assert engine_cache_instruction(world, "prompt", [4], [], True)[1] == CacheOp("Reset")
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_cache_op_and_batch_kind_refuse_malformed_values():
     with pytest.raises(ValueError, match="'Flush'"):
         CacheOp("Flush")
@@ -285,6 +310,7 @@ def test_cache_op_and_batch_kind_refuse_malformed_values():
         engine_cache_instruction("W0", "decode", [1], [], False)
 
 
+@pytest.mark.rule("last_completion_ids bookkeeping")
 def test_last_completion_ids_bookkeeping_across_an_iteration():
     st_ = state_for("W0")
     cohort = [comp(0, 30), comp(1, 30)]

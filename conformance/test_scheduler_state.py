@@ -60,17 +60,20 @@ def cap_lines(logs: list[str]) -> list[str]:
 # --- §15 small rules -----------------------------------------------------------------------
 
 
+@pytest.mark.rule("cache_bucket_len reads the first populated slot")
 def test_first_populated_slot_len_accepts_0_and_refuses_a_negative_length():
     assert first_populated_slot_len([None, 0, 7]) == 0
     with refused("slot length -1 must be >= 0"):
         first_populated_slot_len([None, -1])
 
 
+@pytest.mark.rule("RaggedAdmission")
 def test_a_refusing_decision_is_the_refused_state_with_its_reason():
     assert RaggedAdmission.decide("paged cache") == RaggedAdmission(False, "paged cache")
     assert RaggedAdmission.decide("paged cache").assembles_every_step() is False
 
 
+@pytest.mark.rule("WA key pinned to 0 while ragged_decode_supported")
 def test_the_records_and_the_state_refuse_with_the_documented_texts():
     with refused("sequence id -1 must be >= 0"):
         SeqRecord(-1, 5)
@@ -88,6 +91,7 @@ def test_the_records_and_the_state_refuse_with_the_documented_texts():
         SchedulerState(prefill_cap=0)
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_refuses_no_bucket_and_an_empty_one():
     with refused("select_running_bucket needs at least one bucket"):
         select_running_bucket({}, {}, True)
@@ -95,6 +99,7 @@ def test_select_running_bucket_refuses_no_bucket_and_an_empty_one():
         select_running_bucket({(5, False, 0): [comp(0, 6)], (9, False, 0): []}, {}, True)
 
 
+@pytest.mark.rule("a grant must reach both scheduler and engine")
 def test_a_grant_logs_the_admission_line_and_a_refusal_logs_nothing():
     st_ = SchedulerState(world="WB")
     assert install_admission(st_, RaggedAdmission.decide(None)) == (
@@ -107,6 +112,7 @@ def test_a_grant_logs_the_admission_line_and_a_refusal_logs_nothing():
 # --- §16 urgency and the greedy choice ------------------------------------------------------
 
 
+@pytest.mark.rule("bucket_and_waitlist_seqs_waiting and urgency")
 def test_urgency_is_read_by_the_greedy_choice_and_absent_ids_have_none():
     """A at len 10 (11 tokens) and B at len 500 (501 tokens), not discrete; gap 490 is far
     beyond the payback (1 * 490 > 1 * 256), so the greedy bucket runs. Without urgency B
@@ -122,6 +128,7 @@ def test_urgency_is_read_by_the_greedy_choice_and_absent_ids_have_none():
     assert urgent.urgency == {0: 0, 1: 1}
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_urgency_accumulates_across_schedule_calls_and_is_dropped_with_the_sequence():
     """Two completions at lengths 10 and 500, nothing waiting (discrete: the shortest runs):
     B is waitlisted on each call, so its urgency is 1 then 2; once B is gone its entry is
@@ -136,12 +143,14 @@ def test_urgency_accumulates_across_schedule_calls_and_is_dropped_with_the_seque
     assert st_.urgency == {0: 0}
 
 
+@pytest.mark.rule("keys by world: W0 3-tuple")
 def test_bucketing_nothing_gives_no_key():
     assert bucket_and_waitlist_seqs_waiting([], False, SchedulerState()) == Bucketing(
         None, [], [], 0, []
     )
 
 
+@pytest.mark.rule("WA prefill floor ARC_PREFILL_FLOOR_STEPS")
 def test_the_wa_floor_counts_only_passes_with_several_buckets():
     """§16: the floor applies where a bucket is selected among several; a single bucket
     runs everything and leaves the counter alone. Three one-bucket passes keep it at 0, so
@@ -159,17 +168,20 @@ def test_the_wa_floor_counts_only_passes_with_several_buckets():
 # --- §20.1 whole steps ---------------------------------------------------------------------
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_an_empty_step_is_the_empty_outcome():
     assert schedule([], [], SchedulerState()) == ScheduleOutcome(
         None, None, [], [], [], [], [], [], [], 0, 0, []
     )
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_the_outcome_carries_the_key_that_ran():
     a, b = comp(0, 11, cache_len=10), comp(1, 501, cache_len=500)
     assert schedule([a, b], [], SchedulerState(world="WB")).key == (10, False, 0, False)
 
 
+@pytest.mark.rule("per-step flow schedule()")
 def test_a_waitlisted_newcomer_is_admitted_once():
     """Step 1 promotes A and B (nothing runs yet); they differ in length, so the shortest
     (A) runs and B is waitlisted. Step 2: B comes back as waiting; it has been in the
@@ -181,6 +193,7 @@ def test_a_waitlisted_newcomer_is_admitted_once():
     assert second.promoted == [] and st_.admitted == {0, 1}
 
 
+@pytest.mark.rule("WA prefill cap ARC_PREFILL_MAX_SEQS")
 def test_a_sequence_held_by_max_seqs_stays_admitted():
     """max_seqs 1. Step 1: A and B are promoted (nothing runs: no max_seqs check), B is
     waitlisted. Step 2: A runs, B is held (1 + 1 > 1). Step 3: A has finished, B runs
@@ -193,6 +206,7 @@ def test_a_sequence_held_by_max_seqs_stays_admitted():
     assert last.promoted == [] and [s.id for s in last.running] == [1]
 
 
+@pytest.mark.rule("WA prefill cap ARC_PREFILL_MAX_SEQS")
 def test_the_wa_cap_counts_every_new_request_it_admits():
     """WA, cap 2, one sequence running: of three new waiting requests the first two are
     admitted, the third is held (2 new already), and the cap line is logged."""
@@ -203,6 +217,7 @@ def test_the_wa_cap_counts_every_new_request_it_admits():
     assert len(cap_lines(out.logs)) == 1
 
 
+@pytest.mark.rule("WA transition log and once-only floor/cap lines")
 def test_the_cap_line_is_logged_once_and_only_when_the_wa_cap_holds_a_new_request():
     """WA, cap 1: a step that holds nothing logs nothing; the first step that holds a new
     request logs the line, a later one does not. W0 and WA without a cap never log it, even
@@ -222,6 +237,7 @@ def test_the_cap_line_is_logged_once_and_only_when_the_wa_cap_holds_a_new_reques
 # --- §18 cache instruction -----------------------------------------------------------------
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_every_cache_op_kind_constructs():
     assert [CacheOp(k).kind for k in ("In", "Nothing", "Out", "Reset")] == [
         "In", "Nothing", "Out", "Reset"
@@ -229,6 +245,7 @@ def test_every_cache_op_kind_constructs():
     assert (CacheOp("Nothing"), CacheOp("Out"), CacheOp("In")) == (NOTHING, OUT, IN)
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_the_instruction_defaults_are_refused_admission_and_offset_0():
     """WB without `granted` is refused admission: an unchanged cohort issues Nothing. A
     prompt without `first_token_offset` is at offset 0: Reset with the preallocated cache."""
@@ -240,6 +257,7 @@ def test_the_instruction_defaults_are_refused_admission_and_offset_0():
         engine_cache_instruction("W9", "completion", [1], [1], False)
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_ids_compare_by_value_whatever_the_sequence_type():
     """The compare is of the id lists as sequences: the same ids in a tuple and a list are
     unchanged (Nothing); a different order is a change (In)."""
@@ -248,6 +266,7 @@ def test_ids_compare_by_value_whatever_the_sequence_type():
     assert engine_cache_instruction("W0", "completion", (2, 1), [1, 2], False)[0] == IN
 
 
+@pytest.mark.rule("engine cache instruction pre_op / post_op")
 def test_a_plan_without_a_kv_cache_resets_after_both_forwards():
     """no_kv_cache: the completion forward issues Nothing before (no cache to bring in) and
     Reset{False, False} after; the prompt forward at offset 5 issues In, then Reset."""
@@ -267,6 +286,7 @@ def test_a_plan_without_a_kv_cache_resets_after_both_forwards():
 # --- §16 bucket_shattering_law ---------------------------------------------------------------
 
 
+@pytest.mark.rule("bucket_shattering_law")
 @pytest.mark.parametrize("n, distinct, gap, steps", [(0, 1, 0, 1), (1, 0, 0, 1), (1, 1, -1, 1),
                                                      (1, 1, 0, -1)])
 def test_the_law_refuses_sizes_below_their_bounds(n, distinct, gap, steps):
@@ -274,6 +294,7 @@ def test_the_law_refuses_sizes_below_their_bounds(n, distinct, gap, steps):
         bucket_shattering_law(n, distinct, gap, steps, REFUSE)
 
 
+@pytest.mark.rule("bucket_shattering_law")
 def test_the_law_at_gap_0_and_at_0_steps():
     """Gap 0: every sequence has 100 tokens, one bucket, all 4 run each of 3 steps. No
     step: nothing ran."""
@@ -281,6 +302,7 @@ def test_the_law_at_gap_0_and_at_0_steps():
     assert bucket_shattering_law(2, 1, 0, 0, REFUSE) == (0, 0)
 
 
+@pytest.mark.rule("bucket_shattering_law")
 def test_the_law_grows_each_chosen_sequence_by_one_token():
     """n 2, distinct 2, gap 2, refused: 100 and 102 tokens (lens 99, 101). Step 1 nothing
     waits (discrete): 99 runs, grows to 101 tokens (len 100). Step 2: B waits, urgency 1,
@@ -291,6 +313,7 @@ def test_the_law_grows_each_chosen_sequence_by_one_token():
     assert bucket_shattering_law(2, 2, 2, 3, REFUSE) == (4, 2)
 
 
+@pytest.mark.rule("bucket_shattering_law")
 def test_the_law_starts_at_100_tokens():
     """n 3, distinct 2, gap 5050, refused: ids 0 and 2 have 100 tokens, id 1 has 5150.
     Step 1 (discrete): the pair runs (2) and grows to 101 tokens. Step 2: the pair's

@@ -27,6 +27,7 @@ SHATTERED_MARKER = ("SCHED[agg] calls=3 buckets=120 offered=384 chosen=9 shatter
                     "preempted_per_step=125.0000 shattered_frac=1.0000")
 
 
+@pytest.mark.rule("SCHED[...] marker")
 def test_a_shattered_batch_reports_the_width_that_actually_ran():
     t = BucketTelemetry()
     for _ in range(3):
@@ -39,6 +40,7 @@ def test_a_shattered_batch_reports_the_width_that_actually_ran():
     assert t.sched_bucket_marker() == SHATTERED_MARKER
 
 
+@pytest.mark.rule("SCHED[...] marker", "record_bucketing")
 def test_an_intact_batch_reports_one_bucket_and_no_preemption():
     t = BucketTelemetry()
     for _ in range(10):
@@ -52,6 +54,7 @@ def test_an_intact_batch_reports_one_bucket_and_no_preemption():
     assert t.shattered == 0, "one bucket is not shattered"
 
 
+@pytest.mark.rule("record_bucketing")
 def test_record_bucketing_ignores_offered_zero():
     t = BucketTelemetry()
     t.record_bucketing(0, 0, 0)
@@ -59,6 +62,7 @@ def test_record_bucketing_ignores_offered_zero():
     assert t == BucketTelemetry()
 
 
+@pytest.mark.rule("SCHED[...] marker")
 def test_no_scheduling_reports_nothing_rather_than_zero():
     t = BucketTelemetry()
     assert t.buckets_per_step() is None and t.running_bucket_size() is None
@@ -68,6 +72,7 @@ def test_no_scheduling_reports_nothing_rather_than_zero():
                                "preempted_per_step=n/a shattered_frac=n/a")
 
 
+@pytest.mark.rule("saturating since")
 def test_differencing_saturates_rather_than_wrapping():
     early = BucketTelemetry(100, 200, 1000, 500, 50)
     late = BucketTelemetry(150, 260, 1600, 900, 60)
@@ -77,6 +82,7 @@ def test_differencing_saturates_rather_than_wrapping():
     assert early.since(late) == BucketTelemetry()
 
 
+@pytest.mark.rule("record_bucketing")
 def test_schedule_records_one_bucketing_per_step_into_the_telemetry():
     st_ = state_for("W0")
     fence = st_.telemetry.snapshot()
@@ -86,6 +92,7 @@ def test_schedule_records_one_bucketing_per_step_into_the_telemetry():
     assert (d.calls, d.buckets, d.offered, d.chosen, d.shattered) == (2, 9, 10, 3, 1)
 
 
+@pytest.mark.rule("engine interval line and harness regex")
 def test_engine_interval_line_format_and_the_harness_regex():
     line = interval_line(
         tokens=1000, interval_s=5.0, new_seqs=8, prefix_hits=2, running=47, waiting=48
@@ -102,6 +109,7 @@ def test_engine_interval_line_format_and_the_harness_regex():
     assert parse_running_waiting("no counts here") is None
 
 
+@pytest.mark.rule("per-step debug line")
 def test_step_debug_line_uses_token_counts():
     assert (
         step_debug_line([], [101, 140, 300], 812.5)
@@ -112,6 +120,7 @@ def test_step_debug_line_uses_token_counts():
 # ------------------------------------------------------------------ boundaries and refusals
 
 
+@pytest.mark.rule("SCHED[...] marker", "record_bucketing")
 def test_one_call_already_has_rates_and_a_marker_and_two_buckets_shatter():
     t = BucketTelemetry()
     t.record_bucketing(2, 10, 6)  # one call, two buckets: shattered
@@ -123,6 +132,7 @@ def test_one_call_already_has_rates_and_a_marker_and_two_buckets_shatter():
         "shattered_frac=1.0000")
 
 
+@pytest.mark.rule("record_bucketing", "engine interval line and harness regex")
 def test_each_negative_count_is_refused_by_name():
     for counts in ((-1, 4, 2), (1, -4, 2), (1, 4, -2)):
         with pytest.raises(ValueError, match=re.escape(f"counts {counts} must be >= 0")):
@@ -136,6 +146,7 @@ def test_each_negative_count_is_refused_by_name():
             interval_line(interval_s=bad, **good)
 
 
+@pytest.mark.rule("engine interval line and harness regex")
 def test_a_sub_second_interval_and_each_encoder_edge_format():
     # 10 tokens in 0.5 s is 20 T/s; 1 hit of 2 new sequences is 50 %
     assert interval_line(10, 0.5, 2, 1, 3, 4) == (

@@ -60,6 +60,7 @@ def cohort_example(tmp_path):
     )
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 @pytest.mark.parametrize("mode", [lengths, simulator])
 def test_the_cohort_example_w4_c10(tmp_path, mode):
     """§16 cohort example: A L=11 (u=1) drafts 3, B L=12 (u=2) drafts 2; groups (1,9)=[A],
@@ -98,6 +99,7 @@ def per_sequence_example(tmp_path):
     )
 
 
+@pytest.mark.rule("PerSequence example and the per-sequence commit")
 @pytest.mark.parametrize("mode", [lengths, simulator])
 def test_the_per_sequence_example(tmp_path, mode):
     """§16 PerSequence example: own KV A 12, B 10 -> lead_pad [0,2], cache_lens [12,10]; one
@@ -121,6 +123,7 @@ def test_the_per_sequence_example(tmp_path, mode):
     assert [r["lead"] for r in nxt["rows"]] == [0, 4] and nxt["width"] == 15
 
 
+@pytest.mark.rule("PerSequence example and the per-sequence commit")
 def test_the_per_sequence_example_reads_lengths_back_off_the_caches(tmp_path):
     """Tensor mode: after the example step the sequences' own caches hold 15 and 11
     positions (eager strip + set_len, §12.2) and the draft KVs hold 15 and 11 entries."""
@@ -137,6 +140,7 @@ def test_the_per_sequence_example_reads_lengths_back_off_the_caches(tmp_path):
 # ----------------------------------------------------------------------------- refusal chain (§13)
 
 
+@pytest.mark.rule("advance request vs flags and the refusal chain")
 @pytest.mark.parametrize("extra, words, unwanted", [
     ({}, ["cannot honour it", "slot", "XsRolling"], []),
     ({"xs_per_seq": True}, ["cannot honour it", "cache_bucket_len", "bucket"],
@@ -156,6 +160,10 @@ def test_a_refused_per_sequence_request_runs_cohort_and_names_the_check(extra, w
     assert normalized_lines(tr) == normalized_lines(simulator.run(sc))
 
 
+@pytest.mark.rule(
+    "advance request vs flags and the refusal chain",
+    "scheduler worlds, bucket selection, engine cache instruction",
+)
 def test_every_capability_holding_grants_per_sequence_advance():
     sc = load_scenario(
         {
@@ -182,6 +190,7 @@ def test_every_capability_holding_grants_per_sequence_advance():
 GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant"}
 
 
+@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
 def test_granted_per_sequence_advance_in_w0_shatters_the_batch():
     """Site 2 of §13: W0 buckets by cache_bucket_len, so ragged commits split the cohort."""
     tr = lengths.run(
@@ -203,6 +212,7 @@ def test_granted_per_sequence_advance_in_w0_shatters_the_batch():
     assert "shattered=0 " not in tr.markers()[1]
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_granted_per_sequence_advance_in_wa_trips_the_follows_guard():
     """Site 1 of §13: WA keeps the decode cohort in one bucket, the engine then issues
     Nothing, and a PerSequence step that did not assemble the batch is refused."""
@@ -224,6 +234,7 @@ def test_granted_per_sequence_advance_in_wa_trips_the_follows_guard():
     assert tr.summary["errors"] == 1
 
 
+@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
 def test_w0_cohort_issues_in_only_on_a_membership_change():
     tr = lengths.run(
         load_scenario({"batch": 4, "prompt_len": 8, "max_new_tokens": 30, "steps": 12})
@@ -234,6 +245,7 @@ def test_w0_cohort_issues_in_only_on_a_membership_change():
     assert all(s["padding_fraction"] == 0.0 for s in st)
 
 
+@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
 def test_a_prompt_colliding_with_a_completion_key_runs_in_the_same_step():
     """§20.1 step 3 (unverified, derived): in W0 a fresh prompt's key len-1 can equal a
     completion's cache length; the completion forward runs, then the prompt forward."""
@@ -249,6 +261,7 @@ def test_a_prompt_colliding_with_a_completion_key_runs_in_the_same_step():
     assert normalized_lines(lengths.run(sc)) == normalized_lines(simulator.run(sc))
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_each_request_emits_exactly_its_max_new_tokens():
     sc = load_scenario(
         {"batch": 5, "prompt_len": [3, 9], "max_new_tokens": [1, 17], "steps": 80, "seed": 4}
@@ -265,6 +278,7 @@ def test_each_request_emits_exactly_its_max_new_tokens():
     assert emitted == {i: r.max_new_tokens for i, r in enumerate(sc.requests)}
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_near_max_seq_len_the_verify_window_overhangs_the_cache_and_the_batch_fails():
     """No row ever holds more than max_seq_len tokens. Derived from §3 + §16: the verify
     forward appends w columns at C; once C + w passes a 512-multiple max_seq_len the
@@ -294,6 +308,7 @@ def test_near_max_seq_len_the_verify_window_overhangs_the_cache_and_the_batch_fa
 # ----------------------------------------------------------------------------- trace files
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_trace_is_byte_identical_for_the_same_scenario_and_seed(tmp_path):
     sc = load_scenario(
         {
@@ -315,6 +330,7 @@ def test_the_trace_is_byte_identical_for_the_same_scenario_and_seed(tmp_path):
     assert p1.read_bytes() != p3.read_bytes()
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_trace_follows_schema_v1_and_round_trips(tmp_path):
     sc = load_scenario(
         {"batch": 3, "prompt_len": 6, "max_new_tokens": 9, "steps": 10, **GRANTED, "world": "WB"}
@@ -381,6 +397,7 @@ def test_the_trace_follows_schema_v1_and_round_trips(tmp_path):
     assert back.markers() == tr.markers()
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_csv_has_one_line_per_step_and_row(tmp_path):
     tr = lengths.run(load_scenario({"batch": 3, "prompt_len": 6, "max_new_tokens": 9, "steps": 10}))
     path = tmp_path / "t.csv"
@@ -397,6 +414,7 @@ def test_the_csv_has_one_line_per_step_and_row(tmp_path):
     )
 
 
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
 def test_the_markers_are_the_spec_lines():
     tr = lengths.run(load_scenario({"batch": 4, "prompt_len": 8, "max_new_tokens": 20, "steps": 12,
                                     "acceptance": "all-accept", "depth": 3}))
@@ -408,6 +426,7 @@ def test_the_markers_are_the_spec_lines():
     assert [s["phase"] for s in idle.steps()] == ["idle"] * 3
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_record_tensors_keeps_each_verify_forward():
     sc = load_scenario({"batch": 2, "prompt_len": 6, "max_new_tokens": 8, "steps": 4, "depth": 2})
     tr = simulator.run(sc, record_tensors=True)
@@ -421,6 +440,7 @@ def test_record_tensors_keeps_each_verify_forward():
 # ----------------------------------------------------------------------------- mutations
 
 
+@pytest.mark.rule("batched_rollback_mutation_max_instead_of_min_is_caught")
 def test_batched_rollback_mutation_max_instead_of_min_is_caught(monkeypatch):
     """§17.2: keep = max instead of min drives some tail to 0 (the run then leaves the
     window); the correct run keeps every tail in [1, 4]; the runs differ."""
@@ -442,6 +462,7 @@ def test_batched_rollback_mutation_max_instead_of_min_is_caught(monkeypatch):
     assert normalized_lines(bad) != normalized_lines(good)
 
 
+@pytest.mark.rule("window_verify_row_off_by_one_destroys_acceptance")
 def test_window_verify_row_off_by_one_destroys_acceptance():
     """§17.2: w=4, toks [1, 11], an always-agreeing draft oracle: 4 tokens emitted (3
     drafts + bonus); reading the verify rows one further (u + j) accepts fewer than 3."""
@@ -464,6 +485,7 @@ def test_window_verify_row_off_by_one_destroys_acceptance():
     assert a_bad < 3
 
 
+@pytest.mark.rule("prompt steps of the simulator")
 @pytest.mark.parametrize("mode", [lengths, simulator])
 def test_prompt_steps_prime_the_draft_kv(mode):
     """§7.4: a prompt of P tokens on a fresh state gives filled = L - 1 = P, so the first
@@ -479,6 +501,7 @@ def test_prompt_steps_prime_the_draft_kv(mode):
 # ----------------------------------------------------------------------------- the shared policy
 
 
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
 def test_the_summary_totals_are_brute_forced_from_a_fresh_run():
     # a fresh (uncached) run: one prompt step, then several decode steps
     tr = lengths.run(load_scenario(dict(batch=2, prompt_len=[3, 9], max_new_tokens=12, steps=8)))
@@ -493,6 +516,7 @@ def test_the_summary_totals_are_brute_forced_from_a_fresh_run():
     assert tr.summary["tok_per_step"] == sum(1 + r["accepted"] for r in rows) / len(rows) > 1
 
 
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
 def test_an_empty_run_summarizes_to_zeros():
     summary = policy.summarize(Trace("lengths", {}), AcceptanceTelemetry(), BucketTelemetry(),
                                KvAdvanceLatch(False, False), 0)
@@ -503,6 +527,7 @@ def test_an_empty_run_summarizes_to_zeros():
         "mean_padding_fraction": 0.0, "refusal": None, "errors": 0, "shattered_steps": 0}
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_step_fields_names_every_schema_field_in_order():
     names = ["step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets",
              "groups", "width", "padding_fraction", "committed", "tok_per_step", "bucket",
@@ -511,6 +536,7 @@ def test_step_fields_names_every_schema_field_in_order():
     assert list(fields.items()) == list(zip(names, range(100, 115), strict=True))
 
 
+@pytest.mark.rule("advance request vs flags and the refusal chain")
 @pytest.mark.parametrize("ratios, xs_slots, ragged", [
     ([0, 0], [], True),            # no compressed layer: Normal slots only, always ragged
     ([0, 1], [1], False),          # ratio 1 is still a compressed (XsRolling) layer
@@ -530,6 +556,7 @@ def test_the_target_skeleton_has_one_kv_slot_per_layer_and_one_xs_slot_per_compr
     assert policy.ragged_capable(load_scenario(dict(data, xs_per_seq=True))) is True
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_each_guard_failure_text_names_its_guard_and_the_rows_lengths():
     left = policy.guard_error("left_aligned_guard", [10, 7], [2, 9], 4)
     assert "left-aligned guard" in left and "follows" not in left

@@ -9,6 +9,7 @@ small maps, no simulation: expected values follow from the LRU rule step by step
 
 from __future__ import annotations
 
+import pytest
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.draft import DraftKv
 from raggedspec.reference.model import ModelConfig, TinyModel
@@ -19,6 +20,7 @@ def state() -> DraftKv:
     return DraftKv(cache=None)
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_the_map_keeps_its_models_mtp_block():
     block_model = TinyModel(ModelConfig(seed=1))
     assert SizedDraftKvMap(NumpyBackend(), block_model, 4).block is block_model.mtp
@@ -27,6 +29,7 @@ def test_the_map_keeps_its_models_mtp_block():
     assert SizedDraftKvMap(NumpyBackend(), object(), 4).block is None
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_every_checkin_is_stamped_with_the_next_tick():
     m = SizedDraftKvMap(NumpyBackend(), object(), None)
     states = [state() for _ in range(3)]
@@ -37,6 +40,7 @@ def test_every_checkin_is_stamped_with_the_next_tick():
     assert states[0].last_used == 4
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_the_least_recently_checked_in_entry_is_evicted_above_the_cap():
     """Cap 2: 1 and 2 checked in, 1 checked out and in again (now the most recent), 3
     checked in: three entries, one too many, and 2 is the least recent: {1, 3} remain."""
@@ -49,6 +53,7 @@ def test_the_least_recently_checked_in_entry_is_evicted_above_the_cap():
     assert set(m.entries) == {1, 3}
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_an_unbounded_map_never_evicts():
     m = SizedDraftKvMap(NumpyBackend(), object(), None)
     for i in range(70):
@@ -56,6 +61,7 @@ def test_an_unbounded_map_never_evicts():
     assert len(m.entries) == 70
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_checkout_returns_the_entry_or_a_fresh_state_with_the_backends_draft_kv():
     model = TinyModel(ModelConfig(seed=1))
     m = SizedDraftKvMap(NumpyBackend(), model, 4)
@@ -67,6 +73,7 @@ def test_checkout_returns_the_entry_or_a_fresh_state_with_the_backends_draft_kv(
     assert fresh.cache.current_seq_len == 0 and fresh.cache.k.capacity_seq_len == 16
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_step_failure_keeps_its_kind_and_shows_its_detail():
     exc = _StepFailed("capacity", "cache would grow past max_seq_len")
     assert (exc.kind, exc.detail) == ("capacity", "cache would grow past max_seq_len")

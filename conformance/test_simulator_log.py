@@ -139,6 +139,7 @@ def check_log(tr, eng):
     return fw
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_without_record_tensors_nothing_is_recorded(tmp_path):
     eng = simulator.TensorEngine(per_sequence(tmp_path, steps=3))
     tr = eng.run()
@@ -146,6 +147,7 @@ def test_without_record_tensors_nothing_is_recorded(tmp_path):
     assert tr.tensor_log == [] and tr.tensors == []
 
 
+@pytest.mark.rule("per-step tensor hook")
 @pytest.mark.parametrize("strip", ["eager", "lazy"])
 def test_each_forward_and_state_record_of_the_per_sequence_example(tmp_path, strip):
     """Forwards: prompt B (10), prompt A (12), then two ragged decodes at positions [12, 10]
@@ -184,6 +186,7 @@ def test_each_forward_and_state_record_of_the_per_sequence_example(tmp_path, str
     assert sorted(states(tr)[3]["seqs"]) == [0, 1]
 
 
+@pytest.mark.rule("per-step tensor hook")
 @pytest.mark.parametrize("per_seq_kv", [False, True])
 def test_a_deferral_feeds_each_row_at_its_own_position_and_empties_the_draft_map(per_seq_kv):
     """§16 step 4: the deferral clears the whole map and runs one plain decode, one token
@@ -204,6 +207,7 @@ def test_a_deferral_feeds_each_row_at_its_own_position_and_empties_the_draft_map
             assert sorted(states(tr)[s["step"]]["seqs"]) == sorted(r["seq"] for r in s["rows"])
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_the_masks_follow_the_window_and_each_layers_ratio():
     """A one-column sliding window and ratios 1 (a Standard layer: no compressed keys), 2 and
     3 on a cohort run with ragged prompts (In pads the shorter one): each mask is the union
@@ -218,6 +222,7 @@ def test_the_masks_follow_the_window_and_each_layers_ratio():
     assert {r["phase"] for r in fw} == {"prompt", "decode"}
 
 
+@pytest.mark.rule("Tier A never drafts in the fused path")
 def test_a_tier_a_draft_state_has_no_cache_and_never_seeds():
     """§7.2 step 3: without an MTP block the extension returns before the seed stash: every
     recorded state has filled 0, no seed, no draft KV, and is not poisoned."""
@@ -233,6 +238,7 @@ def test_a_tier_a_draft_state_has_no_cache_and_never_seeds():
                          "kv": None}
 
 
+@pytest.mark.rule("prompt steps of the simulator")
 @pytest.mark.parametrize("depth", [0, 1])
 def test_only_a_speculating_engine_keeps_draft_states(depth):
     """Depth 0 (w = 1) is the plain decoder: no draft state is ever made and every row
@@ -251,6 +257,7 @@ def test_only_a_speculating_engine_keeps_draft_states(depth):
         assert {i: d["seed_pos"] for i, d in prompt["drafts"].items()} == {0: 4, 1: 4}
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_the_draft_map_cap_of_the_scenario_evicts_the_least_recent_state():
     """max_draft_kv_seqs 1: the prompt step checks in seq 0, then seq 1: only seq 1's state
     is left, so the state record holds a draft state for seq 1 alone (both own caches)."""
@@ -262,6 +269,7 @@ def test_the_draft_map_cap_of_the_scenario_evicts_the_least_recent_state():
     assert st["ids"] == [0, 1] and sorted(st["seqs"]) == [0, 1] and sorted(st["drafts"]) == [1]
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_the_progress_callback_gets_each_finished_step_out_of_the_total():
     """One call per engine step, idle ones included, `(steps done, scenario steps)`; none
     after the loop stops early (every request finished)."""
@@ -274,6 +282,7 @@ def test_the_progress_callback_gets_each_finished_step_out_of_the_total():
     assert calls == [(1, 9), (2, 9), (3, 9), (4, 9)]
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_each_refused_prompt_fails_its_requests_and_counts_one_error():
     """A 520-token and a 530-token prompt under max_seq_len 600: the first append needs
     capacity 1024 (512-column blocks), refused; each step's requests fail (no own cache, no
@@ -293,6 +302,7 @@ def test_each_refused_prompt_fails_its_requests_and_counts_one_error():
     assert eng.done == {0, 1}
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_a_refused_decode_drops_the_poisoned_draft_state():
     """A 506-token prompt under max_seq_len 512: priming refuses to grow the draft KV past
     its 16 columns (528 > 512), so the state is poisoned with filled 0 and its seed stashed
@@ -317,6 +327,7 @@ def test_a_refused_decode_drops_the_poisoned_draft_state():
     check_log(tr, eng)
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_a_ragged_decode_row_sees_what_its_sequence_alone_would(tmp_path):
     """The per-row offsets reach the model: row B (lead 2) of the first ragged decode has the
     hidden states of B's own tokens run alone through a fresh cache (causal attention: a
@@ -342,6 +353,7 @@ class CountingBackend(NumpyBackend):
         return super().forward(*args, **kwargs)
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_the_engine_runs_on_the_backend_it_is_given():
     be = CountingBackend()
     eng = simulator.TensorEngine(load_scenario({"batch": 1, "prompt_len": 4, "max_new_tokens": 3,
@@ -350,6 +362,7 @@ def test_the_engine_runs_on_the_backend_it_is_given():
     assert eng.be is be and be.forwards == sum(s["phase"] != "idle" for s in tr.steps()) == 2
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_an_accept_file_must_cover_every_request_of_the_scenario(tmp_path):
     """The engine reads the accept file when it is built, with the scenario's request count
     (a file rewritten after the scenario was loaded is checked again)."""
@@ -364,6 +377,7 @@ def test_an_accept_file_must_cover_every_request_of_the_scenario(tmp_path):
         "and no list for sequence(s) [1] (the scenario has 2 requests)")
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_a_request_stops_at_max_seq_len_tokens():
     """A 95-token prompt under max_seq_len 100, plain decoding (w = 1): one token per step
     until the sequence holds 100 tokens, then it is finished and the run stops."""
@@ -376,6 +390,7 @@ def test_a_request_stops_at_max_seq_len_tokens():
     assert len(eng.toks[0]) == 100 and eng.done == {0}
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_guard_refusal_drops_the_failed_requests_draft_states():
     """The follows guard (WA, granted per-sequence advance; §16 step 4) refuses the step after
     the first per-sequence decode before any draft state is checked out: the requests fail
@@ -396,6 +411,7 @@ def test_a_guard_refusal_drops_the_failed_requests_draft_states():
     check_log(tr, eng)
 
 
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
 def test_the_engine_keeps_no_periodic_acceptance_report():
     """The engine's acceptance telemetry runs with logging off: past LOG_EVERY = 64
     proposals no report line is kept (the trace's markers are the report)."""
@@ -407,6 +423,7 @@ def test_the_engine_keeps_no_periodic_acceptance_report():
     assert eng.tel.lines == []
 
 
+@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
 @pytest.mark.parametrize(
     ("extra", "granted"),
     [({"world": "WB"}, False), ({"world": "WB", **GRANTED}, True),

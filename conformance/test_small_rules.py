@@ -4,12 +4,14 @@ XsRolling description a failure message prints."""
 
 from __future__ import annotations
 
+import pytest
 import numpy as np
 
 from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot
 from raggedspec.reference.xs_rolling import XsRolling
 
 
+@pytest.mark.rule("KvCache / NormalCache::new_plain")
 def test_a_reset_slot_is_empty_and_keeps_its_capacity():
     kv = KvCache.new_normal(4096)
     kv.append(np.ones((1, 1, 600, 2)), np.ones((1, 1, 600, 2)))
@@ -20,6 +22,7 @@ def test_a_reset_slot_is_empty_and_keeps_its_capacity():
         assert half.capacity_seq_len == 1024
 
 
+@pytest.mark.rule("KvCache / NormalCache::new_plain")
 def test_a_cache_with_an_unmodelled_slot_clones_it_independently():
     cache = NormalCache([KvCache.new_normal(64), OtherSlot("Rotating", 7)])
     copy = cache.clone()
@@ -29,6 +32,7 @@ def test_a_cache_with_an_unmodelled_slot_clones_it_independently():
     assert not copy.slots[1].supports_per_sequence_len()
 
 
+@pytest.mark.rule("XsRolling")
 def test_the_xs_rolling_description_names_its_geometry():
     text = repr(XsRolling(4, max_seq_len=64, batch=2))
     assert text.startswith("XsRolling(ratio=4, span=")

@@ -54,6 +54,7 @@ def close(a, b, rel: float = 1e-12) -> bool:
 # --- §17.2 argmax_logits_per_row -------------------------------------------------------------
 
 
+@pytest.mark.rule("argmax_logits_per_row")
 def test_argmax_logits_per_row_extracts_tail_rows():
     # (5, 3): row r has its max at column r mod 3, so the last 3 rows decode as [2, 0, 1]
     logits = np.array([[1.0 if c == r % 3 else 0.0 for c in range(3)] for r in range(5)])
@@ -62,11 +63,13 @@ def test_argmax_logits_per_row_extracts_tail_rows():
     assert [int(np.argmax(logits[r])) for r in range(3)] == [0, 1, 2]
 
 
+@pytest.mark.rule("argmax_logits_per_row")
 def test_argmax_logits_per_row_handles_batch_dim():
     logits = np.array([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])  # (1, 2, 3)
     assert argmax_logits_per_row(logits, 2) == [1, 2]
 
 
+@pytest.mark.rule("argmax_logits_per_row")
 def test_argmax_logits_per_row_takes_what_there_is_and_refuses_other_ranks():
     logits = np.array([[0.0, 3.0], [5.0, 1.0]])
     assert argmax_logits_per_row(logits, 7) == [1, 0]  # take = min(expected, rows)
@@ -80,18 +83,21 @@ def test_argmax_logits_per_row_takes_what_there_is_and_refuses_other_ranks():
         argmax_logits_per_row(logits, -1)
 
 
+@pytest.mark.rule("argmax_logits_per_row")
 def test_argmax_logits_per_row_refuses_a_block_with_no_vocab_column_by_shape():
     with pytest.raises(ValueError, match="^" + re.escape("verify logits (2, 0) have no vocab "
                                                          "column") + "$"):
         argmax_logits_per_row(np.zeros((2, 0)), 1)
 
 
+@pytest.mark.rule("argmax_logits_per_row")
 def test_argmax_logits_per_row_compares_the_logits_as_numbers():
     # logits handed over as numeric text (e.g. read back from a dump) are compared as numbers:
     # 10 > 9, though the string "9" sorts after "10"
     assert argmax_logits_per_row([["10", "9"], ["-1", "-2"]], 2) == [0, 0]
 
 
+@pytest.mark.rule("argmax_logits_per_row")
 @given(rows=st.integers(0, 9), vocab=st.integers(1, 6), expected=st.integers(0, 12),
        batch_dim=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_argmax_logits_per_row_matches_a_loop_oracle(rows, vocab, expected, batch_dim, seed):
@@ -110,6 +116,7 @@ def test_argmax_logits_per_row_matches_a_loop_oracle(rows, vocab, expected, batc
 # --------------------------------------------------------------
 
 
+@pytest.mark.rule("try_wrap_pipeline_with_mtp")
 def test_try_wrap_pipeline_with_mtp_depth_zero_is_noop():
     target = TargetPipeline("stub")
     assert try_wrap_pipeline_with_mtp(target, 0) is target
@@ -117,6 +124,7 @@ def test_try_wrap_pipeline_with_mtp_depth_zero_is_noop():
     assert try_wrap_pipeline_with_mtp(kitted, 0) is kitted  # depth 0 never wraps, kit or not
 
 
+@pytest.mark.rule("try_wrap_pipeline_with_mtp")
 def test_try_wrap_pipeline_with_mtp_no_kit_falls_back():
     target = TargetPipeline("stub")
     warnings: list[str] = []
@@ -124,6 +132,7 @@ def test_try_wrap_pipeline_with_mtp_no_kit_falls_back():
     assert len(warnings) == 1 and "depth=4" in warnings[0] and "no MTP head" in warnings[0]
 
 
+@pytest.mark.rule("try_wrap_pipeline_with_mtp")
 def test_try_wrap_pipeline_with_mtp_engages_wrapper():
     target = TargetPipeline("stub", kit=TinyModel(ModelConfig(hidden=8, vocab=16)))
     warnings: list[str] = []
@@ -138,6 +147,7 @@ def test_try_wrap_pipeline_with_mtp_engages_wrapper():
     assert try_wrap_pipeline_with_mtp(tier_a, 1).name().startswith("MTP-speculative(depth=1")
 
 
+@pytest.mark.rule("try_wrap_pipeline_with_mtp")
 def test_try_wrap_pipeline_with_mtp_refuses_a_depth_outside_the_flag_range():
     with pytest.raises(ValueError, match="--mtp-depth 9"):
         try_wrap_pipeline_with_mtp(TargetPipeline("stub"), 9)
@@ -149,11 +159,13 @@ def test_try_wrap_pipeline_with_mtp_refuses_a_depth_outside_the_flag_range():
 # ------------------------------------------------------------
 
 
+@pytest.mark.rule("resolve_row_offsets")
 def test_a_batch_with_no_per_row_offset_takes_the_shared_path():
     assert resolve_row_offsets([None, None, None], 17) is None
     assert resolve_row_offsets([], 17) is None
 
 
+@pytest.mark.rule("resolve_row_offsets")
 def test_a_row_with_its_own_offset_makes_the_whole_batch_per_row():
     assert resolve_row_offsets([40, 33, 37], 17) == [40, 33, 37]
     assert resolve_row_offsets([40, None], 17) == [40, 17]  # the batch's offset, not 0
@@ -162,6 +174,7 @@ def test_a_row_with_its_own_offset_makes_the_whole_batch_per_row():
     assert resolve_row_offsets([12, 10], 0) == [12, 10]
 
 
+@pytest.mark.rule("resolve_row_offsets")
 def test_equal_overrides_are_not_collapsed_into_the_shared_offset():
     """The scalar path reads `shared`, not the common value: collapsing `[40, 40]` with
     shared 0 would put both rows at position 0. The RoPE dispatch collapses it downstream."""
@@ -170,6 +183,7 @@ def test_equal_overrides_are_not_collapsed_into_the_shared_offset():
     assert uniform_seqlen_offset(got) == 40
 
 
+@pytest.mark.rule("resolve_row_offsets", "§22 dispatch tests: each predicate tested directly")
 @given(b=st.integers(0, 12), shared=st.integers(0, 5000), data=st.data())
 def test_resolve_row_offsets_dispatch_property(b, shared, data):
     # uniform (no row carries its own offset) -> the scalar form, at every width
@@ -186,6 +200,7 @@ def test_resolve_row_offsets_dispatch_property(b, shared, data):
             assert got[i] == (shared if per_seq[i] is None else per_seq[i])
 
 
+@pytest.mark.rule("resolve_row_offsets")
 def test_resolve_row_offsets_refuses_negative_offsets_naming_them():
     with pytest.raises(ValueError, match="shared offset -1"):
         resolve_row_offsets([3], -1)
@@ -220,6 +235,7 @@ def running_mean_within_one_over_n(acc_len: float, lens: list[int]) -> bool:
     return True
 
 
+@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
 def test_a_fractional_accept_length_is_hit_exactly_in_the_mean():
     for acc_len in (1.0, 1.5, 1.8387, 2.85, 3.0):
         lens = simulated_commit_lens(acc_len, 4, 1000)
@@ -230,6 +246,7 @@ def test_a_fractional_accept_length_is_hit_exactly_in_the_mean():
     assert set(lens) == {2, 3}  # dithered between the neighbouring integers, not rounded
 
 
+@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
 def test_a_rounding_schedule_fails_the_dithering_check():
     """Negative control for the check above: rounding 2.85 to 3 every step is not dithering."""
 
@@ -245,6 +262,7 @@ def test_a_rounding_schedule_fails_the_dithering_check():
     assert not running_mean_within_one_over_n(2.85, lens)
 
 
+@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
 @given(
     acc_len=st.floats(1.0, 9.0, allow_nan=False), steps=st.integers(1, 300), extra=st.integers(0, 3)
 )
@@ -255,6 +273,7 @@ def test_the_running_mean_converges_to_acc_len_within_one_over_steps(acc_len, st
     assert abs(Fraction(sum(lens), steps) - Fraction(acc_len)) < Fraction(1, steps)
 
 
+@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
 def test_the_harness_accepts_tokens_the_real_verifier_would_reject():
     proposed, target = [10, 20, 30], [91, 92, 93]
     real = verify_proposed(proposed, target)
@@ -265,6 +284,7 @@ def test_the_harness_accepts_tokens_the_real_verifier_would_reject():
     assert forced.commit_len == 3
 
 
+@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
 def test_the_schedule_is_clamped_by_the_chain_and_not_compensated():
     assert simulated_commit_lens(5.0, 2, 20) == [2] * 20  # wants 4 drafts, the chain has 2
     # n = min(len(proposed), len(target)): a longer proposal is clamped to the target's rows
@@ -274,6 +294,7 @@ def test_the_schedule_is_clamped_by_the_chain_and_not_compensated():
     assert empty.accepted == [] and empty.rejection is None and empty.commit_len == 0
 
 
+@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
 def test_the_flag_refuses_an_impossible_accept_length():
     for bad in (0.9, 0.0, -2.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=re.escape(f"acc_len {bad!r}")):
@@ -292,6 +313,7 @@ def test_the_flag_refuses_an_impossible_accept_length():
 # --------------------------------------
 
 
+@pytest.mark.rule("speculative_mtp_v4_propose_verify_loop_is_consistent")
 def test_speculative_mtp_v4_propose_verify_loop_is_consistent():
     """depth 4, 8 cycles, a mock verifier agreeing on even positions only: every chain has
     `depth` tokens, nothing accepted is dropped, and the counted rate is in [0.25, 1]."""
@@ -340,6 +362,7 @@ def decode(cache, first: np.ndarray, offsets: list[int], row_q0=None, lead_pad=N
     return np.stack(out)
 
 
+@pytest.mark.rule("synthetic_load_smoke.rs: batch-mate swap and 2-chain runs equal solo runs")
 def test_a_batch_mate_swap_is_bit_identical():
     rng = np.random.default_rng(5)
     a, b, c = (rng.integers(0, SMOKE.cfg.vocab, PREFILL_T) for _ in range(3))
@@ -351,6 +374,7 @@ def test_a_batch_mate_swap_is_bit_identical():
     assert np.max(np.abs(runs[0][:, 1] - runs[1][:, 1])) > 20 * 1e-12  # teeth: the mates differ
 
 
+@pytest.mark.rule("synthetic_load_smoke.rs: batch-mate swap and 2-chain runs equal solo runs")
 def test_a_two_chain_batch_lockstep_and_shrink_equals_solo_runs():
     rng = np.random.default_rng(6)
     rows = rng.integers(0, SMOKE.cfg.vocab, (2, PREFILL_T))
@@ -374,6 +398,7 @@ def test_a_two_chain_batch_lockstep_and_shrink_equals_solo_runs():
     assert close(cont, more)
 
 
+@pytest.mark.rule("synthetic_load_smoke.rs: batch-mate swap and 2-chain runs equal solo runs")
 def test_a_merged_ragged_batch_130_97_61_equals_solo_runs():
     """Rows prefilled alone at lens [130, 97, 61], merged by clone_in_cache (front-aligned),
     decoded together with row_q0 = their own positions: each row equals its solo run; with
@@ -404,6 +429,7 @@ def test_a_merged_ragged_batch_130_97_61_equals_solo_runs():
 # --- malformed input raises ValueError naming the value -------------------------------------
 
 
+@pytest.mark.rule("resolve_draft_leads")
 def test_resolve_draft_leads_refuses_a_negative_chain_start_whatever_the_flag():
     for enabled in (True, False):
         with pytest.raises(ValueError, match=re.escape("chain starts [-3, 2] must be >= 0")):
@@ -411,6 +437,7 @@ def test_resolve_draft_leads_refuses_a_negative_chain_start_whatever_the_flag():
     assert resolve_draft_leads(True, [0, 2]) == [2, 0]  # 0 is a position
 
 
+@pytest.mark.rule("resolve_ragged_rows")
 def test_resolve_ragged_rows_refuses_a_negative_row_position():
     with pytest.raises(ValueError, match=re.escape("row positions [-1, 5] must be >= 0")):
         resolve_ragged_rows([-1, 5], 5, 2)
@@ -418,12 +445,14 @@ def test_resolve_ragged_rows_refuses_a_negative_row_position():
     assert resolve_ragged_rows(None, 5, 2) is None
 
 
+@pytest.mark.rule("raw_keep_span")
 def test_raw_keep_span_refuses_a_forward_with_no_query_row():
     with pytest.raises(ValueError, match="t_q 0 must be >= 1"):
         raw_keep_span(0, 4, 7)
     assert raw_keep_span(1, 4, 7) == (3, 4)  # the smallest well-formed forward: keep = window
 
 
+@pytest.mark.rule("CaptureOffsets::row")
 def test_capture_offsets_refuse_an_empty_vector_that_nothing_builds():
     with pytest.raises(
         ValueError, match=re.escape("capture offsets [] must hold at least one offset")
@@ -432,6 +461,7 @@ def test_capture_offsets_refuse_an_empty_vector_that_nothing_builds():
     assert resolve_capture_offsets([]).values == (0,)  # the legitimate "no offsets" path
 
 
+@pytest.mark.rule("draft_group_key")
 def test_draft_group_key_keeps_u_zero_well_formed():
     """Decision (see draft_group_key): u = 0 is not refused by the key. plan_step_window
     already makes such a row not-ok before any group forms; callers (draft_groups, the port

@@ -118,6 +118,7 @@ def b128_runs():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.rule("--mtp-depth / window()")
 def test_the_window_is_depth_plus_one_for_depth_zero_to_eight():
     assert [mtp_window(d) for d in range(9)] == list(range(1, 10))
     for bad in (-1, 9):
@@ -125,11 +126,13 @@ def test_the_window_is_depth_plus_one_for_depth_zero_to_eight():
             mtp_window(bad)
 
 
+@pytest.mark.rule("depth cap <= XS_TAIL_MARGIN_TOKENS")
 def test_mtp_depth_cap_stays_within_the_retained_rollback_margin():
     assert MTP_DEPTH_CAP == 8
     assert MTP_DEPTH_CAP <= XS_TAIL_MARGIN_TOKENS == 16
 
 
+@pytest.mark.rule("per_seq_advance")
 def test_per_seq_advance_needs_in_out_and_per_sequence():
     for assembled, out, adv in itertools.product((False, True), (False, True), KvAdvance):
         expected = assembled and out and adv is KvAdvance.PER_SEQUENCE
@@ -140,6 +143,7 @@ def test_per_seq_advance_needs_in_out_and_per_sequence():
 # ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("plan_step_window")
 def test_plan_step_window_examples():
     got = plan_step_window([40, 33, 37], [41, 34, 38], 4)
     assert got.uncached == [1, 1, 1] and got.ok
@@ -148,6 +152,7 @@ def test_plan_step_window_examples():
     assert not plan_step_window([12, 12], [13, 9], 4).ok
 
 
+@pytest.mark.rule("plan_step_window")
 def test_per_row_lengths_are_what_keep_a_ragged_cohorts_tails_inside_the_window():
     own = [40, 33, 37]
     toks = [c + 1 for c in own]
@@ -157,6 +162,7 @@ def test_per_row_lengths_are_what_keep_a_ragged_cohorts_tails_inside_the_window(
     assert per_row.uncached == [1, 1, 1] and per_row.ok
 
 
+@pytest.mark.rule("plan_step_window")
 def test_the_window_invariant_is_what_keeps_the_verify_slice_in_range():
     verdicts = []
     for cache_lens in ([10, 10, 10], [10, 7, 9], [3, 3, 3]):
@@ -171,6 +177,7 @@ def test_the_window_invariant_is_what_keeps_the_verify_slice_in_range():
     assert not plan_step_window([12, 12], [13, 9], 4).ok
 
 
+@pytest.mark.rule("plan_step_window")
 def test_the_window_invariant_is_unchanged_for_a_uniform_batch():
     w = 4
     for c in (0, 1, 2, 9):
@@ -181,6 +188,7 @@ def test_the_window_invariant_is_unchanged_for_a_uniform_batch():
             assert got.uncached == tails
 
 
+@pytest.mark.rule("plan_step_window")
 @given(data=st.data())
 def test_plan_step_window_ok_implies_the_cache_is_behind_the_tokens(data):
     b = data.draw(st.integers(1, 8))
@@ -201,6 +209,7 @@ def test_plan_step_window_ok_implies_the_cache_is_behind_the_tokens(data):
 # -------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("window_verify_row")
 def test_window_verify_row_is_u_minus_one_plus_j():
     assert window_verify_row(1, 0) == 0
     assert window_verify_row(2, 0) == 1
@@ -209,6 +218,7 @@ def test_window_verify_row_is_u_minus_one_plus_j():
         window_verify_row(0, 0)
 
 
+@pytest.mark.rule("window_verify_row")
 def test_window_verify_row_off_by_one_destroys_acceptance():
     w, toks = 4, [1, 11]
     d, a, emitted = sim_propose_and_verify(0, toks, 1, w, rate=1.0)
@@ -224,6 +234,7 @@ def test_window_verify_row_off_by_one_destroys_acceptance():
         assert a_bad < 3
 
 
+@pytest.mark.rule("window_verify_row")
 def test_the_sampled_token_is_row_u_minus_one_plus_a():
     # a partial accept: the non-draft token is the target's correction at position L + a
     for s in range(40):
@@ -241,11 +252,13 @@ def test_the_sampled_token_is_row_u_minus_one_plus_a():
 # -----------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("verify_proposed")
 def test_verify_proposed_lossless_contract():
     v = verify_proposed([10, 20, 30], [10, 20, 99])
     assert (v.accepted, v.rejection, v.commit_len) == ([10, 20], (2, 99), 3)
 
 
+@pytest.mark.rule("verify_proposed")
 def test_verify_proposed_all_accepted():
     v = verify_proposed([1, 2, 3], [1, 2, 3, 4])
     assert (v.accepted, v.rejection, v.commit_len) == ([1, 2, 3], None, 3)
@@ -253,11 +266,13 @@ def test_verify_proposed_all_accepted():
     assert (v.accepted, v.rejection, v.commit_len) == ([1, 2], None, 2)
 
 
+@pytest.mark.rule("verify_proposed")
 def test_verify_proposed_immediate_rejection():
     v = verify_proposed([10, 20], [99, 20])
     assert (v.accepted, v.rejection, v.commit_len) == ([], (0, 99), 1)
 
 
+@pytest.mark.rule("verify_proposed")
 def test_speculative_mtp_v4_verify_accepts_at_least_40pct():
     proposed = list(range(32))
     target = [i if i < 16 else i + 1000 for i in range(32)]
@@ -265,6 +280,7 @@ def test_speculative_mtp_v4_verify_accepts_at_least_40pct():
     assert len(v.accepted) == 16 and v.rejection == (16, 1016) and v.commit_len == 17
 
 
+@pytest.mark.rule("n_cache_positions_to_drop")
 def test_cache_truncation_rejection_off_by_one_pinned():
     assert n_cache_positions_to_drop(2, verify_proposed([1, 2], [9, 2])) == 1
     assert n_cache_positions_to_drop(2, verify_proposed([1, 2], [1, 9])) == 0
@@ -272,6 +288,7 @@ def test_cache_truncation_rejection_off_by_one_pinned():
     assert n_cache_positions_to_drop(3, verify_proposed([1, 2, 3], [1, 2])) == 1
 
 
+@pytest.mark.rule("verify_proposed")
 @given(
     proposed=st.lists(st.integers(0, 3), max_size=10),
     target=st.lists(st.integers(0, 3), max_size=10),
@@ -285,6 +302,7 @@ def test_verify_proposed_matches_a_brute_force_oracle(proposed, target):
     assert v.commit_len == k + (k < n)
 
 
+@pytest.mark.rule("budget clamp")
 def test_budget_clamp_leaves_room_for_the_sampled_token():
     assert budget_clamp(3, 10) == 3
     assert budget_clamp(3, 4) == 3
@@ -295,6 +313,7 @@ def test_budget_clamp_leaves_room_for_the_sampled_token():
     assert token_budget(100, 98) == 2 and token_budget(100, 120) == 0
 
 
+@pytest.mark.rule("budget clamp")
 @given(a=st.integers(0, 9), budget=st.integers(0, 12))
 def test_budget_clamp_property(a, budget):
     got = budget_clamp(a, budget)
@@ -311,6 +330,7 @@ def test_budget_clamp_property(a, budget):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("plan_batch_step")
 def test_plan_batch_step_keeps_only_what_every_sequence_can_prove():
     plan = plan_batch_step([1, 1, 2], [3, 0, 1], 4)
     assert (plan.keep, plan.n_drop, plan.next_uncached) == (1, 3, [4, 1, 3])
@@ -318,12 +338,14 @@ def test_plan_batch_step_keeps_only_what_every_sequence_can_prove():
     assert (empty.keep, empty.n_drop, empty.next_uncached) == (0, 4, [])
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_both_plans_agree_on_what_each_sequence_can_vouch_for():
     per_seq = plan_per_sequence_step([1, 2, 1, 4], [3, 1, 0, 0], 5)
     assert per_seq.committed == [4, 3, 1, 4]
     assert plan_batch_step([1, 2, 1, 4], [3, 1, 0, 0], 5).keep == 1 == min(per_seq.committed)
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_per_sequence_plan_ignores_every_other_sequence():
     u, a, w = [1, 1, 2, 3, 5, 1, 4], [0, 4, 3, 2, 0, 1, 0], 5
     plan = plan_per_sequence_step(u, a, w)
@@ -336,11 +358,13 @@ def test_per_sequence_plan_ignores_every_other_sequence():
     assert cohort.keep == 1 and max(cohort.next_uncached) > 1
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_per_sequence_committed_is_capped_at_the_window():
     plan = plan_per_sequence_step([3], [4], 5)
     assert plan.committed == [5] and plan.dropped == [0]
 
 
+@pytest.mark.rule("plan_batch_step")
 def test_batched_window_invariant_closes_at_every_depth_and_accept_pattern():
     cases = 0
     for depth in range(1, 9):
@@ -359,6 +383,7 @@ def test_batched_window_invariant_closes_at_every_depth_and_accept_pattern():
     assert cases > 5000
 
 
+@pytest.mark.rule("plan_batch_step")
 @given(data=st.data())
 def test_cohort_keep_is_the_minimum_per_sequence_commit(data):
     w = data.draw(st.integers(1, 9))
@@ -369,6 +394,7 @@ def test_cohort_keep_is_the_minimum_per_sequence_commit(data):
     assert plan_batch_step(u, a, w).keep == min(plan_per_sequence_step(u, a, w).committed)
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 @given(data=st.data())
 def test_per_sequence_row_depends_only_on_its_own_row(data):
     w = data.draw(st.integers(1, 9))
@@ -396,6 +422,7 @@ def test_per_sequence_row_depends_only_on_its_own_row(data):
 # ------------------------------------------------------------------
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_the_two_advance_rules_are_identical_at_batch_one():
     for depth in range(1, 9):
         w = depth + 1
@@ -406,6 +433,7 @@ def test_the_two_advance_rules_are_identical_at_batch_one():
             assert ctoks == ptoks and cohort["emitted"] == per_seq["emitted"] > 40
 
 
+@pytest.mark.rule("plan_batch_step")
 def test_per_sequence_advance_never_lets_a_tail_ratchet_at_b128():
     (cohort, _), (per_seq, _), _ = b128_runs()
     assert all(u == 1 for step in per_seq["u"] for u in step)
@@ -416,6 +444,7 @@ def test_per_sequence_advance_never_lets_a_tail_ratchet_at_b128():
         assert sum(u == 4 for u in us) == sum(d == 0 for d in ds)
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_per_sequence_advance_is_token_identical_to_the_b1_reference():
     streams = list(range(128))
     _, batched = run(streams, 4, "per_sequence", 60)
@@ -424,6 +453,7 @@ def test_per_sequence_advance_is_token_identical_to_the_b1_reference():
         assert batched[s] == solo[s]
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_tok_per_step_at_b128_is_bounded_by_the_cohort_rule_and_freed_by_the_per_sequence_rule():
     (cohort, _), (per_seq, _), solo = b128_runs()
     steps, n = 200, 128
@@ -435,6 +465,7 @@ def test_tok_per_step_at_b128_is_bounded_by_the_cohort_rule_and_freed_by_the_per
     assert tps_cohort < tps_solo
 
 
+@pytest.mark.rule("plan_per_sequence_step")
 def test_batched_ragged_accept_is_token_identical_to_the_b1_reference():
     compared = 0
     saw_ragged = saw_wide_tail = False
@@ -454,6 +485,7 @@ def test_batched_ragged_accept_is_token_identical_to_the_b1_reference():
     assert saw_ragged and saw_wide_tail and compared >= 50
 
 
+@pytest.mark.rule("plan_batch_step")
 def test_batched_rollback_mutation_max_instead_of_min_is_caught():
     def keep_max(u, a, w):
         valid = [x + y for x, y in zip(u, a, strict=False)]
@@ -468,6 +500,7 @@ def test_batched_rollback_mutation_max_instead_of_min_is_caught():
     assert good["u"] != bad["u"]
 
 
+@pytest.mark.rule("speculative_mtp_v4_propose_verify_loop_is_consistent")
 def test_speculative_mtp_v4_propose_verify_loop_is_consistent():
     w, toks, u = 5, [3, 8], 1
     accepted = proposed = 0
@@ -485,6 +518,7 @@ def test_speculative_mtp_v4_propose_verify_loop_is_consistent():
 # --- the rules on arrays (the lengths mode calls them on the batch's NumPy rows) -------------
 
 
+@pytest.mark.rule("the step rules on NumPy rows")
 def test_the_step_rules_give_arrays_for_arrays_with_the_values_of_the_spec_examples():
     import numpy as np
 
@@ -503,6 +537,7 @@ def test_the_step_rules_give_arrays_for_arrays_with_the_values_of_the_spec_examp
         assert isinstance(got, np.ndarray) and got.tolist() == want
 
 
+@pytest.mark.rule("the step rules on NumPy rows")
 def test_the_step_rules_take_an_empty_batch_of_arrays():
     import numpy as np
 
@@ -515,6 +550,7 @@ def test_the_step_rules_take_an_empty_batch_of_arrays():
     assert plan_per_sequence_step(empty, empty, 4).committed.tolist() == []
 
 
+@pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules")
 def test_a_negative_length_at_window_1_is_refused_for_the_length_not_the_window():
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         plan_step_window([-1], [2], 1)

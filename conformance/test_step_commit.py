@@ -41,6 +41,7 @@ def filled_xs(n: int) -> XsRolling:
     return slot
 
 
+@pytest.mark.rule("truncate_cache_by")
 def test_truncate_cache_by_rolls_back_every_slot():
     cache = NormalCache([filled_kv(20), filled_kv(20), filled_xs(20), OtherSlot("Rotating", 20)])
     truncate_cache_by(cache, 3)
@@ -53,12 +54,14 @@ def test_truncate_cache_by_rolls_back_every_slot():
     assert [s.current_seq_len for s in small.slots] == [0, 1]
 
 
+@pytest.mark.rule("truncate_cache_by")
 def test_truncate_cache_by_leaves_a_non_normal_cache_alone():
     other = OtherSlot("TurboQuant", 9)
     truncate_cache_by(other, 4)
     assert other.current_seq_len == 9
 
 
+@pytest.mark.rule("depth cap <= XS_TAIL_MARGIN_TOKENS", "truncate_cache_by")
 def test_truncate_cache_by_refuses_a_rollback_a_slot_refuses():
     windowed = KvCache(SingleCache(4096, 272, 300, 128, 144), SingleCache(4096, 272, 300, 128, 144))
     with pytest.raises(StepRefusal) as e:
@@ -75,6 +78,7 @@ def test_truncate_cache_by_refuses_a_rollback_a_slot_refuses():
     assert [s.current_seq_len for s in ok.slots] == [92, 92]
 
 
+@pytest.mark.rule("truncate_cache_by", "n_cache_positions_to_drop")
 def test_cache_truncation_restores_decode_invariant():
     # Older two-forward shape (masks §19, docs/notes/mtp-hang-triage.md): tokens 100, cache 99.
     # A +1 forward feeds the last committed token; a +d forward feeds the proposals the
@@ -114,6 +118,7 @@ def padded_row(lead: int, live: list[float], width: int) -> KvCache:
     return kv
 
 
+@pytest.mark.rule("per-seq commit")
 def test_the_per_sequence_worked_example_of_one_step():
     # §16 PerSequence example: own KV A 12, B 10; w = 4; A accepts 2, B accepts 0.
     w, c = 4, 12
@@ -138,6 +143,7 @@ def test_the_per_sequence_worked_example_of_one_step():
     assert a_row.slots[0].k.current_data()[0, 0, :, 0].tolist() == list(range(100, 115))
 
 
+@pytest.mark.rule("per-seq commit")
 def test_the_per_sequence_commit_refuses_by_name():
     with pytest.raises(StepRefusal, match="stripping the 2-column dead prefix failed"):
         commit_per_sequence(NormalCache([OtherSlot("Rotating", 16)]), 2, 10, 1)
@@ -145,6 +151,7 @@ def test_the_per_sequence_commit_refuses_by_name():
         commit_per_sequence(NormalCache([padded_row(0, [1.0] * 16, 16)]), 0, 590, 10)
 
 
+@pytest.mark.rule("plan_batch_step")
 def test_the_cohort_worked_example_of_one_step():
     # §16 cohort example: w = 4, C = 10; A: L 11 (u 1) drafts 3, accepts 3; B: L 12 (u 2)
     # drafts 2, accepts 0.
@@ -165,6 +172,7 @@ def test_the_cohort_worked_example_of_one_step():
 # -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("left-aligned / follows guard")
 def test_window_guard_chooses_left_aligned_then_follows_then_defer():
     assert window_guard(True, KvAdvance.COHORT) == "left_aligned_guard"
     assert window_guard(True, KvAdvance.PER_SEQUENCE) == "left_aligned_guard"
@@ -172,6 +180,7 @@ def test_window_guard_chooses_left_aligned_then_follows_then_defer():
     assert window_guard(False, KvAdvance.COHORT) == "defer"
 
 
+@pytest.mark.rule("left-aligned / follows guard")
 def test_a_stale_batched_width_after_a_per_sequence_step_hits_the_follows_guard():
     # After a PerSequence step the resident batched cache stays C + w wide (no rollback).
     # A following step that did not assemble the batch has an all-zero lead_pad, so the
@@ -191,6 +200,7 @@ def test_a_stale_batched_width_after_a_per_sequence_step_hits_the_follows_guard(
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("the step rules on NumPy rows")
 def test_the_step_rules_compute_int32_rows_as_int64():
     """Per-row integers are computed as int64 whatever width the caller's arrays have: the
     results of int32 rows are int64 arrays, and a budget past int32's range is exact."""

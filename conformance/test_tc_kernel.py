@@ -171,6 +171,7 @@ def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None)
     return got, want, live
 
 
+@pytest.mark.rule("ragged verify attention kernel, tensor cores")
 @SOME
 @given(case=tc_cases())
 def test_the_tensor_core_kernel_equals_the_reference_on_ragged_batches(kern, case):
@@ -181,6 +182,7 @@ def test_the_tensor_core_kernel_equals_the_reference_on_ragged_batches(kern, cas
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live, (case, float(np.max(np.abs(got - want))))
 
 
+@pytest.mark.rule("ragged verify attention kernel, tensor cores")
 @pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 4)])
 def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, stages):
     """A row of 260 keys (five 64-key stages, a partial last one), a window that cuts inside
@@ -203,6 +205,7 @@ def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, s
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live
 
 
+@pytest.mark.rule("ragged verify attention kernel, tensor cores")
 def test_the_largest_query_block_runs_on_tensor_cores(kern):
     """64 queries per KV head (GQA 16 x w = 4) at head dim 16: the warps' accumulators outgrow
     the K/V stages they reuse, so the shared-memory region grows (a build the others share)."""
@@ -224,6 +227,7 @@ def test_the_largest_query_block_runs_on_tensor_cores(kern):
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live
 
 
+@pytest.mark.rule("ragged verify attention kernel, tensor cores")
 def test_the_bench_shape_takes_the_tensor_core_path_and_matches(kern, monkeypatch):
     """G * w = 8 queries of head dim 128 (the bench's w = 2 at GQA 4) route to tensor cores by
     default (the launch names it) and equal the reference over two 64-key stages."""
@@ -258,6 +262,7 @@ class DeviceInts(np.ndarray):
     tolist = item = any = all = max = min = __getitem__ = _read
 
 
+@pytest.mark.rule("ragged verify attention kernel, tensor cores")
 def test_device_lengths_are_never_read_back_and_bad_ones_give_nan_rows():
     """Lengths and rows as device arrays: the wrapper reads neither (only their sizes), and a
     row the host could not check (shorter than w) comes back NaN while the others are right."""
@@ -284,6 +289,7 @@ def test_device_lengths_are_never_read_back_and_bad_ones_give_nan_rows():
         assert np.max(np.abs(got[i] - want[0])) <= 2.0**-6 * np.abs(v).max()
 
 
+@pytest.mark.rule("ragged verify attention kernel, tensor cores")
 def test_the_split_count_fills_whole_waves_from_host_sizes():
     kern = ck.Kernels.__new__(ck.Kernels)
     kern.sm_count = 132
@@ -307,6 +313,7 @@ if not THOROUGH:
     ]                                  # the bench's tensor-core builds and one CUDA-core build
 
 
+@pytest.mark.rule("the kernels build for sm_90: the nvcc front end and NVRTC")
 @pytest.mark.skipif(NO_NVRTC is not None, reason=f"NVRTC is absent: {NO_NVRTC}")
 @pytest.mark.parametrize(("dtype", "nq", "d", "path"), VARIANTS)
 def test_nvrtc_builds_the_variant_without_spills(dtype, nq, d, path):

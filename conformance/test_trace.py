@@ -36,6 +36,7 @@ def row_array(**cols) -> np.ndarray:
     return r
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_a_new_trace_is_empty_and_has_no_markers():
     tr = Trace("lengths", {"batch": 1})
     assert len(tr) == 0 and tr.summary is None and tr.tensors == [] and tr.markers() == []
@@ -47,6 +48,7 @@ def test_a_new_trace_is_empty_and_has_no_markers():
     assert tr.markers() == ["MTP[agg] a=1"]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_a_group_key_of_zero_is_a_group_and_minus_one_is_null():
     """-1 stands for null in group_u / group_start / chain_start; 0 is a real value."""
     tr = Trace("lengths", {})
@@ -78,6 +80,7 @@ def _one_step_trace() -> Trace:
     return tr
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_csv_form_is_exactly_the_documented_columns_and_cells(tmp_path):
     """docs/trace.md "CSV": one line per (step, row), the step's fields repeated, `width` and
     `committed` the row's, an empty cell for null, the bucket and `prefill` joined with ':';
@@ -94,6 +97,7 @@ def test_the_csv_form_is_exactly_the_documented_columns_and_cells(tmp_path):
     assert path.read_bytes() == ("\n".join(want) + "\n").encode()
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_csv_form_reads_back_typed_as_the_jsonl_step(tmp_path):
     tr = _one_step_trace()
     write_csv(tr, tmp_path / "t.csv")
@@ -103,6 +107,7 @@ def test_the_csv_form_reads_back_typed_as_the_jsonl_step(tmp_path):
     assert back.rows(0) == tr.rows(0)
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_csv_cells_a_foreign_engine_writes_read_as_the_docs_say(tmp_path):
     """Empty step cells are null; an `error` text is kept as text (null when empty); bucket
     parts are ints (negative too), booleans in any case, or the text; a line break inside a
@@ -131,6 +136,7 @@ def test_csv_cells_a_foreign_engine_writes_read_as_the_docs_say(tmp_path):
     assert (r1["group"], r1["chain_start"]) == (None, None)
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_a_csv_without_the_group_and_chain_columns_reads_them_as_null(tmp_path):
     path = tmp_path / "old.csv"
     path.write_text("step,seq,own_len\n0,1,4\n0,2,6\n")
@@ -143,6 +149,7 @@ def test_a_csv_without_the_group_and_chain_columns_reads_them_as_null(tmp_path):
     ]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_loose_reader_reads_header_steps_and_summary_back(tmp_path):
     tr = _one_step_trace()
     tr.finish({"steps": 2, "markers": ["MTP[agg] x=1"]})
@@ -152,6 +159,7 @@ def test_the_loose_reader_reads_header_steps_and_summary_back(tmp_path):
     assert list(back.steps()) == list(tr.steps()) and back.markers() == ["MTP[agg] x=1"]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_an_engine_trace_without_header_or_type_reads_as_steps(tmp_path):
     """docs/trace.md "Traces from other engines": a line without `type` is a step; blank
     lines are skipped; a step takes its rows' bucket when it has none of its own; a step
@@ -175,6 +183,7 @@ def test_an_engine_trace_without_header_or_type_reads_as_steps(tmp_path):
     assert [s["rows"] for s in tr.steps()][0] == [{"seq": 3, "own_len": 8, "bucket": [8, 0]}]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_an_unknown_object_type_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "u.jsonl"
     path.write_text(json.dumps({"step": 0, "rows": []}) + "\n"

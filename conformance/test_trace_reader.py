@@ -15,6 +15,7 @@ from raggedspec.reference.trace import read_trace, write_csv, write_jsonl
 from raggedspec.reference.trace_reader import TraceError, read_trace_strict
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_simulator_traces_read_back_exactly_from_jsonl_and_csv(tmp_path):
     tr = small_run(**GRANTED)
     write_jsonl(tr, tmp_path / "t.jsonl")
@@ -32,6 +33,7 @@ def with_row(**fields) -> str:
     return json.dumps({**STEP, "rows": [{"seq": 0, "own_len": 5, **fields}]})
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize(
     "lines, line, expected",
     [
@@ -144,6 +146,7 @@ def test_each_malformation_is_named_by_file_line_field_and_rule(tmp_path, lines,
     assert f"{path}:{line}: {expected}" in str(err.value)
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_every_problem_is_reported_up_to_the_limit(tmp_path):
     rows = [{"seq": i, "own_len": -i - 1} for i in range(30)]
     path = write_lines(tmp_path / "bad.jsonl", [json.dumps({**STEP, "rows": rows})])
@@ -156,6 +159,7 @@ def test_every_problem_is_reported_up_to_the_limit(tmp_path):
     assert "field 'rows[].own_len' = -5: must be an integer >= 0 (rows[4])" in str(err.value)
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_string_sequence_ids_are_read_and_can_be_made_integers(tmp_path):
     lines = [
         json.dumps({"step": 0, "rows": [{"seq": "req-b", "own_len": 4}, {"seq": 7, "own_len": 6}]}),
@@ -173,6 +177,7 @@ def test_string_sequence_ids_are_read_and_can_be_made_integers(tmp_path):
     assert dense.seq_names == {8: "req-b", 9: "req-a"}
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize(
     "text, line, expected",
     [
@@ -219,6 +224,7 @@ def test_csv_malformations_are_named_by_line(tmp_path, text, line, expected):
     assert f"{path}:{line}: {expected}" in str(err.value)
 
 
+@pytest.mark.rule("raggedspec drift: plot data from a trace", "the strict trace reader")
 def test_drift_trace_exits_2_on_a_malformed_trace_and_reads_string_ids(tmp_path):
     bad = write_lines(
         tmp_path / "bad.jsonl",
@@ -246,6 +252,7 @@ def test_drift_trace_exits_2_on_a_malformed_trace_and_reads_string_ids(tmp_path)
     assert code == 0 and "max_spread=3" in out
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_schema_extensions_are_read_and_checked_in_csv(tmp_path):
     head = "step,phase,advance,seq,own_len,width,lead,q0,dead_cols,accepted_pos\n"
     path = tmp_path / "ext.csv"
@@ -261,6 +268,7 @@ def test_the_schema_extensions_are_read_and_checked_in_csv(tmp_path):
     assert f"{path}:2: field 'accepted_pos' = [1, 2]: must be a list of 0 / 1" in text
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV", "the strict trace reader")
 def test_rows_read_as_dicts_become_the_int_row_array_with_minus_one_for_null():
     from raggedspec.reference.trace import COL, ROW_COLUMNS, Trace
 

@@ -51,6 +51,7 @@ def row_with(**fields):
 # ------------------------------------------------------------ values at the edges of their range
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize("obj", [
     row_with(own_len=2**31 - 1, u=0, drafted=0, filled=2**31 - 1),
     step_with(padding_fraction=0, tok_per_step=0),
@@ -67,6 +68,7 @@ def test_values_at_the_edges_of_their_range_are_read(tmp_path, obj):
     assert len(tr) == 1 and tr.step_lines == [1]
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize("obj, shown", [
     (row_with(own_len=2**31), f"field 'rows[].own_len' = {2**31}: must be an integer <= "
                               f"{2**31 - 1} (rows[0])"),
@@ -142,6 +144,7 @@ def test_each_bad_value_is_the_one_line_naming_field_value_and_rule(tmp_path, ob
 # ----------------------------------------------------------------- header, summary, line order
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize("header, shown", [
     ({**HEADER, "version": True}, "field 'version' = true: must be 1 (this reader knows schema "
                                   "version 1 only)"),
@@ -159,6 +162,7 @@ def test_a_bad_header_field_is_named(tmp_path, header, shown):
     assert only_problem(path) == f"{path}:1: {shown}"
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_a_header_with_mode_and_scenario_is_kept_and_a_missing_one_is_made(tmp_path):
     header = {**HEADER, "mode": "lengths", "scenario": {"batch": 1}}
     assert read_trace_strict(write(tmp_path, [header, STEP])).header == header
@@ -168,6 +172,7 @@ def test_a_header_with_mode_and_scenario_is_kept_and_a_missing_one_is_made(tmp_p
     assert made == {**HEADER, "mode": "unknown", "scenario": None}
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_summary_is_checked_kept_and_last(tmp_path):
     summary = {"type": "summary", "steps": 1, "decode_steps": 0, "committed": 3,
                "tok_per_step": 0.0, "max_spread": 0, "mean_padding_fraction": 1.0,
@@ -188,6 +193,7 @@ def test_the_summary_is_checked_kept_and_last(tmp_path):
         f"{path}:3: a line after the summary (the summary is the last line)")
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_line_order_rules_name_the_line_and_the_one_before(tmp_path):
     path = write(tmp_path, [HEADER, HEADER, STEP])
     assert only_problem(path) == f"{path}:2: a header that is not the first line"
@@ -205,6 +211,7 @@ def test_line_order_rules_name_the_line_and_the_one_before(tmp_path):
     assert tr.step_lines == [3, 5] and [tr.step_fields(i)["step"] for i in range(2)] == [0, 2]
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_a_step_without_its_own_bucket_takes_its_first_rows(tmp_path):
     rows = [{"seq": 0, "own_len": 5, "bucket": [5, False]}, {"seq": 1, "own_len": 5}]
     tr = read_trace_strict(write(tmp_path, [step_with(rows=rows),
@@ -217,6 +224,7 @@ def test_a_step_without_its_own_bucket_takes_its_first_rows(tmp_path):
 # ------------------------------------------------------------------------- the file as a whole
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_file_level_refusals(tmp_path):
     missing = tmp_path / "none.jsonl"
     with pytest.raises(FileNotFoundError) as err:
@@ -237,6 +245,7 @@ def test_file_level_refusals(tmp_path):
     assert only_problem(empty) == f"{empty}:1: empty CSV file (no header line)"
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_problem_limit_keeps_exactly_that_many_lines(tmp_path):
     rows = [{"seq": i, "own_len": -1} for i in range(3)]
     path = write(tmp_path, [step_with(rows=rows)])
@@ -259,6 +268,7 @@ def csv_file(tmp_path, text, name="t.csv"):
     return path
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_csv_cells_are_typed_as_their_jsonl_fields(tmp_path):
     head = ("step,phase,running,padding_fraction,tok_per_step,seq,own_len,group_u,group_start,"
             "chain_start,bucket,step_width,step_committed,prefill,error\n")
@@ -284,6 +294,7 @@ def test_csv_cells_are_typed_as_their_jsonl_fields(tmp_path):
                                  "committed": None, "prefill": [], "error": None}
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize("text, shown", [
     ("step,seq,own_len\nx,1,4\n", "field 'step' = \"x\": must be an integer >= 0"),
     ("step,seq,own_len\n-1,1,4\n", "field 'step' = \"-1\": must be an integer >= 0"),
@@ -317,6 +328,7 @@ def test_a_bad_csv_cell_is_the_one_line_naming_its_column(tmp_path, text, shown)
     assert only_problem(path) == f"{path}:2: {shown}"
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_lines_of_a_csv_step_agree_on_every_step_field(tmp_path):
     head = "step,seq,own_len,step_width,error,bucket\n"
     path = csv_file(tmp_path, head + "0,1,4,8,,8:1\n0,2,4,9,,8:1\n0,3,4,8,oops,8:2\n")
@@ -333,6 +345,7 @@ def test_the_lines_of_a_csv_step_agree_on_every_step_field(tmp_path):
 # ---------------------------------------------------------------------------- dense int ids
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_int_ids_number_string_ids_after_the_largest_int_in_first_seen_order(tmp_path):
     lines = [
         step_with(prefill=["p"], rows=[{"seq": "b", "own_len": 4}, {"seq": 3, "own_len": 5}]),
@@ -351,17 +364,20 @@ def test_int_ids_number_string_ids_after_the_largest_int_in_first_seen_order(tmp
     assert read_trace_strict(only_strings, int_ids=True).seq_names == {0: "z"}
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_one_of_names_every_allowed_value():
     check = _one_of(("a", "b c"))
     assert check("a") is None and check("b c") is None
     assert check("c") == 'must be one of "a", "b c"' and check(None) == 'must be one of "a", "b c"'
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_an_int_and_a_string_id_are_different_sequences(tmp_path):
     rows = [{"seq": 1, "own_len": 2}, {"seq": "1", "own_len": 3}]
     assert len(read_trace_strict(write(tmp_path, [step_with(rows=rows)])).rows(0)) == 2
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_default_limit_is_20_problems(tmp_path):
     rows = [{"seq": i, "own_len": -1} for i in range(23)]
     with pytest.raises(TraceError) as err:
@@ -369,6 +385,7 @@ def test_the_default_limit_is_20_problems(tmp_path):
     assert len(err.value.problems) == 20 and err.value.more == 3
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_a_csv_trace_has_the_made_header_and_is_read_by_its_suffix_in_any_case(tmp_path):
     path = csv_file(tmp_path, "step,seq,own_len,error\n0,1,4,\"left\r\nguard\"\n", "t.CSV")
     tr = read_trace_strict(path)
@@ -376,6 +393,7 @@ def test_a_csv_trace_has_the_made_header_and_is_read_by_its_suffix_in_any_case(t
     assert tr.step_fields(0)["error"] == "left\r\nguard"
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_every_bad_csv_line_is_reported_and_the_reading_goes_on(tmp_path):
     path = csv_file(tmp_path, "step,seq,own_len\n0,1\nx,1,4\n1,2,-1\n2,2,4\n")
     assert problems(path) == [
@@ -387,6 +405,7 @@ def test_every_bad_csv_line_is_reported_and_the_reading_goes_on(tmp_path):
     assert only_problem(path) == f"{path}:1: CSV header lacks the required column(s) seq, own_len"
 
 
+@pytest.mark.rule("the strict trace reader")
 @pytest.mark.parametrize("text, shown", [
     ("step,seq,own_len,group_u,group_start\n0,1,4,1,2147483648\n",
      "field 'group_start' = 2147483648: must be an integer <= 2147483647"),
@@ -403,12 +422,14 @@ def test_csv_values_over_the_32_bit_limit_and_a_bucket_that_goes_missing(tmp_pat
     assert only_problem(path) == f"{path}:{line}: {shown}"
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_an_empty_accepted_pos_cell_is_no_field(tmp_path):
     path = csv_file(tmp_path, "step,seq,own_len,accepted_pos\n0,1,4,\n0,2,4,1:0\n")
     rows = read_trace_strict(path).rows(0)
     assert "accepted_pos" not in rows[0] and rows[1]["accepted_pos"] == [1, 0]
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_rows_after_a_non_object_row_are_still_checked(tmp_path):
     path = write(tmp_path, [step_with(rows=[5, {"seq": 0, "own_len": -1}])])
     assert problems(path) == [
@@ -417,6 +438,7 @@ def test_the_rows_after_a_non_object_row_are_still_checked(tmp_path):
     ]
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_every_bad_line_is_reported_and_a_refused_step_is_not_the_previous_one(tmp_path):
     path = write(tmp_path, ["{oops", "[1]", step_with(step=5), step_with(step=5),
                             step_with(step=4)])
@@ -428,6 +450,7 @@ def test_every_bad_line_is_reported_and_a_refused_step_is_not_the_previous_one(t
                        f"{path}:5: field 'step' = 4: {rule}"]
 
 
+@pytest.mark.rule("the strict trace reader")
 def test_the_bad_byte_is_placed_on_its_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b"\n" + json.dumps(STEP).encode() + b"\n\xe9\n\n\n")

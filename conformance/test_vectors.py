@@ -54,6 +54,7 @@ def files_of(root: Path) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- consumer
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_consumer_imports_only_numpy_safetensors_and_the_standard_library():
     tree = ast.parse(CONSUMER.read_text())
     roots = set()
@@ -66,6 +67,7 @@ def test_the_consumer_imports_only_numpy_safetensors_and_the_standard_library():
     assert third_party == {"numpy", "safetensors"}
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_every_vector_passes_on_the_reference(default_set):
     manifest = json.loads((default_set / "manifest.json").read_text())
     report = load_consumer().run_vectors(default_set, reference_table())
@@ -73,6 +75,7 @@ def test_every_vector_passes_on_the_reference(default_set):
     assert report.passed == manifest["case_count"] > 500
 
 
+@pytest.mark.rule("raggedspec vectors")
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_every_vector_the_port_implements_passes_on_the_port(default_set, dtype):
     pytest.importorskip("torch")
@@ -90,6 +93,7 @@ def test_every_vector_the_port_implements_passes_on_the_port(default_set, dtype)
     assert report.passed == port_cases > 300
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_consumer_command_line_runs_a_table_it_is_given(default_set, tmp_path):
     run = subprocess.run(
         [
@@ -126,6 +130,7 @@ def test_the_consumer_command_line_runs_a_table_it_is_given(default_set, tmp_pat
         load_consumer().run_vectors(future, reference_table())
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_consumer_reports_a_wrong_value_a_missed_refusal_and_a_wrong_message(default_set):
     consumer = load_consumer()
     table = reference_table()
@@ -158,6 +163,7 @@ def test_the_consumer_reports_a_wrong_value_a_missed_refusal_and_a_wrong_message
 # --------------------------------------------------------------------------- determinism, writing
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_same_arguments_give_a_byte_identical_folder(default_set, tmp_path):
     again = tmp_path / "again"  # another process, another string-hash seed
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="12345")
@@ -178,6 +184,7 @@ def test_the_same_arguments_give_a_byte_identical_folder(default_set, tmp_path):
     assert files_of(other)[ex] == files_of(default_set)[ex]
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_rules_and_cases_select_without_changing_the_selected_cases(default_set, tmp_path):
     out = tmp_path / "masks"
     assert main(["vectors", "--out", str(out), "--rules", "masks/*"]) == 0
@@ -199,6 +206,7 @@ def test_rules_and_cases_select_without_changing_the_selected_cases(default_set,
     assert entry["cases"] == base["cases"] + 12
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_writer_refuses_to_clobber_and_replaces_only_a_vectors_folder(tmp_path, capsys):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -227,6 +235,7 @@ def test_the_writer_refuses_to_clobber_and_replaces_only_a_vectors_folder(tmp_pa
     ]  # no temp left
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_subcommand_help_names_its_flags(capsys):
     assert main(["vectors", "--help"]) == 0
     out = capsys.readouterr().out
@@ -234,6 +243,7 @@ def test_the_subcommand_help_names_its_flags(capsys):
     assert main(["vectors"]) == 2 and "--out" in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_a_failed_build_leaves_the_previous_folder_untouched(tmp_path, monkeypatch):
     out = tmp_path / "v"
     vectors.write(out, "step/mtp_window")
@@ -249,6 +259,7 @@ def test_a_failed_build_leaves_the_previous_folder_untouched(tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir()] == ["v"]
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_case_names_say_what_the_case_expects(default_set):
     kinds = {}
     for path in default_set.glob("*/*/*/case.json"):
@@ -259,6 +270,7 @@ def test_case_names_say_what_the_case_expects(default_set):
     assert set(kinds) == {"example", "refusal", "malformed", "domain", "gen"}
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_default_set_is_small_and_fast_enough_to_commit(default_set):
     size = vectors.folder_size(default_set)
     assert size < 20_000_000, size
@@ -306,6 +318,7 @@ def mutant_tree(tmp: Path, name: str) -> Path:
     return tree
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_catalogue_mutants_fail_the_vectors_of_their_rule_and_change_its_hash(
     default_set, tmp_path
 ):
@@ -387,6 +400,7 @@ def spec_mismatches(entries: list[dict]) -> list[str]:
     return bad
 
 
+@pytest.mark.rule("raggedspec vectors")
 def test_the_manifest_spec_sections_are_those_of_docs_rules(default_set):
     entries = json.loads((default_set / "manifest.json").read_text())["functions"]
     assert spec_mismatches(entries) == []
@@ -395,6 +409,7 @@ def test_the_manifest_spec_sections_are_those_of_docs_rules(default_set):
     assert len(spec_mismatches(wrong)) == 2
 
 
+@pytest.mark.rule("raggedspec vectors")
 @pytest.mark.skipif(
     not (ROOT / "scripts" / "vectors_doc.py").is_file(),
     reason="needs the checkout's scripts/ (an installed raggedspec has none)",

@@ -39,6 +39,7 @@ def assert_row_matches(xs, i, h):
 
 # --- compress_blocks / constants ---------------------------------------------------------------
 
+@pytest.mark.rule("compressor")
 def test_compress_blocks_is_the_mean_of_each_complete_block():
     x = np.arange(10, dtype=np.float64).reshape(1, 10, 1)
     assert compress_blocks(x, 4).tolist() == [
@@ -50,17 +51,20 @@ def test_compress_blocks_is_the_mean_of_each_complete_block():
     assert compress_blocks(x, 128).shape == (1, 0, 1)
 
 
+@pytest.mark.rule("XS_TAIL_MARGIN_TOKENS and span_groups")
 def test_span_groups_is_two_for_ratio_four_only():
     assert span_groups_for(4) == 2
     assert [span_groups_for(r) for r in (1, 2, 8, 128)] == [1, 1, 1, 1]
     assert XsRolling(4).span == 2 and XsRolling(128).span == 1
 
 
+@pytest.mark.rule("XS_TAIL_MARGIN_TOKENS and span_groups")
 def test_mtp_depth_cap_stays_within_the_retained_rollback_margin():
     assert MTP_DEPTH_CAP == 8 and XS_TAIL_MARGIN_TOKENS == 16
     assert MTP_DEPTH_CAP <= XS_TAIL_MARGIN_TOKENS
 
 
+@pytest.mark.rule("XsRolling")
 def test_xs_slot_kind_capability_and_clone():
     xs = XsRolling(4, 2, 64, 2048)
     assert (xs.kind, xs.ratio, xs.span, xs.window, xs.max_seq_len) == ("XsRolling", 4, 2, 64, 2048)
@@ -74,6 +78,7 @@ def test_xs_slot_kind_capability_and_clone():
 
 # --- plan_xs_advance: hand-worked rows ---------------------------------------------------------
 
+@pytest.mark.rule("plan_xs_advance")
 def test_plan_xs_advance_ratio_4_worked_rows():
     # tok 13, base 0, W 24, t_new 5: tok' 18, blocks 3 -> 4; need_start (3+1-2)*4 = 8;
     # off = 8 + 24 - 13 = 19; len = 16 - 8 = 8; take 1 at 3; keep_from = max(0, (2//4 - 1)*4) ->
@@ -102,6 +107,7 @@ def test_plan_xs_advance_ratio_4_worked_rows():
     assert (p.need_start, p.off, p.length, p.take) == (0, 24, 4, 1)
 
 
+@pytest.mark.rule("plan_xs_advance")
 def test_plan_xs_advance_ratio_128_worked_row():
     # tok 250, base 128, W 144, t_new 9: tok' 259; blocks 1 -> 2; need_start 128;
     # off 128+144-250 = 22; len 256-128 = 128; take 1 at 1; keep_from = max(128, (243//128)*128) =
@@ -117,6 +123,7 @@ def test_plan_xs_advance_ratio_128_worked_row():
     )
 
 
+@pytest.mark.rule("plan_xs_advance")
 def test_rows_with_equal_slices_share_one_compressor_call():
     plan = plan_xs_advance([13, 13, 14, 2], [0, 0, 0, 0], 24, 5, 4, 2, 16)
     # rows 0, 1: off 19, len 8, take 1; row 2: off 18; row 3: tok' 7 completes block 0 (off 22, len
@@ -124,12 +131,14 @@ def test_rows_with_equal_slices_share_one_compressor_call():
     assert plan.calls == {(19, 8, 1): [0, 1], (18, 8, 1): [2], (22, 4, 1): [3]}
 
 
+@pytest.mark.rule("plan_xs_advance")
 def test_plan_xs_advance_refuses_a_history_gap():
     with pytest.raises(CacheRefusal, match="compressor history gap") as e:
         plan_xs_advance([61], [60], 24, 3, 4, 2, 16)  # block 15 needs token 56 < base 60
     assert "56" in str(e.value) and "60" in str(e.value) and "row 0" in str(e.value)
 
 
+@pytest.mark.rule("plan_xs_advance")
 def test_plan_xs_advance_refuses_a_run_that_does_not_fit_the_window():
     # W 8, ratio 4: tok' 40, keep_from (24//4 - 1)*4 = 20, run 20 > 8
     with pytest.raises(CacheRefusal, match="does not fit the window") as e:
@@ -137,6 +146,7 @@ def test_plan_xs_advance_refuses_a_run_that_does_not_fit_the_window():
     assert "20" in str(e.value) and "8" in str(e.value)
 
 
+@pytest.mark.rule("XS_TAIL_MARGIN_TOKENS and span_groups")
 @pytest.mark.parametrize("ratio,prefill,base", [
     (4, 13, 0), (4, 20, 0), (4, 61, 40),           # keep_from(61) = (45//4 + 1 - 2)*4 = 40
     (128, 130, 0), (128, 250, 128), (128, 255, 128), (128, 256, 128), (128, 383, 256),
@@ -148,6 +158,7 @@ def test_retention_keeps_the_margin_behind_the_newest_token(ratio, prefill, base
     xs.try_set_len(prefill - min(XS_TAIL_MARGIN_TOKENS, prefill))  # the margin is always retained
 
 
+@pytest.mark.rule("XS_TAIL_MARGIN_TOKENS and span_groups")
 @given(st.sampled_from([2, 3, 4, 8, 128]), st.lists(st.integers(0, 40), min_size=1, max_size=12))
 def test_a_rollback_within_the_margin_is_never_refused(ratio, sizes):
     xs = XsRolling(ratio)
@@ -167,6 +178,10 @@ def filled(ratio, n, batch_rows=None):
     return xs
 
 
+@pytest.mark.rule(
+    "XsRolling length setters",
+    "XsRolling rollback refusal, one rule for both layouts",
+)
 def test_try_set_len_refusals():
     xs = filled(4, 61)  # base 40
     with pytest.raises(CacheRefusal, match="past the 61 tokens"):
@@ -183,6 +198,7 @@ def test_try_set_len_refusals():
     assert xs.tokens == [61] and ragged.tokens == [13, 15]
 
 
+@pytest.mark.rule("XsRolling length setters")
 def test_set_row_lens_refusals_change_nothing():
     a, b = filled(4, 61), filled(4, 20)
     xs = XsRolling.stack([a, b])
@@ -202,6 +218,7 @@ def test_set_row_lens_refusals_change_nothing():
     assert xs.tokens == [45, 4] and xs.base == [40, 0] and xs.current_seq_len == 45
 
 
+@pytest.mark.rule("XsRolling length setters")
 def test_the_margin_is_measured_from_the_newest_token_not_per_rollback():
     xs = XsRolling(2)  # span 1, W 18
     xs.append_rows(np.ones((1, 18, D)))
@@ -212,6 +229,7 @@ def test_the_margin_is_measured_from_the_newest_token_not_per_rollback():
         xs.set_len(1)      # 17 back from the newest token reached: past the margin
 
 
+@pytest.mark.rule("XsRolling")
 def test_batched_comp_length_is_the_max_row_over_ratio():
     xs = XsRolling.stack([filled(4, n) for n in (13, 15, 16, 20, 61)])
     assert xs.current_seq_len == 61 and xs.comp_seq_len == 61 // 4
@@ -219,6 +237,7 @@ def test_batched_comp_length_is_the_max_row_over_ratio():
     assert xs.current_seq_len == 50 and xs.comp_seq_len == 12
 
 
+@pytest.mark.rule("XsRolling")
 def test_append_past_max_seq_len_is_refused():
     xs = XsRolling(4, max_seq_len=16)
     xs.append_rows(np.ones((1, 12, D)))
@@ -227,6 +246,7 @@ def test_append_past_max_seq_len_is_refused():
     assert "17" in str(e.value) and "16" in str(e.value) and xs.tokens == [12]
 
 
+@pytest.mark.rule("XsRolling")
 def test_append_refusal_leaves_the_slot_unchanged():
     xs = filled(4, 61)
     xs.base = [60]  # a base past the history block 15 needs
@@ -236,6 +256,7 @@ def test_append_refusal_leaves_the_slot_unchanged():
     assert xs.tokens == [61] and np.array_equal(xs.tail, tail) and np.array_equal(xs.comp, comp)
 
 
+@pytest.mark.rule("XsRolling")
 def test_reset_drops_the_history():
     xs = filled(4, 30)
     xs.reset()
@@ -244,6 +265,7 @@ def test_reset_drops_the_history():
 
 # --- split / stack ---------------------------------------------------------------------------
 
+@pytest.mark.rule("XsRolling")
 def test_split_and_stack_round_trip_with_per_row_tokens_and_base():
     rng = np.random.default_rng(3)
     hs = [rng.standard_normal((n, D)) for n in (13, 61, 0)]
@@ -268,6 +290,7 @@ def test_split_and_stack_round_trip_with_per_row_tokens_and_base():
         ].any()  # nothing kept behind base
 
 
+@pytest.mark.rule("XsRolling")
 def test_stack_with_the_flag_off_reconciles_the_bases():
     a, b = filled(4, 61), filled(4, 61)
     b.base = [28]
@@ -293,6 +316,7 @@ SHAPES = [
 ]  # (w = depth+1, commit)
 
 
+@pytest.mark.rule("compressor")
 @pytest.mark.parametrize(
     "ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
 )
@@ -330,6 +354,7 @@ def test_mtp_verify_rollback_restores_the_compressor_rows_exactly(ratio, prefill
     assert crossed > 0  # some speculative block was compressed and had to be rewritten (D12)
 
 
+@pytest.mark.rule("compressor")
 @pytest.mark.parametrize(
     "ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
 )
@@ -363,6 +388,7 @@ def test_a_ragged_xs_batch_rolls_each_row_back_to_its_own_commit(ratio, prefills
             assert_row_matches(xs, i, h[: p + c + w])
 
 
+@pytest.mark.rule("XsRolling")
 @given(st.data())
 def test_random_ragged_feeds_and_rollbacks_match_a_from_scratch_compression(data):
     ratio = data.draw(st.sampled_from([2, 3, 4, 8, 128]))

@@ -33,6 +33,7 @@ def fed(n, ratio=4, d=D, dtype=np.float64, **kw):
 
 # --- malformed input: ValueError with the stated message -------------------------------------
 
+@pytest.mark.rule("XsRolling")
 def test_malformed_input_is_refused_with_the_stated_messages():
     xs = XsRolling(4, window=32, batch=2)
     xs.append_rows(np.zeros((2, 4, D)))
@@ -85,6 +86,7 @@ def test_malformed_input_is_refused_with_the_stated_messages():
         assert str(e.value) == message
 
 
+@pytest.mark.rule("XsRolling")
 def test_stack_refusals_name_the_mismatch():
     a, b = XsRolling(4, window=32), XsRolling(4, window=32)
     a.append_rows(np.zeros((1, 4, 2)))
@@ -101,6 +103,7 @@ def test_stack_refusals_name_the_mismatch():
 
 # --- the smallest sizes are admitted --------------------------------------------------------
 
+@pytest.mark.rule("XsRolling")
 def test_the_smallest_sizes_are_not_malformed():
     x = np.arange(6, dtype=np.float64).reshape(3, 2)
     assert np.array_equal(compress_blocks(x, 1), x)  # ratio 1: every token is its own block
@@ -113,6 +116,7 @@ def test_the_smallest_sizes_are_not_malformed():
 
 # --- the rules at their equality boundaries -------------------------------------------------
 
+@pytest.mark.rule("plan_xs_advance")
 def test_retention_and_the_window_at_their_boundaries():
     # ratio 1, span 1, margin 16: keep_from = max(0, (max(5 - 16, 0) // 1 + 1 - 1) * 1) = 0
     assert plan_xs_advance([0], [0], 32, 5, 1, 1, 16).rows[0].base_after == 0
@@ -124,6 +128,7 @@ def test_retention_and_the_window_at_their_boundaries():
     assert str(e.value) == "row 0's run of 8 tokens (base 4 .. 12) does not fit the window of 7"
 
 
+@pytest.mark.rule("XsRolling length setters")
 def test_rollback_refusal_at_the_window_edge():
     # length 8: resume max(0, 2 + 1 - 1) * 4 = 8 >= base 0; base + W = 8 is not < 8
     assert rollback_refusal(0, 8, 10, 0, 4, 1, 8) is None
@@ -134,6 +139,7 @@ def test_rollback_refusal_at_the_window_edge():
     assert str(e.value) == "xs row 1: set length 7 is past the 6 tokens seen"
 
 
+@pytest.mark.rule("XsRolling")
 def test_appends_up_to_max_seq_len_and_the_refusal_names_the_row():
     xs = fed(8, max_seq_len=8)
     assert xs.tokens == [8]
@@ -142,6 +148,7 @@ def test_appends_up_to_max_seq_len_and_the_refusal_names_the_row():
     assert str(e.value) == "xs row 0 would hold 9 tokens, above max_seq_len 8"
 
 
+@pytest.mark.rule("XsRolling")
 def test_the_slot_retains_by_its_own_margin():
     # margin 8, ratio 4, span 2, 40 tokens: base = (max(40 - 8, 0) // 4 + 1 - 2) * 4 = 28
     assert fed(40, window=40, margin=8).base == [28]
@@ -149,6 +156,7 @@ def test_the_slot_retains_by_its_own_margin():
 
 # --- zeros behind base and in front of a rolled-back tail ----------------------------------
 
+@pytest.mark.rule("XsRolling")
 def test_the_tail_holds_zeros_behind_base():
     # W 23, ratio 4, span 2, margin 16, 42 tokens: base = (26 // 4 - 1) * 4 = 20; the tail
     # holds tokens 19 .. 41, so exactly column 0 (token 19) lies behind base
@@ -158,6 +166,7 @@ def test_the_tail_holds_zeros_behind_base():
     assert np.array_equal(xs.row_history(0)[:, 0], np.arange(21, 43))
 
 
+@pytest.mark.rule("XsRolling length setters")
 def test_a_rollback_shifts_the_tail_right_with_zeros_in_front():
     xs = fed(12, window=32)
     xs.set_row_lens([10])
@@ -165,6 +174,7 @@ def test_a_rollback_shifts_the_tail_right_with_zeros_in_front():
     assert np.array_equal(xs.tail[0, 22:, 0], np.arange(1, 11))
 
 
+@pytest.mark.rule("XsRolling")
 def test_clone_is_deep():
     xs = fed(12, window=32)
     c = xs.clone()
@@ -174,6 +184,7 @@ def test_clone_is_deep():
 
 # --- the fields a split or a stack carries over --------------------------------------------
 
+@pytest.mark.rule("XsRolling")
 def test_split_rows_keep_every_setting_and_one_row_each():
     xs = XsRolling(4, span_groups=1, window=13, max_seq_len=100, batch=3, dim=D, margin=8)
     for row in xs.split_rows():  # no buffers yet
@@ -186,6 +197,7 @@ def test_split_rows_keep_every_setting_and_one_row_each():
         assert row.tail.shape == (1, 13, D) and row.comp.shape == (1, 2, D)
 
 
+@pytest.mark.rule("XsRolling")
 def test_a_slot_without_buffers_reports_empty_rows_of_its_width():
     assert XsRolling(4, window=8, dim=D).dim == D
     assert XsRolling(4, window=8, dim=D).row_comp(0).shape == (0, D)
@@ -195,6 +207,7 @@ def test_a_slot_without_buffers_reports_empty_rows_of_its_width():
     assert XsRolling(4).supports_per_sequence_len() is False
 
 
+@pytest.mark.rule("XsRolling")
 def test_float32_rows_stay_float32_through_appends_and_stacks():
     a = fed(5, window=32, dtype=np.float32)
     a.append_rows(np.ones((1, 4, D), dtype=np.float32))  # grows comp from 1 to 2 blocks
@@ -204,11 +217,13 @@ def test_float32_rows_stay_float32_through_appends_and_stacks():
     assert out.tail.shape == (2, 32, D) and not out.tail[0].any() and not out.comp[0].any()
 
 
+@pytest.mark.rule("XsRolling")
 def test_comp_holds_exactly_the_completed_blocks():
     assert fed(3, window=32).comp.shape == (1, 0, D)
     assert fed(9, window=32).comp.shape == (1, 2, D)
 
 
+@pytest.mark.rule("XsRolling")
 def test_reconciling_slots_without_buffers_and_a_batch_of_zero_rows():
     out = XsRolling.stack([XsRolling(4, window=32), XsRolling(4, window=32)],
                           reconcile_bases=True)
