@@ -458,20 +458,6 @@ def test_mutation_only_matching_nothing_exits_2(capsys):
     assert "mutation gate: PASS" not in out and TRACEBACK not in err
 
 
-@pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
-def test_a_documented_equivalent_prints_as_equivalent_with_its_reason():
-    from raggedspec.mutation.runner import MutantResult, load_equivalents, shown_status
-
-    equivalents = load_equivalents()
-    name, why = next(iter(equivalents["catalogue"].items()))
-    survived = MutantResult(
-        name, "reference/x.py", "", "SURVIVED", "every selected test passed", 0.0, "survive"
-    )
-    assert shown_status(survived, equivalents) == f"EQUIVALENT ({why})"
-    other = MutantResult("some other entry", "reference/x.py", "", "SURVIVED", "", 0.0, "caught")
-    assert shown_status(other, equivalents) == "SURVIVED"
-
-
 # --------------------------------------------------------------------- exit codes
 
 
