@@ -24,7 +24,7 @@ import pytest
 from raggedspec import vectors
 from raggedspec.cli import main
 from raggedspec.conformance.vector_oracle import ORACLE, WITHOUT_ORACLE
-from raggedspec.reference import step
+from raggedspec.reference import rope, scheduler, step
 from raggedspec.reference.errors import Refusal
 from raggedspec.vectors import schema
 from raggedspec.vectors.port import PORT_HOST_ONLY, reference_table
@@ -102,34 +102,19 @@ def test_every_vector_the_port_implements_passes_on_the_port(default_set, dtype,
     assert report.passed == port_cases > 300
 
 
+def consumer_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """examples/vectors_consumer.py run as a command from the checkout root."""
+    return subprocess.run([sys.executable, str(CONSUMER), *args], check=False, cwd=ROOT,
+                          env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.rule("raggedspec vectors")
 def test_the_consumer_command_line_runs_a_table_it_is_given(default_set, tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(CONSUMER),
-            str(default_set),
-            "--table",
-            "raggedspec.vectors.port:reference_table",
-            "--require-all",
-        ],
-        check=False,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    table = "raggedspec.vectors.port:reference_table"
+    run = consumer_cli(str(default_set), "--table", table, "--require-all", PYTHONPATH=str(ROOT))
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"^\d+ passed, 0 failed, 0 functions missing$", run.stdout, re.MULTILINE)
-    bad = subprocess.run(
-        [sys.executable, str(CONSUMER), str(default_set / "nowhere"), "--table", "x:y"],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = consumer_cli(str(default_set / "nowhere"), "--table", "x:y")
     assert bad.returncode == 2 and "manifest.json does not exist" in bad.stderr
     future = tmp_path / "future"
     shutil.copytree(default_set, future)
@@ -415,18 +400,38 @@ def longest_accept(uncached, accepted, w):
     return step.CohortPlan(keep, max(w - keep, 0), [max(v + 1 - keep, 0) for v in valid])
 
 
+def first_row_offset(x, offsets, rope_dims, theta, inverse=False):
+    """A wrong RoPE: every row rotated at row 0's offset."""
+    return REAL_ROPE(x, [offsets[0]] * len(offsets), rope_dims, theta, inverse=inverse)
+
+
+def widest_bucket(buckets, priorities, discrete):
+    """A wrong bucket choice: always the longest key."""
+    return max(buckets)
+
+
+REAL_ROPE = rope.apply_rope
+PLANTED = [  # (module, rule, a wrong version, the vector function whose rule it is)
+    (step, "plan_batch_step", longest_accept, "step/plan_batch_step"),
+    (rope, "apply_rope", first_row_offset, "rope/apply_rope"),
+    (scheduler, "select_running_bucket", widest_bucket, "scheduler/select_running_bucket"),
+]
+
+
 @pytest.mark.rule("raggedspec vectors")
-def test_a_planted_wrong_rule_fails_its_vectors_and_changes_its_hash(
-    default_set, tmp_path, monkeypatch
+@pytest.mark.parametrize("module, rule, wrong, key", PLANTED, ids=[p[1] for p in PLANTED])
+def test_a_planted_wrong_rule_fails_its_vectors_and_changes_only_its_hash(
+    default_set, tmp_path, monkeypatch, module, rule, wrong, key
 ):
-    monkeypatch.setattr(step, "plan_batch_step", longest_accept)
+    monkeypatch.setattr(module, rule, wrong)
     report = load_consumer().run_vectors(default_set, reference_table())
-    assert consumer_failures(report) == {"step/plan_batch_step"}
-    base = {e["function"]: e["hash"]
+    assert consumer_failures(report) == {key}
+    base = {f"{e['family']}/{e['function']}": e["hash"]
             for e in json.loads((default_set / "manifest.json").read_text())["functions"]}
-    wrong = vectors.write(tmp_path / "wrong", "step/*")
-    changed = {e["function"] for e in wrong["functions"] if e["hash"] != base[e["function"]]}
-    assert changed == {"plan_batch_step"}
+    family = vectors.write(tmp_path / "wrong", key.split("/")[0] + "/*")
+    changed = {f"{e['family']}/{e['function']}" for e in family["functions"]
+               if e["hash"] != base[f"{e['family']}/{e['function']}"]}
+    assert changed == {key} and len(family["functions"]) > 1
 
 
 # ------------------------------------------------------------------ the format, from the folder
