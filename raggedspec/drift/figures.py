@@ -444,7 +444,7 @@ def figure_sweep(sweep: dict):
     ax.set_ylabel("tokens committed per sequence per decode step", fontsize=9)
     ax.set_title(
         "Tokens per sequence per decode step against batch size\n(cohort advance rolls every "
-        "row back to the batch's shortest accept; per-sequence advance keeps each row's own)",
+        "row back to the batch's shortest accept;\nper-sequence advance keeps each row's own)",
         fontsize=10,
     )
     ax.grid(alpha=0.3)
