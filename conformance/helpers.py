@@ -6,3 +6,125 @@ here, in one section per topic.
 """
 
 from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from raggedspec.reference.scheduler import (
+    RaggedAdmission,
+    SchedulerState,
+    SeqRecord,
+    install_admission,
+)
+
+
+# --- the step simulator: scenarios, traces, the scheduler's records, the integer hash -------
+
+GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant", "world": "WB"}
+"""Per-sequence advance requested and granted (WB, the xs flag, ragged admission granted).
+Spread it first and name a `world` after it to run the same grant in another world."""
+
+
+def accept_file(tmp_path, counts) -> str:
+    """An accept-count file (the `file` acceptance model) holding `counts`; its path."""
+    path = tmp_path / "accepts.json"
+    path.write_text(json.dumps(counts))
+    return str(path)
+
+
+def cohort_example(tmp_path, **extra) -> dict:
+    """C §16 cohort example: two 9-token prompts; the first decode (A accepts 0, B 1) keeps
+    1, so the second decode is the spec's step at C = 10 with A u = 1, B u = 2."""
+    return {"requests": [{"prompt_len": 9, "max_new_tokens": 40}] * 2, "depth": 3, "steps": 4,
+            "acceptance": {"model": "file",
+                           "path": accept_file(tmp_path, {"0": [0, 3], "1": [1, 0]})},
+            **extra}
+
+
+def per_sequence_example(tmp_path, **extra) -> dict:
+    """C §16 PerSequence example: A (seq 0) prefilled with 12 tokens, B (seq 1) with 10, then
+    decoded together under granted per-sequence advance (WB); A accepts 2, B 0."""
+    return {"requests": [{"prompt_len": 12, "max_new_tokens": 40},
+                         {"prompt_len": 10, "max_new_tokens": 40}],
+            "depth": 3, "steps": 4, **GRANTED,
+            "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [2], "1": [0]})},
+            **extra}
+
+
+def normalized_lines(trace) -> list[str]:
+    """A trace's JSONL lines with the header's `mode` blanked (the one field in which the
+    lengths and tensor modes differ)."""
+    out = list(trace.lines())
+    head = json.loads(out[0])
+    head["mode"] = "-"
+    return [json.dumps(head)] + out[1:]
+
+
+def decode_rows(trace) -> list[tuple[dict, dict]]:
+    """Every (step, row) of the decode steps, in order."""
+    return [(s, r) for s in trace.steps() if s["phase"] == "decode" for r in s["rows"]]
+
+
+FIXED = [
+    dict(batch=5, prompt_len=[3, 9], max_new_tokens=25, steps=14, **GRANTED, strip="lazy"),
+    dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=14, **GRANTED),
+    dict(batch=3, prompt_len=[5, 9], max_new_tokens=25, steps=12, **GRANTED, strip="none"),
+    dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=14, world="WA", xs_per_seq=True),
+    dict(batch=4, prompt_len=[5, 9], max_new_tokens=25, steps=12, max_draft_kv_seqs=2,
+         arrival="staggered"),
+    dict(batch=3, prompt_len=6, max_new_tokens=25, steps=6, max_seq_len=40,
+         acceptance="all-accept"),
+    dict(batch=4, prompt_len=[3, 12], max_new_tokens=40, steps=16, **GRANTED, max_seq_len=40),
+    dict(batch=3, prompt_len=6, max_new_tokens=25, steps=6, model={"mtp": "heads"}),
+    dict(batch=4, prompt_len=[2, 9], max_new_tokens=20, steps=12, **GRANTED,
+         model={"compress_ratios": [0, 4, 128]}),
+]
+"""Hand-picked scenarios through the simulator's paths: ragged per-sequence steps under each
+strip policy, WA deferrals, LRU eviction, capacity refusals, Tier A, compressed layers."""
+
+
+def completion(i: int, n: int, **kw) -> SeqRecord:
+    """A running completion of `n` tokens (with no cache given, cache_bucket_len n - 1, like
+    arc's `seq_of_len`)."""
+    return SeqRecord(i, n, **kw)
+
+
+def prompt(i: int, n: int, **kw) -> SeqRecord:
+    """A waiting prompt of `n` tokens."""
+    return SeqRecord(i, n, is_prompt=True, **kw)
+
+
+GRANT = RaggedAdmission.decide(None)
+REFUSE = RaggedAdmission.refused()
+LENS_64_APART = [50, 114, 179, 243, 307, 371, 436, 500]
+"""Eight completions' token counts about 64 apart (masks §16's shattering example)."""
+
+
+def state_for(world: str, **kw) -> SchedulerState:
+    """A scheduler state of `world` (keyword fields as `SchedulerState` takes them); an
+    `admission` keyword is installed on both copies (`install_admission`)."""
+    admission = kw.pop("admission", None)
+    state = SchedulerState(world=world, **kw)
+    if admission is not None:
+        install_admission(state, admission)
+    return state
+
+
+def raises_exactly(message: str):
+    """`pytest.raises(ValueError)` whose message is exactly `message`."""
+    return pytest.raises(ValueError, match="^" + re.escape(message) + "$")
+
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64_int(x: int) -> int:
+    """splitmix64's output for state x in Python integers (Steele, Lea and Flood; Vigna's
+    splitmix64.c): the independent oracle of the scenario generator's and the acceptance
+    models' hashes."""
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)

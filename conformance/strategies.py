@@ -22,6 +22,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY
+from raggedspec.reference.scheduler import SeqRecord
 
 
 def leads_of(lengths: list[int]) -> list[int]:
@@ -187,3 +188,52 @@ def kv_head_layouts(
                          f"{max_heads} query heads")
     pairs = st.tuples(st.sampled_from(kv_heads), st.sampled_from(ratios))
     return pairs.map(lambda p: (p[0] * p[1], p[0])).filter(lambda p: p[0] <= max_heads)
+
+
+# --- the step simulator's scenarios ----------------------------------------------------------
+
+ACCEPTANCES = ("geometric:0.7", "profile:0.9,0.5,0.3", "all-accept", "all-reject",
+               "heterogeneous:0.1,0.95")
+"""One acceptance model of each kind that draws no file and no factory."""
+
+
+def _range_pair(lo: int, hi: int, spread: int) -> st.SearchStrategy[list[int]]:
+    """An inclusive `[low, high]` range: low in `[lo, hi]`, high up to `spread` above it."""
+    return st.tuples(st.integers(lo, hi), st.integers(0, spread)).map(
+        lambda t: [t[0], t[0] + t[1]])
+
+
+def simulator_scenarios(max_batch: int = 6, max_steps: int = 16,
+                        strips=("eager", "lazy", "none")) -> st.SearchStrategy[dict]:
+    """Scenario tables over the simulator's whole space: batch 1..max_batch, prompts of 1..16
+    tokens, every advance rule, world, strip policy (of `strips`), admission, arrival, LRU
+    size, acceptance model and a capacity (`max_seq_len` 40) that refuses steps."""
+    return st.fixed_dictionaries({
+        "batch": st.integers(1, max_batch),
+        "prompt_len": _range_pair(1, 10, 6),
+        "max_new_tokens": _range_pair(1, 20, 15),
+        "steps": st.integers(3, max_steps),
+        "depth": st.integers(0, 4),
+        "advance": st.sampled_from(["cohort", "per-sequence"]),
+        "world": st.sampled_from(["W0", "WA", "WB"]),
+        "strip": st.sampled_from(list(strips)),
+        "admission": st.sampled_from(["grant", "grant", "refuse"]),
+        "xs_per_seq": st.sampled_from([True, True, False]),
+        "arrival": st.sampled_from(["all-at-once", "staggered"]),
+        "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
+        "acceptance": st.sampled_from(ACCEPTANCES),
+        "max_seq_len": st.sampled_from([4096, 40]),
+        "max_seqs": st.sampled_from([None, None, 2, 3]),
+        "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
+        "seed": st.integers(0, 50),
+    })
+
+
+@st.composite
+def running_sets(draw, min_size: int = 1, max_size: int = 12):
+    """Scheduler records with ids 0.. in order: 1..40 tokens, a cache length or none (0..40),
+    prompt or completion, token offset 0..2, images or not."""
+    raw = draw(st.lists(st.tuples(st.integers(1, 40), st.one_of(st.none(), st.integers(0, 40)),
+                                  st.booleans(), st.integers(0, 2), st.booleans()),
+                        min_size=min_size, max_size=max_size))
+    return [SeqRecord(i, n, cache, pr, off, img) for i, (n, cache, pr, off, img) in enumerate(raw)]
