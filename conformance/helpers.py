@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from raggedspec.reference.scenario import model_config
 from raggedspec.reference.scheduler import (
     RaggedAdmission,
     SchedulerState,
@@ -128,3 +129,129 @@ def splitmix64_int(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
     return x ^ (x >> 31)
+
+
+# --- custom token oracles, named by a scenario's `acceptance = "oracle:module:factory"` --------
+# (`raggedspec.conformance.helpers:make_oracle`, ...): well-behaved ones, ones that break the
+# `TokenOracle` contract, and factories that fail.
+
+
+class _ConstantOracle:
+    """A custom token oracle for the factory test: every target is 1; drafts are all 1
+    except the last, which is 2 (so n - 1 of n drafts are accepted)."""
+
+    def prompt(self, seq_id, length):
+        return [1] * length
+
+    def target(self, seq_id, context):
+        return 1
+
+    def draft(self, seq_id, context, n):
+        return [1] * (n - 1) + [2] if n else []
+
+
+def make_oracle(scenario):
+    return _ConstantOracle()
+
+
+class _ShortDrafter(_ConstantOracle):
+    """Breaks the protocol: proposes one draft fewer than asked."""
+
+    def draft(self, seq_id, context, n):
+        return [1] * (n - 1)
+
+
+class _OutOfVocab(_ConstantOracle):
+    """Breaks the protocol: the target after a 7-token context is token 64 = vocab."""
+
+    def target(self, seq_id, context):
+        return 64 if len(context) >= 7 else 1
+
+
+def make_short_drafter(scenario):
+    return _ShortDrafter()
+
+
+def make_out_of_vocab(scenario):
+    return _OutOfVocab()
+
+
+class _LateBadPrompt(_ConstantOracle):
+    """Breaks the protocol for sequence 1 only: its prompt is one token short. Both modes
+    ask for a request's prompt when it arrives, so both refuse at the same call."""
+
+    def prompt(self, seq_id, length):
+        return [1] * (length - (seq_id == 1))
+
+
+def make_late_bad_prompt(scenario):
+    return _LateBadPrompt()
+
+
+def make_not_an_oracle(scenario):
+    return object()
+
+
+def make_raising(scenario):
+    raise RuntimeError("the oracle's weights are missing")
+
+
+class _Recorder:
+    """A token oracle that keeps the scenario its factory got and the arguments of its calls."""
+
+    def __init__(self, scenario):
+        self.scenario, self.calls = scenario, []
+
+    def prompt(self, seq_id, length):
+        self.calls.append(("prompt", seq_id, length))
+        return [0] * length
+
+    def target(self, seq_id, context):
+        self.calls.append(("target", seq_id, list(context)))
+        return 0
+
+    def draft(self, seq_id, context, n):
+        self.calls.append(("draft", seq_id, list(context), n))
+        return [0] * n
+
+
+def make_recorder(scenario):
+    return _Recorder(scenario)
+
+
+def make_nothing(scenario):
+    return None
+
+
+class _ContextOracle:
+    """Tokens that hash every value of the context (not only its length) with the scenario's
+    seed; a draft of n proposes the true tokens with one wrong at a context-chosen position
+    (or none)."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.seed, self.vocab = seed, vocab
+
+    def _next(self, seq_id: int, context) -> int:
+        h = self.seed * 31 + seq_id * 7 + sum((j + 1) * t for j, t in enumerate(context))
+        return h % self.vocab
+
+    def prompt(self, seq_id, length):
+        return [(seq_id * 5 + 3 * j) % self.vocab for j in range(length)]
+
+    def target(self, seq_id, context):
+        return self._next(seq_id, context)
+
+    def draft(self, seq_id, context, n):
+        out = list(context)
+        for _ in range(n):
+            out.append(self._next(seq_id, out))
+        bad = (seq_id + len(context)) % (n + 1)
+        if bad < n:
+            out[len(context) + bad] = (out[len(context) + bad] + 1) % self.vocab
+        return out[len(context):]
+
+
+
+def make_context_oracle(scenario):
+    return _ContextOracle(scenario.seed, model_config(scenario).vocab)
+
