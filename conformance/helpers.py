@@ -13,6 +13,7 @@ import re
 import pytest
 
 from raggedspec.reference.scenario import model_config
+from raggedspec.reference.trace_reader import TraceError, read_trace_strict
 from raggedspec.reference.scheduler import (
     RaggedAdmission,
     SchedulerState,
@@ -129,6 +130,34 @@ def splitmix64_int(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
     return x ^ (x >> 31)
+
+
+TRACE_STEP = {"type": "step", "step": 0, "rows": [{"seq": 0, "own_len": 5}]}
+"""The smallest well-formed step line of a trace."""
+TRACE_HEADER = {"type": "header", "schema": "raggedspec-trace", "version": 1}
+"""A trace header with the schema and version docs/trace.md asks for."""
+
+
+def write_trace_lines(tmp_path, objs, name: str = "t.jsonl"):
+    """A trace file `name` in `tmp_path`: one line per object (JSON-encoded) or text."""
+    path = tmp_path / name
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def problems(path) -> list[str]:
+    """The problem lines the strict reader refuses `path` with."""
+    with pytest.raises(TraceError) as err:
+        read_trace_strict(path)
+    return err.value.problems
+
+
+def only_problem(path) -> str:
+    """The refusal of a trace with exactly one problem: its one line is the message."""
+    with pytest.raises(TraceError) as err:
+        read_trace_strict(path)
+    assert err.value.problems == [str(err.value)] and err.value.more == 0
+    return str(err.value)
 
 
 # --- custom token oracles, named by a scenario's `acceptance = "oracle:module:factory"` --------
