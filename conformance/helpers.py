@@ -12,14 +12,16 @@ import re
 
 import pytest
 
-from raggedspec.reference.scenario import model_config
-from raggedspec.reference.trace_reader import TraceError, read_trace_strict
+from raggedspec.conformance.backends import backend_under_test, reference_backend
+from raggedspec.reference import simulator
+from raggedspec.reference.scenario import load_scenario, model_config
 from raggedspec.reference.scheduler import (
     RaggedAdmission,
     SchedulerState,
     SeqRecord,
     install_admission,
 )
+from raggedspec.reference.trace_reader import TraceError, read_trace_strict
 
 
 # --- the step simulator: scenarios, traces, the scheduler's records, the integer hash -------
@@ -158,6 +160,54 @@ def only_problem(path) -> str:
         read_trace_strict(path)
     assert err.value.problems == [str(err.value)] and err.value.more == 0
     return str(err.value)
+
+
+
+# --- end to end: one scenario on two backends ------------------------------------------------
+
+E2E_FLAVOURS = {
+    "cohort": {},
+    "per-sequence granted": GRANTED,
+    "per-sequence refused": {**GRANTED, "xs_per_seq": False},
+    "WA ragged cohort": {"world": "WA", "xs_per_seq": True},
+}
+"""The advance and world settings the end-to-end scenarios run under (per-sequence refused:
+requested and granted by admission, but without the xs flag the V4 cache cannot carry it)."""
+
+
+def e2e_scenario(flavour, batch, plen, extra_len, new, steps, depth, strip, arrival, lru,
+                 acceptance, max_seq_len, ratios, seed, mtp, heads=(2, 1)) -> dict:
+    """An end-to-end scenario table: `batch` prompts of `plen..plen + extra_len` tokens, a
+    model with compressed-layer `ratios`, MTP kind `mtp` and `(n_heads, n_kv_heads)` `heads`,
+    under the `E2E_FLAVOURS[flavour]` settings."""
+    return {"batch": batch, "prompt_len": [plen, plen + extra_len], "max_new_tokens": new,
+            "steps": steps, "depth": depth, "strip": strip, "arrival": arrival,
+            "max_draft_kv_seqs": lru, "acceptance": acceptance, "max_seq_len": max_seq_len,
+            "seed": seed, "model": {"compress_ratios": ratios, "mtp": mtp, "n_heads": heads[0],
+                                    "n_kv_heads": heads[1]},
+            **E2E_FLAVOURS[flavour]}
+
+
+GQA = {
+    2: e2e_scenario("per-sequence granted", 3, 3, 6, 25, 9, 3, "eager", "all-at-once", None,
+                    "geometric:0.7", 4096, [0, 4], 3, "block", heads=(4, 2)),
+    4: e2e_scenario("WA ragged cohort", 4, 2, 6, 20, 9, 2, "eager", "staggered", 2,
+                    "profile:0.9,0.5,0.3", 4096, [4, 0, 4], 5, "block", heads=(8, 2)),
+    8: e2e_scenario("per-sequence granted", 3, 5, 3, 20, 9, 3, "lazy", "all-at-once", 1,
+                    "heterogeneous:0.1,0.95", 4096, [0, 4], 7, "block", heads=(16, 2)),
+}
+"""Explicit GQA models, one per ratio of query heads to KV heads, each with two KV heads,
+through ragged per-sequence steps, the MTP chain and compressed layers."""
+
+
+def run_both(data: dict, port=None):
+    """`data` run with `record_tensors` on the backend under test (or `port`) and on the
+    reference: `(port trace, reference trace, port backend)`."""
+    sc = load_scenario(data)
+    port = backend_under_test() if port is None else port
+    ref = simulator.run(sc, record_tensors=True, backend=reference_backend())
+    out = simulator.run(sc, record_tensors=True, backend=port)
+    return out, ref, port
 
 
 # --- custom token oracles, named by a scenario's `acceptance = "oracle:module:factory"` --------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from raggedspec.conformance.helpers import e2e_scenario
 from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY
 from raggedspec.reference.scheduler import SeqRecord
 
@@ -237,3 +238,34 @@ def running_sets(draw, min_size: int = 1, max_size: int = 12):
                                   st.booleans(), st.integers(0, 2), st.booleans()),
                         min_size=min_size, max_size=max_size))
     return [SeqRecord(i, n, cache, pr, off, img) for i, (n, cache, pr, off, img) in enumerate(raw)]
+
+
+def e2e_scenarios(heads: st.SearchStrategy[tuple[int, int]]) -> st.SearchStrategy[dict]:
+    """End-to-end scenario tables (`helpers.e2e_scenario`): B 1..4, depth 0..3, 3..9 steps;
+    cohort and granted per-sequence advance, refused per-sequence (latched cohort), the WA
+    world's ragged batches under cohort, the three strip policies, staggered arrivals, an LRU
+    of 1-2 draft states, Tier A (no MTP block), compressed layers of ratio 4 and 128,
+    `max_seq_len` 40 and 24 (capacity refusals, poisoned draft KVs, failed steps); the model's
+    `(n_heads, n_kv_heads)` drawn from `heads`."""
+    return st.builds(
+        e2e_scenario,
+        flavour=st.sampled_from(["per-sequence granted", "cohort", "per-sequence granted",
+                                 "WA ragged cohort", "per-sequence granted",
+                                 "per-sequence refused"]),
+        batch=st.sampled_from([3, 2, 4, 1, 2, 3]),
+        plen=st.integers(1, 9),
+        extra_len=st.sampled_from([0, 0, 1, 2, 3, 6]),
+        new=st.integers(4, 30),
+        steps=st.integers(3, 9),
+        depth=st.sampled_from([3, 2, 1, 0, 3, 2]),
+        strip=st.sampled_from(["eager", "lazy", "none"]),
+        arrival=st.sampled_from(["all-at-once", "all-at-once", "staggered"]),
+        lru=st.sampled_from([None, 1, 2]),
+        acceptance=st.sampled_from(["geometric:0.7", "all-accept", "all-reject",
+                                    "profile:0.9,0.5,0.3", "heterogeneous:0.1,0.95"]),
+        max_seq_len=st.sampled_from([4096, 4096, 4096, 40, 24]),
+        ratios=st.sampled_from([[0, 4], [0, 4], [4], [0, 128], [4, 0, 4]]),
+        seed=st.integers(0, 30),
+        mtp=st.sampled_from(["block", "block", "block", "heads"]),
+        heads=heads,
+    )
