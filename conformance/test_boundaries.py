@@ -339,14 +339,17 @@ def per_sequence_clamp_scenario(max_seq_len, plens, depth, acceptance, seed):
 
 
 PER_SEQUENCE_CLAMP = dict(max_seq_len=12, plens=(2, 6), depth=3, acceptance="all-accept", seed=0)
+# the per-sequence scenarios the two properties below draw (ragged prompts, max_seq_len 12-20)
+PER_SEQUENCE_DRAWS = dict(
+    max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
+    depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
+    seed=st.integers(0, 9))
 
 
 @pytest.mark.slow
 @pytest.mark.rule("budget clamp binding on ragged rows")
 @FEW
-@given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
-       depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
-       seed=st.integers(0, 9))
+@given(**PER_SEQUENCE_DRAWS)
 @example(**PER_SEQUENCE_CLAMP)
 def test_the_budget_clamp_binding_on_ragged_rows_matches_the_reference(max_seq_len, plens, depth,
                                                                        acceptance, seed):
@@ -370,9 +373,7 @@ def test_the_budget_clamp_example_binds():
 
 @pytest.mark.rule("one uncached token per row under per-sequence advance")
 @FEW
-@given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
-       depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
-       seed=st.integers(0, 9))
+@given(**PER_SEQUENCE_DRAWS)
 @example(**PER_SEQUENCE_CLAMP)
 def test_under_per_sequence_advance_every_decode_row_has_one_uncached_token(max_seq_len, plens,
                                                                            depth, acceptance,

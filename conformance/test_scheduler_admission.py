@@ -18,15 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.helpers import (
-    GRANT,
-    LENS_64_APART,
-    REFUSE,
-    completion,
-    prompt,
-    raises_exactly,
-    state_for,
-)
+from raggedspec.conformance.helpers import (GRANT, LENS_64_APART, REFUSE, completion, prompt,
+                                            raises_exactly, state_for)
 from raggedspec.conformance.strategies import running_sets
 from raggedspec.reference.scheduler import (
     COALESCE_PAYBACK_STEPS,

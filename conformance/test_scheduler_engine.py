@@ -16,15 +16,8 @@ from dataclasses import replace
 
 import pytest
 
-from raggedspec.conformance.helpers import (
-    GRANT,
-    LENS_64_APART,
-    REFUSE,
-    completion,
-    prompt,
-    raises_exactly,
-    state_for,
-)
+from raggedspec.conformance.helpers import (GRANT, LENS_64_APART, REFUSE, completion, prompt,
+                                            raises_exactly, state_for)
 from raggedspec.reference.errors import CapabilityRefusal, SchedulerRefusal
 from raggedspec.reference.scheduler import (
     IN,
