@@ -15,6 +15,12 @@ front-aligned (left-padded) to `max(lengths)`, so row i's *lead* (dead prefix) i
 - `bf16_inexact_positions(lo, hi)`: positions bfloat16 cannot hold exactly (odd, > 256).
 - `kv_head_layouts(kv_heads, ratios, max_heads)`: a model's `(n_heads, n_kv_heads)`, MQA
   (one KV head) or GQA (several, each serving `ratio` query heads).
+- `simulator_scenarios(max_batch, max_steps, strips)`: scenario tables over the simulator's
+  whole space (advance rules, worlds, strip policies, admission, arrivals, LRU sizes,
+  acceptance models, a capacity that refuses steps).
+- `e2e_scenarios(heads)`: the end-to-end runs' small scenarios, their model's head layout
+  drawn from `heads`.
+- `running_sets(min_size, max_size)`: the scheduler's sequence records.
 """
 
 from __future__ import annotations
