@@ -211,7 +211,7 @@ def test_results_and_summary_are_rewritten_after_every_step(gs, tmp_path):
     assert_device_outputs(out, gpu_session)
 
 
-def test_the_headline_table_shows_the_kernel_alone_and_the_wrappers_overhead(gs):
+def test_the_headline_table_shows_the_kernel_alone_and_the_wrappers_overhead(gs, tmp_path):
     session_report = gs[3]
     # 1 GB/s and 1e6 live bytes: the bound is exactly 1 ms
     row = {"w": 2, "B": 128, "L": 4096, "spread": 64, "live_kv_bytes": 1_000_000,
@@ -224,6 +224,11 @@ def test_the_headline_table_shows_the_kernel_alone_and_the_wrappers_overhead(gs)
     assert ("| 2 | 128 | 4096 | 64 | 1.0000 | 1.050 (1.05x) | 1.500 (1.50x) | 0.450 | "
             "3.000 (3.00x) | WRONG: err 0.3 |") in table
     assert "Not measured" in "\n".join(session_report.headline_section(None))
+    md = tmp_path / "bench.md"
+    line = "- headline w=2 (B=128, L=4096, spread 64; bound 0.5 ms): ... targets MET."
+    md.write_text(f"| table |\n{line}\n- `cupy`: a strategy line\n")
+    assert session_report.verdict_lines(md) == ["", line]
+    assert session_report.verdict_lines(tmp_path / "absent.md") == []
 
 
 def test_a_bench_cut_short_still_shows_its_finished_cases_in_the_summary(gs):

@@ -65,6 +65,7 @@ def render_summary(res: dict, work: Path) -> str:
     lines = [f"# Device run summary ({res['mode']}, {stamp}, {state}: {res['elapsed_s']:.0f} s "
              f"of a {res['deadline_s']:g} s deadline" + exit_note(res) + ")"]
     lines += headline_section(res["outputs"].get("headline"))
+    lines += verdict_lines(work / "headline" / "bench.md")
     lines += steps_section(res["steps"])
     if res["notes"]:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
@@ -114,6 +115,17 @@ def headline_section(bench: dict | None) -> list[str]:
                      f"{timed(st.get('per_row', {}), 'ms', bound)} |")
     notes = bench.get("notes", {}).get("cupy") or bench.get("not_run", {}).get("cupy")
     return lines + (["", f"CuPy: {notes}"] if notes else [])
+
+
+def verdict_lines(bench_md: Path) -> list[str]:
+    """The bench's own headline lines (each strategy x the bound, the targets' verdict), once
+    the headline step has finished and written its table."""
+    try:
+        found = [line for line in bench_md.read_text().splitlines()
+                 if line.startswith("- headline ")]
+    except OSError:
+        return []
+    return [""] + found if found else []
 
 
 def timed(res: dict, key: str, bound: float) -> str:
