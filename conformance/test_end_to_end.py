@@ -169,11 +169,8 @@ def paths_reached(trace) -> set[str]:
 # ---------------------------------------------------------------------- the spec's worked examples
 
 
-@pytest.mark.rule(
-    "dead-prefix union mask, backend",
-    "the port's per-sequence caches and clone-in",
-    "the spec's worked examples end to end",
-)
+@pytest.mark.rule("the spec's worked examples end to end",
+                  "end to end: the same scenario on two backends")
 def test_the_per_sequence_example_matches_tensor_for_tensor(tmp_path):
     """C §16 PerSequence example (A own 12, B own 10 -> leads [0, 2], chain starts [11, 9],
     A accepts 2, B 0) on both backends: the ragged step's masks kill B's two dead columns,
