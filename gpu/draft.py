@@ -23,11 +23,6 @@ draft_chain_stats = {"scalar": 0, "per_row": 0}
 position) or "per_row" (`forward_step_rows`). A uniform group must never reach "per_row"."""
 
 
-def reset_draft_chain_stats() -> None:
-    for key in draft_chain_stats:
-        draft_chain_stats[key] = 0
-
-
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens `[...]` of `logits [..., V]`: the first maximal index (torch.argmax's
     documented tie rule on CPU and CUDA, as `reference.draft.argmax_token`)."""
@@ -222,5 +217,4 @@ __all__ = [
     "draft_chain_stats",
     "extend_draft_kv_rows",
     "propose_chain_batched",
-    "reset_draft_chain_stats",
 ]
