@@ -151,3 +151,50 @@ class StepSpy:
 
         monkeypatch.setattr(cls, "forward_step", forward_step)
         monkeypatch.setattr(cls, "forward_step_rows", forward_step_rows)
+
+
+def kv_history(model, lens: list[int], rng, dtype=None) -> list[list[np.ndarray]]:
+    """`hist[layer][i]`: row i's cached K (== V) of every target layer, `[lens[i], head_dim]`
+    (`[n_kv_heads, lens[i], head_dim]` with several KV heads), rounded to the torch `dtype`
+    when given (so both sides hold it exactly)."""
+    from raggedspec.gpu.testing import representable
+
+    d, hk = model.cfg.head_dim, model.cfg.n_kv_heads
+    out = []
+    for _ in model.layers:
+        rows = [rng.standard_normal((n, d) if hk == 1 else (hk, n, d)) for n in lens]
+        out.append([r if dtype is None else representable(r, dtype) for r in rows])
+    return out
+
+
+def front_aligned_batch(model, hist):
+    """The reference's front-aligned batch of `kv_history` rows: row i's run ends at column
+    C = max(lens), zeros in front (its lead), capacity 512 (the plain cache's); and the
+    leads."""
+    from raggedspec.reference.cache import KvCache, NormalCache, SingleCache
+
+    lens = [h.shape[-2] for h in hist[0]]
+    c = max(lens)
+    if c == 0:
+        return model.new_cache(), [0] * len(lens)
+    slots = []
+    for rows in hist:
+        data = np.zeros((len(lens), model.cfg.n_kv_heads, 512, model.cfg.head_dim))
+        for i, h in enumerate(rows):
+            data[i, :, c - h.shape[-2]: c] = h
+        slots.append(KvCache(SingleCache(model.cfg.max_seq_len, 512, c, 0, None, data.copy()),
+                             SingleCache(model.cfg.max_seq_len, 512, c, 0, None, data.copy())))
+    return NormalCache(slots), [c - n for n in lens]
+
+
+def in_place_cache(model, hist, dtype=None):
+    """The port's in-place rows of `kv_history` (one `RaggedKv` per layer): row i's K at
+    columns `[0, lens[i])`, in the torch `dtype` (default float64)."""
+    from raggedspec.gpu.cache import RaggedKv
+    from raggedspec.gpu.testing import to_port
+
+    out = []
+    for rows in hist:
+        ks = [to_port(h if h.ndim == 3 else h[None], dtype) for h in rows]
+        out.append(RaggedKv.from_rows(ks, [k.clone() for k in ks], model.cfg.max_seq_len))
+    return out

@@ -243,3 +243,12 @@ def extension_batches(draw):
         rows.append((filled, tail, off, draw(st.integers(0, off + t + 2))))
     order = draw(st.permutations(list(range(r + 1))))
     return t, rows, order, draw(st.integers(0, 2**32 - 1))
+
+
+@st.composite
+def forward_cases(draw, names: tuple[str, ...]):
+    """A target forward of the port: `(model name, lens, steps, seed)`: one of `names`, 1..6
+    rows of own lengths 1..80 (`corner_lengths`), one or two consecutive steps of 1..9 tokens."""
+    lens = draw(corner_lengths(1, 6, 80, boundaries=False))
+    steps = draw(st.lists(st.integers(1, 9), min_size=1, max_size=2))
+    return draw(st.sampled_from(sorted(names))), lens, steps, draw(st.integers(0, 2**32 - 1))

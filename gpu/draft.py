@@ -88,7 +88,7 @@ def propose_chain_batched(
             hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
             logits = hidden @ model.lm_head
         else:
-            fused = block.fuse_checked(prev[:, None, :], toks[:, None])
+            fused = block.fuse(prev[:, None, :], toks[:, None])
             if ragged is None:
                 draft_chain_stats["scalar"] += 1
                 hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
@@ -193,7 +193,7 @@ def extend_draft_kv_rows(
         1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
     )
     nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
-    fused = block.fuse_checked(
+    fused = block.fuse(
         h.to(block.dtype), nxt
     )  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
