@@ -198,3 +198,18 @@ def in_place_cache(model, hist, dtype=None):
         ks = [to_port(h if h.ndim == 3 else h[None], dtype) for h in rows]
         out.append(RaggedKv.from_rows(ks, [k.clone() for k in ks], model.cfg.max_seq_len))
     return out
+
+
+_BUILT: dict = {}
+
+
+def built_model(be, cfg=None):
+    """`be.build_model(cfg)` (the default config when None), built once per backend object
+    and config."""
+    from raggedspec.reference.model import ModelConfig
+
+    cfg = cfg or ModelConfig()
+    key = (id(be), cfg)
+    if key not in _BUILT:
+        _BUILT[key] = (be, be.build_model(cfg))  # the backend kept: its id stays its own
+    return _BUILT[key][1]

@@ -15,14 +15,10 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from raggedspec.conformance.backends import (
-    assert_close,
-    assert_exact,
-    assert_same_cache,
-    backend_under_test,
-    reference_backend,
-)
-from raggedspec.conformance.helpers import assert_same_draft_states, primed_state, prompt_cache
+from raggedspec.conformance.backends import assert_close, assert_exact, assert_same_cache
+from raggedspec.conformance.backends import backend_under_test, reference_backend
+from raggedspec.conformance.helpers import assert_same_draft_states, built_model, primed_state
+from raggedspec.conformance.helpers import prompt_cache
 from raggedspec.conformance.strategies import accept_steps, corner_lengths, lead_pads, verify_blocks
 from raggedspec.reference.attention import Dsv4AttentionConfig
 from raggedspec.reference.backend import PROTOCOL_METHODS, missing_methods
@@ -396,14 +392,9 @@ def _cfg(ratios, mtp="block", max_seq_len=4096):
     return ModelConfig(compress_ratios=tuple(ratios), mtp=mtp, max_seq_len=max_seq_len)
 
 
-_models: dict = {}
-
-
 def models(cfg):
-    key = (cfg, id(port()))
-    if key not in _models:
-        _models[key] = (port().build_model(cfg), REF.build_model(cfg))
-    return _models[key]
+    """(the backend under test's model, the reference's) of `cfg`, built once per backend."""
+    return built_model(port(), cfg), built_model(REF, cfg)
 
 
 def same_cache(p, r, what: str) -> None:

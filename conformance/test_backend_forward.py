@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from raggedspec.conformance.backends import assert_close, assert_exact, assert_same_cache
-from raggedspec.conformance.helpers import prompt_cache
+from raggedspec.conformance.helpers import built_model, prompt_cache
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.testing import DEVICE
 from raggedspec.reference.backend import NumpyBackend
@@ -30,14 +30,7 @@ REF = NumpyBackend()
 PORT = TorchBackend(str(DEVICE), "float64")
 BOTH = (PORT, REF)
 CFG = ModelConfig(compress_ratios=(0, 4))
-_MODELS: dict = {}
-
-
-def model_of(be, cfg):
-    """The backend's model of `cfg`, built once per backend."""
-    if (be.name, cfg) not in _MODELS:
-        _MODELS[be.name, cfg] = be.build_model(cfg)
-    return _MODELS[be.name, cfg]
+model_of = built_model
 
 
 def own(be, cfg, n):

@@ -21,26 +21,13 @@ from hypothesis import strategies as st
 import raggedspec.gpu.draft as port
 import raggedspec.gpu.model as port_model
 from raggedspec.conformance.backends import assert_exact, assert_same_cache
-from raggedspec.conformance.helpers import (
-    StepSpy,
-    close,
-    draft_history,
-    draft_pool,
-    held_k,
-    ref_draft_kv,
-)
+from raggedspec.conformance.helpers import StepSpy, close, draft_history, draft_pool, held_k
+from raggedspec.conformance.helpers import built_model, ref_draft_kv
 from raggedspec.conformance.strategies import chain_groups
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.rope import reset_rope_path_stats, rope_path_stats
-from raggedspec.gpu.testing import (
-    DEVICE,
-    assert_bit_exact,
-    assert_close64,
-    assert_same_refusal,
-    host,
-    outcome,
-    to_port,
-)
+from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_close64, assert_same_refusal
+from raggedspec.gpu.testing import host, outcome, to_port
 from raggedspec.reference import draft as ref
 from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
 from raggedspec.reference.attention import dsv4_mask_stats, reset_dsv4_mask_stats
@@ -437,15 +424,8 @@ def test_chain_results_are_int64_and_a_float32_seed_runs_in_the_model_dtype(mode
 # --- the backends' propose_chain ------------------------------------------------------------------
 
 
-_MODELS: dict = {}
-
-
 def backend_models(cfg: ModelConfig | None = None):
-    """(port model, reference model) of `cfg` (the default config), built once."""
-    cfg = cfg or ModelConfig()
-    if cfg not in _MODELS:
-        _MODELS[cfg] = (PORT_BE.build_model(cfg), REF_BE.build_model(cfg))
-    return _MODELS[cfg]
+    return built_model(PORT_BE, cfg), built_model(REF_BE, cfg)
 
 
 def same_kv(p, r, what):

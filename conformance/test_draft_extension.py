@@ -22,13 +22,8 @@ import gc
 import raggedspec.gpu.draft as port
 import raggedspec.gpu.draft_store as draft_store
 from raggedspec.conformance.backends import assert_close
-from raggedspec.conformance.helpers import (
-    assert_same_draft_states,
-    draft_pool,
-    held_k,
-    primed_state,
-    ref_draft_kv,
-)
+from raggedspec.conformance.helpers import assert_same_draft_states, draft_pool, held_k
+from raggedspec.conformance.helpers import built_model, primed_state, ref_draft_kv
 from raggedspec.conformance.strategies import extension_batches
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.cache import RaggedKv
@@ -47,14 +42,8 @@ REF = NumpyBackend()
 PORT = TorchBackend(str(DEVICE), "float64")
 CFG = ModelConfig()
 H, V, HD = CFG.hidden, CFG.vocab, CFG.head_dim
-_MODELS: dict = {}
-
-
 def models(cfg=CFG):
-    """(port model, reference model) of `cfg`, built once."""
-    if cfg not in _MODELS:
-        _MODELS[cfg] = (PORT.build_model(cfg), REF.build_model(cfg))
-    return _MODELS[cfg]
+    return built_model(PORT, cfg), built_model(REF, cfg)
 
 
 def toks_of(n, row=0):

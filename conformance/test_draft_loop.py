@@ -15,26 +15,15 @@ import pytest
 from hypothesis import given
 
 import raggedspec.reference.draft as draft_mod
-from raggedspec.conformance.helpers import (
-    StepSpy,
-    assert_same_draft_states,
-    draft_history,
-    held_k,
-    primed_state,
-    ref_draft_kv,
-)
+from raggedspec.conformance.helpers import StepSpy, assert_same_draft_states, draft_history, held_k
+from raggedspec.conformance.helpers import built_model, primed_state, ref_draft_kv
 from raggedspec.conformance.strategies import write_back_groups
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_same_refusal, outcome, to_port
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.cache import KvCache
-from raggedspec.reference.draft import (
-    WARNINGS,
-    DraftKv,
-    draft_group_members,
-    group_drafting_loop,
-    propose_chain,
-)
+from raggedspec.reference.draft import WARNINGS, DraftKv, draft_group_members, group_drafting_loop
+from raggedspec.reference.draft import propose_chain
 from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, StepRefusal
 from raggedspec.reference.model import ModelConfig, MtpBlock, TinyModel
 
@@ -379,15 +368,8 @@ def test_the_loop_needs_one_entry_per_row(be):
 
 # --- the port's loop on its pooled draft KV -------------------------------------------------------
 
-_MODELS: dict = {}
-
-
 def models(cfg: ModelConfig | None = None):
-    """(port model, reference model) of `cfg` (the default config), built once."""
-    cfg = cfg or ModelConfig()
-    if cfg not in _MODELS:
-        _MODELS[cfg] = (PORT.build_model(cfg), REF.build_model(cfg))
-    return _MODELS[cfg]
+    return built_model(PORT, cfg), built_model(REF, cfg)
 
 
 def states_for(be, model, plan):

@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from raggedspec.conformance.backends import (
-    PROTOCOL_CALLS,
-    _recording,
-    record_protocol_calls,
-    selection,
-    uncalled_methods,
-)
+from raggedspec.conformance.backends import PROTOCOL_CALLS, _recording, record_protocol_calls
+from raggedspec.conformance.backends import selection, uncalled_methods
 from raggedspec.gpu import kernel_emulator
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.cupy_backend import CupyBackend
