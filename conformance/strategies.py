@@ -216,15 +216,17 @@ def chain_groups(draw):
 @st.composite
 def write_back_groups(draw):
     """A draft group for the group loop: `(starts, tails, n, per_seq, seed)`: 1..4 chain
-    starts (uniform half the time), held tails past them (negative: a start past the held
-    rows), a chain length 1..4, the per-sequence flag and a seed."""
+    starts (uniform half the time, and always without per-sequence advance: its scalar group
+    keys give a group one chain start, C §9.1), held tails past them (negative: a start past
+    the held rows), a chain length 1..4, the per-sequence flag and a seed."""
     g = draw(st.integers(1, 4))
     starts = draw(st.lists(st.integers(1, 14), min_size=g, max_size=g))
-    if draw(st.booleans()):
-        starts = [starts[0]] * g
+    uniform = draw(st.booleans())
     tails = draw(st.lists(st.integers(-2, 3), min_size=g, max_size=g))
-    return starts, tails, draw(st.integers(1, 4)), draw(st.booleans()), \
-        draw(st.integers(0, 2**32 - 1))
+    n, per_seq = draw(st.integers(1, 4)), draw(st.booleans())
+    if uniform or not per_seq:
+        starts = [starts[0]] * g
+    return starts, tails, n, per_seq, draw(st.integers(0, 2**32 - 1))
 
 
 @st.composite
