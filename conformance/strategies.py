@@ -275,3 +275,70 @@ def e2e_scenarios(heads: st.SearchStrategy[tuple[int, int]]) -> st.SearchStrateg
         mtp=st.sampled_from(["block", "block", "block", "heads"]),
         heads=heads,
     )
+
+
+# --- draft KV, draft chain and the model's forward ------------------------------------------
+
+
+@st.composite
+def chain_groups(draw):
+    """A draft group of G rows for the port's chain on pool rows: `(starts, tails, others,
+    order, n, seed)`: chain starts (independent, uniform, or one row far behind), each row's
+    speculative tail past its start, 0..3 other sequences' lengths in the pool, the shuffled
+    pool row of every sequence, a chain length 1..8 (depth up to 8) and a seed."""
+    g = draw(st.integers(1, 6))
+    shape = draw(st.sampled_from(["independent", "uniform", "one_behind"]))
+    if shape == "uniform":
+        starts = [draw(st.integers(1, 30))] * g
+    else:
+        starts = draw(st.lists(st.integers(1, 30), min_size=g, max_size=g))
+        if shape == "one_behind" and g >= 2:
+            starts = [30] * g
+            starts[draw(st.integers(0, g - 1))] = draw(st.integers(1, 4))
+    tails = draw(st.lists(st.integers(0, 3), min_size=g, max_size=g))
+    others = draw(st.lists(st.integers(0, 30), max_size=3))
+    order = draw(st.permutations(list(range(g + len(others)))))
+    return starts, tails, others, order, draw(st.integers(1, 8)), draw(st.integers(0, 2**32 - 1))
+
+
+@st.composite
+def write_back_groups(draw):
+    """A draft group for the group loop: `(starts, tails, n, per_seq, seed)`: 1..4 chain
+    starts (uniform half the time, and always without per-sequence advance: its scalar group
+    keys give a group one chain start, C §9.1), held tails past them (negative: a start past
+    the held rows), a chain length 1..4, the per-sequence flag and a seed."""
+    g = draw(st.integers(1, 4))
+    starts = draw(st.lists(st.integers(1, 14), min_size=g, max_size=g))
+    uniform = draw(st.booleans())
+    tails = draw(st.lists(st.integers(-2, 3), min_size=g, max_size=g))
+    n, per_seq = draw(st.integers(1, 4)), draw(st.booleans())
+    if uniform or not per_seq:
+        starts = [starts[0]] * g
+    return starts, tails, n, per_seq, draw(st.integers(0, 2**32 - 1))
+
+
+@st.composite
+def extension_batches(draw):
+    """R rows to extend from one capture: `(T, rows, order, seed)`, each row `(filled, tail,
+    off, L)`: filled 0..20 with a held tail past it, its own capture offset (some past
+    `filled`: misaligned), L committed tokens around the capture's end (some with nothing to
+    write); `order` places the rows (and one other sequence) in a pool."""
+    r = draw(st.integers(1, 6))
+    t = draw(st.integers(1, 9))
+    rows = []
+    for _ in range(r):
+        filled = draw(st.integers(0, 20))
+        tail = draw(st.integers(0, 3))
+        off = draw(st.integers(0, filled + draw(st.sampled_from([0, 0, 0, 2]))))
+        rows.append((filled, tail, off, draw(st.integers(0, off + t + 2))))
+    order = draw(st.permutations(list(range(r + 1))))
+    return t, rows, order, draw(st.integers(0, 2**32 - 1))
+
+
+@st.composite
+def forward_cases(draw, names: tuple[str, ...]):
+    """A target forward of the port: `(model name, lens, steps, seed)`: one of `names`, 1..6
+    rows of own lengths 1..80 (`corner_lengths`), one or two consecutive steps of 1..9 tokens."""
+    lens = draw(corner_lengths(1, 6, 80, boundaries=False))
+    steps = draw(st.lists(st.integers(1, 9), min_size=1, max_size=2))
+    return draw(st.sampled_from(sorted(names))), lens, steps, draw(st.integers(0, 2**32 - 1))

@@ -15,18 +15,13 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from raggedspec.conformance.backends import (
-    assert_close,
-    assert_exact,
-    assert_same_cache,
-    backend_under_test,
-    reference_backend,
-)
+from raggedspec.conformance.backends import assert_close, assert_exact, assert_same_cache
+from raggedspec.conformance.backends import backend_under_test, reference_backend
+from raggedspec.conformance.helpers import assert_same_draft_states, built_model, primed_state
+from raggedspec.conformance.helpers import prompt_cache
 from raggedspec.conformance.strategies import accept_steps, corner_lengths, lead_pads, verify_blocks
 from raggedspec.reference.attention import Dsv4AttentionConfig
 from raggedspec.reference.backend import PROTOCOL_METHODS, missing_methods
-from raggedspec.reference.dispatch import MtpHiddenCapture
-from raggedspec.reference.draft import DraftKv
 from raggedspec.reference.errors import Refusal
 from raggedspec.reference.model import ModelConfig
 
@@ -397,22 +392,9 @@ def _cfg(ratios, mtp="block", max_seq_len=4096):
     return ModelConfig(compress_ratios=tuple(ratios), mtp=mtp, max_seq_len=max_seq_len)
 
 
-_models: dict = {}
-
-
 def models(cfg):
-    key = (cfg, id(port()))
-    if key not in _models:
-        _models[key] = (port().build_model(cfg), REF.build_model(cfg))
-    return _models[key]
-
-
-def _prompt(be, model, cfg, toks, capture=None):
-    """One sequence's own target cache after a prompt forward (B = 1)."""
-    cache = be.new_target_cache(cfg, cfg.max_seq_len, 1)
-    fwd = be.forward(model, np.array([toks]), cache, [0], None, None, capture)
-    be.xs_append(cache, fwd.hidden)
-    return be.clone_out(cache, 1)[0], fwd
+    """(the backend under test's model, the reference's) of `cfg`, built once per backend."""
+    return built_model(port(), cfg), built_model(REF, cfg)
 
 
 def same_cache(p, r, what: str) -> None:
@@ -440,8 +422,8 @@ def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_
     pm, rm = models(cfg)
     rng = np.random.default_rng(seed)
     prompts = [list(rng.integers(0, cfg.vocab, n)) for n in plens]
-    pc = [_prompt(port(), pm, cfg, t)[0] for t in prompts]
-    rc = [_prompt(REF, rm, cfg, t)[0] for t in prompts]
+    pc = [prompt_cache(port(), pm, t) for t in prompts]
+    rc = [prompt_cache(REF, rm, t) for t in prompts]
     p = outcome(port().clone_in, pc, [0] * len(pc), True, per_seq)
     r = outcome(REF.clone_in, rc, [0] * len(rc), True, per_seq)
     if not same_outcome(p, r, "clone_in"):
@@ -527,39 +509,11 @@ def test_priming_and_the_draft_chain_match_the_reference(plens, n, seed, per_seq
     be = port()
     exact = be.dtype == "float64"
 
-    def primed(backend, model):
-        states = []
-        for t in toks:
-            cap = MtpHiddenCapture()
-            cap.arm()
-            _prompt(backend, model, cfg, t[:-1], cap)
-            state = DraftKv(cache=backend.new_draft_cache(model))
-            backend.prime_draft_kv([state], cap.take(), [t], 1, model, [])
-            states.append(state)
-        return states
-
-    ps, rs = primed(be, pm), primed(REF, rm)
+    ps = [primed_state(be, pm, t) for t in toks]
+    rs = [primed_state(REF, rm, t) for t in toks]
 
     def same_states(when: str) -> None:
-        for i, (a, r) in enumerate(zip(ps, rs, strict=False)):
-            assert_exact(
-                (a.filled, a.poisoned, None if a.seed is None else a.seed[0]),
-                (r.filled, r.poisoned, None if r.seed is None else r.seed[0]),
-                f"row {i} state {when}",
-            )
-            if r.seed is not None:
-                assert_close(
-                    be.to_numpy(a.seed[1]), r.seed[1], be.dtype, f"row {i} seed hidden {when}"
-                )
-            assert (a.cache is None) == (r.cache is None)
-            if r.cache is not None:
-                assert_same_cache(
-                    be.materialize(a.cache),
-                    REF.materialize(r.cache),
-                    be.dtype,
-                    f"row {i} draft KV {when}",
-                    None if exact else r.filled,
-                )
+        assert_same_draft_states(be, REF, ps, rs, be.dtype, not exact, when)
 
     same_states("after priming")
     cache_lens = [len(t) - 1 for t in toks]

@@ -15,7 +15,8 @@ READ_BUDGET = 32
 
 
 @pytest.mark.rule("host work per decode step, port")
-@pytest.mark.parametrize("advance", ["per-sequence", "cohort"])
+@pytest.mark.parametrize("advance", [pytest.param("per-sequence", marks=pytest.mark.slow),
+                                     "cohort"])
 def test_host_reads_per_decode_step_are_flat_in_the_batch(advance):
     small, large = (count_decode_steps(b, advance, steps=4) for b in (2, 16))
     assert large["reads_per_step"] <= small["reads_per_step"], (small, large)

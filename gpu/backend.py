@@ -106,6 +106,11 @@ class TorchBackend(Backend):
             t = t.to(self.tdtype)
         return to_device(t, self.dev)
 
+    def _floats(self, a) -> torch.Tensor:
+        """A host array (or tensor) of K or V values as a backend tensor in the backend dtype,
+        integers included (the reference holds every slot in float64)."""
+        return self._t(a).to(self.tdtype)
+
     def _ints(self, xs) -> torch.Tensor:
         return ints_on([int(x) for x in xs], self.dev)
 
@@ -220,11 +225,11 @@ class TorchBackend(Backend):
     # ------------------------------------------------------------------ one K/V slot
     def kv_from_arrays(self, k, v, max_seq_len, capacity=PLAIN_CACHE_CAPACITY):
         slot = TorchKv(max_seq_len, capacity)
-        slot.append(self._t(k), self._t(v))
+        slot.append(self._floats(k), self._floats(v))
         return slot
 
     def kv_append(self, kv, k, v):
-        kv.append(self._t(k), self._t(v))
+        kv.append(self._floats(k), self._floats(v))
 
     def kv_set_len(self, kv, n):
         kv.set_len(n)
