@@ -208,3 +208,41 @@ def draft_slot(live: int, cap: int, mark: float):
     k = np.arange(cap, dtype=np.float64).reshape(1, 1, cap, 1) + mark
     return KvCache(SingleCache(4096, cap, live, 0, None, k.copy()),
                    SingleCache(4096, cap, live, 0, None, k + 1000))
+
+
+def _kernel_modes() -> list:
+    from raggedspec.gpu import kernel_emulator
+    from raggedspec.gpu.cupy_kernels import cupy_unavailable
+
+    why = cupy_unavailable()
+    return [
+        pytest.param("emulate", marks=pytest.mark.skipif(
+            kernel_emulator.compilers()["g++"] is None,
+            reason="the kernel emulator needs g++ on the PATH")),
+        pytest.param("cupy", marks=pytest.mark.skipif(
+            why is not None, reason=f"CuPy needs a CUDA GPU: {why}")),
+    ]
+
+
+KERNEL_MODES = _kernel_modes()
+"""The kernels' two runners: `emulate` (g++, every machine with it) and `cupy` (a CUDA GPU);
+each skipped, with the reason, where it cannot run."""
+_RUNNERS: dict = {}
+
+
+def kernels(mode: str):
+    """One `gpu.cupy_kernels.Kernels(mode)` per session (its builds are cached with it)."""
+    from raggedspec.gpu.cupy_kernels import Kernels
+
+    if mode not in _RUNNERS:
+        _RUNNERS[mode] = Kernels(mode)
+    return _RUNNERS[mode]
+
+
+def to_kern(kern, a):
+    """A host array as the runner's array (a CuPy array, or NumPy under the emulator)."""
+    return kern.xp.asarray(np.ascontiguousarray(a))
+
+
+def from_kern(kern, a) -> np.ndarray:
+    return a.get() if kern.mode == "cupy" else np.asarray(a)

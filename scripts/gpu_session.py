@@ -142,7 +142,7 @@ def plan(mode: str, work: Path, py: str) -> list[Step]:
     steps.append(
         _pytest_step(
             "conf_kernels_cupy",
-            ["test_cupy_kernels.py"],
+            ["test_kernels.py"],
             work,
             py,
             device_env,
