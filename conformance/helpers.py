@@ -39,6 +39,13 @@ def assert_same_xs(port, ref, what: str = "") -> None:
         assert_close64(pc, rc, what=f"{what}: row {i} comp")
 
 
+def scratch_blocks(h: np.ndarray, ratio: int) -> np.ndarray:
+    """From-scratch compression of hidden rows `h [T, D]`: block g = the mean of rows
+    `[g*ratio, (g+1)*ratio)`, by loop (an oracle independent of any reshape)."""
+    out = [sum(h[g * ratio + j] for j in range(ratio)) / ratio for g in range(len(h) // ratio)]
+    return np.array(out).reshape(len(out), h.shape[1]) if out else np.zeros((0, h.shape[1]))
+
+
 class XsImpl:
     """One implementation of the XsRolling slot, so one test body runs over both: `new` builds
     a slot (the classes share their constructor), `x` turns a float64 host array into what its

@@ -38,6 +38,7 @@ from raggedspec.gpu import kernel_emulator
 from raggedspec.gpu.align import materialize_front_aligned
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.testing import outcome
+from raggedspec.preflight import ragged_inputs
 from raggedspec.reference.errors import CacheRefusal, MaskRefusal
 
 _WHY = ck.cupy_unavailable()
@@ -207,25 +208,13 @@ def verify_cases(draw):
     return b, hk, g, w, d, cap, lens, nt, n_split, seed
 
 
-def _qkv(b, hk, g, w, d, cap, lens, seed, slack=16.0):
-    """Random q/k/v; every slack column (at or past lens[b]) holds huge values, so a kernel
-    that reads one is far off."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, hk * g, w, d))
-    k, v = rng.standard_normal((b, hk, cap, d)), rng.standard_normal((b, hk, cap, d))
-    for i, n in enumerate(lens):
-        k[i, :, n:] = slack * rng.standard_normal(k[i, :, n:].shape)
-        v[i, :, n:] = 1e6
-    return q, k, v
-
-
 @pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @FEW
 @given(case=verify_cases())
 def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64(kern, case):
     b, hk, g, w, d, cap, lens, nt, n_split, seed = case
-    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed)
+    q, k, v = ragged_inputs(b, hk, g, w, d, cap, lens, seed)
     want = reference_verify_attention(q, k, v, lens)
     got = from_kern(
         kern,
@@ -320,12 +309,27 @@ def test_query_rows_read_the_kv_rows_they_name(kern):
         assert np.max(np.abs(got[g] - want)) <= 1e-12 * np.max(np.abs(want)), (g, i)
 
 
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
+def test_splits_of_the_keys_combine_to_the_attention_over_all_of_them(kern):
+    """Rows of 64 and 40 keys (no window) split 1, 2 or 3 ways along the keys: each split's
+    running maximum differs, and the combine rescales each split by its own maximum, so
+    every split count equals the reference within 1e-12 (slack columns never read)."""
+    lens = [64, 40]
+    q, k, v = ragged_inputs(2, 1, 2, 2, 8, 64, lens, seed=2)
+    want = reference_verify_attention(q, k, v, lens)
+    for n_split in (1, 2, 3):
+        out = kern.verify_attention(*(to_kern(kern, a) for a in (q, k, v)), lens,
+                                    n_split=n_split, nt=8)
+        got = from_kern(kern, out)
+        assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), n_split
+
+
 @pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, dtype):
     b, hk, g, w, d, cap, lens = 3, 2, 2, 4, 16, 70, [70, 9, 41]
-    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=5)
+    q, k, v = ragged_inputs(b, hk, g, w, d, cap, lens, seed=5)
     if dtype == "bfloat16":
         args = [ck.bf16_bits(a) for a in (q, k, v)]
         q, k, v = (bf16_values(a).astype(np.float64) for a in args)
@@ -350,7 +354,7 @@ def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, 
 
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does(kern):
-    q, k, v = _qkv(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
+    q, k, v = ragged_inputs(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
     got = outcome(kern.verify_attention, *(to_kern(kern, a) for a in (q, k, v)), [8, 2])
     assert (
         got[0] == "refused"
@@ -396,7 +400,7 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
 @pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")
 def test_the_torch_entry_point_matches_the_reference_on_cuda():
     b, hk, g, w, d, cap, lens = 4, 2, 2, 2, 32, 300, [300, 17, 200, 2]
-    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=9)
+    q, k, v = ragged_inputs(b, hk, g, w, d, cap, lens, seed=9)
     want = reference_verify_attention(q, k, v, lens)
     got = ck.ragged_verify_attention(*(torch.from_numpy(a).cuda() for a in (q, k, v)),
                                      torch.tensor(lens, device="cuda"))

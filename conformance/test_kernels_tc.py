@@ -81,19 +81,9 @@ def tc_cases(draw):
     own = [n + t_q for n in draw(st.lists(st.integers(0, 170), min_size=1, max_size=3))]
     ratio = draw(st.sampled_from([0, 4, 16]))
     window = draw(st.sampled_from([1, 4, 63, 64, 100, 4096]))
-    return dict(
-        t_q=t_q,
-        hk=hk,
-        group=group,
-        d=d,
-        own=own,
-        ratio=ratio,
-        window=window,
-        sinks=draw(st.booleans()),
-        subset=draw(st.booleans()),
-        n_split=draw(st.sampled_from([None, 1, 2, 3])),
-        seed=draw(st.integers(0, 2**16)),
-    )
+    return dict(t_q=t_q, hk=hk, group=group, d=d, own=own, ratio=ratio, window=window,
+                sinks=draw(st.booleans()), subset=draw(st.booleans()),
+                n_split=draw(st.sampled_from([None, 1, 2, 3])), seed=draw(st.integers(0, 2**16)))
 
 
 def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None):
@@ -165,19 +155,8 @@ def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, s
     """A row of 260 keys (five 64-key stages, a partial last one), a window that cuts inside
     the second stage, compressed blocks and sinks, on builds other than the default 4 warps x
     3 stages (which every other test here runs)."""
-    case = dict(
-        t_q=3,
-        hk=2,
-        group=2,
-        d=32,
-        own=[260, 70],
-        ratio=4,
-        window=100,
-        sinks=True,
-        subset=False,
-        n_split=1,
-        seed=11,
-    )
+    case = dict(t_q=3, hk=2, group=2, d=32, own=[260, 70], ratio=4, window=100, sinks=True,
+                subset=False, n_split=1, seed=11)
     got, want, live = run_case(kern, case, warps, stages)
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live
 
@@ -187,19 +166,8 @@ def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, s
 def test_the_largest_query_block_runs_on_tensor_cores(kern):
     """64 queries per KV head (GQA 16 x w = 4) at head dim 16: the warps' accumulators outgrow
     the K/V stages they reuse, so the shared-memory region grows (a build the others share)."""
-    case = dict(
-        t_q=4,
-        hk=1,
-        group=16,
-        d=16,
-        own=[70, 20],
-        ratio=0,
-        window=4096,
-        sinks=False,
-        subset=False,
-        n_split=None,
-        seed=3,
-    )
+    case = dict(t_q=4, hk=1, group=16, d=16, own=[70, 20], ratio=0, window=4096, sinks=False,
+                subset=False, n_split=None, seed=3)
     assert kern.tc_fits(64, 16, "bfloat16")
     got, want, live = run_case(kern, case)
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live

@@ -17,19 +17,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.helpers import XS_IMPLS, assert_same_xs, over_xs, xs_state
+from raggedspec.conformance.helpers import (
+    XS_IMPLS,
+    assert_same_xs,
+    over_xs,
+    scratch_blocks,
+    xs_state,
+)
 from raggedspec.gpu import xs_rolling as port_xs
 from raggedspec.gpu.slots import stack_xs
-from raggedspec.gpu.testing import (
-    DEVICE,
-    assert_bit_exact,
-    assert_dtype_bound,
-    assert_same_refusal,
-    host,
-    outcome,
-    representable,
-    to_port,
-)
+from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_dtype_bound
+from raggedspec.gpu.testing import assert_same_refusal, host, outcome, representable, to_port
 from raggedspec.gpu.xs_rolling import XsRolling as PortXs
 from raggedspec.reference.errors import CacheRefusal
 from raggedspec.reference.xs_rolling import XS_TAIL_MARGIN_TOKENS, XsRolling, span_groups_for
@@ -37,12 +35,6 @@ from raggedspec.reference.xs_rolling import XS_TAIL_MARGIN_TOKENS, XsRolling, sp
 D = 3
 RATIOS = [2, 3, 4, 8, 128]
 REF, PORT = XS_IMPLS
-
-
-def scratch_blocks(h, ratio):
-    """From-scratch compression: block g = mean of rows [g*ratio, (g+1)*ratio), by loop."""
-    out = [sum(h[g * ratio + j] for j in range(ratio)) / ratio for g in range(len(h) // ratio)]
-    return np.array(out).reshape(len(out), h.shape[1]) if out else np.zeros((0, h.shape[1]))
 
 
 def assert_row_matches(xs, i, h):
