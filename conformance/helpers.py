@@ -46,6 +46,23 @@ def scratch_blocks(h: np.ndarray, ratio: int) -> np.ndarray:
     return np.array(out).reshape(len(out), h.shape[1]) if out else np.zeros((0, h.shape[1]))
 
 
+def xs_filled(impl, ratio, n, **kw):
+    """A one-row XsRolling slot of `impl` fed `n` distinct hidden rows of width 3 (token t
+    holds `3t, 3t + 1, 3t + 2`)."""
+    xs = impl.new(ratio, **kw)
+    xs.append_rows(impl.x(np.arange(n * 3, dtype=np.float64).reshape(1, n, 3)))
+    return xs
+
+
+def xs_fed(impl, n, ratio=4, **kw):
+    """A one-row XsRolling slot of `impl` fed tokens 1..n of width 3 (token t holds
+    `t + 0.25 * feature`)."""
+    xs = impl.new(ratio, **kw)
+    if n:
+        xs.append_rows(impl.x((np.arange(1, n + 1)[:, None] + 0.25 * np.arange(3))[None]))
+    return xs
+
+
 class XsImpl:
     """One implementation of the XsRolling slot, so one test body runs over both: `new` builds
     a slot (the classes share their constructor), `x` turns a float64 host array into what its
