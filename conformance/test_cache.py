@@ -1,21 +1,30 @@
-"""SingleCache / KvCache / NormalCache (cache-and-draft.md §3).
+"""The KV cache: SingleCache / KvCache / NormalCache, the 512-column growth and the windowed
+store (cache-and-draft.md §3).
 
-Expected values come from the spec's examples or from brute-force oracles written here
-(a dict of absolute position -> last written value, and the spec's growth formula)."""
+The growth and `set_len` rules of one K/V slot run one body over the reference's `KvCache`
+and the port's `TorchKv` (`over_kv`: the same appends, the same capacities, refusals and
+front-aligned contents); the rest is the reference's own (windowed eviction, layout changes,
+the halves of a `KvCache`, `NormalCache`). The port's in-place buffer is test_ragged_kv.py's,
+its slots test_slots.py's. Expected values come from the spec's examples or from brute-force
+oracles written here (a dict of absolute position -> last written value, and the spec's
+growth formula worked by hand)."""
 
 import numpy as np
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
+from raggedspec.conformance.helpers import over_kv
 from raggedspec.reference.cache import (
-    chain_capacity,
-    grown_capacity,
     CACHE_GROW_SIZE,
     WINDOW_COMPACTION,
     KvCache,
     NormalCache,
+    OtherSlot,
     SingleCache,
+    block_capacity,
+    chain_capacity,
+    grown_capacity,
     window_target_first_cached,
 )
 from raggedspec.reference.errors import CacheRefusal, require
@@ -79,15 +88,20 @@ def test_window_target_keeps_at_least_retain_and_is_128_aligned(length, retain):
 
 # --- try_set_len / set_len ----------------------------------------------------------------
 
-@pytest.mark.rule("SingleCache")
-def test_try_set_len_refuses_past_the_capacity():
-    sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
-    sc.append(cols(range(5)))
-    with pytest.raises(CacheRefusal, match="exceeds current capacity") as e:
-        sc.try_set_len(17)
-    assert "17" in str(e.value) and "16" in str(e.value)
-    assert sc.current_seq_len == 5
-    sc.try_set_len(16)  # exactly the capacity is fine
+@pytest.mark.rule("SingleCache", "K/V append, growth and set_len, backend")
+@over_kv
+def test_try_set_len_refuses_past_the_capacity(impl):
+    kv = impl.empty(4096, 16)
+    impl.put(kv, cols(range(5)), cols(range(5)))
+    with pytest.raises(CacheRefusal) as e:
+        kv.try_set_len(17)
+    assert str(e.value) == "set_len(17) exceeds current capacity 16 (first cached 0)"
+    with pytest.raises(CacheRefusal, match="exceeds current capacity"):
+        kv.set_len(17)
+    assert impl.held(kv)[2:] == (5, 16)
+    kv.try_set_len(16)  # exactly the capacity is fine
+    kv.set_len(16)
+    assert impl.held(kv)[2:] == (16, 16)
 
 
 @pytest.mark.rule("SingleCache")
@@ -102,18 +116,27 @@ def test_try_set_len_refuses_below_the_retained_window():
     assert sc.physical == 0
 
 
+@pytest.mark.rule("SingleCache", "K/V append, growth and set_len, backend")
+@over_kv
+def test_set_len_grows_back_into_stale_capacity(impl):
+    kv = impl.empty(4096, 16)
+    impl.put(kv, cols(range(100, 110)), cols(range(100, 110)))
+    kv.set_len(4)
+    assert impl.k(kv)[0, 0, :, 0].tolist() == [100, 101, 102, 103]
+    kv.set_len(10)  # touches no tensor: the stale columns come back
+    assert impl.k(kv)[0, 0, :, 0].tolist() == list(range(100, 110))
+    kv.set_len(16)  # up to the capacity, zeros never written
+    assert impl.k(kv)[0, 0, :, 0].tolist() == list(range(100, 110)) + [0] * 6
+
+
 @pytest.mark.rule("SingleCache")
-def test_set_len_grows_back_into_stale_capacity():
+def test_set_len_touches_no_tensor():
     sc = SingleCache(max_seq_len=4096, capacity_seq_len=16)
     sc.append(cols(range(100, 110)))
     buf = sc.data
     sc.set_len(4)
-    assert live_values(sc) == [100, 101, 102, 103]
-    sc.set_len(10)  # touches no tensor: the stale columns come back
-    assert sc.data is buf
-    assert live_values(sc) == list(range(100, 110))
-    sc.set_len(16)  # up to the capacity, zeros never written
-    assert live_values(sc) == list(range(100, 110)) + [0] * 6
+    sc.set_len(10)
+    assert sc.data is buf and live_values(sc) == list(range(100, 110))
 
 
 @pytest.mark.rule("SingleCache")
@@ -162,30 +185,47 @@ def test_a_layout_change_mid_sequence_is_refused(other):
     assert sc.current_seq_len == 3 and sc.data.shape == (1, 1, 16, 2)
 
 
-@pytest.mark.rule("SingleCache::append")
+@pytest.mark.rule("SingleCache::append", "K/V append, growth and set_len, backend")
+@over_kv
 @pytest.mark.parametrize("cap,first,second,expected", [
     (512, 512, 1, 1024),    # shortfall 1 -> one block
     (512, 0, 1100, 1536),   # shortfall 588 -> two blocks, not 1100
     (16, 10, 7, 528),       # shortfall 1
+    (16, 16, 1, 528),       # §3: capacity 16, current 16, append 1
     (16, 0, 529, 1040),     # shortfall 513 -> two blocks
 ])
-def test_append_grows_by_whole_512_blocks(cap, first, second, expected):
-    sc = SingleCache(max_seq_len=4096, capacity_seq_len=cap)
-    sc.append(cols(range(first)))
-    sc.append(cols(range(1000, 1000 + second)))
-    assert sc.capacity_seq_len == expected
+def test_append_grows_by_whole_512_blocks(impl, cap, first, second, expected):
+    kv = impl.empty(4096, cap)
+    impl.put(kv, cols(range(first)), cols(range(first)))
+    impl.put(kv, cols(range(1000, 1000 + second)), cols(range(second)))
+    assert impl.held(kv)[2:] == (first + second, expected)
     assert expected == cap + -(-(first + second - cap) // CACHE_GROW_SIZE) * 512
-    assert live_values(sc) == list(range(first)) + list(range(1000, 1000 + second))
+    assert impl.k(kv)[0, 0, :, 0].tolist() == list(range(first)) + list(range(1000, 1000 + second))
+
+
+@pytest.mark.rule("SingleCache::append", "K/V append, growth and set_len, backend")
+@over_kv
+def test_growth_above_max_seq_len_is_refused(impl):
+    kv = impl.empty(1000, 512)
+    impl.put(kv, cols(range(500)), cols(range(500)))
+    with pytest.raises(CacheRefusal) as e:
+        impl.put(kv, cols(range(13)), cols(range(13)))
+    assert str(e.value) == "kv-cache capacity 1024 would be above max_seq_len 1000"
+    assert impl.held(kv)[2:] == (500, 512)
+    assert impl.k(kv)[0, 0, :, 0].tolist() == list(range(500))
 
 
 @pytest.mark.rule("SingleCache::append")
-def test_growth_above_max_seq_len_is_refused():
-    sc = SingleCache(max_seq_len=1000, capacity_seq_len=512)
-    sc.append(cols(range(500)))
-    with pytest.raises(CacheRefusal, match="above max_seq_len") as e:
-        sc.append(cols(range(13)))
-    assert "1024" in str(e.value) and "1000" in str(e.value)
-    assert (sc.current_seq_len, sc.capacity_seq_len) == (500, 512)
+def test_block_capacity_rounds_every_shortfall_up_to_whole_blocks():
+    """The one rounding: `capacity + k * 512`, the least k >= 0 that holds `needed`; ints
+    give ints, arrays arrays (elementwise), and it never refuses."""
+    assert [block_capacity(512, n) for n in (0, 512, 513, 1024, 1025)] == [
+        512, 512, 1024, 1024, 1536]
+    assert [block_capacity(16, n) for n in (16, 17, 528, 529)] == [16, 528, 528, 1040]
+    assert block_capacity(0, 1) == 512 and type(block_capacity(16, 17)) is int
+    got = block_capacity(np.array([16, 512, 0]), np.array([17, 100, 1025]))
+    assert got.tolist() == [528, 512, 1536]
+    assert block_capacity(512, np.array([1, 513])).tolist() == [512, 1024]
 
 
 # --- windowed store (retain 8) ------------------------------------------------------------
@@ -486,3 +526,26 @@ def test_new_normal_and_clone_carry_capacity_window_and_paging():
     assert (copy.capacity_seq_len, copy.retain_window) == (16, 8)
     paged = NormalCache([KvCache.new_normal(64)], paged=True)
     assert paged.clone().paged is True
+
+
+# --- what the slots carry: reset, unmodelled kinds ----------------------------------------------
+
+@pytest.mark.rule("KvCache / NormalCache::new_plain")
+def test_a_reset_slot_is_empty_and_keeps_its_capacity():
+    kv = KvCache.new_normal(4096)
+    kv.append(np.ones((1, 1, 600, 2)), np.ones((1, 1, 600, 2)))
+    assert kv.k.capacity_seq_len == 1024
+    kv.reset()
+    for half in (kv.k, kv.v):
+        assert (half.current_seq_len, half.first_cached, half.data) == (0, 0, None)
+        assert half.capacity_seq_len == 1024
+
+
+@pytest.mark.rule("KvCache / NormalCache::new_plain")
+def test_a_cache_with_an_unmodelled_slot_clones_it_independently():
+    cache = NormalCache([KvCache.new_normal(64), OtherSlot("Rotating", 7)])
+    copy = cache.clone()
+    assert copy.slots[1] == OtherSlot("Rotating", 7) and copy.slots[1] is not cache.slots[1]
+    copy.slots[1].current_seq_len = 9
+    assert cache.slots[1].current_seq_len == 7
+    assert not copy.slots[1].supports_per_sequence_len()

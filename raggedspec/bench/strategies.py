@@ -56,12 +56,9 @@ def make_lens(b: int, L: int, spread: int, w: int, seed: int) -> list[int]:
 
 def capacity_for(n: int) -> int:
     """The port's capacity rule (512 columns, grown by whole 512-column blocks) for n columns."""
-    from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+    from raggedspec.reference.cache import PLAIN_CACHE_CAPACITY, block_capacity
 
-    return (
-        PLAIN_CACHE_CAPACITY
-        + max(0, -(-(n - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
-    )
+    return block_capacity(PLAIN_CACHE_CAPACITY, n)
 
 
 class Case:

@@ -1,10 +1,19 @@
-"""The paged backend's slots one method at a time (`raggedspec.gpu.paged_backend`): the page
-pool (one store per head geometry, dtype and device), `PagedKv`'s append, clone, strip and
-bake as the slot protocol states them (the reference's host arithmetic: `current`,
-`capacity`, `lead`), the row handles of clone-out, `stack_paged`'s refusals, and the
-backend's draft-group ops on paged slots. Small explicit cases, each expected value read off
-the docstrings and the reference's capacity rule (512-column blocks); `test_paged.py` runs
-the same backend against the reference end to end.
+"""The paged backend (`raggedspec.gpu.paged_backend.PagedBackend`, cache-and-draft.md §3, §4.4,
+§5.2): its slots one method at a time, then against the reference end to end.
+
+One method per case: the page pool (one store per head geometry, dtype and device),
+`PagedKv`'s append, clone, strip and bake as the slot protocol states them (the reference's
+host arithmetic: `current`, `capacity`, `lead`), the row handles of clone-out,
+`stack_paged`'s refusals, and the backend's draft-group ops on paged slots; each expected
+value read off the docstrings and the reference's capacity rule (512-column blocks).
+
+Against the reference: a per-sequence lifecycle (build, clone-in with pending leads, append,
+attention, the forward's zero baking, rollback, clone-out, commit, strip) on the paged
+backend, the in-place torch backend and the NumPy reference, every row's visible cache
+compared after every operation and the attention read through the block table compared
+with the in-place port's, page sizes 1 to 16; generated and fixed simulator scenarios on the
+paged backend, and a derandomized subset of the per-method conformance run on it. The layout
+itself (the store and the block table) is test_paged.py's.
 """
 
 from __future__ import annotations
@@ -12,8 +21,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from raggedspec.conformance.backends import assert_same_cache
+from raggedspec.conformance import test_backend as per_method
+from raggedspec.conformance.backends import (
+    BACKEND_ENV,
+    assert_same_cache,
+    compare_runs,
+    reference_backend,
+)
+from raggedspec.conformance.test_end_to_end import FIXED, run_both, scenarios
+from raggedspec.gpu.attention import dsv4_attention_in_place
+from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.paged import PagedRaggedKv
 from raggedspec.gpu.paged_backend import (
@@ -65,9 +85,6 @@ def test_a_pool_keeps_one_store_per_geometry_dtype_and_device():
     assert len({id(s) for s in [a, *others]}) == 6 and len(pool.stores) == 6
     assert (others[0].k.shape[1], others[1].k.shape[3], others[2].v.shape[3]) == (2, 4, 5)
     assert others[3].dtype == torch.float32 and others[4].k.device.type == "meta"
-    a.moved.update(write=5, grow=7)
-    others[0].moved.update(write=1, grow=2)
-    assert pool.moved() == {"write": 6, "grow": 9}
     assert PagedBackend().pool.page_size == DEFAULT_PAGE_SIZE == 16
     assert PagedBackend(page_size=2).pool.page_size == 2 and PagedBackend().name == "paged"
 
@@ -143,11 +160,11 @@ def test_a_strip_shrinks_the_lead_first_then_advances_the_row():
     slot.kv.advance(np.array([1, 0]))
     slot.drop_front(0)
     assert slot.capacity == 8 and slot.current == 4 and slot.lead.tolist() == [1, 0]
-    writes = pool.moved()["write"]
+    writes = slot.kv.store.moved["write"]
     slot.drop_front(2)
     assert slot.lead.tolist() == [0, 0] and slot.current == 2 and slot.capacity == 6
     assert slot.kv.host_lens().tolist() == [2, 2] and slot.kv.start.tolist() == [2, 2]
-    assert _front(slot) == [[3.0, 4.0], [13.0, 14.0]] and pool.moved()["write"] == writes
+    assert _front(slot) == [[3.0, 4.0], [13.0, 14.0]] and slot.kv.store.moved["write"] == writes
     refuses(CacheRefusal, "cannot drop a 3-column dead prefix from a slot that holds only 2",
             slot.drop_front, 3)
 
@@ -449,3 +466,132 @@ def test_a_slot_puts_its_pages_on_the_device_of_its_first_append():
     slot = PagedKv(4096, pool)
     slot.append(torch.zeros((1, 1, 1, 2), device="meta"), torch.zeros((1, 1, 1, 3), device="meta"))
     assert slot.kv.store.k.device.type == "meta" and slot.kv.lens.device.type == "meta"
+
+
+# --- against the reference ---------------------------------------------------------------
+
+REF = reference_backend()
+DENSE = TorchBackend()
+PAGE_SIZES = [1, 2, 3, 4, 5, 16]
+
+
+def _small_ints(rng: np.random.Generator, n: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Small integers (exact in every dtype), never zero so a dead column shows."""
+    return (rng.integers(1, 50, size=(1, 1, n, d)).astype(np.float64),
+            -rng.integers(1, 50, size=(1, 1, n, d)).astype(np.float64))
+
+
+VIEW = PagedBackend()
+
+
+def _same(paged, ref, what: str) -> None:
+    assert_same_cache(VIEW.materialize(paged), REF.materialize(ref), "float64", what)
+
+
+def _attention_matches(pslot: PagedKv, dslot, rng: np.random.Generator, window: int) -> None:
+    """The port's in-place attention read through the block table equals it on the in-place
+    layout holding the same rows (the in-place port is itself pinned to the reference)."""
+    own = pslot.kv.host_lens()
+    assert np.array_equal(own, dslot.kv.host_lens()), (own, dslot.kv.host_lens())
+    t_q = int(rng.integers(1, max(int(own.min()), 1) + 1))
+    if own.min() < 1:
+        return
+    d = pslot.kv.k.shape[3]
+    q = torch.from_numpy(rng.standard_normal((len(own), 2, t_q, d)))
+    got = dsv4_attention_in_place(q, pslot.kv, None, 0, window)
+    want = dsv4_attention_in_place(q, dslot.kv, None, 0, window)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got - want).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.rule("paged KV: every row's view through its block table")
+@settings(deadline=None)
+@given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), d=st.sampled_from([2, 3]),
+       page=st.sampled_from(PAGE_SIZES), seed=st.integers(0, 10_000), data=st.data())
+def test_every_operation_on_pages_leaves_the_reference_view(lens, d, page, seed, data):
+    """After every operation of per-sequence steps, each row's visible cache (front-aligned
+    K and V, length, capacity) on the paged backend is the reference's, bit for bit, and
+    attention read through the block table is the in-place port's."""
+    rng = np.random.default_rng(seed)
+    be = PagedBackend(page_size=page)
+    rows = [_small_ints(rng, n, d) for n in lens]
+    port = [NormalCache([be.kv_from_arrays(k, v, 4096)]) for k, v in rows]
+    dense = [NormalCache([DENSE.kv_from_arrays(k, v, 4096)]) for k, v in rows]
+    ref = [NormalCache([REF.kv_from_arrays(k, v, 4096)]) for k, v in rows]
+    for i, (p, r) in enumerate(zip(port, ref, strict=True)):
+        _same(p, r, f"row {i} built")
+    for step in range(data.draw(st.integers(1, 3), label="steps")):
+        held = [c.current_seq_len for c in ref]
+        pending = [data.draw(st.integers(0, min(2, h)), label="pending lead") for h in held]
+        pci = be.clone_in(port, pending, False, True)
+        dci = DENSE.clone_in(dense, pending, False, True)
+        rci = REF.clone_in(ref, pending, False, True)
+        assert pci.lead_pad == rci.lead_pad == dci.lead_pad
+        pb, db, rb = pci.batched, dci.batched, rci.batched
+        _same(pb, rb, f"step {step} cloned in")
+        t = data.draw(st.integers(1, 4), label="append")
+        k, v = _small_ints(rng, t * len(lens), d)
+        k, v = k.reshape(len(lens), 1, t, d), v.reshape(len(lens), 1, t, d)
+        for be_, c in ((be, pb), (DENSE, db), (REF, rb)):
+            be_.kv_append(c.slots[0], k, v)
+        _same(pb, rb, f"step {step} appended")
+        if data.draw(st.booleans(), label="bake"):  # the forward's zero columns in front
+            lead = pb.slots[0].lead
+            dead = np.array([data.draw(st.integers(0, int(x)), label="dead") for x in lead],
+                            np.int64)
+            pb.slots[0].bake(dead)
+            db.slots[0].bake(dead)
+            _same(pb, rb, f"step {step} baked")
+        _attention_matches(pb.slots[0], db.slots[0], rng, data.draw(st.sampled_from([1, 3, 128])))
+        if data.draw(st.booleans(), label="cohort rollback"):
+            n_drop = data.draw(st.integers(0, t), label="n_drop")
+            for be_, c in ((be, pb), (DENSE, db), (REF, rb)):
+                be_.truncate_by(c, n_drop)
+            _same(pb, rb, f"step {step} rolled back by {n_drop}")
+            _attention_matches(pb.slots[0], db.slots[0], rng, 3)
+        b = len(lens)
+        port, dense, ref = be.clone_out(pb, b), DENSE.clone_out(db, b), REF.clone_out(rb, b)
+        for i in range(len(lens)):
+            _same(port[i], ref[i], f"step {step} row {i} cloned out")
+            lead, own = rci.lead_pad[i], held[i] - pending[i]
+            room = max(0, ref[i].current_seq_len - lead - own)
+            committed = data.draw(st.integers(0, room), label="committed")
+            if data.draw(st.booleans(), label="commit"):
+                for be_, c in ((be, port[i]), (DENSE, dense[i]), (REF, ref[i])):
+                    be_.commit_per_sequence(c, lead, own, committed)
+                _same(port[i], ref[i], f"step {step} row {i} committed {committed}")
+            elif lead:
+                for be_, c in ((be, port[i]), (DENSE, dense[i]), (REF, ref[i])):
+                    be_.strip_dead_prefix(c.slots[0], lead)
+                _same(port[i], ref[i], f"step {step} row {i} stripped {lead}")
+
+
+@pytest.mark.rule("paged KV: every row's view through its block table")
+@settings(max_examples=4, deadline=None)
+@given(data=scenarios, page=st.sampled_from([1, 3, 16]))
+def test_generated_scenarios_match_the_reference_on_pages(data, page):
+    """The end-to-end property on the paged backend (a short derandomized subset; the full
+    file runs with `RAGGEDSPEC_BACKEND=paged`)."""
+    port, ref, be = run_both(data, port=PagedBackend(page_size=page))
+    counts = compare_runs(port, ref, be.dtype)
+    assert counts["forwards"] >= 1 or not any(s["phase"] != "idle" for s in ref.steps())
+
+
+@pytest.mark.rule("paged KV: every row's view through its block table")
+@pytest.mark.parametrize("case", [0, 3, 8])
+def test_fixed_scenarios_match_the_reference_on_pages(case):
+    port, ref, be = run_both(FIXED[case], port=PagedBackend(page_size=3))
+    counts = compare_runs(port, ref, be.dtype)
+    assert counts["forwards"] >= 3 and counts["tensors"] > 20
+
+
+@pytest.mark.rule("paged KV: every row's view through its block table")
+@pytest.mark.parametrize("name", ["test_append_growth_and_set_len_match_the_reference",
+                                  "test_front_align_concat_split_and_strip_match_the_reference",
+                                  "test_cohort_and_per_sequence_advance_match_the_reference",
+                                  "test_a_ragged_verify_step_matches_the_reference"])
+def test_per_method_conformance_on_pages(name, monkeypatch):
+    """A subset of `test_backend.py` with the paged backend under test."""
+    monkeypatch.setenv(BACKEND_ENV, "paged")
+    assert per_method.port().name == "paged"
+    getattr(per_method, name)()

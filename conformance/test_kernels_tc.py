@@ -1,5 +1,6 @@
 """The tensor-core verify kernel (`rs_verify_attention_tc` in gpu/kernels.cu) against the
-reference, every rule, on Hypothesis-generated ragged batches; and its build checks.
+reference, every rule, on Hypothesis-generated ragged batches (its builds are
+test_kernel_build.py's).
 
 - Runners: the g++ emulator (warps, mma fragments, deferred cp.async: gpu/kernel_emulator.py)
   everywhere, CuPy where there is a GPU.
@@ -8,10 +9,6 @@ reference, every rule, on Hypothesis-generated ragged batches; and its build che
   P is rounded to bf16 before P V and the output once more, each a relative 2^-9, against
   the largest live value: `2^-6 * max|v|` (a wrong mask, a stale stage or a wrong fragment
   is off by O(max|v|); a read slack column by 1e6).
-- Builds: NVRTC for sm_90 of every variant the launcher asks for (the bench's sizes by
-  default; every head dim and padded query count under the `thorough` profile), ptxas with
-  no spills, and the SASS holding HMMA, LDSM and LDGSTS; skipped with the reason when the
-  `nvrtc` extra or cuobjdump is absent.
 """
 
 from __future__ import annotations
@@ -25,45 +22,23 @@ from hypothesis import strategies as st
 
 import raggedspec.gpu.cupy_kernels as ck
 import raggedspec.reference.attention as ratt
+from raggedspec.conformance.helpers import (
+    KERNEL_MODES,
+    bf16,
+    bf16_values,
+    from_kern,
+    kernels,
+    to_kern,
+)
 from raggedspec.gpu import kernel_emulator
-from raggedspec import kernel_check
 
-_WHY = ck.cupy_unavailable()
-MODES = [
-    pytest.param(
-        "emulate",
-        marks=pytest.mark.skipif(
-            kernel_emulator.compilers()["g++"] is None,
-            reason="the kernel emulator needs g++ on the PATH",
-        ),
-    ),
-    pytest.param(
-        "cupy", marks=pytest.mark.skipif(_WHY is not None, reason=f"CuPy needs a CUDA GPU: {_WHY}")
-    ),
-]
-_RUNNERS: dict[str, ck.Kernels] = {}
 SOME = settings(max_examples=max(5, settings.default.max_examples // 40), deadline=None)
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 
-@pytest.fixture(params=MODES, scope="module")
+@pytest.fixture(params=KERNEL_MODES, scope="module")
 def kern(request) -> ck.Kernels:
-    if request.param not in _RUNNERS:
-        _RUNNERS[request.param] = ck.Kernels(request.param)
-    return _RUNNERS[request.param]
-
-
-def put(kern, a):
-    return kern.xp.asarray(np.ascontiguousarray(a))
-
-
-def get(kern, a) -> np.ndarray:
-    return a.get() if kern.mode == "cupy" else np.asarray(a)
-
-
-def bf16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    bits = ck.bf16_bits(x)
-    return bits, ck.bf16_values(bits).astype(np.float64)
+    return kernels(request.param)
 
 
 def reference(q, k_place, v_place, comp, own, picked, t_q, ratio, window, sinks) -> np.ndarray:
@@ -106,19 +81,9 @@ def tc_cases(draw):
     own = [n + t_q for n in draw(st.lists(st.integers(0, 170), min_size=1, max_size=3))]
     ratio = draw(st.sampled_from([0, 4, 16]))
     window = draw(st.sampled_from([1, 4, 63, 64, 100, 4096]))
-    return dict(
-        t_q=t_q,
-        hk=hk,
-        group=group,
-        d=d,
-        own=own,
-        ratio=ratio,
-        window=window,
-        sinks=draw(st.booleans()),
-        subset=draw(st.booleans()),
-        n_split=draw(st.sampled_from([None, 1, 2, 3])),
-        seed=draw(st.integers(0, 2**16)),
-    )
+    return dict(t_q=t_q, hk=hk, group=group, d=d, own=own, ratio=ratio, window=window,
+                sinks=draw(st.booleans()), subset=draw(st.booleans()),
+                n_split=draw(st.sampled_from([None, 1, 2, 3])), seed=draw(st.integers(0, 2**16)))
 
 
 def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None):
@@ -150,27 +115,28 @@ def run_case(kern, c: dict, warps: int | None = None, stages: int | None = None)
     kern.tc_warps, kern.tc_stages = warps or saved[0], stages or saved[1]
     try:
         out = kern.dsv4_attention_rows(
-            put(kern, q_bits),
-            put(kern, k_bits),
-            put(kern, v_bits),
+            to_kern(kern, q_bits),
+            to_kern(kern, k_bits),
+            to_kern(kern, v_bits),
             own,
             rows,
-            None if c_bits is None else put(kern, c_bits),
+            None if c_bits is None else to_kern(kern, c_bits),
             ratio,
             c["window"],
-            None if s_bits is None else put(kern, s_bits),
+            None if s_bits is None else to_kern(kern, s_bits),
             n_split=c["n_split"],
             path="tc",
         )
     finally:
         kern.tc_warps, kern.tc_stages = saved
-    got = ck.bf16_values(get(kern, out)).astype(np.float64)
+    got = bf16_values(from_kern(kern, out)).astype(np.float64)
     live = max(np.abs(v_place[i, :, :n]).max() for i, n in enumerate(own))
     if comp is not None:
         live = max(live, np.abs(comp).max())
     return got, want, live
 
 
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, tensor cores")
 @SOME
 @given(case=tc_cases())
@@ -182,46 +148,26 @@ def test_the_tensor_core_kernel_equals_the_reference_on_ragged_batches(kern, cas
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live, (case, float(np.max(np.abs(got - want))))
 
 
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, tensor cores")
 @pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 4)])
 def test_every_warp_count_and_pipeline_depth_gives_the_same_rules(kern, warps, stages):
     """A row of 260 keys (five 64-key stages, a partial last one), a window that cuts inside
     the second stage, compressed blocks and sinks, on builds other than the default 4 warps x
     3 stages (which every other test here runs)."""
-    case = dict(
-        t_q=3,
-        hk=2,
-        group=2,
-        d=32,
-        own=[260, 70],
-        ratio=4,
-        window=100,
-        sinks=True,
-        subset=False,
-        n_split=1,
-        seed=11,
-    )
+    case = dict(t_q=3, hk=2, group=2, d=32, own=[260, 70], ratio=4, window=100, sinks=True,
+                subset=False, n_split=1, seed=11)
     got, want, live = run_case(kern, case, warps, stages)
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live
 
 
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, tensor cores")
 def test_the_largest_query_block_runs_on_tensor_cores(kern):
     """64 queries per KV head (GQA 16 x w = 4) at head dim 16: the warps' accumulators outgrow
     the K/V stages they reuse, so the shared-memory region grows (a build the others share)."""
-    case = dict(
-        t_q=4,
-        hk=1,
-        group=16,
-        d=16,
-        own=[70, 20],
-        ratio=0,
-        window=4096,
-        sinks=False,
-        subset=False,
-        n_split=None,
-        seed=3,
-    )
+    case = dict(t_q=4, hk=1, group=16, d=16, own=[70, 20], ratio=0, window=4096, sinks=False,
+                subset=False, n_split=None, seed=3)
     assert kern.tc_fits(64, 16, "bfloat16")
     got, want, live = run_case(kern, case)
     assert np.max(np.abs(got - want)) <= 2.0**-6 * live
@@ -243,10 +189,10 @@ def test_the_bench_shape_takes_the_tensor_core_path_and_matches(kern, monkeypatc
     q_bits, q = bf16(rng.normal(size=(2, 4, w, d)))
     k_bits, k = bf16(rng.normal(size=(2, 1, 136, d)))
     v_bits, v = bf16(rng.normal(size=(2, 1, 136, d)))
-    out = kern.verify_attention(put(kern, q_bits), put(kern, k_bits), put(kern, v_bits), own)
+    out = kern.verify_attention(*(to_kern(kern, a) for a in (q_bits, k_bits, v_bits)), own)
     assert names == ["rs_verify_attention_tc", "rs_verify_attention_combine"]
     want = reference(q, k, v, None, own, [0, 1], w, 0, 136 + w, None)
-    got = ck.bf16_values(get(kern, out)).astype(np.float64)
+    got = bf16_values(from_kern(kern, out)).astype(np.float64)
     assert np.max(np.abs(got - want)) <= 2.0**-6 * np.abs(v).max()
 
 
@@ -262,6 +208,7 @@ class DeviceInts(np.ndarray):
     tolist = item = any = all = max = min = __getitem__ = _read
 
 
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, tensor cores")
 def test_device_lengths_are_never_read_back_and_bad_ones_give_nan_rows():
     """Lengths and rows as device arrays: the wrapper reads neither (only their sizes), and a
@@ -278,7 +225,7 @@ def test_device_lengths_are_never_read_back_and_bad_ones_give_nan_rows():
     v_bits, v = bf16(rng.normal(size=(3, 1, 90, d)))
     lens = np.array([90, 1, 33], dtype=np.int64).view(DeviceInts)
     rows = np.arange(3, dtype=np.int64).view(DeviceInts)
-    got = ck.bf16_values(kern.verify_attention(q_bits, k_bits, v_bits, lens, rows=rows)).astype(
+    got = bf16_values(kern.verify_attention(q_bits, k_bits, v_bits, lens, rows=rows)).astype(
         np.float64
     )
     assert np.isnan(got[1]).all()
@@ -300,43 +247,3 @@ def test_the_split_count_fills_whole_waves_from_host_sizes():
     )  # 256 of 264; 33 would be 100%, 32 is enough
     assert kern.n_split(1, 8, 200, 64, per_sm=2) == 4  # never more splits than tiles
     assert kern.n_split(3, 1, 64, 64) == 1
-
-
-# --------------------------------------------------------------------------- builds
-NO_NVRTC = kernel_check.nvrtc_unavailable()
-VARIANTS = kernel_check.launcher_variants(everything=THOROUGH)
-if not THOROUGH:
-    VARIANTS = [
-        v
-        for v in VARIANTS
-        if (v[1], v[2]) in kernel_check.BENCH_TC and (v[0] == "bfloat16" or v[1:3] == (16, 128))
-    ]                                  # the bench's tensor-core builds and one CUDA-core build
-
-
-@pytest.mark.rule("the kernels build for sm_90: the nvcc front end and NVRTC")
-@pytest.mark.skipif(NO_NVRTC is not None, reason=f"NVRTC is absent: {NO_NVRTC}")
-@pytest.mark.parametrize(("dtype", "nq", "d", "path"), VARIANTS)
-def test_nvrtc_builds_the_variant_without_spills(dtype, nq, d, path):
-    """The launcher's build for (dtype, G * w, D) compiles under NVRTC for sm_90; ptxas
-    reports no spill and no stack frame for the verify kernels; the tensor-core kernel's
-    registers leave two blocks an SM (<= 255, 4 warps) and its SASS holds tensor-core MMAs,
-    ldmatrix and async copies and no local-memory traffic."""
-    build = kernel_check.nvrtc_build(kernel_check.variant_defines(dtype, nq, d))
-    res = build.resources()
-    name = "rs_verify_attention_tc" if path == "tc" else "rs_verify_attention_partial"
-    for kernel in (name, "rs_verify_attention_combine"):
-        r = res[kernel]
-        assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, r
-    if path != "tc":
-        return
-    assert res[name].registers <= 255 and ck.tc_shared_bytes(nq, d) <= ck.TC_SHARED_LIMIT
-    assert (
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in build.ptx
-        and "cp.async.cg.shared.global" in build.ptx
-    )
-    tool = kernel_check.cuobjdump_path()
-    if tool is None:
-        pytest.skip("cuobjdump is absent (the nvidia-cuda-cuobjdump wheel): SASS not inspected")
-    code = kernel_check.sass_of(kernel_check.sass(build.cubin, tool), name)
-    assert "HMMA.16816.F32.BF16" in code and "LDSM" in code and "LDGSTS" in code
-    assert "LDL" not in code and "STL" not in code

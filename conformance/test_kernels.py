@@ -1,5 +1,8 @@
-"""Conformance of the hand-written kernels (gpu/kernels.cu, gpu/cupy_kernels.py) against the
-reference, on two runners:
+"""The hand-written kernels (gpu/kernels.cu, launched by gpu/cupy_kernels.py) against the
+reference: front alignment, the dead-prefix strip, the ragged union mask, per-row RoPE and
+the CUDA-core verify attention, then the kernel backend end to end. The tensor-core kernel is
+test_kernels_tc.py's; the builds for the GPU and the emulator's warp semantics
+test_kernel_build.py's. Two runners:
 
 - `emulate`: the same source built by g++ and run block by block with real threads and a real
   barrier (gpu/kernel_emulator.py); needs g++, runs on every machine CI uses;
@@ -20,48 +23,32 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import raggedspec.gpu.align as galign
 import raggedspec.gpu.cupy_kernels as ck
 import raggedspec.reference.attention as ratt
 import raggedspec.reference.masks as rmasks
 import raggedspec.reference.rope as rrope
+from raggedspec.conformance.helpers import (
+    KERNEL_MODES,
+    bf16_values,
+    from_kern,
+    kernels,
+    to_kern,
+)
 from raggedspec.gpu import kernel_emulator
+from raggedspec.gpu.align import materialize_front_aligned
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.testing import outcome
+from raggedspec.preflight import ragged_inputs
 from raggedspec.reference.errors import CacheRefusal, MaskRefusal
-
 
 _WHY = ck.cupy_unavailable()
 NO_CUPY = None if _WHY is None else f"CuPy needs a CUDA GPU: {_WHY}"   # the skip reason, or None
-
-
-MODES = [
-    pytest.param(
-        "emulate",
-        marks=pytest.mark.skipif(
-            kernel_emulator.compilers()["g++"] is None,
-            reason="the kernel emulator needs g++ on the PATH",
-        ),
-    ),
-    pytest.param("cupy", marks=pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")),
-]
-_RUNNERS: dict[str, ck.Kernels] = {}
 FEW = settings(max_examples=max(8, settings.default.max_examples // 5), deadline=None)
 
 
-@pytest.fixture(params=MODES, scope="module")
+@pytest.fixture(params=KERNEL_MODES, scope="module")
 def kern(request) -> ck.Kernels:
-    if request.param not in _RUNNERS:
-        _RUNNERS[request.param] = ck.Kernels(request.param)
-    return _RUNNERS[request.param]
-
-
-def put(kern, a):
-    return kern.xp.asarray(np.ascontiguousarray(a))
-
-
-def get(kern, a) -> np.ndarray:
-    return a.get() if kern.mode == "cupy" else np.asarray(a)
+    return kernels(request.param)
 
 
 @st.composite
@@ -82,13 +69,14 @@ def ragged_kv(draw, max_b=3, max_cap=12):
 def test_front_align_places_each_live_run_at_the_end_in_one_launch(kern, case, extra):
     k, v, lens = case
     target = max(lens) + extra
-    ko, vo = (get(kern, a) for a in kern.front_align(put(kern, k), put(kern, v), lens, target))
+    out = kern.front_align(to_kern(kern, k), to_kern(kern, v), lens, target)
+    ko, vo = (from_kern(kern, a) for a in out)
     for b, n in enumerate(lens):
         assert np.array_equal(ko[b, :, target - n :], k[b, :, :n]) and np.array_equal(
             vo[b, :, target - n :], v[b, :, :n]
         )
         assert not ko[b, :, : target - n].any() and not vo[b, :, : target - n].any()
-    port = galign.materialize_front_aligned(RaggedKv(torch.from_numpy(k), torch.from_numpy(v),
+    port = materialize_front_aligned(RaggedKv(torch.from_numpy(k), torch.from_numpy(v),
                                                      torch.tensor(lens), k.shape[2] + 4), target)
     assert np.array_equal(ko, port[0].numpy()) and np.array_equal(vo, port[1].numpy())
 
@@ -99,10 +87,10 @@ def test_front_align_places_each_live_run_at_the_end_in_one_launch(kern, case, e
 def test_strip_returns_the_front_aligned_rows_to_their_place(kern, case):
     k, v, lens = case
     t = max(lens)
-    kf, vf = kern.front_align(put(kern, k), put(kern, v), lens)
+    kf, vf = kern.front_align(to_kern(kern, k), to_kern(kern, v), lens)
     ks, vs, new_lens = kern.strip_dead_prefix(kf, vf, [t - n for n in lens], t)
-    ks, vs = get(kern, ks), get(kern, vs)
-    assert get(kern, new_lens).tolist() == lens
+    ks, vs = from_kern(kern, ks), from_kern(kern, vs)
+    assert from_kern(kern, new_lens).tolist() == lens
     for b, n in enumerate(lens):
         assert np.array_equal(ks[b, :, :n], k[b, :, :n]) and np.array_equal(
             vs[b, :, :n], v[b, :, :n]
@@ -115,21 +103,22 @@ def test_a_strided_view_is_read_by_value_not_by_its_memory(kern):
     """A non-contiguous input (a slice of a wider buffer) gives what its contiguous copy gives:
     the kernels index flat memory, so the host makes inputs contiguous first."""
     k = np.random.default_rng(1).standard_normal((2, 1, 9, 6))
-    view = put(kern, k)[:, :, :, ::2]
+    view = to_kern(kern, k)[:, :, :, ::2]
     assert not view.flags.c_contiguous
     ko, vo = kern.front_align(view, view, [3, 5])
     want, _ = kern.front_align(
-        put(kern, np.ascontiguousarray(k[:, :, :, ::2])), put(kern, k[:, :, :, ::2]), [3, 5]
+        to_kern(kern, np.ascontiguousarray(k[:, :, :, ::2])), to_kern(kern, k[:, :, :, ::2]), [3, 5]
     )
-    assert np.array_equal(get(kern, ko), get(kern, want))
+    assert np.array_equal(from_kern(kern, ko), from_kern(kern, want))
 
 
 @pytest.mark.rule("dead-prefix strip kernel")
 def test_strip_refuses_a_lead_past_the_held_columns_as_the_port_does(kern):
     k = np.ones((2, 1, 4, 2))
-    got = outcome(kern.strip_dead_prefix, put(kern, k), put(kern, k), [1, 4], 3)
-    want = outcome(galign.strip_dead_prefix, torch.from_numpy(k), torch.from_numpy(k), [1, 4], 3, 8)
-    assert got[0] == "refused" and got[1] is CacheRefusal and got == want
+    got = outcome(kern.strip_dead_prefix, to_kern(kern, k), to_kern(kern, k), [1, 4], 3)
+    # the port's message for a lead past what a row holds (reference.align.drop_front_refusal)
+    assert got == ("refused", CacheRefusal,
+                   "cannot drop a 4-column dead prefix from a slot that holds only 3")
 
 
 # --------------------------------------------------------------------------- masks
@@ -150,7 +139,7 @@ def test_ragged_union_mask_equals_the_reference_bit_for_bit(kern, data):
     valid = np.concatenate([rmasks.raw_validity(t_q, q0, raw_base, keep, window),
                             rmasks.compressed_validity(t_q, q0, t_c, ratio)], axis=1)
     want = rmasks.ragged_union_mask(rows, q0, valid, raw_base, keep, ratio, t_c)
-    got = get(kern, kern.ragged_union_mask(rows, q0, t_q, raw_base, keep, t_c, ratio, window))
+    got = from_kern(kern, kern.ragged_union_mask(rows, q0, t_q, raw_base, keep, t_c, ratio, window))
     assert got.dtype == np.float64 and np.array_equal(got, want)
 
 
@@ -179,13 +168,13 @@ def test_per_row_rope_equals_the_reference(kern, data):
     inverse = data.draw(st.booleans())
     x = np.random.default_rng(data.draw(st.integers(0, 999))).standard_normal((b, h, t, d))
     want = rrope.apply_rope(x, offsets, rope_dims, 10000.0, inverse=inverse)
-    got = get(kern, kern.rope(put(kern, x), offsets, rope_dims, 10000.0, inverse))
+    got = from_kern(kern, kern.rope(to_kern(kern, x), offsets, rope_dims, 10000.0, inverse))
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want))
 
 
 @pytest.mark.rule("per-row RoPE kernel")
 def test_rope_refuses_what_the_port_refuses(kern):
-    x = put(kern, np.zeros((2, 1, 1, 4)))
+    x = to_kern(kern, np.zeros((2, 1, 1, 4)))
     with pytest.raises(ValueError, match="3 offsets for a batch of 2"):
         kern.rope(x, [1, 2, 3], 4, 10000.0)
     with pytest.raises(ValueError, match=r"offsets \[-1\] must be >= 0"):
@@ -219,34 +208,24 @@ def verify_cases(draw):
     return b, hk, g, w, d, cap, lens, nt, n_split, seed
 
 
-def _qkv(b, hk, g, w, d, cap, lens, seed, slack=16.0):
-    """Random q/k/v; every slack column (at or past lens[b]) holds huge values, so a kernel
-    that reads one is far off."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, hk * g, w, d))
-    k, v = rng.standard_normal((b, hk, cap, d)), rng.standard_normal((b, hk, cap, d))
-    for i, n in enumerate(lens):
-        k[i, :, n:] = slack * rng.standard_normal(k[i, :, n:].shape)
-        v[i, :, n:] = 1e6
-    return q, k, v
-
-
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @FEW
 @given(case=verify_cases())
 def test_verify_attention_reads_only_live_kv_and_equals_the_reference_in_float64(kern, case):
     b, hk, g, w, d, cap, lens, nt, n_split, seed = case
-    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed)
+    q, k, v = ragged_inputs(b, hk, g, w, d, cap, lens, seed)
     want = reference_verify_attention(q, k, v, lens)
-    got = get(
+    got = from_kern(
         kern,
         kern.verify_attention(
-            put(kern, q), put(kern, k), put(kern, v), lens, n_split=n_split, nt=nt
+            to_kern(kern, q), to_kern(kern, k), to_kern(kern, v), lens, n_split=n_split, nt=nt
         ),
     )
     assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (lens, nt, n_split)
 
 
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @FEW
 @given(data=st.data())
@@ -287,18 +266,18 @@ def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch
     sub_comp = None if comp is None else comp[picked][:, :, : top // ratio]
     cfg = ratt.Dsv4AttentionConfig(ratio, window, 0, [n - t_q for n in lens])
     want = ratt.dsv4_attention(q, k_front, v_front, sub_comp, None, cfg, sinks)
-    got = get(
+    got = from_kern(
         kern,
         kern.dsv4_attention_rows(
-            put(kern, q),
-            put(kern, k_place),
-            put(kern, v_place),
+            to_kern(kern, q),
+            to_kern(kern, k_place),
+            to_kern(kern, v_place),
             own,
             rows,
-            None if comp is None else put(kern, comp),
+            None if comp is None else to_kern(kern, comp),
             ratio,
             window,
-            None if sinks is None else put(kern, sinks),
+            None if sinks is None else to_kern(kern, sinks),
             n_split=data.draw(st.integers(1, 3)),
             nt=8,
         ),
@@ -309,18 +288,16 @@ def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_query_rows_read_the_kv_rows_they_name(kern):
     """rows = [2, 0] of three KV rows of different lengths: query row 0 attends over KV row 2
-    (its length, its keys), query row 1 over KV row 0; each equals the kernel run on that KV
-    row alone and the reference's attention over that row's live window."""
+    (its length, its keys), query row 1 over KV row 0; each equals the reference's attention
+    over that row's live window, in one split or in three combined."""
     rng = np.random.default_rng(3)
     own, t_q, window, d = [9, 4, 13], 2, 4, 8
     k, v = rng.normal(size=(3, 1, 16, d)), rng.normal(size=(3, 1, 16, d))
     q = rng.normal(size=(2, 2, t_q, d))
-    got = get(
-        kern,
-        kern.dsv4_attention_rows(
-            put(kern, q), put(kern, k), put(kern, v), own, [2, 0], None, 0, window, nt=8
-        ),
-    )
+    args = (to_kern(kern, q), to_kern(kern, k), to_kern(kern, v), own, [2, 0], None, 0, window)
+    got = from_kern(kern, kern.dsv4_attention_rows(*args, nt=8))
+    split = from_kern(kern, kern.dsv4_attention_rows(*args, n_split=3, nt=8))
+    assert np.max(np.abs(split - got)) <= 1e-12 * np.max(np.abs(got))  # splits combined exactly
     for g, i in enumerate([2, 0]):
         n = own[i]
         qp = n - t_q + np.arange(t_q)
@@ -333,13 +310,29 @@ def test_query_rows_read_the_kv_rows_they_name(kern):
 
 
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
+def test_splits_of_the_keys_combine_to_the_attention_over_all_of_them(kern):
+    """Rows of 64 and 40 keys (no window) split 1, 2 or 3 ways along the keys: each split's
+    running maximum differs, and the combine rescales each split by its own maximum, so
+    every split count equals the reference within 1e-12 (slack columns never read)."""
+    lens = [64, 40]
+    q, k, v = ragged_inputs(2, 1, 2, 2, 8, 64, lens, seed=2)
+    want = reference_verify_attention(q, k, v, lens)
+    for n_split in (1, 2, 3):
+        out = kern.verify_attention(*(to_kern(kern, a) for a in (q, k, v)), lens,
+                                    n_split=n_split, nt=8)
+        got = from_kern(kern, out)
+        assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), n_split
+
+
+@pytest.mark.slow
+@pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, dtype):
     b, hk, g, w, d, cap, lens = 3, 2, 2, 4, 16, 70, [70, 9, 41]
-    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=5)
+    q, k, v = ragged_inputs(b, hk, g, w, d, cap, lens, seed=5)
     if dtype == "bfloat16":
         args = [ck.bf16_bits(a) for a in (q, k, v)]
-        q, k, v = (ck.bf16_values(a).astype(np.float64) for a in args)
+        q, k, v = (bf16_values(a).astype(np.float64) for a in args)
     else:
         args = [a.astype(np.float32) for a in (q, k, v)]
         q, k, v = (a.astype(np.float64) for a in args)
@@ -351,9 +344,9 @@ def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, 
     naive = (
         torch.from_numpy(naive).to(torch_dtype).double().numpy()
     )  # one final rounding, like the kernel
-    out = kern.verify_attention(*(put(kern, a) for a in args), lens, n_split=2, nt=32)
-    got = get(kern, out)
-    got = ck.bf16_values(got).astype(np.float64) if dtype == "bfloat16" else got.astype(np.float64)
+    out = kern.verify_attention(*(to_kern(kern, a) for a in args), lens, n_split=2, nt=32)
+    got = from_kern(kern, out)
+    got = bf16_values(got).astype(np.float64) if dtype == "bfloat16" else got.astype(np.float64)
     eps = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7}[dtype]
     bound = 2 * np.max(np.abs(naive - want)) + 4 * eps * np.max(np.abs(v[:, :, :70]))
     assert np.max(np.abs(got - want)) <= bound
@@ -361,8 +354,8 @@ def test_verify_attention_in_low_precision_meets_the_flash_attention_rule(kern, 
 
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does(kern):
-    q, k, v = _qkv(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
-    got = outcome(kern.verify_attention, put(kern, q), put(kern, k), put(kern, v), [8, 2])
+    q, k, v = ragged_inputs(2, 1, 1, 3, 4, 8, [8, 2], seed=1)
+    got = outcome(kern.verify_attention, *(to_kern(kern, a) for a in (q, k, v)), [8, 2])
     assert (
         got[0] == "refused"
         and got[1] is MaskRefusal
@@ -370,6 +363,7 @@ def test_verify_attention_refuses_a_row_shorter_than_the_window_as_the_port_does
     )
 
 
+@pytest.mark.slow
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_routes_it_to_torch(
     kern,
@@ -377,12 +371,11 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
     q = np.zeros((1, 65, 1, 8))
     kv = np.zeros((1, 1, 4, 8))
     with pytest.raises(ValueError, match=r"65 queries per KV head .* at most .* 64 queries"):
-        kern.verify_attention(put(kern, q), put(kern, kv), put(kern, kv), [4])
+        kern.verify_attention(to_kern(kern, q), to_kern(kern, kv), to_kern(kern, kv), [4])
     assert kern.fits(64, 8, "float64") and not kern.fits(65, 8, "float64")
     assert not kern.fits(16, 4096, "float64")  # q alone would need 512 KiB of shared memory
     if kern.mode != "emulate":
         return
-    from raggedspec.gpu.cache import RaggedKv
     from raggedspec.gpu.cupy_backend import emulated
     from raggedspec.gpu.model import dsv4_attention_rows
 
@@ -402,23 +395,12 @@ def test_the_verify_kernel_refuses_a_prefill_sized_query_block_and_the_backend_r
     )
 
 
-# --------------------------------------------------------------------------- NVRTC front end
-@pytest.mark.rule("the kernels build for sm_90: the nvcc front end and NVRTC")
-@pytest.mark.skipif(kernel_emulator.compilers()["nvcc"] is None,
-                    reason="nvcc is not on the PATH: the CUDA front-end check needs it")
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
-def test_the_kernels_compile_for_the_gpu_at_the_benchmark_sizes(dtype):
-    """nvcc (the front end NVRTC shares) compiles every kernel to sm_90 PTX at the bench's
-    sizes (G * w = 8 and 16, head dim 128, 128 threads): a g++-only construct fails here."""
-    for nq in (8, 16):
-        kernel_emulator.nvcc_check(ck.defines(dtype, nq, 128, 128))
-
 
 @pytest.mark.rule("ragged verify attention kernel, CUDA cores")
 @pytest.mark.skipif(NO_CUPY is not None, reason=NO_CUPY or "")
 def test_the_torch_entry_point_matches_the_reference_on_cuda():
     b, hk, g, w, d, cap, lens = 4, 2, 2, 2, 32, 300, [300, 17, 200, 2]
-    q, k, v = _qkv(b, hk, g, w, d, cap, lens, seed=9)
+    q, k, v = ragged_inputs(b, hk, g, w, d, cap, lens, seed=9)
     want = reference_verify_attention(q, k, v, lens)
     got = ck.ragged_verify_attention(*(torch.from_numpy(a).cuda() for a in (q, k, v)),
                                      torch.tensor(lens, device="cuda"))
@@ -460,6 +442,7 @@ def test_asking_for_the_cupy_backend_without_a_gpu_says_why_and_exits_2(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.rule("the kernel backend end to end, emulated")
 @pytest.mark.skipif(
     kernel_emulator.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"

@@ -1,4 +1,8 @@
-"""The kernel emulator's warp-level semantics (gpu/kernel_emulator.py) against the PTX ISA.
+"""What the kernels are built and emulated with: the builds of gpu/kernels.cu for sm_90 (nvcc's
+front end at the benchmark's sizes; NVRTC for every variant the launcher asks for, with no
+spill and, for the tensor-core kernel, its instructions in the SASS; each skipped with the
+reason where the compiler is absent), and the kernel emulator's warp-level semantics
+(gpu/kernel_emulator.py) against the PTX ISA.
 
 The tensor-core kernel is only as trustworthy on the CPU as the emulated primitives it calls,
 so each is pinned here by a small test kernel built with the emulator's prelude:
@@ -15,15 +19,19 @@ so each is pinned here by a small test kernel built with the emulator's prelude:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import raggedspec.gpu.cupy_kernels as ck
+from raggedspec import kernel_check
+from raggedspec.conformance.helpers import bf16
 from raggedspec.gpu import kernel_emulator as emu
 
-pytestmark = pytest.mark.skipif(
+NO_GXX = pytest.mark.skipif(
     emu.compilers()["g++"] is None, reason="the kernel emulator needs g++ on the PATH"
 )
 
@@ -131,18 +139,18 @@ def lib():
     return emu.build("", SOURCE)
 
 
-def bf16(rng, shape) -> tuple[np.ndarray, np.ndarray]:
+def random_bf16(rng, shape) -> tuple[np.ndarray, np.ndarray]:
     """Random bf16 bits and their exact float64 values."""
-    bits = ck.bf16_bits(rng.standard_normal(shape))
-    return bits, ck.bf16_values(bits).astype(np.float64)
+    return bf16(rng.standard_normal(shape))
 
 
+@NO_GXX
 @pytest.mark.rule("the emulator's warp semantics")
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_mma_with_the_ptx_fragment_layout_is_a_matmul(lib, seed):
     rng = np.random.default_rng(seed)
-    (a, av), (b, bv) = bf16(rng, (16, 16)), bf16(rng, (16, 8))
+    (a, av), (b, bv) = random_bf16(rng, (16, 16)), random_bf16(rng, (16, 8))
     c = rng.standard_normal((16, 8)).astype(np.float32)
     d = np.full((16, 8), np.nan, dtype=np.float32)
     emu.launch(lib, "t_mma", (1, 1, 1), 32, [a, b, c, d])
@@ -152,6 +160,7 @@ def test_mma_with_the_ptx_fragment_layout_is_a_matmul(lib, seed):
     )[:4]
 
 
+@NO_GXX
 @pytest.mark.rule("the emulator's warp semantics")
 def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_given(lib):
     rng = np.random.default_rng(7)
@@ -170,13 +179,14 @@ def test_ldmatrix_gives_each_lane_the_documented_elements_of_the_rows_it_was_giv
             assert x2[lane, i] == mats[i, r, c] | (mats[i, r, c + 1] << 16), ("x2", lane, i)
 
 
+@NO_GXX
 @pytest.mark.rule("the emulator's warp semantics")
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_the_kernels_operand_pattern_multiplies_random_tiles(lib, seed):
     rng = np.random.default_rng(seed)
     (k, kv), (q, qv), (v, vv), (p, pv) = (
-        bf16(rng, s) for s in ((16, 16), (8, 16), (16, 16), (8, 16))
+        random_bf16(rng, s) for s in ((16, 16), (8, 16), (16, 16), (8, 16))
     )
     s_out, o_out = np.zeros((16, 8), np.float32), np.zeros((16, 8), np.float32)
     emu.launch(lib, "t_tile", (1, 1, 1), 32, [k, q, v, p, s_out, o_out])
@@ -184,6 +194,7 @@ def test_the_kernels_operand_pattern_multiplies_random_tiles(lib, seed):
     assert np.allclose(o_out, vv.T @ pv.T, rtol=1e-5, atol=1e-5)  # O^T [dims, queries]
 
 
+@NO_GXX
 @pytest.mark.rule("the emulator's warp semantics")
 @pytest.mark.parametrize("mask", [1, 4, 8, 16, 31])
 def test_shfl_xor_exchanges_within_each_warp(lib, mask):
@@ -194,6 +205,7 @@ def test_shfl_xor_exchanges_within_each_warp(lib, mask):
     assert np.array_equal(out, x[(lanes & ~31) | ((lanes % 32) ^ mask)])
 
 
+@NO_GXX
 @pytest.mark.rule("the emulator's warp semantics")
 @pytest.mark.parametrize("short_bytes", [0, 6, 16])
 def test_cp_async_lands_only_at_its_wait(lib, short_bytes):
@@ -212,6 +224,7 @@ def test_cp_async_lands_only_at_its_wait(lib, short_bytes):
     )
 
 
+@NO_GXX
 @pytest.mark.rule("the emulator's warp semantics")
 def test_a_kernel_using_more_dynamic_shared_memory_than_launched_with_is_reported(lib):
     """t_cp_async lands 48 bytes; launched with 32 it writes past them: the launch raises
@@ -220,3 +233,60 @@ def test_a_kernel_using_more_dynamic_shared_memory_than_launched_with_is_reporte
     snaps = np.zeros((5, 64), np.uint8)
     with pytest.raises(RuntimeError, match="wrote past its 32 bytes of dynamic shared memory"):
         emu.launch(lib, "t_cp_async", (1, 1, 1), 1, [src, snaps, 16], shared_bytes=32)
+
+
+# --------------------------------------------------------------------------- builds
+
+
+@pytest.mark.slow
+# --------------------------------------------------------------------------- NVRTC front end
+@pytest.mark.rule("the kernels build for sm_90: the nvcc front end and NVRTC")
+@pytest.mark.skipif(emu.compilers()["nvcc"] is None,
+                    reason="nvcc is not on the PATH: the CUDA front-end check needs it")
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_the_kernels_compile_for_the_gpu_at_the_benchmark_sizes(dtype):
+    """nvcc (the front end NVRTC shares) compiles every kernel to sm_90 PTX at the bench's
+    sizes (G * w = 8 and 16, head dim 128, 128 threads): a g++-only construct fails here."""
+    for nq in (8, 16):
+        emu.nvcc_check(ck.defines(dtype, nq, 128, 128))
+
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+NO_NVRTC = kernel_check.nvrtc_unavailable()
+VARIANTS = kernel_check.launcher_variants(everything=THOROUGH)
+if not THOROUGH:
+    VARIANTS = [
+        v
+        for v in VARIANTS
+        if (v[1], v[2]) in kernel_check.BENCH_TC and (v[0] == "bfloat16" or v[1:3] == (16, 128))
+    ]                                  # the bench's tensor-core builds and one CUDA-core build
+
+
+@pytest.mark.slow
+@pytest.mark.rule("the kernels build for sm_90: the nvcc front end and NVRTC")
+@pytest.mark.skipif(NO_NVRTC is not None, reason=f"NVRTC is absent: {NO_NVRTC}")
+@pytest.mark.parametrize(("dtype", "nq", "d", "path"), VARIANTS)
+def test_nvrtc_builds_the_variant_without_spills(dtype, nq, d, path):
+    """The launcher's build for (dtype, G * w, D) compiles under NVRTC for sm_90; ptxas
+    reports no spill and no stack frame for the verify kernels; the tensor-core kernel's
+    registers leave two blocks an SM (<= 255, 4 warps) and its SASS holds tensor-core MMAs,
+    ldmatrix and async copies and no local-memory traffic."""
+    build = kernel_check.nvrtc_build(kernel_check.variant_defines(dtype, nq, d))
+    res = build.resources()
+    name = "rs_verify_attention_tc" if path == "tc" else "rs_verify_attention_partial"
+    for kernel in (name, "rs_verify_attention_combine"):
+        r = res[kernel]
+        assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, r
+    if path != "tc":
+        return
+    assert res[name].registers <= 255 and ck.tc_shared_bytes(nq, d) <= ck.TC_SHARED_LIMIT
+    assert (
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in build.ptx
+        and "cp.async.cg.shared.global" in build.ptx
+    )
+    tool = kernel_check.cuobjdump_path()
+    if tool is None:
+        pytest.skip("cuobjdump is absent (the nvidia-cuda-cuobjdump wheel): SASS not inspected")
+    code = kernel_check.sass_of(kernel_check.sass(build.cubin, tool), name)
+    assert "HMMA.16816.F32.BF16" in code and "LDSM" in code and "LDGSTS" in code
+    assert "LDL" not in code and "STL" not in code
