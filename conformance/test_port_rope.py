@@ -24,7 +24,6 @@ from raggedspec.gpu.testing import (
     assert_bit_exact,
     assert_close64,
     assert_dtype_bound,
-    host,
     representable,
     to_port,
 )
@@ -140,22 +139,6 @@ def test_a_uniform_batch_never_takes_the_gathered_path(lens, ragged):
     assert_bit_exact(port.rotate(x, c[:, None], s[:, None], 4), wide)
 
 
-@pytest.mark.rule("compressed key positions, port")
-@given(t_c=st.integers(0, 40), ratio=st.sampled_from([1, 4, 128]), seed=st.integers(0, 2**32 - 1),
-       inverse=st.booleans())
-def test_compressed_key_positions_and_rotation_match_the_reference(t_c, ratio, seed, inverse):
-    positions = port.compressed_key_positions(t_c, ratio, device=DEVICE)
-    assert host(positions).tolist() == ref.compressed_key_positions(t_c, ratio)
-    x = np.random.default_rng(seed).normal(size=(2, 1, t_c, 8))
-    got = port.apply_rope_at_positions(to_port(x), positions, 4, 160000.0, inverse)
-    assert_close64(
-        got,
-        ref.apply_rope_at_positions(
-            x, ref.compressed_key_positions(t_c, ratio), 4, 160000.0, inverse
-        ),
-        what="apply_rope_at_positions",
-    )
-
 
 @pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 def test_bad_offsets_are_malformed_for_both():
@@ -192,11 +175,6 @@ MALFORMED = [
      "offsets [-1, 2] must be >= 0"),
     ("device offset negative", lambda: port.apply_rope(_x(), torch.tensor([-1, 2]), 2, THETA),
      "offsets [-1, 2] must be >= 0"),
-    ("positions 2-D",
-     lambda: port.apply_rope_at_positions(_x(1), torch.tensor([[0, 1]]), 2, THETA),
-     "positions must be a 1-D vector, got shape [1, 2]"),
-    ("positions count", lambda: port.apply_rope_at_positions(_x(1), [0, 1, 2], 2, THETA),
-     "3 positions for 2 tokens"),
     ("cos_sin rope_dims odd", lambda: port.rope_cos_sin([0], 3, THETA),
      "rope_dims 3 must be even and >= 2"),
     ("cos_sin rope_dims 0", lambda: port.rope_cos_sin([0], 0, THETA),
@@ -207,13 +185,10 @@ MALFORMED = [
     ("table size negative", lambda: port.RopeTable(2, THETA, -1), "n_positions -1 must be >= 0"),
     ("table past", lambda: port.RopeTable(2, THETA, 5).lookup(torch.tensor([1, 5])),
      "position 5 is past the table's 5 positions"),
-    ("t_c negative", lambda: port.compressed_key_positions(-1, 1),
-     "t_c -1 must be >= 0 and ratio 1 >= 1"),
-    ("ratio 0", lambda: port.compressed_key_positions(3, 0), "t_c 3 must be >= 0 and ratio 0 >= 1"),
 ]
 
 
-@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port", "compressed key positions, port")
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 @pytest.mark.parametrize("call, message", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
 def test_each_malformed_rope_input_is_a_value_error_with_its_message(call, message):
     with pytest.raises(ValueError) as err:
@@ -221,7 +196,7 @@ def test_each_malformed_rope_input_is_a_value_error_with_its_message(call, messa
     assert str(err.value) == message
 
 
-@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port", "compressed key positions, port")
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 def test_the_boundary_values_are_accepted():
     """theta may lie in (0, 1]; a table may hold no positions; rope_dims 2 rotates pair 0 by
     the position itself (theta ** 0 = 1), so cos/sin are cos(p), sin(p)."""
@@ -232,7 +207,6 @@ def test_the_boundary_values_are_accepted():
     assert list(empty.cos.shape) == [0, 2]
     c, s = empty.lookup(torch.zeros(0, dtype=torch.int64))
     assert list(c.shape) == [0, 2] == list(s.shape)
-    assert port.compressed_key_positions(0, 1).tolist() == []
 
 
 @pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
@@ -258,11 +232,10 @@ def test_tables_are_in_their_dtype_and_every_rotation_in_the_input_dtype(dtype):
     x = _x(2, 2, 4, dtype)
     assert port.apply_rope(x, [1, 3], 4, THETA).dtype == dtype
     assert port.apply_rope(x, [1, 3], 4, THETA, table=port.RopeTable(4, THETA, 8)).dtype == dtype
-    assert port.apply_rope_at_positions(x, [0, 4], 4, THETA).dtype == dtype
     assert port.rotate(x, *port.rope_cos_sin([[0, 1]], 4, THETA), 4).dtype == dtype
 
 
-@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port", "compressed key positions, port")
+@pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")
 def test_tables_and_positions_are_made_on_the_requested_device():
     """The meta device exists on every machine: what a function builds for `device="meta"`
     must be there (a CPU run cannot tell a dropped device argument otherwise)."""
@@ -270,7 +243,6 @@ def test_tables_and_positions_are_made_on_the_requested_device():
     assert cos.device.type == sin.device.type == "meta"
     table = port.RopeTable(4, THETA, 0, device="meta")
     assert table.cos.device.type == table.sin.device.type == "meta"
-    assert port.compressed_key_positions(3, 4, device="meta").device.type == "meta"
 
 
 @pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port")
@@ -288,8 +260,3 @@ def test_host_offsets_pick_the_table_shape_and_count_every_call():
     assert_close64(ragged, want, what="ragged host offsets")
 
 
-@pytest.mark.rule("compressed key positions, port")
-def test_apply_rope_at_positions_rotates_forward_by_default():
-    x = np.random.default_rng(0).normal(size=(1, 1, 2, 4))
-    got = port.apply_rope_at_positions(to_port(x), [3, 9], 4, THETA)
-    assert_close64(got, ref.apply_rope_at_positions(x, [3, 9], 4, THETA), what="default direction")

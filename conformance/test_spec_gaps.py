@@ -10,9 +10,7 @@ summation order differs); a batch-mate swap must be bit-identical (exactly 0.0).
 
 from __future__ import annotations
 
-import math
 import re
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -35,14 +33,6 @@ from raggedspec.reference.dispatch import (
 from raggedspec.reference.draft import propose_chain
 from raggedspec.reference.masks import raw_keep_span
 from raggedspec.reference.model import ModelConfig, TinyModel
-from raggedspec.reference.pipeline import (
-    MtpSpeculativePipeline,
-    SyntheticAcceptance,
-    TargetPipeline,
-    argmax_logits_per_row,
-    try_wrap_pipeline_with_mtp,
-    verify_proposed_simulated,
-)
 from raggedspec.reference.step import verify_proposed
 
 
@@ -54,105 +44,10 @@ def close(a, b, rel: float = 1e-12) -> bool:
 # --- §17.2 argmax_logits_per_row -------------------------------------------------------------
 
 
-@pytest.mark.rule("argmax_logits_per_row")
-def test_argmax_logits_per_row_extracts_tail_rows():
-    # (5, 3): row r has its max at column r mod 3, so the last 3 rows decode as [2, 0, 1]
-    logits = np.array([[1.0 if c == r % 3 else 0.0 for c in range(3)] for r in range(5)])
-    assert argmax_logits_per_row(logits, 3) == [2, 0, 1]
-    # negative control: the head of the block would read [0, 1, 2]
-    assert [int(np.argmax(logits[r])) for r in range(3)] == [0, 1, 2]
-
-
-@pytest.mark.rule("argmax_logits_per_row")
-def test_argmax_logits_per_row_handles_batch_dim():
-    logits = np.array([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])  # (1, 2, 3)
-    assert argmax_logits_per_row(logits, 2) == [1, 2]
-
-
-@pytest.mark.rule("argmax_logits_per_row")
-def test_argmax_logits_per_row_takes_what_there_is_and_refuses_other_ranks():
-    logits = np.array([[0.0, 3.0], [5.0, 1.0]])
-    assert argmax_logits_per_row(logits, 7) == [1, 0]  # take = min(expected, rows)
-    assert argmax_logits_per_row(logits, 0) == []
-    for bad in (np.zeros(3), np.zeros((1, 1, 2, 3))):
-        with pytest.raises(ValueError, match=f"unexpected rank {bad.ndim}"):
-            argmax_logits_per_row(bad, 1)
-    with pytest.raises(ValueError, match=re.escape("(2, 2, 3)")):
-        argmax_logits_per_row(np.zeros((2, 2, 3)), 1)
-    with pytest.raises(ValueError, match="expected_rows -1"):
-        argmax_logits_per_row(logits, -1)
-
-
-@pytest.mark.rule("argmax_logits_per_row")
-def test_argmax_logits_per_row_refuses_a_block_with_no_vocab_column_by_shape():
-    with pytest.raises(ValueError, match="^" + re.escape("verify logits (2, 0) have no vocab "
-                                                         "column") + "$"):
-        argmax_logits_per_row(np.zeros((2, 0)), 1)
-
-
-@pytest.mark.rule("argmax_logits_per_row")
-def test_argmax_logits_per_row_compares_the_logits_as_numbers():
-    # logits handed over as numeric text (e.g. read back from a dump) are compared as numbers:
-    # 10 > 9, though the string "9" sorts after "10"
-    assert argmax_logits_per_row([["10", "9"], ["-1", "-2"]], 2) == [0, 0]
-
-
-@pytest.mark.rule("argmax_logits_per_row")
-@given(rows=st.integers(0, 9), vocab=st.integers(1, 6), expected=st.integers(0, 12),
-       batch_dim=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_argmax_logits_per_row_matches_a_loop_oracle(rows, vocab, expected, batch_dim, seed):
-    block = np.random.default_rng(seed).integers(-3, 4, (rows, vocab)).astype(float)  # ties happen
-    want = []
-    for r in range(max(rows - expected, 0), rows):
-        best = 0
-        for c in range(vocab):
-            if block[r, c] > block[r, best]:
-                best = c
-        want.append(best)
-    assert argmax_logits_per_row(block[None] if batch_dim else block, expected) == want
-
 
 # --- §17.2 try_wrap_pipeline_with_mtp
 # --------------------------------------------------------------
 
-
-@pytest.mark.rule("try_wrap_pipeline_with_mtp")
-def test_try_wrap_pipeline_with_mtp_depth_zero_is_noop():
-    target = TargetPipeline("stub")
-    assert try_wrap_pipeline_with_mtp(target, 0) is target
-    kitted = TargetPipeline("stub", kit=TinyModel(ModelConfig(hidden=8, vocab=16)))
-    assert try_wrap_pipeline_with_mtp(kitted, 0) is kitted  # depth 0 never wraps, kit or not
-
-
-@pytest.mark.rule("try_wrap_pipeline_with_mtp")
-def test_try_wrap_pipeline_with_mtp_no_kit_falls_back():
-    target = TargetPipeline("stub")
-    warnings: list[str] = []
-    assert try_wrap_pipeline_with_mtp(target, 4, warnings) is target
-    assert len(warnings) == 1 and "depth=4" in warnings[0] and "no MTP head" in warnings[0]
-
-
-@pytest.mark.rule("try_wrap_pipeline_with_mtp")
-def test_try_wrap_pipeline_with_mtp_engages_wrapper():
-    target = TargetPipeline("stub", kit=TinyModel(ModelConfig(hidden=8, vocab=16)))
-    warnings: list[str] = []
-    wrapped = try_wrap_pipeline_with_mtp(target, 4, warnings)
-    assert wrapped is not target and isinstance(wrapped, MtpSpeculativePipeline)
-    assert wrapped.name().startswith("MTP-speculative(depth=4")
-    assert wrapped.name() == "MTP-speculative(depth=4, target=stub)"
-    assert wrapped.target is target and wrapped.kit is target.kit and warnings == []
-    tier_a = TargetPipeline(
-        "a", kit=TinyModel(ModelConfig(mtp="heads"))
-    )  # heads only is still a kit
-    assert try_wrap_pipeline_with_mtp(tier_a, 1).name().startswith("MTP-speculative(depth=1")
-
-
-@pytest.mark.rule("try_wrap_pipeline_with_mtp")
-def test_try_wrap_pipeline_with_mtp_refuses_a_depth_outside_the_flag_range():
-    with pytest.raises(ValueError, match="--mtp-depth 9"):
-        try_wrap_pipeline_with_mtp(TargetPipeline("stub"), 9)
-    with pytest.raises(ValueError, match="--mtp-depth -1"):
-        try_wrap_pipeline_with_mtp(TargetPipeline("stub"), -1)
 
 
 # --- masks §1 / §22: resolve_row_offsets
@@ -211,102 +106,6 @@ def test_resolve_row_offsets_refuses_negative_offsets_naming_them():
 # --- §19.1 verify_proposed_simulated / SyntheticAcceptance
 # ------------------------------------------
 
-
-def simulated_commit_lens(acc_len: float, depth: int, steps: int) -> list[int]:
-    """Every proposal mismatches the target: the real verifier commits 1 each step, so any
-    longer commit can only come from the harness."""
-    sim = SyntheticAcceptance(acc_len)
-    proposed = [1000 + i for i in range(depth)]
-    target = [2000 + i for i in range(depth)]
-    return [verify_proposed_simulated(proposed, target, sim).commit_len for _ in range(steps)]
-
-
-def running_mean_within_one_over_n(acc_len: float, lens: list[int]) -> bool:
-    """Exact check: after every prefix of N steps, 0 <= acc_len - mean < 1/N and every value
-    is one of the two integers around acc_len."""
-    target = Fraction(acc_len)
-    lo, hi = math.floor(acc_len), math.ceil(acc_len)
-    total = 0
-    for n, x in enumerate(lens, start=1):
-        total += x
-        gap = target - Fraction(total, n)
-        if not (x in (lo, hi) and 0 <= gap < Fraction(1, n)):
-            return False
-    return True
-
-
-@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
-def test_a_fractional_accept_length_is_hit_exactly_in_the_mean():
-    for acc_len in (1.0, 1.5, 1.8387, 2.85, 3.0):
-        lens = simulated_commit_lens(acc_len, 4, 1000)
-        assert abs(sum(lens) / 1000 - acc_len) < 0.01
-        assert running_mean_within_one_over_n(acc_len, lens), acc_len
-    assert simulated_commit_lens(2.85, 4, 40) == simulated_commit_lens(2.85, 4, 40)  # deterministic
-    lens = simulated_commit_lens(2.85, 4, 40)
-    assert set(lens) == {2, 3}  # dithered between the neighbouring integers, not rounded
-
-
-@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
-def test_a_rounding_schedule_fails_the_dithering_check():
-    """Negative control for the check above: rounding 2.85 to 3 every step is not dithering."""
-
-    class Rounding(SyntheticAcceptance):
-        def next_accept_len(self) -> int:
-            return round(self.acc_len - 1)
-
-    sim = Rounding(2.85)
-    lens = [
-        verify_proposed_simulated([1, 2, 3, 4], [5, 6, 7, 8], sim).commit_len for _ in range(40)
-    ]
-    assert set(lens) == {3}
-    assert not running_mean_within_one_over_n(2.85, lens)
-
-
-@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
-@given(
-    acc_len=st.floats(1.0, 9.0, allow_nan=False), steps=st.integers(1, 300), extra=st.integers(0, 3)
-)
-def test_the_running_mean_converges_to_acc_len_within_one_over_steps(acc_len, steps, extra):
-    depth = math.ceil(acc_len - 1) + 1 + extra  # never clamped: every step has a rejection
-    lens = simulated_commit_lens(acc_len, depth, steps)
-    assert running_mean_within_one_over_n(acc_len, lens)
-    assert abs(Fraction(sum(lens), steps) - Fraction(acc_len)) < Fraction(1, steps)
-
-
-@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
-def test_the_harness_accepts_tokens_the_real_verifier_would_reject():
-    proposed, target = [10, 20, 30], [91, 92, 93]
-    real = verify_proposed(proposed, target)
-    assert real.accepted == [] and real.rejection == (0, 91) and real.commit_len == 1
-    forced = verify_proposed_simulated(proposed, target, SyntheticAcceptance(3.0))
-    assert forced.accepted == [10, 20]  # the DRAFT's tokens
-    assert forced.rejection == (2, 93)  # the TARGET's real token at the rejected slot
-    assert forced.commit_len == 3
-
-
-@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
-def test_the_schedule_is_clamped_by_the_chain_and_not_compensated():
-    assert simulated_commit_lens(5.0, 2, 20) == [2] * 20  # wants 4 drafts, the chain has 2
-    # n = min(len(proposed), len(target)): a longer proposal is clamped to the target's rows
-    longer = verify_proposed_simulated([1, 2, 3, 4], [9, 9], SyntheticAcceptance(5.0))
-    assert longer.accepted == [1, 2] and longer.rejection is None and longer.commit_len == 2
-    empty = verify_proposed_simulated([], [], SyntheticAcceptance(4.0))
-    assert empty.accepted == [] and empty.rejection is None and empty.commit_len == 0
-
-
-@pytest.mark.rule("verify_proposed_simulated and SyntheticAcceptance")
-def test_the_flag_refuses_an_impossible_accept_length():
-    for bad in (0.9, 0.0, -2.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=re.escape(f"acc_len {bad!r}")):
-            SyntheticAcceptance(bad)
-    assert SyntheticAcceptance(1.0).acc_len == 1.0
-    for value in (None, "", "  ", "yes", "0.5", "nan", "inf", "1_0"):
-        assert SyntheticAcceptance.from_env_value(value) is None, value
-    parsed = SyntheticAcceptance.from_env_value(" 2.85 ")
-    assert parsed is not None and parsed.acc_len == 2.85
-    for value, acc in (("1.0", 1.0), ("1", 1.0), ("1.5", 1.5)):  # 1.0 is the lowest accepted
-        parsed = SyntheticAcceptance.from_env_value(value)
-        assert parsed is not None and parsed.acc_len == acc, value
 
 
 # --- §17.2 speculative_mtp_v4_propose_verify_loop_is_consistent
