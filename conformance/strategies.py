@@ -15,6 +15,7 @@ front-aligned (left-padded) to `max(lengths)`, so row i's *lead* (dead prefix) i
 - `bf16_inexact_positions(lo, hi)`: positions bfloat16 cannot hold exactly (odd, > 256).
 - `kv_head_layouts(kv_heads, ratios, max_heads)`: a model's `(n_heads, n_kv_heads)`, MQA
   (one KV head) or GQA (several, each serving `ratio` query heads).
+- `drafting_rows(max_rows, max_w, max_len)`: one step's `(u, cache_lens, may_draft, w)`.
 """
 
 from __future__ import annotations
@@ -187,3 +188,22 @@ def kv_head_layouts(
                          f"{max_heads} query heads")
     pairs = st.tuples(st.sampled_from(kv_heads), st.sampled_from(ratios))
     return pairs.map(lambda p: (p[0] * p[1], p[0])).filter(lambda p: p[0] <= max_heads)
+
+
+# --- dispatch, step arithmetic (test_dispatch.py, test_step*.py) ----------------------------
+
+
+@st.composite
+def drafting_rows(draw, max_rows: int = 64, max_w: int = 9, max_len: int = 60):
+    """`(u, cache_lens, may_draft, w)` of one step's rows: `w` in `1..max_w`, `u_i` in
+    `[1, w]` (u = w: no draft slot), lengths in `[1, max_len]`, about four rows in five allowed
+    to draft. Wide batches are drawn from one seeded `random.Random`, so B = 256 stays cheap."""
+    import random
+
+    w = draw(st.integers(1, max_w))
+    b = draw(st.integers(1, max_rows))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    u = [rng.randint(1, w) for _ in range(b)]
+    lens = [rng.randint(1, max_len) for _ in range(b)]
+    may = [rng.random() < 0.8 for _ in range(b)]
+    return u, lens, may, w

@@ -10,26 +10,12 @@ summation order differs); a batch-mate swap must be bit-identical (exactly 0.0).
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from raggedspec.reference.accounting import MtpAcceptance, from_verify
 from raggedspec.reference.align import clone_in_cache, clone_out_cache
-from raggedspec.reference.dispatch import (
-    CaptureOffsets,
-    chain_start_of,
-    draft_group_key,
-    draft_groups,
-    resolve_capture_offsets,
-    resolve_draft_leads,
-    resolve_ragged_rows,
-    resolve_row_offsets,
-    uniform_seqlen_offset,
-)
 from raggedspec.reference.draft import propose_chain
 from raggedspec.reference.masks import raw_keep_span
 from raggedspec.reference.model import ModelConfig, TinyModel
@@ -53,54 +39,6 @@ def close(a, b, rel: float = 1e-12) -> bool:
 # --- masks §1 / §22: resolve_row_offsets
 # ------------------------------------------------------------
 
-
-@pytest.mark.rule("resolve_row_offsets")
-def test_a_batch_with_no_per_row_offset_takes_the_shared_path():
-    assert resolve_row_offsets([None, None, None], 17) is None
-    assert resolve_row_offsets([], 17) is None
-
-
-@pytest.mark.rule("resolve_row_offsets")
-def test_a_row_with_its_own_offset_makes_the_whole_batch_per_row():
-    assert resolve_row_offsets([40, 33, 37], 17) == [40, 33, 37]
-    assert resolve_row_offsets([40, None], 17) == [40, 17]  # the batch's offset, not 0
-    # cache-and-draft §16 PerSequence example: set_prefill_toks_at(window, cache_lens[i]),
-    # shared offset 0 -> every row's own position, which is also its row_q0
-    assert resolve_row_offsets([12, 10], 0) == [12, 10]
-
-
-@pytest.mark.rule("resolve_row_offsets")
-def test_equal_overrides_are_not_collapsed_into_the_shared_offset():
-    """The scalar path reads `shared`, not the common value: collapsing `[40, 40]` with
-    shared 0 would put both rows at position 0. The RoPE dispatch collapses it downstream."""
-    got = resolve_row_offsets([40, 40], 0)
-    assert got == [40, 40]
-    assert uniform_seqlen_offset(got) == 40
-
-
-@pytest.mark.rule("resolve_row_offsets", "§22 dispatch tests: each predicate tested directly")
-@given(b=st.integers(0, 12), shared=st.integers(0, 5000), data=st.data())
-def test_resolve_row_offsets_dispatch_property(b, shared, data):
-    # uniform (no row carries its own offset) -> the scalar form, at every width
-    assert resolve_row_offsets([None] * b, shared) is None
-    per_seq = data.draw(
-        st.lists(st.one_of(st.none(), st.integers(0, 5000)), min_size=b, max_size=b)
-    )
-    got = resolve_row_offsets(per_seq, shared)
-    if all(o is None for o in per_seq):
-        assert got is None
-    else:
-        assert len(got) == b
-        for i in range(b):
-            assert got[i] == (shared if per_seq[i] is None else per_seq[i])
-
-
-@pytest.mark.rule("resolve_row_offsets")
-def test_resolve_row_offsets_refuses_negative_offsets_naming_them():
-    with pytest.raises(ValueError, match="shared offset -1"):
-        resolve_row_offsets([3], -1)
-    with pytest.raises(ValueError, match=re.escape("[4, None, -2]")):
-        resolve_row_offsets([4, None, -2], 0)
 
 
 # --- §19.1 verify_proposed_simulated / SyntheticAcceptance
@@ -228,21 +166,6 @@ def test_a_merged_ragged_batch_130_97_61_equals_solo_runs():
 # --- malformed input raises ValueError naming the value -------------------------------------
 
 
-@pytest.mark.rule("resolve_draft_leads")
-def test_resolve_draft_leads_refuses_a_negative_chain_start_whatever_the_flag():
-    for enabled in (True, False):
-        with pytest.raises(ValueError, match=re.escape("chain starts [-3, 2] must be >= 0")):
-            resolve_draft_leads(enabled, [-3, 2])
-    assert resolve_draft_leads(True, [0, 2]) == [2, 0]  # 0 is a position
-
-
-@pytest.mark.rule("resolve_ragged_rows")
-def test_resolve_ragged_rows_refuses_a_negative_row_position():
-    with pytest.raises(ValueError, match=re.escape("row positions [-1, 5] must be >= 0")):
-        resolve_ragged_rows([-1, 5], 5, 2)
-    assert resolve_ragged_rows([0, 5], 5, 2) == [0, 5]
-    assert resolve_ragged_rows(None, 5, 2) is None
-
 
 @pytest.mark.rule("raw_keep_span")
 def test_raw_keep_span_refuses_a_forward_with_no_query_row():
@@ -251,24 +174,4 @@ def test_raw_keep_span_refuses_a_forward_with_no_query_row():
     assert raw_keep_span(1, 4, 7) == (3, 4)  # the smallest well-formed forward: keep = window
 
 
-@pytest.mark.rule("CaptureOffsets::row")
-def test_capture_offsets_refuse_an_empty_vector_that_nothing_builds():
-    with pytest.raises(
-        ValueError, match=re.escape("capture offsets [] must hold at least one offset")
-    ):
-        CaptureOffsets([])
-    assert resolve_capture_offsets([]).values == (0,)  # the legitimate "no offsets" path
 
-
-@pytest.mark.rule("draft_group_key")
-def test_draft_group_key_keeps_u_zero_well_formed():
-    """Decision (see draft_group_key): u = 0 is not refused by the key. plan_step_window
-    already makes such a row not-ok before any group forms; callers (draft_groups, the port
-    conformance) pass u = 0 and get the spec's expression."""
-    assert draft_group_key(0, 5, False) == (0, 3) == (0, chain_start_of(5, 0))
-    assert draft_group_key(0, 5, True) == (0, 0)
-    assert draft_groups([0, 1], [5, 5], [True, True], 3, False) == {(0, 3): [0], (1, 4): [1]}
-    with pytest.raises(ValueError, match="cache_len 1 \\+ u 0 < 2"):
-        draft_group_key(0, 1, False)
-    with pytest.raises(ValueError, match="u -1 must be >= 0"):
-        draft_group_key(-1, 5, True)
