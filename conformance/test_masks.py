@@ -47,6 +47,7 @@ def test_raw_keep_span_pinned_values():
     assert raw_keep_span(1, 128, 2048) == (1920, 128)
     assert raw_keep_span(2048, 128, 2048) == (0, 2048)
     assert raw_keep_span(1, 8, 64) == (56, 8)
+    assert raw_keep_span(1, 4, 7) == (3, 4)  # the smallest well-formed forward: keep = window
 
 
 @pytest.mark.rule("raw_keep_span")
