@@ -7,21 +7,23 @@ here, in one section per topic.
 
 from __future__ import annotations
 
+import pytest
+
 
 # --- dispatch, step arithmetic, masks, RoPE, attention -----------------------------------------
 
 IMPLEMENTATIONS = ("reference", "port")
 """The two implementations a topic test body runs on: `reference/` and the torch port."""
 
+each_implementation = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+"""Run a test body once per implementation, as its `impl` argument (a plain parameter, so
+Hypothesis tests take it too)."""
 
-def implementation(request) -> str:
-    """The implementation a parametrized test runs on (`request.param`); the port's tests skip
-    where torch is not installed."""
-    import pytest
 
-    if request.param == "port":
+def require_port(name: str) -> None:
+    """Skip the port's run of a test where torch is not installed."""
+    if name == "port":
         pytest.importorskip("torch", reason="the port needs torch: pip install 'raggedspec[torch]'")
-    return request.param
 
 
 def step_backend(name: str):
@@ -29,6 +31,7 @@ def step_backend(name: str):
     backend under test (`conformance/backends.py`, torch by default) for the port."""
     from raggedspec.conformance.backends import backend_under_test, reference_backend
 
+    require_port(name)
     return reference_backend() if name == "reference" else backend_under_test()
 
 
@@ -107,3 +110,52 @@ def run_streams(streams, w, rule, steps, plan=None):
             hist["emitted"] += len(o[2])
             u[s] = nxt
     return hist, toks
+
+
+def mask_rules(name: str, dtype=None):
+    """The mask rules of an implementation with host (NumPy) inputs and outputs: `raw_validity`,
+    `compressed_validity`, `ragged_union_mask` and `compose_caller_mask`, each called as the
+    reference's function is. The port's run on its device (`gpu.testing.DEVICE`), masks in
+    `dtype` (default float64), and come back as float64 / bool host arrays."""
+    from types import SimpleNamespace
+
+    if name == "reference":
+        from raggedspec.reference import masks
+
+        return SimpleNamespace(raw_validity=masks.raw_validity,
+                               compressed_validity=masks.compressed_validity,
+                               ragged_union_mask=masks.ragged_union_mask,
+                               compose_caller_mask=masks.compose_caller_mask)
+    require_port(name)
+    import torch
+
+    from raggedspec.gpu import masks
+    from raggedspec.gpu.testing import DEVICE, host, to_port
+
+    dtype = dtype or torch.float64
+
+    def union(rows, q0, valid, raw_base, t_k, ratio, t_c):
+        rows = torch.tensor([int(r) for r in rows], dtype=torch.int64, device=DEVICE)
+        out = masks.ragged_union_mask(rows, q0, to_port(valid), raw_base, t_k, ratio, t_c, dtype)
+        assert out.dtype == dtype
+        return host(out)
+
+    def caller(local, mask, *sizes):
+        out = masks.compose_caller_mask(
+            to_port(local, dtype), None if mask is None else to_port(mask, dtype), *sizes)
+        assert out.dtype == dtype
+        return host(out)
+
+    return SimpleNamespace(
+        raw_validity=lambda *a: host(masks.raw_validity(*a, device=DEVICE)),
+        compressed_validity=lambda *a: host(masks.compressed_validity(*a, device=DEVICE)),
+        ragged_union_mask=union, compose_caller_mask=caller)
+
+
+def keep_bits(mask):
+    """An additive mask as 1 (keep) / 0 (kill) ints, asserting it holds only 0 and -inf."""
+    import numpy as np
+
+    mask = np.asarray(mask)
+    assert np.all((mask == 0.0) | (mask == -np.inf)), "an additive mask holds only 0 and -inf"
+    return (mask == 0.0).astype(int)

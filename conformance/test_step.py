@@ -19,8 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raggedspec.conformance.helpers import (
-    IMPLEMENTATIONS,
-    implementation,
+    each_implementation,
     sim_propose_and_verify,
     step_backend,
     target_next,
@@ -41,7 +40,6 @@ from raggedspec.reference.step import (
 )
 from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS
 
-impl = pytest.fixture(params=IMPLEMENTATIONS, name="impl")(implementation)
 
 # --- flags / small rules ------------------------------------------------------------------------
 
@@ -250,6 +248,7 @@ def test_budget_clamp_property(a, budget):
 # --- the step arithmetic on both backends --------------------------------------------------------
 
 
+@each_implementation
 @pytest.mark.rule("plan_step_window, token_budget, backend",
                   "verify's first mismatch and the budget clamp, backend",
                   "cohort and per-sequence advance arithmetic, backend")

@@ -38,7 +38,7 @@ OUT_FILES = (
 )
 PORT_FILES = sorted(p.name for p in (ROOT / "conformance").glob("test_port_*.py"))
 BACKEND_FILES = ["test_backend.py", "test_end_to_end.py"]
-SMOKE_PORT_FILES = ["test_port_masks.py"]
+SMOKE_PORT_FILES = ["test_masks.py"]
 # The kernel tests on the device: the CuPy runner's only. Deselected: the emulated half (the
 # CPU suite runs it) and nvcc's PTX front-end check (the preflight compiles every variant
 # through CuPy's NVRTC itself).
