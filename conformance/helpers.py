@@ -159,3 +159,28 @@ def keep_bits(mask):
     mask = np.asarray(mask)
     assert np.all((mask == 0.0) | (mask == -np.inf)), "an additive mask holds only 0 and -inf"
     return (mask == 0.0).astype(int)
+
+
+def rope_rules(name: str):
+    """RoPE of an implementation with host inputs and outputs: `apply_rope(x, offsets,
+    rope_dims, theta, inverse=False)` (`x` a float64 array, `offsets` a list) and
+    `rope_cos_sin(positions, rope_dims, theta)`, as the reference's functions are called. The
+    port's run in float64 on its device and come back as host arrays."""
+    from types import SimpleNamespace
+
+    if name == "reference":
+        from raggedspec.reference import rope
+
+        return SimpleNamespace(apply_rope=rope.apply_rope, rope_cos_sin=rope.rope_cos_sin)
+    require_port(name)
+    from raggedspec.gpu import rope
+    from raggedspec.gpu.testing import DEVICE, host, to_port
+
+    def apply(x, offsets, rope_dims, theta, inverse=False):
+        return host(rope.apply_rope(to_port(x), offsets, rope_dims, theta, inverse))
+
+    def cos_sin(positions, rope_dims, theta):
+        cos, sin = rope.rope_cos_sin(positions, rope_dims, theta, device=DEVICE)
+        return host(cos), host(sin)
+
+    return SimpleNamespace(apply_rope=apply, rope_cos_sin=cos_sin)
