@@ -184,3 +184,161 @@ def rope_rules(name: str):
         return host(cos), host(sin)
 
     return SimpleNamespace(apply_rope=apply, rope_cos_sin=cos_sin)
+
+
+def attention_rules(name: str):
+    """Attention of an implementation with host inputs and outputs: `attention(q, k, v, mask,
+    sinks=None)`, `dsv4_attention(q, k, v, compressed_kv, attention_mask, cfg, sinks=None)`
+    (`cfg` a `reference.attention.Dsv4AttentionConfig`), and `mask_stats()` / `reset_stats()`,
+    the counters of the mask path `dsv4_attention` took. The port's run in float64 on its
+    device and come back as float64 host arrays."""
+    from types import SimpleNamespace
+
+    if name == "reference":
+        from raggedspec.reference import attention as ref
+
+        return SimpleNamespace(attention=ref.attention, dsv4_attention=ref.dsv4_attention,
+                               mask_stats=lambda: dict(ref.dsv4_mask_stats),
+                               reset_stats=ref.reset_dsv4_mask_stats)
+    require_port(name)
+    from raggedspec.gpu import attention as port
+    from raggedspec.gpu.testing import host, to_port
+
+    def opt(a):
+        return None if a is None else to_port(a)
+
+    def attention(q, k, v, mask, sinks=None):
+        return host(port.attention(to_port(q), to_port(k), to_port(v), opt(mask), opt(sinks)))
+
+    def dsv4(q, k, v, comp, mask, cfg, sinks=None):
+        cfg = port.Dsv4AttentionConfig(cfg.compress_ratio, cfg.sliding_window, cfg.raw_prefix,
+                                       cfg.row_q0)
+        return host(port.dsv4_attention(to_port(q), to_port(k), to_port(v), opt(comp),
+                                        opt(mask), cfg, opt(sinks)))
+
+    return SimpleNamespace(attention=attention, dsv4_attention=dsv4,
+                           mask_stats=lambda: dict(port.dsv4_mask_stats),
+                           reset_stats=port.reset_dsv4_mask_stats)
+
+
+# Attention oracles (plain Python loops over absolute positions; they share no code with
+# either implementation) and the builders of front-aligned ragged batches.
+
+
+def softmax_oracle(logits: list[float], values: list, sink: float | None):
+    """Plain softmax-weighted sum; the sink joins the denominator only."""
+    import math
+
+    import numpy as np
+
+    top = max(logits + ([sink] if sink is not None else []))
+    weights = [math.exp(x - top) for x in logits]
+    denom = sum(weights) + (math.exp(sink - top) if sink is not None else 0.0)
+    out = np.zeros_like(values[0]) if values else np.zeros(0)
+    for w, v in zip(weights, values, strict=True):
+        out = out + w * v
+    return out / denom
+
+
+def attention_oracle(q, k, v, keep, sinks):
+    """Per (row, head, query) loop over kept keys; `keep[b][h][r][j]` booleans; query head h
+    reads KV head `h // (H // Hk)`."""
+    import math
+
+    import numpy as np
+
+    b_, h_, t_q, d = q.shape
+    group = h_ // k.shape[1]
+    out = np.zeros((b_, h_, t_q, v.shape[3]))
+    for b in range(b_):
+        for h in range(h_):
+            for r in range(t_q):
+                cols = [j for j in range(k.shape[2]) if keep[b][h][r][j]]
+                logits = [float(q[b, h, r] @ k[b, h // group, j]) / math.sqrt(d) for j in cols]
+                vals = [v[b, h // group, j] for j in cols]
+                sink = None if sinks is None else float(sinks[h])
+                out[b, h, r] = softmax_oracle(logits, vals, sink) if cols else 0.0
+    return out
+
+
+def union_attention_oracle(row, window: int, ratio: int, sinks):
+    """`[H, t_q, D]`: each query of one sequence alone (`row`, as `make_rows` builds it) over
+    its valid raw keys (`qp - window < p <= qp`) and complete compressed blocks
+    (`(b + 1) * ratio <= qp + 1`)."""
+    import math
+
+    import numpy as np
+
+    h_, t_q, d = row.q.shape
+    n = row.keys.shape[0]
+    out = np.zeros((h_, t_q, row.vals.shape[1]))
+    for h in range(h_):
+        for r in range(t_q):
+            qp = n - t_q + r
+            keys = [(row.keys[p], row.vals[p]) for p in range(n) if qp - window < p <= qp]
+            if row.comp is not None:
+                keys += [(row.comp[b], row.comp[b]) for b in range(row.comp.shape[0])
+                         if (b + 1) * ratio <= qp + 1]
+            logits = [float(row.q[h, r] @ key) / math.sqrt(d) for key, _ in keys]
+            sink = None if sinks is None else float(sinks[h])
+            out[h, r] = softmax_oracle(logits, [val for _, val in keys], sink)
+    return out
+
+
+def make_rows(lengths, t_q, ratio, heads, dim, rng, extra_c=0):
+    """One sequence per length: `keys`, `vals [n, D]` (positions 0..n-1, this step's `t_q`
+    tokens included), `comp [n // ratio + extra_c, D]` (its complete blocks, then `extra_c`
+    incomplete garbage ones; None for a Standard layer) and queries `q [H, t_q, D]`."""
+    from types import SimpleNamespace
+
+    rows = []
+    for n_cached in lengths:
+        n = n_cached + t_q
+        comp = rng.normal(size=(n // ratio + extra_c, dim)) if ratio > 1 else None
+        rows.append(SimpleNamespace(keys=rng.normal(size=(n, dim)), vals=rng.normal(size=(n, dim)),
+                                    comp=comp, q=rng.normal(size=(heads, t_q, dim))))
+    return rows
+
+
+def batch_of(rows, t_q: int, ratio: int, dead_rng=None, extra_c=0):
+    """Front-align `make_rows` rows into `(q, k, v, compressed_kv)`: row i's raw run ends at
+    the shared column; its dead prefix (and compressed rows past its own) are zeros, or noise
+    from `dead_rng` (what a perturbation test changes)."""
+    import numpy as np
+
+    n_max = max(r.keys.shape[0] for r in rows)
+    b_, dim = len(rows), rows[0].keys.shape[1]
+
+    def dead(shape):
+        return np.zeros(shape) if dead_rng is None else dead_rng.normal(size=shape) * 3.0
+
+    k, v = dead((b_, 1, n_max, dim)), dead((b_, 1, n_max, dim))
+    comp = dead((b_, 1, n_max // ratio + extra_c, dim)) if ratio > 1 else None
+    for i, r in enumerate(rows):
+        n = r.keys.shape[0]
+        k[i, 0, n_max - n:] = r.keys
+        v[i, 0, n_max - n:] = r.vals
+        if comp is not None:
+            own = n // ratio  # the row's complete blocks; the rest stay dead
+            comp[i, 0, :own] = r.comp[:own]
+    return np.stack([r.q for r in rows]), k, v, comp
+
+
+def naive_attention(q, k, v, mask, sinks):
+    """Plain same-dtype attention on torch tensors (the low-precision tests' yardstick):
+    everything in `q.dtype`, the sink as an extra logit column dropped after the softmax, GQA
+    by `repeat_interleave`."""
+    import math
+
+    import torch
+
+    h, hk = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        logits = logits + mask.to(q.dtype)
+    if sinks is not None:
+        col = sinks.to(q.dtype)[None, :, None, None].expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, col], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    return (p[..., :-1] if sinks is not None else p) @ v
