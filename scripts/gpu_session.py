@@ -36,7 +36,11 @@ OUT_FILES = (
     "e2e.json",
     "all.tar.gz",
 )
-PORT_FILES = sorted(p.name for p in (ROOT / "conformance").glob("test_port_*.py"))
+# the per-op port tests: the test_port_*.py files, and the topic files whose test bodies run on
+# the reference and the port alike
+PORT_FILES = sorted(p.name for p in (ROOT / "conformance").glob("test_port_*.py")) + [
+    "test_masks.py", "test_rope.py", "test_attention.py", "test_attention_dsv4.py",
+    "test_attention_in_place.py", "test_step.py"]
 BACKEND_FILES = ["test_backend.py", "test_end_to_end.py"]
 SMOKE_PORT_FILES = ["test_masks.py"]
 # The kernel tests on the device: the CuPy runner's only. Deselected: the emulated half (the
