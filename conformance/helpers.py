@@ -342,3 +342,16 @@ def naive_attention(q, k, v, mask, sinks):
         logits = torch.cat([logits, col], dim=-1)
     p = torch.softmax(logits, dim=-1)
     return (p[..., :-1] if sinks is not None else p) @ v
+
+
+def malformed_cases(table):
+    """Parametrize a test over `(case id, call, message)` rows as its `call` and `message`."""
+    return pytest.mark.parametrize("call, message", [(c, m) for _, c, m in table],
+                                   ids=[n for n, _, _ in table])
+
+
+def assert_refused(exc: type, call, message: str) -> None:
+    """`call()` raises `exc` whose message is exactly `message`."""
+    with pytest.raises(exc) as info:
+        call()
+    assert str(info.value) == message, f"{str(info.value)!r} != {message!r}"

@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raggedspec.conformance.helpers import (
+    assert_refused,
     attention_rules,
     batch_of,
     each_implementation,
@@ -351,9 +352,7 @@ def test_the_mask_path_is_ragged_exactly_when_the_rows_are(impl, lengths, t_q, w
 
 
 def refused(call, message):
-    with pytest.raises(ValueError) as e:
-        call()
-    assert str(e.value) == message
+    assert_refused(ValueError, call, message)
 
 
 @pytest.mark.rule("dsv4_attention refusals")

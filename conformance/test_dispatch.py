@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from raggedspec.conformance.helpers import assert_refused, malformed_cases
 from raggedspec.conformance.strategies import (
     drafting_rows,
     lead_pads,
@@ -488,12 +489,9 @@ MALFORMED = [
 @pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules",
                   "resolve_ragged_rows", "resolve_draft_leads", "CaptureOffsets::row",
                   "resolve_row_offsets")
-@pytest.mark.parametrize(
-    "call, message", [(c, m) for _, c, m in MALFORMED], ids=[n for n, _, _ in MALFORMED]
-)
+@malformed_cases(MALFORMED)
 def test_malformed_input_is_a_value_error_naming_the_offending_values(call, message):
-    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
-        call()
+    assert_refused(ValueError, call, message)
 
 
 @pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules")

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.helpers import keep_bits
+from raggedspec.conformance.helpers import assert_refused, keep_bits
 from raggedspec.conformance.strategies import lead_pads
 from raggedspec.reference.cache import KvCache, NormalCache
 from raggedspec.reference.errors import MaskRefusal
@@ -283,9 +283,7 @@ def test_malformed_sizes_are_refused_with_the_stated_messages():
          "sliding_window_ragged 'x' must be one of ('none', 'channel')"),
     ]
     for call, message in cases:
-        with pytest.raises(ValueError) as e:
-            call()
-        assert str(e.value) == message
+        assert_refused(ValueError, call, message)
 
 
 @pytest.mark.rule("ragged sliding-window masker policy")

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.helpers import each_implementation, rope_rules
+from raggedspec.conformance.helpers import assert_refused, each_implementation, rope_rules
 from raggedspec.conformance.strategies import corner_lengths, ragged_lengths, uniform_lengths
 from raggedspec.reference.rope import (
     apply_rope,
@@ -68,9 +68,15 @@ def rand(shape, seed=0):
     return np.random.default_rng(seed).normal(size=shape)
 
 
-rope_shape = dict(t=st.integers(1, 9), heads=st.integers(1, 3),
-                  dims=st.sampled_from([(4, 4), (8, 4), (8, 8), (12, 6)]),
-                  seed=st.integers(0, 2**32 - 1))
+@st.composite
+def rows_to_rotate(draw):
+    """`(x, offsets, rope_dims)`: ragged offsets 0..80, one per row, x `[B, H, T, D]` float64
+    from a seeded rng, rope_dims a part or all of D."""
+    offsets = draw(ragged_lengths(1, 6, 0, 80))
+    t, heads = draw(st.integers(1, 9)), draw(st.integers(1, 3))
+    dim, rope_dims = draw(st.sampled_from([(4, 4), (8, 4), (8, 8), (12, 6)]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return rng.normal(size=(len(offsets), heads, t, dim)), offsets, rope_dims
 
 
 # ----------------------------------------------------------------------------- positions
@@ -138,11 +144,10 @@ def test_rope_cos_sin_shape_and_values(impl):
 @each_implementation
 @pytest.mark.rule("DeepSeekV2RotaryEmbedding positions",
                   "DeepSeekV2RotaryEmbedding positions, port")
-@given(offsets=ragged_lengths(1, 6, 0, 80), **rope_shape)
-def test_per_row_rope_equals_each_row_alone(impl, offsets, t, heads, dims, seed):
-    dim, rope_dims = dims
+@given(batch=rows_to_rotate())
+def test_per_row_rope_equals_each_row_alone(impl, batch):
+    x, offsets, rope_dims = batch
     rope = rope_rules(impl).apply_rope
-    x = np.random.default_rng(seed).normal(size=(len(offsets), heads, t, dim))
     out = rope(x, offsets, rope_dims, THETA)
     for i, off in enumerate(offsets):
         assert np.array_equal(out[i: i + 1], rope(x[i: i + 1], [off], rope_dims, THETA))
@@ -150,11 +155,10 @@ def test_per_row_rope_equals_each_row_alone(impl, offsets, t, heads, dims, seed)
 
 @each_implementation
 @pytest.mark.rule("RoPE inverse tail", "DeepSeekV2RotaryEmbedding positions, port")
-@given(offsets=ragged_lengths(1, 6, 0, 80), **rope_shape)
-def test_inverse_after_forward_is_the_identity(impl, offsets, t, heads, dims, seed):
-    dim, rope_dims = dims
+@given(batch=rows_to_rotate())
+def test_inverse_after_forward_is_the_identity(impl, batch):
+    x, offsets, rope_dims = batch
     rope = rope_rules(impl).apply_rope
-    x = np.random.default_rng(seed).normal(size=(len(offsets), heads, t, dim))
     fwd = rope(x, offsets, rope_dims, THETA)
     back = rope(fwd, offsets, rope_dims, THETA, inverse=True)
     np.testing.assert_allclose(back, x, rtol=0, atol=1e-12)  # rotation rounding only
@@ -193,19 +197,16 @@ def test_each_malformed_input_is_refused_by_its_own_message(impl):
          "positions must be >= 0, got min -3"),
     ]
     for call, message in cases:
-        with pytest.raises(ValueError) as e:
-            call()
-        assert str(e.value) == message
+        assert_refused(ValueError, call, message)
 
 
 # ----------------------------------------------------------------------------- the reference
 
 
 @pytest.mark.rule("DeepSeekV2RotaryEmbedding dispatch and rope_cohort_stats")
-@given(offsets=ragged_lengths(1, 6, 0, 80), inverse=st.booleans(), **rope_shape)
-def test_the_references_branches_agree_bit_for_bit(offsets, inverse, t, heads, dims, seed):
-    dim, rope_dims = dims
-    x = np.random.default_rng(seed).normal(size=(len(offsets), heads, t, dim))
+@given(batch=rows_to_rotate(), inverse=st.booleans())
+def test_the_references_branches_agree_bit_for_bit(batch, inverse):
+    x, offsets, rope_dims = batch
     per_row = rope_per_row(x, offsets, rope_dims, THETA, inverse)
     assert np.array_equal(rope_gathered(x, offsets, rope_dims, THETA, inverse), per_row)
     if len(set(offsets)) == 1:
@@ -429,9 +430,7 @@ def test_each_malformed_port_input_is_a_value_error_with_its_message(call, messa
     torch = pytest.importorskip("torch")
     from raggedspec.gpu import rope as port
 
-    with pytest.raises(ValueError) as err:
-        call(port, torch)
-    assert str(err.value) == message
+    assert_refused(ValueError, lambda: call(port, torch), message)
 
 
 @pytest.mark.rule("DeepSeekV2RotaryEmbedding positions, port")

@@ -9,13 +9,17 @@ Expected values come from the spec's worked examples, brute-force sums written h
 
 import functools
 import itertools
-import re
 
 import numpy as np
 import pytest
 from hypothesis import given
 
-from raggedspec.conformance.helpers import run_streams, sim_propose_and_verify
+from raggedspec.conformance.helpers import (
+    assert_refused,
+    malformed_cases,
+    run_streams,
+    sim_propose_and_verify,
+)
 from raggedspec.conformance.strategies import accept_steps
 from raggedspec.reference.accounting import MtpAcceptance, from_verify
 from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
@@ -434,9 +438,6 @@ MALFORMED = [
 
 
 @pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules")
-@pytest.mark.parametrize(
-    "call, message", [(c, m) for _, c, m in MALFORMED], ids=[n for n, _, _ in MALFORMED]
-)
+@malformed_cases(MALFORMED)
 def test_malformed_rollback_and_commit_input_names_the_values(call, message):
-    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
-        call()
+    assert_refused(ValueError, call, message)
