@@ -185,9 +185,9 @@ class Collector:
 def rule_table(results: dict[str, dict], rules: list[str]) -> list[tuple[str, int, str]]:
     """`(rule, examples, result)` per rule of `rules` (then any rule a test names that the table
     lacks, and the tests with no rule marker): "pass" (every test carrying it that ran passed),
-    "FAIL", "skipped" or "not run". A failed test fails every rule it carries, except an
-    end-to-end failure whose first differing tensor is named (`blame`): that fails the named
-    rule and the end-to-end rule only."""
+    "FAIL", "skipped" or "not run". A failed test fails every rule it carries and, for an
+    end-to-end failure, the rule its first differing tensor belongs to (`blame`), so a port bug
+    is named by its rule while the end-to-end rows say a run differed."""
     recs: dict[str, list[dict]] = {}
     failed: set[str] = set()
     for rec in results.values():
@@ -195,7 +195,7 @@ def rule_table(results: dict[str, dict], rules: list[str]) -> list[tuple[str, in
         for rule in carried:
             recs.setdefault(rule, []).append(rec)
         if rec["outcome"] == "failed":
-            failed |= {rec["blame"], E2E_RULE} if rec.get("blame") else set(carried)
+            failed |= set(carried) | ({rec["blame"]} if rec.get("blame") else set())
     extra = sorted(r for r in recs if r not in rules)
 
     def summarize(rule: str) -> tuple[str, int, str]:

@@ -15,6 +15,12 @@ front-aligned (left-padded) to `max(lengths)`, so row i's *lead* (dead prefix) i
 - `bf16_inexact_positions(lo, hi)`: positions bfloat16 cannot hold exactly (odd, > 256).
 - `kv_head_layouts(kv_heads, ratios, max_heads)`: a model's `(n_heads, n_kv_heads)`, MQA
   (one KV head) or GQA (several, each serving `ratio` query heads).
+- `simulator_scenarios(max_batch, max_steps, strips)`: scenario tables over the simulator's
+  whole space (advance rules, worlds, strip policies, admission, arrivals, LRU sizes,
+  acceptance models, a capacity that refuses steps).
+- `e2e_scenarios(heads)`: the end-to-end runs' small scenarios, their model's head layout
+  drawn from `heads`.
+- `running_sets(min_size, max_size)`: the scheduler's sequence records.
 - `drafting_rows(max_rows, max_w, max_len)`: one step's `(u, cache_lens, may_draft, w)`.
 """
 
@@ -22,7 +28,9 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from raggedspec.conformance.helpers import e2e_scenario
 from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY
+from raggedspec.reference.scheduler import SeqRecord
 
 
 def leads_of(lengths: list[int]) -> list[int]:
@@ -188,6 +196,86 @@ def kv_head_layouts(
                          f"{max_heads} query heads")
     pairs = st.tuples(st.sampled_from(kv_heads), st.sampled_from(ratios))
     return pairs.map(lambda p: (p[0] * p[1], p[0])).filter(lambda p: p[0] <= max_heads)
+
+
+# --- the step simulator's scenarios ----------------------------------------------------------
+
+ACCEPTANCES = ("geometric:0.7", "profile:0.9,0.5,0.3", "all-accept", "all-reject",
+               "heterogeneous:0.1,0.95")
+"""One acceptance model of each kind that draws no file and no factory."""
+
+
+def _range_pair(lo: int, hi: int, spread: int) -> st.SearchStrategy[list[int]]:
+    """An inclusive `[low, high]` range: low in `[lo, hi]`, high up to `spread` above it."""
+    return st.tuples(st.integers(lo, hi), st.integers(0, spread)).map(
+        lambda t: [t[0], t[0] + t[1]])
+
+
+def simulator_scenarios(max_batch: int = 6, max_steps: int = 16,
+                        strips=("eager", "lazy", "none")) -> st.SearchStrategy[dict]:
+    """Scenario tables over the simulator's whole space: batch 1..max_batch, prompts of 1..16
+    tokens, every advance rule, world, strip policy (of `strips`), admission, arrival, LRU
+    size, acceptance model and a capacity (`max_seq_len` 40) that refuses steps."""
+    return st.fixed_dictionaries({
+        "batch": st.integers(1, max_batch),
+        "prompt_len": _range_pair(1, 10, 6),
+        "max_new_tokens": _range_pair(1, 20, 15),
+        "steps": st.integers(3, max_steps),
+        "depth": st.integers(0, 4),
+        "advance": st.sampled_from(["cohort", "per-sequence"]),
+        "world": st.sampled_from(["W0", "WA", "WB"]),
+        "strip": st.sampled_from(list(strips)),
+        "admission": st.sampled_from(["grant", "grant", "refuse"]),
+        "xs_per_seq": st.sampled_from([True, True, False]),
+        "arrival": st.sampled_from(["all-at-once", "staggered"]),
+        "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
+        "acceptance": st.sampled_from(ACCEPTANCES),
+        "max_seq_len": st.sampled_from([4096, 40]),
+        "max_seqs": st.sampled_from([None, None, 2, 3]),
+        "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
+        "seed": st.integers(0, 50),
+    })
+
+
+@st.composite
+def running_sets(draw, min_size: int = 1, max_size: int = 12):
+    """Scheduler records with ids 0.. in order: 1..40 tokens, a cache length or none (0..40),
+    prompt or completion, token offset 0..2, images or not."""
+    raw = draw(st.lists(st.tuples(st.integers(1, 40), st.one_of(st.none(), st.integers(0, 40)),
+                                  st.booleans(), st.integers(0, 2), st.booleans()),
+                        min_size=min_size, max_size=max_size))
+    return [SeqRecord(i, n, cache, pr, off, img) for i, (n, cache, pr, off, img) in enumerate(raw)]
+
+
+def e2e_scenarios(heads: st.SearchStrategy[tuple[int, int]]) -> st.SearchStrategy[dict]:
+    """End-to-end scenario tables (`helpers.e2e_scenario`): B 1..4, depth 0..3, 3..9 steps;
+    cohort and granted per-sequence advance, refused per-sequence (latched cohort), the WA
+    world's ragged batches under cohort, the three strip policies, staggered arrivals, an LRU
+    of 1-2 draft states, Tier A (no MTP block), compressed layers of ratio 4 and 128,
+    `max_seq_len` 40 and 24 (capacity refusals, poisoned draft KVs, failed steps); the model's
+    `(n_heads, n_kv_heads)` drawn from `heads`."""
+    return st.builds(
+        e2e_scenario,
+        flavour=st.sampled_from(["per-sequence granted", "cohort", "per-sequence granted",
+                                 "WA ragged cohort", "per-sequence granted",
+                                 "per-sequence refused"]),
+        batch=st.sampled_from([3, 2, 4, 1, 2, 3]),
+        plen=st.integers(1, 9),
+        extra_len=st.sampled_from([0, 0, 1, 2, 3, 6]),
+        new=st.integers(4, 30),
+        steps=st.integers(3, 9),
+        depth=st.sampled_from([3, 2, 1, 0, 3, 2]),
+        strip=st.sampled_from(["eager", "lazy", "none"]),
+        arrival=st.sampled_from(["all-at-once", "all-at-once", "staggered"]),
+        lru=st.sampled_from([None, 1, 2]),
+        acceptance=st.sampled_from(["geometric:0.7", "all-accept", "all-reject",
+                                    "profile:0.9,0.5,0.3", "heterogeneous:0.1,0.95"]),
+        max_seq_len=st.sampled_from([4096, 4096, 4096, 40, 24]),
+        ratios=st.sampled_from([[0, 4], [0, 4], [4], [0, 128], [4, 0, 4]]),
+        seed=st.integers(0, 30),
+        mtp=st.sampled_from(["block", "block", "block", "heads"]),
+        heads=heads,
+    )
 
 
 # --- dispatch, step arithmetic (test_dispatch.py, test_step*.py) ----------------------------

@@ -63,6 +63,58 @@ def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
 
 
 @pytest.mark.rule("raggedspec bench")
+def test_only_the_cupy_slot_is_timed_alone_beside_its_wrapper(smoke):
+    _, _, res = smoke
+    for row in res["rows"]:
+        for name, r in row["strategies"].items():
+            if name == "cupy" and r["status"] == "ok":
+                assert r["kernel_ms"] > 0 and r["wrapper_ms"] == r["ms"] - r["kernel_ms"]
+            else:
+                assert "kernel_ms" not in r and "wrapper_ms" not in r, (name, r)
+
+
+@pytest.mark.rule("raggedspec bench")
+@pytest.mark.skipif(not EMULATED, reason="the CuPy slot runs on the CPU under the g++ emulator")
+def test_the_recorded_launches_are_the_whole_kernel_and_replay_into_its_output():
+    from raggedspec.gpu import cupy_kernels as ck
+
+    case = strategies.Case(2, [9, 5, 7], 2, 4, 16, torch.float32, "cpu", seed=1)
+    slot = strategies.Cupy()
+    assert slot.unavailable(torch.device("cpu")) is None
+    launch = ck.Kernels._launch
+    out, launches = strategies.recorded_launches(lambda: slot.run(case, None))
+    assert ck.Kernels._launch is launch  # put back
+    assert len(launches) == 2  # the attention's partial pass and the combine
+    want = out.clone()
+    assert strategies.rel_err(want, strategies.reference_attention(case)) < 1e-5
+    out.fill_(float("nan"))
+    for again in launches:
+        again()
+    assert torch.equal(out, want)  # the replay alone rewrote every element
+    out.fill_(float("nan"))
+    launches[0]()
+    assert torch.isnan(out).all()  # the partial pass alone writes no output: both are needed
+    replay = slot.kernel_only(case, None)
+    replay()  # runs on its own buffers, outside any wrapper
+
+
+@pytest.mark.rule("raggedspec bench")
+def test_the_headline_judges_the_bound_on_the_kernel_alone_and_shows_the_wrapper():
+    result = {"copy_bandwidth": [{"GBps": 1.0}]}  # 1e6 live bytes: a 1 ms bound
+    row = {"w": 2, "B": 128, "L": 4096, "spread": 64, "live_kv_bytes": 1_000_000,
+           "strategies": {"per_row": {"status": "ok", "ms": 60.0},
+                          "cupy": {"status": "ok", "ms": 1.5, "kernel_ms": 1.05}}}
+    line = report.headline_lines(result, [row])[0]
+    assert ("`cupy` kernel 1.050 ms = 1.05x bound (the call with its wrapper 1.500 ms = 1.50x, "
+            "wrapper overhead 0.450 ms), 40.0x the per-row loop's speed") in line
+    assert line.endswith("targets MET.")
+    row["strategies"]["cupy"]["kernel_ms"] = 1.2
+    assert report.headline_lines(result, [row])[0].endswith("targets MISSED.")
+    cell = report._cell(row["strategies"]["cupy"], 1.0)
+    assert cell == "1.200 (1.20x) kernel; 1.500 (1.50x) with its wrapper"
+
+
+@pytest.mark.rule("raggedspec bench")
 def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
     _, _, res = smoke
     lossy = [r for r in res["rows"] if r["min_len"] < r["L"]]

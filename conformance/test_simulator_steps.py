@@ -1,15 +1,16 @@
-"""The tensor-mode step logic of reference/simulator.py read off its outputs: the scheduler
-loop's idle and mixed steps, the prompt, decode and defer steps, the per-sequence commit under
-each strip policy (cache-and-draft.md §5.5, §12.2), the step failures with their trace error
-and message text (§13, §16 step 4), and what `record_tensors=True` logs for each forward.
-Small explicit scenarios; a `NumpyBackend` subclass observes the backend calls the engine makes
-and, where a test asks, refuses one of them, so each refusal path runs on demand."""
+"""The tensor-mode step logic of reference/simulator.py read off its outputs and the backend
+calls it makes: the per-sequence commit under each strip policy (cache-and-draft.md §5.5,
+§12.2), the step failures with their trace error and message text (§13, §16 step 4), the two
+guards, the deferral's plain decode at each row's own position, and the cohort verify at the
+shared offset. A `NumpyBackend` subclass observes the calls and, where a test asks, refuses one
+of them, so each refusal path runs on demand.
+"""
 
 import pytest
 
+from raggedspec.conformance.helpers import GRANTED
 from raggedspec.reference import policy, simulator
 from raggedspec.reference.backend import NumpyBackend
-from raggedspec.reference.xs_rolling import XsRolling
 from raggedspec.reference.errors import (
     AlignRefusal,
     CacheRefusal,
@@ -17,8 +18,7 @@ from raggedspec.reference.errors import (
     StepRefusal,
 )
 from raggedspec.reference.scenario import load_scenario
-
-GRANTED = {"advance": "per-sequence", "world": "WB", "admission": "grant", "xs_per_seq": True}
+from raggedspec.reference.xs_rolling import XsRolling
 
 
 class SpyBackend(NumpyBackend):
@@ -98,123 +98,7 @@ def steps_of(trace):
     return list(trace.steps())
 
 
-# ----------------------------------------------------------------------------- run()
-
-
-@pytest.mark.rule("per-step tensor hook")
-def test_run_loads_a_dict_and_passes_progress_and_backend_through():
-    seen, spy = [], SpyBackend()
-    tr = simulator.run({"batch": 1, "prompt_len": 4, "steps": 3},
-                       lambda t, n: seen.append((t, n)), backend=spy)
-    assert seen == [(1, 3), (2, 3), (3, 3)]  # after each step t: (t + 1, steps)
-    assert len(spy.args("forward")) == 3  # the prompt and two decodes ran on the spy
-    assert tr.tensors == [] and tr.tensor_log == []  # record_tensors defaults to off
-
-
-@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
-def test_requests_are_admitted_in_arrival_order_not_index_order():
-    sc = load_scenario({"requests": [{"prompt_len": 4, "arrival": 2},
-                                     {"prompt_len": 5, "arrival": 0}], "steps": 3, "depth": 0})
-    st = steps_of(simulator.run(sc))
-    assert st[0]["phase"] == "prompt" and st[0]["prefill"] == [1]
-    assert [r["seq"] for r in st[0]["rows"]] == [1]
-
-
-@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
-def test_an_idle_step_is_all_zero_and_keeps_the_running_rate():
-    """No running sequence: phase idle, cohort, no instruction, zero counts and width, no
-    bucket, no prefill, no error, and the tokens-per-step rate so far (the idle step adds
-    nothing to the telemetry)."""
-    sc = load_scenario({"requests": [{"prompt_len": 4, "max_new_tokens": 2},
-                                     {"prompt_len": 4, "max_new_tokens": 2, "arrival": 6}],
-                        "steps": 8, "depth": 2, "acceptance": "all-accept"})
-    tr = simulator.run(sc)
-    st = steps_of(tr)
-    assert [s["phase"] for s in st] == ["prompt", "decode", "idle", "idle", "idle", "idle",
-                                        "prompt", "decode"]
-    rate = st[1]["tok_per_step"]
-    # the decode drafted w - u = 2 and accepted both: the telemetry counts 1 + 2 (§15) while
-    # the row commits the one token its max_new_tokens leaves
-    assert rate == 3.0 and st[1]["committed"] == 1
-    for t in (2, 3, 4, 5):
-        want = {"step": t, "phase": "idle", "advance": "cohort", "cache_instruction": None,
-                "running": 0, "waiting": 0, "buckets": 0, "groups": 0, "width": 0,
-                "padding_fraction": 0.0, "committed": 0, "tok_per_step": rate, "bucket": None,
-                "prefill": [], "error": None}
-        got = tr.step_fields(t)
-        assert got == want and list(got) == list(want)
-        assert type(got["padding_fraction"]) is float and type(got["tok_per_step"]) is float
-        assert st[t]["rows"] == [] and tr.row_array(t).shape == (0, len(policy.COL))
-
-
-@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
-def test_an_idle_step_before_any_decode_has_rate_zero():
-    sc = load_scenario({"requests": [{"prompt_len": 4, "arrival": 2}], "steps": 3, "depth": 0})
-    st = steps_of(simulator.run(sc))
-    assert [s["phase"] for s in st] == ["idle", "idle", "prompt"]
-    assert st[0]["tok_per_step"] == 0.0 and st[0]["step"] == 0 and st[1]["step"] == 1
-
-
-@pytest.mark.rule("scheduler worlds, bucket selection, engine cache instruction")
-def test_a_mixed_step_commits_the_decode_rows_and_the_prompts_token():
-    """A fresh prompt whose key collides with a completion runs in the same step: the step's
-    committed count is the decode rows' plus one per prompt."""
-    sc = load_scenario({"requests": [{"prompt_len": 8, "max_new_tokens": 20},
-                                     {"prompt_len": 9, "max_new_tokens": 20, "arrival": 1}],
-                        "steps": 2, "depth": 2, "acceptance": "all-accept"})
-    st = steps_of(simulator.run(sc))[1]
-    assert st["phase"] == "decode" and st["prefill"] == [1]
-    assert [r["committed"] for r in st["rows"]] == [3]  # w = 3: 2 accepted + the bonus
-    assert st["committed"] == 3 + 1
-
-
-@pytest.mark.rule("budget and capacity near max_seq_len")
-def test_a_prompt_that_reaches_max_new_tokens_ends_its_sequence():
-    """max_new_tokens 1: the prompt step's token is the last; nothing else runs."""
-    sc = load_scenario({"batch": 2, "prompt_len": 5, "max_new_tokens": 1, "steps": 4})
-    tr = simulator.run(sc)
-    assert [s["phase"] for s in tr.steps()] == ["prompt"]
-    assert tr.step_fields(0)["committed"] == 2
-
-
-# ----------------------------------------------------------------------------- rows
-
-
-@pytest.mark.rule("trace schema v1, JSONL and CSV")
-def test_prompt_and_decode_rows_are_int_rows_with_null_group_and_chain_start():
-    """Rows are the schema's int array; an undrafted row (depth 0) and a prompt row carry -1
-    for group and chain start."""
-    tr = simulator.run(scenario(depth=0, steps=2))
-    for t in (0, 1):
-        rows = tr.row_array(t)
-        assert rows.dtype == policy.ROW_DTYPE
-        assert (rows[:, policy.NULL_COLS] == -1).all()
-    assert [r["group"] for r in tr.rows(1)] == [None, None]
-
-
-@pytest.mark.rule("budget and capacity near max_seq_len")
-def test_a_row_commits_no_more_than_its_max_new_tokens():
-    """All drafts accepted (w = 4): rem = max_new_tokens - emitted; k = min(a, rem) drafts
-    and the bonus only when rem > a. rem 3 = a 3: three drafts, no bonus; rem 2 < a: two."""
-    for max_new, want in ((4, 3), (3, 2), (9, 4)):
-        tr = simulator.run(scenario(batch=1, max_new_tokens=max_new, steps=2,
-                                    acceptance="all-accept"))
-        (row,) = tr.rows(1)
-        assert (row["drafted"], row["accepted"], row["committed"]) == (3, 3, want)
-
-
-@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
-def test_the_acceptance_telemetry_is_kept_per_request():
-    eng, tr = engine(scenario(batch=2, steps=3, acceptance="all-accept"))
-    assert set(eng.tel.by_request) == {0, 1}
-    for i in (0, 1):
-        rows = [r for s in tr.steps() if s["phase"] == "decode" for r in s["rows"]
-                if r["seq"] == i]
-        assert eng.tel.by_request[i].proposed == sum(r["drafted"] for r in rows) == 6
-        assert eng.tel.by_request[i].accepted == sum(r["accepted"] for r in rows) == 6
-
-
-# ----------------------------------------------------------------------------- per-sequence step
+# ------------------------------------------------------- per-sequence steps and the strip policies
 
 
 @pytest.mark.rule("per-step tensor hook")
@@ -283,7 +167,7 @@ def test_the_lazy_strip_hands_the_pending_lead_to_the_next_clone_in():
     assert [a[0] for a in spy.args("clone_in")] == [[0, 0], [0, 2]]
 
 
-# ----------------------------------------------------------------------------- step failures
+# ----------------------------------------------------------------------------------- step failures
 
 
 def failed_decode(tr):
@@ -401,7 +285,7 @@ def test_the_draft_calls_write_their_warnings_into_the_trace_messages():
     assert tr.messages == ["primed", "drafted", "extended"]
 
 
-# ----------------------------------------------------------------------------- window guard
+# ------------------------------------------------------------------------------------ window guard
 
 
 @pytest.mark.rule("window check, the two guards and the deferral")
@@ -439,7 +323,7 @@ def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard():
         "[12, 10] and token lengths [13, 11] leave a tail outside [1, 4]"]
 
 
-# ----------------------------------------------------------------------------- defer
+# ------------------------------------------------------------------------------------------- defer
 
 
 def deferring(**kw):

@@ -31,7 +31,7 @@ import raggedspec
 PACKAGE = Path(raggedspec.__file__).parent  # the package folder, links followed when copied
 CATALOGUE = PACKAGE / "mutation" / "catalogue.toml"
 TIME_LIMIT = 300.0  # seconds one run of an entry's tests may take
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutmut",
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutmut",
                "-m", "not slow", "-W", "ignore::pytest.PytestUnknownMarkWarning"]
 
 
@@ -130,15 +130,15 @@ def _copy_package(dest: Path) -> Path:
     return tree
 
 
-class _FirstFailure:
-    """pytest plugin: the node id of the first failed test."""
+class _Failures:
+    """pytest plugin: the node ids of the failed tests, in order."""
 
     def __init__(self) -> None:
-        self.nodeid = ""
+        self.nodeids: list[str] = []
 
     def pytest_runtest_logreport(self, report) -> None:
-        if report.failed and not self.nodeid:
-            self.nodeid = report.nodeid
+        if report.failed and report.nodeid not in self.nodeids:
+            self.nodeids.append(report.nodeid)
 
 
 def _child(tree: Path, args: list[str], out: Path) -> None:
@@ -156,11 +156,12 @@ def _child(tree: Path, args: list[str], out: Path) -> None:
     os.dup2(log, 2)
     import pytest
 
-    first = _FirstFailure()
+    failures = _Failures()
     xdist = ["-p", "no:xdist"] if importlib.util.find_spec("xdist") else []
     code = int(pytest.main([*args, *PYTEST_ARGS, *xdist, f"--rootdir={tree.parent}"],
-                           plugins=[first]))
-    out.write_text(json.dumps({"code": code, "first": first.nodeid}))
+                           plugins=[failures]))
+    out.write_text(json.dumps({"code": code, "first": (failures.nodeids or [""])[0],
+                               "failed": failures.nodeids}))
     os._exit(0)
 
 
@@ -193,11 +194,14 @@ class _Slot:
     original: str = ""
 
 
-def _start(slot: _Slot, entry: Entry, args: list[str]) -> None:
-    """Write the mutation into the slot's copy and fork the child that runs `args`."""
-    target = slot.tree / entry.file
-    slot.entry, slot.original, slot.started = entry, target.read_text(), time.monotonic()
-    target.write_text(mutated(entry, slot.original))
+def _start(slot: _Slot, entry: Entry | None, args: list[str]) -> None:
+    """Write the mutation (none for `entry` None) into the slot's copy and fork the child that
+    runs `args`."""
+    slot.entry, slot.started = entry, time.monotonic()
+    if entry is not None:
+        target = slot.tree / entry.file
+        slot.original = target.read_text()
+        target.write_text(mutated(entry, slot.original))
     out = slot.tree.parent / "outcome.json"
     out.unlink(missing_ok=True)
     slot.pid = os.fork()
@@ -219,69 +223,112 @@ def _ended(slot: _Slot) -> bool | None:
     return False if pid else None
 
 
-def _end(slot: _Slot, timed_out: bool) -> tuple[str, str]:
-    """Restore the slot's file and read its child's verdict."""
-    (slot.tree / slot.entry.file).write_text(slot.original)
+def _end(slot: _Slot) -> dict | None:
+    """Restore the slot's file and read its child's outcome."""
+    if slot.entry is not None:
+        (slot.tree / slot.entry.file).write_text(slot.original)
     out = slot.tree.parent / "outcome.json"
-    outcome = json.loads(out.read_text()) if out.is_file() else None
     slot.entry, slot.pid = None, 0
-    status, detail = _verdict(outcome, timed_out)
-    return status, detail + ("\n" + _log_tail(slot.tree) if status == "error" else "")
+    return json.loads(out.read_text()) if out.is_file() else None
 
 
-def _run_all(slots: list[_Slot], work: list[tuple[Entry, list[str]]],
-             done: Callable[[Entry, str, str, float], None]) -> None:
-    """Run every (entry, pytest args) of `work` in the free slots, calling `done` as each ends."""
-    queue = list(work)
-    while queue or any(s.pid for s in slots):
-        for slot in slots:
-            if not slot.pid and queue:
-                _start(slot, *queue.pop(0))
-        time.sleep(0.05)
-        for slot in [s for s in slots if s.pid]:
-            timed_out = _ended(slot)
-            if timed_out is not None:
-                entry, seconds = slot.entry, time.monotonic() - slot.started
-                done(entry, *_end(slot, timed_out), seconds)
+def _stop(slots: list[_Slot]) -> None:
+    """Kill the children still running (an interrupt); their copies go with the temp dir."""
+    for slot in slots:
+        if slot.pid:
+            os.killpg(slot.pid, signal.SIGKILL)
+            os.waitpid(slot.pid, 0)
+            slot.pid = 0
+
+
+Job = tuple  # (key, entry or None, pytest args)
+
+
+def _run_all(slots: list[_Slot], jobs: list[Job]) -> dict:
+    """Run every job in the free slots; {key: (outcome, timed_out, seconds, detail)}."""
+    queue, done, keys = list(jobs), {}, {}
+    try:
+        while queue or any(s.pid for s in slots):
+            for slot in slots:
+                if not slot.pid and queue:
+                    key, entry, args = queue.pop(0)
+                    keys[id(slot)] = key
+                    _start(slot, entry, args)
+            time.sleep(0.05)
+            for slot in [s for s in slots if s.pid]:
+                timed_out = _ended(slot)
+                if timed_out is not None:
+                    seconds = time.monotonic() - slot.started
+                    outcome = _end(slot)
+                    done[keys[id(slot)]] = (outcome, timed_out, seconds, _log_tail(slot.tree))
+    except BaseException:
+        _stop(slots)
+        raise
+    return done
+
+
+def _args(files: list[str], red: set[str]) -> list[str]:
+    """pytest arguments for an entry's run: its files, stop at the first failure, and leave out
+    the tests that fail without any mutation."""
+    return [*files, "-x", *(a for t in sorted(red) for a in ("--deselect", t))]
+
+
+def _red_tests(slots: list[_Slot], tests: set[str]) -> set[str]:
+    """Of `tests`, those that fail on the unmutated copy (a catch by one of them means
+    nothing)."""
+    if not tests:
+        return set()
+    (outcome, _, _, _), = _run_all(slots[:1], [("baseline", None, sorted(tests))]).values()
+    return set(outcome["failed"]) if outcome else set(tests)
 
 
 def run(entries: list[Entry], jobs: int = 2, report: Callable[[Result], None] = lambda r: None,
         fallback: list[str] | None = None) -> list[Result]:
     """Run `entries` (each: its named tests, then, if it survived them, the `fallback` tests:
     by default the rest of the default suite), `jobs` at a time; `report` sees each final
-    result. Stale entries are not run."""
+    result. A catch counts only if the catching test passes without the mutation (checked
+    once per test; an entry caught by a test that fails anyway runs again without that
+    test). Stale entries are not run."""
     _preload()
     results: dict[str, Result] = {}
-    runnable = []
+    stage: dict[str, str] = {}
     for e in entries:
         try:
             mutated(e, (PACKAGE / e.file).read_text())
-            runnable.append(e)
+            stage[e.name] = "named"
         except (ValueError, OSError) as exc:
             results[e.name] = Result(e, "stale", str(exc))
             report(results[e.name])
+    by_name = {e.name: e for e in entries}
+    seconds = dict.fromkeys(stage, 0.0)
+    red: set[str] = set()
+    verified: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="raggedspec-catalogue-") as tmp:
         slots = [_Slot(_copy_package(Path(tmp) / str(i))) for i in range(max(1, jobs))]
         tree = slots[0].tree
-        survivors: list[Entry] = []
-
-        def first_pass(entry: Entry, status: str, detail: str, secs: float) -> None:
-            if status == "survived":
-                survivors.append(entry)
-                results[entry.name] = Result(entry, status, "", secs)
-                return
-            results[entry.name] = Result(entry, status, detail, secs)
-            report(results[entry.name])
-
-        def second_pass(entry: Entry, status: str, detail: str, secs: float) -> None:
-            r = results[entry.name]
-            r.status, r.detail, r.seconds = status, detail or "no test of the suite failed", \
-                r.seconds + secs
-            report(r)
-
-        named = [(e, test_files(e, tree)) for e in runnable]
-        _run_all(slots, [(e, files) for e, files in named if files], first_pass)
-        survivors += [e for e, files in named if not files]
         suite = fallback or [(tree / "conformance").relative_to(tree.parent).as_posix()]
-        _run_all(slots, [(e, suite) for e in survivors], second_pass)
+        for name in [n for n in stage if not test_files(by_name[n], tree)]:
+            stage[name] = "suite"
+        while stage:
+            files = {n: test_files(by_name[n], tree) if s == "named" else suite
+                     for n, s in stage.items()}
+            done = _run_all(slots, [(n, by_name[n], _args(files[n], red)) for n in stage])
+            verdicts = {}
+            for name, (outcome, timed_out, secs, log) in done.items():
+                seconds[name] += secs
+                status, detail = _verdict(outcome, timed_out)
+                verdicts[name] = (status, detail + ("\n" + log if status == "error" else ""))
+            catchers = {d for s, d in verdicts.values() if s == "caught"} - verified
+            red |= _red_tests(slots, catchers)
+            verified |= catchers
+            for name, (status, detail) in verdicts.items():
+                if status == "caught" and detail in red:
+                    continue  # again, without the test that fails anyway
+                if status == "survived" and stage[name] == "named":
+                    stage[name] = "suite"
+                    continue
+                del stage[name]
+                shown = detail or ("no test of the suite failed" if status == "survived" else "")
+                results[name] = Result(by_name[name], status, shown, seconds[name])
+                report(results[name])
     return [results[e.name] for e in entries]

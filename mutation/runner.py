@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -146,8 +147,13 @@ def write_docs(path: Path, table: str) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # a SIGTERM stops the runs and removes the copies, as Ctrl-C does
+
+
 def main(argv: list[str] | None = None, prog: str = "raggedspec mutation") -> int:
     args = build_parser(prog).parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.only and not cat.select(cat.load(), args.only):
         print(f"{prog}: error: --only {args.only!r} matches no catalogue entry", file=sys.stderr)
         return EXIT_USAGE

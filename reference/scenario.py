@@ -158,10 +158,6 @@ class Scenario:
     generator: dict | None = None
 
     @property
-    def w(self) -> int:
-        return self.depth + 1
-
-    @property
     def batch(self) -> int:
         return len(self.requests)
 
