@@ -21,6 +21,7 @@ front-aligned (left-padded) to `max(lengths)`, so row i's *lead* (dead prefix) i
 - `e2e_scenarios(heads)`: the end-to-end runs' small scenarios, their model's head layout
   drawn from `heads`.
 - `running_sets(min_size, max_size)`: the scheduler's sequence records.
+- `drafting_rows(max_rows, max_w, max_len)`: one step's `(u, cache_lens, may_draft, w)`.
 """
 
 from __future__ import annotations
@@ -342,3 +343,22 @@ def forward_cases(draw, names: tuple[str, ...]):
     lens = draw(corner_lengths(1, 6, 80, boundaries=False))
     steps = draw(st.lists(st.integers(1, 9), min_size=1, max_size=2))
     return draw(st.sampled_from(sorted(names))), lens, steps, draw(st.integers(0, 2**32 - 1))
+
+
+# --- dispatch, step arithmetic (test_dispatch.py, test_step*.py) ----------------------------
+
+
+@st.composite
+def drafting_rows(draw, max_rows: int = 64, max_w: int = 9, max_len: int = 60):
+    """`(u, cache_lens, may_draft, w)` of one step's rows: `w` in `1..max_w`, `u_i` in
+    `[1, w]` (u = w: no draft slot), lengths in `[1, max_len]`, about four rows in five allowed
+    to draft. Wide batches are drawn from one seeded `random.Random`, so B = 256 stays cheap."""
+    import random
+
+    w = draw(st.integers(1, max_w))
+    b = draw(st.integers(1, max_rows))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    u = [rng.randint(1, w) for _ in range(b)]
+    lens = [rng.randint(1, max_len) for _ in range(b)]
+    may = [rng.random() < 0.8 for _ in range(b)]
+    return u, lens, may, w

@@ -240,7 +240,6 @@ def test_per_sequence_refusal_reports_the_first_failure_in_order():
 def test_a_plain_cache_is_refused_by_the_mask_check_not_the_draft_chain_check():
     # dropping the mask check from per_sequence_refusal left the (identical) draft-chain check
     # to refuse, under a different name; "dead" appears in both messages, so name the check
-    # (moved here from test_mutation_kills.py)
     msg = str(per_sequence_refusal(NormalCache.new_plain(3, 4096), True, "refuse"))
     assert "masks a left-aligned batch's dead prefix per row" in msg
     assert "MTP draft chain" not in msg

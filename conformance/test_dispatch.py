@@ -1,8 +1,15 @@
-"""Dispatch resolvers: each returns the scalar (pre-change) representation for a uniform
-batch and the per-row form otherwise. Two paths that agree bit-for-bit are told apart only
-by testing the predicate (cache-and-draft.md §6, §8.2, §9, §10.1, §14; masks §2, §11, §12)."""
+"""Dispatch resolvers (reference/dispatch.py): each returns the scalar (pre-change)
+representation for a uniform batch and the per-row form otherwise. Two paths that agree bit for
+bit are told apart only by testing the predicate (cache-and-draft.md §6, §8.2, §9, §10.1, §14;
+masks §1, §2, §11, §12, §22).
 
-import random
+The port has no dispatch code of its own: its attention and RoPE call these functions on host
+integers (their "uniform batch never takes the ragged path" counters are tested in
+test_attention_dsv4.py and test_rope.py). Malformed input is a ValueError whose message names
+the values, one condition broken per case, so a check whose `and` became `or` lets a case
+through; the smallest legal values are accepted.
+"""
+
 import re
 
 import numpy as np
@@ -10,7 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.strategies import lead_pads, ragged_lengths, uniform_lengths
+from raggedspec.conformance.helpers import assert_refused, malformed_cases
+from raggedspec.conformance.strategies import (
+    drafting_rows,
+    lead_pads,
+    ragged_lengths,
+    uniform_lengths,
+)
 from raggedspec.reference.dispatch import (
     CaptureOffsets,
     MtpHiddenCapture,
@@ -24,6 +37,7 @@ from raggedspec.reference.dispatch import (
     resolve_ragged_chain_starts,
     resolve_ragged_rows,
     resolve_row_cache_lens,
+    resolve_row_offsets,
     uniform_seqlen_offset,
 )
 from raggedspec.reference.errors import DispatchRefusal
@@ -65,12 +79,7 @@ def test_resolve_ragged_rows_check_order():
         resolve_ragged_rows([7, 5, 5], 6, 3)
     # a row exactly at q0 is not ahead (> not >=)
     assert resolve_ragged_rows([6, 5, 5], 6, 3) == [6, 5, 5]
-
-
-@pytest.mark.rule("resolve_ragged_rows")
-def test_a_vector_with_more_rows_than_the_batch_is_a_width_refusal():
-    # the catalogue mutant "!= to <" let a vector LONGER than b through the width check;
-    # the existing tables only had shorter ones (moved here from test_mutation_kills.py)
+    # a vector LONGER than the batch is a width refusal too (not only a shorter one)
     with pytest.raises(
         DispatchRefusal, match=re.escape("4 per-row query positions for a batch of 3")
     ):
@@ -101,6 +110,48 @@ def test_uniform_seqlen_offset_examples():
     assert uniform_seqlen_offset([0, 0]) == 0
 
 
+# --- masks §1 / §22: resolve_row_offsets -----------------------------------------------------
+
+
+@pytest.mark.rule("resolve_row_offsets")
+def test_a_batch_with_no_per_row_offset_takes_the_shared_path():
+    assert resolve_row_offsets([None, None, None], 17) is None
+    assert resolve_row_offsets([], 17) is None
+
+
+@pytest.mark.rule("resolve_row_offsets")
+def test_a_row_with_its_own_offset_makes_the_whole_batch_per_row():
+    assert resolve_row_offsets([40, 33, 37], 17) == [40, 33, 37]
+    assert resolve_row_offsets([40, None], 17) == [40, 17]  # the batch's offset, not 0
+    # cache-and-draft §16 PerSequence example: set_prefill_toks_at(window, cache_lens[i]),
+    # shared offset 0 -> every row's own position, which is also its row_q0
+    assert resolve_row_offsets([12, 10], 0) == [12, 10]
+
+
+@pytest.mark.rule("resolve_row_offsets")
+def test_equal_overrides_are_not_collapsed_into_the_shared_offset():
+    """The scalar path reads `shared`, not the common value: collapsing `[40, 40]` with
+    shared 0 would put both rows at position 0. The RoPE dispatch collapses it downstream."""
+    got = resolve_row_offsets([40, 40], 0)
+    assert got == [40, 40]
+    assert uniform_seqlen_offset(got) == 40
+
+
+@pytest.mark.rule("resolve_row_offsets", "§22 dispatch tests: each predicate tested directly")
+@given(b=st.integers(0, 12), shared=st.integers(0, 5000), data=st.data())
+def test_resolve_row_offsets_dispatch_property(b, shared, data):
+    # uniform (no row carries its own offset) -> the scalar form, at every width
+    assert resolve_row_offsets([None] * b, shared) is None
+    per_seq = data.draw(
+        st.lists(st.one_of(st.none(), st.integers(0, 5000)), min_size=b, max_size=b)
+    )
+    got = resolve_row_offsets(per_seq, shared)
+    if all(o is None for o in per_seq):
+        assert got is None
+    else:
+        assert got == [shared if o is None else o for o in per_seq]
+
+
 # --- §6 capture --------------------------------------------------------------------------------
 
 
@@ -117,7 +168,7 @@ def test_the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_
     assert not per_row.describes(4) and not per_row.describes(2) and not per_row.describes(1)
     assert resolve_capture_offsets([12, 12, 12, 12]).values == (12,)
     empty = resolve_capture_offsets([])
-    assert empty.values == (0,) and empty.row(0) == 0
+    assert empty.values == (0,) and empty.row(0) == 0  # the legitimate "no offsets" path
     assert resolve_capture_offsets([12, 9, 11]).values == (12, 9, 11)
     # a vector that agrees except for one row is kept whole
     assert resolve_capture_offsets([12, 12, 11]).values == (12, 12, 11)
@@ -126,6 +177,7 @@ def test_the_capture_offsets_collapse_when_the_rows_agree_and_survive_when_they_
 @pytest.mark.rule("MtpHiddenCapture")
 def test_mtp_hidden_capture_stores_only_while_armed_and_take_clears():
     cap = MtpHiddenCapture()
+    assert cap.armed is False and cap.take() is None  # a fresh capture: disarmed and empty
     h = np.arange(6.0).reshape(1, 2, 3)
     cap.store(5, h)
     assert not cap.armed and cap.take() is None
@@ -210,6 +262,7 @@ def test_the_draft_leads_are_the_distance_to_the_groups_widest_row():
     assert resolve_draft_leads(True, []) is None
     assert resolve_draft_leads(True, [7, 4, 6]) == [0, 3, 1]  # §9.7 / §17.3 group
     assert resolve_draft_leads(True, [11, 9]) == [0, 2]  # §16 PerSequence example
+    assert resolve_draft_leads(True, [0, 2]) == [2, 0]  # 0 is a position
 
 
 @pytest.mark.rule("chain_start_of", "draft_group_key")
@@ -223,9 +276,21 @@ def test_the_group_key_and_the_per_row_chain_start_are_the_same_expression():
 
 @pytest.mark.rule("chain_start_of")
 def test_chain_start_of_needs_a_pair_to_seed_from():
-    assert chain_start_of(0, 2) == 0 and chain_start_of(1, 1) == 0
+    assert chain_start_of(0, 2) == 0 and chain_start_of(1, 1) == 0 and chain_start_of(2, 0) == 0
     with pytest.raises(ValueError):
         chain_start_of(0, 1)
+
+
+@pytest.mark.rule("draft_group_key")
+def test_draft_group_key_keeps_u_zero_well_formed():
+    """Decision (see draft_group_key): u = 0 is not refused by the key. plan_step_window
+    already makes such a row not-ok before any group forms; callers (draft_groups, the port
+    conformance) pass u = 0 and get the spec's expression."""
+    assert draft_group_key(0, 5, False) == (0, 3) == (0, chain_start_of(5, 0))
+    assert draft_group_key(0, 5, True) == (0, 0) and draft_group_key(0, 0, True) == (0, 0)
+    assert draft_groups([0, 1], [5, 5], [True, True], 3, False) == {(0, 3): [0], (1, 4): [1]}
+    with pytest.raises(ValueError, match="cache_len 1 \\+ u 0 < 2"):
+        draft_group_key(0, 1, False)
 
 
 @pytest.mark.rule("draft_groups")
@@ -272,44 +337,26 @@ def test_draft_group_keys_and_rows_are_ascending():
     assert groups[(1, 0)] == [1, 3]
 
 
-@pytest.mark.rule("draft_groups")
-@given(data=st.data())
-def test_per_row_keys_never_exceed_depth_plus_one_groups(data):
-    depth = data.draw(st.integers(0, 8))
-    w = depth + 1
-    b = data.draw(st.integers(1, 256))
-    rng = random.Random(data.draw(st.integers(0, 2**32)))  # wide rows drawn cheaply
-    u = [rng.randint(1, w) for _ in range(b)]
-    lens = [rng.randint(0, 5000) for _ in range(b)]
-    may = [rng.random() < 0.8 for _ in range(b)]
-    groups = draft_groups(u, lens, may, w, True)
-    assert len(groups) <= depth + 1
-    members = sorted(i for rows in groups.values() for i in rows)
-    assert members == [i for i in range(b) if u[i] < w and may[i]]  # brute-force membership
-    for (key_u, key_c), rows in groups.items():
-        assert key_c == 0 and all(u[i] == key_u for i in rows) and rows == sorted(rows)
-
-
 @pytest.mark.rule("draft_group_key", "draft_groups")
-@given(data=st.data())
-def test_scalar_keys_put_one_chain_start_in_each_group(data):
-    w = data.draw(st.integers(1, 9))
-    b = data.draw(st.integers(1, 64))
-    rng = random.Random(data.draw(st.integers(0, 2**32)))
-    u = [rng.randint(1, w) for _ in range(b)]
-    lens = [rng.randint(1, 60) for _ in range(b)]
-    may = [rng.random() < 0.8 for _ in range(b)]
-    groups = draft_groups(u, lens, may, w, False)
-    members = sorted(i for rows in groups.values() for i in rows)
-    assert members == [i for i in range(b) if u[i] < w and may[i]]
-    for (key_u, key_start), rows in groups.items():
-        assert {lens[i] + u[i] - 2 for i in rows} == {key_start}
-        assert {u[i] for i in rows} == {key_u}
-        assert all(key_start == chain_start_of(lens[i], u[i]) for i in rows)
+@given(rows=st.one_of(drafting_rows(max_rows=256, max_len=5000), drafting_rows(max_len=60)),
+       per_row=st.booleans())
+def test_draft_groups_partition_the_drafting_rows_by_their_key(rows, per_row):
+    """Membership is brute force (u < w and may draft); per-row keys give at most
+    `depth + 1 = w` groups at any batch size (B up to 256), scalar keys one chain start per
+    group (short lengths, so that rows share starts)."""
+    u, lens, may, w = rows
+    groups = draft_groups(u, lens, may, w, per_row)
+    members = sorted(i for members in groups.values() for i in members)
+    assert members == [i for i in range(len(u)) if u[i] < w and may[i]]
+    if per_row:
+        assert len(groups) <= w
+    for (key_u, key_c), members in groups.items():
+        assert members == sorted(members) and {u[i] for i in members} == {key_u}
+        starts = {0} if per_row else {lens[i] + u[i] - 2 for i in members}
+        assert starts == {key_c}
 
 
-# --- §10.1 / masks §12
-# ------------------------------------------------------------------------------
+# --- §10.1 / masks §12 ---------------------------------------------------------------------------
 
 
 @pytest.mark.rule("draft_step_end_column")
@@ -318,6 +365,7 @@ def test_the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_
     assert draft_step_end_column([7], 4, 7) == 7
     assert draft_step_end_column([7, 4, 6], 3, 7) == 7
     assert draft_step_end_column([4, 7, 6], 3, 7) == 7  # the maximum, not row 0
+    assert draft_step_end_column([0], 0, 0) == 0
     with pytest.raises(DispatchRefusal) as e:
         draft_step_end_column([7], 1, 6)
     msg = str(e.value)
@@ -334,10 +382,6 @@ def test_the_draft_step_end_column_is_the_batch_maximum_and_refuses_every_other_
         draft_step_end_column([7, 7, 7, 7], 3, 7)
     with pytest.raises(DispatchRefusal, match="given no absolute position at all"):
         draft_step_end_column([], 1, 0)
-
-
-@pytest.mark.rule("draft_step_end_column")
-def test_a_stale_start_on_an_empty_draft_cache_is_a_desync():
     # masks §22 smoke test: a stale start of 137 on an empty cache -> "desync"
     with pytest.raises(DispatchRefusal, match="desync"):
         draft_step_end_column([137], 1, 0)
@@ -352,8 +396,7 @@ def test_ragged_row_q0_is_opt_in():
     assert resolve_ragged_rows(ragged_row_q0([9, 9], True), 9, 2) is None
 
 
-# --- §14: every resolver returns the scalar form for a uniform batch
-# -------------------------------
+# --- §14: every resolver returns the scalar form for a uniform batch -----------------------------
 
 
 @pytest.mark.rule(
@@ -395,3 +438,69 @@ def test_every_resolver_returns_the_per_row_form_for_a_ragged_batch(lengths):
     assert resolve_ragged_rows(lengths, top, b) == lengths
     assert uniform_seqlen_offset(lengths) is None
     assert draft_step_end_column(lengths, b, top) == top
+
+
+# --- malformed input and the zero boundaries -----------------------------------------------------
+
+MALFORMED = [
+    ("resolve_ragged_rows q0", lambda: resolve_ragged_rows(None, -1, 2),
+     "q0 -1 and b 2 must be >= 0"),
+    ("resolve_ragged_rows b", lambda: resolve_ragged_rows(None, 3, -1),
+     "q0 3 and b -1 must be >= 0"),
+    ("resolve_ragged_rows row", lambda: resolve_ragged_rows([3, -1], 3, 2),
+     "row positions [3, -1] must be >= 0"),
+    ("resolve_ragged_rows row first", lambda: resolve_ragged_rows([-1, 5], 5, 2),
+     "row positions [-1, 5] must be >= 0"),
+    ("resolve_draft_leads start", lambda: resolve_draft_leads(False, [2, -1]),
+     "chain starts [2, -1] must be >= 0"),
+    ("resolve_draft_leads start on", lambda: resolve_draft_leads(True, [-3, 2]),
+     "chain starts [-3, 2] must be >= 0"),
+    ("CaptureOffsets empty", lambda: CaptureOffsets([]),
+     "capture offsets [] must hold at least one offset (resolve_capture_offsets maps none to [0])"),
+    ("CaptureOffsets negative", lambda: CaptureOffsets([1, -2]),
+     "capture offsets [1, -2] must be >= 0"),
+    ("CaptureOffsets.row negative", lambda: CaptureOffsets([4]).row(-1), "row -1 must be >= 0"),
+    ("resolve_row_offsets shared", lambda: resolve_row_offsets([3], -1),
+     "shared offset -1 must be >= 0"),
+    ("resolve_row_offsets per row", lambda: resolve_row_offsets([1, None, -2], 0),
+     "per-row offsets [1, None, -2] must be >= 0"),
+    ("resolve_row_cache_lens cache_len", lambda: resolve_row_cache_lens(True, -1, [0]),
+     "cache_len -1 must be >= 0"),
+    ("resolve_row_cache_lens lead", lambda: resolve_row_cache_lens(True, 5, [0, -1]),
+     "lead_pad [0, -1] must be >= 0"),
+    ("chain_start_of cache_len", lambda: chain_start_of(-1, 3),
+     "cache_len -1 and u 3 must be >= 0"),
+    ("chain_start_of u", lambda: chain_start_of(3, -1), "cache_len 3 and u -1 must be >= 0"),
+    ("chain_start_of no pair", lambda: chain_start_of(1, 0),
+     "cache_len 1 + u 0 < 2 has no chain start"),
+    ("draft_group_key u", lambda: draft_group_key(-1, 5, True), "u -1 must be >= 0"),
+    ("draft_groups cache_lens", lambda: draft_groups([1, 2], [5], [True, True], 3, True),
+     "uncached (2), cache_lens (1) and may_draft (2) must have one entry per row"),
+    ("draft_groups may_draft", lambda: draft_groups([1, 2], [5, 6], [True], 3, True),
+     "uncached (2), cache_lens (2) and may_draft (1) must have one entry per row"),
+    ("draft_groups w", lambda: draft_groups([1], [5], [True], 0, True), "window w 0 must be >= 1"),
+    ("draft_step_end_column b", lambda: draft_step_end_column([3], -1, 3),
+     "b -1 and cached 3 must be >= 0"),
+    ("draft_step_end_column cached", lambda: draft_step_end_column([3], 1, -1),
+     "b 1 and cached -1 must be >= 0"),
+]
+
+
+@pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules",
+                  "resolve_ragged_rows", "resolve_draft_leads", "CaptureOffsets::row",
+                  "resolve_row_offsets")
+@malformed_cases(MALFORMED)
+def test_malformed_input_is_a_value_error_naming_the_offending_values(call, message):
+    assert_refused(ValueError, call, message)
+
+
+@pytest.mark.rule("malformed input and zero boundaries of the dispatch and step rules")
+def test_the_zero_boundaries_are_well_formed():
+    # b == 0 and q0 == 0 are legal (an empty batch has no ragged rows)
+    assert resolve_ragged_rows(None, 0, 0) is None
+    assert resolve_ragged_rows([], 4, 0) is None
+    assert resolve_ragged_rows([0, 2], 2, 2) == [0, 2]
+    assert resolve_ragged_rows([0, 5], 5, 2) == [0, 5]
+    assert CaptureOffsets([0]).row(0) == 0
+    assert resolve_row_cache_lens(True, 0, [0]) is None
+    assert resolve_row_offsets([0, 5], 0) == [0, 5] and resolve_row_offsets([None, 0], 3) == [3, 0]

@@ -2,7 +2,7 @@
 run killed part-way (the GPU run script's deadline) keeps the results of every test that
 finished. Load it with `-p junit_per_file` (this folder on PYTHONPATH) and name the folder:
 
-    python -m pytest -p junit_per_file --junit-dir out/junit conformance/test_port_masks.py
+    python -m pytest -p junit_per_file --junit-dir out/junit conformance/test_masks.py
 
 Each file `test_x.py` gives `<junit-dir>/test_x.xml`: one `<testsuite>` (tests, failures,
 errors, skipped, time) of `<testcase>`s, a failure or error with pytest's long report, a skip

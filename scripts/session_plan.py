@@ -19,10 +19,13 @@ from pathlib import Path
 KILL_GRACE = 3.0  # SIGTERM -> SIGKILL -> reaped: what a step over its cap may take beyond it
 FINAL_RESERVE = 3.0  # the last summary, results and tarball
 DEADLINE = {"gpu": 330.0, "cpu-smoke": 180.0}
+# the per-op port tests: the test_port_*.py files, and the topic files whose test bodies run on
+# the reference and the port alike
 PORT_FILES = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "conformance").glob(
-    "test_port_*.py"))
+    "test_port_*.py")) + ["test_masks.py", "test_rope.py", "test_attention.py",
+                          "test_attention_dsv4.py", "test_attention_in_place.py", "test_step.py"]
 BACKEND_FILES = {"gpu": ["test_backend.py", "test_end_to_end.py"], "cpu-smoke": ["test_backend.py"]}
-SMOKE_PORT_FILES = ["test_port_masks.py"]
+SMOKE_PORT_FILES = ["test_masks.py"]
 KERNEL_FILES = ["test_cupy_kernels.py", "test_tc_kernel.py"]
 # The kernels' tests on the device: the CuPy runner's only. Deselected: the emulated half and the
 # builds without a GPU (NVRTC, nvcc's PTX check): the CPU suite runs those.
