@@ -23,7 +23,6 @@ pass, 1 mismatch, 2 bad usage.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 from collections.abc import Callable
 
@@ -40,27 +39,20 @@ class KernelUsageError(ValueError):
 
 
 def load_function(spec: str) -> Callable:
-    """`pkg.mod:fn` -> the callable; KernelUsageError naming what is missing."""
+    """`pkg.mod:fn` -> the callable, imported with the working folder first on sys.path
+    (`reference.plugins`); KernelUsageError naming what is missing, PluginError when
+    importing the module raises."""
+    from raggedspec.reference.plugins import PluginSpecError, load_object
+
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise KernelUsageError(
             f"function {spec!r} must be written module:function (e.g. mypkg.attn:varlen)"
         )
     try:
-        obj = importlib.import_module(mod_name)
-    except Exception as exc:
-        raise KernelUsageError(
-            f"function {spec!r}: cannot import module {mod_name!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise KernelUsageError(
-                f"function {spec!r}: module {mod_name!r} has no attribute {attr!r}"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise KernelUsageError(f"function {spec!r} is a {type(obj).__name__}, not callable")
-    return obj
+        return load_object(spec, "kernel function")
+    except PluginSpecError as exc:
+        raise KernelUsageError(f"function {spec!r}: {exc}") from None
 
 
 def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None,
