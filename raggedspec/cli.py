@@ -457,6 +457,7 @@ class Command:
     add: Callable
     run: Callable
     extra: str | None = None
+    passthrough: bool = False  # options it does not know go to the tool (pytest_args)
 
 
 COMMANDS: dict[str, Command] = {
@@ -464,7 +465,8 @@ COMMANDS: dict[str, Command] = {
                         "torch"),
     "drift": Command("plot length drift (PNG, SVG) and write summary.json", add_drift, run_drift),
     "conformance": Command("run the conformance suite against a backend; print a per-rule "
-                           "table", add_conformance, run_conformance, "conformance"),
+                           "table", add_conformance, run_conformance, "conformance",
+                           passthrough=True),
     "bench": Command("benchmark ragged verify attention against the live-KV bound",
                      add_bench, run_bench, "torch"),
     "mutation": Command("mutation testing: the named catalogue and mutmut (`raggedspec mutation "
@@ -587,9 +589,14 @@ def unexpected(command: str, exc: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    parser = build_parser(command_of(argv))
+    command = command_of(argv)
+    parser = build_parser(command)
     try:
-        args = parser.parse_args(argv)
+        if command in COMMANDS and COMMANDS[command].passthrough:
+            args, rest = parser.parse_known_args(argv)
+            args.pytest_args = rest
+        else:
+            args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)
         return int(exc.code or 0)
     return run_command(args)
