@@ -365,7 +365,7 @@ def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     assert cli("check-trace", str(tmp_path / "nope.jsonl"))[0] == 2
     assert cli("check-trace", str(path), "--json", str(tmp_path))[0] == 2
     code, _, err = cli("check-trace", str(path), "--json", str(path / "r.json"))
-    assert code == 2 and "cannot write it" in err and path.read_bytes() == before
+    assert code == 2 and "is a file, not a folder" in err and path.read_bytes() == before
     assert cli("check-trace", str(path), "--scenario", str(tmp_path / "nope.toml"))[0] == 2
     bad = write_lines(
         tmp_path / "bad.jsonl", [json.dumps({"step": 0, "rows": [{"seq": 0, "own_len": -3}]})]
