@@ -11,6 +11,8 @@ report. See `raggedspec.check_kernel` for the command and docs/kernels.md for th
 
 from __future__ import annotations
 
+import inspect
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -19,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 
-from raggedspec.gpu.layouts import VerifyBatch, to_layout
+from raggedspec.gpu.layouts import Paged, VerifyBatch, to_layout
 from raggedspec.kernel_explain import as_float64, attention_under, explain, live_slots
 
 DTYPES = {
@@ -161,11 +163,41 @@ def show_layout(obj) -> str:
     return "\n".join(f"  {f.name} = {_show(getattr(obj, f.name))}" for f in fields(obj))
 
 
+FLASHINFER_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+"""FlashInfer's names of the paged layout's `kv_indptr`, `kv_indices`, `kv_last_page_len`."""
+
+
+def layout_call(fn: Callable, arrays) -> tuple[tuple, dict]:
+    """`fn`'s call of the layout: `arrays.call()`, except that a paged-layout function
+    whose signature names FlashInfer's `paged_kv_indptr`, `paged_kv_indices`,
+    `paged_kv_last_page_len` is given those three by those names."""
+    args, kwargs = arrays.call()
+    if not isinstance(arrays, Paged):
+        return args, kwargs
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if not names & set(FLASHINFER_NAMES):
+        return args, kwargs
+    return args[:4], {**kwargs, **dict(zip(FLASHINFER_NAMES, args[4:7], strict=True))}
+
+
+def raised_report(exc: Exception) -> str:
+    """A kernel's exception in a report: the words and its traceback from the kernel's own
+    frame on (the last 20 lines)."""
+    start = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    lines = "".join(traceback.format_exception(type(exc), exc, start)).rstrip().splitlines()
+    shown = lines[-20:] if len(lines) > 20 else lines
+    return (f"raised by your kernel function: {type(exc).__name__}: {exc}\n  "
+            + "\n  ".join(shown))
+
+
 def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> str | None:
     """None if `fn` matches the reference on this case, else the failure report."""
     batch = build_batch(case, DTYPES[dtype], device)
     arrays = to_layout(batch, layout, case.page_size, seed=case.seed)
-    args, kwargs = arrays.call()
+    args, kwargs = layout_call(fn, arrays)
     head = (
         f"q_lens {list(case.q_lens)}, kv_lens {list(case.kv_lens)}, window {case.window}, "
         f"Hq {case.kv_heads * case.group}, Hk {case.kv_heads}, D {case.head_dim}"
@@ -175,7 +207,7 @@ def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> 
     try:
         out = fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 (a kernel failing on a batch is a finding)
-        return f"{head}\nthe function raised {type(exc).__name__}: {exc}"
+        return f"{head}\n{raised_report(exc)}"
     if isinstance(out, tuple) and out:
         out = out[0]  # (out, lse) and the like
     if not isinstance(out, torch.Tensor):
@@ -207,6 +239,38 @@ class _Mismatch(AssertionError):
     pass
 
 
+class _Meter:
+    """check()'s progress: the generated cases against `examples`, then, after the first
+    mismatch, the shrinking search's count (no total). Silent without a factory."""
+
+    def __init__(self, progress: Callable | None, layout: str, examples: int) -> None:
+        self.make, self.examples, self.ran, self.first = progress, examples, 0, None
+        self.bar = None if progress is None else progress(f"check-kernel {layout}", "case")
+
+    def case(self) -> None:
+        self.ran += 1
+        if self.bar is None:
+            return
+        if self.first is None:
+            self.bar(self.ran, self.examples)
+        else:
+            self.bar(self.ran - self.first, None)
+
+    def mismatch(self) -> None:
+        """The first failing case: end the count there and start the shrinking one."""
+        if self.first is not None:
+            return
+        self.first = self.ran
+        if self.bar is not None:
+            self.bar.close(f"a mismatch at case {self.ran}; shrinking it to the smallest "
+                           "failing case")
+            self.bar = self.make("shrinking", "case tried")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def check(
     fn: Callable,
     layout: str,
@@ -217,10 +281,12 @@ def check(
     head_dim: int = 16,
     max_query_len: int | None = None,
     sinks: bool = False,
+    progress: Callable | None = None,
 ) -> CheckResult:
     """Run `examples` derandomized cases of `layout` through `fn`; on a failure Hypothesis
-    shrinks it and the report is that of the smallest failing case."""
-    ran, reports = [0], []
+    shrinks it and the report is that of the smallest failing case. `progress(label, unit)`
+    gives a `raggedspec.progress.Progress` for the count of cases (none: silent)."""
+    meter, reports = _Meter(progress, layout, examples), []
 
     @settings(
         max_examples=examples,
@@ -235,16 +301,19 @@ def check(
     )
     @given(case=cases(layout, page_size, head_dim, max_query_len, sinks))
     def prop(case: Case) -> None:
-        ran[0] += 1
+        meter.case()
         report = run_case(fn, layout, case, dtype, device)
         if report is not None:
+            meter.mismatch()
             reports.append(report)
             raise _Mismatch(report)
 
     try:
         prop()
     except _Mismatch:
-        return CheckResult(False, ran[0], reports[-1])
+        return CheckResult(False, meter.ran, reports[-1])
+    finally:
+        meter.close()
     return CheckResult(
-        True, ran[0], f"pass: {ran[0]} generated {layout} batches match the reference"
+        True, meter.ran, f"pass: {meter.ran} generated {layout} batches match the reference"
     )
