@@ -5,8 +5,9 @@ kernel output with the reference.
 page size, value seed); `build_batch` gives its tensors; `run_case` sends the batch through
 the user's function in the layout and compares the live query slots with the reference
 (`raggedspec.kernel_explain.attention_under`) under the tolerance of docs/conformance.md;
-`check` runs the derandomized Hypothesis search and returns the smallest failing case's
-report. See `raggedspec.check_kernel` for the command and docs/kernels.md for the cases.
+`check` runs eight fixed batches (`explicit_cases`, what every run must reach) and then the
+derandomized Hypothesis search, and returns the smallest failing case's report. See
+`raggedspec.check_kernel` for the command and docs/kernels.md for the cases.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
 from hypothesis import strategies as st
 
 from raggedspec.gpu.layouts import Paged, VerifyBatch, to_layout
@@ -117,6 +118,35 @@ def cases(
     has_sinks = sinks and draw(st.booleans())
     return Case(tuple(q_lens), tuple(kv_lens), window, kv_heads, group, head_dim, ps, seed,
                 has_sinks)
+
+
+PAGE_SIZES = (1, 2, 4, 16)
+
+
+def explicit_cases(layout: str, page_size: int | None = None, head_dim: int = 16,
+                   max_query_len: int | None = None, sinks: bool = False) -> list[Case]:
+    """Eight fixed batches run before the generated ones, so that every query length 1..8
+    (as capped), GQA ratio 1..8, both KV head counts, every page size, the window edges
+    (1, 2, depth, depth + 1, depth + 2, 64, none) and each cache shape (short, past 256, on a
+    page boundary, one before and one after it) are reached whatever the draw. Case k
+    (1..8): rows of `min(k, cap)`, 0 and 1 queries."""
+    cap = 8 if max_query_len is None else max(1, min(8, max_query_len))
+    out = []
+    for k in range(1, 9):
+        q = min(k, cap)
+        if layout == "paged":
+            ps = page_size or PAGE_SIZES[k % 4]
+        elif layout == "kvcache":
+            ps = page_size or (None if k % 2 else PAGE_SIZES[(k // 2) % 4])
+        else:
+            ps = None
+        edge = 3 * (ps or 16) + (k % 3) - 1  # a page boundary, one before, one after
+        kv = [(q + 5, 3, 4), (q + 260, 257, 300), (max(edge, q), edge, max(edge, 1)),
+              (q, 0, 1)][k % 4]
+        window = [None, 1, 2, max(q - 1, 1), q, q + 1, 64, None][k - 1]
+        out.append(Case((q, 0, min(1, cap)), kv, window, 1 if k <= 4 else 2, k, head_dim, ps,
+                        k, sinks and k % 2 == 0))
+    return out
 
 
 def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
@@ -287,9 +317,10 @@ def check(
     shrinks it and the report is that of the smallest failing case. `progress(label, unit)`
     gives a `raggedspec.progress.Progress` for the count of cases (none: silent)."""
     meter, reports = _Meter(progress, layout, examples), []
+    fixed = explicit_cases(layout, page_size, head_dim, max_query_len, sinks)[: examples // 4]
 
     @settings(
-        max_examples=examples,
+        max_examples=max(1, examples - len(fixed)),
         derandomize=True,
         database=None,
         deadline=None,
@@ -308,6 +339,8 @@ def check(
             reports.append(report)
             raise _Mismatch(report)
 
+    for case in reversed(fixed):
+        prop = example(case=case)(prop)
     try:
         prop()
     except _Mismatch:
