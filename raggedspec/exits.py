@@ -63,7 +63,9 @@ def report_plugin_failure(command: str, exc: BaseException) -> bool:
     if found is None:
         return False
     plugin, raised, start = found
+    when = getattr(exc, "when", "")
     print(plugin_traceback(raised, start), end="", file=sys.stderr)
     print(f"raggedspec {command}: failed: {type(raised).__name__}: {str(raised)[:300]} (raised "
-          f"by your {plugin.what} {plugin.spec!r}; its traceback is above)", file=sys.stderr)
+          f"by your {plugin.what} {plugin.spec!r}{when}; its traceback is above)",
+          file=sys.stderr)
     return True

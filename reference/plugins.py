@@ -41,10 +41,12 @@ class PluginError(Exception):
 
     def __init__(self, plugin: Plugin, when: str = "") -> None:
         super().__init__(f"raised by your {plugin.what} {plugin.spec!r}{when}")
-        self.plugin = plugin
+        self.plugin, self.when = plugin, when
 
 
 _FILES: dict[str, Plugin] = {}  # source file of each loaded plug-in module -> the plug-in
+_OURS = str(Path(__file__).resolve().parents[1])  # the raggedspec package (reference/ beside)
+_SKIP = ("<frozen", _OURS, str(Path(importlib.__file__).parent))  # not the user's frames
 
 
 @contextmanager
@@ -112,13 +114,22 @@ def _frames(exc: BaseException) -> list[TracebackType]:
     return out
 
 
+def _first_foreign(exc: BaseException) -> TracebackType | None:
+    """The first traceback entry outside raggedspec and the import machinery: where the
+    user's code starts (the whole traceback when there is none)."""
+    for tb in _frames(exc):
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(_SKIP):
+            return tb
+    return exc.__traceback__
+
+
 def blame(exc: BaseException) -> tuple[Plugin, BaseException, TracebackType | None] | None:
     """`(plugin, the exception it raised, its first traceback entry inside the plug-in)`
     when `exc` was raised inside a loaded plug-in (or is a PluginError), else None."""
     if isinstance(exc, PluginError):
         cause = exc.__cause__ or exc
-        found = blame(cause) if cause is not exc else None
-        return (exc.plugin, cause, found[2] if found else cause.__traceback__)
+        return exc.plugin, cause, _first_foreign(cause)
     for tb in _frames(exc):
         plugin = _FILES.get(str(Path(tb.tb_frame.f_code.co_filename).resolve()))
         if plugin is not None:
