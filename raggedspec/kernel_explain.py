@@ -391,7 +391,7 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float,
     (row, query) where it shows; else (paged layouts, given `arrays`) a page-table misread;
     else a one-key probe; else the plain difference."""
     live = live_slots(batch)
-    where = _first_bad(np.where(live, np.abs(got - ref), 0.0), bound)
+    where = _first_bad(np.nan_to_num(np.where(live, np.abs(got - ref), 0.0), nan=np.inf), bound)
     if where is None:
         return "no live query differs"
     i, h, s = where
