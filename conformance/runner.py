@@ -28,6 +28,7 @@ PROFILES = ("ci", "dev", "short", "thorough", "mutmut", "explore")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 EMPTY_SELECTION = 5  # pytest's exit code when nothing was collected
+PYTEST_USAGE_ERROR = 4  # pytest's exit code for options it refuses (ours for that is 2)
 EXIT_CODES_TEXT = (
     "Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
     "FAIL), or your backend factory raised (its traceback is printed); 2 bad input: an unknown "
@@ -271,12 +272,14 @@ def _backend(args):
 
 
 def build_pytest_args(args, profile: str, tests: list[str]) -> list[str]:
-    """pytest's command line: the tests, the profile, this module as the plugin that carries
-    the rules, `-k` / `-x`, then every option given for pytest itself (`args.pytest_args`);
-    pytest's cache is off unless one of those options needs it."""
+    """pytest's command line: the tests, `-q` (unless the user chose a verbosity), the
+    profile, this module as the plugin that carries the rules, `-k` / `-x`, then every option
+    given for pytest itself (`args.pytest_args`); pytest's cache is off unless one of those
+    options needs it."""
     extra = list(getattr(args, "pytest_args", None) or [])
     wants_cache = any(a.split("=")[0] in CACHE_OPTIONS for a in extra)
-    out = tests + ["-q", f"--hypothesis-profile={profile}", "-rfE",
+    quiet = [] if any(a.startswith(("-v", "-q", "--verbose", "--quiet")) for a in extra) else ["-q"]
+    out = tests + quiet + [f"--hypothesis-profile={profile}", "-rfE",
                    "-p", "raggedspec.conformance.runner",
                    # node ids relative to the folder holding conformance/ (the checkout, or the
                    # installed raggedspec package), the form the rule table names them in
@@ -362,6 +365,11 @@ def run(args) -> int:
         rc = int(pytest.main(build_pytest_args(args, profile, tests), plugins=[collector]))
     if rc == EMPTY_SELECTION:
         return no_selection(args, tests, rc)
+    if rc == PYTEST_USAGE_ERROR:
+        print(f"raggedspec conformance: error: pytest refused the options "
+              f"{' '.join(getattr(args, 'pytest_args', None) or []) or '(none)'} (its message "
+              "is above)", file=sys.stderr)
+        return EXIT_USAGE
     if not collector.results:  # pytest stopped before running a test: its own error
         return rc
     title = (f"\nraggedspec conformance: backend {backend.name} ({backend.device}, "
