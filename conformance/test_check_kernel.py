@@ -3,9 +3,10 @@ wrong rule fail with that rule named (a mis-aligned causal diagonal by where its
 from), a kernel just past the documented tolerance fails, the default run reaches every
 length, head count, window and page size the docs name, every kind of finding exits 1, the
 run is derandomized and counted on stderr, FlashInfer's argument names are accepted, a
-module in the working folder is found, and bad usage exits 2 with the argument named. The adapters below with a wrong rule are written the way the bug is
-written in real engines (torch's `is_causal=True` is top-left aligned; a dropped
-`cache_leftpad`; a KV head chosen by `h % Hk`; a page table read one entry late)."""
+module in the working folder is found, and bad usage exits 2 with the argument named. The
+adapters below with a wrong rule are written the way the bug is written in real engines
+(torch's `is_causal=True` is top-left aligned; a dropped `cache_leftpad`; a KV head chosen
+by `h % Hk`; a page table read one entry late)."""
 
 from __future__ import annotations
 
