@@ -35,6 +35,8 @@ def table(stdout: str) -> dict[str, tuple[int, str]]:
             continue
         if not started or line.startswith("---"):
             continue
+        if " rows: " in line and line.split()[0].isdigit():  # the summary line ends the table
+            break
         parts = line.rsplit(None, 2)
         if len(parts) == 3 and parts[1].isdigit():
             out[parts[0].strip()] = (int(parts[1]), parts[2])
