@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from raggedspec import trace_bugs
 from raggedspec.check_trace import check, exit_code
 from raggedspec.conformance.helpers import run_cli as cli
+from raggedspec.conformance.strategies import simulator_scenarios
 from raggedspec.trace_rules import RULES
 from raggedspec.reference import lengths, simulator
 from raggedspec.reference.scenario import load_scenario
@@ -119,39 +119,7 @@ def test_without_the_bug_the_fixture_scenarios_are_clean():
 
 # ------------------------------------------------------------------ simulator traces pass
 
-scenarios = st.fixed_dictionaries(
-    {
-        "batch": st.integers(1, 8),
-        "prompt_len": st.tuples(st.integers(1, 10), st.integers(0, 6)).map(
-            lambda t: [t[0], t[0] + t[1]]
-        ),
-        "max_new_tokens": st.tuples(st.integers(1, 20), st.integers(0, 15)).map(
-            lambda t: [t[0], t[0] + t[1]]
-        ),
-        "steps": st.integers(3, 24),
-        "depth": st.integers(0, 4),
-        "advance": st.sampled_from(["cohort", "per-sequence"]),
-        "world": st.sampled_from(["W0", "WA", "WB"]),
-        "strip": st.sampled_from(["eager", "lazy"]),
-        "admission": st.sampled_from(["grant", "grant", "refuse"]),
-        "xs_per_seq": st.sampled_from([True, True, False]),
-        "arrival": st.sampled_from(["all-at-once", "staggered"]),
-        "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
-        "acceptance": st.sampled_from(
-            [
-                "geometric:0.7",
-                "profile:0.9,0.5,0.3",
-                "all-accept",
-                "all-reject",
-                "heterogeneous:0.1,0.95",
-            ]
-        ),
-        "max_seq_len": st.sampled_from([4096, 40]),
-        "max_seqs": st.sampled_from([None, None, 2, 3]),
-        "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
-        "seed": st.integers(0, 50),
-    }
-)
+scenarios = simulator_scenarios(8, 24, ("eager", "lazy"))
 
 
 def assert_clean(trace) -> None:
