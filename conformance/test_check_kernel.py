@@ -50,18 +50,8 @@ def test_built_in_adapter_passes_other_dtypes(dtype):
 # ----------------------------------------------------------------------------- wrong kernels
 
 
-def torch_is_causal_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-):
+def torch_is_causal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, window_size=(-1, -1)):
     """Per row, SDPA with `is_causal=True`: torch aligns that mask top-left."""
     out = torch.zeros_like(q)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -76,28 +66,9 @@ def torch_is_causal_varlen(
     return out
 
 
-def leftpad_dropped_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-):
-    return A.sdpa_kvcache(
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens=cache_seqlens,
-        cache_leftpad=None,
-        block_table=block_table,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-    )
+def leftpad_dropped_kvcache(*args, cache_leftpad=None, **kw):
+    """sdpa_kvcache with `cache_leftpad` dropped: the dead prefix read as keys."""
+    return A.sdpa_kvcache(*args, cache_leftpad=None, **kw)
 
 
 def modulo_heads_padded(
@@ -109,33 +80,10 @@ def modulo_heads_padded(
     )
 
 
-def page_late_paged(
-    q,
-    k_pages,
-    v_pages,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    kv_last_page_len,
-    page_size=16,
-    causal=True,
-    window_left=-1,
-    sm_scale=None,
-):
+def page_late_paged(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, *rest, **kw):
+    """sdpa_paged reading each row's page list one entry late."""
     late = torch.cat([kv_indices[1:], kv_indices[:1]])
-    return A.sdpa_paged(
-        q,
-        k_pages,
-        v_pages,
-        qo_indptr,
-        kv_indptr,
-        late,
-        kv_last_page_len,
-        page_size,
-        causal,
-        window_left,
-        sm_scale,
-    )
+    return A.sdpa_paged(q, k_pages, v_pages, qo_indptr, kv_indptr, late, *rest, **kw)
 
 
 def window_from_last_query_padded(q, k, v, attention_mask, position_ids, sliding_window=None,
