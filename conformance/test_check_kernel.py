@@ -490,6 +490,7 @@ def test_a_misaligned_causal_diagonal_is_named_by_the_rule_it_breaks(fn, case, w
         assert w in report, report
 
 
+@pytest.mark.slow
 @pytest.mark.rule("raggedspec check-kernel")
 def test_a_search_names_the_offset_taken_from_another_row():
     result = check(row0_offset_varlen, "varlen", "float32", examples=100)
