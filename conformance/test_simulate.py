@@ -246,7 +246,7 @@ def test_a_broken_oracle_at_run_time_exits_2_in_both_modes(tmp_path):
     configuration error naming the key, not the oracle raising."""
     for mode in ("lengths", "tensor"):
         rc, _, err = run_cli("simulate", "--acceptance",
-                             "oracle:raggedspec.conformance.test_scenario:make_short_drafter",
+                             "oracle:raggedspec.conformance.helpers:make_short_drafter",
                              "--batch", "2", "--steps", "6", "--mode", mode,
                              "--out", tmp_path / "t.jsonl")
         assert rc == 2 and TRACEBACK not in err
