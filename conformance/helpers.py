@@ -7,13 +7,20 @@ here, in one section per topic.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
 import pytest
 
+from raggedspec import cli
 from raggedspec.conformance.backends import backend_under_test, reference_backend
 from raggedspec.gpu.slots import stack_xs, xs_rows
 from raggedspec.gpu.testing import assert_bit_exact, assert_close64, host, to_port
@@ -28,6 +35,7 @@ from raggedspec.reference.scheduler import (
     install_admission,
 )
 from raggedspec.reference.trace_reader import TraceError, read_trace_strict
+
 
 
 # --- the step simulator: scenarios, traces, the scheduler's records, the integer hash -------
@@ -1149,3 +1157,70 @@ def assert_refused(exc: type, call, message: str) -> None:
     with pytest.raises(exc) as info:
         call()
     assert str(info.value) == message, f"{str(info.value)!r} != {message!r}"
+
+
+# --- the command line: in this process, as a child, through the console script ----------------
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACEBACK = "Traceback (most recent call last)"
+
+
+class Tty(io.StringIO):
+    """A text stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def run_cli(*argv) -> tuple[int, str, str]:
+    """`raggedspec ARGV` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def one_error_line(err: str) -> str:
+    """The one `... error: ...` line of stderr (asserted to be exactly one)."""
+    lines = [ln for ln in err.splitlines() if ": error: " in ln]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this checkout first on PYTHONPATH, no backend
+    or profile chosen by the caller's environment."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAGGEDSPEC_") and k != "HYPOTHESIS_PROFILE"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env | extra
+
+
+def run_module(*args, cwd: Path | None = None, timeout: int = 300,
+               **env: str) -> subprocess.CompletedProcess:
+    """`python -m raggedspec ARGS` in a child process (stderr a pipe, not a terminal)."""
+    return subprocess.run([sys.executable, "-m", "raggedspec", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd or ROOT,
+                          env=child_env(**env), timeout=timeout)
+
+
+def console_script(tmp_path: Path):
+    """A launcher exactly like the one pip writes for the `raggedspec` console script (its
+    own folder, not the current one, first on sys.path); returns `run(*args, cwd=)`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    launcher = bin_dir / "raggedspec"
+    launcher.write_text("import sys\nfrom raggedspec.cli import main\nsys.exit(main())\n")
+
+    def run(*args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(launcher), *map(str, args)],
+                              capture_output=True, text=True, cwd=cwd,
+                              env=child_env(), timeout=timeout)
+
+    return run
+
+
+def write(path: Path, text: str) -> Path:
+    """Write `text` to `path` and return the path."""
+    path.write_text(text)
+    return path

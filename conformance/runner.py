@@ -2,9 +2,12 @@
 table (rule, examples run, result).
 
 Usage `raggedspec conformance [--backend numpy|torch|cupy|package.module:factory] [--device
-...] [--dtype ...] [--profile ...] [--tests PATH ...] [-k EXPR]`; each test names the rules
-it pins with `@pytest.mark.rule(...)` (docs/rules.md's row names). Exit 0 all passed, 1 some
-failed, 2 bad usage or an unusable backend, 3 pytest's internal error. Options, the environment
+...] [--dtype ...] [--profile ...] [--tests PATH ...] [-k EXPR] [PYTEST OPTION ...]`: any
+option it does not know goes to pytest (`-n 4`, `--lf`, `-v`, `--junitxml=PATH`). Each test
+names the rules it pins with `@pytest.mark.rule(...)` (docs/rules.md's row names); this
+module is also the pytest plugin that carries them on each report (so they reach the table
+from pytest-xdist's workers too). Exit 0 all passed, 1 some failed or the backend factory
+raised, 2 bad usage or an unusable backend, 3 pytest's internal error. Options, the environment
 it sets, how examples are counted and every exit code: docs/conformance.md, section
 "conformance/runner.py".
 """
@@ -16,6 +19,7 @@ import importlib.resources
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,11 +28,18 @@ PROFILES = ("ci", "dev", "short", "thorough", "mutmut", "explore")
 DTYPES = ("float64", "float32", "bfloat16")
 EXIT_USAGE = 2
 EMPTY_SELECTION = 5  # pytest's exit code when nothing was collected
+PYTEST_USAGE_ERROR = 4  # pytest's exit code for options it refuses (ours for that is 2)
 EXIT_CODES_TEXT = (
     "Exit codes: 0 every selected test passed; 1 some failed (their rule rows say "
-    "FAIL); 2 bad input: an unknown backend, an unavailable device, a missing --tests "
-    "path or a selection matching no test; 3 an internal error of pytest or raggedspec."
+    "FAIL), or your backend factory raised (its traceback is printed); 2 bad input: an unknown "
+    "backend, an unavailable device, a missing --tests path, a selection matching no test, or "
+    "pytest not installed; 3 an internal error of pytest or raggedspec. Options it does not "
+    "know go to pytest (-n 4, --lf, -v, --junitxml=PATH, ...)."
 )
+# pytest's options that need its cache (`-p no:cacheprovider` is dropped for them)
+CACHE_OPTIONS = ("--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first",
+                 "--sw", "--stepwise", "--sw-skip", "--stepwise-skip", "--lfnf",
+                 "--last-failed-no-failures", "--cache-show", "--cache-clear")
 # "60 passing examples, 0 failing examples" (Hypothesis <= 6.15x) or "60 passing, 0 failing,
 # and 2 invalid test cases" (newer): accept both wordings.
 _STATS = re.compile(r"during (\w+) phase.*?(\d+) passing(?: examples)?, (\d+) failing", re.S)
@@ -73,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="test files or folders to run (default: the whole conformance suite)",
     )
-    p.add_argument("-k", dest="keyword", default=None, metavar="EXPR", help="pytest -k selection")
+    p.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
+                   help="pytest -k selection; one that matches no test is reported before the "
+                        "suite is imported for the run")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
 
 
@@ -146,27 +159,34 @@ E2E_RULE = "end to end: the same scenario on two backends"
 NO_RULE = "(no rule marker)"
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Plugin hook (this module is passed to pytest with `-p`, so it runs in pytest-xdist's
+    workers too): each test's report carries the rules it pins (`user_properties`)."""
+    for item in items:
+        item.user_properties.append(("rules", rules_of(item)))
+
+
+def pytest_runtest_teardown(item) -> None:
+    """Plugin hook: the teardown report carries the examples the test ran."""
+    n = _examples(getattr(item, "hypothesis_statistics", None))
+    item.user_properties.append(("examples", 1 if n is None else n))
+
+
 class Collector:
     """pytest plugin: per test node id, the rules it carries, its outcome ("passed", "failed",
     "skipped"), the examples it ran (1 for a plain test) and, for an end-to-end failure, the
     rule its first differing tensor belongs to (`blame`, from the Mismatch message) and that
-    message."""
+    message. Read from the reports alone (`user_properties`), so it works under xdist."""
 
     def __init__(self) -> None:
         self.results: dict[str, dict] = {}
 
-    def _rec(self, nodeid: str) -> dict:
-        return self.results.setdefault(nodeid, {"outcome": "passed", "examples": 0, "rules": []})
-
-    def pytest_itemcollected(self, item) -> None:
-        self._rec(item.nodeid)["rules"] = rules_of(item)
-
-    def pytest_deselected(self, items) -> None:
-        for item in items:
-            self.results.pop(item.nodeid, None)
-
     def pytest_runtest_logreport(self, report) -> None:
-        rec = self._rec(report.nodeid)
+        rec = self.results.setdefault(report.nodeid,
+                                      {"outcome": "passed", "examples": 0, "rules": []})
+        props = dict(report.user_properties)
+        rec["rules"] = props.get("rules", rec["rules"])
+        rec["examples"] = props.get("examples", rec["examples"])
         if report.failed:
             rec["outcome"] = "failed"
             text = str(report.longrepr)
@@ -176,10 +196,6 @@ class Collector:
                 rec["message"] = lines[-1].removeprefix("E").strip()
         elif report.skipped and rec["outcome"] != "failed":
             rec["outcome"] = "skipped"
-
-    def pytest_runtest_teardown(self, item) -> None:
-        n = _examples(getattr(item, "hypothesis_statistics", None))
-        self._rec(item.nodeid)["examples"] = 1 if n is None else n
 
 
 def rule_table(results: dict[str, dict], rules: list[str]) -> list[tuple[str, int, str]]:
@@ -239,88 +255,131 @@ def format_table(table: list[tuple[str, int, str]], title: str, hide_not_run: bo
 # ----------------------------------------------------------------------------- run
 
 
-def run(args) -> int:
-    """Run the suite as `args` say (an argparse namespace of `add_arguments`)."""
-    import pytest
-
+def _backend(args):
+    """The backend under test, or the exit code when it cannot be had: 2 (a message) for an
+    unusable name or device, 1 (its traceback) when the user's factory raised."""
+    from raggedspec.exits import report_plugin_failure
     from raggedspec.reference.backend import load_backend
 
-    profile = args.profile or ("ci" if os.environ.get("CI") else "dev")
     try:
-        backend = load_backend(args.backend, args.device, args.dtype)
-    except Exception as exc:  # noqa: BLE001 (a user factory may raise anything: report it, exit 2)
-        print(
-            f"raggedspec conformance: error: backend {args.backend!r} on device {args.device!r} in "
-            f"{args.dtype}: {exc}",
-            file=sys.stderr,
-        )
+        return load_backend(args.backend, args.device, args.dtype)
+    except Exception as exc:  # noqa: BLE001 (a user factory may raise anything: report it)
+        if report_plugin_failure("conformance", exc):
+            return 1
+        print(f"raggedspec conformance: error: backend {args.backend!r} on device "
+              f"{args.device!r} in {args.dtype}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    env = {
-        "RAGGEDSPEC_BACKEND": args.backend,
-        "RAGGEDSPEC_DEVICE": str(backend.device),
-        "RAGGEDSPEC_DTYPE": args.dtype,
-        "HYPOTHESIS_PROFILE": profile,
-    }
+
+
+def build_pytest_args(args, profile: str, tests: list[str]) -> list[str]:
+    """pytest's command line: the tests, `-q` (unless the user chose a verbosity), the
+    profile, this module as the plugin that carries the rules, `-k` / `-x`, then every option
+    given for pytest itself (`args.pytest_args`); pytest's cache is off unless one of those
+    options needs it."""
+    extra = list(getattr(args, "pytest_args", None) or [])
+    wants_cache = any(a.split("=")[0] in CACHE_OPTIONS for a in extra)
+    quiet = [] if any(a.startswith(("-v", "-q", "--verbose", "--quiet")) for a in extra) else ["-q"]
+    out = tests + quiet + [f"--hypothesis-profile={profile}", "-rfE",
+                   "-p", "raggedspec.conformance.runner",
+                   # node ids relative to the folder holding conformance/ (the checkout, or the
+                   # installed raggedspec package), the form the rule table names them in
+                   f"--rootdir={ROOT}"]
+    out += ["-o", f"cache_dir={cache_dir()}"] if wants_cache else ["-p", "no:cacheprovider"]
+    if args.keyword:
+        out += ["-k", args.keyword]
+    if args.exitfirst:
+        out.append("-x")
+    return out + extra
+
+
+def cache_dir() -> Path:
+    """pytest's cache for `--lf` and the like: in the user's cache folder, not the package."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "raggedspec" / "pytest"
+
+
+def selects_nothing(tests: list[str], keyword: str, profile: str) -> bool:
+    """True when `-k keyword` selects no test of `tests`: a collection alone, in a child
+    process with plain asserts (no assertion rewriting, the bulk of a first collection)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "pytest", "--co", "-q", "--assert=plain", "-p",
+           "no:cacheprovider", f"--hypothesis-profile={profile}", f"--rootdir={ROOT}",
+           "-k", keyword, *tests]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    return done.returncode == EMPTY_SELECTION
+
+
+def no_selection(args, tests: list[str], rc: int | None = None) -> int:
+    """Exit 2 with the message for a selection matching no test."""
+    what = f"-k {args.keyword!r} in " if args.keyword else ""
+    code = "" if rc is None else f" (pytest exit {rc})"
+    print(f"raggedspec conformance: error: {what}{' '.join(tests)}: no test selected{code}; "
+          "check the -k expression and the --tests paths", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def missing_tests(args) -> str | None:
+    """The first --tests path that does not exist, or None."""
+    return next((t for t in args.tests or [] if not Path(t.split("::")[0]).exists()), None)
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """`env` set in os.environ for the duration, the earlier values restored after."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    for t in args.tests or []:
-        if not Path(t.split("::")[0]).exists():
-            print(
-                f"raggedspec conformance: error: --tests {t}: no such file or folder",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-    import raggedspec.conformance.conftest  # noqa: F401 - registers the Hypothesis profiles for any --tests path
-
-    tests = [t if "::" in t else str(Path(t)) for t in args.tests or []] or [str(SUITE)]
-    pytest_args = tests + [
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--hypothesis-profile={profile}",
-        "-rfE",
-        # node ids relative to the folder holding conformance/ (the checkout, or the installed
-        # raggedspec package), the form the rule table names them in
-        f"--rootdir={ROOT}",
-    ]
-    if args.keyword:
-        pytest_args += ["-k", args.keyword]
-    if args.exitfirst:
-        pytest_args.append("-x")
-    collector = Collector()
     try:
-        rc = int(pytest.main(pytest_args, plugins=[collector]))
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    title = (
-        f"\nraggedspec conformance: backend {backend.name} ({backend.device}, {backend.dtype}), "
-        f"profile {profile}, pytest exit {rc}"
-    )
-    if rc == EMPTY_SELECTION or not collector.results:
-        what = f"-k {args.keyword!r} in " if args.keyword else ""
-        print(
-            f"raggedspec conformance: error: {what}{' '.join(tests)}: no test selected "
-            f"(pytest exit {rc}); check the -k expression and the --tests paths",
-            file=sys.stderr,
-        )
+
+
+def run(args) -> int:
+    """Run the suite as `args` say (an argparse namespace of `add_arguments`, with the
+    options for pytest in `args.pytest_args`)."""
+    import pytest
+
+    profile = args.profile or ("ci" if os.environ.get("CI") else "dev")
+    backend = _backend(args)
+    if isinstance(backend, int):
+        return backend
+    missing = missing_tests(args)
+    if missing is not None:
+        print(f"raggedspec conformance: error: --tests {missing}: no such file or folder",
+              file=sys.stderr)
         return EXIT_USAGE
-    print(
-        format_table(
-            rule_table(collector.results, rule_names()),
-            title,
-            hide_not_run=bool(args.tests or args.keyword),
-        )
-    )
+    import raggedspec.conformance.conftest  # noqa: F401 - registers the Hypothesis profiles for any --tests path
+
+    tests = [t if "::" in t else str(Path(t)) for t in args.tests or []] or [str(SUITE)]
+    env = {"RAGGEDSPEC_BACKEND": args.backend, "RAGGEDSPEC_DEVICE": str(backend.device),
+           "RAGGEDSPEC_DTYPE": args.dtype, "HYPOTHESIS_PROFILE": profile}
+    collector = Collector()
+    with environment(env):
+        if args.keyword and selects_nothing(tests, args.keyword, profile):
+            return no_selection(args, tests)
+        rc = int(pytest.main(build_pytest_args(args, profile, tests), plugins=[collector]))
+    if rc == EMPTY_SELECTION:
+        return no_selection(args, tests, rc)
+    if rc == PYTEST_USAGE_ERROR:
+        print(f"raggedspec conformance: error: pytest refused the options "
+              f"{' '.join(getattr(args, 'pytest_args', None) or []) or '(none)'} (its message "
+              "is above)", file=sys.stderr)
+        return EXIT_USAGE
+    if not collector.results:  # pytest stopped before running a test: its own error
+        return rc
+    title = (f"\nraggedspec conformance: backend {backend.name} ({backend.device}, "
+             f"{backend.dtype}), profile {profile}, pytest exit {rc}")
+    print(format_table(rule_table(collector.results, rule_names()), title,
+                       hide_not_run=bool(args.tests or args.keyword)))
     for nodeid, rec in collector.results.items():
         if rec.get("blame"):
-            print(
-                f"blamed: {nodeid}: its first differing tensor belongs to rule "
-                f'"{rec["blame"]}": {rec["message"][:300]}'
-            )
+            print(f"blamed: {nodeid}: its first differing tensor belongs to rule "
+                  f'"{rec["blame"]}": {rec["message"][:300]}')
     return rc
 
 
@@ -331,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     try:
-        args = parser.parse_args(argv)
+        args, rest = parser.parse_known_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    args.pytest_args = rest
     return run(args)
 
 

@@ -45,6 +45,7 @@ from raggedspec.reference.acceptance import (
     threshold,
 )
 from raggedspec.reference.errors import ScenarioError
+from raggedspec.reference.plugins import PluginError
 from raggedspec.reference.scenario import AcceptanceSpec, load_scenario, parse_acceptance
 from raggedspec.reference.step import verify_proposed
 
@@ -389,17 +390,26 @@ def test_a_factory_result_without_the_methods_is_refused_word_for_word():
 
 
 @pytest.mark.rule("pluggable token oracle")
-@pytest.mark.parametrize("factory, words", [
-    ("make_not_an_oracle", ["make_not_an_oracle", "no callable prompt, target, draft"]),
-    ("make_raising", ["make_raising", "RuntimeError", "weights are missing"]),
-])
-def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error(factory, words):
-    sc = load_scenario({"acceptance": f"oracle:{ORACLES}:{factory}"})
+def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error():
+    sc = load_scenario({"acceptance": f"oracle:{ORACLES}:make_not_an_oracle"})
     with pytest.raises(ScenarioError) as err:
         build_model(sc.acceptance, sc.seed, sc)
     assert "'acceptance.factory'" in str(err.value)
-    for w in words:
+    for w in ["make_not_an_oracle", "no callable prompt, target, draft"]:
         assert w in str(err.value)
+
+
+@pytest.mark.rule("pluggable token oracle")
+def test_a_factory_that_raises_is_the_oracles_failure_not_a_scenario_error():
+    """The factory's own exception is kept (a PluginError caused by it), so the command
+    reports it with its traceback as raised by the user's oracle."""
+    spec = f"{ORACLES}:make_raising"
+    sc = load_scenario({"acceptance": f"oracle:{spec}"})
+    with pytest.raises(PluginError) as err:
+        build_model(sc.acceptance, sc.seed, sc)
+    assert str(err.value) == f"raised by your oracle {spec!r} when called with the scenario"
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert "weights are missing" in str(err.value.__cause__)
 
 
 
@@ -447,11 +457,10 @@ def test_resolve_factory_refusals_word_for_word(tmp_path, monkeypatch):
     (tmp_path / "rs_fine_oracle.py").write_text("def make(scenario):\n    return scenario\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "rs_boom_oracle", raising=False)
-    with pytest.raises(ScenarioError) as err:
+    with pytest.raises(PluginError) as err:  # the oracle's own failure, not a bad name
         resolve_factory("rs_boom_oracle:make")
-    assert str(err.value) == (
-        f"{w}'rs_boom_oracle:make': importing module 'rs_boom_oracle' raised RuntimeError: "
-        "no weights")
+    assert str(err.value) == "raised by your oracle 'rs_boom_oracle:make' while importing"
+    assert str(err.value.__cause__) == "no weights"
     try:
         assert resolve_factory("rs_fine_oracle:make")(41) == 41  # found in the current folder
     finally:

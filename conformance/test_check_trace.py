@@ -10,19 +10,17 @@ and advance rule, eager and lazy strip) is clean and its replay matches.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from raggedspec import trace_bugs
 from raggedspec.check_trace import check, exit_code
-from raggedspec.cli import main
+from raggedspec.conformance.helpers import run_cli as cli
+from raggedspec.conformance.strategies import simulator_scenarios
 from raggedspec.trace_rules import RULES
 from raggedspec.reference import lengths, simulator
 from raggedspec.reference.scenario import load_scenario
@@ -31,13 +29,6 @@ from raggedspec.reference.trace_reader import read_trace_strict
 
 TRACES = Path(__file__).parent / "traces"
 GRANTED = {"advance": "per-sequence", "world": "WB", "admission": "grant", "xs_per_seq": True}
-
-
-def cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 def violated(result: dict) -> dict[str, int]:
@@ -128,39 +119,7 @@ def test_without_the_bug_the_fixture_scenarios_are_clean():
 
 # ------------------------------------------------------------------ simulator traces pass
 
-scenarios = st.fixed_dictionaries(
-    {
-        "batch": st.integers(1, 8),
-        "prompt_len": st.tuples(st.integers(1, 10), st.integers(0, 6)).map(
-            lambda t: [t[0], t[0] + t[1]]
-        ),
-        "max_new_tokens": st.tuples(st.integers(1, 20), st.integers(0, 15)).map(
-            lambda t: [t[0], t[0] + t[1]]
-        ),
-        "steps": st.integers(3, 24),
-        "depth": st.integers(0, 4),
-        "advance": st.sampled_from(["cohort", "per-sequence"]),
-        "world": st.sampled_from(["W0", "WA", "WB"]),
-        "strip": st.sampled_from(["eager", "lazy"]),
-        "admission": st.sampled_from(["grant", "grant", "refuse"]),
-        "xs_per_seq": st.sampled_from([True, True, False]),
-        "arrival": st.sampled_from(["all-at-once", "staggered"]),
-        "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
-        "acceptance": st.sampled_from(
-            [
-                "geometric:0.7",
-                "profile:0.9,0.5,0.3",
-                "all-accept",
-                "all-reject",
-                "heterogeneous:0.1,0.95",
-            ]
-        ),
-        "max_seq_len": st.sampled_from([4096, 40]),
-        "max_seqs": st.sampled_from([None, None, 2, 3]),
-        "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
-        "seed": st.integers(0, 50),
-    }
-)
+scenarios = simulator_scenarios(8, 24, ("eager", "lazy"))
 
 
 def assert_clean(trace) -> None:
@@ -365,7 +324,7 @@ def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     assert cli("check-trace", str(tmp_path / "nope.jsonl"))[0] == 2
     assert cli("check-trace", str(path), "--json", str(tmp_path))[0] == 2
     code, _, err = cli("check-trace", str(path), "--json", str(path / "r.json"))
-    assert code == 2 and "cannot write it" in err and path.read_bytes() == before
+    assert code == 2 and "is a file, not a folder" in err and path.read_bytes() == before
     assert cli("check-trace", str(path), "--scenario", str(tmp_path / "nope.toml"))[0] == 2
     bad = write_lines(
         tmp_path / "bad.jsonl", [json.dumps({"step": 0, "rows": [{"seq": 0, "own_len": -3}]})]
@@ -517,3 +476,76 @@ def test_the_schema_extension_example_in_docs_trace_md_is_clean(tmp_path):
     result = check(read_trace_strict(path))
     ran = {r["id"] for r in result["rules"] if r["ran"]}
     assert result["violations"] == [] and {"q0", "dead-cols", "accepted-prefix"} <= ran
+
+
+# ------------------------------------------------------------- every finding sets the verdict
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_replay_that_diverges_while_no_rule_fires_exits_1(tmp_path):
+    """Each kind of finding sets the exit code on its own: here every rule holds (the trace
+    is the reference's own), but the header's scenario has other prompt lengths, so the
+    replay parts from the trace at its first step."""
+    tr = small_run(**GRANTED)
+    path = tmp_path / "t.jsonl"
+    write_jsonl(tr, path)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["scenario"]["prompt_len"] = [30, 40]
+    write_lines(path, [json.dumps(header), *lines[1:]])
+    code, out, _ = cli("check-trace", path, "--json", tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["violations"] == [] and data["replay"]["diverged"] is True
+    assert code == 1 and data["exit"] == 1 and "replay: diverged at step" in out
+    assert "first broken rule" not in out
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_violated_rule_without_a_replay_exits_1(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    code, out, _ = cli("check-trace", path, "--json", tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["replay"]["ran"] is False and data["violations"]
+    assert code == 1 and data["exit"] == 1 and "replay: not run" in out
+
+
+# ---------------------------------------------------------------- the first broken rule first
+
+# A per-sequence engine whose KV advance is uniform (every row by the batch's smallest commit,
+# 1) while its scheduler tracks the true positions: at step 1 seq 0's own length is 11 where
+# 10 + u 1 + accepted 3 = 14 was due, and its chain start is computed from 14. The broken rule
+# is the advance (read from step 0); the chain start is what it causes.
+UNIFORM_ADVANCE = [
+    decode_step(0, [{"seq": 0, "own_len": 10, "u": 1, "accepted": 3, "committed": 4,
+                     "chain_start": 9},
+                    {"seq": 1, "own_len": 10, "u": 1, "accepted": 0, "committed": 1,
+                     "chain_start": 9}]),
+    decode_step(1, [{"seq": 0, "own_len": 11, "u": 1, "accepted": 0, "committed": 1,
+                     "chain_start": 13},
+                    {"seq": 1, "own_len": 11, "u": 1, "accepted": 0, "committed": 1,
+                     "chain_start": 10}]),
+]
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_first_broken_rule_is_listed_before_what_it_causes(tmp_path):
+    result = check(_as_trace(UNIFORM_ADVANCE))
+    order = [(v["step"], v["rule"]) for v in result["violations"]]
+    assert order == [(1, "per-sequence-advance"), (1, "chain-start")]
+    assert result["violations"][0]["origin"] == 0
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    code, out, _ = cli("check-trace", path, "--limit", "1")
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[1].startswith("first broken rule: per-sequence-advance [plan_per_sequence_step")
+    assert "at step 1 seq 0 (from step 0)" in lines[1] and "chain-start broke later" in lines[1]
+    assert lines[2].startswith("step 1 seq 0: per-sequence-advance")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_check(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    code, out, err = cli("check-trace", path, "--json", "/proc/nope/r.json")
+    assert code == 2 and out == "" and "--json /proc/nope/r.json" in err
+    assert "cannot write there" in err

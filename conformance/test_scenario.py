@@ -209,7 +209,8 @@ def test_the_generator_is_seeded_and_staggers_arrivals():
     ({"depth": 2.0}, key("depth", "must be an integer in 0..=8", 2.0)),
     ({"depth": True}, key("depth", "must be an integer in 0..=8", True)),
     ({"batch": 2**20 + 1}, key("batch", "must be an integer in 1..=1048576", 2**20 + 1)),
-    ({"seed": -1}, key("seed", "must be an integer >= 0", -1)),
+    ({"seed": -1}, key("seed", "must be an integer in 0..=18446744073709551615", -1)),
+    ({"seed": 2**64}, key("seed", "must be an integer in 0..=18446744073709551615", 2**64)),
     ({"stagger": 0}, key("stagger", "must be an integer >= 1", 0)),
     ({"steps": 10_000_001}, key("steps", "must be an integer in 1..=10000000", 10_000_001)),
     ({"max_seqs": 0}, key("max_seqs", "must be an integer >= 1", 0)),
@@ -262,7 +263,7 @@ def test_the_generator_is_seeded_and_staggers_arrivals():
                                   "n_kv_heads, head_dim, rope_dims, compress_ratios, "
                                   "sliding_window, seed, mtp", 1)),
     ({"model": {"vocab": 1}}, "scenario key 'model.vocab': must be >= 2, got 1"),
-    ({"model": {"mtp": "tail"}}, "scenario key 'model': mtp 'tail' must be 'block' or 'heads'"),
+    ({"model": {"mtp": "tail"}}, key("model.mtp", "must be one of block, heads", "tail")),
     ({"model": {"colours": 1}}, key("model.colours", "unknown key; allowed: vocab, hidden, "
                                     "n_heads, n_kv_heads, head_dim, rope_dims, compress_ratios, "
                                     "sliding_window, seed, mtp", 1)),
