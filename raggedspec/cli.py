@@ -380,6 +380,19 @@ def run_check_kernel(args) -> int:
         raise UsageError(str(exc)) from exc
 
 
+def add_check_model(sub) -> argparse.ArgumentParser:
+    from raggedspec.check_model import add_parser  # stdlib only; transformers loads when it runs
+    return add_parser(sub)
+
+
+def run_check_model(args) -> int:
+    from raggedspec.check_model import ModelUsageError, run
+    try:
+        return run(args)
+    except ModelUsageError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def add_bench(sub) -> argparse.ArgumentParser:
     from raggedspec.bench.runner import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
@@ -433,6 +446,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "preflight": (add_preflight, run_preflight),
     "check-trace": (add_check_trace, run_check_trace),
     "check-kernel": (add_check_kernel, run_check_kernel),
+    "check-model": (add_check_model, run_check_model),
     "vectors": (lambda sub: _vectors().add_parser(sub), lambda args: _vectors().run(args)),
 }
 
