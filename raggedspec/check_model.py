@@ -65,12 +65,13 @@ def _settings(examples: int):
 def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] = FAMILY_NAMES,
           windows: str = "any", progress=None, shrink_calls: int = SHRINK_CALLS,
           min_window: int = 1) -> CheckResult:
-    """Run `examples` derandomized cases through the subject; on a failure the smallest
-    failing case found within `shrink_calls` further cases is reported. A factory's
-    exception propagates as FactoryError."""
+    """Run `examples` cases through the subject: a fixed ragged case (`first_case`), then
+    derandomized generated ones (all `examples` when the fixed case failed, to find one to
+    shrink); on a failure the smallest failing case found within `shrink_calls` further
+    cases is reported. A factory's exception propagates as FactoryError."""
     from hypothesis import given
 
-    from raggedspec.check_model_cases import cases
+    from raggedspec.check_model_cases import cases, first_case
     from raggedspec.check_model_models import FactoryError
     from raggedspec.check_model_run import run_case
 
@@ -83,7 +84,11 @@ def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] =
         windows = "none"
     state = dict(ran=0, after=0, reports=[], diff=0.0, error=None)
 
-    @_settings(examples)
+    fixed = run_case(subject, first_case(families[0], windows, subject.kv_heads(), min_window))
+    state["diff"] = fixed.max_diff
+    generated = examples if fixed.report is not None else examples - 1
+
+    @_settings(max(generated, 1))
     @given(case=cases(families, windows, subject.kv_heads(), min_window))
     def prop(case) -> None:
         state["ran"] += 1
@@ -104,16 +109,20 @@ def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] =
             raise AssertionError(outcome.report)
 
     try:
-        prop()
+        if generated:
+            prop()
     except _Abort:
         if state["error"] is not None:
             raise state["error"] from None
     except AssertionError:
         pass
+    ran = state["ran"] + 1
     if state["reports"]:
-        return CheckResult(False, state["ran"], state["reports"][-1], state["diff"], note)
-    return CheckResult(True, state["ran"], f"pass: {state['ran']} generated cases agree",
-                       state["diff"], note)
+        return CheckResult(False, ran, state["reports"][-1], state["diff"], note)
+    if fixed.report is not None:
+        return CheckResult(False, ran, f"{fixed.report}\n(the fixed first case, not shrunk: no "
+                                       f"generated case failed)", state["diff"], note)
+    return CheckResult(True, ran, f"pass: {ran} cases agree", state["diff"], note)
 
 
 # ----------------------------------------------------------------------------- command

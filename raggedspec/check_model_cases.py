@@ -128,6 +128,15 @@ def cases(draw, families: tuple[str, ...] = tuple(FAMILIES), windows: str = "any
     return Case(prompts, depth, accepted, family, window, heads, seed)
 
 
+def first_case(family: str, windows: str, kv_heads: tuple[int, ...], min_window: int) -> Case:
+    """The case every run tries first: three rows of prompts 5, 2 and 3 (leads 0, 3, 2),
+    depth 2, three steps whose accepts differ per row, a window of 3 (at least
+    `min_window`) unless `windows` is "none", the middle KV head count."""
+    window = None if windows == "none" else max(3, min_window)
+    return Case((5, 2, 3), 2, ((2, 0, 1), (0, 2, 1), (1, 1, 0)), family, window,
+                kv_heads[len(kv_heads) // 2], 7)
+
+
 # ----------------------------------------------------------------------------- plan
 
 

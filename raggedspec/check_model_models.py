@@ -93,6 +93,8 @@ def tiny_config(arch: str, kv_heads: int, window: int | None):
     if window is not None:
         keys |= dict(sliding_window=window, use_sliding_window=True)
     config = transformers.AutoConfig.for_model(arch, **keys)
+    if window is not None and not hasattr(type(config)(), "sliding_window"):
+        raise NoWindow(f"{arch}'s config has no sliding_window")
     if window is None and getattr(config, "layer_types", None) is None \
             and hasattr(config, "sliding_window"):
         config.sliding_window = None
@@ -219,9 +221,11 @@ class Subject:
     """One (architecture or factory, implementation, dtype): its models, built once per
     `(kv_heads, window)`, and what it can vary."""
 
-    def __init__(self, arch: str, impl: str, dtype: str) -> None:
+    def __init__(self, arch: str, impl: str, dtype: str, factory: Callable | None = None) -> None:
+        """`arch` a transformers model type or `module:factory`; or any name with the
+        `factory` callable itself."""
         self.arch, self.impl, self.dtype = arch, impl, dtype
-        self.factory = load_factory(arch) if ":" in arch else None
+        self.factory = factory or (load_factory(arch) if ":" in arch else None)
         self._models: dict = {}
 
     @property

@@ -13,7 +13,9 @@ first difference is explained by `check_model_explain` and returned as the repor
 Rollback (the engine's part): crop and refeed call the cache's `crop(-n)` (as transformers'
 own assisted decoding does, past recording on); shift re-lays each layer's keys and values
 row by row (`relayout`), unless the model defines `rollback_rows(cache, dropped)`; mask
-leaves the cache as it is.
+leaves the cache as it is. A model's `rollback_rows(cache, dropped, attention_mask)` gets
+each row's dropped count and the step's `[B, columns]` mask of live columns, and must leave
+row i's kept keys front-aligned (they end at one column, zeros in front).
 """
 
 from __future__ import annotations
@@ -139,8 +141,15 @@ def keep_of(mask, b: int, t: int, width: int) -> np.ndarray:
 
 
 def _cache_kw(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    """The name the model's forward takes its cache under: `cache` (transformers 5) or
+    `past_key_values`, from the first forward in its class hierarchy that names either."""
+    for cls in type(model).__mro__:
+        if "forward" in cls.__dict__:
+            params = inspect.signature(cls.forward).parameters
+            for name in ("cache", "past_key_values"):
+                if name in params:
+                    return name
+    return "past_key_values"
 
 
 def new_cache(model, family: str):
@@ -214,7 +223,7 @@ def roll_back(model, cache, step: Step, family: str) -> None:
     if step.drop is not None:
         hook = getattr(model, "rollback_rows", None)
         if callable(hook):
-            hook(cache, list(step.drop))
+            hook(cache, list(step.drop), torch.as_tensor(step.attention_mask()))
         else:
             relayout(cache, step.cols, step.cols_after)
     else:
