@@ -344,3 +344,59 @@ def test_the_matrix_of_the_named_architectures():
     cell = run_cell("llama", "eager", "float64", "refeed", "none", 6)
     assert "finite outputs" in cell["rule"], cell
     assert np.isfinite(cell["max_diff"])
+
+
+# ----------------------------------------------------------------------------- torch targets
+
+
+@pytest.mark.parametrize("name", ["torch:sdpa", "torch:sdpa-math", "torch:sdpa-flash"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_torch_attention_is_a_built_in_check_kernel_target(name, dtype):
+    from raggedspec.kernel_adapters import torch_target
+    from raggedspec.kernel_cases import check as check_kernel
+
+    result = check_kernel(torch_target(name, "padded"), "padded", dtype, examples=15)
+    assert result.passed and result.examples == 15, result.report
+
+
+def test_a_torch_target_with_a_wrong_rule_is_caught():
+    """The same call with torch's `is_causal=True` instead of the mask (top-left aligned)."""
+    from raggedspec.kernel_adapters import torch_target
+    from raggedspec.kernel_cases import check as check_kernel
+
+    sdpa = torch_target("torch:sdpa", "padded")
+
+    def top_left(q, k, v, attention_mask, position_ids, sliding_window=None,
+                 softmax_scale=None, sinks=None):
+        out = sdpa(q, k, v, attention_mask, position_ids, sliding_window, softmax_scale)
+        if q.shape[2] > 1:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=True)
+        return out
+
+    result = check_kernel(top_left, "padded", "float64", examples=60)
+    assert not result.passed and "causal aligned top-left" in result.report, result.report
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["--layout", "padded", "torch:sdpa", "--examples", "3"], 0, "torch:sdpa: pass: 3"),
+    (["--layout", "varlen", "torch:sdpa"], 2, "torch:sdpa speaks the padded layout"),
+    (["--layout", "padded", "torch:sdpa-efficient"], 2, "on CUDA only, not on --device cpu"),
+])
+def test_torch_targets_on_the_command_line(args, code, words):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        got = main(["check-kernel", *args])
+    assert got == code and words in out.getvalue() + err.getvalue(), (out.getvalue(),
+                                                                     err.getvalue())
+
+
+@pytest.mark.slow
+def test_torch_flex_compiled_target_runs_or_hits_the_cpu_compile_error():
+    """torch.compile(flex_attention) on a CPU: the first case agrees with the reference,
+    unless torch's C++ build fails (docs/third-party.md; then the report names it)."""
+    from raggedspec.kernel_adapters import torch_target
+    from raggedspec.kernel_cases import check as check_kernel
+
+    result = check_kernel(torch_target("torch:flex", "padded"), "padded", "float32", examples=1)
+    assert result.passed or "CppCompileError" in result.report, result.report

@@ -30,7 +30,7 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
 """Config keys every built-in architecture gets."""
 MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
            moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-           topk_group=1)
+           topk_group=1, experts_implementation="eager")
 MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
            v_head_dim=8)
 ARCH_KEYS: dict[str, dict] = {
@@ -42,7 +42,10 @@ ARCH_KEYS: dict[str, dict] = {
     "qwen2": dict(use_sliding_window=False, max_window_layers=0),
     "qwen3": dict(use_sliding_window=False, max_window_layers=0),
 }
-"""Extra config keys per architecture (MoE sizes, multi-head latent attention ranks)."""
+"""Extra config keys per architecture (MoE sizes with the eager experts loop, which runs in
+float64; multi-head latent attention ranks)."""
+ONE_KV_LAYOUT = {"deepseek_v2", "deepseek_v3"}
+"""Multi-head latent attention: one key per query head (no GQA), so 4 KV heads only."""
 NAMED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "deepseek_v3")
 """The architectures named on the findings page first."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -236,7 +239,7 @@ class Subject:
         """KV head counts to draw (of 4 query heads); a factory that takes no
         `num_key_value_heads` has its own."""
         if self.factory is None:
-            return (1, 2, 4)
+            return (4,) if self.arch in ONE_KV_LAYOUT else (1, 2, 4)
         named = factory_kwargs(self.factory, self.impl, self.dtype, 2, None)
         return (1, 2, 4) if "num_key_value_heads" in named else (0,)
 

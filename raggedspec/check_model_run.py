@@ -308,9 +308,12 @@ def compare_logits(step: Step, logits: np.ndarray, solos: list, rtol: float,
             diff[0] = max(diff[0], err)
             bound = rtol * max(1.0, float(np.abs(solo.logits).max()))
             if err > bound:
+                small = rtol < RTOL["float32"] and err <= RTOL["float32"] * bound / rtol
+                why = ("; within float32 precision: part of the forward runs in float32 "
+                       "(a precision difference, not a rule of the spec)" if small else "")
                 return (f"row {i}, query slot {j} (position {p}): logits differ from the row "
                         f"run alone by {err:.3g} (bound {bound:.3g}), with positions and masks "
-                        f"as the reference's")
+                        f"as the reference's{why}")
     return None
 
 
