@@ -3,7 +3,7 @@ attention implementations x dtypes x rollback families x with / without a slidin
 one JSON line per cell, and the markdown table made from those lines.
 
     python -m raggedspec.check_model_matrix run OUT.jsonl [--shard K/N] [--named-only]
-        [--others ARCHS.json]
+        [--others ARCHS.json] [--others-only]
     python -m raggedspec.check_model_matrix table OUT.jsonl [MORE.jsonl ...]
 
 `plan()` lists the cells: the named architectures (`NAMED`) in eager and sdpa in float32
@@ -25,7 +25,7 @@ from pathlib import Path
 from raggedspec.check_model import FAMILY_NAMES, check
 from raggedspec.check_model_models import NAMED, NoWindow, Subject, Unsupported
 
-NAMED_EXAMPLES, OTHER_EXAMPLES, FLEX_EXAMPLES = 6, 3, 1
+NAMED_EXAMPLES, OTHER_EXAMPLES, FLEX_EXAMPLES = 6, 1, 1
 SHRINK = {"flex_attention": 0}
 """Shrink budget per implementation (flex_attention recompiles per shape: seconds a case)."""
 MIN_WINDOW = 2
@@ -50,12 +50,20 @@ def run_cell(arch: str, impl: str, dtype: str, family: str, windows: str,
     if windows == "window1":
         cell["windows"] = "window 1"
     outcome = "n/a" if result.examples == 0 else "agrees" if result.passed else "fails"
-    lines = result.report.splitlines()
-    rule = next((ln for ln in lines if ln.startswith("rule that differs:")), lines[-1] if lines
-                else "")
-    return cell | dict(result=outcome, max_diff=result.max_diff, rule=rule,
+    return cell | dict(result=outcome, max_diff=result.max_diff, rule=rule_of(result.report),
                        report="" if result.passed else result.report, ran=result.examples,
                        seconds=round(time.monotonic() - started, 1))
+
+
+def rule_of(report: str) -> str:
+    """The line of a report that names what differs: its "rule that differs" line, else the
+    line saying the model raised or which logits differ, else its last line."""
+    lines = report.splitlines()
+    for start in ("rule that differs:", "the model raised", "the rollback raised", "row "):
+        found = [ln for ln in lines if ln.startswith(start)]
+        if found:
+            return found[0]
+    return lines[-1] if lines else ""
 
 
 def _has_window(arch: str) -> bool:
@@ -100,10 +108,11 @@ def others_from(path: Path | None) -> list[str]:
     return found
 
 
-def plan(named_only: bool = False, others: Path | None = None) -> list[tuple]:
+def plan(named_only: bool = False, others: Path | None = None,
+         others_only: bool = False) -> list[tuple]:
     """Every cell `(arch, impl, dtype, family, windows, examples)` in run order."""
     cells = []
-    for arch in NAMED:
+    for arch in () if others_only else NAMED:
         windows = ["none", "some"] if _has_window(arch) else ["none"]
         subjects = [("eager", "float32"), ("eager", "float64"), ("sdpa", "float32"),
                     ("sdpa", "float64")]
@@ -132,10 +141,12 @@ def _done(path: Path) -> set:
     return keys
 
 
-def run(out: Path, shard: tuple[int, int], named_only: bool, others: Path | None) -> None:
+def run(out: Path, shard: tuple[int, int], named_only: bool, others: Path | None,
+        others_only: bool = False) -> None:
     """Run this shard's cells not yet in `out`, appending one JSON line each."""
     done = _done(out)
-    cells = [c for n, c in enumerate(plan(named_only, others)) if n % shard[1] == shard[0]]
+    cells = [c for n, c in enumerate(plan(named_only, others, others_only))
+             if n % shard[1] == shard[0]]
     for n, cell in enumerate(cells, start=1):
         if cell[:5] in done:
             continue
@@ -154,9 +165,10 @@ def _short(cell: dict) -> str:
         return f"agrees ({cell['max_diff']:.1g})"
     if cell["result"] != "fails":
         return cell["result"]
-    rule = cell["rule"].removeprefix("rule that differs: ")
+    rule = rule_of(cell["report"]).removeprefix("rule that differs: ")
     for key, word in (("finite", "NaN"), ("counted in cache columns", "window in columns"),
-                      ("the model raised", "raises"), ("logits differ", "logits"),
+                      ("CppCompileError", "raises (compile)"), ("raised", "raises"),
+                      ("float32 precision", "float32 precision"), ("logits differ", "logits"),
                       ("rollback", "rollback"), ("positions", "positions")):
         if key in rule:
             return f"fails: {word}"
@@ -186,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out", type=Path)
     r.add_argument("--shard", default="0/1")
     r.add_argument("--named-only", action="store_true")
+    r.add_argument("--others-only", action="store_true")
     r.add_argument("--others", type=Path, default=None,
                    help="JSON list of the other architectures (found and written if missing)")
     t = sub.add_parser("table")
@@ -193,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.what == "run":
         k, n = (int(x) for x in args.shard.split("/"))
-        run(args.out, (k, n), args.named_only, args.others)
+        run(args.out, (k, n), args.named_only, args.others, args.others_only)
         return 0
     cells = [json.loads(line) for f in args.files for line in f.read_text().splitlines()]
     print(table(cells))

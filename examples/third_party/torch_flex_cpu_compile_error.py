@@ -5,10 +5,11 @@ its own.
 Found by `raggedspec check-kernel --layout padded torch:flex --dtype float32` and by
 transformers' flex_attention implementation in `raggedspec check-model --impl
 flex_attention` (torch 2.13.0+cpu, gcc 12.2): every verify batch has new sizes. Expected: the
-compiled output equals eager flex_attention's. Seen on the third shape:
+compiled output equals eager flex_attention's. Seen: the first shape runs, and the call that
+recompiles for new sizes (the second or the third, over our runs) raises
 torch._inductor.exc.InductorError: CppCompileError (the generated kernel uses undeclared
-names such as `cur_qSplitSize8`, `cur_kvSplitSize0`). A process compiling (2, 3, 5) first
-runs it.
+names such as `cur_qSplitSize8`, `cur_kvSplitSize0`). Each shape compiled first in a fresh
+process runs.
 
     python examples/third_party/torch_flex_cpu_compile_error.py
 """
@@ -28,5 +29,5 @@ for batch, queries, keys in [(1, 1, 1), (2, 1, 1), (2, 3, 5)]:
 
     mask = create_block_mask(mask_mod, batch, None, queries, keys, device="cpu")
     want = flex_attention(q, k, v, block_mask=mask)
-    got = compiled(q, k, v, block_mask=mask)  # raises CppCompileError at (2, 3, 5)
+    got = compiled(q, k, v, block_mask=mask)  # raises CppCompileError once sizes change
     print((batch, queries, keys), "compiled equals eager:", torch.allclose(got, want, atol=1e-5))
