@@ -43,7 +43,8 @@ ARCH_KEYS: dict[str, dict] = {
     "qwen3": dict(use_sliding_window=False, max_window_layers=0),
 }
 """Extra config keys per architecture (MoE sizes with the eager experts loop, which runs in
-float64; multi-head latent attention ranks)."""
+float64; multi-head latent attention ranks); any other architecture gets the MoE sizes
+(keys its config does not use are inert)."""
 ONE_KV_LAYOUT = {"deepseek_v2", "deepseek_v3"}
 """Multi-head latent attention: one key per query head (no GQA), so 4 KV heads only."""
 NAMED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "deepseek_v3")
@@ -92,7 +93,7 @@ def _layer_types(config, window: int | None) -> None:
 def tiny_config(arch: str, kv_heads: int, window: int | None):
     """The architecture's config at `TINY` size with `kv_heads` KV heads and `window`."""
     transformers = import_transformers()
-    keys = TINY | ARCH_KEYS.get(arch, {}) | dict(num_key_value_heads=kv_heads)
+    keys = TINY | ARCH_KEYS.get(arch, MOE) | dict(num_key_value_heads=kv_heads)
     if window is not None:
         keys |= dict(sliding_window=window, use_sliding_window=True)
     config = transformers.AutoConfig.for_model(arch, **keys)
@@ -167,8 +168,8 @@ def load_factory(spec: str) -> Callable:
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ValueError(f"--arch {spec!r}: a factory is written module:function")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    here = os.getcwd()
+    sys.path[:] = [here] + [p for p in sys.path if p not in (here, "")]
     try:
         obj = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:

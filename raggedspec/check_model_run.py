@@ -35,7 +35,12 @@ from raggedspec.check_model_explain import (
     explain_positions,
     show_layout,
 )
-from raggedspec.check_model_models import FactoryError, attention_modules, layer_window
+from raggedspec.check_model_models import (
+    FactoryError,
+    Subject,
+    attention_modules,
+    layer_window,
+)
 
 RTOL = {"float64": 1e-9, "float32": 1e-4}
 """Tolerance on logits, keys and values, relative to the largest magnitude of the row run
@@ -152,7 +157,7 @@ def _cache_kw(model) -> str:
     return "past_key_values"
 
 
-def new_cache(model, family: str):
+def new_cache(model: torch.nn.Module, family: str) -> object | None:
     """transformers' `DynamicCache(config=...)` for a transformers model (what `generate`
     builds), past recording on where the family rolls back; None otherwise (the model
     makes its own)."""
@@ -167,7 +172,7 @@ def new_cache(model, family: str):
     return cache
 
 
-def forward(model, step: Step, cache):
+def forward(model: torch.nn.Module, step: Step, cache) -> tuple[np.ndarray, object]:
     """The batch forward of `step`: `(logits float64 [B, t, V], cache)`."""
     kwargs = dict(input_ids=torch.as_tensor(step.ids),
                   attention_mask=torch.as_tensor(step.attention_mask()),
@@ -180,7 +185,7 @@ def forward(model, step: Step, cache):
     return logits.detach().to(torch.float64).numpy(), cache
 
 
-def layers_of(cache) -> list:
+def layers_of(cache: object) -> list:
     """The cache's layers that hold `keys` and `values` as `[B, H, S, D]` tensors."""
     out = []
     for layer in getattr(cache, "layers", []) or []:
@@ -206,7 +211,7 @@ def relaid(x: torch.Tensor, old: list, new: list) -> torch.Tensor:
     return out
 
 
-def relayout(cache, old: list, new: list) -> None:
+def relayout(cache: object, old: list, new: list) -> None:
     """The per-row rollback by re-laying every layer: row i's kept positions move to its
     columns in `new` (front-aligned), zeros in front (cache-and-draft §4.1)."""
     for layer in layers_of(cache):
@@ -216,7 +221,7 @@ def relayout(cache, old: list, new: list) -> None:
             layer.cumulative_length = len(new[0])
 
 
-def roll_back(model, cache, step: Step, family: str) -> None:
+def roll_back(model: torch.nn.Module, cache, step: Step, family: str) -> None:
     """The family's rollback after a verify forward."""
     if step.kind != "verify" or family == "mask":
         return
@@ -246,7 +251,7 @@ class Solo:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def run_alone(model, tokens: list[int]) -> Solo | None:
+def run_alone(model: torch.nn.Module, tokens: list[int]) -> Solo | None:
     """The row's tokens alone, unpadded, no mask, positions left to the model."""
     if not tokens:
         return None
@@ -355,7 +360,7 @@ def _first_wrong_column(layer, i: int, cols: list, solo: Solo, n: int, rtol: flo
 # ----------------------------------------------------------------------------- a case
 
 
-def run_case(subject, case: Case) -> Outcome:
+def run_case(subject: Subject, case: Case) -> Outcome:
     """The case through the subject's model: the first difference's report, or None."""
     model = subject.model(case.kv_heads, case.window)
     plan = plan_steps(case, subject.vocab())
