@@ -28,6 +28,8 @@ from raggedspec.check_model_models import NAMED, NoWindow, Subject, Unsupported
 NAMED_EXAMPLES, OTHER_EXAMPLES, FLEX_EXAMPLES = 6, 1, 1
 SHRINK = {"flex_attention": 0}
 """Shrink budget per implementation (flex_attention recompiles per shape: seconds a case)."""
+EAGER_ONLY = {"gemma2"}
+"""Named architectures transformers builds with eager attention only."""
 MIN_WINDOW = 2
 """Windows drawn from 2: a window of 1 is its own cell (`window1`)."""
 
@@ -120,7 +122,8 @@ def plan(named_only: bool = False, others: Path | None = None,
             for family in FAMILY_NAMES:
                 cells += [(arch, impl, dtype, family, w, NAMED_EXAMPLES) for w in windows]
         if "some" in windows:
-            cells += [(arch, "sdpa", "float64", family, "window1", NAMED_EXAMPLES)
+            impl = "eager" if arch in EAGER_ONLY else "sdpa"
+            cells += [(arch, impl, "float64", family, "window1", NAMED_EXAMPLES)
                       for family in ("crop", "mask")]
         if arch in ("llama", "mistral"):
             cells.append((arch, "flex_attention", "float32", "crop", windows[-1], FLEX_EXAMPLES))
