@@ -178,6 +178,13 @@ def _short(cell: dict) -> str:
     return f"fails: {rule[:40]}"
 
 
+def _order(key: tuple) -> tuple:
+    arch, impl, dtype, windows = key
+    named = NAMED.index(arch) if arch in NAMED else len(NAMED)
+    win = {"none": 0, "any": 0, "some": 1}.get(windows, 2)
+    return (named, arch, win, ("eager", "sdpa", "flex_attention").index(impl), dtype)
+
+
 def table(cells: list[dict]) -> str:
     """Markdown: one row per architecture, implementation, dtype and window setting; one
     column per family."""
@@ -187,8 +194,9 @@ def table(cells: list[dict]) -> str:
         rows.setdefault(key, {})[c["family"]] = _short(c)
     head = "| architecture | implementation | dtype | window | " + " | ".join(FAMILY_NAMES) + " |"
     lines = [head, "|" + "---|" * (4 + len(FAMILY_NAMES))]
-    for (arch, impl, dtype, windows), fams in rows.items():
-        shown = {"none": "none", "some": "yes", "any": "drawn"}.get(windows, windows)
+    for (arch, impl, dtype, windows), fams in sorted(rows.items(), key=lambda kv: _order(kv[0])):
+        shown = {"none": "none", "some": "yes", "any": "drawn", "window1": "window 1"}.get(
+            windows, windows)
         lines.append(f"| {arch} | {impl} | {dtype} | {shown} | "
                      + " | ".join(fams.get(f, "") for f in FAMILY_NAMES) + " |")
     return "\n".join(lines)

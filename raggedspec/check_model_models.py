@@ -249,8 +249,8 @@ class Subject:
         if self.factory is not None:
             return "sliding_window" in factory_kwargs(self.factory, self.impl, self.dtype, 2, 1)
         try:
-            self.model(2, 4)
-        except NoWindow:
+            self.model(self.kv_heads()[-1], 4)
+        except (NoWindow, Unsupported):  # no window, or a config that refuses one
             return False
         return True
 
