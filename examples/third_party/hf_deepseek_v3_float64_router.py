@@ -1,7 +1,8 @@
 """deepseek_v3 in float64: a row's logits in a left-padded batch differ from the row run alone
-by about 1e-7 (other float64 models: 1e-15), because the MoE router computes its logits in float32 (`F.linear(hidden.float(),
-weight.float())`) whatever the model's dtype. A precision difference, not a rule of the spec:
-positions, masks and the cache agree.
+by about 1e-7 (other float64 models: 1e-15). The MoE router computes its logits in float32
+(`F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))`) whatever
+the model's dtype; we read that as the cause. A precision difference, not a rule of the
+spec: positions, masks and the cache agree.
 
 Found by `raggedspec check-model --arch deepseek_v3 --dtype float64` (transformers 5.24.0,
 torch 2.13.0+cpu).
