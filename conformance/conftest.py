@@ -8,6 +8,8 @@ and keeps a database, for hunting bugs no fixed seed reaches."""
 
 import os
 
+import pytest
+
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -26,9 +28,16 @@ settings.register_profile("explore", max_examples=500, derandomize=False,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-# --- protocol coverage gate (conformance/test_protocol_coverage.py) -------------------------
+# --- whole-suite checks ----------------------------------------------------------------------
+# Some tests check the suite as a whole: the protocol coverage gate (every backend protocol method
+# is called by the tests that ran) and the rule map (every modelled docs/rules.md row has a test,
+# every test of the spec's §17.2 table has one of ours).
+# Each needs a session that collected the whole conformance folder (the gate: and ran all of it);
+# elsewhere it is deselected (reported as deselected, never as a pass).
 
 GATE = "test_protocol_coverage.py::test_every_protocol_method_is_called_by_the_suite"
+RULE_MAP = ("test_rules_doc.py::test_every_modelled_rule_has_a_test",
+            "test_rules_doc.py::test_every_section_17_2_test_is_mapped_to_a_row")
 
 
 def pytest_configure(config):
@@ -41,22 +50,29 @@ def pytest_configure(config):
     record_protocol_calls([NumpyBackend, TorchBackend, CupyBackend])
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """The coverage gate runs last, and only in a session that runs the whole conformance
-    folder unfiltered (no -k/-m, no xdist worker): elsewhere it is deselected (reported as
-    deselected, never as a pass), since a partial session calls only part of the protocol."""
-    gate = [it for it in items if it.nodeid.endswith(GATE)]
-    if not gate:
-        return
+def _collected_whole_folder(config) -> bool:
     here = os.path.dirname(os.path.abspath(__file__))
     args = [os.path.abspath(a) for a in config.args]
-    whole = (bool(args) and all(a in (here, os.path.dirname(here)) for a in args)
-             and not config.option.keyword and not config.option.markexpr
-             and not config.getoption("deselect", None)
-             and not os.environ.get("PYTEST_XDIST_WORKER"))
-    for it in gate:
-        items.remove(it)
-    if whole:
-        items.extend(gate)
-    else:
-        config.hook.pytest_deselected(items=gate)
+    return bool(args) and all(a in (here, os.path.dirname(here)) for a in args)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Before any -k / -m deselection: record every collected test's rule markers (RULE_MARKS)
+    and whether the whole folder was collected; then keep each whole-suite check only where it
+    means something, the coverage gate last."""
+    from raggedspec.conformance.runner import RULE_MARKS, rules_of
+
+    config.stash[RULE_MARKS] = {it.nodeid: rules_of(it) for it in items}
+    whole = _collected_whole_folder(config)
+    ran_all = (whole and not config.option.keyword and not config.option.markexpr
+               and not config.getoption("deselect", None)
+               and not os.environ.get("PYTEST_XDIST_WORKER"))
+    for names, keep in (((GATE,), ran_all), (RULE_MAP, whole)):
+        found = [it for it in items if it.nodeid.endswith(names)]
+        for it in found:
+            items.remove(it)
+        if keep:
+            items.extend(found)
+        elif found:
+            config.hook.pytest_deselected(items=found)

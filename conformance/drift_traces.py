@@ -1,6 +1,7 @@
 """A hand-made engine for the drift tests: a few lines that write schema-v1 traces of their
 own (JSONL or CSV), as another engine would log them, and the §17.3 length sequences.
-They prove a user's engine trace plots, and they are the oracle's input.
+They prove a user's engine trace plots, and they are the oracle's input. Also the tests'
+readers of a drawn figure: its words (`figure_text`) and what reaches outside its canvas.
 """
 
 from __future__ import annotations
@@ -9,30 +10,11 @@ import csv
 import json
 from pathlib import Path
 
+# the schema's CSV columns (docs/trace.md) this engine logs: one line per row
 CSV_COLUMNS = [
-    "step",
-    "phase",
-    "advance",
-    "cache_instruction",
-    "running",
-    "waiting",
-    "buckets",
-    "groups",
-    "padding_fraction",
-    "tok_per_step",
-    "seq",
-    "row",
-    "own_len",
-    "width",
-    "lead",
-    "u",
-    "drafted",
-    "accepted",
-    "committed",
-    "group_u",
-    "group_start",
-    "chain_start",
-    "filled",
+    "step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets", "groups",
+    "padding_fraction", "tok_per_step", "seq", "row", "own_len", "width", "lead", "u",
+    "drafted", "accepted", "committed", "group_u", "group_start", "chain_start", "filled",
     "bucket",
 ]
 
@@ -144,3 +126,60 @@ def steps_with_accepts(pairs_per_step):
     """One row per step with (drafted, accepted)."""
     return engine_trace([{0: 10 + t} for t in range(len(pairs_per_step))],
                         accepts=[{0: pa} for pa in pairs_per_step])
+
+
+def brute_spread(steps):
+    """Independent oracle: per decode step, sorted spreads -> (min, median, max)."""
+    out = []
+    for s in steps:
+        if s.get("phase", "decode") != "decode" or not s["rows"]:
+            continue
+        lens = [r["own_len"] for r in s["rows"]]
+        sp = sorted(n - min(lens) for n in lens)
+        m = len(sp)
+        med = sp[m // 2] if m % 2 else (sp[m // 2 - 1] + sp[m // 2]) / 2
+        out.append((s["step"], sp[0], med, sp[-1]))
+    return out
+
+
+def minimal_engine_lines(n_steps=10):
+    """What a bare engine might log: only the required fields."""
+    return [
+        {"step": t, "rows": [{"seq": q, "own_len": 10 + t * (q + 1)} for q in range(3)]}
+        for t in range(n_steps)
+    ]
+
+
+def figure_text(fig):
+    out = [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+        out += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()] + [t.get_text() for t in ax.texts]
+        leg = ax.get_legend()
+        if leg:
+            out += [t.get_text() for t in leg.get_texts()]
+    for leg in fig.legends:
+        out += [t.get_text() for t in leg.get_texts()]
+    return " | ".join(" ".join(x.split()) for x in out)  # wrapped lines joined back
+
+
+def outside_the_canvas(fig) -> list[str]:
+    """The texts and legends of a drawn figure that reach outside its canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    box = fig.bbox
+    out = []
+    artists = [fig._suptitle, fig._supxlabel] + list(fig.legends)
+    for ax in fig.axes:
+        artists += [ax.title, ax._left_title, ax._right_title, ax.get_legend(), ax.xaxis.label,
+                    ax.yaxis.label]
+    for a in artists:
+        if a is None or not a.get_visible() or (hasattr(a, "get_text") and not a.get_text()):
+            continue
+        e = a.get_window_extent(renderer)
+        if e.x0 < box.x0 - 1 or e.y0 < box.y0 - 1 or e.x1 > box.x1 + 1 or e.y1 > box.y1 + 1:
+            text = getattr(a, "get_text", lambda: "")()
+            out.append(f"{type(a).__name__} {text!r:.40} at {e.bounds}")
+    return out

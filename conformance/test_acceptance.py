@@ -1,11 +1,12 @@
-"""The acceptance models and token oracles of reference/acceptance.py taken one at a time
-(docs/simulator.md "Acceptance models" and "Acceptance models and token oracles"): the
-integer keying against an independent pure-Python splitmix64 (anchored on its published
-outputs), the thresholds at p = 0, p = 1 and a draw equal to its threshold, int64 counts
-from every model (also for an empty batch), the file model's k-th verify, `build_model` /
-`build_oracle` for every model name, the factory and file refusals word for word, and the
-`CheckedOracle` contract at its edges. test_scenario.py holds the distributions and the
-batch-independence properties.
+"""The acceptance models and token oracles of reference/acceptance.py (docs/simulator.md
+"Acceptance models" and "Acceptance models and token oracles"): the integer keying against an
+independent pure-Python splitmix64 (anchored on its published outputs), the thresholds at
+p = 0, p = 1 and a draw equal to its threshold, each model's counts against a brute-force walk
+and its distribution, int64 counts from every model (also for an empty batch), the counts'
+independence of batch mates and row order, the file model's k-th verify, `build_model` /
+`build_oracle` for every model name, the factory and file refusals word for word, the model
+oracle's token streams, and the `CheckedOracle` contract at its edges. The custom oracles the
+factory tests load are in conformance/helpers.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from raggedspec.conformance.helpers import M64
+from raggedspec.conformance.helpers import splitmix64_int as sm
 from raggedspec.reference.acceptance import (
     SALT_ACCEPT,
     SALT_RATE,
@@ -40,17 +45,14 @@ from raggedspec.reference.acceptance import (
     threshold,
 )
 from raggedspec.reference.errors import ScenarioError
+from raggedspec.reference.plugins import PluginError
 from raggedspec.reference.scenario import AcceptanceSpec, load_scenario, parse_acceptance
+from raggedspec.reference.step import verify_proposed
 
-M64 = (1 << 64) - 1
+ORACLES = "raggedspec.conformance.helpers"  # the module holding the custom token oracles
 
 
-def sm(x: int) -> int:
-    """splitmix64's output for state x (Steele, Lea and Flood; Vigna's splitmix64.c)."""
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
+# ------------------------------------------------------------------------------------------ keying
 
 
 def pure_hash(seed: int, salt: int, seq: int, pos: int) -> int:
@@ -58,9 +60,7 @@ def pure_hash(seed: int, salt: int, seq: int, pos: int) -> int:
     return sm(sm(sm((seed * 0x100000001B3 + salt) & M64) ^ seq) ^ pos)
 
 
-# ---------------------------------------------------------------------------------- keying
-
-
+@pytest.mark.rule("randomness keyed by (seed, seq, position), not by row")
 def test_splitmix64_is_the_published_generator():
     assert sm(0) == 0xE220A8397B1DCDAF and sm(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
     xs = [0, 1, 2, 0x9E3779B97F4A7C15, 12345, M64, 1 << 63, 0xDEADBEEF]
@@ -69,6 +69,7 @@ def test_splitmix64_is_the_published_generator():
     assert splitmix64(np.array([3], dtype=np.uint64)).dtype == np.uint64
 
 
+@pytest.mark.rule("randomness keyed by (seed, seq, position), not by row")
 @pytest.mark.parametrize("seed, salt", [(0, 0), (0, SALT_ACCEPT), (7, SALT_TOKEN),
                                         (12345, SALT_WRONG), (2**40 + 3, SALT_RATE)])
 def test_key_hash_is_the_documented_composition(seed, salt):
@@ -78,6 +79,7 @@ def test_key_hash_is_the_documented_composition(seed, salt):
     assert got.tolist() == [[pure_hash(seed, salt, int(s), int(p)) for p in pos] for s in seqs]
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_threshold_is_round_p_times_2_pow_32_on_the_closed_unit_interval():
     assert (threshold(0.0), threshold(1.0), threshold(0.5)) == (0, 1 << 32, 1 << 31)
     assert threshold(0) == 0 and threshold(1) == 1 << 32
@@ -91,6 +93,7 @@ def draw(seed, seq, pos) -> int:
     return pure_hash(seed, SALT_ACCEPT, seq, pos) >> 32
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_a_draft_is_right_iff_its_draw_is_below_the_threshold():
     """A draw equal to the threshold is wrong; p = 1 always passes, p = 0 never does."""
     seed, seq, pos = 4, 11, 40
@@ -101,6 +104,7 @@ def test_a_draft_is_right_iff_its_draw_is_below_the_threshold():
     assert Geometric(0.0, seed).accept_one(seq, pos, 8) == 0
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_heterogeneous_range_draw_is_the_documented_one():
     lo, hi = threshold(0.25), threshold(0.75)
     seqs = np.arange(50)
@@ -117,13 +121,100 @@ def test_the_heterogeneous_range_draw_is_the_documented_one():
     assert cyc[:, 0].tolist() == [threshold(p) for p in (0.1, 0.2, 0.3, 0.1, 0.2)]
 
 
-# -------------------------------------------------------------------------- the count models
+@pytest.mark.rule("randomness keyed by (seed, seq, position), not by row")
+@given(
+    seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True),
+    pos=st.integers(0, 4000),
+    n=st.integers(0, 8),
+)
+def test_accepts_do_not_depend_on_batch_mates_or_row_order(seqs, pos, n):
+    """Keyed by (seed, seq, absolute position): a row's count is the same alone, in any
+    batch, at any row."""
+    m = Profile([0.8, 0.6, 0.4], 11)
+    k = len(seqs)
+    batched = m.accepted(seqs, [pos] * k, [n] * k, 0)
+    reversed_ = m.accepted(seqs[::-1], [pos] * k, [n] * k, 0)[::-1]
+    alone = [m.accept_one(s, pos, n) for s in seqs]
+    assert batched.tolist() == alone == reversed_.tolist()
+
+
+# -------------------------------------------------------------------------------- the count models
+
+
+def brute_run(seed: int, seq: int, pos: int, n: int, thresholds) -> int:
+    """Independent oracle: walk the drafts one by one, stop at the first wrong one."""
+    a = 0
+    for j in range(n):
+        draw = int(key_hash(seed, 0xA11CE, seq, pos + j)[0]) >> 32
+        if draw >= thresholds[j]:
+            break
+        a += 1
+    return a
+
+
+@pytest.mark.rule("acceptance models, integer and seeded")
+@given(
+    seq=st.integers(0, 500), pos=st.integers(0, 5000), n=st.integers(0, 8), seed=st.integers(0, 99)
+)
+def test_geometric_and_profile_match_a_brute_force_walk(seq, pos, n, seed):
+    g = Geometric(0.6, seed)
+    assert g.accept_one(seq, pos, n) == brute_run(seed, seq, pos, n, [threshold(0.6)] * 8)
+    prof = Profile([0.9, 0.5, 0.3], seed)
+    want = brute_run(
+        seed, seq, pos, n, [threshold(p) for p in (0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3)]
+    )
+    assert prof.accept_one(seq, pos, n) == want
+
+
+@pytest.mark.rule("acceptance models, integer and seeded")
+def test_geometric_has_the_geometric_distribution():
+    rows = 40_000
+    a = Geometric(0.7, 3).accepted(np.arange(rows) % 97, np.arange(rows) * 13, np.full(rows, 3), 0)
+    freq = np.bincount(a, minlength=4) / rows
+    assert np.allclose(freq, [0.3, 0.21, 0.147, 0.343], atol=0.01)
+
+
+@pytest.mark.rule("acceptance models, integer and seeded")
+def test_the_profile_separates_positions():
+    rows = 40_000
+    a = Profile([0.74, 0.54, 0.41], 1).accepted(
+        np.arange(rows), np.arange(rows), np.full(rows, 3), 0
+    )
+    p0 = (a >= 1).mean()
+    p1 = (a >= 2).sum() / (a >= 1).sum()
+    p2 = (a >= 3).sum() / (a >= 2).sum()
+    assert abs(p0 - 0.74) < 0.01 and abs(p1 - 0.54) < 0.015 and abs(p2 - 0.41) < 0.02
+
+
+@pytest.mark.rule("acceptance models, integer and seeded")
+def test_heterogeneous_rates_are_per_sequence():
+    h = Heterogeneous([0.05, 0.95], 0)
+    seqs = np.repeat([0, 1], 5000)
+    a = h.accepted(seqs, np.arange(10_000), np.full(10_000, 1), 0)
+    assert a[:5000].mean() < 0.1 and a[5000:].mean() > 0.9
+    r = Heterogeneous([], 0, (0.2, 0.4))
+    t = r.per_sequence_threshold(np.arange(1000))
+    assert t.min() >= threshold(0.2) and t.max() <= threshold(0.4) and len(set(t.tolist())) > 100
+
+
+@pytest.mark.rule("acceptance models, integer and seeded")
+def test_all_accept_all_reject_and_the_file_stream(tmp_path):
+    n = np.array([0, 1, 3, 8])
+    assert AllAccept().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 1, 3, 8]
+    assert AllReject().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 0, 0, 0]
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"default": [1], "2": [3, 0, 5]}))
+    f = FileStream(path)
+    assert f.accepted([2, 2, 2, 2], [0] * 4, [3, 3, 3, 3], [0, 1, 2, 3]).tolist() == [3, 0, 3, 3]
+    assert f.accepted([7], [0], [3], [9]).tolist() == [1]
+    assert FileStream([2, 0]).accepted([1, 1], [0, 0], [1, 3], [0, 1]).tolist() == [1, 0]
 
 
 MODELS = [Geometric(0.6, 1), Profile([0.9, 0.2], 1), Heterogeneous([0.3, 0.8], 1),
           Heterogeneous([], 1, (0.2, 0.9)), AllAccept(), AllReject(), FileStream([2, 0, 5])]
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: type(m).__name__)
 def test_every_model_returns_int64_counts_in_0_n_also_for_an_empty_batch(model):
     n = np.array([0, 1, 3, 8, 8, 0])
@@ -136,6 +227,7 @@ def test_every_model_returns_int64_counts_in_0_n_also_for_an_empty_batch(model):
     assert type(model.accept_one(3, 9, 2)) is int
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("n", [[-1], [9], [3, -2]])
 def test_a_draft_count_outside_0_8_is_refused(n):
     with pytest.raises(ValueError) as err:
@@ -143,12 +235,14 @@ def test_a_draft_count_outside_0_8_is_refused(n):
     assert str(err.value) == f"drafts {n} must be in 0..=8"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_a_profile_needs_a_probability():
     with pytest.raises(ValueError) as err:
         Profile([], 0)
     assert str(err.value) == "a profile needs at least one probability"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_file_model_takes_entry_k_mod_len_clamped_to_n():
     f = FileStream({"default": [1], "2": [3, 0, 5]})
     assert f.accept_one(2, 0, 8) == 3 and f.accept_one(2, 0, 8, k=1) == 0
@@ -160,6 +254,7 @@ def test_the_file_model_takes_entry_k_mod_len_clamped_to_n():
     assert str(err.value) == "no accept counts for sequence 5 and no default"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("data, message", [
     ({}, 'an accept-count file holds a list or {"default": [...], ...}'),
     (5, 'an accept-count file holds a list or {"default": [...], ...}'),
@@ -178,6 +273,7 @@ def where(path) -> str:
     return f"scenario key 'acceptance.path': accept-count file {str(path)!r}"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_the_accept_file_refusals_name_the_file_and_what_is_wrong(tmp_path):
     bad = tmp_path / "latin1.json"
     bad.write_bytes(b"[1, \xff]")
@@ -212,9 +308,10 @@ def test_the_accept_file_refusals_name_the_file_and_what_is_wrong(tmp_path):
                                   f"sequence(s) {shown} (the scenario has {n} requests)")
 
 
-# ----------------------------------------------------------------- build_model / build_oracle
+# ---------------------------------------------------------------------- build_model / build_oracle
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 @pytest.mark.parametrize("text, cls", [("geometric:0.3", Geometric), ("profile:0.9,0.4", Profile),
                                        ("heterogeneous:0.2,0.7", Heterogeneous),
                                        ("all-accept", AllAccept), ("all-reject", AllReject)])
@@ -232,6 +329,7 @@ def test_build_model_makes_each_named_model_with_its_probabilities_and_seed(text
             seqs, pos, n, 0)).all()
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_build_model_draws_a_heterogeneous_range_and_reads_the_file(tmp_path):
     spec = parse_acceptance({"model": "heterogeneous", "p_range": [0.3, 0.6]})
     m = build_model(spec, 2)
@@ -257,32 +355,10 @@ def _scenario_of_batch(b, spec):
     return replace(load_scenario({"batch": b}), acceptance=spec)
 
 
-class _Recorder:
-    """A token oracle that keeps the scenario its factory got and the arguments of its calls."""
-
-    def __init__(self, scenario):
-        self.scenario, self.calls = scenario, []
-
-    def prompt(self, seq_id, length):
-        self.calls.append(("prompt", seq_id, length))
-        return [0] * length
-
-    def target(self, seq_id, context):
-        self.calls.append(("target", seq_id, list(context)))
-        return 0
-
-    def draft(self, seq_id, context, n):
-        self.calls.append(("draft", seq_id, list(context), n))
-        return [0] * n
+FACTORY = f"{ORACLES}:make_recorder"
 
 
-def make_recorder(scenario):
-    return _Recorder(scenario)
-
-
-FACTORY = "raggedspec.conformance.test_acceptance:make_recorder"
-
-
+@pytest.mark.rule("pluggable token oracle")
 def test_the_oracle_factory_gets_the_scenario_and_the_checked_oracle_passes_calls_through():
     sc = load_scenario({"acceptance": f"oracle:{FACTORY}"})
     model = build_model(sc.acceptance, sc.seed, sc)
@@ -300,29 +376,68 @@ def test_the_oracle_factory_gets_the_scenario_and_the_checked_oracle_passes_call
     assert OracleAcceptance(model.oracle).name == "custom oracle"
 
 
-def make_nothing(scenario):
-    return None
 
-
+@pytest.mark.rule("pluggable token oracle")
 def test_a_factory_result_without_the_methods_is_refused_word_for_word():
-    sc = load_scenario({"acceptance": "oracle:raggedspec.conformance.test_acceptance:make_nothing"})
+    sc = load_scenario({"acceptance": f"oracle:{ORACLES}:make_nothing"})
     with pytest.raises(ScenarioError) as err:
         build_model(sc.acceptance, 0, sc)
     assert str(err.value) == (
-        "scenario key 'acceptance.factory': 'raggedspec.conformance.test_acceptance:make_nothing'"
+        f"scenario key 'acceptance.factory': '{ORACLES}:make_nothing'"
         " returned None, which has no callable prompt, target, draft; a TokenOracle needs "
         "prompt(seq_id, length), target(seq_id, context) and draft(seq_id, context, n)")
 
 
+
+@pytest.mark.rule("pluggable token oracle")
+def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error():
+    sc = load_scenario({"acceptance": f"oracle:{ORACLES}:make_not_an_oracle"})
+    with pytest.raises(ScenarioError) as err:
+        build_model(sc.acceptance, sc.seed, sc)
+    assert "'acceptance.factory'" in str(err.value)
+    for w in ["make_not_an_oracle", "no callable prompt, target, draft"]:
+        assert w in str(err.value)
+
+
+@pytest.mark.rule("pluggable token oracle")
+def test_a_factory_that_raises_is_the_oracles_failure_not_a_scenario_error():
+    """The factory's own exception is kept (a PluginError caused by it), so the command
+    reports it with its traceback as raised by the user's oracle."""
+    spec = f"{ORACLES}:make_raising"
+    sc = load_scenario({"acceptance": f"oracle:{spec}"})
+    with pytest.raises(PluginError) as err:
+        build_model(sc.acceptance, sc.seed, sc)
+    assert str(err.value) == f"raised by your oracle {spec!r} when called with the scenario"
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert "weights are missing" in str(err.value.__cause__)
+
+
+
+@pytest.mark.rule("pluggable token oracle")
+def test_a_custom_token_oracle_loads_from_a_factory():
+    sc = load_scenario({"acceptance": f"oracle:{ORACLES}:make_oracle"})
+    model = build_model(sc.acceptance, sc.seed, sc)
+    assert model.needs_tokens
+    oracle = build_oracle(model, 0, 64)
+    # the factory string imports this module under its installed name, which may be a second
+    # copy of the module pytest imported: compare the class by name
+    assert isinstance(oracle, CheckedOracle)
+    assert type(oracle.oracle).__qualname__ == "_ConstantOracle"
+    assert oracle.draft(0, [1, 1], 3) == [1, 1, 2] and oracle.target(0, [1]) == 1
+
+
+
+@pytest.mark.rule("pluggable token oracle")
 def test_build_oracle_turns_a_count_model_into_its_model_oracle():
     m = Geometric(0.5, 8)
     o = build_oracle(m, 8, 16)
     assert type(o) is ModelOracle and o.model is m and (o.seed, o.vocab) == (8, 16)
 
 
-# ----------------------------------------------------------------------------- resolve_factory
+# --------------------------------------------------------------------------------- resolve_factory
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_resolve_factory_refusals_word_for_word(tmp_path, monkeypatch):
     w = "scenario key 'acceptance.factory': "
     for bad in (None, "", "os", "os:", ":sep"):
@@ -342,11 +457,10 @@ def test_resolve_factory_refusals_word_for_word(tmp_path, monkeypatch):
     (tmp_path / "rs_fine_oracle.py").write_text("def make(scenario):\n    return scenario\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "rs_boom_oracle", raising=False)
-    with pytest.raises(ScenarioError) as err:
+    with pytest.raises(PluginError) as err:  # the oracle's own failure, not a bad name
         resolve_factory("rs_boom_oracle:make")
-    assert str(err.value) == (
-        f"{w}'rs_boom_oracle:make': importing module 'rs_boom_oracle' raised RuntimeError: "
-        "no weights")
+    assert str(err.value) == "raised by your oracle 'rs_boom_oracle:make' while importing"
+    assert str(err.value.__cause__) == "no weights"
     try:
         assert resolve_factory("rs_fine_oracle:make")(41) == 41  # found in the current folder
     finally:
@@ -354,9 +468,30 @@ def test_resolve_factory_refusals_word_for_word(tmp_path, monkeypatch):
     assert str(tmp_path) not in sys.path
 
 
-# ---------------------------------------------------------------------------- the model oracle
+# -------------------------------------------------------------------------------- the model oracle
 
 
+@pytest.mark.rule("pluggable token oracle")
+@given(seq=st.integers(0, 300), ctx_len=st.integers(1, 300), n=st.integers(0, 8),
+       model=st.sampled_from(["geo", "prof", "all", "none"]))
+def test_the_model_oracle_verifies_to_exactly_the_models_count(seq, ctx_len, n, model):
+    m = {
+        "geo": Geometric(0.6, 5),
+        "prof": Profile([0.9, 0.4], 5),
+        "all": AllAccept(),
+        "none": AllReject(),
+    }[model]
+    oracle = ModelOracle(m, 5, 16)
+    ctx = oracle.prompt(seq, ctx_len)
+    drafts = oracle.draft(seq, ctx, n)
+    targets = [oracle.target(seq, ctx + drafts[:j]) for j in range(n)]
+    assert len(drafts) == n and all(0 <= x < 16 for x in drafts + targets + ctx)
+    assert len(verify_proposed(drafts, targets).accepted) == m.accept_one(seq, ctx_len, n)
+    # the committed stream is the true stream whatever was accepted
+    assert targets[:1] == oracle.true_tokens(seq, ctx_len, 1)[: len(targets[:1])]
+
+
+@pytest.mark.rule("pluggable token oracle")
 def test_the_model_oracle_streams_and_counts_its_drafting_verifies():
     """prompt = the true stream from 0; target = the true token at len(context); the k-th
     draft with n > 0 (k from 0, n = 0 not counted) takes the file model's entry k."""
@@ -374,6 +509,7 @@ def test_the_model_oracle_streams_and_counts_its_drafting_verifies():
     assert o.draft(4, prompt, 3)[0] != o.true_tokens(4, 6, 1)[0]  # its own k = 0
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_wrong_token_is_the_documented_shift_of_the_true_one():
     for vocab in (2, 3, 16):
         o = ModelOracle(AllReject(), 7, vocab)
@@ -389,7 +525,7 @@ def test_the_wrong_token_is_the_documented_shift_of_the_true_one():
     assert str(err.value) == "vocab 1 must be >= 2 for a wrong draft to exist"
 
 
-# -------------------------------------------------------------------------- the checked oracle
+# ------------------------------------------------------------------------------ the checked oracle
 
 
 class _Fixed:
@@ -408,12 +544,16 @@ class _Fixed:
         return self.d
 
 
+@pytest.mark.rule("pluggable token oracle")
 def test_the_checked_oracle_accepts_tokens_0_to_vocab_minus_1():
     o = CheckedOracle(_Fixed(prompt=[0, 3], target=0, draft=[3, 0]), 4)
     assert o.prompt(0, 2) == [0, 3] and o.target(0, []) == 0 and o.draft(0, [], 2) == [3, 0]
     assert type(CheckedOracle(_Fixed(target=np.int32(3)), 4).target(0, [])) is int
+    assert CheckedOracle(_Fixed(draft=[]), 4).draft(0, [1], 0) == []
+    assert type(CheckedOracle(_Fixed(target=np.int64(3)), 4).target(0, [])) is int
 
 
+@pytest.mark.rule("pluggable token oracle")
 @pytest.mark.parametrize("call, oracle, text", [
     (lambda o: o.draft(1, [5, 5], 2), _Fixed(draft=None),
      "draft(seq_id=1, context of 2 tokens, n=2) returned None; it must return a list of exactly "
@@ -421,6 +561,14 @@ def test_the_checked_oracle_accepts_tokens_0_to_vocab_minus_1():
     (lambda o: o.draft(0, [], 1), _Fixed(draft=5),
      "draft(seq_id=0, context of 0 tokens, n=1) returned 5; it must return a list of exactly "
      "1 token(s)"),
+    (lambda o: o.draft(2, [1, 1], 3), _Fixed(draft=[1, 1]),
+     "draft(seq_id=2, context of 2 tokens, n=3) returned [1, 1]; it must return exactly 3 "
+     "token(s) (got 2)"),
+    (lambda o: o.draft(0, [], 2), _Fixed(draft=[1, -1]),
+     "draft(seq_id=0, context of 0 tokens, n=2) returned [1, -1]; it must return exactly 2 "
+     "token(s) (got 2)"),
+    (lambda o: o.target(0, []), _Fixed(target=True),
+     "target(seq_id=0, context of 0 tokens) returned True; it must return one token"),
     (lambda o: o.draft(0, [], 2), _Fixed(draft=[0, 4]),
      "draft(seq_id=0, context of 0 tokens, n=2) returned [0, 4]; it must return exactly 2 "
      "token(s) (got 2)"),
@@ -438,6 +586,8 @@ def test_the_checked_oracle_accepts_tokens_0_to_vocab_minus_1():
 def test_a_breach_is_refused_word_for_word(call, oracle, text):
     with pytest.raises(OracleError) as err:
         call(CheckedOracle(oracle, 4))
+    assert isinstance(err.value, ScenarioError)
     assert str(err.value) == (
         "scenario key 'acceptance.factory': the oracle from 'custom oracle' broke the "
         f"TokenOracle contract: {text}, each token an int in [0, vocab = 4)")
+

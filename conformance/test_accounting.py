@@ -45,6 +45,7 @@ def field(marker: str, key: str) -> str:
 # --- per-step constructors -----------------------------------------------------------------------
 
 
+@pytest.mark.rule("from_verify")
 def test_step_of_matches_its_formulas():
     for p in range(0, 12):
         for a in range(0, p + 1):
@@ -57,6 +58,7 @@ def test_step_of_matches_its_formulas():
             assert s.pos_over_cap == int(p > 8)
 
 
+@pytest.mark.rule("from_fused_verify")
 def test_from_fused_verify_caps_reached_at_the_drafts():
     s = ffv(2, 2)
     assert s.reached_at[:3] == [1, 1, 0] and s.accepted_at[:3] == [1, 1, 0]
@@ -73,6 +75,7 @@ def test_from_fused_verify_caps_reached_at_the_drafts():
             ffv(*bad)
 
 
+@pytest.mark.rule("from_fused_verify")
 def test_a_non_drafting_sequence_accounts_as_plain_decode():
     s = ffv(0, 0)
     assert s.drafted_steps == 0 and s.committed == 1 and s.steps == 1
@@ -85,6 +88,7 @@ def test_a_non_drafting_sequence_accounts_as_plain_decode():
 # -------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("MtpAcceptance ratios")
 def test_acceptance_counters_increment():
     acc = MtpAcceptance()
     acc.accumulate(step_of(2, 1))
@@ -101,6 +105,7 @@ def test_acceptance_counters_increment():
     assert acc == MtpAcceptance()
 
 
+@pytest.mark.rule("MtpAcceptance ratios")
 def test_acceptance_rate_moves_to_one_on_all_accept_and_zero_on_all_reject():
     all_accept = total_of(step_of(3, 3) for _ in range(40))
     assert all_accept.rate() == 1.0 and all_accept.tokens_per_step() == 4.0
@@ -111,6 +116,7 @@ def test_acceptance_rate_moves_to_one_on_all_accept_and_zero_on_all_reject():
     assert 0.0 < mixed.rate() < 1.0 and mixed.rate() == counted
 
 
+@pytest.mark.rule("MtpAcceptance ratios")
 def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
     flat = total_of(step_of(3, 1) for _ in range(100))
     alternating = total_of(step_of(3, 2 if i % 2 == 0 else 0) for i in range(100))
@@ -130,6 +136,7 @@ def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
     assert alternating.per_position_rates() == [0.5, 1.0, 0.0]
 
 
+@pytest.mark.rule("MTP[...] marker and report lines")
 def test_per_position_acceptance_is_on_the_marker_and_the_report():
     acc = total_of(ffv(3, a) for a in (3, 2, 1, 0))
     assert acc.accepted_at[:3] == [3, 2, 1] and acc.reached_at[:3] == [4, 3, 2]
@@ -146,6 +153,7 @@ def test_per_position_acceptance_is_on_the_marker_and_the_report():
     assert "p_pos=n/a" in idle.marker("agg")
 
 
+@pytest.mark.rule("MtpAcceptance ratios")
 def test_positions_beyond_the_cap_are_flagged_not_hidden():
     acc = step_of(10, 10)
     assert acc.accepted == 10 and acc.pos_over_cap == 1
@@ -156,6 +164,7 @@ def test_positions_beyond_the_cap_are_flagged_not_hidden():
     assert not any("WARN" in line for line in step_of(8, 8).report_lines())
 
 
+@pytest.mark.rule("MtpAcceptance ratios")
 def test_skipped_draft_steps_count_as_steps_and_pull_the_multiplier_to_one():
     acc = total_of(skipped_step() for _ in range(10))
     assert acc.rate() is None and acc.tokens_per_step() == 1.0
@@ -170,6 +179,7 @@ def test_skipped_draft_steps_count_as_steps_and_pull_the_multiplier_to_one():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.rule("accumulate")
 def test_acceptance_report_fires_once_per_log_period():
     acc = MtpAcceptance()
     fired = [acc.accumulate(step_of(2, 1)) for _ in range(32)]
@@ -192,6 +202,7 @@ def test_acceptance_report_fires_once_per_log_period():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("MTP[...] marker and report lines")
 def test_acceptance_report_states_the_counted_ratio():
     assert MtpAcceptance().report_lines()[0] == "MTP acceptance rate: 0 proposals so far"
     acc = total_of([step_of(2, 2)] * 26 + [step_of(2, 1)] * 39)
@@ -203,6 +214,7 @@ def test_acceptance_report_states_the_counted_ratio():
         assert part in marker.split() or f" {part}" in marker, part
 
 
+@pytest.mark.rule("MTP[...] marker and report lines")
 def test_the_marker_carries_every_field_in_order():
     acc = total_of([ffv(2, 1), ffv(2, 2)])
     marker = acc.marker("req=7")
@@ -215,6 +227,7 @@ def test_the_marker_carries_every_field_in_order():
     assert field(marker, "mean_batch") == "n/a" and field(marker, "tok_per_batch_step") == "n/a"
 
 
+@pytest.mark.rule("AcceptanceTelemetry record path and log gate")
 def test_acceptance_logger_fires_from_the_record_path_only_when_gated_on():
     tel = AcceptanceTelemetry(logging_enabled=True)
     for _ in range(32):
@@ -231,6 +244,7 @@ def test_acceptance_logger_fires_from_the_record_path_only_when_gated_on():
     assert any("MTP acceptance rate" in line for line in manual) and off.lines == manual
 
 
+@pytest.mark.rule("AcceptanceTelemetry record path and log gate")
 def test_record_step_keeps_per_request_counters_and_flushes_them():
     tel = AcceptanceTelemetry()
     tel.record_step(1, ffv(2, 2))
@@ -243,6 +257,7 @@ def test_record_step_keeps_per_request_counters_and_flushes_them():
     assert 1 not in tel.by_request
 
 
+@pytest.mark.rule("record_batch")
 def test_batched_acceptance_is_reported_per_batch_size():
     tel = AcceptanceTelemetry()
     tel.record_batch(4, [ffv(2, 2)] * 4)
@@ -264,6 +279,7 @@ def test_batched_acceptance_is_reported_per_batch_size():
 # --- refusals, boundaries and defaults ------------------------------------------------------
 
 
+@pytest.mark.rule("from_fused_verify", "MTP[...] marker and report lines")
 def test_malformed_counts_and_scopes_are_named():
     # three accepted of two proposed, through both step shapes
     for build in (lambda: ffv(2, 3),
@@ -284,17 +300,20 @@ def test_malformed_counts_and_scopes_are_named():
         t.record_batch(3, [ffv(1, 0), ffv(1, 1)])
 
 
+@pytest.mark.rule("from_fused_verify")
 def test_one_draft_reaches_position_zero():
     s = ffv(1, 0)  # proposed one draft, rejected it: position 0 was reached, not accepted
     assert (s.reached_at[0], s.accepted_at[0], s.drafted_steps, s.committed) == (1, 0, 1, 1)
 
 
+@pytest.mark.rule("accumulate")
 def test_a_log_period_of_one_fires_on_every_proposing_step():
     acc = MtpAcceptance()
     assert acc.accumulate(ffv(1, 0), every=1) and acc.accumulate(ffv(2, 2), every=1)
     assert not acc.accumulate(skipped_step(), every=1)  # p == 0 never fires
 
 
+@pytest.mark.rule("AcceptanceTelemetry record path and log gate")
 def test_the_telemetrys_own_period_decides_when_the_report_fires():
     t = AcceptanceTelemetry(logging_enabled=True, every=4)  # far below LOG_EVERY
     assert not t.record_step(0, ffv(3, 1))
@@ -302,6 +321,7 @@ def test_the_telemetrys_own_period_decides_when_the_report_fires():
     assert t.lines and t.lines[-1].startswith("MTP[agg] ")
 
 
+@pytest.mark.rule("MtpAcceptance ratios")
 def test_every_counter_adds_including_batch_steps_and_positions_over_the_cap():
     acc = MtpAcceptance(batch_steps=2, pos_over_cap=1)
     acc.add(MtpAcceptance(batch_steps=3, pos_over_cap=4))
@@ -312,6 +332,7 @@ def test_every_counter_adds_including_batch_steps_and_positions_over_the_cap():
     assert (short.accepted_at, short.reached_at) == ([2, 3], [4, 5])
 
 
+@pytest.mark.rule("record_batch")
 def test_the_default_scope_is_agg_and_batch_steps_accumulate_per_size():
     t = AcceptanceTelemetry(logging_enabled=False)
     t.record_step(0, ffv(2, 1))
@@ -322,6 +343,7 @@ def test_the_default_scope_is_agg_and_batch_steps_accumulate_per_size():
     assert t.by_batch[2].batch_steps == 2 and t.total.batch_steps == 2
 
 
+@pytest.mark.rule("AcceptanceTelemetry record path and log gate")
 def test_flushing_an_unknown_request_emits_nothing():
     for on in (True, False):
         t = AcceptanceTelemetry(logging_enabled=on)

@@ -1,5 +1,8 @@
 """Draft-group alignment: batch_draft_caches, front_align_draft_group, split_draft_cache and
-the draft dead prefix (cache-and-draft.md §9.6-§9.8, §17.3).
+the draft dead prefix (cache-and-draft.md §9.6-§9.8, §17.3), with their integer host halves
+(`draft_caches_batchable`, `draft_group_target`) and what the split carries over
+(unmaterialized slots, dtype, retain window). The port's draft groups are rows of its pooled
+draft KV, aligned by `gpu.draft_loop` with these integer halves (tested with the draft loop).
 
 Expected values come from the spec's worked examples or from oracles written here (a copy of
 each row's slot taken before alignment, plain Python lists of column values).
@@ -10,21 +13,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.conformance.test_align import draft_slot, k_row
+from raggedspec.conformance.helpers import draft_slot, k_row
 from raggedspec.reference.align import (
-    draft_caches_batchable,
+    _chunk_sizes,
     batch_draft_caches,
+    clone_out_cache,
     concat_kv,
+    draft_caches_batchable,
+    draft_group_target,
     drop_dead_prefix,
     front_align_draft_group,
     split_draft_cache,
 )
-from raggedspec.reference.cache import KvCache, OtherSlot, SingleCache
+from raggedspec.reference.cache import KvCache, NormalCache, OtherSlot, SingleCache
 from raggedspec.reference.dispatch import resolve_draft_leads
 from raggedspec.reference.errors import AlignRefusal, CacheRefusal
 
 # --- §9.6 batch_draft_caches ----------------------------------------------------------------
 
+@pytest.mark.rule("batch concatenation", "batch_draft_caches")
 def test_batch_draft_caches_concatenates_a_uniform_group():
     slots = [draft_slot(6, 16, m) for m in (100, 200, 300)]
     out = batch_draft_caches(slots)
@@ -36,6 +43,7 @@ def test_batch_draft_caches_concatenates_a_uniform_group():
     assert list(out.v.data[2, 0, :2, 0]) == [1300, 1301]
 
 
+@pytest.mark.rule("batch_draft_caches")
 def test_batch_draft_caches_refusals_return_none():
     assert batch_draft_caches([]) is None
     assert batch_draft_caches([draft_slot(6, 16, 1), draft_slot(7, 16, 2)]) is None  # length
@@ -51,6 +59,7 @@ def test_batch_draft_caches_refusals_return_none():
     assert batch_draft_caches([draft_slot(6, 16, 1), wide]) is None  # concat fails
 
 
+@pytest.mark.rule("batch_draft_caches")
 def test_batch_draft_caches_one_member_is_a_plain_clone_and_metadata_is_the_first():
     one = draft_slot(6, 16, 100)
     out = batch_draft_caches([one])
@@ -64,6 +73,7 @@ def test_batch_draft_caches_one_member_is_a_plain_clone_and_metadata_is_the_firs
 
 # --- §9.7 front_align_draft_group ------------------------------------------------------------
 
+@pytest.mark.rule("front_align_draft_group")
 def test_a_ragged_draft_group_is_left_aligned_where_the_old_path_refused_it():
     slots = [draft_slot(9, 32, m) for m in (100, 200, 300)]
     assert batch_draft_caches(slots) is not None  # equal live/capacity: Some before alignment
@@ -77,6 +87,7 @@ def test_a_ragged_draft_group_is_left_aligned_where_the_old_path_refused_it():
     assert [s.current_seq_len for s in slots] == [9, 9, 9]  # inputs untouched
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_front_align_draft_group_refuses_a_mismatched_or_over_long_group():
     slots = [draft_slot(9, 32, 100), draft_slot(9, 32, 200)]
     with pytest.raises(AlignRefusal, match=r"2 cache\(s\) for 1 chain start"):
@@ -94,6 +105,7 @@ def test_front_align_draft_group_refuses_a_mismatched_or_over_long_group():
         )
 
 
+@pytest.mark.rule("front_align_draft_group")
 def test_front_align_draft_group_pad_refusal_propagates():
     a = draft_slot(9, 16, 100)
     b = draft_slot(9, 16, 200)
@@ -104,6 +116,7 @@ def test_front_align_draft_group_pad_refusal_propagates():
 
 # --- §9.8 split_draft_cache ------------------------------------------------------------------
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_split_draft_cache_chunks_on_dim_0_with_the_batched_metadata():
     batched = front_align_draft_group([draft_slot(9, 32, m) for m in (100, 200, 300)], [7, 4, 6])
     rows = split_draft_cache(batched, 3)
@@ -114,10 +127,11 @@ def test_split_draft_cache_chunks_on_dim_0_with_the_batched_metadata():
     one = split_draft_cache(batched, 1)
     assert len(one) == 1 and one[0] is not batched and np.array_equal(one[0].k.data, batched.k.data)
     assert split_draft_cache(concat_kv([draft_slot(4, 16, 1), draft_slot(4, 16, 2)]), 3) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^split_draft_cache needs g >= 1, got 0$"):
         split_draft_cache(batched, 0)
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_a_uniform_draft_group_round_trips_through_the_batched_cache_unchanged():
     slots = [draft_slot(6, 16, m) for m in (100, 200, 300)]
     starts = [s.current_seq_len for s in slots]
@@ -164,6 +178,7 @@ def run_draft_group_loop(steps, strip, n_draft=3, advance=(3, 1, 2)):
     return history
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 def test_the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches():
     stripped = run_draft_group_loop(12, strip=True)
     assert stripped[1] == ([10, 5, 8], 200.0)
@@ -182,6 +197,7 @@ def test_the_draft_dead_prefix_does_not_survive_into_the_per_sequence_caches():
         assert max(lens) - min(lens) == 2
 
 
+@pytest.mark.rule("split_draft_cache and the draft strip")
 @given(st.data())
 def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
     n_rows = data.draw(st.integers(1, 8))
@@ -226,6 +242,7 @@ def test_the_draft_strip_keeps_every_row_on_its_own_length_and_content(data):
             assert list(s.v.data[0, 0, : s.current_seq_len, 0]) == expect_v[r]
 
 
+@pytest.mark.rule("batch_draft_caches")
 @pytest.mark.parametrize("kinds, mats, shapes, want", [
     ([], [], [], False),
     (["Rotating"], [False], [(0, 0)], True),  # one member always batches (a plain clone)
@@ -239,3 +256,93 @@ def test_draft_caches_batchable_by_hand(kinds, mats, shapes, want):
     """§9.6's host half: more than one member batches only all Normal, materialized and of
     one (current, capacity); the values are from the spec's list, not from the code."""
     assert draft_caches_batchable(kinds, mats, shapes) is want
+
+
+# --- the integer halves and what the split carries over -----------------------------------
+
+
+def bare_kv(live, cap=16, max_seq_len=4096, first_cached=0, retain=None):
+    """A Normal slot whose two halves are unmaterialized (no buffer yet)."""
+    return KvCache(SingleCache(max_seq_len, cap, live, first_cached, retain),
+                   SingleCache(max_seq_len, cap, live, first_cached, retain))
+
+
+def meta(sc):
+    return (sc.max_seq_len, sc.capacity_seq_len, sc.current_seq_len, sc.first_cached,
+            sc.retain_window)
+
+
+@pytest.mark.rule("front_align_draft_group")
+def test_draft_group_checks_messages_and_zero_starts():
+    with pytest.raises(ValueError, match=r"^chain starts \[3, -1\] must be >= 0$"):
+        draft_group_target(["Normal", "Normal"], [True, True], [5, 5], [3, -1])
+    assert draft_group_target(["Normal", "Normal"], [True, True], [5, 5], [0, 0]) == 0
+    with pytest.raises(AlignRefusal, match=r"^front_align_draft_group was given no rows "
+                                           r"\(0 caches, 0 chain starts\)$"):
+        front_align_draft_group([], [])
+
+
+@pytest.mark.rule("front_align_draft_group")
+def test_the_integer_checks_take_one_entry_per_member():
+    with pytest.raises(ValueError):
+        draft_caches_batchable(["Normal", "Normal"], [True], [(4, 16), (4, 16)])
+    with pytest.raises(ValueError):
+        draft_caches_batchable(["Normal", "Normal"], [True, True], [(4, 16)])
+    with pytest.raises(ValueError):
+        draft_group_target(["Normal", "Normal"], [True], [5, 5], [3, 3])
+    with pytest.raises(ValueError):
+        draft_group_target(["Normal", "Normal"], [True, True], [5], [3, 3])
+
+
+@pytest.mark.rule("front_align_draft_group")
+def test_a_draft_row_with_one_half_unmaterialized_is_refused():
+    half = draft_slot(9, 16, 200)
+    half.v.data = None
+    with pytest.raises(AlignRefusal, match=r"^draft row 1's buffer is unmaterialized$"):
+        front_align_draft_group([draft_slot(9, 16, 100), half], [7, 4])
+
+
+@pytest.mark.rule("split_draft_cache and the draft strip")
+def test_split_draft_cache_chunks_more_rows_than_pieces_by_candle_sizes():
+    assert _chunk_sizes(2, 3) == [1, 1]
+    assert _chunk_sizes(5, 2) == [3, 2]
+    assert _chunk_sizes(7, 3) == [3, 2, 2]
+    batched = concat_kv([draft_slot(4, 8, 100 * m) for m in range(5)])
+    rows = split_draft_cache(batched, 2)
+    assert [r.k.data.shape[0] for r in rows] == [3, 2]
+    assert [list(r.k.data[j, 0, :4, 0]) for r in rows for j in range(r.k.data.shape[0])] == [
+        [100 * m + i for i in range(4)] for m in range(5)]
+
+
+@pytest.mark.rule("split_draft_cache and the draft strip")
+def test_split_draft_cache_gives_none_when_only_one_half_has_too_few_rows():
+    batched = concat_kv([draft_slot(4, 8, 1), draft_slot(4, 8, 2)])
+    batched.v.data = batched.v.data[:1]
+    assert split_draft_cache(batched, 2) is None
+
+
+@pytest.mark.rule("clone_out_cache")
+def test_unmaterialized_slots_split_into_metadata_copies():
+    batched = concat_kv([bare_kv(6, 16, 900, 2, 8), bare_kv(6, 16, 900, 2, 8)])
+    assert batched.k.data is None and batched.v.data is None
+    assert meta(batched.k) == (900, 16, 6, 2, 8)
+    for rows in (clone_out_cache(NormalCache([batched]), 2), split_draft_cache(batched, 2)):
+        assert len(rows) == 2
+        for r in rows:
+            slot = r.slots[0] if isinstance(r, NormalCache) else r
+            for half in (slot.k, slot.v):
+                assert half.data is None and meta(half) == (900, 16, 6, 2, 8)
+
+
+@pytest.mark.rule("clone_out_cache")
+def test_dtype_and_retain_window_are_carried_over():
+    def f32(live, cap, mark, retain):
+        k = (np.arange(cap, dtype=np.float32) + mark).reshape(1, 1, cap, 1)
+        return KvCache(SingleCache(4096, cap, live, 0, retain, k.copy()),
+                       SingleCache(4096, cap, live, 0, retain, k + 1000))
+
+    out = concat_kv([f32(4, 16, 1, 8), f32(4, 32, 2, 8)])
+    assert out.k.data.dtype == np.float32 and out.v.data.dtype == np.float32
+    assert out.k.retain_window == 8 and out.k.data.shape == (2, 1, 32, 1)
+    assert [r.k.retain_window for r in split_draft_cache(out, 2)] == [8, 8]
+    assert [r.slots[0].v.retain_window for r in clone_out_cache(NormalCache([out]), 2)] == [8, 8]

@@ -10,22 +10,18 @@ same class and same message."""
 
 from __future__ import annotations
 
+import pytest
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from raggedspec.conformance.backends import (
-    assert_close,
-    assert_exact,
-    assert_same_cache,
-    backend_under_test,
-    reference_backend,
-)
+from raggedspec.conformance.backends import assert_close, assert_exact, assert_same_cache
+from raggedspec.conformance.backends import backend_under_test, reference_backend
+from raggedspec.conformance.helpers import assert_same_draft_states, built_model, primed_state
+from raggedspec.conformance.helpers import prompt_cache
 from raggedspec.conformance.strategies import accept_steps, corner_lengths, lead_pads, verify_blocks
 from raggedspec.reference.attention import Dsv4AttentionConfig
 from raggedspec.reference.backend import PROTOCOL_METHODS, missing_methods
-from raggedspec.reference.dispatch import MtpHiddenCapture
-from raggedspec.reference.draft import DraftKv
 from raggedspec.reference.errors import Refusal
 from raggedspec.reference.model import ModelConfig
 
@@ -62,6 +58,7 @@ def both(method: str, *args, **kwargs):
     )
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_backend_under_test_implements_every_protocol_method():
     """A port must override every method of `raggedspec.reference.backend.Backend` (none left to the
     abstract base, whose methods raise NotImplementedError naming themselves)."""
@@ -73,6 +70,7 @@ def test_the_backend_under_test_implements_every_protocol_method():
 # ----------------------------------------------------------------------------- length vectors
 
 
+@pytest.mark.rule("resolve_row_cache_lens, backend")
 @given(enabled=st.booleans(), leads=lead_pads(max_rows=6, max_lead=12), extra=st.integers(-3, 20),
        no_zero=st.booleans())
 def test_resolve_row_cache_lens_matches_the_reference(enabled, leads, extra, no_zero):
@@ -87,6 +85,7 @@ def test_resolve_row_cache_lens_matches_the_reference(enabled, leads, extra, no_
         assert_exact(p[1], r[1], "row cache lens")
 
 
+@pytest.mark.rule("ragged_row_q0, backend")
 @given(offsets=st.lists(st.integers(0, 40), min_size=1, max_size=6), per_seq=st.booleans())
 def test_ragged_row_q0_matches_the_reference(offsets, per_seq):
     p, r = both("ragged_row_q0", offsets, per_seq)
@@ -94,6 +93,7 @@ def test_ragged_row_q0_matches_the_reference(offsets, per_seq):
     assert_exact(p[1], r[1], "row_q0")
 
 
+@pytest.mark.rule("plan_step_window, token_budget, backend")
 @given(data=st.data(), w=st.integers(1, 9))
 def test_plan_step_window_and_token_budget_match_the_reference(data, w):
     n = data.draw(st.integers(0, 6))
@@ -109,6 +109,7 @@ def test_plan_step_window_and_token_budget_match_the_reference(data, w):
         assert_exact(p[1], r[1], "budgets")
 
 
+@pytest.mark.rule("draft group partition from length vectors, backend")
 @given(data=st.data(), per_row=st.booleans())
 def test_draft_groups_keys_and_chain_starts_match_the_reference(data, per_row):
     """C §9.1: the same groups (keys ascending, rows ascending), the same per-row keys and
@@ -129,6 +130,7 @@ def test_draft_groups_keys_and_chain_starts_match_the_reference(data, per_row):
         assert_exact(p[1], r[1], "chain starts")
 
 
+@pytest.mark.rule("verify's first mismatch and the budget clamp, backend")
 @given(blocks=verify_blocks(), budgets=st.lists(st.integers(0, 12), min_size=8, max_size=8))
 def test_verify_first_mismatch_and_budget_clamp_match_the_reference(blocks, budgets):
     """C §11: the first mismatch of every row (ragged proposal and target lengths) and the
@@ -143,6 +145,7 @@ def test_verify_first_mismatch_and_budget_clamp_match_the_reference(blocks, budg
     assert_exact(p[1], r[1], "clamped")
 
 
+@pytest.mark.rule("cohort and per-sequence advance arithmetic, backend")
 @given(step=accept_steps())
 def test_cohort_and_per_sequence_advance_match_the_reference(step):
     """C §12: `(keep, n_drop, next)` of the cohort rule and `(committed, dropped, next)` of
@@ -187,6 +190,7 @@ def same_slot(p_kv, r_kv, what: str) -> None:
             assert_exact(pv, rv, f"{what} V")
 
 
+@pytest.mark.rule("K/V append, growth and set_len, backend")
 @given(
     lens=corner_lengths(max_rows=5, max_len=40),
     seed=st.integers(0, 99),
@@ -221,6 +225,7 @@ def test_append_growth_and_set_len_match_the_reference(lens, seed, capacity, max
             same_slot(pk, rk, "after set_len")
 
 
+@pytest.mark.rule("front alignment, concatenation, split and dead-prefix strip, backend")
 @given(
     lens=corner_lengths(max_rows=5, max_len=40),
     seed=st.integers(0, 99),
@@ -266,6 +271,7 @@ def test_front_align_concat_split_and_strip_match_the_reference(lens, seed, max_
                 same_slot(a, b, f"piece {i} stripped")
 
 
+@pytest.mark.rule("front_align_draft_group, backend")
 @given(
     lens=corner_lengths(max_rows=5, max_len=30, boundaries=False),
     seed=st.integers(0, 99),
@@ -292,6 +298,7 @@ def test_front_align_draft_group_matches_the_reference(lens, seed, data):
 # attention
 
 
+@pytest.mark.rule("dead-prefix union mask, backend")
 @given(
     data=st.data(),
     t_q=st.integers(1, 5),
@@ -315,6 +322,7 @@ def test_union_mask_matches_the_reference_bit_for_bit(data, t_q, window, ratio, 
         assert_exact(port().to_numpy(p[1]), r[1], "union mask")
 
 
+@pytest.mark.rule("RoPE positions and rotation, backend")
 @given(
     offsets=st.lists(st.integers(0, 300), min_size=1, max_size=5),
     b=st.integers(1, 5),
@@ -336,6 +344,7 @@ def test_rope_positions_and_rotation_match_the_reference(offsets, b, t, theta, i
     assert_close(be.to_numpy(got), REF.apply_rope(x, offsets, 4, theta, inverse), be.dtype, "rope")
 
 
+@pytest.mark.rule("dsv4_attention, backend")
 @given(
     data=st.data(),
     t_q=st.integers(1, 4),
@@ -383,28 +392,16 @@ def _cfg(ratios, mtp="block", max_seq_len=4096):
     return ModelConfig(compress_ratios=tuple(ratios), mtp=mtp, max_seq_len=max_seq_len)
 
 
-_models: dict = {}
-
-
 def models(cfg):
-    key = (cfg, id(port()))
-    if key not in _models:
-        _models[key] = (port().build_model(cfg), REF.build_model(cfg))
-    return _models[key]
-
-
-def _prompt(be, model, cfg, toks, capture=None):
-    """One sequence's own target cache after a prompt forward (B = 1)."""
-    cache = be.new_target_cache(cfg, cfg.max_seq_len, 1)
-    fwd = be.forward(model, np.array([toks]), cache, [0], None, None, capture)
-    be.xs_append(cache, fwd.hidden)
-    return be.clone_out(cache, 1)[0], fwd
+    """(the backend under test's model, the reference's) of `cfg`, built once per backend."""
+    return built_model(port(), cfg), built_model(REF, cfg)
 
 
 def same_cache(p, r, what: str) -> None:
     assert_same_cache(port().materialize(p), REF.materialize(r), port().dtype, what)
 
 
+@pytest.mark.rule("one verify step through the target-cache rules, backend")
 @settings(max_examples=quarter_of_the_profile())
 @given(
     plens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
@@ -425,8 +422,8 @@ def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_
     pm, rm = models(cfg)
     rng = np.random.default_rng(seed)
     prompts = [list(rng.integers(0, cfg.vocab, n)) for n in plens]
-    pc = [_prompt(port(), pm, cfg, t)[0] for t in prompts]
-    rc = [_prompt(REF, rm, cfg, t)[0] for t in prompts]
+    pc = [prompt_cache(port(), pm, t) for t in prompts]
+    rc = [prompt_cache(REF, rm, t) for t in prompts]
     p = outcome(port().clone_in, pc, [0] * len(pc), True, per_seq)
     r = outcome(REF.clone_in, rc, [0] * len(rc), True, per_seq)
     if not same_outcome(p, r, "clone_in"):
@@ -483,6 +480,7 @@ def test_a_ragged_verify_step_matches_the_reference(plens, w, ratios, seed, per_
             same_cache(pi.batched, ri.batched, "batched cache after set_lens")
 
 
+@pytest.mark.rule("prompt priming, the draft group loop and the MTP step, backend")
 @settings(max_examples=quarter_of_the_profile())
 @given(
     plens=st.lists(st.integers(1, 10), min_size=1, max_size=4),
@@ -511,39 +509,11 @@ def test_priming_and_the_draft_chain_match_the_reference(plens, n, seed, per_seq
     be = port()
     exact = be.dtype == "float64"
 
-    def primed(backend, model):
-        states = []
-        for t in toks:
-            cap = MtpHiddenCapture()
-            cap.arm()
-            _prompt(backend, model, cfg, t[:-1], cap)
-            state = DraftKv(cache=backend.new_draft_cache(model))
-            backend.prime_draft_kv([state], cap.take(), [t], 1, model, [])
-            states.append(state)
-        return states
-
-    ps, rs = primed(be, pm), primed(REF, rm)
+    ps = [primed_state(be, pm, t) for t in toks]
+    rs = [primed_state(REF, rm, t) for t in toks]
 
     def same_states(when: str) -> None:
-        for i, (a, r) in enumerate(zip(ps, rs, strict=False)):
-            assert_exact(
-                (a.filled, a.poisoned, None if a.seed is None else a.seed[0]),
-                (r.filled, r.poisoned, None if r.seed is None else r.seed[0]),
-                f"row {i} state {when}",
-            )
-            if r.seed is not None:
-                assert_close(
-                    be.to_numpy(a.seed[1]), r.seed[1], be.dtype, f"row {i} seed hidden {when}"
-                )
-            assert (a.cache is None) == (r.cache is None)
-            if r.cache is not None:
-                assert_same_cache(
-                    be.materialize(a.cache),
-                    REF.materialize(r.cache),
-                    be.dtype,
-                    f"row {i} draft KV {when}",
-                    None if exact else r.filled,
-                )
+        assert_same_draft_states(be, REF, ps, rs, be.dtype, not exact, when)
 
     same_states("after priming")
     cache_lens = [len(t) - 1 for t in toks]

@@ -1,13 +1,14 @@
-"""The backend protocol itself and the reference backend's own contract, on small explicit
-cases: the abstract `Backend` refuses every protocol method naming it, `missing_methods` names
-what a subclass leaves to the base, `NumpyBackend` accepts only the cpu and float64,
-`load_backend` resolves every kind of spec (None, "numpy", a named backend, a
-"package.module:factory" string, an instance) and refuses the rest with the messages its
-docstring states, and the reference backend's adapters pass every argument through (row
-vectors of unequal length are malformed, the draft loops' warnings reach the caller's list,
-the K/V slots hold float64 at the asked capacity). Expected values come from the protocol's
-docstrings and docs/conformance.md ("reference/backend.py"); test_backend.py compares a port
-against this reference method by method."""
+"""The backend protocol itself (reference/backend.py, DESIGN "Shape") and the two backends' own
+contract, on small explicit cases: the abstract `Backend` refuses every protocol method naming
+it, `missing_methods` names what a subclass leaves to the base, `load_backend` resolves every
+kind of spec and refuses the rest with the messages its docstring states, the NumPy backend is
+cpu and float64 only, the torch backend resolves its device and dtype; then construction,
+read-back and the per-row adapters run through one body on both backends (the values the
+protocol's docstrings and docs/conformance.md state), the torch backend's own choices (floats
+in its dtype, one draft store per KV geometry), its cache-rule refusals word for word as the
+reference's, and the port's dispatch predicates' malformed input. test_backend.py compares
+the backend under test with the reference method by method on generated inputs.
+"""
 
 from __future__ import annotations
 
@@ -15,38 +16,56 @@ import inspect
 
 import numpy as np
 import pytest
+import torch
 
-from raggedspec.reference import draft as rdraft
-from raggedspec.reference.backend import (
-    NAMED_BACKENDS,
-    PROTOCOL_METHODS,
-    Backend,
-    NumpyBackend,
-    load_backend,
-    missing_methods,
-)
-from raggedspec.reference.dispatch import MtpHiddenCapture
-from raggedspec.reference.draft import EXTEND_MISALIGNED, PRIME_MISALIGNED, DraftKv
-from raggedspec.reference.errors import AlignRefusal, CacheRefusal
+import raggedspec.gpu.dispatch as gdispatch
+from raggedspec.conformance.backends import assert_close, assert_exact, assert_same_cache
+from raggedspec.gpu.backend import DTYPES, TorchBackend
+from raggedspec.gpu.testing import DEVICE
+from raggedspec.reference.attention import Dsv4AttentionConfig
+from raggedspec.reference.backend import NAMED_BACKENDS, PROTOCOL_METHODS, Backend, NumpyBackend
+from raggedspec.reference.backend import load_backend, missing_methods
+from raggedspec.reference.errors import Refusal
 from raggedspec.reference.model import ModelConfig
 
-# ----------------------------------------------------------------------------- the abstract base
+REF = NumpyBackend()
+CFG = ModelConfig()  # compress ratios (0, 4), an MTP block
+BOTH = pytest.mark.parametrize("be", [REF, TorchBackend("cpu")], ids=["numpy", "torch"])
 
 
+def refusal(fn, *args):
+    """`(class name, message)` of the refusal or malformed-input error `fn(*args)` raises."""
+    with pytest.raises((Refusal, ValueError)) as info:
+        fn(*args)
+    return type(info.value).__name__, str(info.value)
+
+
+# --- the abstract base, load_backend, the two constructors ----------------------------------------
+
+
+@pytest.mark.rule("backend protocol: every tensor-side op is one method",
+                  "every protocol method is called by the suite")
 @pytest.mark.parametrize("method", PROTOCOL_METHODS)
 def test_every_method_of_the_abstract_base_raises_naming_itself(method):
-    """`Backend`'s methods raise NotImplementedError naming the backend and the method."""
-    params = inspect.signature(getattr(Backend, method)).parameters.values()
-    args = [None for p in params if p.name != "self" and p.default is inspect.Parameter.empty]
-    with pytest.raises(NotImplementedError) as info:
-        getattr(Backend(), method)(*args)
-    assert str(info.value) == f"backend 'abstract' does not implement {method}"
+    """`Backend`'s methods (the protocol's documentation) raise NotImplementedError naming the
+    backend and the method, whatever arguments they get, for the base and a bare subclass."""
+
+    class Bare(Backend):
+        name = "bare"
+
+    for be in (Backend(), Bare()):
+        params = inspect.signature(getattr(be, method)).parameters.values()
+        args = [None for p in params if p.default is inspect.Parameter.empty]
+        with pytest.raises(NotImplementedError) as info:
+            getattr(be, method)(*args)
+        assert str(info.value) == f"backend '{be.name}' does not implement {method}"
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_missing_methods_names_what_a_subclass_leaves_to_the_base():
     """Every protocol method of a bare subclass is missing, in the table's order; an override
-    is not; the reference backend overrides every one; an object that is not a Backend
-    implements none of them."""
+    is not; both backends override every one; an object that is not a Backend implements
+    none of them."""
 
     class Bare(Backend):
         pass
@@ -57,35 +76,32 @@ def test_missing_methods_names_what_a_subclass_leaves_to_the_base():
 
     assert missing_methods(Bare()) == list(PROTOCOL_METHODS)
     assert missing_methods(One()) == [m for m in PROTOCOL_METHODS if m != "cache_len"]
-    assert missing_methods(NumpyBackend()) == []
-    assert missing_methods(object()) == list(PROTOCOL_METHODS)  # not a Backend: implements none
+    assert missing_methods(NumpyBackend()) == missing_methods(TorchBackend("cpu")) == []
+    assert missing_methods(object()) == list(PROTOCOL_METHODS)
+    assert len(PROTOCOL_METHODS) >= 40
 
 
-# ----------------------------------------------------------------------------- load_backend
-
-
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_the_numpy_backend_is_cpu_and_float64_only():
     """`device` must be "cpu" and `dtype` "float64" (the defaults); anything else is malformed."""
     be = NumpyBackend()
     assert (be.name, be.device, be.dtype) == ("numpy", "cpu", "float64")
     assert (NumpyBackend("cpu", "float64").device, NumpyBackend("cpu", "float64").dtype) == (
         "cpu", "float64")
-    with pytest.raises(ValueError) as info:
-        NumpyBackend("cuda")
-    assert str(info.value) == "the numpy backend runs on the cpu only, not 'cuda'"
-    with pytest.raises(ValueError) as info:
-        NumpyBackend("cpu", "float32")
-    assert str(info.value) == "the numpy backend is float64 only, not 'float32'"
+    assert refusal(NumpyBackend, "cuda") == (
+        "ValueError", "the numpy backend runs on the cpu only, not 'cuda'")
+    assert refusal(NumpyBackend, "cpu", "float32") == (
+        "ValueError", "the numpy backend is float64 only, not 'float32'")
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_load_backend_resolves_none_numpy_an_instance_and_device_dtype():
     """None and "numpy" give a NumpyBackend; device and dtype reach the factory when given;
     a Backend instance comes back as is."""
     for spec in (None, "numpy"):
-        be = load_backend(spec)
-        assert type(be) is NumpyBackend and (be.device, be.dtype) == ("cpu", "float64")
-        be = load_backend(spec, "cpu", "float64")
-        assert type(be) is NumpyBackend and (be.device, be.dtype) == ("cpu", "float64")
+        for args in ((), ("cpu", "float64")):
+            be = load_backend(spec, *args)
+            assert type(be) is NumpyBackend and (be.device, be.dtype) == ("cpu", "float64")
     with pytest.raises(ValueError, match=r"^the numpy backend runs on the cpu only, not 'cuda'$"):
         load_backend("numpy", "cuda")
     with pytest.raises(ValueError, match=r"^the numpy backend is float64 only, not 'float32'$"):
@@ -94,28 +110,28 @@ def test_load_backend_resolves_none_numpy_an_instance_and_device_dtype():
     assert load_backend(mine) is mine
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_load_backend_imports_a_factory_by_name():
     """"package.module:factory" imports the module and calls `factory(device=, dtype=)`; a
     named backend ("torch") resolves through `NAMED_BACKENDS`."""
-    be = load_backend("raggedspec.reference.backend:NumpyBackend", "cpu", "float64")
-    assert type(be) is NumpyBackend
+    assert type(load_backend("raggedspec.reference.backend:NumpyBackend", "cpu",
+                             "float64")) is NumpyBackend
     assert type(load_backend("raggedspec.reference.backend:NumpyBackend")) is NumpyBackend
     torch_be = load_backend("torch", "cpu", "float64")
     assert type(torch_be).__name__ == "TorchBackend" and torch_be.name == "torch"
     assert (torch_be.device, torch_be.dtype) == ("cpu", "float64")
 
 
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
 def test_load_backend_refuses_unknown_specs_with_their_reasons(monkeypatch):
     """ValueError naming the spec for an unknown name (or a non-string, even an unhashable
-    one), a module that does
-    not import (a named backend: "needs torch and the gpu package"), a missing attribute, and
-    a factory that does not return a Backend."""
+    one), a module that does not import (a named backend: "needs torch and the gpu
+    package"), a missing attribute, and a factory that does not return a Backend."""
     names = ", ".join(NAMED_BACKENDS)
     for spec in ("nope", 3, ["numpy"]):  # a non-string is never looked up by name
-        with pytest.raises(ValueError) as info:
-            load_backend(spec)
-        assert str(info.value) == (
-            f"unknown backend {spec!r}: expected numpy, {names} or package.module:factory")
+        assert refusal(load_backend, spec) == (
+            "ValueError", f"unknown backend {spec!r}: expected numpy, {names} or "
+                          "package.module:factory")
     with pytest.raises(ValueError, match=r"^backend 'no_such_pkg_x:f': cannot import "
                                          r"'no_such_pkg_x' \(.*no_such_pkg_x"):
         load_backend("no_such_pkg_x:f")
@@ -123,213 +139,344 @@ def test_load_backend_refuses_unknown_specs_with_their_reasons(monkeypatch):
     with pytest.raises(ValueError, match=r"^backend 'ghost' needs torch and the gpu package: "
                                          r".*no_such_pkg_x"):
         load_backend("ghost")
-    spec = "raggedspec.reference.backend:NoSuchFactory"
-    with pytest.raises(ValueError) as info:
-        load_backend(spec)
-    assert str(info.value) == (f"backend {spec!r}: module 'raggedspec.reference.backend' has no "
-                               f"attribute 'NoSuchFactory'")
-    spec = "raggedspec.reference.backend:NumpyBackend:x"  # the module is before the first ':'
-    with pytest.raises(ValueError) as info:
-        load_backend(spec)
-    assert str(info.value) == (f"backend {spec!r}: module 'raggedspec.reference.backend' has no "
-                               f"attribute 'NumpyBackend:x'")
-    with pytest.raises(ValueError) as info:
-        load_backend("builtins:dict", "cpu")
-    assert str(info.value) == ("backend 'builtins:dict': dict returned dict, not a "
-                               "raggedspec.reference.backend.Backend")
+    for attr in ("NoSuchFactory", "NumpyBackend:x"):  # the module is before the first ':'
+        spec = f"raggedspec.reference.backend:{attr}"
+        assert refusal(load_backend, spec)[1] == (
+            f"backend {spec!r}: module 'raggedspec.reference.backend' has no attribute {attr!r}")
+    assert refusal(load_backend, "builtins:dict", "cpu")[1] == (
+        "backend 'builtins:dict': dict returned dict, not a raggedspec.reference.backend.Backend")
 
 
-# ----------------------------------------------------------------------------- adapters
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+def test_the_torch_constructor_resolves_device_and_dtype(monkeypatch):
+    """Device: the argument, else `RAGGEDSPEC_DEVICE`, else "cpu" (a cpu device may carry an
+    index: the CUDA device-count check is for CUDA only); dtype float64 by default; an
+    unknown dtype or device, or CUDA where torch has none, is malformed (ValueError)."""
+    monkeypatch.delenv("RAGGEDSPEC_DEVICE", raising=False)
+    be = TorchBackend()
+    assert (be.name, be.device, be.dtype, be.dev, be.tdtype) == (
+        "torch", "cpu", "float64", torch.device("cpu"), torch.float64)
+    be = TorchBackend("cpu", "bfloat16")
+    assert (be.device, be.dtype, be.tdtype) == ("cpu", "bfloat16", torch.bfloat16)
+    be = TorchBackend("cpu:5")
+    assert (be.device, be.dev) == ("cpu:5", torch.device("cpu:5"))
+    monkeypatch.setenv("RAGGEDSPEC_DEVICE", "meta")
+    assert TorchBackend().device == "meta" and TorchBackend("cpu").device == "cpu"
+    assert refusal(TorchBackend, "cpu", "float16") == (
+        "ValueError", f"dtype 'float16' must be one of {sorted(DTYPES)}")
+    with pytest.raises(ValueError, match=r"^unknown torch device 'nope': "):
+        TorchBackend("nope")
+    if not torch.cuda.is_available():
+        assert refusal(TorchBackend, "cuda")[1] == (
+            f"device 'cuda' requested but CUDA is not available to torch {torch.__version__} "
+            "on this machine")
+    else:
+        n = torch.cuda.device_count()
+        assert refusal(TorchBackend, f"cuda:{n}")[1] == (
+            f"device 'cuda:{n}': only {n} CUDA device(s)")
+        assert TorchBackend(f"cuda:{n - 1}").device == f"cuda:{n - 1}"
 
-REF = NumpyBackend()
-CFG = ModelConfig()  # compress ratios (0, 4), an MTP block
-_MODEL: list = []
+
+# --- construction and read-back, both backends ----------------------------------------------------
 
 
-def model():
-    """The reference model of `CFG`, built once."""
-    if not _MODEL:
-        _MODEL.append(REF.build_model(CFG))
-    return _MODEL[0]
-
-
-def prompt_cache(n: int):
-    """One sequence's own target cache after a prompt forward of n tokens (B = 1)."""
-    cache = REF.new_target_cache(CFG, CFG.max_seq_len, 1)
-    fwd = REF.forward(model(), np.arange(n)[None] % CFG.vocab, cache, [0], None, None)
-    REF.xs_append(cache, fwd.hidden)
-    return REF.clone_out(cache, 1)[0]
-
-
-def test_build_model_and_new_target_cache_follow_the_config():
-    """`build_model(cfg)` is the reference's `TinyModel(cfg)`; a target cache holds one K/V
-    slot per layer, then one XsRolling slot (with the cache's max_seq_len and batch) per
-    compressed layer, ratio 1 included."""
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+@BOTH
+def test_build_model_and_new_target_cache_follow_the_config(be):
+    """`build_model(cfg)` is the model of `cfg`; a target cache holds one K/V slot per layer,
+    then one XsRolling slot (with the cache's max_seq_len and batch) per compressed layer,
+    ratio 1 included; both backends' caches read back alike, empty, and refuse a history past
+    `max_seq_len` with the same text."""
     cfg = ModelConfig(compress_ratios=(4, 0, 1), max_seq_len=600, mtp="heads")
-    assert REF.build_model(cfg).cfg == cfg
-    cache = REF.new_target_cache(cfg, 600, 3)
-    kinds = [type(s).__name__ for s in cache.slots]
-    assert kinds == ["KvCache"] * 3 + ["XsRolling"] * 2
-    xs = cache.slots[3:]
-    assert [(x.ratio, x.max_seq_len, x.batch) for x in xs] == [(4, 600, 3), (1, 600, 3)]
+    assert be.build_model(cfg).cfg == cfg
+    cache = be.new_target_cache(cfg, 600, 3)
+    assert [s.kind for s in cache.slots] == ["Normal"] * 3 + ["XsRolling"] * 2
+    assert [(x.ratio, x.max_seq_len, x.batch) for x in cache.slots[3:]] == [(4, 600, 3),
+                                                                            (1, 600, 3)]
+    small = ModelConfig(compress_ratios=(0, 1, 4))
+    p, r = be.new_target_cache(small, 4, 2), REF.new_target_cache(small, 4, 2)
+    assert_same_cache(be.materialize(p), REF.materialize(r), "float64", "empty cache")
+    hidden = np.random.default_rng(0).standard_normal((2, 5, small.hidden))
+    mine = hidden if be is REF else torch.from_numpy(hidden)  # a backend tensor, as a forward's
+    assert refusal(be.xs_append, p, mine) == refusal(REF.xs_append, r, hidden) == (
+        "CacheRefusal", "xs row 0 would hold 5 tokens, above max_seq_len 4")
 
 
-def test_to_numpy_returns_a_copy():
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+def test_a_target_cache_is_built_on_the_backends_device():
+    """The XsRolling slots of a new target cache live on the backend's device (here torch's
+    "meta" device, which every machine has)."""
+    be = TorchBackend("meta")
+    cache = be.new_target_cache(ModelConfig(compress_ratios=(0, 4, 128)), 4096, 2)
+    xs = [s for s in cache.slots if s.kind == "XsRolling"]
+    assert len(xs) == 2 and {s.device for s in xs} == {torch.device("meta")}
+
+
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+@BOTH
+def test_to_numpy_returns_a_copy(be):
     """`to_numpy` gives a host array the caller may keep: a copy, not a view."""
     x = np.arange(4.0)
-    out = REF.to_numpy(x)
-    assert out is not x and out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    out = be.to_numpy(x)
+    assert out is not x and not np.shares_memory(out, x) and out.tolist() == [0.0, 1.0, 2.0, 3.0]
     x[0] = 9.0
     assert out[0] == 0.0
+    out[1] = 7.0
+    assert x[1] == 1.0
+    assert_exact(be.to_numpy([1, 2]), np.array([1, 2]), "list")
 
 
-def test_clone_in_aligns_first_under_per_sequence():
-    """C §5.4: under PerSequence the front alignment runs before the clone-in and its
-    refusal propagates (an XsRolling slot with the xs flag off); the cohort path refuses the
-    ragged batch in the clone-in instead (AlignRefusal)."""
-    with pytest.raises(CacheRefusal, match="an XsRolling slot cannot be front-padded"):
-        REF.clone_in([prompt_cache(3), prompt_cache(5)], [0, 0], False, True)
-    with pytest.raises(AlignRefusal, match="must share current_seq_len"):
-        REF.clone_in([prompt_cache(3), prompt_cache(5)], [0, 0], False, False)
-    ci = REF.clone_in([prompt_cache(3), prompt_cache(5)], [0, 0], True, True)
-    assert ci.lead_pad == [2, 0] and REF.cache_len(ci.batched) == 5
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+@BOTH
+def test_materialize_reads_unmaterialized_slots_as_none_halves(be):
+    """A fresh target cache (ratios 4 and 0, batch 2): two K/V slots of length 0 and
+    capacity 512, each `(None, None)`, and one XsRolling slot of two empty rows; a fresh
+    draft KV read alone: `(None, None)` at capacity 16. A slot built from K and V reads back
+    their values as host copies: writing them leaves the slot as it was."""
+    cfg = ModelConfig(compress_ratios=(4, 0), max_seq_len=600)
+    view = be.materialize(be.new_target_cache(cfg, 600, 2))
+    assert view["len"] == 0 and view["kv"] == [(None, None), (None, None)]
+    assert view["capacity"] == [512, 512]
+    [xs] = view["xs"]
+    assert (xs["tokens"], xs["base"]) == ([0, 0], [0, 0])
+    draft = be.new_draft_cache(be.build_model(ModelConfig()))
+    assert be.materialize(draft) == {"len": 0, "kv": [(None, None)], "capacity": [16], "xs": []}
+    assert be.new_draft_cache(be.build_model(ModelConfig(mtp="heads"))) is None
+    k = np.arange(6.0).reshape(1, 1, 3, 2)
+    slot = be.kv_from_arrays(k, -k, 4096, 16)
+    (kk, vv), = be.materialize(slot)["kv"]
+    assert kk.tolist() == k.tolist() and vv.tolist() == (-k).tolist()
+    kk[...] = 7.0
+    vv[...] = 7.0
+    (again_k, again_v), = be.materialize(slot)["kv"]
+    assert again_k.tolist() == k.tolist() and again_v.tolist() == (-k).tolist()
 
 
-def test_set_lens_sets_kv_and_xs_slots_to_their_own_lengths():
-    """C §5.5: every K/V slot `set_len(kv_len)`, every XsRolling slot `set_len(xs_len)`."""
-    cache = prompt_cache(8)
-    REF.set_lens(cache, 7, 6)
-    view = REF.materialize(cache)
-    assert [k.shape[2] for k, _ in view["kv"]] == [7, 7]
-    assert [x["tokens"] for x in view["xs"]] == [[6]]
-
-
-def test_kv_slots_hold_float64_at_the_asked_capacity():
+@pytest.mark.rule("K/V append, growth and set_len, backend")
+@BOTH
+def test_kv_slots_hold_float64_at_the_asked_capacity(be):
     """A K/V slot built from (or appended with) integer arrays holds float64 K and V, both
     halves at the asked capacity."""
     k = np.arange(8, dtype=np.int64).reshape(1, 1, 2, 4)
-    kv = REF.kv_from_arrays(k, k + 1, 4096, 16)
-    assert (kv.k.capacity_seq_len, kv.v.capacity_seq_len) == (16, 16)
-    REF.kv_append(kv, k, k + 1)
-    view = REF.materialize(kv)
+    kv = be.kv_from_arrays(k, k + 1, 4096, 16)
+    be.kv_append(kv, k, k + 1)
+    view = be.materialize(kv)
+    assert view["capacity"] == [16] and view["len"] == 4
     (kk, vv), = view["kv"]
     assert kk.dtype == vv.dtype == np.float64
     assert kk[0, 0, :, 0].tolist() == [0.0, 4.0, 0.0, 4.0]
     assert vv[0, 0, :, 0].tolist() == [1.0, 5.0, 1.0, 5.0]
 
 
-def test_rope_positions_are_int64_and_refuse_a_wrong_offset_count():
+@pytest.mark.rule("RoPE positions and rotation, backend")
+@BOTH
+def test_rope_positions_are_int64_and_refuse_a_wrong_offset_count(be):
     """M §11: `[B, T]` host int64 (an empty batch too); offsets of length 1 or B only."""
-    pos = REF.rope_positions([], 0, 3)
+    pos = be.rope_positions([], 0, 3)
     assert pos.shape == (0, 3) and pos.dtype == np.int64
-    assert REF.rope_positions([5, 2], 2, 2).tolist() == [[5, 6], [2, 3]]
-    with pytest.raises(ValueError) as info:
-        REF.rope_positions([1, 2], 3, 2)
-    assert str(info.value) == "2 offsets for a batch of 3"
+    assert be.rope_positions([5, 2], 2, 2).tolist() == [[5, 6], [2, 3]]
+    assert refusal(be.rope_positions, [1, 2], 3, 2) == ("ValueError",
+                                                        "2 offsets for a batch of 3")
 
 
-def test_apply_rope_rotates_forward_by_default():
-    """`apply_rope(..., inverse=False)`: the default is the forward rotation, and the inverse
-    undoes it."""
+@pytest.mark.rule("RoPE positions and rotation, backend")
+@BOTH
+def test_apply_rope_rotates_forward_by_default(be):
+    """`apply_rope(..., inverse=False)` by default: the reference's forward rotation, which
+    the inverse undoes."""
     x = np.random.default_rng(0).standard_normal((1, 1, 3, 8))
-    fwd = REF.apply_rope(x, [4], 4, 10000.0)
-    assert np.allclose(REF.apply_rope(fwd, [4], 4, 10000.0, inverse=True), x, atol=1e-12)
+    fwd = be.to_numpy(be.apply_rope(x, [4], 4, 10000.0))
+    assert_close(fwd, REF.apply_rope(x, [4], 4, 10000.0, inverse=False), "float64", "rope")
+    assert np.allclose(be.to_numpy(be.apply_rope(fwd, [4], 4, 10000.0, inverse=True)), x,
+                       atol=1e-12)
     assert not np.allclose(fwd, x)
-    assert np.allclose(REF.apply_rope(x, [4], 4, 10000.0, inverse=False), fwd, atol=0)
 
 
-def test_the_row_vector_adapters_read_rows_pairwise():
+@pytest.mark.rule("verify's first mismatch and the budget clamp, backend")
+@BOTH
+def test_the_row_vector_adapters_read_rows_pairwise(be):
     """The per-row adapters pair the rows of their two vectors (zip, not strict): a longer
     vector's extra rows are not read. Values: C §11.1 first mismatch, §11.2 clamp
     (`a + 1 > budget -> budget - 1`), C §1 chain start `C + u - 2`."""
-    assert REF.verify_accept([[1, 2], [3]], [[1, 2]]) == [2]
-    assert REF.budget_clamp([3, 3], [2]) == [1]
-    assert REF.chain_starts([5, 6], [1]) == [4]
-    assert REF.draft_group_keys([1, 2], [5], False) == REF.draft_group_keys([1], [5], False)
-    assert len(REF.draft_group_keys([1, 2], [5], False)) == 1
+    assert be.verify_accept([[1, 2], [3]], [[1, 2]]) == [2]
+    assert be.budget_clamp([3, 3], [2]) == [1]
+    assert be.chain_starts([5, 6], [1]) == [4]
+    assert be.draft_group_keys([1, 2], [5], False) == REF.draft_group_keys([1], [5], False)
+    assert len(be.draft_group_keys([1, 2], [5], False)) == 1
 
 
-# ----------------------------------------------------------------------------- draft adapters
+# --- the torch backend's own choices and refusals -------------------------------------------------
 
 
-def primed(lens):
-    """Draft states primed by prompt forwards of `lens` tokens each (`toks` = prompt + the
-    sampled token): C §7.4 gives `filled = L - 1` and the seed at `L - 2`."""
-    rng = np.random.default_rng(1)
-    states, toks = [], []
-    for n in lens:
-        t = [int(x) for x in rng.integers(0, CFG.vocab, n + 1)]
-        cap = MtpHiddenCapture()
-        cap.arm()
-        cache = REF.new_target_cache(CFG, CFG.max_seq_len, 1)
-        REF.forward(model(), np.array([t[:-1]]), cache, [0], None, None, cap)
-        state = DraftKv(cache=REF.new_draft_cache(model()))
-        warnings: list = []
-        REF.prime_draft_kv([state], cap.take(), [t], 1, model(), warnings)
-        assert warnings == [] and state.filled == n and state.seed[0] == n - 1
-        states.append(state)
-        toks.append(t)
-    return states, toks
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_slots_model_and_masks_hold_floats_in_the_backend_dtype(dtype):
+    """Floats in the backend dtype (a K/V slot's buffers round its input; the forward's
+    logits in that dtype, within its policy of the reference); both union-mask paths in that
+    dtype too, their 0/-inf values the reference's bit for bit."""
+    be = TorchBackend("cpu", dtype)
+    k = np.full((1, 1, 2, 4), 0.1)
+    slot = be.kv_from_arrays(k, k + 0.2, 64)
+    tdtype = getattr(torch, dtype)
+    assert slot.kv.k.dtype == slot.kv.v.dtype == tdtype
+    want = torch.tensor(k).to(tdtype).to(torch.float64).numpy()
+    assert_exact(be.materialize(slot)["kv"][0][0], want, "K rounded to the backend dtype")
+    toks = np.array([[3, 1, 4, 1, 5]])
+    fwd = be.forward(be.build_model(CFG), toks, be.new_target_cache(CFG, 64, 1), [0], None, None)
+    ref = REF.forward(REF.build_model(CFG), toks, REF.new_target_cache(CFG, 64, 1), [0], None,
+                      None)
+    assert fwd.logits.dtype == fwd.hidden.dtype == tdtype
+    assert_close(be.to_numpy(fwd.logits), ref.logits, dtype, "logits")
+    for row_q0 in (None, [4, 2]):
+        mask = be.union_mask(2, 6, row_q0, 3, 4, 1)
+        assert mask.dtype == tdtype, row_q0
+        assert_exact(be.to_numpy(mask), REF.union_mask(2, 6, row_q0, 3, 4, 1), f"mask {row_q0}")
 
 
-def misaligned_capture(off: int, t: int = 2):
-    """A capture whose only row starts at `off` (a fresh state has filled 0)."""
-    cap = MtpHiddenCapture()
-    cap.arm()
-    cap.store(off, np.random.default_rng(2).standard_normal((1, t, CFG.hidden)))
-    return cap.take()
+@pytest.mark.rule("dead-prefix union mask, backend")
+def test_the_uniform_union_mask_of_a_float64_backend_is_float64():
+    """The default dtype: the uniform mask too is float64, not torch's default float32."""
+    be = TorchBackend("cpu")
+    mask = be.union_mask(2, 5, None, 4, 0, 0)
+    assert mask.dtype == torch.float64
+    assert_exact(be.to_numpy(mask), REF.union_mask(2, 5, None, 4, 0, 0), "mask")
 
 
-def test_priming_and_extension_warn_into_the_callers_list():
-    """C §7.2 / §7.4: a capture that does not start at the draft KV's end poisons the row and
-    warns, priming with the prefix-cache text, the step's extension with its own."""
-    state, warnings = DraftKv(cache=REF.new_draft_cache(model())), []
-    REF.prime_draft_kv([state], misaligned_capture(2), [[1, 2, 3, 4]], 1, model(), warnings)
-    assert state.poisoned and warnings == [f"row 0: {PRIME_MISALIGNED}; draft KV poisoned"]
-    state, warnings = DraftKv(cache=REF.new_draft_cache(model())), []
-    REF.extend_draft_kvs([state], misaligned_capture(2), [[1, 2, 3, 4]], 1, model(), warnings)
-    assert state.poisoned and warnings == [f"row 0: {EXTEND_MISALIGNED}; draft KV poisoned"]
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+def test_a_fresh_backend_keeps_one_draft_store_per_kv_heads_and_width():
+    """`new_draft_cache`: a row of the backend's `DraftStore` for the model's (n_kv_heads,
+    head_dim), `[rows, n_kv_heads, width, head_dim]` in the backend dtype, shared by every
+    draft KV of that geometry; another geometry gets its own store."""
+    be = TorchBackend("cpu")
+    m = be.build_model(ModelConfig(n_heads=4, n_kv_heads=2, head_dim=8, rope_dims=4))
+    a, b = be.new_draft_cache(m), be.new_draft_cache(m)
+    assert a.store is b.store and a.idx != b.idx
+    shape = a.store.kv.k.shape
+    assert (shape[1], shape[3]) == (2, 8) and a.store.kv.k.dtype == torch.float64
+    c = be.new_draft_cache(be.build_model(CFG))
+    assert c.store is not a.store and (c.store.kv.k.shape[1], c.store.kv.k.shape[3]) == (1, 16)
+    assert be.materialize(a) == {"len": 0, "kv": [(None, None)], "capacity": [16], "xs": []}
 
 
-def test_extend_draft_kvs_writes_the_committed_pairs():
-    """C §7.2: after a decode step of t = 2 tokens at offset `filled`, committing both, the
-    draft KV holds `L - 1` entries and the seed moves to `L - 2`."""
-    (state,), (toks,) = primed([4])
-    cap = misaligned_capture(state.filled, 2)  # aligned: the capture starts at filled
-    toks = toks + [5, 6]
-    warnings: list = []
-    REF.extend_draft_kvs([state], cap, [toks], 1, model(), warnings)
-    assert warnings == [] and not state.poisoned
-    assert state.filled == len(toks) - 1 == REF.kv_len(state.cache)
-    assert state.seed[0] == len(toks) - 2
+def prompt(be, model, n, batch=1):
+    """A target cache after a prompt forward of `n` tokens per row, compressor history fed."""
+    cache = be.new_target_cache(CFG, CFG.max_seq_len, batch)
+    toks = (np.arange(batch * n).reshape(batch, n) * 5 + 1) % CFG.vocab
+    be.xs_append(cache, be.forward(model, toks, cache, [0], None, None).hidden)
+    return cache
 
 
-def test_propose_chain_is_the_reference_chain():
-    """C §10.2 through the protocol: n greedy tokens from one seed, the draft KV one entry
-    longer per step; the same chain as `propose_chain_batched` on the same inputs."""
-    seed = np.random.default_rng(3).standard_normal((1, CFG.hidden))
-    kv, twin = REF.new_draft_cache(model()), REF.new_draft_cache(model())
-    got = REF.propose_chain(model(), seed, [7], 3, [0], kv)
-    assert got == rdraft.propose_chain_batched(model(), seed, [7], 3, [0], twin)
-    assert len(got[0]) == 3 and REF.kv_len(kv) == 3
+@pytest.mark.rule("the port's per-sequence caches and clone-in")
+def test_clone_out_refuses_a_bad_row_count_as_the_reference():
+    """b >= 1; a materialized K/V layer or an XsRolling layer with another row count than b
+    is named; an unmaterialized cache gives b empty row caches."""
+    be = TorchBackend("cpu")
+    pm, rm = be.build_model(CFG), REF.build_model(CFG)
+    for b in (0, -1):
+        assert refusal(be.clone_out, be.new_target_cache(CFG, 64, 1), b) == (
+            "ValueError", f"clone_out_cache needs b >= 1, got {b}")
+    p, r = prompt(be, pm, 3, batch=2), prompt(REF, rm, 3, batch=2)
+    assert refusal(be.clone_out, p, 3) == refusal(REF.clone_out, r, 3) == (
+        "ValueError", "layer 0 holds 2 rows, not 3")
+    p, r = be.new_target_cache(CFG, 64, 2), REF.new_target_cache(CFG, 64, 2)
+    assert refusal(be.clone_out, p, 3) == refusal(REF.clone_out, r, 3) == (
+        "ValueError", "xs layer 2 holds 2 rows, not 3")
+    got, want = be.clone_out(p, 2), REF.clone_out(r, 2)
+    assert len(got) == len(want) == 2
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        assert_same_cache(be.materialize(a), REF.materialize(w), "float64", f"row {i}")
 
 
-def test_draft_chain_drafts_a_ragged_group_and_warns_into_the_callers_list():
-    """C §9.3: under per-sequence advance a group of rows at different lengths is
-    front-aligned and drafts `w - u` tokens per row (no warning); a group with no seeded row
-    warns "no row" into the caller's list."""
-    states, toks = primed([3, 5])
-    cache_lens, w = [3, 5], 3
-    groups = REF.draft_groups([1, 1], cache_lens, [True, True], w, True)
-    assert len(groups) == 1
-    warnings: list = []
-    drafts = REF.draft_chain(model(), groups, states, toks, cache_lens, [9, 9], w, True, warnings)
-    assert warnings == [] and [len(d) for d in drafts] == [2, 2]
-    assert [s.filled for s in states] == cache_lens  # chain start + 1 = C + u - 1
-    fresh = [DraftKv(cache=REF.new_draft_cache(model()))]
-    groups = REF.draft_groups([1], [3], [True], w, False)
-    (key,) = groups
-    warnings = []
-    assert REF.draft_chain(model(), groups, fresh, [[1, 2, 3, 4]], [3], [9], w, False,
-                           warnings) == [[]]
-    assert warnings == [rdraft.WARNINGS["no row"].format(key=key)]
+@pytest.mark.rule("front alignment, concatenation, split and dead-prefix strip, backend")
+@BOTH
+def test_split_of_an_unmaterialized_slot_gives_g_copies_of_its_metadata(be):
+    """`split_draft_cache`: g >= 1 (refused word for word); an unmaterialized slot gives g
+    unmaterialized pieces with its length and capacity."""
+    kv = be.new_target_cache(CFG, 64, 1).slots[0]
+    assert refusal(be.split, kv, 0) == ("ValueError", "split_draft_cache needs g >= 1, got 0")
+    be.kv_set_len(kv, 3)
+    pieces = [be.materialize(piece) for piece in be.split(kv, 3)]
+    assert pieces == [{"len": 3, "kv": [(None, None)], "capacity": [512], "xs": []}] * 3
+
+
+@pytest.mark.rule("front alignment, concatenation, split and dead-prefix strip, backend")
+@BOTH
+def test_front_align_refuses_an_xs_slot_with_the_xs_flag_off(be):
+    """`front_align` is `front_align_batch` with the xs flag off: an XsRolling slot is
+    refused, word for word."""
+    assert refusal(be.front_align, [be.new_target_cache(CFG, 64, 1).slots[2]]) == (
+        "CacheRefusal", "sequence 0 slot 0: front_pad to 0: an XsRolling slot cannot be "
+        "front-padded while ARC_V4_XS_PER_SEQ is off (xs_per_seq=False)")
+
+
+@pytest.mark.rule("front_align_draft_group, backend")
+@BOTH
+def test_front_align_draft_group_refuses_non_normal_and_unmaterialized_rows(be):
+    """C §9.7: a row that is not a Normal slot, or whose buffer is unmaterialized, is
+    refused (AlignRefusal) before any work, the row named."""
+    cache = be.new_target_cache(CFG, 64, 1)
+    assert refusal(be.front_align_draft_group, [cache.slots[2]], [0]) == (
+        "AlignRefusal", "draft row 0 is a XsRolling slot, not Normal")
+    assert refusal(be.front_align_draft_group, [cache.slots[0]], [0]) == (
+        "AlignRefusal", "draft row 0's buffer is unmaterialized")
+
+
+@pytest.mark.rule("dsv4_attention, backend")
+def test_dsv4_attention_without_sinks_matches_the_reference():
+    """`sinks=None`: attention without sink logits, as the reference, by default too."""
+    be = TorchBackend("cpu")
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((1, 2, 2, 8)), rng.standard_normal((1, 1, 5, 8))
+    cfg = Dsv4AttentionConfig(0, 4)
+    want = REF.dsv4_attention(q, k, k, None, cfg)
+    assert_close(be.to_numpy(be.dsv4_attention(q, k, k, None, cfg)), want, "float64", "output")
+    assert_close(be.to_numpy(be.dsv4_attention(q, k, k, None, cfg, None)),
+                 REF.dsv4_attention(q, k, k, None, cfg, None), "float64", "explicit None")
+
+
+# --- the port's dispatch predicates: malformed input ----------------------------------------------
+
+
+def vec(xs):
+    return torch.tensor(list(xs), dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port", "resolve_ragged_rows, port")
+@pytest.mark.parametrize("fn, kwargs, name", [
+    (gdispatch.resolve_ragged_rows, dict(rows=[3, 2], q0=3, b=2), "rows"),
+    (gdispatch.uniform_seqlen_offset, dict(offsets=[3, 3]), "offsets"),
+], ids=["resolve_ragged_rows", "uniform_seqlen_offset"])
+def test_every_length_vector_must_be_one_dimensional_and_the_error_names_it(fn, kwargs, name):
+    """The valid call passes (so only the broken parameter can refuse); a `[2, 2]` grid in
+    its place is refused naming the parameter and the shape."""
+    tensors = {k: vec(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    fn(**tensors)
+    tensors[name] = torch.tensor([[1, 2], [3, 4]], dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError) as err:
+        fn(**tensors)
+    assert str(err.value).startswith(f"{name} must be a 1-D vector, got shape [2, 2]")
+
+
+@pytest.mark.rule("resolve_ragged_rows, port")
+@pytest.mark.parametrize("args, fragments", [
+    ((None, -1, 2), ["q0 -1", "b 2", "must be >= 0"]),
+    ((None, 3, -1), ["q0 3", "b -1", "must be >= 0"]),
+    (("rows", 3, 2), ["row positions [-1, 3]", "must be >= 0"]),
+], ids=["q0", "b", "row"])
+def test_each_malformed_input_is_refused_alone_and_named(args, fragments):
+    """Each case breaks one condition (so a check joining its conditions with the wrong
+    `and`/`or` lets one through); the message carries every value it names."""
+    rows, q0, b = args
+    with pytest.raises(ValueError) as err:
+        gdispatch.resolve_ragged_rows(vec([-1, 3]) if rows == "rows" else rows, q0, b)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} not in {str(err.value)!r}"
+
+
+@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port", "resolve_ragged_rows, port")
+def test_inputs_on_the_boundary_of_each_check_pass():
+    """The smallest valid value of every checked quantity is accepted (a `<` that became
+    `<=` refuses it)."""
+    assert gdispatch.resolve_ragged_rows(None, 0, 0) is None
+    assert gdispatch.resolve_ragged_rows(vec([0, 0]), 0, 2) is None
+    assert gdispatch.uniform_seqlen_offset(vec([0])) == 0

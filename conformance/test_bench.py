@@ -32,6 +32,7 @@ def smoke(tmp_path_factory):
     return rc, out, json.loads((out / "bench.json").read_text())
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
     rc, _, res = smoke
     assert rc == 0
@@ -61,6 +62,59 @@ def test_smoke_runs_every_cpu_strategy_and_each_agrees(smoke):
     assert "eager" in res["notes"]["flex"]  # the table says flex was not compiled on the CPU
 
 
+@pytest.mark.rule("raggedspec bench")
+def test_only_the_cupy_slot_is_timed_alone_beside_its_wrapper(smoke):
+    _, _, res = smoke
+    for row in res["rows"]:
+        for name, r in row["strategies"].items():
+            if name == "cupy" and r["status"] == "ok":
+                assert r["kernel_ms"] > 0 and r["wrapper_ms"] == r["ms"] - r["kernel_ms"]
+            else:
+                assert "kernel_ms" not in r and "wrapper_ms" not in r, (name, r)
+
+
+@pytest.mark.rule("raggedspec bench")
+@pytest.mark.skipif(not EMULATED, reason="the CuPy slot runs on the CPU under the g++ emulator")
+def test_the_recorded_launches_are_the_whole_kernel_and_replay_into_its_output():
+    from raggedspec.gpu import cupy_kernels as ck
+
+    case = strategies.Case(2, [9, 5, 7], 2, 4, 16, torch.float32, "cpu", seed=1)
+    slot = strategies.Cupy()
+    assert slot.unavailable(torch.device("cpu")) is None
+    launch = ck.Kernels._launch
+    out, launches = strategies.recorded_launches(lambda: slot.run(case, None))
+    assert ck.Kernels._launch is launch  # put back
+    assert len(launches) == 2  # the attention's partial pass and the combine
+    want = out.clone()
+    assert strategies.rel_err(want, strategies.reference_attention(case)) < 1e-5
+    out.fill_(float("nan"))
+    for again in launches:
+        again()
+    assert torch.equal(out, want)  # the replay alone rewrote every element
+    out.fill_(float("nan"))
+    launches[0]()
+    assert torch.isnan(out).all()  # the partial pass alone writes no output: both are needed
+    replay = slot.kernel_only(case, None)
+    replay()  # runs on its own buffers, outside any wrapper
+
+
+@pytest.mark.rule("raggedspec bench")
+def test_the_headline_judges_the_bound_on_the_kernel_alone_and_shows_the_wrapper():
+    result = {"copy_bandwidth": [{"GBps": 1.0}]}  # 1e6 live bytes: a 1 ms bound
+    row = {"w": 2, "B": 128, "L": 4096, "spread": 64, "live_kv_bytes": 1_000_000,
+           "strategies": {"per_row": {"status": "ok", "ms": 60.0},
+                          "cupy": {"status": "ok", "ms": 1.5, "kernel_ms": 1.05}}}
+    line = report.headline_lines(result, [row])[0]
+    assert ("`cupy` kernel 1.050 ms = 1.05x bound (the call with its wrapper 1.500 ms = 1.50x, "
+            "wrapper overhead 0.450 ms), 40.0x the per-row loop's speed") in line
+    assert line.endswith("targets MET.")
+    row["strategies"]["cupy"]["kernel_ms"] = 1.2
+    assert report.headline_lines(result, [row])[0].endswith("targets MISSED.")
+    cell = report._cell(row["strategies"]["cupy"], 1.0)
+    assert cell == "1.200 (1.20x) kernel; 1.500 (1.50x) with its wrapper"
+
+
+@pytest.mark.rule("raggedspec bench")
 def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
     _, _, res = smoke
     lossy = [r for r in res["rows"] if r["min_len"] < r["L"]]
@@ -72,6 +126,7 @@ def test_cohort_truncation_is_labelled_lossy_and_really_is(smoke):
         assert row["strategies"]["cohort"]["err_full"] <= strategies.TOLERANCE["float32"]
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_smoke_byte_accounting_follows_the_formulas(smoke):
     _, _, res = smoke
     s = res["settings"]
@@ -94,6 +149,7 @@ def test_smoke_byte_accounting_follows_the_formulas(smoke):
     assert report.bound_ms(res, row) == pytest.approx(row["live_kv_bytes"] / (max(bw) * 1e9) * 1e3)
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     _, out, res = smoke
     md = (out / "bench.md").read_text()
@@ -114,6 +170,7 @@ def test_smoke_writes_table_json_and_plot_and_replots(smoke, tmp_path):
     ).stat().st_size > 10_000
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_negative_control_without_dead_prefix_mask_is_wrong_and_not_timed(tmp_path):
     rc = runner.main(
         [
@@ -166,6 +223,7 @@ class _ReadsSlack(strategies.InplaceSdpa):
         return (c[None, :] <= qpos[:, None])[None, None]
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
     case = _case(dtype)
@@ -179,6 +237,7 @@ def test_the_check_rejects_an_off_by_one_and_a_slack_read(dtype):
         assert res["status"] == "WRONG" and res["err"] > tol, type(wrong).__name__
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_a_strategy_that_disagrees_is_wrong_not_timed_and_fails_the_run(tmp_path, monkeypatch):
     monkeypatch.setitem(strategies.TOLERANCE, "float32", 0.0)  # nothing float32 can meet
     rc = runner.main(
@@ -226,6 +285,7 @@ def _brute_force(q, k, v, lens, w, keep=None):
     return out
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("keep", [None, 10])
 def test_reference_attention_equals_brute_force(keep):
     case = strategies.Case(
@@ -236,6 +296,7 @@ def test_reference_attention_equals_brute_force(keep):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_make_lens_rules():
     lens = strategies.make_lens(128, 4096, 64, 4, seed=0)
     assert lens == strategies.make_lens(128, 4096, 64, 4, seed=0)          # seeded
@@ -247,6 +308,7 @@ def test_make_lens_rules():
         strategies.make_lens(3, 10, 9, 2, seed=0)
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_the_headline_case_runs_first():
     order = runner.case_order(dict(runner.FULL))
     assert len(order) == 36 and len(set(order)) == 36
@@ -254,6 +316,7 @@ def test_the_headline_case_runs_first():
     assert sorted(w for (w, *_rest) in order[:2]) == [2, 4]
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("argv, needle", [
     (["--strategies", "per_row,bogus"], "unknown ['bogus']"),
     (["--q-heads", "6", "--kv-heads", "4"], "multiple of --kv-heads 4"),
@@ -264,6 +327,7 @@ def test_usage_errors_exit_2(argv, needle, tmp_path, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
     monkeypatch.setattr(kernel_emulator, "compilers", lambda: {"g++": None, "nvcc": None})
     reason = strategies.Cupy().unavailable(torch.device("cpu"))
@@ -278,6 +342,7 @@ def test_cupy_slot_states_why_it_did_not_run(monkeypatch):
         "no module raggedspec.gpu.cupy_kernels (the CuPy kernels are not written yet)"
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     assert runner.main(["--e2e", "--smoke", "--out", str(tmp_path), "-q"]) == 0
     res = json.loads((tmp_path / "e2e.json").read_text())
@@ -300,6 +365,7 @@ def test_e2e_smoke_runs_cohort_and_per_sequence(tmp_path):
     assert (tmp_path / "e2e.md").read_text() == md
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.parametrize("cupy_ms, per_row_ms, verdict", [
     (1.05, 40.0, "targets MET"),        # 1.05x the bound, 38x the per-row loop
     (1.20, 40.0, "targets MISSED"),     # over 1.10x the bound
@@ -333,6 +399,7 @@ def test_headline_verdict_on_the_targets(cupy_ms, per_row_ms, verdict):
     )
 
 
+@pytest.mark.rule("raggedspec bench")
 @pytest.mark.skipif(not EMULATED, reason="the emulated kernel backend needs g++ on the PATH")
 def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
     assert (
@@ -360,6 +427,7 @@ def test_e2e_smoke_runs_on_the_kernel_backend_and_names_it(tmp_path):
     )
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, capsys):
     from raggedspec.gpu.cupy_backend import cupy_unavailable
 
@@ -376,6 +444,7 @@ def test_e2e_on_a_backend_that_cannot_run_here_exits_2_saying_why(tmp_path, caps
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.rule("raggedspec bench")
 def test_an_interrupted_bench_keeps_the_earlier_result_and_its_own_finished_cases(
     tmp_path, monkeypatch
 ):
@@ -402,6 +471,7 @@ def test_an_interrupted_bench_keeps_the_earlier_result_and_its_own_finished_case
 # ---------------------------------------------------------------- the lengths-only benchmark
 
 
+@pytest.mark.rule("lengths-only benchmark B = 1024, 10,000 steps")
 def test_the_lengths_benchmark_times_a_run_of_every_step_and_keeps_its_summary():
     from raggedspec.bench import lengths as lengths_bench
 
@@ -414,6 +484,7 @@ def test_the_lengths_benchmark_times_a_run_of_every_step_and_keeps_its_summary()
     assert lengths_bench.bench(8, 20, "cohort")["summary"]["max_spread"] == 0
 
 
+@pytest.mark.rule("lengths-only benchmark B = 1024, 10,000 steps")
 def test_the_lengths_benchmark_command_needs_bench_and_times_both_rules(capsys):
     from raggedspec.bench import lengths as lengths_bench
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 from hypothesis import event, example, given, settings, target
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 import raggedspec.gpu.attention as port_attention
 import raggedspec.reference.attention as ref_attention
@@ -40,6 +41,7 @@ from raggedspec.conformance.backends import (
     reference_backend,
     selection,
 )
+from raggedspec.conformance.helpers import GRANTED
 from raggedspec.conformance.strategies import (
     allocation_lengths,
     around,
@@ -98,6 +100,7 @@ def rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- allocation
 
 
+@pytest.mark.rule("allocation boundaries: capacity, draft start, 512-column blocks, draft map")
 @given(n=allocation_lengths(1, 1600), t=st.one_of(around([1, 16, 512], 1), st.integers(1, 600)),
        capacity=st.sampled_from([16, 512]), slack=st.one_of(around([0]), st.integers(-600, 600)),
        seed=st.integers(0, 9))
@@ -143,6 +146,7 @@ def test_append_at_every_allocation_boundary_matches_the_reference(n, t, capacit
     assert_exact(np.asarray(pm["kv"][0][0]), rm["kv"][0][0], "K")
 
 
+@pytest.mark.rule("allocation boundaries: capacity, draft start, 512-column blocks, draft map")
 @given(n=around([MAX_DRAFT_KV_SEQS], 1), touch=st.integers(0, 80))
 @example(n=MAX_DRAFT_KV_SEQS + 1, touch=0)
 @example(n=MAX_DRAFT_KV_SEQS, touch=MAX_DRAFT_KV_SEQS - 1)
@@ -159,6 +163,7 @@ def test_the_draft_map_holds_64_and_evicts_the_least_recently_checked_in(n, touc
     assert sorted(m.entries) == sorted(order[-MAX_DRAFT_KV_SEQS:])
 
 
+@pytest.mark.rule("allocation boundaries: capacity, draft start, 512-column blocks, draft map")
 @FEW
 @given(start=around([DRAFT_CACHE_CAPACITY]), n=st.integers(1, 3), seed=st.integers(0, 99))
 @example(start=15, n=2, seed=0)   # the chain crosses the draft cache's first 16 columns
@@ -186,6 +191,7 @@ def test_propose_chain_across_the_draft_caches_first_16_columns(start, n, seed):
 # ----------------------------------------------------------------------------- low precision
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.parametrize("dtype", LOW)
 @given(offsets=st.lists(bf16_inexact_positions(257, 4000), min_size=1, max_size=3),
        t=st.integers(1, 3), inverse=st.booleans(), seed=st.integers(0, 99))
@@ -204,6 +210,7 @@ def test_rope_at_positions_the_dtype_cannot_hold(dtype, offsets, t, inverse, see
     assert_exact(be.rope_positions(offsets, b, t), REF.rope_positions(offsets, b, t), "positions")
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.parametrize("dtype", LOW)
 @given(own=st.lists(st.one_of(allocation_lengths(1, 3000), bf16_inexact_positions(257, 3000)),
                     min_size=1, max_size=3),
@@ -257,8 +264,10 @@ LONG = [  # (scenario, a length some row passes)
 ]
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("case", range(len(LONG)))
+@pytest.mark.parametrize("case", [0, 1] + [pytest.param(c, marks=pytest.mark.slow)
+                                          for c in range(2, len(LONG))])
 def test_long_prompts_end_to_end_in_low_precision(dtype, case):
     """Short runs with prompts of 300-2047 tokens: positions bfloat16 cannot hold, the first
     512-column block crossed while decoding, rows more than 1536 long, and one run with two KV
@@ -306,51 +315,66 @@ class ClampProbe(NumpyBackend):
         return out
 
 
-def port_matches_the_clamped_reference(sc, count: str, label: str, seen: str) -> None:
+def port_matches_the_clamped_reference(sc, count: str, label: str, seen: str) -> ClampProbe:
     """Run `sc` on the reference through a `ClampProbe`, steer Hypothesis toward more of the
-    probe's `count` cuts (`target`, `event` when any), and compare the port's run with it."""
+    probe's `count` cuts (`target`, `event` when any, inside a Hypothesis example), compare
+    the port's run with it, and return the probe."""
     probe = ClampProbe()
     ref = simulator.run(sc, record_tensors=True, backend=probe)
-    target(float(getattr(probe, count)), label=label)
-    if getattr(probe, count):
-        event(seen)
+    if currently_in_test_context():  # a Hypothesis example (the fixed examples run alone too)
+        target(float(getattr(probe, count)), label=label)
+        if getattr(probe, count):
+            event(seen)
     out = simulator.run(sc, record_tensors=True, backend=backend_under_test())
     compare_runs(out, ref, backend_under_test().dtype)
+    return probe
 
 
+def per_sequence_clamp_scenario(max_seq_len, plens, depth, acceptance, seed):
+    """Three rows (prompts in `plens`) under granted per-sequence advance, a small
+    `max_seq_len`."""
+    return load_scenario(dict(GRANTED, batch=3, prompt_len=list(plens), max_new_tokens=30,
+                              steps=10, depth=depth, max_seq_len=max_seq_len,
+                              acceptance=acceptance, seed=seed))
+
+
+PER_SEQUENCE_CLAMP = dict(max_seq_len=12, plens=(2, 6), depth=3, acceptance="all-accept", seed=0)
+# the per-sequence scenarios the two properties below draw (ragged prompts, max_seq_len 12-20)
+PER_SEQUENCE_DRAWS = dict(
+    max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
+    depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
+    seed=st.integers(0, 9))
+
+
+@pytest.mark.slow
+@pytest.mark.rule("budget clamp binding on ragged rows")
 @FEW
-@given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
-       depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
-       seed=st.integers(0, 9))
-@example(max_seq_len=12, plens=(2, 6), depth=3, acceptance="all-accept", seed=0)
+@given(**PER_SEQUENCE_DRAWS)
+@example(**PER_SEQUENCE_CLAMP)
 def test_the_budget_clamp_binding_on_ragged_rows_matches_the_reference(max_seq_len, plens, depth,
                                                                        acceptance, seed):
     """Per-sequence advance with ragged prompts and a `max_seq_len` of 12-20, where the token
     budget clamps the accepted counts (`target` pushes toward more clamped rows); the port's
     run equals the reference's step for step."""
-    sc = load_scenario(dict(batch=3, prompt_len=list(plens), max_new_tokens=30, steps=10,
-                            depth=depth, advance="per-sequence", xs_per_seq=True,
-                            admission="grant", world="WB", max_seq_len=max_seq_len,
-                            acceptance=acceptance, seed=seed))
+    sc = per_sequence_clamp_scenario(max_seq_len, plens, depth, acceptance, seed)
     port_matches_the_clamped_reference(sc, "bound", "rows the budget clamp cut",
                                        "budget clamp bound")
 
 
+@pytest.mark.rule("budget clamp binding on ragged rows")
 def test_the_budget_clamp_example_binds():
-    """The explicit example above does reach the case: the clamp cuts a row's accepted count."""
-    sc = load_scenario(dict(batch=3, prompt_len=[2, 6], max_new_tokens=30, steps=10, depth=3,
-                            advance="per-sequence", xs_per_seq=True, admission="grant", world="WB",
-                            max_seq_len=12, acceptance="all-accept"))
-    probe = ClampProbe()
-    simulator.run(sc, backend=probe)
+    """The explicit example above does reach the case (the clamp cuts a row's accepted count),
+    and there the port's run equals the reference's step for step."""
+    probe = port_matches_the_clamped_reference(per_sequence_clamp_scenario(**PER_SEQUENCE_CLAMP),
+                                               "bound", "rows the budget clamp cut",
+                                               "budget clamp bound")
     assert probe.bound >= 1
 
 
+@pytest.mark.rule("one uncached token per row under per-sequence advance")
 @FEW
-@given(max_seq_len=st.integers(12, 20), plens=st.tuples(st.integers(2, 6), st.integers(6, 11)),
-       depth=st.integers(2, 3), acceptance=st.sampled_from(["all-accept", "geometric:0.8"]),
-       seed=st.integers(0, 9))
-@example(max_seq_len=12, plens=(2, 6), depth=3, acceptance="all-accept", seed=0)
+@given(**PER_SEQUENCE_DRAWS)
+@example(**PER_SEQUENCE_CLAMP)
 def test_under_per_sequence_advance_every_decode_row_has_one_uncached_token(max_seq_len, plens,
                                                                            depth, acceptance,
                                                                            seed):
@@ -359,10 +383,7 @@ def test_under_per_sequence_advance_every_decode_row_has_one_uncached_token(max_
     keeps its `u + a` window tokens and the one sampled token is uncached; C §12.2), so no
     clamp there cuts a row on a step whose rows have different `u`. That case is reached under
     the cohort rule (below)."""
-    sc = load_scenario(dict(batch=3, prompt_len=list(plens), max_new_tokens=30, steps=10,
-                            depth=depth, advance="per-sequence", xs_per_seq=True,
-                            admission="grant", world="WB", max_seq_len=max_seq_len,
-                            acceptance=acceptance, seed=seed))
+    sc = per_sequence_clamp_scenario(max_seq_len, plens, depth, acceptance, seed)
     probe = ClampProbe()
     trace = simulator.run(sc, backend=probe)
     ran = [s for s in trace.steps() if s["phase"] == "decode" and not s["error"]]
@@ -389,6 +410,8 @@ def ragged_u_scenario(max_seq_len, plens, depth, acceptance, seed):
                               acceptance=acceptance, seed=seed))
 
 
+@pytest.mark.slow
+@pytest.mark.rule("budget clamp binding on rows of different u")
 @FEW
 @given(max_seq_len=st.integers(8, 15), plens=st.tuples(st.integers(2, 3), st.integers(3, 6)),
        depth=st.integers(2, 3), acceptance=st.sampled_from(["geometric:0.5", "geometric:0.8"]),
@@ -408,15 +431,20 @@ def test_the_budget_clamp_binding_on_rows_of_different_u_matches_the_reference(m
                                        "budget clamp bound on rows of different u")
 
 
+@pytest.mark.rule("budget clamp binding on rows of different u")
 @pytest.mark.parametrize("case", range(len(RAGGED_U)))
 def test_the_budget_clamp_examples_bind_on_rows_of_different_u(case):
-    """Each explicit example above does reach the case: the clamp cuts a row's accepted count
-    on a step whose rows have different `u` and draft different numbers of tokens."""
-    probe = ClampProbe()
-    simulator.run(ragged_u_scenario(**RAGGED_U[case]), backend=probe)
+    """Each explicit example above does reach the case (the clamp cuts a row's accepted count
+    on a step whose rows have different `u` and draft different numbers of tokens), and there
+    the port's run equals the reference's step for step."""
+    probe = port_matches_the_clamped_reference(ragged_u_scenario(**RAGGED_U[case]),
+                                               "bound_ragged_u",
+                                               "rows the clamp cut on a step of different u",
+                                               "budget clamp bound on rows of different u")
     assert probe.bound_ragged_u >= 1
 
 
+@pytest.mark.rule("positions low precision cannot hold")
 @pytest.mark.skipif(kernel_emulator.compilers()["g++"] is None,
                     reason="the kernel emulator needs g++")
 @settings(max_examples=10)

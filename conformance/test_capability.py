@@ -55,6 +55,7 @@ def refusal_text(check, *args):
 # --- §2 flags ---------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("per_sequence_kv_requested / ARC_MTP_PER_SEQ_KV")
 def test_per_sequence_kv_is_requested_by_one_or_true_in_any_case():
     for on in ("1", "true", "TRUE", "True", "tRuE"):
         assert per_sequence_kv_requested(on), on
@@ -62,6 +63,7 @@ def test_per_sequence_kv_is_requested_by_one_or_true_in_any_case():
         assert not per_sequence_kv_requested(off), off
 
 
+@pytest.mark.rule("ARC_V4_XS_PER_SEQ / xs_per_sequence_enabled")
 def test_the_xs_flag_is_exactly_one_true_or_upper_true():
     for on in ("1", "true", "TRUE"):
         assert xs_per_sequence_enabled(on), on
@@ -69,6 +71,7 @@ def test_the_xs_flag_is_exactly_one_true_or_upper_true():
         assert not xs_per_sequence_enabled(off), off
 
 
+@pytest.mark.rule("ARC_MTP_LOG_ACCEPTANCE")
 def test_acceptance_logging_is_on_unless_explicitly_disabled():
     for on in (None, "1", "true", "on", "yes", " 1 "):
         assert acceptance_logging_enabled(on), on
@@ -76,18 +79,21 @@ def test_acceptance_logging_is_on_unless_explicitly_disabled():
         assert not acceptance_logging_enabled(off), off
 
 
+@pytest.mark.rule("ARC_V4_FP8_KV")
 def test_fp8_kv_needs_the_exact_one():
     assert fp8_kv_enabled("1")
     for off in (None, "true", "01", " 1", "TRUE"):
         assert not fp8_kv_enabled(off)
 
 
+@pytest.mark.rule("ARC_V4_KV_WINDOW retain")
 def test_the_kv_window_retains_the_window_plus_a_margin_of_sixteen():
     assert kv_window_retain(128) == 144
     assert kv_window_retain(1) == 17
     assert kv_window_retain(0) == 17  # max(window, 1)
 
 
+@pytest.mark.rule("ARC_MTP_ALLOW_SUB_INT8 / mtp_tail_is_floored_at_int8")
 def test_mtp_tail_is_floored_at_int8():
     sub = [name for name, bits in ISQ_BITS.items() if bits < 8]
     assert len(sub) >= 10
@@ -112,6 +118,7 @@ def test_mtp_tail_is_floored_at_int8():
 # --- §9.2 -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.rule("seq_may_draft")
 def test_a_temperature_request_does_not_take_the_mtp_path():
     assert seq_may_draft(None, None, None, None)
     assert seq_may_draft(0.0, None, None, None)
@@ -130,6 +137,7 @@ def test_a_temperature_request_does_not_take_the_mtp_path():
 # -----------------------------------------------------------------------
 
 
+@pytest.mark.rule("cache_supports_per_sequence_advance")
 def test_the_capability_probe_names_the_slot_that_cannot_carry_its_own_length():
     assert cache_supports_per_sequence_advance(plain_cache(), False) is None
     cache = NormalCache([normal(), xs()])
@@ -151,6 +159,7 @@ def test_the_capability_probe_names_the_slot_that_cannot_carry_its_own_length():
     )
 
 
+@pytest.mark.rule("model_masks_ragged_batches")
 def test_the_mask_capability_passes_for_v4_and_still_refuses_for_everyone_else():
     assert model_masks_ragged_batches(v4_cache()) is None
     msg = refusal_text(model_masks_ragged_batches, plain_cache())
@@ -158,6 +167,7 @@ def test_the_mask_capability_passes_for_v4_and_still_refuses_for_everyone_else()
     refusal_text(model_masks_ragged_batches, NormalCache([normal(), xs()], paged=True))
 
 
+@pytest.mark.rule("draft_chain_carries_per_sequence_positions")
 def test_the_draft_chain_capability_passes_for_v4_and_still_refuses_for_everyone_else():
     assert draft_chain_carries_per_sequence_positions(v4_cache()) is None
     msg = refusal_text(draft_chain_carries_per_sequence_positions, plain_cache())
@@ -167,6 +177,7 @@ def test_the_draft_chain_capability_passes_for_v4_and_still_refuses_for_everyone
     )
 
 
+@pytest.mark.rule("draft_chain_carries_per_sequence_positions")
 def test_the_draft_chain_check_is_implied_by_the_mask_check_today():
     shapes = [v4_cache(), plain_cache(), lone_xs_cache(), NormalCache([normal(), xs()], paged=True),
               NormalCache([OtherSlot("Rotating")])]
@@ -183,6 +194,7 @@ def test_the_draft_chain_check_is_implied_by_the_mask_check_today():
     assert True in outcomes and False in outcomes  # non-degenerate: both verdicts occur
 
 
+@pytest.mark.rule("batch_admission_admits_ragged_cohorts")
 def test_batch_admission_refuses_and_names_the_scheduler():
     msg = refusal_text(batch_admission_admits_ragged_cohorts, "refuse")
     for word in ("cache_bucket_len", "bucket", "select_running_bucket", "CacheInstruction::In"):
@@ -192,6 +204,7 @@ def test_batch_admission_refuses_and_names_the_scheduler():
         batch_admission_admits_ragged_cohorts("maybe")
 
 
+@pytest.mark.rule("per_sequence_refusal")
 def test_a_fully_capable_v4_cache_is_still_refused_and_now_names_the_scheduler():
     cache = v4_cache()
     assert cache_supports_per_sequence_advance(cache, True) is None
@@ -205,6 +218,7 @@ def test_a_fully_capable_v4_cache_is_still_refused_and_now_names_the_scheduler()
         assert banned not in msg, banned
 
 
+@pytest.mark.rule("per_sequence_refusal")
 def test_per_sequence_refusal_reports_the_first_failure_in_order():
     # support first: an xs slot without the flag, on an otherwise V4 cache
     assert "slot 2" in str(per_sequence_refusal(v4_cache(), False, "refuse"))
@@ -222,10 +236,10 @@ def test_per_sequence_refusal_reports_the_first_failure_in_order():
     assert isinstance(per_sequence_refusal(plain_cache(), True, "grant"), CapabilityRefusal)
 
 
+@pytest.mark.rule("per_sequence_refusal")
 def test_a_plain_cache_is_refused_by_the_mask_check_not_the_draft_chain_check():
     # dropping the mask check from per_sequence_refusal left the (identical) draft-chain check
     # to refuse, under a different name; "dead" appears in both messages, so name the check
-    # (moved here from test_mutation_kills.py)
     msg = str(per_sequence_refusal(NormalCache.new_plain(3, 4096), True, "refuse"))
     assert "masks a left-aligned batch's dead prefix per row" in msg
     assert "MTP draft chain" not in msg
@@ -235,12 +249,14 @@ def test_a_plain_cache_is_refused_by_the_mask_check_not_the_draft_chain_check():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.rule("kv_advance latch")
 def test_kv_advance_not_requested_is_cohort():
     latch = KvAdvanceLatch(requested=False, xs_per_seq=True, admission="grant")
     assert latch.kv_advance(v4_cache()) is KvAdvance.COHORT
     assert latch.refusal is None and latch.messages == []
 
 
+@pytest.mark.rule("kv_advance latch")
 def test_kv_advance_refused_falls_back_to_cohort_and_says_it_cannot_honour_it():
     latch = KvAdvanceLatch(requested=True, xs_per_seq=True, admission="refuse")
     assert latch.kv_advance(v4_cache()) is KvAdvance.COHORT
@@ -253,6 +269,7 @@ def test_kv_advance_refused_falls_back_to_cohort_and_says_it_cannot_honour_it():
     assert latch.refusal in warning
 
 
+@pytest.mark.rule("kv_advance latch")
 def test_kv_advance_grants_per_sequence_only_when_every_check_passes():
     latch = KvAdvanceLatch(requested=True, xs_per_seq=True, admission="grant")
     assert latch.kv_advance(v4_cache()) is KvAdvance.PER_SEQUENCE
@@ -264,6 +281,7 @@ def test_kv_advance_grants_per_sequence_only_when_every_check_passes():
         assert "cannot honour it" in latch.messages[0]
 
 
+@pytest.mark.rule("kv_advance latch")
 def test_kv_advance_is_latched_once():
     latch = KvAdvanceLatch(requested=True, xs_per_seq=True, admission="grant")
     assert latch.kv_advance(v4_cache()) is KvAdvance.PER_SEQUENCE
@@ -287,6 +305,12 @@ DRAFT_CHAIN_REFUSAL = (
     "row's draft dead prefix; only the V4 target's MTP block does")
 
 
+@pytest.mark.rule(
+    "cache_supports_per_sequence_advance",
+    "model_masks_ragged_batches",
+    "draft_chain_carries_per_sequence_positions",
+    "batch_admission_admits_ragged_cohorts",
+)
 def test_each_capability_refusal_reads_exactly_as_its_rule_states_it():
     assert refusal_text(batch_admission_admits_ragged_cohorts, "refuse") == ADMISSION_REFUSAL
     assert refusal_text(draft_chain_carries_per_sequence_positions,
@@ -303,6 +327,11 @@ def test_each_capability_refusal_reads_exactly_as_its_rule_states_it():
     assert "this cache holds ['Normal', 'Rotating'] slots" in msg
 
 
+@pytest.mark.rule(
+    "cache_supports_per_sequence_advance",
+    "model_masks_ragged_batches",
+    "draft_chain_carries_per_sequence_positions",
+)
 def test_a_paged_cache_is_refused_by_each_check_for_what_it_cannot_do():
     paged = NormalCache([normal(), xs()], paged=True)
     for check, args, what in (
@@ -312,6 +341,11 @@ def test_a_paged_cache_is_refused_by_each_check_for_what_it_cannot_do():
         assert refusal_text(check, paged, *args) == f"a paged KV cache cannot {what}"
 
 
+@pytest.mark.rule(
+    "ARC_V4_KV_WINDOW retain",
+    "ARC_MTP_ALLOW_SUB_INT8 / mtp_tail_is_floored_at_int8",
+    "batch_admission_admits_ragged_cohorts",
+)
 def test_malformed_flag_values_are_named():
     with pytest.raises(ValueError, match="^admission 'maybe' must be 'refuse' or 'grant'$"):
         batch_admission_admits_ragged_cohorts("maybe")
@@ -321,11 +355,13 @@ def test_malformed_flag_values_are_named():
         mtp_tail_isq("Q7_7", False)
 
 
+@pytest.mark.rule("seq_may_draft")
 def test_a_temperature_of_exactly_1e_7_is_not_greedy():
     # only a temperature strictly below 1e-7 folds to greedy
     assert not seq_may_draft(1e-7, None, None, None)
 
 
+@pytest.mark.rule("kv_advance latch")
 def test_the_latch_defaults_to_the_refusing_admission_and_logs_the_grant():
     latch = KvAdvanceLatch(requested=True, xs_per_seq=True)  # admission left at its default
     assert latch.kv_advance(v4_cache()) is KvAdvance.COHORT

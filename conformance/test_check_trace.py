@@ -10,19 +10,17 @@ and advance rule, eager and lazy strip) is clean and its replay matches.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from raggedspec import trace_bugs
 from raggedspec.check_trace import check, exit_code
-from raggedspec.cli import main
+from raggedspec.conformance.helpers import run_cli as cli
+from raggedspec.conformance.strategies import simulator_scenarios
 from raggedspec.trace_rules import RULES
 from raggedspec.reference import lengths, simulator
 from raggedspec.reference.scenario import load_scenario
@@ -31,13 +29,6 @@ from raggedspec.reference.trace_reader import read_trace_strict
 
 TRACES = Path(__file__).parent / "traces"
 GRANTED = {"advance": "per-sequence", "world": "WB", "admission": "grant", "xs_per_seq": True}
-
-
-def cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 def violated(result: dict) -> dict[str, int]:
@@ -79,11 +70,13 @@ FIXTURE_RULES = {
 }
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_every_bug_class_has_a_fixture():
     assert set(FIXTURE_RULES) == set(trace_bugs.BUGS)
     assert {p.stem for p in TRACES.glob("*.jsonl")} == set(FIXTURE_RULES)
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 @pytest.mark.parametrize("name", sorted(FIXTURE_RULES))
 def test_each_fixture_is_flagged_by_the_rule_it_breaks_and_by_no_other(name):
     path = TRACES / f"{name}.jsonl"
@@ -95,6 +88,7 @@ def test_each_fixture_is_flagged_by_the_rule_it_breaks_and_by_no_other(name):
     assert code == 1 and all(f": {rule} [" in out for rule in FIXTURE_RULES[name])
 
 
+@pytest.mark.rule("raggedspec check-trace")
 @pytest.mark.parametrize("name", sorted(FIXTURE_RULES))
 def test_the_fixtures_are_what_the_bugged_lengths_model_writes(name):
     assert (TRACES / f"{name}.jsonl").read_text().splitlines() == lines_of(
@@ -102,6 +96,7 @@ def test_the_fixtures_are_what_the_bugged_lengths_model_writes(name):
     )
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_the_gallery_shows_the_checkers_current_output():
     doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
     for name in FIXTURE_RULES:
@@ -113,6 +108,7 @@ def test_the_gallery_shows_the_checkers_current_output():
         assert f"| `{rule.id}` | {rule.spec} | {rule.invariant} |" in doc
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_without_the_bug_the_fixture_scenarios_are_clean():
     """(The no-strip class's bug is its scenario's strip "none": without it, the claimed eager.)"""
     for name, (changes, _bug, claimed) in trace_bugs.BUGS.items():
@@ -123,39 +119,7 @@ def test_without_the_bug_the_fixture_scenarios_are_clean():
 
 # ------------------------------------------------------------------ simulator traces pass
 
-scenarios = st.fixed_dictionaries(
-    {
-        "batch": st.integers(1, 8),
-        "prompt_len": st.tuples(st.integers(1, 10), st.integers(0, 6)).map(
-            lambda t: [t[0], t[0] + t[1]]
-        ),
-        "max_new_tokens": st.tuples(st.integers(1, 20), st.integers(0, 15)).map(
-            lambda t: [t[0], t[0] + t[1]]
-        ),
-        "steps": st.integers(3, 24),
-        "depth": st.integers(0, 4),
-        "advance": st.sampled_from(["cohort", "per-sequence"]),
-        "world": st.sampled_from(["W0", "WA", "WB"]),
-        "strip": st.sampled_from(["eager", "lazy"]),
-        "admission": st.sampled_from(["grant", "grant", "refuse"]),
-        "xs_per_seq": st.sampled_from([True, True, False]),
-        "arrival": st.sampled_from(["all-at-once", "staggered"]),
-        "max_draft_kv_seqs": st.sampled_from([None, 2, 64]),
-        "acceptance": st.sampled_from(
-            [
-                "geometric:0.7",
-                "profile:0.9,0.5,0.3",
-                "all-accept",
-                "all-reject",
-                "heterogeneous:0.1,0.95",
-            ]
-        ),
-        "max_seq_len": st.sampled_from([4096, 40]),
-        "max_seqs": st.sampled_from([None, None, 2, 3]),
-        "prefill_max_seqs": st.sampled_from([None, None, 1, 2]),
-        "seed": st.integers(0, 50),
-    }
-)
+scenarios = simulator_scenarios(8, 24, ("eager", "lazy"))
 
 
 def assert_clean(trace) -> None:
@@ -167,6 +131,7 @@ def assert_clean(trace) -> None:
     assert {"lead", "uniform-no-lead"} <= ran
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 @given(data=scenarios)
 def test_every_lengths_mode_trace_is_clean_and_replays_exactly(data):
     """Strip "none" is left out: it is the negative control, the no-strip fixture."""
@@ -180,12 +145,14 @@ def test_every_lengths_mode_trace_is_clean_and_replays_exactly(data):
         assert csv_result["violations"] == [] and not csv_result["replay"].get("diverged")
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 @settings(max_examples=15)
 @given(data=scenarios)
 def test_every_tensor_mode_trace_is_clean_and_replays_exactly(data):
     assert_clean(simulator.run(load_scenario(data)))
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_property_reaches_both_advance_rules_every_world_and_failed_steps():
     """The generated runs exercise what the rules read: per-sequence and cohort steps, defer
     steps, failed steps, shattered W0 batches; each rule that the simulator's fields feed ran."""
@@ -224,6 +191,7 @@ def decode_step(t: int, rows: list[dict], advance: str = "per-sequence") -> dict
     return {"type": "step", "step": t, "phase": "decode", "advance": advance, "rows": rows}
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_a_rule_runs_only_where_its_fields_are_present(tmp_path):
     path = write_lines(
         tmp_path / "min.jsonl",
@@ -236,6 +204,7 @@ def test_a_rule_runs_only_where_its_fields_are_present(tmp_path):
     assert "replay: not run: no scenario" in out
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_per_sequence_rule_falls_back_to_committed_without_u():
     tr = small_run(**GRANTED)
     steps = [
@@ -265,6 +234,7 @@ def _as_trace(steps: list[dict]):
     return tr
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_a_cohort_row_that_advances_on_its_own_is_flagged():
     tr = small_run(depth=0, world="W0")
     steps = [dict(s) for s in tr.steps()]
@@ -280,6 +250,7 @@ def test_a_cohort_row_that_advances_on_its_own_is_flagged():
     )
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_extension_rules_q0_dead_cols_and_accepted_pos():
     rows0 = [
         {
@@ -319,6 +290,7 @@ def test_the_extension_rules_q0_dead_cols_and_accepted_pos():
     assert violated(cohort) == {"q0": 1}  # a cohort row's position is the batch width, 12
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_accepted_beyond_drafted_and_commit_are_flagged():
     rows = [
         {"seq": 0, "own_len": 10, "drafted": 2, "accepted": 3, "committed": 4},
@@ -336,6 +308,7 @@ def test_accepted_beyond_drafted_and_commit_are_flagged():
 # ------------------------------------------------------------------------------ the CLI
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     tr = small_run(**GRANTED)
     path = tmp_path / "t.jsonl"
@@ -351,7 +324,7 @@ def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     assert cli("check-trace", str(tmp_path / "nope.jsonl"))[0] == 2
     assert cli("check-trace", str(path), "--json", str(tmp_path))[0] == 2
     code, _, err = cli("check-trace", str(path), "--json", str(path / "r.json"))
-    assert code == 2 and "cannot write it" in err and path.read_bytes() == before
+    assert code == 2 and "is a file, not a folder" in err and path.read_bytes() == before
     assert cli("check-trace", str(path), "--scenario", str(tmp_path / "nope.toml"))[0] == 2
     bad = write_lines(
         tmp_path / "bad.jsonl", [json.dumps({"step": 0, "rows": [{"seq": 0, "own_len": -3}]})]
@@ -364,6 +337,7 @@ def test_check_trace_exit_codes_json_and_no_clobbering(tmp_path):
     )
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_check_trace_replays_a_headerless_csv_with_a_scenario_file(tmp_path):
     data = {
         "batch": 3,
@@ -401,6 +375,7 @@ def test_check_trace_replays_a_headerless_csv_with_a_scenario_file(tmp_path):
     assert code == 1 and "replay: diverged at step" in out and "seq req-" in out
 
 
+@pytest.mark.rule("raggedspec check-trace")
 def test_a_header_scenario_that_does_not_load_is_bad_usage(tmp_path):
     head = {"type": "header", "schema": "raggedspec-trace", "version": 1, "scenario": {"batch": 0}}
     path = write_lines(
@@ -428,6 +403,7 @@ def findings_commands() -> list[tuple[list[str], list[str]]]:
     return out
 
 
+@pytest.mark.rule("raggedspec check-trace")
 @pytest.mark.parametrize("argv, shown", findings_commands(), ids=lambda x: " ".join(x)[:60])
 def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
     root = Path(__file__).parent.parent  # the docs' paths are the checkout's, whatever the cwd
@@ -441,6 +417,7 @@ def test_the_findings_show_what_their_commands_print(tmp_path, argv, shown):
     assert code == (1 if "refused:" in " ".join(shown) else 0)
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_remaining_branches_of_the_rules_fail_when_broken():
     # lead identity; a ragged batch with no zero lead; committed above accepted + 1
     rows = [
@@ -467,6 +444,7 @@ def test_the_remaining_branches_of_the_rules_fail_when_broken():
     )
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_group_count_reads_the_row_keys_when_the_step_has_no_groups():
     rows = [{"seq": i, "own_len": 10 + i, "u": 1, "group": [1, i]} for i in range(4)]
     sc = load_scenario({"batch": 4, "depth": 2})
@@ -477,6 +455,7 @@ def test_the_group_count_reads_the_row_keys_when_the_step_has_no_groups():
     )
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_replay_does_not_run_on_ids_it_cannot_match():
     sc = load_scenario({"batch": 2})
     mixed = [decode_step(0, [{"seq": 0, "own_len": 4}, {"seq": "b", "own_len": 4}])]
@@ -486,6 +465,7 @@ def test_the_replay_does_not_run_on_ids_it_cannot_match():
     assert reason == "seq 5 (first at step 0) has no request in the scenario (2 requests)"
 
 
+@pytest.mark.rule("the spec's rules applied to a trace")
 def test_the_schema_extension_example_in_docs_trace_md_is_clean(tmp_path):
     doc = (Path(__file__).parent.parent / "docs" / "trace.md").read_text()
     block = doc.split("### Schema extensions")[1].split("```json\n")[1].split("\n```")[0]
@@ -496,3 +476,76 @@ def test_the_schema_extension_example_in_docs_trace_md_is_clean(tmp_path):
     result = check(read_trace_strict(path))
     ran = {r["id"] for r in result["rules"] if r["ran"]}
     assert result["violations"] == [] and {"q0", "dead-cols", "accepted-prefix"} <= ran
+
+
+# ------------------------------------------------------------- every finding sets the verdict
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_replay_that_diverges_while_no_rule_fires_exits_1(tmp_path):
+    """Each kind of finding sets the exit code on its own: here every rule holds (the trace
+    is the reference's own), but the header's scenario has other prompt lengths, so the
+    replay parts from the trace at its first step."""
+    tr = small_run(**GRANTED)
+    path = tmp_path / "t.jsonl"
+    write_jsonl(tr, path)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["scenario"]["prompt_len"] = [30, 40]
+    write_lines(path, [json.dumps(header), *lines[1:]])
+    code, out, _ = cli("check-trace", path, "--json", tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["violations"] == [] and data["replay"]["diverged"] is True
+    assert code == 1 and data["exit"] == 1 and "replay: diverged at step" in out
+    assert "first broken rule" not in out
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_violated_rule_without_a_replay_exits_1(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    code, out, _ = cli("check-trace", path, "--json", tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["replay"]["ran"] is False and data["violations"]
+    assert code == 1 and data["exit"] == 1 and "replay: not run" in out
+
+
+# ---------------------------------------------------------------- the first broken rule first
+
+# A per-sequence engine whose KV advance is uniform (every row by the batch's smallest commit,
+# 1) while its scheduler tracks the true positions: at step 1 seq 0's own length is 11 where
+# 10 + u 1 + accepted 3 = 14 was due, and its chain start is computed from 14. The broken rule
+# is the advance (read from step 0); the chain start is what it causes.
+UNIFORM_ADVANCE = [
+    decode_step(0, [{"seq": 0, "own_len": 10, "u": 1, "accepted": 3, "committed": 4,
+                     "chain_start": 9},
+                    {"seq": 1, "own_len": 10, "u": 1, "accepted": 0, "committed": 1,
+                     "chain_start": 9}]),
+    decode_step(1, [{"seq": 0, "own_len": 11, "u": 1, "accepted": 0, "committed": 1,
+                     "chain_start": 13},
+                    {"seq": 1, "own_len": 11, "u": 1, "accepted": 0, "committed": 1,
+                     "chain_start": 10}]),
+]
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_first_broken_rule_is_listed_before_what_it_causes(tmp_path):
+    result = check(_as_trace(UNIFORM_ADVANCE))
+    order = [(v["step"], v["rule"]) for v in result["violations"]]
+    assert order == [(1, "per-sequence-advance"), (1, "chain-start")]
+    assert result["violations"][0]["origin"] == 0
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    code, out, _ = cli("check-trace", path, "--limit", "1")
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[1].startswith("first broken rule: per-sequence-advance [plan_per_sequence_step")
+    assert "at step 1 seq 0 (from step 0)" in lines[1] and "chain-start broke later" in lines[1]
+    assert lines[2].startswith("step 1 seq 0: per-sequence-advance")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_check(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    code, out, err = cli("check-trace", path, "--json", "/proc/nope/r.json")
+    assert code == 2 and out == "" and "--json /proc/nope/r.json" in err
+    assert "cannot write there" in err

@@ -1,310 +1,58 @@
-"""Draft KV and the draft chain (cache-and-draft.md §7, §10.2, §17.2, §18). The group drafting
-loop (§9.3, §16) is in test_draft_loop.py.
+"""The draft KV (cache-and-draft.md §1, §7, §17.2, §18): the per-sequence `DraftKv` state and its
+LRU map, what a draft-KV slot holds, `extend_draft_cache`, `extend_draft_kv_row`'s checks 1-13
+in order (the worked examples of §7.3 and §16), the batch loop `extend_draft_kvs` and
+prompt-time priming, on the reference. test_draft_extension.py runs the same rule on the
+torch port against it.
 
-Tolerance: a row drafted inside a ragged group must give the same per-step hidden as that
-row drafted alone to `1e-12 * max(1, max|x|)` (float64; the batched softmax additionally sums
-exactly-zero terms for the masked dead prefix, which may change summation blocking, ~1e-16),
-and exactly the same tokens.
+Expected values come from the rules' statements (`p = L - 2` seeds when `L >= 2`, writes
+`[max(filled, off), min(off + T, sat(L - 1)))`, one clock tick per checkin) and from an oracle
+of a slot's K written here from the MTP layer's documented steps; float64 within
+`1e-12 * max(1, max|x|)` (`helpers.close`).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from raggedspec.reference.align import drop_dead_prefix, front_align_draft_group, split_draft_cache
-from raggedspec.reference.attention import dsv4_mask_stats, reset_dsv4_mask_stats
-from raggedspec.reference.cache import KvCache
+from raggedspec.conformance.helpers import close, draft_history, rms, rope_at
 from raggedspec.reference.dispatch import CaptureOffsets, MtpHiddenCapture, resolve_capture_offsets
-from raggedspec.reference.draft import (
-    MAX_DRAFT_KV_SEQS,
-    DraftKv,
-    DraftKvMap,
-    argmax_token,
-    extend_draft_cache,
-    extend_draft_kv_row,
-    extend_draft_kvs,
-    group_drafting_loop,
-    prime_draft_kv,
-    propose_chain,
-    propose_chain_batched,
-)
+from raggedspec.reference.draft import MAX_DRAFT_KV_SEQS, DraftKv, DraftKvMap
+from raggedspec.reference.draft import extend_draft_cache, extend_draft_kv_row, extend_draft_kvs
+from raggedspec.reference.draft import extension_span, group_drafting_loop, prime_draft_kv
 from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal
-from raggedspec.reference.model import MtpBlock, ModelConfig, TinyModel
+from raggedspec.reference.model import ModelConfig, TinyModel
 
 MODEL = TinyModel()
 TIER_A = TinyModel(ModelConfig(mtp="heads"))
 H, V = MODEL.cfg.hidden, MODEL.cfg.vocab
-EPS = MODEL.cfg.eps
-
-
-def close(a, b, rel: float = 1e-12) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return bool(np.all(np.abs(a - b) <= rel * max(1.0, float(np.max(np.abs(b))))))
-
-
-def my_rms(x, gain):
-    return x / np.sqrt((x ** 2).mean(axis=-1, keepdims=True) + EPS) * gain
-
-
-def my_rope(vec, pos, rope_dims, theta):
-    out = vec.copy()
-    d0 = vec.shape[-1] - rope_dims
-    for k in range(rope_dims // 2):
-        ang = pos * theta ** (-(2.0 * k) / rope_dims)
-        a, b = vec[d0 + 2 * k], vec[d0 + 2 * k + 1]
-        out[d0 + 2 * k] = a * np.cos(ang) - b * np.sin(ang)
-        out[d0 + 2 * k + 1] = a * np.sin(ang) + b * np.cos(ang)
-    return out
 
 
 def oracle_slot_k(h: np.ndarray, tok: int, pos: int) -> np.ndarray:
-    """Independent oracle of draft-KV slot `pos` holding the pair (h, tok): the MTP layer's
-    K is token-local (no attention): RoPE_pos(kv_norm(attn_norm(fused) @ wkv))."""
-    block = MODEL.mtp
-    layer = block.layer
-    fused = (
-        my_rms(h, block.hnorm) @ block.heads.h_proj
-        + my_rms(MODEL.embed[tok], block.enorm) @ block.heads.e_proj
-    )
-    kv = my_rms(my_rms(fused, layer.attn_norm) @ layer.wkv, layer.kv_norm)
-    return my_rope(kv, pos, MODEL.cfg.rope_dims, MODEL.cfg.rope_theta)
+    """Draft-KV slot `pos` holding the pair (h, tok), from the MTP layer's documented steps
+    (its K is token-local, no attention): `RoPE_pos(kv_norm(attn_norm(fused) @ wkv))` with
+    `fused = h_proj(hnorm(h)) + e_proj(enorm(embed(tok)))`."""
+    block, layer = MODEL.mtp, MODEL.mtp.layer
+    fused = (rms(h, block.hnorm) @ block.heads.h_proj
+             + rms(MODEL.embed[tok], block.enorm) @ block.heads.e_proj)
+    kv = rms(rms(fused, layer.attn_norm) @ layer.wkv, layer.kv_norm)
+    return rope_at(kv, pos, MODEL.cfg.rope_dims, MODEL.cfg.rope_theta)
 
 
-def history(n: int, seed: int, model: TinyModel = MODEL) -> KvCache:
-    """A draft cache holding n slots written from random pairs."""
-    rng = np.random.default_rng(seed)
-    cache = model.mtp.new_draft_cache()
-    extend_draft_cache(model.mtp, cache, rng.standard_normal((n, model.cfg.hidden)),
-                       rng.integers(0, model.cfg.vocab, n), 0)
-    return cache
+def fresh(filled=4, poisoned=False):
+    return DraftKv(cache=draft_history(MODEL, filled, 3), filled=filled, poisoned=poisoned)
 
 
-def state_with(n_held: int, filled: int, seed_pos: int | None, seed: int) -> DraftKv:
-    rng = np.random.default_rng(1000 + seed)
-    st_ = DraftKv(cache=history(n_held, seed), filled=filled)
-    if seed_pos is not None:
-        st_.seed = (seed_pos, rng.standard_normal(H))
-    return st_
+def cap(offsets, shape):
+    return (CaptureOffsets(offsets), np.zeros(shape))
 
 
-# --- §17.2 argmax and propose_chain ---------------------------------------------------------------
+# --- §7.1 the map ------------------------------------------------------------------------------
 
 
-def test_argmax_token_picks_max():
-    assert argmax_token(np.array([0.1, 0.9, 0.2, 0.5])) == 1
-
-
-def test_propose_chain_returns_depth_tokens():
-    small = TinyModel(ModelConfig(hidden=4, vocab=8))
-    cache = small.mtp.new_draft_cache()
-    chain = propose_chain(small, np.ones(4), 3, depth=3, max_tokens=16, start=0, cache=cache)
-    assert len(chain) == 3 and all(0 <= t < 8 for t in chain)
-    assert cache.current_seq_len == 3
-
-
-@pytest.mark.parametrize("depth, max_tokens, n", [(5, 2, 2), (4, 4, 4), (8, 0, 0), (0, 8, 0)])
-def test_propose_chain_respects_max_tokens_cap(depth, max_tokens, n):
-    cache = MODEL.mtp.new_draft_cache()
-    chain = propose_chain(MODEL, np.ones(H), 1, depth, max_tokens, 0, cache)
-    assert len(chain) == n and cache.current_seq_len == n
-
-
-def test_propose_chain_refuses_a_block_without_a_draft_kv():
-    with pytest.raises(StepRefusal, match="draft KV"):
-        propose_chain(MODEL, np.ones(H), 1, 3, 16, 0, None)
-    with pytest.raises(StepRefusal, match="draft KV"):
-        propose_chain(MODEL, np.ones(H), 1, 0, 16, 0, None)  # whatever n
-    with pytest.raises(StepRefusal, match="draft KV"):
-        propose_chain_batched(MODEL, np.ones((2, H)), [1, 2], 2, [0, 0], None)
-
-
-def test_smoke_a_prefill_of_five_context_positions_then_two_drafts():
-    """masks §22 smoke: prefill of 5 context positions -> cache 5, two drafts -> 7."""
-    rng = np.random.default_rng(4)
-    cache = MODEL.mtp.new_draft_cache()
-    assert (
-        extend_draft_cache(MODEL.mtp, cache, rng.standard_normal((5, H)), [1, 2, 3, 4, 5], 0) == 5
-    )
-    assert cache.current_seq_len == 5
-    assert len(propose_chain(MODEL, rng.standard_normal(H), 5, 2, 16, 5, cache)) == 2
-    assert cache.current_seq_len == 7
-
-
-def test_smoke_a_stale_start_on_an_empty_cache_is_a_desync():
-    with pytest.raises(Refusal) as err:
-        propose_chain(MODEL, np.ones(H), 1, 2, 16, 137, MODEL.mtp.new_draft_cache())
-    assert "desync" in str(err.value) and "137" in str(err.value)
-
-
-def test_propose_chain_batched_empty_cases_and_refusals():
-    cache = history(4, 0)
-    assert propose_chain_batched(MODEL, np.ones((3, H)), [1, 2, 3], 0, [4, 4, 4], cache) == [
-        [],
-        [],
-        [],
-    ]
-    assert propose_chain_batched(MODEL, np.ones((0, H)), [], 3, [], cache) == []
-    assert cache.current_seq_len == 4  # nothing ran
-    with pytest.raises(StepRefusal, match="1 chain start\\(s\\) for a draft group of 2"):
-        propose_chain_batched(MODEL, np.ones((2, H)), [1, 2], 2, [4], cache)
-
-
-def test_the_chain_feeds_the_pre_norm_hidden_and_the_drafted_token_forward():
-    """Oracle loop from the block's primitives: step i runs at start + i on
-    fuse(prev, tok); prev := the pre-norm hidden, tok := argmax lm_head(norm_out(hidden))."""
-    block = MODEL.mtp
-    rng = np.random.default_rng(8)
-    seed_h, last = rng.standard_normal((2, H)), [3, 9]
-    trace: list = []
-    c1 = front_align_draft_group([history(6, 1), history(6, 2)], [6, 6])
-    c2 = front_align_draft_group([history(6, 1), history(6, 2)], [6, 6])
-    chains = propose_chain_batched(MODEL, seed_h, last, 4, [6, 6], c1, trace)
-    prev, toks, want, hs = seed_h, np.array(last), [[], []], []
-    for i in range(4):
-        hidden = block.forward_step(block.fuse(prev[:, None], toks[:, None]), 6 + i, c2)[:, 0]
-        toks = np.array([int(np.argmax(r)) for r in block.logits(hidden)])
-        for r in range(2):
-            want[r].append(int(toks[r]))
-        hs.append(hidden)
-        prev = hidden
-    assert chains == want
-    assert all(np.array_equal(a, b) for a, b in zip(trace, hs, strict=False))
-    assert c1.current_seq_len == 10 and np.array_equal(c1.k.current_data(), c2.k.current_data())
-
-
-def test_a_tier_a_chain_uses_no_position_and_no_cache():
-    rng = np.random.default_rng(2)
-    seed_h = rng.standard_normal((2, H))
-    chains = propose_chain_batched(TIER_A, seed_h, [1, 2], 3, [100, 5], None)
-    heads = TIER_A.mtp_heads
-    prev, toks, want = seed_h, np.array([1, 2]), [[], []]
-    for _ in range(3):
-        fused = prev @ heads.h_proj + TIER_A.embed[toks] @ heads.e_proj
-        toks = np.argmax(fused @ TIER_A.lm_head, axis=1)
-        for r in range(2):
-            want[r].append(int(toks[r]))
-        prev = fused
-    assert chains == want
-    assert propose_chain(TIER_A, seed_h[0], 1, 3, 16, 999, None) == want[0]
-
-
-# --- the chain's dispatch: uniform vs per-row
-# ------------------------------------------------------
-
-
-class StepSpy:
-    def __init__(self, monkeypatch):
-        self.scalar: list[int] = []
-        self.rows: list[list[int]] = []
-        self.entry_len: list[int] = []
-        spy = self
-        orig_step, orig_rows = MtpBlock.forward_step, MtpBlock.forward_step_rows
-
-        def forward_step(block, fused, pos, cache):
-            spy.scalar.append(pos)
-            return orig_step(block, fused, pos, cache)
-
-        def forward_step_rows(block, fused, positions, cache):
-            spy.rows.append(list(positions))
-            return orig_rows(block, fused, positions, cache)
-
-        monkeypatch.setattr(MtpBlock, "forward_step", forward_step)
-        monkeypatch.setattr(MtpBlock, "forward_step_rows", forward_step_rows)
-
-
-def test_a_uniform_draft_group_never_reaches_the_ragged_chain_path(monkeypatch):
-    spy = StepSpy(monkeypatch)
-    caches = [history(9, s) for s in range(3)]
-    batched = front_align_draft_group(caches, [7, 7, 7])
-    reset_dsv4_mask_stats()
-    propose_chain_batched(MODEL, np.ones((3, H)), [1, 2, 3], 3, [7, 7, 7], batched)
-    assert spy.scalar == [7, 8, 9] and spy.rows == []
-    assert dsv4_mask_stats["ragged"] == 0
-
-
-def test_a_ragged_draft_group_runs_every_step_at_each_rows_own_position(monkeypatch):
-    spy = StepSpy(monkeypatch)
-    caches = [history(9, s) for s in range(3)]
-    batched = front_align_draft_group(caches, [7, 4, 6])
-    reset_dsv4_mask_stats()
-    propose_chain_batched(MODEL, np.ones((3, H)), [1, 2, 3], 3, [7, 4, 6], batched)
-    assert spy.scalar == [] and spy.rows == [[7, 4, 6], [8, 5, 7], [9, 6, 8]]
-    assert dsv4_mask_stats["ragged"] == 3
-    assert batched.current_seq_len == 10  # max(starts) + n
-
-
-@given(st.data())
-def test_a_ragged_draft_group_drafts_each_row_as_if_alone(data):
-    g = data.draw(st.integers(1, 4), label="G")
-    starts = data.draw(st.lists(st.integers(1, 14), min_size=g, max_size=g), label="starts")
-    tails = data.draw(
-        st.lists(st.integers(0, 3), min_size=g, max_size=g), label="speculative tails"
-    )
-    n = data.draw(st.integers(1, 4), label="n")
-    seed = data.draw(st.integers(0, 2 ** 31), label="seed")
-    rng = np.random.default_rng(seed)
-    seeds, lasts = rng.standard_normal((g, H)), rng.integers(0, V, g)
-    caches = [history(s + t, seed + r) for r, (s, t) in enumerate(zip(starts, tails, strict=False))]
-    batched = front_align_draft_group(caches, starts)
-    trace: list = []
-    chains = propose_chain_batched(MODEL, seeds, lasts, n, starts, batched, trace)
-    leads = [max(starts) - s for s in starts]
-    pieces = split_draft_cache(batched, g)
-    for r in range(g):
-        alone_cache = caches[r].clone()
-        alone_cache.set_len(starts[r])
-        alone_trace: list = []
-        alone = propose_chain_batched(
-            MODEL, seeds[r : r + 1], lasts[r : r + 1], n, [starts[r]], alone_cache, alone_trace
-        )
-        assert chains[r] == alone[0]
-        for step in range(n):
-            assert close(trace[step][r], alone_trace[step][0]), f"row {r} step {step}"
-        drop_dead_prefix(pieces[r], leads[r])
-        assert pieces[r].current_seq_len == starts[r] + n
-        assert close(pieces[r].k.current_data(), alone_cache.k.current_data())
-    # the same group through the group loop (u = 1, w = n + 1, own KV = start + 1)
-    states = [
-        DraftKv(cache=c, filled=s, seed=(s, seeds[r]))
-        for r, (c, s) in enumerate(zip(caches, starts, strict=False))
-    ]
-    toks = [[0] * s + [int(lasts[r])] for r, s in enumerate(starts)]
-    warnings: list[str] = []
-    drafts = group_drafting_loop(
-        MODEL,
-        {(1, 0): list(range(g))},
-        states,
-        toks,
-        [s + 1 for s in starts],
-        [99] * g,
-        n + 1,
-        True,
-        warnings,
-    )
-    unbatchable = (
-        g > 1
-        and len(set(starts)) == 1
-        and len({(c.current_seq_len, c.k.capacity_seq_len) for c in caches}) > 1
-    )
-    if unbatchable:  # a uniform group takes batch_draft_caches, which refuses unequal histories
-        assert (
-            drafts == [[]] * g
-            and len(warnings) == 1
-            and all(st_.filled == s for st_, s in zip(states, starts, strict=False))
-        )
-    else:
-        assert drafts == chains and warnings == []
-        assert [st_.filled for st_ in states] == [s + 1 for s in starts]
-        assert [st_.cache.current_seq_len for st_ in states] == [s + n for s in starts]
-
-
-# --- §7.1 the map
-# ------------------------------------------------------------------------------------
-
-
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_checkout_creates_a_fresh_state_with_an_empty_draft_cache():
     m = DraftKvMap(MODEL.mtp)
     s = m.checkout_draft_kv("a")
@@ -313,6 +61,7 @@ def test_checkout_creates_a_fresh_state_with_an_empty_draft_cache():
     assert DraftKvMap(None).checkout_draft_kv("a").cache is None  # Tier A
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_checkout_removes_an_existing_entry_and_checkin_reinserts_it():
     m = DraftKvMap(MODEL.mtp)
     s = m.checkout_draft_kv("a")
@@ -323,6 +72,7 @@ def test_checkout_removes_an_existing_entry_and_checkin_reinserts_it():
     assert again is s and again.filled == 5 and len(m.entries) == 0
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_checkin_evicts_the_least_recently_used_beyond_64():
     assert MAX_DRAFT_KV_SEQS == 64
     m = DraftKvMap(MODEL.mtp)
@@ -335,6 +85,17 @@ def test_checkin_evicts_the_least_recently_used_beyond_64():
     assert stamps == sorted(stamps)
 
 
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
+def test_each_checkin_ticks_the_clock_once_from_zero():
+    m = DraftKvMap(MODEL.mtp)
+    a, b = DraftKv(cache=None), DraftKv(cache=None)
+    m.checkin("a", a)
+    m.checkin("b", b)
+    assert (a.last_used, b.last_used) == (1, 2)
+    assert m.drop_draft_kv("absent") is None and sorted(m.entries) == ["a", "b"]
+
+
+@pytest.mark.rule("DraftKv and the map: checkout, LRU checkin, drop, clear")
 def test_drop_removes_and_flushes_and_clear_empties_the_whole_map():
     m = DraftKvMap(MODEL.mtp)
     for i in range(3):
@@ -346,20 +107,74 @@ def test_drop_removes_and_flushes_and_clear_empties_the_whole_map():
     assert m.entries == {}
 
 
-# --- §7.2 extend_draft_kv_row
-# ----------------------------------------------------------------------
+# --- §1 what a slot holds, and extend_draft_cache ---------------------------------------------
 
 
+@pytest.mark.rule("draft-KV slot invariant: slot k holds (h_k, tok_{k+1}) at absolute k")
+def test_draft_kv_slot_k_is_the_mtp_state_of_its_pair_at_position_k():
+    """Two extensions (slots 0..3, then 4..5): every slot's K and V are the oracle's of its own
+    pair at its absolute position."""
+    rng = np.random.default_rng(9)
+    h, nxt = rng.standard_normal((6, H)), rng.integers(0, V, 6)
+    cache = MODEL.mtp.new_draft_cache()
+    extend_draft_cache(MODEL.mtp, cache, h[:4], nxt[:4], 0)
+    extend_draft_cache(MODEL.mtp, cache, h[4:], nxt[4:], 4)
+    assert cache.current_seq_len == 6
+    for k in range(6):
+        want = oracle_slot_k(h[k], nxt[k], k)
+        assert close(cache.k.data[0, 0, k], want) and close(cache.v.data[0, 0, k], want)
+
+
+@pytest.mark.rule("extend_draft_cache")
+def test_extend_draft_cache_without_a_block_tokens_or_alignment():
+    """No block: the cache's length (0 without a cache); no tokens: `start`, nothing run; a
+    start that is not the cache's length: "desync"."""
+    cache = draft_history(MODEL, 5, 0)
+    assert extend_draft_cache(None, cache, np.zeros((2, H)), [1, 2], 5) == 5
+    assert extend_draft_cache(None, None, np.ones((2, H)), [1, 2], 7) == 0
+    assert extend_draft_cache(MODEL.mtp, cache, np.zeros((0, H)), [], 9) == 9
+    assert cache.current_seq_len == 5
+    with pytest.raises(Refusal, match="desync"):
+        extend_draft_cache(MODEL.mtp, cache, np.zeros((1, H)), [1], 4)
+
+
+@pytest.mark.rule("extend_draft_cache")
+def test_extend_draft_cache_checks_the_hidden_rows():
+    cache = MODEL.mtp.new_draft_cache()
+    with pytest.raises(ValueError, match=rf"^hidden \(1, 1, {H}\) must be \[1, H\] for 1 next "
+                                         r"tokens$"):
+        extend_draft_cache(MODEL.mtp, cache, np.ones((1, 1, H)), [1], 0)
+    with pytest.raises(ValueError, match=rf"^hidden \(3, {H}\) must be \[2, H\] for 2 next "
+                                         r"tokens$"):
+        extend_draft_cache(MODEL.mtp, cache, np.ones((3, H)), [1, 2], 0)
+    assert cache.current_seq_len == 0
+
+
+@pytest.mark.rule("extend_draft_cache")
+def test_next_tokens_given_as_a_row_are_read_flattened():
+    rng = np.random.default_rng(6)
+    h, nxt = rng.standard_normal((2, H)), [3, 4]
+    flat, row = MODEL.mtp.new_draft_cache(), MODEL.mtp.new_draft_cache()
+    assert extend_draft_cache(MODEL.mtp, flat, h, nxt, 0) == 2
+    assert extend_draft_cache(MODEL.mtp, row, h, [nxt], 0) == 2
+    assert np.array_equal(row.k.current_data(), flat.k.current_data())
+
+
+# --- §7.2 extend_draft_kv_row ------------------------------------------------------------------
+
+
+@pytest.mark.rule("draft-KV slot invariant: slot k holds (h_k, tok_{k+1}) at absolute k",
+                  "§7.3 worked example (cohort, w=4)")
 def test_the_cohort_worked_example():
     """§7.3: row 1, C=10, u=2, 2 proposed, 1 accepted, L 12 -> 14; filled = 11 -> 13,
     seed (12, h[1,2]), slots 11 and 12 written from hidden rows 1..3 with toks[12..14]."""
     rng = np.random.default_rng(73)
-    state = DraftKv(cache=history(12, 5), filled=11)  # last chain left 10 + 2 entries
+    state = DraftKv(cache=draft_history(MODEL, 12, 5), filled=11)  # the last chain's 10 + 2
     before = state.cache.k.current_data().copy()
     toks = rng.integers(0, V, 14).tolist()
     hidden = rng.standard_normal((2, 4, H))
-    capture = (resolve_capture_offsets([10, 10]), hidden)
-    assert extend_draft_kv_row(state, capture, toks, 1, 2, MODEL) is True
+    assert extend_draft_kv_row(state, (resolve_capture_offsets([10, 10]), hidden), toks, 1, 2,
+                               MODEL) is True
     assert state.filled == 13 and state.cache.current_seq_len == 13
     assert state.seed[0] == 12 and np.array_equal(state.seed[1], hidden[1, 2])
     k = state.cache.k.current_data()
@@ -370,15 +185,17 @@ def test_the_cohort_worked_example():
     assert state.seed[0] == 11 + 3 - 2 and state.filled >= 12
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order",
+                  "extend after the verify forward; Ok(false) / Err poison")
 def test_per_row_capture_offsets_extend_each_row_from_its_own_offset():
     """§16 PerSequence draft side: filled [12, 10], capture offsets [12, 10], hidden [2,4,H];
     A commits 3 (L 13 -> 16), B commits 1 (L 11 -> 12) -> filled [15, 11], seeds at 14, 10."""
     rng = np.random.default_rng(16)
-    a, b = DraftKv(cache=history(14, 1), filled=12), DraftKv(cache=history(12, 2), filled=10)
+    a = DraftKv(cache=draft_history(MODEL, 14, 1), filled=12)
+    b = DraftKv(cache=draft_history(MODEL, 12, 2), filled=10)
     toks = [rng.integers(0, V, 16).tolist(), rng.integers(0, V, 12).tolist()]
     hidden = rng.standard_normal((2, 4, H))
-    capture = (resolve_capture_offsets([12, 10]), hidden)
-    extend_draft_kvs([a, b], capture, toks, 2, MODEL)
+    extend_draft_kvs([a, b], (resolve_capture_offsets([12, 10]), hidden), toks, 2, MODEL)
     assert (a.filled, b.filled) == (15, 11) and not a.poisoned and not b.poisoned
     assert a.seed[0] == 14 and np.array_equal(a.seed[1], hidden[0, 2])
     assert b.seed[0] == 10 and np.array_equal(b.seed[1], hidden[1, 0])
@@ -397,14 +214,7 @@ class NoRowOffsets:
         return None
 
 
-def fresh(filled=4, poisoned=False):
-    return DraftKv(cache=history(filled, 3), filled=filled, poisoned=poisoned)
-
-
-def cap(offsets, shape):
-    return (CaptureOffsets(offsets), np.zeros(shape))
-
-
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 @pytest.mark.parametrize("case, state, capture, row, batch, model, result", [
     ("1 poisoned", fresh(poisoned=True), cap([4], (1, 2, H)), 0, 1, MODEL, False),
     ("1 before 2", fresh(poisoned=True), None, 0, 1, MODEL, False),
@@ -420,13 +230,10 @@ def cap(offsets, shape):
 def test_every_early_return_of_extend_draft_kv_row(case, state, capture, row, batch, model, result):
     before = (state.filled, state.seed, state.cache.current_seq_len)
     assert extend_draft_kv_row(state, capture, list(range(9)), row, batch, model) is result, case
-    assert (
-        state.filled,
-        state.seed,
-        state.cache.current_seq_len,
-    ) == before  # nothing written or seeded
+    assert (state.filled, state.seed, state.cache.current_seq_len) == before  # nothing written
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_capture_of_any_other_rank_is_an_error():
     with pytest.raises(StepRefusal, match="rank 4"):
         extend_draft_kv_row(fresh(), cap([4], (1, 1, 2, H)), list(range(9)), 0, 1, MODEL)
@@ -434,6 +241,7 @@ def test_a_capture_of_any_other_rank_is_an_error():
         extend_draft_kv_row(fresh(), cap([4], (H,)), list(range(9)), 0, 1, MODEL)
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_rank_2_capture_is_a_batch_of_one():
     rng = np.random.default_rng(0)
     state, hidden = fresh(filled=4), rng.standard_normal((3, H))
@@ -443,99 +251,140 @@ def test_a_rank_2_capture_is_a_batch_of_one():
     assert extend_draft_kv_row(fresh(), (CaptureOffsets([4]), hidden), toks, 0, 2, MODEL) is False
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
+def test_extension_span_on_the_shortest_histories():
+    # L = 2: p = 0 is the one pair (h_0, tok_1); the capture from 0 holds it
+    assert extension_span(0, 0, 3, [5, 6]) == (0, 1, 0)
+    # L = 1: no pair has its next token yet, no seed
+    assert extension_span(0, 0, 3, [5]) == (0, 0, None)
+    # L = 0: sat(L - 1) = 0
+    assert extension_span(0, 0, 3, []) == (0, 0, None)
+
+
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_nothing_to_write_keeps_filled_but_may_move_the_seed():
     rng = np.random.default_rng(1)
     state, hidden = fresh(filled=6), rng.standard_normal((1, 3, H))
     # off 3, T 3: positions 3..5 all below filled 6; L = 7 -> p = 5 in [3, 6)
-    assert (
-        extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(7)), 0, 1, MODEL)
-        is True
-    )
+    assert extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(7)), 0, 1,
+                               MODEL) is True
     assert state.filled == 6 and state.cache.current_seq_len == 6
     assert state.seed[0] == 5 and np.array_equal(state.seed[1], hidden[0, 2])
-    # a seed outside the captured block keeps the old seed
-    old = state.seed
-    assert (
-        extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(12)), 0, 1, MODEL)
-        is True
-    )
+    old = state.seed  # a seed outside the captured block keeps the old seed
+    assert extend_draft_kv_row(state, (CaptureOffsets([3]), hidden), list(range(12)), 0, 1,
+                               MODEL) is True
     assert state.seed is old
 
 
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
+def test_nothing_to_write_leaves_a_longer_draft_kv_untouched():
+    state = DraftKv(cache=draft_history(MODEL, 14, 4), filled=12)  # a chain's tail past filled
+    hidden = np.random.default_rng(3).standard_normal((1, 2, H))
+    # off 10, T 2: lo = 12, hi = min(12, L - 1 = 12) = 12: nothing to write
+    assert extend_draft_kv_row(state, (CaptureOffsets([10]), hidden), list(range(13)), 0, 1,
+                               MODEL) is True
+    assert state.filled == 12 and state.cache.current_seq_len == 14
+    assert state.seed[0] == 11 and np.array_equal(state.seed[1], hidden[0, 1])
+
+
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_hi_never_exceeds_l_minus_1():
     """Only pairs (h_i, tok_{i+1}) with i <= L-2 are written: a capture reaching L never
     writes position L-1 (its next token is not committed)."""
-    rng = np.random.default_rng(2)
-    state, hidden = fresh(filled=4), rng.standard_normal((1, 4, H))
-    assert (
-        extend_draft_kv_row(state, (CaptureOffsets([4]), hidden), list(range(8)), 0, 1, MODEL)
-        is True
-    )
+    state, hidden = fresh(filled=4), np.random.default_rng(2).standard_normal((1, 4, H))
+    assert extend_draft_kv_row(state, (CaptureOffsets([4]), hidden), list(range(8)), 0, 1,
+                               MODEL) is True
     assert state.filled == 7 and state.cache.current_seq_len == 7
 
 
-def test_a_failed_truncate_is_an_error_naming_filled():
-    state = DraftKv(cache=history(12, 0), filled=20)  # capacity 16: set_len(20) is refused
-    with pytest.raises(CacheRefusal, match="MTP draft KV truncate to 20 failed"):
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
+def test_a_refused_truncate_names_the_draft_kv_and_filled():
+    state = DraftKv(cache=draft_history(MODEL, 12, 0), filled=20)  # capacity 16: set_len(20)
+    with pytest.raises(CacheRefusal, match=r"^MTP draft KV truncate to 20 failed: "):
         extend_draft_kv_row(state, cap([20], (1, 3, H)), list(range(25)), 0, 1, MODEL)
 
 
-def test_extend_draft_cache_without_a_block_or_tokens():
-    cache = history(5, 0)
-    assert extend_draft_cache(None, cache, np.zeros((2, H)), [1, 2], 5) == 5
-    assert extend_draft_cache(MODEL.mtp, cache, np.zeros((0, H)), [], 9) == 9
-    assert cache.current_seq_len == 5
-    with pytest.raises(Refusal, match="desync"):
-        extend_draft_cache(MODEL.mtp, cache, np.zeros((1, H)), [1], 4)
-
-
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
 def test_a_block_state_without_a_cache_only_advances_filled():
     """Check 11, the (unreachable in practice) cache-less branch: filled = hi, nothing run."""
     state = DraftKv(cache=None, filled=2)
-    assert (
-        extend_draft_kv_row(
-            state, (CaptureOffsets([2]), np.ones((1, 3, H))), list(range(9)), 0, 1, MODEL
-        )
-        is True
-    )
+    assert extend_draft_kv_row(state, (CaptureOffsets([2]), np.ones((1, 3, H))), list(range(9)),
+                               0, 1, MODEL) is True
     assert state.filled == 5 and state.seed is None  # p = 7 is outside [2, 5)
 
 
-def test_a_seeded_tier_a_group_drafts_without_any_cache():
-    """Unspecified, chosen: without a block the loop runs the heads-only chain and writes
-    nothing back (Tier A never gets a seed from the capture, so only a hand-seeded state
-    reaches this)."""
-    s = DraftKv(cache=None, filled=11, seed=(11, np.ones(H)))
-    drafts = group_drafting_loop(
-        TIER_A, {(1, 11): [0]}, [s], [list(range(13))], [12], [9], 4, False
-    )
-    assert (
-        drafts == [propose_chain(TIER_A, np.ones(H), 12, 3, 99, 11, None)] and len(drafts[0]) == 3
-    )
-    assert s.filled == 11 and s.cache is None
-
-
-def test_a_tier_a_row_never_gets_a_seed():
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
+@pytest.mark.parametrize("model, t", [(TIER_A, 5), (SimpleNamespace(), 3)],
+                         ids=["tier_a", "no_mtp_attribute"])
+def test_a_tier_a_row_never_gets_a_seed(model, t):
+    """Check 3 before the seed stash: a heads-only model, or a model without an `mtp`
+    attribute, is Tier A."""
     state = DraftKv(cache=None)
-    hidden = np.ones((1, 5, H))
-    assert (
-        extend_draft_kv_row(state, (CaptureOffsets([0]), hidden), list(range(6)), 0, 1, TIER_A)
-        is True
-    )
+    assert extend_draft_kv_row(state, (CaptureOffsets([0]), np.ones((1, t, H))),
+                               list(range(t + 1)), 0, 1, model) is True
     assert state.seed is None and state.filled == 0
 
 
-# --- §7.4 prompt priming
-# ------------------------------------------------------------------------------
+@pytest.mark.rule("extend_draft_kv_row checks 1-13 in order")
+def test_the_seed_is_kept_as_float64():
+    state = DraftKv(cache=draft_history(MODEL, 4, 2), filled=4)
+    hidden = np.random.default_rng(4).standard_normal((1, 3, H)).astype(np.float32)
+    assert extend_draft_kv_row(state, (CaptureOffsets([4]), hidden), list(range(8)), 0, 1,
+                               MODEL) is True
+    assert state.seed[0] == 6 and state.seed[1].dtype == np.float64
+    assert np.array_equal(state.seed[1], hidden[0, 2].astype(np.float64))
 
 
+# --- §16 step 10: the batch loop --------------------------------------------------------------
+
+
+@pytest.mark.rule("extend after the verify forward; Ok(false) / Err poison")
+def test_an_extension_error_poisons_only_that_row():
+    good, bad = fresh(filled=4), DraftKv(cache=draft_history(MODEL, 12, 0), filled=20)
+    warnings: list[str] = []
+    extend_draft_kvs([good, bad], (CaptureOffsets([4, 20]), np.zeros((2, 3, H))),
+                     [list(range(9)), list(range(25))], 2, MODEL, warnings)
+    assert bad.poisoned and not good.poisoned and good.filled == 7
+    assert len(warnings) == 1 and "row 1" in warnings[0] and "truncate to 20" in warnings[0]
+
+
+@pytest.mark.rule("extend_draft_cache")
+def test_rows_after_a_missing_or_failed_state_are_extended():
+    hidden = np.zeros((3, 3, H))
+    toks = [list(range(25)), list(range(9)), list(range(9))]
+    after_none = DraftKv(cache=draft_history(MODEL, 4, 3), filled=4)
+    extend_draft_kvs([None, after_none, None], (CaptureOffsets([4]), hidden), toks, 3, MODEL)
+    assert after_none.filled == 7 and not after_none.poisoned
+    failing = DraftKv(cache=draft_history(MODEL, 12, 0), filled=20)  # the truncate is refused
+    after_fail = DraftKv(cache=draft_history(MODEL, 4, 3), filled=4)
+    warnings: list[str] = []
+    extend_draft_kvs([failing, after_fail, None], (CaptureOffsets([20, 4, 4]), hidden), toks, 3,
+                     MODEL, warnings)
+    assert failing.poisoned and after_fail.filled == 7 and not after_fail.poisoned
+    assert len(warnings) == 1 and warnings[0].startswith("row 0: draft KV extension failed (")
+
+
+@pytest.mark.rule("extend_draft_cache")
+def test_a_misaligned_row_is_warned_by_its_index():
+    ok = DraftKv(cache=draft_history(MODEL, 4, 3), filled=4)
+    late = DraftKv(cache=draft_history(MODEL, 2, 3), filled=2)
+    warnings: list[str] = []
+    extend_draft_kvs([ok, late], (CaptureOffsets([4, 4]), np.zeros((2, 3, H))),
+                     [list(range(9))] * 2, 2, MODEL, warnings)
+    assert late.poisoned and not ok.poisoned
+    assert warnings == ["row 1: capture misaligned with the draft KV; draft KV poisoned"]
+
+
+# --- §7.4 prompt priming -----------------------------------------------------------------------
+
+
+@pytest.mark.rule("prompt-time priming")
 def test_prompt_priming_fills_l_minus_1_and_seeds_l_minus_2():
     rng = np.random.default_rng(74)
     prompts = rng.integers(0, V, (2, 7))
     capture = MtpHiddenCapture()
     capture.arm()
-    cache = MODEL.new_cache()
-    fwd = MODEL.forward(prompts, cache, [0], capture=capture)
+    fwd = MODEL.forward(prompts, MODEL.new_cache(), [0], capture=capture)
     sampled = [int(np.argmax(fwd.logits[i, -1])) for i in range(2)]
     toks = [prompts[i].tolist() + [sampled[i]] for i in range(2)]  # L = 8 each
     m = DraftKvMap(MODEL.mtp)
@@ -548,48 +397,20 @@ def test_prompt_priming_fills_l_minus_1_and_seeds_l_minus_2():
         assert s.seed[0] == 6 and np.array_equal(s.seed[1], fwd.hidden[i, 6])
         assert close(s.cache.k.data[0, 0, 3], oracle_slot_k(fwd.hidden[i, 3], toks[i][4], 3))
     # the next decode step (C = 7, u = 1) can draft: its chain start is the seed
-    drafts = group_drafting_loop(
-        MODEL, {(1, 6): [0, 1]}, states, toks, [7, 7], [100, 100], 4, False
-    )
+    drafts = group_drafting_loop(MODEL, {(1, 6): [0, 1]}, states, toks, [7, 7], [100, 100], 4,
+                                 False)
     assert [len(d) for d in drafts] == [3, 3]
-    assert [s.filled for s in states] == [7, 7] and [s.cache.current_seq_len for s in states] == [
-        9,
-        9,
-    ]
+    assert [s.filled for s in states] == [7, 7]
+    assert [s.cache.current_seq_len for s in states] == [9, 9]
 
 
+@pytest.mark.rule("prompt-time priming")
 def test_a_prefix_cache_hit_poisons_the_sequence_for_good():
     state = DraftKvMap(MODEL.mtp).checkout_draft_kv("p")
     warnings: list[str] = []
-    prime_draft_kv(
-        [state],
-        (resolve_capture_offsets([5]), np.zeros((1, 3, H))),
-        list(range(9)),
-        1,
-        MODEL,
-        warnings,
-    )
+    prime_draft_kv([state], (resolve_capture_offsets([5]), np.zeros((1, 3, H))),
+                   list(range(9)), 1, MODEL, warnings)
     assert state.poisoned and state.filled == 0 and state.seed is None
     assert len(warnings) == 1 and "prefix-cache hit / chunked prefill" in warnings[0]
-    assert (
-        extend_draft_kv_row(
-            state, (resolve_capture_offsets([0]), np.zeros((1, 3, H))), list(range(4)), 0, 1, MODEL
-        )
-        is False
-    )
-
-
-def test_an_extension_error_poisons_only_that_row():
-    good, bad = fresh(filled=4), DraftKv(cache=history(12, 0), filled=20)
-    warnings: list[str] = []
-    hidden = np.zeros((2, 3, H))
-    extend_draft_kvs(
-        [good, bad],
-        (CaptureOffsets([4, 20]), hidden),
-        [list(range(9)), list(range(25))],
-        2,
-        MODEL,
-        warnings,
-    )
-    assert bad.poisoned and not good.poisoned and good.filled == 7
-    assert len(warnings) == 1 and "row 1" in warnings[0] and "truncate to 20" in warnings[0]
+    assert extend_draft_kv_row(state, (resolve_capture_offsets([0]), np.zeros((1, 3, H))),
+                               list(range(4)), 0, 1, MODEL) is False

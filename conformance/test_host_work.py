@@ -14,7 +14,9 @@ from raggedspec.host_work import count_decode_steps
 READ_BUDGET = 32
 
 
-@pytest.mark.parametrize("advance", ["per-sequence", "cohort"])
+@pytest.mark.rule("host work per decode step, port")
+@pytest.mark.parametrize("advance", [pytest.param("per-sequence", marks=pytest.mark.slow),
+                                     "cohort"])
 def test_host_reads_per_decode_step_are_flat_in_the_batch(advance):
     small, large = (count_decode_steps(b, advance, steps=4) for b in (2, 16))
     assert large["reads_per_step"] <= small["reads_per_step"], (small, large)
@@ -22,6 +24,7 @@ def test_host_reads_per_decode_step_are_flat_in_the_batch(advance):
     assert large["ops_per_step"] <= 1.5 * small["ops_per_step"], (small, large)
 
 
+@pytest.mark.rule("host work per decode step, port")
 def test_the_counter_sees_a_read_per_row():
     """Negative control: a step path that reads one length per row is counted as such."""
     import torch

@@ -8,6 +8,7 @@ The import graph is read from the source with `ast` (nothing is imported to buil
 
 from __future__ import annotations
 
+import pytest
 import ast
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.rule("the wheel and the package layout")
 def test_every_import_goes_through_the_raggedspec_name():
     flat = ("reference", "gpu", "conformance", "mutation")
     offenders = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p, strip=False)
@@ -75,6 +77,7 @@ def test_every_import_goes_through_the_raggedspec_name():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+@pytest.mark.rule("the wheel and the package layout")
 def test_the_reference_never_imports_the_port_or_the_tools():
     offenders = {p.name: sorted(m for m in imported_modules(p, strip=False)
                                 if m.startswith(("raggedspec.gpu", "raggedspec.conformance"))
@@ -84,10 +87,12 @@ def test_the_reference_never_imports_the_port_or_the_tools():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+@pytest.mark.rule("the wheel and the package layout")
 def test_the_reference_modules_import_each_other_without_a_cycle():
     assert find_cycle(reference_graph()) is None
 
 
+@pytest.mark.rule("the wheel and the package layout")
 def test_the_cycle_finder_finds_a_planted_cycle_and_a_lazy_import(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -37,6 +37,7 @@ def _expected(batch: L.VerifyBatch, x) -> L.VerifyBatch:
     return zeroed
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 @settings(max_examples=60)
 @given(drawn=LAYOUT_CASES, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_round_trip(drawn, dtype):
@@ -56,6 +57,7 @@ def test_round_trip(drawn, dtype):
             assert x == y, f
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 @settings(max_examples=40)
 @given(drawn=LAYOUT_CASES)
 def test_output_round_trip(drawn):
@@ -87,6 +89,7 @@ def _example() -> L.VerifyBatch:
     return L.VerifyBatch(q, k, k.clone(), q_lens, kv_lens, window=3)
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_worked_example_varlen():
     x = L.to_varlen(_example())
     assert x.cu_seqlens_q.tolist() == [0, 2, 2, 3] and x.cu_seqlens_k.tolist() == [0, 5, 8, 9]
@@ -95,6 +98,7 @@ def test_worked_example_varlen():
     assert x.q[:, 0, 0].tolist() == [3, 4, 20]
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_worked_example_kvcache():
     dense = L.to_kvcache(_example())
     assert dense.cache_leftpad.tolist() == [0, 2, 4] and dense.cache_seqlens.tolist() == [5, 5, 5]
@@ -108,6 +112,7 @@ def test_worked_example_kvcache():
         assert read == keys
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_worked_example_paged():
     x = L.to_paged(_example(), page_size=2, seed=0)
     assert x.qo_indptr.tolist() == [0, 2, 2, 3] and x.kv_indptr.tolist() == [0, 3, 5, 6]
@@ -119,6 +124,7 @@ def test_worked_example_paged():
     assert x.k_pages[row0].flatten()[:5].tolist() == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_worked_example_padded():
     x = L.to_padded(_example())
     assert x.attention_mask.int().tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1]]
@@ -126,6 +132,7 @@ def test_worked_example_padded():
     assert x.sliding_window == 3
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_sinks_travel_in_the_padded_layout_only():
     batch = _example()
     sinks = torch.tensor([0.5, -1.0])
@@ -139,6 +146,7 @@ def test_sinks_travel_in_the_padded_layout_only():
             L.to_layout(with_sinks, layout, page_size=2)
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 @pytest.mark.parametrize(
     "mutate, field",
     [
@@ -160,6 +168,7 @@ def test_varlen_refusals(mutate, field):
         L.from_varlen(x)
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_paged_refusals():
     x = L.to_paged(_example(), page_size=2)
     x.kv_last_page_len = torch.tensor([0, 1, 1], dtype=torch.int32)
@@ -171,6 +180,7 @@ def test_paged_refusals():
         L.from_paged(x)
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_padded_and_kvcache_refusals():
     x = L.to_padded(_example())
     x.attention_mask = torch.tensor(
@@ -192,6 +202,7 @@ def test_padded_and_kvcache_refusals():
         )
 
 
+@pytest.mark.rule("kernel batch layouts varlen / kvcache / paged / padded")
 def test_each_call_passes_the_kernels_own_argument_names():
     """`call()` gives the positional arguments and keywords of each kernel's signature (the
     module docstring's `*.call()`), `causal=True` for every causal verify."""

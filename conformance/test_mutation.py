@@ -1,321 +1,216 @@
-"""Tests of the mutation runner itself (mutation/): the catalogue applies, a mutant really
-changes behaviour and never touches the checkout, the stats reader scores as mutmut does, and
-the gate fails on a planted survivor that is not a documented equivalent."""
+"""`raggedspec mutation`: the catalogue's file format and runner, mutmut's results read back per
+module, and the gate. The runner is run for real on small catalogues written here (a mutation
+a test catches, one none catches, one that no longer applies, one that breaks the import)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import subprocess
-import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from raggedspec.mutation import catalogue as cat
+from raggedspec.mutation import mutmut_gate as mg
 from raggedspec.mutation import runner
-from raggedspec.mutation.catalogue import ALL, CATALOGUE, Mutant
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.rule("raggedspec mutation: catalogue, runner and gate")
 
-# The 22 mutations the source PR lists (source/mtp-draft-chain-per-row-positions.txt).
-SOURCE_PR_MUTATIONS = [
-    "resolve_capture_offsets: never build the per-row vector",
-    "resolve_capture_offsets: always build the per-row vector",
-    "CaptureOffsets::row: ignore the row index (read row 0)",
-    "CaptureOffsets::describes: never refuse a batch it does not cover",
-    "resolve_ragged_chain_starts: send UNIFORM groups down the ragged path",
-    "resolve_ragged_chain_starts: never take the ragged path",
-    "resolve_draft_leads: ignore the per-sequence-advance gate",
-    "resolve_draft_leads: align to the group MINIMUM not the maximum",
-    "resolve_draft_leads: never report a lead",
-    "front_align_draft_group: skip the front pad",
-    "front_align_draft_group: skip the per-row truncation",
-    "front_align_draft_group: clamp a too-far chain start not refuse",
-    "front_align_draft_group: never refuse a width mismatch",
-    "draft_group_key: ignore carries_per_row",
-    "draft_group_key: drop the chain start unconditionally",
-    "chain_start_of: off by one against the group key",
-    "draft_step_end_column: row 0's position instead of the maximum",
-    "draft_step_end_column: never refuse a wrong-width vector",
-    "draft_step_end_column: never refuse a desynced cache",
-    "per_sequence_refusal: drop the batch-admission check",
-    "draft_chain_carries_per_sequence_positions: never refuse",
-    "per_sequence_refusal: drop the draft-chain check",
-]
+DISPATCH = "reference/dispatch.py"
+UNIFORM = dict(file=DISPATCH, old="    if rows is None or all(r == q0 for r in rows):\n",
+               new="    if rows is None:\n")
 
 
-def _entry(name: str) -> Mutant:
-    return next(m for m in ALL if m.name == name)
+def write_catalogue(tmp_path: Path, *entries: dict) -> Path:
+    lines = []
+    for e in entries:
+        lines.append("[[entry]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in e.items()]
+    path = tmp_path / "catalogue.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def entry(**fields) -> dict:
+    return dict(dict(name="x", spec="M §2", tests=["dispatch"], **UNIFORM), **fields)
 
 
-# --------------------------------------------------------------------------- catalogue
+def test_the_shipped_catalogue_loads_with_unique_names_and_known_fields():
+    entries = cat.load()
+    assert len(entries) >= 60
+    assert len({e.name for e in entries}) == len(entries)
+    assert {e.expect for e in entries} <= {"caught", "survive"}
 
 
-def test_every_catalogue_entry_applies_exactly_once_to_todays_source():
-    # a refactor that moves a snippet makes its entry fail here, loudly, instead of the
-    # runner silently mutating nothing
-    assert runner.check_catalogue(ALL, ROOT) == {}
+@pytest.mark.parametrize("bad, words", [
+    (dict(tests="dispatch"), "field 'tests' must be a list"),
+    (dict(old=3), "field 'old' must be a str"),
+    (dict(expect="maybe"), "expect 'maybe'"),
+    (dict(colour="red"), "unknown fields ['colour']"),
+])
+def test_a_malformed_entry_is_refused_naming_the_entry_and_field(tmp_path, bad, words):
+    with pytest.raises(cat.CatalogueError, match="entry 2") as e:
+        cat.load(write_catalogue(tmp_path, entry(name="a"), entry(name="b", **bad)))
+    assert words in str(e.value)
 
 
-def test_the_catalogue_holds_every_source_pr_mutation_and_at_least_60_entries():
-    names = {m.name for m in ALL}
-    assert len(SOURCE_PR_MUTATIONS) == 22
-    assert [n for n in SOURCE_PR_MUTATIONS if n not in names] == []
-    assert len(ALL) >= 60
-    assert len(names) == len(ALL)
-    pr = [m for m in CATALOGUE if m.spec.startswith("PR")]
-    assert sorted(m.name for m in pr) == sorted(SOURCE_PR_MUTATIONS)
+def test_repeated_entry_names_are_refused(tmp_path):
+    with pytest.raises(cat.CatalogueError, match=r"repeat: \['a'\]"):
+        cat.load(write_catalogue(tmp_path, entry(name="a"), entry(name="a")))
 
 
-def test_only_the_documented_equivalent_is_expected_to_survive_and_it_is_justified():
-    eq = runner.load_equivalents()
-    survivors = [m.name for m in ALL if m.expect == "survive"]
-    assert survivors == ["per_sequence_refusal: drop the draft-chain check"]
-    assert set(eq["catalogue"]) == set(survivors)
-    assert all(why.strip() and "\n" not in why for why in eq["catalogue"].values())
-    for e in eq["mutmut"]:
-        assert e["why"].strip() and "\n" not in e["why"]
+def test_a_mutation_applies_where_its_text_occurs_exactly_once():
+    e = cat.Entry("n", "s", "f.py", "b = 1", "b = 2", ())
+    assert cat.mutated(e, "a = 0\nb = 1\n") == "a = 0\nb = 2\n"
+    for source, times in (("a = 0\n", 0), ("b = 1\nb = 1\n", 2)):
+        with pytest.raises(ValueError, match=f"occurs {times} times in f.py"):
+            cat.mutated(e, source)
 
 
-def test_mutated_source_refuses_a_missing_or_ambiguous_snippet_and_a_no_op():
-    src = "a = 1\nb = 1\n"
-    with pytest.raises(runner.CatalogueError, match="0 times"):
-        runner.mutated_source(Mutant("x", "f.py", "c = 1", "c = 2", "", ("t",)), src)
-    with pytest.raises(runner.CatalogueError, match="2 times"):
-        runner.mutated_source(Mutant("x", "f.py", " = 1", " = 2", "", ("t",)), src)
-    with pytest.raises(runner.CatalogueError, match="changes nothing"):
-        runner.mutated_source(Mutant("x", "f.py", "a = 1", "a = 1", "", ("t",)), src)
-    assert (
-        runner.mutated_source(Mutant("x", "f.py", "a = 1", "a = 2", "", ("t",)), src)
-        == "a = 2\nb = 1\n"
-    )
+def test_select_matches_names_case_insensitively():
+    entries = [cat.Entry(n, "", "", "", "", ()) for n in ("Alpha one", "beta")]
+    assert [e.name for e in cat.select(entries, "ALPHA")] == ["Alpha one"]
+    assert cat.select(entries, None) == entries
 
 
-def test_the_first_failing_test_keeps_a_parametrized_id_that_holds_spaces():
-    """The catalogue records (and later runs first) the first failing node id: a parameter
-    id with spaces or dashes is kept whole, up to pytest's ` - ` before the message."""
-    from raggedspec.mutation.catalogue_run import _first_failure
-
-    out = ("x\nFAILED conformance/t.py::test_a[idle steps, the map at 2] - AssertionError: 1\n"
-           "FAILED conformance/t.py::test_b - assert 0")
-    assert _first_failure(out) == "conformance/t.py::test_a[idle steps, the map at 2]"
-    one = "FAILED conformance/t.py::test_b - assert 0"
-    assert _first_failure(one) == "conformance/t.py::test_b"
-    assert _first_failure("ERROR conformance/t.py::test_c[0-bfloat16]") == (
-        "conformance/t.py::test_c[0-bfloat16] (error)")
+def test_named_tests_resolve_to_the_topic_files_that_exist(tmp_path):
+    tree = tmp_path / "raggedspec"
+    (tree / "conformance").mkdir(parents=True)
+    (tree / "conformance" / "test_masks.py").write_text("")
+    e = cat.Entry("n", "s", "f", "o", "n", ("masks", "no_such_topic"))
+    assert cat.test_files(e, tree) == ["raggedspec/conformance/test_masks.py"]
 
 
-def test_an_applied_mutant_really_changes_behaviour_and_only_in_the_copy(tmp_path):
-    m = _entry("resolve_draft_leads: align to the group MINIMUM not the maximum")
-    checkout = ROOT / m.file
-    before = _digest(checkout)
-    shutil.copytree(ROOT / "reference", tmp_path / "reference")
-    (tmp_path / m.file).write_text(runner.mutated_source(m, checkout.read_text()))
-    probe = "from reference.dispatch import resolve_draft_leads as f; print(f(True, [3, 5, 4]))"
-
-    def run(cwd):
-        return subprocess.run(
-            [sys.executable, "-B", "-c", probe], cwd=cwd, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    assert run(ROOT) == "[2, 0, 1]"          # distance to the widest row
-    assert run(tmp_path) == "[0, -2, -1]"    # aligned to the minimum: negative leads
-    assert _digest(checkout) == before
+@pytest.mark.parametrize("outcome, timed_out, status", [
+    ({"code": 1, "first": "t.py::test_a"}, False, "caught"),
+    ({"code": 0, "first": ""}, False, "survived"),
+    ({"code": 5, "first": ""}, False, "survived"),   # nothing collected: nothing failed
+    ({"code": 1, "first": ""}, False, "error"),      # exit 1 without a failed test: collection
+    ({"code": 2, "first": ""}, False, "error"),
+    (None, False, "error"),
+    (None, True, "timeout"),
+])
+def test_only_a_failed_test_is_a_catch(outcome, timed_out, status):
+    assert cat._verdict(outcome, timed_out)[0] == status
 
 
-# --------------------------------------------------------------------------- running and gating
+def test_a_result_is_ok_when_it_meets_its_entrys_expectation():
+    caught, equivalent = (cat.Entry("n", "", "", "", "", (), expect=x) for x in
+                          ("caught", "survive"))
+    assert cat.Result(caught, "caught").ok and not cat.Result(caught, "survived").ok
+    assert cat.Result(equivalent, "survived").ok and not cat.Result(equivalent, "caught").ok
+    assert not cat.Result(caught, "error").ok and not cat.Result(caught, "stale").ok
 
 
-def test_the_runner_catches_a_real_mutant_and_gates_on_a_planted_survivor():
-    caught = _entry("chain_start_of: off by one against the group key")
-    caught = Mutant(caught.name, caught.file, caught.old, caught.new, caught.spec,
-                    ("conformance/test_dispatch.py::test_the_group_key_and_the_per_row_chain_start_are_the_same_expression",))
-    planted = Mutant(
-        "planted: a comment-only change",
-        "reference/dispatch.py",
-        "    top = max(vals)\n",
-        "    top = max(vals)  # planted, changes nothing\n",
-        "test",
-        (
-            "conformance/test_dispatch.py::test_the_draft_leads_are_the_distance_to_the_groups_widest_row",
-        ),
-    )
-    before = _digest(ROOT / "reference/dispatch.py")
-    results, red = runner.run_catalogue(
-        [caught, planted], ROOT, jobs=1, check_baseline=False, log=lambda *_: None
-    )
-    assert _digest(ROOT / "reference/dispatch.py") == before
-    by = {r.name: r for r in results}
-    assert red == []
-    assert by[caught.name].status == "CAUGHT"
-    assert by[caught.name].detail == caught.tests[0]
-    assert by[planted.name].status == "SURVIVED"
-
-    no_equivalents = {"catalogue": {}, "mutmut": []}
-    verdict = runner.gate(results, None, no_equivalents)
-    assert not verdict.ok and any("planted" in r and "SURVIVED" in r for r in verdict.reasons)
-    # listing it as an equivalent is what (and only what) lets it pass
-    listed = {"catalogue": {planted.name: "comment only"}, "mutmut": []}
-    assert runner.gate(results, None, listed).ok
-    # an expected-survivor that gets caught means the equivalence claim is wrong
-    wrong = [
-        runner.MutantResult(caught.name, caught.file, "", "CAUGHT", "t", 0.0, expect="survive")
+@pytest.mark.slow
+def test_the_runner_catches_a_real_bug_and_reports_the_rest_as_they_are():
+    """Four entries through the real runner (a forked child per entry in a private copy):
+    the uniform filter dropped is caught by a dispatch test; a docstring change survives (the
+    fallback is one small file, to keep this test short); an entry whose text is gone is stale;
+    one that breaks the module's syntax is an error, not a catch."""
+    entries = [
+        cat.Entry("uniform filter", "M §2", tests=("dispatch",), **UNIFORM),
+        cat.Entry("docstring", "-", DISPATCH, '"""Dispatch resolvers:', '"""Resolvers:',
+                  ("trace",)),
+        cat.Entry("gone", "-", DISPATCH, "no such text anywhere", "x", ("dispatch",)),
+        cat.Entry("syntax", "-", DISPATCH, UNIFORM["old"], "    if rows is None\n",
+                  ("dispatch",)),
     ]
-    assert not runner.gate(wrong, None, {"catalogue": {caught.name: "x"}, "mutmut": []}).ok
+    seen = []
+    got = {r.entry.name: r for r in cat.run(entries, jobs=2, report=seen.append,
+                                             fallback=["raggedspec/conformance/test_trace.py"])}
+    assert {n: r.status for n, r in got.items()} == {
+        "uniform filter": "caught", "docstring": "survived", "gone": "stale", "syntax": "error"}
+    assert "test_dispatch.py::" in got["uniform filter"].detail
+    assert "occurs 0 times" in got["gone"].detail
+    assert sorted(r.entry.name for r in seen) == sorted(got)
+    assert (cat.PACKAGE / DISPATCH).read_text().count(UNIFORM["old"]) == 1  # never the checkout
 
 
-def test_main_exits_nonzero_on_a_planted_catalogue_survivor(monkeypatch, tmp_path):
-    planted = Mutant(
-        "planted: a comment-only change",
-        "reference/dispatch.py",
-        "    top = max(vals)\n",
-        "    top = max(vals)  # planted\n",
-        "test",
-        ("conformance/test_dispatch.py::test_chain_start_of_needs_a_pair_to_seed_from",),
-    )
-    monkeypatch.setattr(runner, "select", lambda scope, only=None: [planted])
-    out = tmp_path / "r.json"
-    rc = runner.main(
-        ["--catalogue-only", "--no-baseline", "--jobs", "1", "--no-docs", "--json", str(out)]
-    )
-    assert rc == 1
-    data = json.loads(out.read_text())
-    assert data["ok"] is False and data["catalogue"][0]["status"] == "SURVIVED"
+def test_main_refuses_an_only_that_matches_nothing(capsys):
+    assert runner.main(["--catalogue-only", "--only", "no such entry zzz"]) == 2
+    assert "--only 'no such entry zzz' matches no catalogue entry" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------------- mutmut results
+def test_main_refuses_an_output_under_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert runner.main(["--catalogue-only", "--json", str(tmp_path / "f" / "r.json")]) == 2
+    assert "--json" in capsys.readouterr().err
 
 
-def test_the_score_is_killed_plus_timeout_over_total_minus_skipped(tmp_path):
-    p = tmp_path / "mutmut-cicd-stats.json"
-    p.write_text(
-        json.dumps(
-            {
-                "killed": 90,
-                "survived": 2,
-                "total": 100,
-                "no_tests": 1,
-                "skipped": 4,
-                "suspicious": 0,
-                "timeout": 3,
-                "check_was_interrupted_by_user": 0,
-                "segfault": 0,
-            }
-        )
-    )
-    stats = runner.read_stats(p)
-    assert stats["score"] == pytest.approx(100 * 93 / 96)
-    assert runner.score_of({"killed": 0, "total": 0, "skipped": 0}) == 0.0
-    assert runner.score_of(
-        {"killed": 19, "timeout": 0, "total": 20, "skipped": 0}
-    ) == pytest.approx(95.0)
+@pytest.mark.parametrize("statuses, code", [
+    (["caught", "caught"], 0), (["caught", "survived"], 1), (["caught", "stale"], 1)])
+def test_the_gate_fails_on_any_entry_not_caught(monkeypatch, capsys, tmp_path, statuses, code):
+    def fake_run(entries, jobs, report, fallback=None):
+        out = [cat.Result(e, s) for e, s in zip(entries, statuses, strict=False)]
+        for r in out:
+            report(r)
+        return out
+
+    monkeypatch.setattr(cat, "run", fake_run)
+    monkeypatch.setattr(cat, "load", lambda: [cat.Entry(n, "", "", "", "", ()) for n in "ab"])
+    assert runner.main(["--catalogue-only", "--json", str(tmp_path / "r.json")]) == code
+    out = capsys.readouterr().out
+    assert f"mutation gate: {'PASS' if code == 0 else 'FAIL'}" in out
+    assert [r["status"] for r in json.loads((tmp_path / "r.json").read_text())["catalogue"]] \
+        == statuses
 
 
-MUTATED = '''
-def x_f__mutmut_orig(a, b):
-    """doc"""
-    return a + b
-
-def x_f__mutmut_1(a, b):
-    """doc"""
-    return a - b
-
-def x_f__mutmut_2(a, b):
-    """doc"""
-    return a + b + 0
-
-class C:
-    def xǁCǁg__mutmut_orig(self, r):
-        return r
-
-    def xǁCǁg__mutmut_1(self, r):
-        return None
-'''
+# ----------------------------------------------------------------------------- mutmut
 
 
-def _fake_mutants(tmp_path, codes, stats=None):
-    d = tmp_path / "mutants"
-    (d / "pkg").mkdir(parents=True)
-    (d / "pkg" / "mod.py").write_text(MUTATED)
-    (d / "pkg" / "mod.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
-    if stats is not None:
-        (d / "mutmut-cicd-stats.json").write_text(json.dumps(stats))
-    return d
+def test_a_module_passes_at_the_threshold_with_nothing_left_open():
+    s = mg.ModuleScore("m", Counter(killed=95, timeout=5))
+    assert s.mutants == 100 and s.score == 100.0 and s.open == 0 and s.passed()
+    s = mg.ModuleScore("m", Counter(killed=95, survived=5))
+    assert s.score == 95.0 and s.open == 5 and not s.passed()
+    s = mg.ModuleScore("m", Counter(killed=94, **{"no tests": 0}, skipped=10, timeout=1))
+    assert s.mutants == 95 and s.passed() and not s.passed(threshold=100.1)
+    assert not mg.ModuleScore("m", Counter()).passed()  # no mutants at all is not a pass
+    assert not mg.ModuleScore("m", Counter(killed=99, **{"no tests": 1})).passed()
 
 
-def test_the_mutants_dir_reader_builds_the_per_function_table_and_names_the_mutated_line(tmp_path):
-    d = _fake_mutants(tmp_path, {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0,
-                                 "pkg.mod.xǁCǁg__mutmut_1": 36})
-    rep = runner.read_mutants_dir(d)
-    rows = {r.function: r for r in rep.rows}
-    assert (rows["pkg.mod.f"].mutants, rows["pkg.mod.f"].killed, rows["pkg.mod.f"].survived) == (
-        2,
-        1,
-        1,
-    )
-    assert (rows["pkg.mod.C.g"].mutants, rows["pkg.mod.C.g"].timeouts) == (1, 1)
-    assert rep.stats["total"] == 3 and rep.score == pytest.approx(200 / 3)
-    assert rep.survivors == [
-        {
-            "key": "pkg.mod.x_f__mutmut_2",
-            "function": "pkg.mod.f",
-            "status": "survived",
-            "line": "return a + b + 0",
-        }
-    ]
-    assert (
-        runner.function_of("reference.dispatch.x_chain_start_of__mutmut_12")
-        == "reference.dispatch.chain_start_of"
-    )
-    assert (
-        runner.function_of("reference.dispatch.xǁCaptureOffsetsǁrow__mutmut_3")
-        == "reference.dispatch.CaptureOffsets.row"
-    )
+def test_scores_read_mutmuts_own_result_files(tmp_path):
+    meta = tmp_path / "mutants" / "raggedspec" / "reference" / "x.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"a": 1, "b": 0, "c": 36, "d": None,
+                                                     "e": 33},
+                                "durations_by_key": {"a": 1.5, "b": 2.0}}))
+    got, = mg.scores(tmp_path, ["raggedspec/reference/x.py"])
+    assert dict(got.counts) == {"killed": 1, "survived": 1, "timeout": 1, "not checked": 1,
+                                "no tests": 1}
+    assert got.seconds == 3.5 and got.open == 3
+    assert mg.survivors(tmp_path, "raggedspec/reference/x.py") == ["b", "d", "e"]
+    missing, = mg.scores(tmp_path, ["raggedspec/reference/y.py"])
+    assert missing.mutants == 0 and not missing.passed()
 
 
-def test_the_mutmut_gate_needs_each_modules_score_and_a_justification_for_every_survivor(
-        tmp_path):
-    # one module, 20 mutants: 19 killed and one survivor (95% exactly)
-    codes = {f"pkg.mod.x_f__mutmut_{i}": 1 for i in range(3, 21)}
-    codes |= {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0}
-    d = _fake_mutants(tmp_path, codes)
-    rep = runner.read_mutants_dir(d)
-    assert rep.modules["pkg/mod.py"].score == pytest.approx(95.0)
-    none = {"catalogue": {}, "mutmut": []}
-    v = runner.gate(None, rep, none)
-    assert not v.ok and any("x_f__mutmut_2" in r for r in v.reasons)
-    eq = {
-        "catalogue": {},
-        "mutmut": [{"function": "pkg.mod.f", "line": "return a+b+0", "why": "adds zero"}],
-    }
-    assert runner.gate(None, rep, eq).ok
-    v = runner.gate(None, rep, eq, threshold=96.0)  # under the threshold
-    assert not v.ok and v.reasons == ["mutmut: pkg/mod.py scores 95.0%, under 96%"]
+def test_the_scope_is_pyprojects_globs_over_the_package():
+    root = mg.checkout()
+    only, skip = mg.configured_scope(root)
+    assert mg.in_scope("raggedspec/reference/masks.py", only, skip)
+    assert not mg.in_scope("raggedspec/reference/__init__.py", only, skip)
+    assert not mg.in_scope("raggedspec/gpu/_common.py", only, skip)
+    assert not mg.in_scope("raggedspec/cli.py", only, skip)
+    modules = mg.scope_modules(root, "all", [])
+    assert "raggedspec/reference/dispatch.py" in modules
+    assert "raggedspec/trace_rules.py" in modules and "raggedspec/gpu/masks.py" in modules
+    assert not [m for m in modules if "/conformance/" in m or m.endswith("__init__.py")]
+    assert mg.scope_modules(root, "gate", []) == [mg.GATE_MODULE]
+    assert mg.scope_modules(root, "all", ["raggedspec/reference/rope.py", "x.py"]) == \
+        ["raggedspec/reference/rope.py"]
 
 
-def test_main_gates_an_existing_mutants_dir(tmp_path):
-    d = _fake_mutants(
-        tmp_path,
-        {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0},
-        {"killed": 1, "survived": 1, "total": 2, "skipped": 0, "timeout": 0, "no_tests": 0},
-    )
-    eq = tmp_path / "eq.toml"
-    eq.write_text(
-        '[[mutmut]]\nfunction = "pkg.mod.f"\nline = "return a + b + 0"\nwhy = "adds zero"\n'
-    )
-    docs = tmp_path / "mutation.md"
-    args = ["--mutmut-only", "--from-mutants", str(d), "--equivalent", str(eq), "--docs", str(docs)]
-    assert runner.main(args) == 1  # 50% < 95%
-    assert runner.main(args + ["--threshold", "50"]) == 0
-    text = docs.read_text()
-    assert "| `pkg/mod.py` | 2 | 1 | 1 | 0 | 0 | 50.0% | pass |" in text and "adds zero" in text
-    assert text.count("BEGIN generated:mutmut-modules") == 1  # a rerun replaces its section
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[[mutmut]]\nfunction = "pkg.mod.f"\nline = "x"\nwhy = ""\n')
-    with pytest.raises(ValueError, match="one-line"):
-        runner.load_equivalents(bad)
+def test_an_unknown_module_is_bad_usage(capsys):
+    assert runner.main(["--mutmut-only", "--module", "reference/no_such.py"]) == 2
+    assert "reference/no_such.py: not a module mutmut mutates" in capsys.readouterr().err
+
+
+def test_the_docs_section_is_rewritten_between_its_markers(tmp_path):
+    page = tmp_path / "m.md"
+    page.write_text(f"before\n{runner.BEGIN}\nold\n{runner.END}\nafter\n")
+    runner.write_docs(page, "| new |")
+    assert page.read_text() == f"before\n{runner.BEGIN}\n| new |\n{runner.END}\nafter\n"
+    page.write_text("no markers")
+    with pytest.raises(OSError, match="no .* section"):
+        runner.write_docs(page, "x")

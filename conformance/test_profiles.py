@@ -7,6 +7,7 @@ from hypothesis import settings
 from raggedspec.conformance.runner import PROFILES
 
 
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
 @pytest.mark.parametrize("name", PROFILES)
 def test_every_profile_but_explore_is_derandomized(name):
     profile = settings.get_profile(name)
@@ -16,6 +17,7 @@ def test_every_profile_but_explore_is_derandomized(name):
         assert profile.derandomize and profile.database is None
 
 
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
 def test_the_runner_offers_every_registered_profile():
     for name in PROFILES:
         settings.get_profile(name)  # raises InvalidArgument for an unregistered name

@@ -12,17 +12,10 @@ the emulator runs."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
-from raggedspec.conformance.backends import (
-    PROTOCOL_CALLS,
-    _recording,
-    record_protocol_calls,
-    selection,
-    uncalled_methods,
-)
+from raggedspec.conformance.backends import PROTOCOL_CALLS, _recording, record_protocol_calls
+from raggedspec.conformance.backends import selection, uncalled_methods
 from raggedspec.gpu import kernel_emulator
 from raggedspec.gpu.backend import TorchBackend
 from raggedspec.gpu.cupy_backend import CupyBackend
@@ -37,6 +30,7 @@ def _own_methods(cls: type) -> list[str]:
             if getattr(getattr(cls, m), "__wrapped__", getattr(cls, m)) is not getattr(base, m)]
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_the_recorder_wraps_every_protocol_method_of_the_backends():
     """Each protocol method of the three backends is a recording wrapper (so the gate below
     sees every call), and the list of methods is PROTOCOL's."""
@@ -48,6 +42,7 @@ def test_the_recorder_wraps_every_protocol_method_of_the_backends():
         assert unwrapped == [], f"{cls.__name__}: not recorded: {unwrapped}"
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_the_kernel_backend_owns_only_the_methods_it_overrides():
     """Looked through the wrappers, `CupyBackend`'s own protocol methods are the ones its
     class body defines."""
@@ -55,6 +50,7 @@ def test_the_kernel_backend_owns_only_the_methods_it_overrides():
     assert set(_own_methods(CupyBackend)) == defined
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_uncalled_methods_names_a_method_that_was_never_called():
     """The gate's check fails on a method never called: a record missing one method names it."""
     calls = {"NumpyBackend": set(PROTOCOL_METHODS) - {"propose_chain"}}
@@ -63,6 +59,7 @@ def test_uncalled_methods_names_a_method_that_was_never_called():
     assert uncalled_methods({"TorchBackend": set(PROTOCOL_METHODS)}, "TorchBackend") == []
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_a_wrapped_method_records_its_class_and_passes_the_call_through():
     class Probe(NumpyBackend):
         def cache_len(self, cache):  # a protocol method, overridden
@@ -74,6 +71,7 @@ def test_a_wrapped_method_records_its_class_and_passes_the_call_through():
     assert _recording("x", lambda self: 1)(None) == 1
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_a_method_the_class_does_not_implement_is_not_wrapped():
     """A port that leaves a method as `Backend`'s keeps it detectable as missing."""
     class Partial(Backend):
@@ -92,6 +90,7 @@ def required_backends() -> list[str]:
     return ["NumpyBackend"] + (["TorchBackend"] if selection()[0] == "torch" else [])
 
 
+@pytest.mark.rule("every protocol method is called by the suite")
 def test_every_protocol_method_is_called_by_the_suite():
     """The gate (run last, over the whole folder only): no protocol method of the reference
     or of the torch port goes uncalled, and, where the g++ kernel emulator runs, every method
@@ -102,17 +101,3 @@ def test_every_protocol_method_is_called_by_the_suite():
         missing["CupyBackend"] = [m for m in uncalled_methods(PROTOCOL_CALLS, "CupyBackend")
                                   if m in own]
     assert all(not v for v in missing.values()), f"methods the suite never calls: {missing}"
-
-
-@pytest.mark.parametrize("method", PROTOCOL_METHODS)
-def test_each_protocol_stub_of_the_base_class_refuses_naming_the_method(method):
-    """A port that leaves a method to `Backend` gets NotImplementedError naming the backend and
-    the method, whatever arguments it passes (the stubs are the protocol's documentation)."""
-    class Bare(Backend):
-        name = "bare"
-
-    stub = getattr(Bare(), method)
-    required = [p for p in inspect.signature(stub).parameters.values()
-                if p.default is inspect.Parameter.empty]
-    with pytest.raises(NotImplementedError, match=f"backend 'bare' does not implement {method}$"):
-        stub(*[None] * len(required))

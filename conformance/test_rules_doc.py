@@ -1,8 +1,9 @@
-"""docs/rules.md is the map rule -> function -> test. These tests keep it honest: every
-function and test it names exists, every rule the spec names is listed, and every test of the
-suite is in a row (the per-rule table of `raggedspec conformance` has no "(no rule row)")."""
+"""docs/rules.md is the map rule -> function -> invariant, and each test names the rows it pins
+with `@pytest.mark.rule(...)`. These tests keep both honest: every function the table names
+exists, every rule the spec names is listed, every test carries a marker naming a row, and every
+modelled row has a test."""
 
-import ast
+import pytest
 import importlib
 import importlib.util
 import re
@@ -16,17 +17,9 @@ SPEC_DIR = ROOT.parent / "shared" / "spec"
 
 
 def table_rows():
-    rows = []
-    for line in RULES.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if (
-            len(cells) == 4
-            and line.startswith("|")
-            and not set(cells[0]) <= set("-: ")
-            and cells[0] != "rule"
-        ):
-            rows.append(cells)
-    return rows
+    from raggedspec.conformance.runner import table_rows as rows
+
+    return rows(RULES.read_text())
 
 
 SCRIPTS = ROOT / "scripts"
@@ -76,23 +69,16 @@ def resolve(dotted: str):
     raise ModuleNotFoundError(dotted)
 
 
-def defined_tests(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-    return names
-
-
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
 def test_the_table_is_not_degenerate():
     rows = table_rows()
     assert len(rows) >= 60, f"docs/rules.md has only {len(rows)} rule rows"
 
 
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
 def test_every_listed_function_exists():
     missing = []
-    for rule, function, _tests, _inv in table_rows():
+    for rule, function, _inv in table_rows():
         if function.lower().startswith("not modelled"):
             continue
         for name in re.findall(r"`?([A-Za-z_][\w.]*)`?", function):
@@ -103,79 +89,46 @@ def test_every_listed_function_exists():
     assert not missing, "\n".join(missing)
 
 
-def test_every_listed_test_exists():
-    missing = []
-    cache: dict[Path, set[str]] = {}
-    for rule, function, tests, _inv in table_rows():
-        if function.lower().startswith("not modelled"):
-            continue
-        refs = re.findall(r"(conformance/[\w/]+\.py)::([\w:]+)", tests)
-        if not refs:
-            missing.append(f"{rule}: no test named")
-        for file, name in refs:
-            path = ROOT / file
-            if not path.exists():
-                missing.append(f"{rule}: {file} does not exist")
-                continue
-            if path not in cache:
-                cache[path] = defined_tests(path)
-            names = cache[path]
-            if name.split("::")[-1] not in names:
-                missing.append(f"{rule}: {file}::{name} does not exist")
-    assert not missing, "\n".join(missing)
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
+def test_every_test_carries_a_rule_that_names_a_row(request):
+    """Each collected test names the docs/rules.md rows it pins (`@pytest.mark.rule`); a name
+    that is no row's is reported with the test, and so is a test without a marker."""
+    from raggedspec.conformance.runner import RULE_MARKS
+    from raggedspec.conformance.runner import rule_names
+
+    marks = request.config.stash[RULE_MARKS]
+    known = set(rule_names(RULES.read_text()))
+    assert request.node.nodeid in marks and len(known) >= 60
+    bad = [f"{nodeid}: {names or 'no rule marker'}" for nodeid, names in marks.items()
+           if not names or set(names) - known]
+    assert not bad, "tests whose rule marker names no row of docs/rules.md:\n" + "\n".join(bad)
 
 
-def suite_tests(folder: Path = ROOT / "conformance") -> list[str]:
-    """`conformance/test_x.py::name` for every top-level test function of the suite's files,
-    and `conformance/test_x.py::TestX::test_y` for every test method of a top-level test class
-    (the node ids `raggedspec conformance` matches against the rows, parameters dropped)."""
-    found = []
-    for path in sorted(folder.glob("test_*.py")):
-        file = f"conformance/{path.name}"
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if node.name.startswith("test"):
-                    found.append(f"{file}::{node.name}")
-            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                found += [
-                    f"{file}::{node.name}::{m.name}"
-                    for m in node.body
-                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and m.name.startswith("test")
-                ]
-    return found
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
+def test_every_modelled_rule_has_a_test(request):
+    """Every row that is modelled has at least one test carrying its marker (checked in a
+    session that collected the whole folder; conftest deselects it elsewhere)."""
+    from raggedspec.conformance.runner import RULE_MARKS
+    from raggedspec.conformance.runner import rule_names
+
+    pinned = {n for names in request.config.stash[RULE_MARKS].values() for n in names}
+    untested = [r for r in rule_names(RULES.read_text()) if r not in pinned]
+    assert not untested, f"rows of docs/rules.md no test carries: {untested}"
 
 
-def unnamed_tests(table: str, tests: list[str]) -> list[str]:
-    """The tests no row of `table` (docs/rules.md's text) names, read as the per-rule table of
-    `raggedspec conformance` reads the rows (so a test listed only under a rule that is not
-    modelled is not named)."""
-    from raggedspec.conformance.runner import rule_rows
+@pytest.mark.rule("raggedspec conformance and its per-rule table")
+def test_marker_names_drop_backticks_and_the_trailing_spec_reference():
+    from raggedspec.conformance.runner import marker_name
 
-    named = {t for _, row_tests in rule_rows(table) for t in row_tests}
-    return [t for t in tests if t not in named]
-
-
-def test_every_test_of_the_suite_is_in_a_rule_row():
-    """`raggedspec conformance` prints "(no rule row) FILE" for tests no row names: every
-    top-level test of conformance/test_*.py is in the row of the rule (or tool) it checks."""
-    tests = suite_tests()
-    assert len(tests) >= 1000, f"only {len(tests)} tests found under conformance/"
-    absent = unnamed_tests(RULES.read_text(), tests)
-    assert not absent, (
-        f"tests in no row of docs/rules.md ({len(absent)}): add each to the row of the rule it "
-        "checks (a tool's tests to its tooling row)\n" + "\n".join(absent)
-    )
-    # the check can fail: a test dropped from its row is reported by name
-    text = RULES.read_text()
-    dropped = "conformance/test_rules_doc.py::test_every_test_of_the_suite_is_in_a_rule_row"
-    assert dropped in text
-    assert unnamed_tests(text.replace(dropped, "conformance/test_rules_doc.py::gone"),
-                         tests) == [dropped]
+    assert marker_name("`front_pad_single` (C §4.1, M §14)") == "front_pad_single"
+    assert marker_name("`raggedspec bench` (tooling)") == "raggedspec bench"
+    assert marker_name("SingleCache::append (C §3, §18)") == "SingleCache::append"
+    assert marker_name("a (b) c") == "a (b) c"
 
 
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
 def test_unmodelled_rules_say_why():
-    for rule, function, _tests, invariant in table_rows():
+    for rule, function, invariant in table_rows():
         if function.lower().startswith("not modelled"):
             assert len(invariant) > 15, f"{rule} is not modelled and gives no reason"
 
@@ -188,12 +141,14 @@ def spec_names() -> list[str]:
     ]
 
 
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
 def test_every_rule_the_spec_names_is_listed():
     listed = " ".join(r[0] for r in table_rows())
     absent = [n for n in spec_names() if n not in listed]
     assert not absent, f"rules named in the spec but absent from docs/rules.md: {absent}"
 
 
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
 def test_the_name_list_covers_the_spec_headings():
     """When the spec sits beside the checkout (as in CI and development), every
     backticked name in a section heading must be in docs/spec-rules.txt."""
@@ -305,12 +260,17 @@ def spec_17_2_names() -> list[str] | None:
     return names
 
 
-def test_every_section_17_2_test_is_mapped_to_a_row():
-    """Each §17.2 test is named in docs/rules.md (a rule or a test column; the listed tests
-    exist, see above), and the vendored list still matches the spec's table."""
+@pytest.mark.rule("docs/rules.md, the map rule -> function -> test")
+def test_every_section_17_2_test_is_mapped_to_a_row(request):
+    """Each §17.2 test is a test of the suite of the same name or is named in docs/rules.md,
+    and the vendored list still matches the spec's table."""
+    from raggedspec.conformance.runner import RULE_MARKS
+
     text = RULES.read_text()
+    ours = {n.split("::")[-1].split("[")[0].removeprefix("test_")
+            for n in request.config.stash[RULE_MARKS]}
     assert len(SECTION_17_2_TESTS) == 66
-    absent = [n for n in SECTION_17_2_TESTS if n not in text]
+    absent = [n for n in SECTION_17_2_TESTS if n not in text and n not in ours]
     assert not absent, f"§17.2 tests with no row in docs/rules.md: {absent}"
     raw = spec_17_2_names()
     if raw is None:
@@ -327,16 +287,3 @@ def test_every_section_17_2_test_is_mapped_to_a_row():
         if len(hits) != 1:
             unmatched.append(name)
     assert not unmatched and len(raw) == len(SECTION_17_2_TESTS), f"§17.2 changed: {unmatched}"
-
-
-def test_the_end_to_end_row_names_only_end_to_end_tests():
-    """The runner fails a row on its own tests and, for the end-to-end tests, on the rule of
-    the first differing tensor; a row that also names a per-method test owns only that test,
-    so an end-to-end failure blamed on another rule would leave the end-to-end row passing."""
-    from raggedspec.conformance.runner import E2E_FILE, rule_rows
-
-    rows = [tests for rule, tests in rule_rows(RULES.read_text())
-            if rule.startswith("end to end: the same scenario on two backends")]
-    assert rows, "docs/rules.md has no end-to-end row"
-    others = [t for tests in rows for t in tests if not t.startswith(E2E_FILE + "::")]
-    assert not others, f"the end-to-end row names tests outside {E2E_FILE}: {others}"

@@ -1,43 +1,61 @@
-"""Scenarios (reference/scenario.py) and acceptance models / token oracles
-(reference/acceptance.py): loading, overrides, validation messages, and the integer,
-batch-independent acceptance randomness the simulator relies on."""
+"""Scenarios (reference/scenario.py, docs/simulator.md "Keys, defaults and ranges"): loading
+from TOML, JSON, a dict or a `Scenario`, overrides (dict and `key=value` strings, dotted keys,
+nulls), `to_dict` round trips, every key's refusal word for word (`scenario key 'KEY': WHAT,
+got VALUE`) and each range at its edges, the request generator's documented draw (an
+independent splitmix64 anchored on its published output), the acceptance forms (shorthands and
+tables both ways) and the accept files and factories checked at load time, the model table,
+and the shipped example scenarios.
+
+The custom token oracles that scenarios name by `oracle:module:factory` are in
+conformance/helpers.py (`raggedspec.conformance.helpers:make_oracle`, ...).
+"""
+
+from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from raggedspec.reference.acceptance import (
-    AllAccept,
-    AllReject,
-    CheckedOracle,
-    FileStream,
-    Geometric,
-    Heterogeneous,
-    ModelOracle,
-    OracleError,
-    Profile,
-    key_hash,
-    threshold,
-)
+from raggedspec.conformance.helpers import make_short_drafter  # noqa: F401  (test_cli.py names it here)
+from raggedspec.conformance.helpers import splitmix64_int as sm
 from raggedspec.reference.errors import ScenarioError
-from raggedspec.reference.scenario import Request, load_scenario, model_config, parse_acceptance
-from raggedspec.reference.step import verify_proposed
+from raggedspec.reference.scenario import (
+    AcceptanceSpec,
+    Request,
+    Scenario,
+    acceptance_table,
+    generate_requests,
+    load_scenario,
+    model_config,
+    parse_acceptance,
+)
 
-# ----------------------------------------------------------------------------- loading
+
+def refused(data=None, overrides=None) -> str:
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(data, overrides)
+    return str(err.value)
 
 
+def key(k: str, what: str, got) -> str:
+    return f"scenario key '{k}': {what}, got {got!r}"
+
+
+# ------------------------------------------------------------------------- loading and round trips
+
+
+@pytest.mark.rule("scenario config and validation")
 def test_defaults_load_and_round_trip_through_to_dict():
     sc = load_scenario()
-    assert sc.batch == 8 and sc.depth == 3 and sc.w == 4
+    assert sc.batch == 8 and sc.depth == 3
     assert (sc.advance, sc.world, sc.admission, sc.strip) == ("cohort", "W0", "refuse", "eager")
     assert sc.per_seq_kv is False and sc.xs_per_seq is False and sc.max_draft_kv_seqs == 64
     assert load_scenario(sc.to_dict()) == sc
     assert load_scenario(json.loads(json.dumps(sc.to_dict()))) == sc
 
 
+
+@pytest.mark.rule("scenario config and validation")
 def test_toml_and_json_files_load_the_same_scenario(tmp_path):
     toml = tmp_path / "s.toml"
     toml.write_text(
@@ -53,6 +71,120 @@ def test_toml_and_json_files_load_the_same_scenario(tmp_path):
     assert all(4 <= r.prompt_len <= 9 for r in a.requests)
 
 
+@pytest.mark.rule("scenario config and validation")
+def test_the_sources_a_scenario_is_read_from(tmp_path):
+    sc = load_scenario({"batch": 2, "depth": 1})
+    assert load_scenario(sc) == sc
+    data = {"batch": 2}
+    load_scenario(data, {"depth": 2})
+    assert data == {"batch": 2}  # the caller's dict is not changed
+    js = tmp_path / "s.JSON"
+    js.write_text(json.dumps({"batch": 2, "depth": 1}))
+    assert load_scenario(js) == sc
+    assert load_scenario(str(js)) == sc
+    toml = tmp_path / "s.toml"
+    toml.write_text("batch = 2\ndepth = 1\n")
+    assert load_scenario(toml) == sc
+    bad_json = tmp_path / "b.json"
+    bad_json.write_text("{")
+    assert refused(bad_json).startswith(f"scenario file {bad_json} is not valid JSON: ")
+    bad_toml = tmp_path / "b.toml"
+    bad_toml.write_text("batch = = 2")
+    assert refused(bad_toml).startswith(f"scenario file {bad_toml} is not valid TOML: ")
+    latin = tmp_path / "l.toml"
+    latin.write_bytes(b"# caf\xe9\nbatch = 2\n")
+    assert refused(latin) == (f"scenario file {latin} is not UTF-8 text (byte 5: invalid "
+                              "continuation byte); save it as UTF-8 TOML or JSON")
+    assert refused(tmp_path) == f"scenario file {tmp_path} does not exist"
+    listed = tmp_path / "l.json"
+    listed.write_text("[1, 2]")
+    assert refused(listed) == "a scenario must be a table of keys, got list"
+
+
+@pytest.mark.rule("scenario config and validation")
+def test_a_file_that_cannot_be_read_is_a_scenario_error(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    path = tmp_path / "s.toml"
+    path.write_text("batch = 2\n")
+
+    def denied(self):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    assert refused(path) == f"scenario file {path} cannot be read: Permission denied"
+
+
+@pytest.mark.rule("scenario config and validation")
+def test_a_missing_file_is_a_scenario_error(tmp_path):
+    with pytest.raises(ScenarioError, match="does not exist"):
+        load_scenario(tmp_path / "nope.toml")
+
+
+@pytest.mark.rule("scenario config and validation")
+def test_a_scenario_is_frozen_and_its_batch_is_its_request_count():
+    sc = load_scenario({"requests": [{"prompt_len": 2}, {"prompt_len": 3}]})
+    assert isinstance(sc, Scenario) and sc.batch == 2
+    with pytest.raises(AttributeError):
+        sc.depth = 1
+
+
+
+@pytest.mark.rule("advance request vs flags and the refusal chain")
+def test_per_sequence_advance_sets_the_flag_it_stands_for():
+    assert load_scenario({"advance": "per-sequence"}).per_seq_kv is True
+    assert load_scenario({"advance": "cohort"}).per_seq_kv is False
+
+
+@pytest.mark.rule("scenario config and validation")
+def test_the_example_scenarios_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.[tj][os][mo]*"))
+    assert len(files) >= 4
+    for f in files:
+        sc = load_scenario(f)
+        assert sc.batch >= 1 and load_scenario(sc.to_dict()) == sc
+
+
+# --------------------------------------------------------------------------- the request generator
+
+
+@pytest.mark.rule("request generator")
+def test_the_generator_draws_each_length_by_the_documented_hash():
+    assert sm(0) == 0xE220A8397B1DCDAF  # the published first output for state 0
+
+    def draw(seed, i, salt, lo, hi):
+        return lo if lo == hi else lo + sm(sm(sm(seed ^ salt) ^ i)) % (hi - lo + 1)
+
+    gen = {"batch": 30, "prompt_len": (3, 40), "max_new_tokens": (1, 9),
+           "arrival": "all-at-once", "stagger": 1}
+    for seed in (0, 5, 2**40):
+        assert generate_requests(gen, seed) == tuple(
+            Request(draw(seed, i, 0x5052, 3, 40), draw(seed, i, 0x4D4E, 1, 9), 0)
+            for i in range(30))
+    fixed = generate_requests({**gen, "prompt_len": (7, 7), "max_new_tokens": (2, 2),
+                               "arrival": "staggered", "stagger": 4}, 1)
+    assert fixed == tuple(Request(7, 2, 4 * i) for i in range(30))
+    sc = load_scenario({"batch": 3, "prompt_len": [3, 40], "max_new_tokens": [1, 9], "seed": 5})
+    assert sc.requests == generate_requests({**gen, "batch": 3}, 5)
+    assert sc.to_dict()["prompt_len"] == [3, 40] and sc.to_dict()["batch"] == 3
+
+
+@pytest.mark.rule("request generator")
+def test_the_generator_defaults():
+    """docs/simulator.md: batch 8, prompt_len 16, max_new_tokens 256, all at once; a
+    staggered arrival defaults to one step apart."""
+    sc = load_scenario({})
+    assert sc.requests == (Request(16, 256, 0, True),) * 8
+    assert sc.generator == {"batch": 8, "prompt_len": [16, 16], "max_new_tokens": [256, 256],
+                            "arrival": "all-at-once", "stagger": 1}
+    st = load_scenario({"arrival": "staggered", "batch": 3})
+    assert [r.arrival for r in st.requests] == [0, 1, 2]
+
+
+@pytest.mark.rule("request generator")
 def test_the_generator_is_seeded_and_staggers_arrivals():
     a = load_scenario({"batch": 20, "prompt_len": [1, 50], "max_new_tokens": [5, 9], "seed": 7,
                        "arrival": "staggered", "stagger": 3})
@@ -64,6 +196,157 @@ def test_the_generator_is_seeded_and_staggers_arrivals():
     assert len({r.prompt_len for r in a.requests}) > 5
 
 
+# ----------------------------------------------------------------------- keys, ranges and refusals
+
+
+@pytest.mark.rule("scenario config and validation")
+@pytest.mark.parametrize("data, message", [
+    ({"bogus": 1}, key("bogus", "unknown key; allowed keys: requests, batch, prompt_len, "
+                       "max_new_tokens, arrival, stagger, depth, max_seq_len, advance, world, "
+                       "admission, strip, per_seq_kv, xs_per_seq, max_seqs, max_draft_kv_seqs, "
+                       "prefill_floor, prefill_max_seqs, acceptance, model, seed, steps", 1)),
+    ({"depth": 9}, key("depth", "must be an integer in 0..=8", 9)),
+    ({"depth": 2.0}, key("depth", "must be an integer in 0..=8", 2.0)),
+    ({"depth": True}, key("depth", "must be an integer in 0..=8", True)),
+    ({"batch": 2**20 + 1}, key("batch", "must be an integer in 1..=1048576", 2**20 + 1)),
+    ({"seed": -1}, key("seed", "must be an integer in 0..=18446744073709551615", -1)),
+    ({"seed": 2**64}, key("seed", "must be an integer in 0..=18446744073709551615", 2**64)),
+    ({"stagger": 0}, key("stagger", "must be an integer >= 1", 0)),
+    ({"steps": 10_000_001}, key("steps", "must be an integer in 1..=10000000", 10_000_001)),
+    ({"max_seqs": 0}, key("max_seqs", "must be an integer >= 1", 0)),
+    ({"prefill_max_seqs": "2"}, key("prefill_max_seqs", "must be an integer >= 1", "2")),
+    ({"prefill_floor": -1}, key("prefill_floor", "must be an integer >= 0", -1)),
+    ({"prompt_len": [1, 2, 3]}, key("prompt_len", "must be an integer >= 1 or an inclusive "
+                                    "[low, high] pair", [1, 2, 3])),
+    ({"prompt_len": [5, 4]}, key("prompt_len", "range [low, high] must have low <= high", [5, 4])),
+    ({"max_new_tokens": [0, 4]}, key("max_new_tokens", "must be an integer >= 1", 0)),
+    ({"prompt_len": [4, 0]}, key("prompt_len", "must be an integer >= 1", 0)),
+    ({"prompt_len": [4, "5"]}, key("prompt_len", "must be an integer >= 1", "5")),
+    ({"per_seq_kv": "yes"}, key("per_seq_kv", "must be true or false", "yes")),
+    ({"prompt_len": 10, "max_seq_len": 10},
+     key("prompt_len", "must be at most max_seq_len - 1 = 9", 10)),
+    ({"max_seq_len": 10}, key("prompt_len", "must be at most max_seq_len - 1 = 9", 16)),
+    ({"arrival": "later"}, key("arrival", "must be one of all-at-once, staggered", "later")),
+    ({"advance": "ragged"}, key("advance", "must be one of cohort, per-sequence", "ragged")),
+    ({"world": "W9"}, key("world", "must be one of W0, WA, WB", "W9")),
+    ({"admission": 1}, key("admission", "must be one of refuse, grant", 1)),
+    ({"strip": "x"}, key("strip", "must be one of eager, lazy, none", "x")),
+    ({"xs_per_seq": 1}, key("xs_per_seq", "must be true or false", 1)),
+    ({"per_seq_kv": True}, key("per_seq_kv", "is the ARC_MTP_PER_SEQ_KV request and must equal "
+                               "(advance == 'per-sequence') = False", True)),
+    ({"advance": "per-sequence", "per_seq_kv": False},
+     key("per_seq_kv", "is the ARC_MTP_PER_SEQ_KV request and must equal (advance == "
+         "'per-sequence') = True", False)),
+    ({"requests": []}, key("requests", "must be a non-empty list of {prompt_len, max_new_tokens, "
+                           "arrival}", [])),
+    ({"requests": {"prompt_len": 3}}, key("requests", "must be a non-empty list of {prompt_len, "
+                                          "max_new_tokens, arrival}", {"prompt_len": 3})),
+    ({"requests": [5]}, key("requests[0]", "must be a table {prompt_len, max_new_tokens, "
+                            "arrival, may_draft}", 5)),
+    ({"requests": [{"prompt_len": 3, "x": 1, "a": 2}]},
+     key("requests[0].a", "unknown key; allowed: prompt_len, max_new_tokens, arrival, "
+         "may_draft", 2)),
+    ({"requests": [{"prompt_len": 3}], "stagger": 2},
+     key("stagger", "cannot be combined with an explicit requests list", 2)),
+    ({"requests": [{"prompt_len": 4096}]},
+     key("requests[0].prompt_len", "must be an integer in 1..=4095", 4096)),
+    ({"requests": [{}]}, key("requests[0].prompt_len", "must be an integer in 1..=4095", None)),
+    ({"requests": [{"prompt_len": 3}, {"prompt_len": 3, "max_new_tokens": 0}]},
+     key("requests[1].max_new_tokens", "must be an integer >= 1", 0)),
+    ({"requests": [{"prompt_len": 3, "arrival": -1}]},
+     key("requests[0].arrival", "must be an integer >= 0", -1)),
+    ({"requests": [{"prompt_len": 3, "may_draft": 0}]},
+     key("requests[0].may_draft", "must be true or false", 0)),
+    ({"model": [1]}, key("model", "must be a table of vocab, hidden, n_heads, n_kv_heads, "
+                         "head_dim, rope_dims, compress_ratios, sliding_window, seed, mtp", [1])),
+    ({"model": {"depth": 1}}, key("model.depth", "unknown key; allowed: vocab, hidden, n_heads, "
+                                  "n_kv_heads, head_dim, rope_dims, compress_ratios, "
+                                  "sliding_window, seed, mtp", 1)),
+    ({"model": {"vocab": 1}}, "scenario key 'model.vocab': must be >= 2, got 1"),
+    ({"model": {"mtp": "tail"}}, key("model.mtp", "must be one of block, heads", "tail")),
+    ({"model": {"colours": 1}}, key("model.colours", "unknown key; allowed: vocab, hidden, "
+                                    "n_heads, n_kv_heads, head_dim, rope_dims, compress_ratios, "
+                                    "sliding_window, seed, mtp", 1)),
+])
+def test_each_refusal_names_the_key_what_it_must_be_and_the_value(data, message):
+    assert refused(data) == message
+
+
+@pytest.mark.rule("scenario config and validation")
+@pytest.mark.parametrize("data, key, words", [
+    ({"batch": 0}, "batch", "1..="),
+    ({"depth": -1}, "depth", "0..=8"),
+    ({"prompt_len": -3}, "prompt_len", ">= 1"),
+    ({"max_new_tokens": 0}, "max_new_tokens", ">= 1"),
+    ({"max_seq_len": 1}, "max_seq_len", "in 2..=2147483647"),
+    ({"max_seq_len": 2**31}, "max_seq_len", "in 2..=2147483647"),
+    ({"steps": 0}, "steps", "1..="),
+    ({"requests": [{"prompt_len": 4}], "batch": 2}, "batch", "explicit requests list"),
+    ({"requests": [{"prompt_len": 0}]}, "requests[0].prompt_len", "1..="),
+    ({"acceptance": "geometric:1.5"}, "acceptance.p", "[0, 1]"),
+    ({"acceptance": "sometimes"}, "acceptance.model", "geometric"),
+    ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model", "n_kv_heads 3 must be >= 1 and divide"),
+    ({"max_draft_kv_seqs": 0}, "max_draft_kv_seqs", ">= 1"),
+])
+def test_a_bad_scenario_names_the_key_and_the_allowed_range(data, key, words):
+    with pytest.raises(ScenarioError) as err:
+        load_scenario(data)
+    assert f"'{key}'" in str(err.value) and words in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+
+@pytest.mark.rule("scenario config and validation")
+@pytest.mark.parametrize("data", [
+    {"depth": 0}, {"depth": 8}, {"batch": 1}, {"max_seq_len": 2, "prompt_len": 1},
+    {"max_seq_len": 2**31 - 1}, {"prompt_len": 4095},
+    {"steps": 1}, {"steps": 10_000_000}, {"seed": 0}, {"stagger": 1, "arrival": "staggered"},
+    {"requests": [{"prompt_len": 4095, "max_new_tokens": 1, "arrival": 0}]},
+    {"max_seqs": 1, "prefill_max_seqs": 1, "max_draft_kv_seqs": 1},
+])
+def test_each_range_holds_its_edges(data):
+    load_scenario(data)
+
+
+@pytest.mark.rule("scenario config and validation")
+def test_nullable_keys_and_the_prefill_floor():
+    sc = load_scenario({"max_seqs": None, "max_draft_kv_seqs": None, "prefill_max_seqs": None})
+    assert (sc.max_seqs, sc.max_draft_kv_seqs, sc.prefill_max_seqs) == (None, None, None)
+    assert load_scenario({"max_seqs": 3}).max_seqs == 3
+    assert load_scenario({"prefill_max_seqs": 2}).prefill_max_seqs == 2
+    assert load_scenario({"max_draft_kv_seqs": 5}).max_draft_kv_seqs == 5
+    assert load_scenario({}).prefill_floor == 4
+    assert load_scenario({"prefill_floor": 0}).prefill_floor is None
+    assert load_scenario({"prefill_floor": None}).prefill_floor is None
+    assert load_scenario({"prefill_floor": 1}).prefill_floor == 1
+    assert load_scenario({"model": None}).model == {}
+    sc = load_scenario({"requests": [{"prompt_len": 3}], "steps": 9, "seed": 4, "depth": 0,
+                        "world": "WA", "admission": "grant", "strip": "lazy",
+                        "xs_per_seq": True, "max_seq_len": 64})
+    assert sc.requests == (Request(3, 256, 0, True),) and sc.generator is None
+    assert (sc.steps, sc.seed, sc.depth, sc.world, sc.admission, sc.strip) == (
+        9, 4, 0, "WA", "grant", "lazy")
+    assert sc.xs_per_seq is True and sc.max_seq_len == 64
+    assert sc.to_dict()["requests"] == [
+        {"prompt_len": 3, "max_new_tokens": 256, "arrival": 0, "may_draft": True}]
+    assert "batch" not in sc.to_dict()
+
+
+
+@pytest.mark.rule("scenario config and validation")
+def test_the_model_config_takes_the_scenario_seed_and_length_unless_given():
+    cfg = model_config(load_scenario({"seed": 3, "max_seq_len": 100}))
+    assert (cfg.seed, cfg.max_seq_len, cfg.vocab, cfg.n_kv_heads) == (3, 100, 64, 1)
+    cfg = model_config(load_scenario({"seed": 3, "model": {"seed": 9, "vocab": 2}}))
+    assert (cfg.seed, cfg.vocab) == (9, 2)
+    direct = Scenario(requests=(Request(2, 2),), model={"compress_ratios": [0, 8]})
+    assert model_config(direct).compress_ratios == (0, 8)
+
+
+# --------------------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.rule("scenario config and validation")
 def test_explicit_requests_and_overrides():
     sc = load_scenario(
         {
@@ -83,52 +366,185 @@ def test_explicit_requests_and_overrides():
     assert sc2.batch == 2 and sc2.acceptance.p == (0.25,)
 
 
-def test_per_sequence_advance_sets_the_flag_it_stands_for():
-    assert load_scenario({"advance": "per-sequence"}).per_seq_kv is True
-    assert load_scenario({"advance": "cohort"}).per_seq_kv is False
+@pytest.mark.rule("scenario config and validation")
+def test_overrides_as_a_dict_and_as_key_value_strings():
+    sc = load_scenario({"batch": 2}, {"depth": 1, "model.vocab": 8, "seed": None})
+    assert (sc.depth, sc.model, sc.seed, sc.batch) == (1, {"vocab": 8}, 0, 2)
+    sc = load_scenario(None, [" depth = 2 ", "world=WA", "acceptance=all-accept",
+                              "model.compress_ratios=[0, 8]", "steps=null"])
+    assert (sc.depth, sc.world, sc.acceptance.model, sc.steps) == (2, "WA", "all-accept", 200)
+    assert sc.model == {"compress_ratios": (0, 8)}
+    assert model_config(sc).compress_ratios == (0, 8)
+    assert sc.to_dict()["model"] == {"compress_ratios": [0, 8]}
+    sc = load_scenario({"acceptance": "profile:0.5,0.25"}, ["acceptance.p=[0.125]"])
+    assert sc.acceptance == AcceptanceSpec("profile", (0.125,))
+    # a dotted key completes a table that is not valid without it, or makes a new one
+    sc = load_scenario({"acceptance": {"model": "profile"}}, ["acceptance.p=[0.5]"])
+    assert sc.acceptance == AcceptanceSpec("profile", (0.5,))
+    assert load_scenario(None, ["acceptance.p=[0.3]"]).acceptance == AcceptanceSpec(
+        "geometric", (0.3,))
+    # a null value leaves the key as it is, and the overrides after it still apply
+    assert load_scenario({"steps": 7}, ["steps=null", "depth=2"]).steps == 7
+    assert load_scenario(None, {"seed": None, "depth": 2}).depth == 2
+    # the first '=' splits: the value may hold one
+    assert refused(None, ["world=W=0"]) == key("world", "must be one of W0, WA, WB", "W=0")
+    assert load_scenario({"depth": 4}, []).depth == 4
+    assert load_scenario({"depth": 4}, None).depth == 4
+    assert load_scenario({"depth": 4}, {}).depth == 4
+    for bad in (["depth"], [5]):
+        assert refused(None, bad) == key("overrides", "each override must be 'key=value'", bad[0])
+    assert refused(None, ["model.a.b=1"]) == key(
+        "model.a.b", "overrides reach at most one table level (table.key)", 1)
 
 
-@pytest.mark.parametrize("data, key, words", [
-    ({"bogus": 1}, "bogus", "unknown key"),
-    ({"batch": 0}, "batch", "1..="),
-    ({"depth": 9}, "depth", "0..=8"),
-    ({"depth": -1}, "depth", "0..=8"),
-    ({"prompt_len": -3}, "prompt_len", ">= 1"),
-    ({"prompt_len": [9, 4]}, "prompt_len", "low <= high"),
-    ({"max_new_tokens": 0}, "max_new_tokens", ">= 1"),
-    ({"max_seq_len": 1}, "max_seq_len", "in 2..=2147483647"),
-    ({"max_seq_len": 2**31}, "max_seq_len", "in 2..=2147483647"),
-    ({"advance": "ragged"}, "advance", "cohort, per-sequence"),
-    ({"world": "W9"}, "world", "W0, WA, WB"),
-    ({"strip": "sometimes"}, "strip", "eager, lazy, none"),
-    ({"admission": "yes"}, "admission", "refuse, grant"),
-    ({"per_seq_kv": True}, "per_seq_kv", "advance"),
-    ({"xs_per_seq": "1"}, "xs_per_seq", "true or false"),
-    ({"steps": 0}, "steps", "1..="),
-    ({"requests": [{"prompt_len": 4}], "batch": 2}, "batch", "explicit requests list"),
-    ({"requests": [{"prompt_len": 0}]}, "requests[0].prompt_len", "1..="),
-    ({"requests": [{"prompt_len": 4, "colour": 1}]}, "requests[0].colour", "unknown key"),
-    ({"acceptance": "geometric:1.5"}, "acceptance.p", "[0, 1]"),
-    ({"acceptance": "sometimes"}, "acceptance.model", "geometric"),
-    ({"acceptance": {"model": "file"}}, "acceptance.path", "JSON path"),
-    ({"model": {"layers": 3}}, "model.layers", "unknown key"),
-    ({"model": {"vocab": 1}}, "model.vocab", ">= 2"),
-    ({"model": {"n_heads": 4, "n_kv_heads": 3}}, "model", "n_kv_heads 3 must be >= 1 and divide"),
-    ({"max_draft_kv_seqs": 0}, "max_draft_kv_seqs", ">= 1"),
+# ---------------------------------------------------------------------------- the acceptance forms
+
+
+@pytest.mark.rule("scenario config and validation")
+@pytest.mark.parametrize("value, message", [
+    ("geometric:x", key("acceptance", "probabilities must be comma-separated numbers, e.g. "
+                        "geometric:0.7", "geometric:x")),
+    ("profile:0.5,,0.2", key("acceptance", "probabilities must be comma-separated numbers, e.g. "
+                             "profile:0.74,0.54,0.41", "profile:0.5,,0.2")),
+    ("heterogeneous: ", key("acceptance", "'heterogeneous:' needs its probabilities after the "
+                            "colon, e.g. heterogeneous:0.2,0.9", "heterogeneous: ")),
+    ("all-reject:1", key("acceptance", "'all-reject' takes no argument", "all-reject:1")),
+    (7, key("acceptance", "must be a string like geometric:0.7 or a table {model, p, ...}", 7)),
+    ({"model": "geometric", "q": 1, "b": 2},
+     key("acceptance.b", "unknown key; allowed: model, p, p_range, path, factory", 2)),
+    ({"p": [True]}, key("acceptance.p", "must be a probability in [0, 1]", True)),
+    ({"p": ["0.5"]}, key("acceptance.p", "must be a probability in [0, 1]", "0.5")),
+    ({"p": [-0.1]}, key("acceptance.p", "must be a probability in [0, 1]", -0.1)),
+    ({"model": "profile", "p": [0.5, 2]}, key("acceptance.p", "must be a probability in [0, 1]",
+                                              2)),
+    ({"model": "heterogeneous", "p": [0.5, -1]},
+     key("acceptance.p", "must be a probability in [0, 1]", -1)),
+    ({"p": [0.2, 0.3]}, key("acceptance.p", "geometric takes exactly one probability, e.g. "
+                            "geometric:0.7", [0.2, 0.3])),
+    ({"model": "profile", "p": [0.5] * 9},
+     key("acceptance.p", "profile needs 1..=8 per-position probabilities (one per draft "
+         "position, the last repeats), e.g. profile:0.74,0.54,0.41", [0.5] * 9)),
+    ({"model": "heterogeneous", "p": [0.5]},
+     key("acceptance.p", "heterogeneous needs at least two probabilities (sequence i gets "
+         "p[i mod n]; for one probability for every sequence use geometric:p), e.g. "
+         "heterogeneous:0.2,0.9, or a p_range = [low, high]", [0.5])),
+    ({"model": "heterogeneous", "p": [0.2, 0.9], "p_range": [0.1, 0.2]},
+     key("acceptance.p", "heterogeneous takes either p (a list) or p_range, not both",
+         [0.2, 0.9])),
+    ({"model": "geometric", "p_range": [0.1, 0.2]},
+     key("acceptance.p_range", "only for heterogeneous: a [low, high] pair of probabilities",
+         [0.1, 0.2])),
+    ({"model": "heterogeneous", "p_range": [0.1, 0.2, 0.3]},
+     key("acceptance.p_range", "only for heterogeneous: a [low, high] pair of probabilities",
+         [0.1, 0.2, 0.3])),
+    ({"model": "heterogeneous", "p_range": 0.5},
+     key("acceptance.p_range", "only for heterogeneous: a [low, high] pair of probabilities",
+         0.5)),
+    ({"model": "heterogeneous", "p_range": [-0.5, 0.5]},
+     key("acceptance.p_range", "must be a probability in [0, 1]", -0.5)),
+    ({"model": "heterogeneous", "p_range": [0.1, 1.5]},
+     key("acceptance.p_range", "must be a probability in [0, 1]", 1.5)),
+    ({"model": "heterogeneous", "p_range": [0.6, 0.2]},
+     key("acceptance.p_range", "must have low <= high", [0.6, 0.2])),
+    ({"model": "file"}, key("acceptance.path", "the file model needs a JSON path", None)),
+    ("file:", key("acceptance.path", "the file model needs a JSON path", "")),
+    ({"model": "file", "path": 3}, key("acceptance.path", "the file model needs a JSON path", 3)),
+    ({"model": "oracle"}, key("acceptance.factory", "the oracle model needs 'module:callable'",
+                              None)),
+    ("oracle:nocolon", key("acceptance.factory", "the oracle model needs 'module:callable'",
+                           "nocolon")),
+    ({"model": "oracle", "factory": 3},
+     key("acceptance.factory", "the oracle model needs 'module:callable'", 3)),
+    ({"model": "Geometric"}, key("acceptance.model", "must be one of geometric, profile, "
+                                 "heterogeneous, all-accept, all-reject, file, oracle",
+                                 "Geometric")),
 ])
-def test_a_bad_scenario_names_the_key_and_the_allowed_range(data, key, words):
+def test_each_acceptance_refusal_word_for_word(value, message):
     with pytest.raises(ScenarioError) as err:
-        load_scenario(data)
-    assert f"'{key}'" in str(err.value) and words in str(err.value)
-    assert isinstance(err.value, ValueError)
+        parse_acceptance(value)
+    assert str(err.value) == message
 
 
-def test_a_missing_file_is_a_scenario_error(tmp_path):
-    with pytest.raises(ScenarioError, match="does not exist"):
-        load_scenario(tmp_path / "nope.toml")
+@pytest.mark.rule("acceptance models, integer and seeded")
+@pytest.mark.parametrize(
+    "value, key, words",
+    [
+        ("profile:", "acceptance", ["'profile:'", "after the colon"]),
+        ("heterogeneous:", "acceptance", ["after the colon"]),
+        ("geometric:", "acceptance", ["after the colon"]),
+        ("profile", "acceptance.p", ["profile needs 1..=8", "got []"]),
+        ("heterogeneous", "acceptance.p", ["at least two", "got []"]),
+        ("heterogeneous:0.5", "acceptance.p", ["at least two", "geometric", "[0.5]"]),
+        ({"model": "profile"}, "acceptance.p", ["profile needs"]),
+        ("profile:" + ",".join(["0.5"] * 9), "acceptance.p", ["1..=8"]),
+        ("geometric:0.5,0.6", "acceptance.p", ["exactly one"]),
+    ],
+)
+def test_a_probability_model_without_its_probabilities_is_refused(value, key, words):
+    """`profile:` or `heterogeneous` with no probabilities no longer silently becomes
+    [0.7]; heterogeneous needs two or more (one would be geometric)."""
+    with pytest.raises(ScenarioError) as err:
+        load_scenario({"acceptance": value})
+    msg = str(err.value)
+    assert f"'{key}'" in msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
 
 
-# ------------------------------------------------ acceptance configuration is checked at load time
+
+@pytest.mark.rule("scenario config and validation", "acceptance models, integer and seeded")
+def test_the_acceptance_forms_parse_to_their_specs_and_tables():
+    assert parse_acceptance("geometric:0.25") == AcceptanceSpec("geometric", (0.25,))
+    assert parse_acceptance({"model": "geometric", "p": 0.4}) == AcceptanceSpec("geometric",
+                                                                                (0.4,))
+    assert parse_acceptance({"p": [1]}) == AcceptanceSpec("geometric", (1.0,))
+    assert parse_acceptance({}) == AcceptanceSpec("geometric", (0.7,))
+    assert parse_acceptance("profile:1,0") == AcceptanceSpec("profile", (1.0, 0.0))
+    assert parse_acceptance("profile:" + ",".join(["0.5"] * 8)).p == (0.5,) * 8
+    het = parse_acceptance({"model": "heterogeneous", "p_range": (0.3, 0.3)})
+    assert het == AcceptanceSpec("heterogeneous", (), (0.3, 0.3))
+    assert acceptance_table(het) == {"model": "heterogeneous", "p_range": [0.3, 0.3]}
+    spec = parse_acceptance(AcceptanceSpec("all-accept", ()))
+    assert spec == AcceptanceSpec("all-accept", ())
+    # p of a model that takes none is ignored (older headers carried the default p)
+    assert parse_acceptance({"model": "all-reject", "p": [0.7]}) == AcceptanceSpec(
+        "all-reject", ())
+    f = parse_acceptance({"model": "file", "path": "a.json", "factory": "m:f"})
+    assert f == AcceptanceSpec("file", (), None, "a.json", None)
+    assert acceptance_table(f) == {"model": "file", "path": "a.json"}
+    o = parse_acceptance({"model": "oracle", "factory": "m:f", "path": "a.json"})
+    assert o == AcceptanceSpec("oracle", (), None, None, "m:f")
+    assert acceptance_table(o) == {"model": "oracle", "factory": "m:f"}
+    assert acceptance_table(parse_acceptance("profile:0.5,0.25")) == {"model": "profile",
+                                                                     "p": [0.5, 0.25]}
+    assert parse_acceptance("all-accept").model == "all-accept"
+    assert parse_acceptance("heterogeneous:0.2,0.9").p == (0.2, 0.9)
+    assert parse_acceptance("file:x.json").path == "x.json"
+    assert parse_acceptance(
+        "oracle:raggedspec.conformance.helpers:make_oracle"
+    ).factory.endswith(":make_oracle")
+
+
+@pytest.mark.rule("scenario config and validation", "acceptance models, integer and seeded")
+def test_bare_geometric_is_the_documented_default_and_tables_round_trip():
+    assert load_scenario({"acceptance": "geometric"}).acceptance.p == (0.7,)
+    for value in (
+        "heterogeneous:0.2,0.9",
+        {"model": "heterogeneous", "p_range": [0.3, 0.9]},
+        "all-accept",
+        "profile:0.74,0.54,0.41",
+    ):
+        sc = load_scenario({"acceptance": value})
+        assert load_scenario(sc.to_dict()) == sc
+    assert load_scenario({"acceptance": "all-reject"}).to_dict()["acceptance"] == {
+        "model": "all-reject"
+    }
+    # a dotted override reaches into a string form without inventing probabilities
+    sc = load_scenario(
+        {"acceptance": {"model": "heterogeneous", "p_range": [0.3, 0.9]}},
+        ["acceptance.p_range=[0.1,0.2]"],
+    )
+    assert sc.acceptance.p_range == (0.1, 0.2) and sc.acceptance.p == ()
 
 
 def _accept_file(tmp_path, text, name="acc.json"):
@@ -137,6 +553,7 @@ def _accept_file(tmp_path, text, name="acc.json"):
     return str(path)
 
 
+@pytest.mark.rule("scenario config and validation", "acceptance models, integer and seeded")
 @pytest.mark.parametrize(
     "make, key, words",
     [
@@ -197,6 +614,7 @@ def test_bad_acceptance_files_and_factories_are_refused_at_load_time(tmp_path, m
         assert w in msg, f"{w!r} not in {msg!r}"
 
 
+@pytest.mark.rule("acceptance models, integer and seeded")
 def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_every_request(
     tmp_path,
 ):
@@ -204,327 +622,3 @@ def test_a_file_with_a_list_per_sequence_and_no_default_loads_when_it_covers_eve
     assert load_scenario({"batch": 3, "acceptance": f"file:{path}"}).acceptance.path == path
     with pytest.raises(ScenarioError, match=r"sequence\(s\) \[3\]"):
         load_scenario({"batch": 4, "acceptance": f"file:{path}"})
-
-
-@pytest.mark.parametrize(
-    "value, key, words",
-    [
-        ("profile:", "acceptance", ["'profile:'", "after the colon"]),
-        ("heterogeneous:", "acceptance", ["after the colon"]),
-        ("geometric:", "acceptance", ["after the colon"]),
-        ("profile", "acceptance.p", ["profile needs 1..=8", "got []"]),
-        ("heterogeneous", "acceptance.p", ["at least two", "got []"]),
-        ("heterogeneous:0.5", "acceptance.p", ["at least two", "geometric", "[0.5]"]),
-        ({"model": "profile"}, "acceptance.p", ["profile needs"]),
-        (
-            {"model": "heterogeneous", "p": [0.2, 0.9], "p_range": [0.1, 0.2]},
-            "acceptance.p",
-            ["not both"],
-        ),
-        ("profile:" + ",".join(["0.5"] * 9), "acceptance.p", ["1..=8"]),
-        ("all-accept:0.5", "acceptance", ["takes no argument"]),
-        ("geometric:0.5,0.6", "acceptance.p", ["exactly one"]),
-    ],
-)
-def test_a_probability_model_without_its_probabilities_is_refused(value, key, words):
-    """`profile:` or `heterogeneous` with no probabilities no longer silently becomes
-    [0.7]; heterogeneous needs two or more (one would be geometric)."""
-    with pytest.raises(ScenarioError) as err:
-        load_scenario({"acceptance": value})
-    msg = str(err.value)
-    assert f"'{key}'" in msg
-    for w in words:
-        assert w in msg, f"{w!r} not in {msg!r}"
-
-
-def test_bare_geometric_is_the_documented_default_and_tables_round_trip():
-    assert load_scenario({"acceptance": "geometric"}).acceptance.p == (0.7,)
-    for value in (
-        "heterogeneous:0.2,0.9",
-        {"model": "heterogeneous", "p_range": [0.3, 0.9]},
-        "all-accept",
-        "profile:0.74,0.54,0.41",
-    ):
-        sc = load_scenario({"acceptance": value})
-        assert load_scenario(sc.to_dict()) == sc
-    assert load_scenario({"acceptance": "all-reject"}).to_dict()["acceptance"] == {
-        "model": "all-reject"
-    }
-    # a dotted override reaches into a string form without inventing probabilities
-    sc = load_scenario(
-        {"acceptance": {"model": "heterogeneous", "p_range": [0.3, 0.9]}},
-        ["acceptance.p_range=[0.1,0.2]"],
-    )
-    assert sc.acceptance.p_range == (0.1, 0.2) and sc.acceptance.p == ()
-
-
-def test_acceptance_shorthands():
-    assert parse_acceptance("all-accept").model == "all-accept"
-    assert parse_acceptance("heterogeneous:0.2,0.9").p == (0.2, 0.9)
-    assert parse_acceptance("file:x.json").path == "x.json"
-    assert parse_acceptance(
-        "oracle:raggedspec.conformance.test_scenario:make_oracle"
-    ).factory.endswith(":make_oracle")
-
-
-# ----------------------------------------------------------------------------- acceptance
-
-
-def brute_run(seed: int, seq: int, pos: int, n: int, thresholds) -> int:
-    """Independent oracle: walk the drafts one by one, stop at the first wrong one."""
-    a = 0
-    for j in range(n):
-        draw = int(key_hash(seed, 0xA11CE, seq, pos + j)[0]) >> 32
-        if draw >= thresholds[j]:
-            break
-        a += 1
-    return a
-
-
-@given(
-    seq=st.integers(0, 500), pos=st.integers(0, 5000), n=st.integers(0, 8), seed=st.integers(0, 99)
-)
-def test_geometric_and_profile_match_a_brute_force_walk(seq, pos, n, seed):
-    g = Geometric(0.6, seed)
-    assert g.accept_one(seq, pos, n) == brute_run(seed, seq, pos, n, [threshold(0.6)] * 8)
-    prof = Profile([0.9, 0.5, 0.3], seed)
-    want = brute_run(
-        seed, seq, pos, n, [threshold(p) for p in (0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3)]
-    )
-    assert prof.accept_one(seq, pos, n) == want
-
-
-def test_geometric_has_the_geometric_distribution():
-    rows = 40_000
-    a = Geometric(0.7, 3).accepted(np.arange(rows) % 97, np.arange(rows) * 13, np.full(rows, 3), 0)
-    freq = np.bincount(a, minlength=4) / rows
-    assert np.allclose(freq, [0.3, 0.21, 0.147, 0.343], atol=0.01)
-
-
-def test_the_profile_separates_positions():
-    rows = 40_000
-    a = Profile([0.74, 0.54, 0.41], 1).accepted(
-        np.arange(rows), np.arange(rows), np.full(rows, 3), 0
-    )
-    p0 = (a >= 1).mean()
-    p1 = (a >= 2).sum() / (a >= 1).sum()
-    p2 = (a >= 3).sum() / (a >= 2).sum()
-    assert abs(p0 - 0.74) < 0.01 and abs(p1 - 0.54) < 0.015 and abs(p2 - 0.41) < 0.02
-
-
-def test_heterogeneous_rates_are_per_sequence():
-    h = Heterogeneous([0.05, 0.95], 0)
-    seqs = np.repeat([0, 1], 5000)
-    a = h.accepted(seqs, np.arange(10_000), np.full(10_000, 1), 0)
-    assert a[:5000].mean() < 0.1 and a[5000:].mean() > 0.9
-    r = Heterogeneous([], 0, (0.2, 0.4))
-    t = r.per_sequence_threshold(np.arange(1000))
-    assert t.min() >= threshold(0.2) and t.max() <= threshold(0.4) and len(set(t.tolist())) > 100
-
-
-def test_all_accept_all_reject_and_the_file_stream(tmp_path):
-    n = np.array([0, 1, 3, 8])
-    assert AllAccept().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 1, 3, 8]
-    assert AllReject().accepted([0] * 4, [5] * 4, n, 0).tolist() == [0, 0, 0, 0]
-    path = tmp_path / "acc.json"
-    path.write_text(json.dumps({"default": [1], "2": [3, 0, 5]}))
-    f = FileStream(path)
-    assert f.accepted([2, 2, 2, 2], [0] * 4, [3, 3, 3, 3], [0, 1, 2, 3]).tolist() == [3, 0, 3, 3]
-    assert f.accepted([7], [0], [3], [9]).tolist() == [1]
-    assert FileStream([2, 0]).accepted([1, 1], [0, 0], [1, 3], [0, 1]).tolist() == [1, 0]
-
-
-@given(
-    seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=12, unique=True),
-    pos=st.integers(0, 4000),
-    n=st.integers(0, 8),
-)
-def test_accepts_do_not_depend_on_batch_mates_or_row_order(seqs, pos, n):
-    """Keyed by (seed, seq, absolute position): a row's count is the same alone, in any
-    batch, at any row."""
-    m = Profile([0.8, 0.6, 0.4], 11)
-    k = len(seqs)
-    batched = m.accepted(seqs, [pos] * k, [n] * k, 0)
-    reversed_ = m.accepted(seqs[::-1], [pos] * k, [n] * k, 0)[::-1]
-    alone = [m.accept_one(s, pos, n) for s in seqs]
-    assert batched.tolist() == alone == reversed_.tolist()
-
-
-@given(seq=st.integers(0, 300), ctx_len=st.integers(1, 300), n=st.integers(0, 8),
-       model=st.sampled_from(["geo", "prof", "all", "none"]))
-def test_the_model_oracle_verifies_to_exactly_the_models_count(seq, ctx_len, n, model):
-    m = {
-        "geo": Geometric(0.6, 5),
-        "prof": Profile([0.9, 0.4], 5),
-        "all": AllAccept(),
-        "none": AllReject(),
-    }[model]
-    oracle = ModelOracle(m, 5, 16)
-    ctx = oracle.prompt(seq, ctx_len)
-    drafts = oracle.draft(seq, ctx, n)
-    targets = [oracle.target(seq, ctx + drafts[:j]) for j in range(n)]
-    assert len(drafts) == n and all(0 <= x < 16 for x in drafts + targets + ctx)
-    assert len(verify_proposed(drafts, targets).accepted) == m.accept_one(seq, ctx_len, n)
-    # the committed stream is the true stream whatever was accepted
-    assert targets[:1] == oracle.true_tokens(seq, ctx_len, 1)[: len(targets[:1])]
-
-
-class _ConstantOracle:
-    """A custom token oracle for the factory test: every target is 1; drafts are all 1
-    except the last, which is 2 (so n - 1 of n drafts are accepted)."""
-
-    def prompt(self, seq_id, length):
-        return [1] * length
-
-    def target(self, seq_id, context):
-        return 1
-
-    def draft(self, seq_id, context, n):
-        return [1] * (n - 1) + [2] if n else []
-
-
-def make_oracle(scenario):
-    return _ConstantOracle()
-
-
-class _ShortDrafter(_ConstantOracle):
-    """Breaks the protocol: proposes one draft fewer than asked."""
-
-    def draft(self, seq_id, context, n):
-        return [1] * (n - 1)
-
-
-class _OutOfVocab(_ConstantOracle):
-    """Breaks the protocol: the target after a 7-token context is token 64 = vocab."""
-
-    def target(self, seq_id, context):
-        return 64 if len(context) >= 7 else 1
-
-
-def make_short_drafter(scenario):
-    return _ShortDrafter()
-
-
-def make_out_of_vocab(scenario):
-    return _OutOfVocab()
-
-
-class _LateBadPrompt(_ConstantOracle):
-    """Breaks the protocol for sequence 1 only: its prompt is one token short. Both modes
-    ask for a request's prompt when it arrives, so both refuse at the same call."""
-
-    def prompt(self, seq_id, length):
-        return [1] * (length - (seq_id == 1))
-
-
-def make_late_bad_prompt(scenario):
-    return _LateBadPrompt()
-
-
-def make_not_an_oracle(scenario):
-    return object()
-
-
-def make_raising(scenario):
-    raise RuntimeError("the oracle's weights are missing")
-
-
-def test_the_checked_oracle_refuses_every_breach_of_the_protocol():
-    """CheckedOracle is the one place both modes check a custom oracle: the number of
-    tokens and each token's range, naming the call and the bad value."""
-    good = CheckedOracle(_ConstantOracle(), vocab=4, name="m:f")
-    assert (
-        good.prompt(0, 3) == [1, 1, 1]
-        and good.draft(0, [1], 2) == [1, 2]
-        and good.draft(0, [1], 0) == []
-    )
-    assert (
-        CheckedOracle(
-            type("O", (_ConstantOracle,), {"target": lambda self, s, c: np.int64(3)})(), 4
-        ).target(0, [])
-        == 3
-    )
-    cases = [
-        (
-            lambda o: o.draft(2, [1, 1], 3),
-            CheckedOracle(_ShortDrafter(), 64, "m:f"),
-            ["draft(seq_id=2, context of 2 tokens, n=3)", "[1, 1]", "exactly 3"],
-        ),
-        (
-            lambda o: o.target(0, [1] * 7),
-            CheckedOracle(_OutOfVocab(), 64, "m:f"),
-            ["target(seq_id=0, context of 7 tokens)", "64", "[0, vocab = 64)"],
-        ),
-        (
-            lambda o: o.prompt(1, 4),
-            CheckedOracle(
-                type("P", (_ConstantOracle,), {"prompt": lambda self, s, n: [1] * (n + 1)})(), 64
-            ),
-            ["prompt(seq_id=1, length=4)", "exactly 4"],
-        ),
-        (
-            lambda o: o.target(0, []),
-            CheckedOracle(type("B", (_ConstantOracle,), {"target": lambda self, s, c: True})(), 64),
-            ["returned True"],
-        ),
-        (
-            lambda o: o.draft(0, [], 2),
-            CheckedOracle(
-                type("N", (_ConstantOracle,), {"draft": lambda self, s, c, n: None})(), 64
-            ),
-            ["returned None"],
-        ),
-        (
-            lambda o: o.draft(0, [], 2),
-            CheckedOracle(
-                type("M", (_ConstantOracle,), {"draft": lambda self, s, c, n: [1, -1]})(), 64
-            ),
-            ["[1, -1]"],
-        ),
-    ]
-    for call, oracle, words in cases:
-        with pytest.raises(OracleError) as err:
-            call(oracle)
-        msg = str(err.value)
-        assert "'acceptance.factory'" in msg and isinstance(err.value, ScenarioError)
-        for w in words:
-            assert w in msg, f"{w!r} not in {msg!r}"
-
-
-@pytest.mark.parametrize("factory, words", [
-    ("make_not_an_oracle", ["make_not_an_oracle", "no callable prompt, target, draft"]),
-    ("make_raising", ["make_raising", "RuntimeError", "weights are missing"]),
-])
-def test_a_factory_whose_result_is_not_an_oracle_is_a_scenario_error(factory, words):
-    from raggedspec.reference.acceptance import build_model
-
-    sc = load_scenario({"acceptance": f"oracle:raggedspec.conformance.test_scenario:{factory}"})
-    with pytest.raises(ScenarioError) as err:
-        build_model(sc.acceptance, sc.seed, sc)
-    assert "'acceptance.factory'" in str(err.value)
-    for w in words:
-        assert w in str(err.value)
-
-
-def test_a_custom_token_oracle_loads_from_a_factory():
-    from raggedspec.reference.acceptance import build_model, build_oracle
-
-    sc = load_scenario({"acceptance": "oracle:raggedspec.conformance.test_scenario:make_oracle"})
-    model = build_model(sc.acceptance, sc.seed, sc)
-    assert model.needs_tokens
-    oracle = build_oracle(model, 0, 64)
-    # the factory string imports this module under its installed name, which may be a second
-    # copy of the module pytest imported: compare the class by name
-    assert isinstance(oracle, CheckedOracle)
-    assert type(oracle.oracle).__qualname__ == _ConstantOracle.__qualname__
-    assert oracle.draft(0, [1, 1], 3) == [1, 1, 2] and oracle.target(0, [1]) == 1
-
-
-def test_the_example_scenarios_load():
-    from pathlib import Path
-
-    files = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.[tj][os][mo]*"))
-    assert len(files) >= 4
-    for f in files:
-        sc = load_scenario(f)
-        assert sc.batch >= 1 and load_scenario(sc.to_dict()) == sc

@@ -1,6 +1,10 @@
-"""Scheduler keys, bucket selection, bucketing and urgency, and whole scheduling steps
-(masks-and-scheduling.md §15, §16, §20). The WA floor, RaggedAdmission and the cache
-instruction are in test_scheduler_admission.py, the telemetry in test_scheduler_telemetry.py.
+"""Scheduler keys, bucket selection, bucketing and urgency (masks-and-scheduling.md §15, §16):
+`cache_bucket_len` and the first populated slot, `compute_priority`, the key of each world (W0's
+3-tuple, WA's pinned 0, WB's ragged bucket), `select_running_bucket` with the coalescing payback
+(against an independent oracle too), and one bucketing pass with its urgency bookkeeping. Whole
+`schedule` steps, the WA floor and cap and the shattering law are in
+test_scheduler_admission.py; ragged admission, the engine's cache instruction and the telemetry
+in test_scheduler_engine.py.
 
 Expected values come from the spec's worked examples and test-asserted numbers, or from
 oracles written here independently of `reference/scheduler.py`.
@@ -15,8 +19,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from raggedspec.conformance.helpers import (GRANT, REFUSE, completion, prompt, raises_exactly,
+                                            state_for)
+from raggedspec.conformance.strategies import running_sets
 from raggedspec.reference.scheduler import (
     COALESCE_PAYBACK_STEPS,
+    Bucketing,
     PrefillFloor,
     RaggedAdmission,
     SchedulerState,
@@ -26,48 +34,28 @@ from raggedspec.reference.scheduler import (
     cache_bucket_len,
     compute_priority,
     first_populated_slot_len,
-    install_admission,
     ragged_bucket_len,
-    schedule,
     scheduler_key,
     select_running_bucket,
 )
 
-GRANT = RaggedAdmission.decide(None)
-REFUSE = RaggedAdmission.refused()
+
+# ---------------------------------------------------------------------------- §15 cache_bucket_len
 
 
-def comp(i: int, n: int, **kw) -> SeqRecord:
-    """A running completion of `n` tokens with no explicit cache (cache_bucket_len n-1),
-    like arc's `seq_of_len`."""
-    return SeqRecord(i, n, **kw)
-
-
-def prompt(i: int, n: int, **kw) -> SeqRecord:
-    return SeqRecord(i, n, is_prompt=True, **kw)
-
-
-def state_for(world: str, **kw) -> SchedulerState:
-    admission = kw.pop("admission", None)
-    st_ = SchedulerState(world=world, **kw)
-    if admission is not None:
-        install_admission(st_, admission)
-    return st_
-
-
-# ------------------------------------------------------------------ §15 cache_bucket_len
-
-
+@pytest.mark.rule("cache_bucket_len")
 def test_cache_bucket_len_of_a_fresh_101_token_sequence_is_100():
     assert cache_bucket_len(None, 101) == 100
 
 
+@pytest.mark.rule("cache_bucket_len")
 def test_cache_bucket_len_reads_the_own_cache_not_the_token_count():
     # An MTP row whose cache length differs from len()-1: the cache wins.
     assert cache_bucket_len(37, 101) == 37
     assert cache_bucket_len(0, 50) == 0, "a populated slot of length 0 is still populated"
 
 
+@pytest.mark.rule("cache_bucket_len")
 def test_cache_bucket_len_saturates_and_refuses_negative_input():
     assert cache_bucket_len(None, 0) == 0
     with pytest.raises(ValueError, match="-1"):
@@ -76,6 +64,7 @@ def test_cache_bucket_len_saturates_and_refuses_negative_input():
         cache_bucket_len(None, -3)
 
 
+@pytest.mark.rule("cache_bucket_len reads the first populated slot")
 def test_first_populated_slot_len_reads_slot_0_first():
     assert first_populated_slot_len([12, 40, 7]) == 12
     assert first_populated_slot_len([None, 40, 7]) == 40
@@ -83,6 +72,14 @@ def test_first_populated_slot_len_reads_slot_0_first():
     assert first_populated_slot_len([]) is None
 
 
+@pytest.mark.rule("cache_bucket_len reads the first populated slot")
+def test_first_populated_slot_len_accepts_0_and_refuses_a_negative_length():
+    assert first_populated_slot_len([None, 0, 7]) == 0
+    with raises_exactly("slot length -1 must be >= 0"):
+        first_populated_slot_len([None, -1])
+
+
+@pytest.mark.rule("compute_priority")
 def test_compute_priority_is_urgency_plus_log2_of_the_token_count():
     assert compute_priority(0, 8) == 3.0
     assert compute_priority(2, 1024) == 12.0
@@ -94,11 +91,30 @@ def test_compute_priority_is_urgency_plus_log2_of_the_token_count():
         compute_priority(-1, 4)
 
 
-# ------------------------------------------------------------------ §15 keys by world
+@pytest.mark.rule("WA key pinned to 0 while ragged_decode_supported")
+def test_the_records_and_the_state_refuse_with_the_documented_texts():
+    with raises_exactly("sequence id -1 must be >= 0"):
+        SeqRecord(-1, 5)
+    with raises_exactly("sequence 3: n_tokens 0 must be >= 1"):
+        SeqRecord(3, 0)
+    with raises_exactly("sequence 3: cache_len -1 must be None or >= 0"):
+        SeqRecord(3, 5, cache_len=-1)
+    with raises_exactly("sequence 3: token_offset -1 must be >= 0"):
+        SeqRecord(3, 5, token_offset=-1)
+    with raises_exactly("steps_since_prompt -1 must be >= 0"):
+        PrefillFloor(4, -1)
+    with raises_exactly("max_seqs 0 must be >= 1"):
+        SchedulerState(max_seqs=0)
+    with raises_exactly("prefill_cap 0 must be None or >= 1"):
+        SchedulerState(prefill_cap=0)
 
 
+# ------------------------------------------------------------------------------- §15 keys by world
+
+
+@pytest.mark.rule("keys by world: W0 3-tuple")
 def test_keys_by_world_w0_is_the_3_tuple_and_images_count_only_for_prompts():
-    c = comp(0, 101, images=True, token_offset=3)
+    c = completion(0, 101, images=True, token_offset=3)
     p = prompt(1, 101, images=True, token_offset=3)
     assert scheduler_key("W0", c) == (100, False, 3)
     assert scheduler_key("W0", p) == (100, True, 3)
@@ -106,16 +122,18 @@ def test_keys_by_world_w0_is_the_3_tuple_and_images_count_only_for_prompts():
     assert scheduler_key("W0", c, ragged_decode_supported=True, ragged_len=5) == (100, False, 3)
 
 
+@pytest.mark.rule("WA key pinned to 0 while ragged_decode_supported")
 def test_keys_by_world_wa_pins_completions_to_0_only_while_ragged_decode_supported():
-    c, p = comp(0, 101, cache_len=70), prompt(1, 91)
+    c, p = completion(0, 101, cache_len=70), prompt(1, 91)
     assert scheduler_key("WA", c) == (70, False, 0)
     assert scheduler_key("WA", c, ragged_decode_supported=True) == (0, False, 0)
     assert scheduler_key("WA", p, ragged_decode_supported=True) == (90, False, 0), \
         "prompts keep their exact key"
 
 
+@pytest.mark.rule("WB keys, granted and refused; the refused bucket key")
 def test_keys_by_world_wb_granted_and_refused():
-    c1, c2, p = comp(0, 140), comp(1, 101), prompt(2, 120)
+    c1, c2, p = completion(0, 140), completion(1, 101), prompt(2, 120)
     running = [c1, c2, p]
     assert ragged_bucket_len(running, GRANT) == 100
     assert ragged_bucket_len(running, REFUSE) is None
@@ -124,23 +142,26 @@ def test_keys_by_world_wb_granted_and_refused():
     assert scheduler_key("WB", c1) == (139, False, 0, False)
 
 
+@pytest.mark.rule("keys by world: W0 3-tuple")
 def test_scheduler_key_refuses_an_unknown_world():
     with pytest.raises(ValueError, match="'W9'"):
-        scheduler_key("W9", comp(0, 5))
+        scheduler_key("W9", completion(0, 5))
     with pytest.raises(ValueError, match="'WC'"):
         SchedulerState(world="WC")
 
 
+@pytest.mark.rule("WB ragged_bucket_len")
 def test_the_ragged_bucket_takes_its_members_minimum_length():
-    seqs = [comp(i, n) for i, n in enumerate([140, 101, 300])]
+    seqs = [completion(i, n) for i, n in enumerate([140, 101, 300])]
     st_ = state_for("WB", admission=GRANT)
     keys = bucket_keys(seqs, st_)
     assert keys == [(100, False, 0, True)] * 3
 
 
+@pytest.mark.rule("WB ragged_bucket_len")
 def test_prompts_are_never_folded_into_the_ragged_completion_bucket():
     # Completions at cache 119/159/199; prompts shorter, equal to and longer than the key.
-    seqs = [comp(i, 120 + i * 40) for i in range(3)]
+    seqs = [completion(i, 120 + i * 40) for i in range(3)]
     seqs += [prompt(10, 50), prompt(11, 120), prompt(12, 400)]
     assert ragged_bucket_len(seqs, GRANT) == 119, "a 49-long prompt must not pull the min down"
     keys = bucket_keys(seqs, state_for("WB", admission=GRANT))
@@ -149,22 +170,15 @@ def test_prompts_are_never_folded_into_the_ragged_completion_bucket():
     assert len({keys[3], keys[4], keys[5]}) == 3 and not any(k[3] for k in keys[3:])
 
 
+@pytest.mark.rule("WB ragged_bucket_len")
 def test_ragged_bucket_len_is_none_without_completions():
     assert ragged_bucket_len([prompt(0, 9), prompt(1, 30)], GRANT) is None
 
 
-records = st.builds(
-    lambda n, cache, pr, off, img: (n, cache, pr, off, img),
-    st.integers(1, 40), st.one_of(st.none(), st.integers(0, 40)), st.booleans(),
-    st.integers(0, 2), st.booleans())
-
-
-@st.composite
-def running_sets(draw, min_size=1, max_size=12):
-    raw = draw(st.lists(records, min_size=min_size, max_size=max_size))
-    return [SeqRecord(i, n, cache, pr, off, img) for i, (n, cache, pr, off, img) in enumerate(raw)]
-
-
+@pytest.mark.rule(
+    "§22 dispatch tests: each predicate tested directly",
+    "WB keys, granted and refused; the refused bucket key",
+)
 @given(running=running_sets())
 def test_wb_refused_key_is_the_w0_key_plus_false(running):
     """§22 dispatch test: structurally, a refused WB run builds the W0 partition."""
@@ -179,6 +193,7 @@ def test_wb_refused_key_is_the_w0_key_plus_false(running):
         )
 
 
+@pytest.mark.rule("WB keys, granted and refused; the refused bucket key")
 @given(running=running_sets())
 def test_wb_granted_every_completion_shares_one_key_whatever_the_lengths(running):
     """Lengths never split the completions; only the offset (part of every key) can.
@@ -196,13 +211,14 @@ def test_wb_granted_every_completion_shares_one_key_whatever_the_lengths(running
     assert all(not k[3] for s, k in zip(running, keys, strict=False) if s.is_prompt)
 
 
-# ------------------------------------------------------------------ §16 select_running_bucket
+# ----------------------------------------------------------------------- §16 select_running_bucket
 
 
 def _prio(n: int, tokens: int, urgency: int = 0) -> float:
     return n * (urgency + math.log2(tokens))
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_coalesces_32_at_101_with_32_at_102():
     short, long_ = (101, False, 0), (102, False, 0)
     buckets = {short: list(range(32)), long_: list(range(32, 64))}
@@ -212,6 +228,7 @@ def test_select_running_bucket_coalesces_32_at_101_with_32_at_102():
     assert select_running_bucket(buckets, pr, False) == short
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_keeps_the_cohort_1_at_21_vs_63_at_500():
     new, cohort = (21, False, 0), (500, False, 0)
     buckets = {new: [0], cohort: list(range(1, 64))}
@@ -220,6 +237,7 @@ def test_select_running_bucket_keeps_the_cohort_1_at_21_vs_63_at_500():
     assert select_running_bucket(buckets, pr, False) == cohort
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_refuses_to_coalesce_eight_lengths_64_apart():
     keys = [(100 + 64 * j, False, 0) for j in range(8)]
     buckets = {k: [j] for j, k in enumerate(keys)}
@@ -229,12 +247,14 @@ def test_select_running_bucket_refuses_to_coalesce_eight_lengths_64_apart():
     assert select_running_bucket(buckets, pr, False) == greedy
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_discrete_is_min_length():
     short, long_ = (101, False, 0), (500, False, 0)
     buckets = {long_: list(range(63)), short: [99]}
     assert select_running_bucket(buckets, {}, True) == short
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_coalesces_at_exactly_the_payback_bound():
     """(total - n_min) * gap <= n_min * 256 with equality -> min; one more token -> greedy."""
     assert COALESCE_PAYBACK_STEPS == 256
@@ -246,6 +266,7 @@ def test_select_running_bucket_coalesces_at_exactly_the_payback_bound():
         assert select_running_bucket(buckets, pr, False) == (lo if want_min else hi)
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_coalesce_uses_the_nearest_longer_bucket():
     lo, near, far = (100, False, 0), (101, False, 0), (5000, False, 0)
     buckets = {lo: [0], near: [1], far: [2]}
@@ -254,6 +275,7 @@ def test_select_running_bucket_coalesce_uses_the_nearest_longer_bucket():
     assert select_running_bucket(buckets, pr, False) == lo
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 @pytest.mark.parametrize("other", [(101, True, 0), (101, False, 1)], ids=["imgs", "offset"])
 def test_the_coalescing_target_must_agree_on_imgs_and_offset(other):
     lo = (100, False, 0)
@@ -263,6 +285,7 @@ def test_the_coalescing_target_must_agree_on_imgs_and_offset(other):
     assert select_running_bucket(buckets, pr, False) == other
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_the_coalescence_override_never_targets_across_the_ragged_flag():
     ragged, pk = (119, False, 0, True), (120, False, 0, False)
     buckets = {ragged: list(range(32)), pk: list(range(32, 64))}
@@ -275,6 +298,7 @@ def test_the_coalescence_override_never_targets_across_the_ragged_flag():
                                  {ragged: pr[ragged], same: pr[pk]}, False) == ragged
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_breaks_ties_by_the_smallest_key():
     a, b = (5, False, 0), (5, True, 0)
     assert select_running_bucket({b: [0], a: [1]}, {}, True) == a
@@ -284,9 +308,12 @@ def test_select_running_bucket_breaks_ties_by_the_smallest_key():
     assert select_running_bucket({a: [0], b: [1], c: [2]}, {a: 0.0, b: 7.0, c: 7.0}, False) == b
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 def test_select_running_bucket_refuses_malformed_input():
-    with pytest.raises(ValueError, match="at least one bucket"):
+    with raises_exactly("select_running_bucket needs at least one bucket"):
         select_running_bucket({}, {}, True)
+    with raises_exactly("every bucket must have a member"):
+        select_running_bucket({(5, False, 0): [completion(0, 6)], (9, False, 0): []}, {}, True)
     with pytest.raises(ValueError, match="priorities keys"):
         select_running_bucket({(1, False, 0): [0], (2, False, 0): [1]}, {(1, False, 0): 1.0}, False)
 
@@ -314,6 +341,7 @@ def oracle_select(buckets, priorities, discrete):
     return greedy
 
 
+@pytest.mark.rule("select_running_bucket and COALESCE_PAYBACK_STEPS = 256")
 @given(data=st.data())
 def test_select_running_bucket_matches_an_independent_oracle(data):
     keys = data.draw(
@@ -332,27 +360,53 @@ def test_select_running_bucket_matches_an_independent_oracle(data):
     )
 
 
-# ------------------------------------------------------------------ §16 bucketing + urgency
+# ----------------------------------------------------------------------- §16 bucketing and urgency
 
 
+@pytest.mark.rule("bucket_and_waitlist_seqs_waiting and urgency")
 def test_bucket_and_waitlist_with_one_bucket_runs_everything_and_resets_urgency():
     st_ = state_for("W0")
     st_.urgency = {0: 3, 1: 5}
-    b = bucket_and_waitlist_seqs_waiting([comp(0, 10), comp(1, 10)], False, st_)
+    b = bucket_and_waitlist_seqs_waiting([completion(0, 10), completion(1, 10)], False, st_)
     assert [s.id for s in b.chosen] == [0, 1] and b.waitlisted == [] and b.n_buckets == 1
     assert st_.urgency == {0: 0, 1: 0}
 
 
+@pytest.mark.rule("bucket_and_waitlist_seqs_waiting and urgency")
 def test_waitlisted_sequences_gain_urgency_and_keep_their_state():
     st_ = state_for("W0")
     st_.urgency = {2: 4}
-    running = [comp(0, 10), comp(1, 10), prompt(2, 50)]
+    running = [completion(0, 10), completion(1, 10), prompt(2, 50)]
     b = bucket_and_waitlist_seqs_waiting(running, True, st_)
     assert [s.id for s in b.chosen] == [0, 1]
     assert b.waitlisted == [running[2]], "waitlisted record is returned unchanged"
     assert st_.urgency == {0: 0, 1: 0, 2: 5}
 
 
+@pytest.mark.rule("bucket_and_waitlist_seqs_waiting and urgency")
+def test_urgency_is_read_by_the_greedy_choice_and_absent_ids_have_none():
+    """A at len 10 (11 tokens) and B at len 500 (501 tokens), not discrete; gap 490 is far
+    beyond the payback (1 * 490 > 1 * 256), so the greedy bucket runs. Without urgency B
+    wins (log2 501 = 8.97 > log2 11 = 3.46). With urgency 6 for A (none for B, so 0):
+    6 + 3.46 = 9.46 > 8.97, A is greedy == min and runs."""
+    a, b = completion(0, 11, cache_len=10), completion(1, 501, cache_len=500)
+    assert 6 + math.log2(11) > math.log2(501) > math.log2(11)
+    plain = SchedulerState()
+    assert bucket_and_waitlist_seqs_waiting([a, b], False, plain).chosen == [b]
+    urgent = SchedulerState(urgency={0: 6})
+    got = bucket_and_waitlist_seqs_waiting([a, b], False, urgent)
+    assert got.chosen == [a] and got.waitlisted == [b]
+    assert urgent.urgency == {0: 0, 1: 1}
+
+
+@pytest.mark.rule("keys by world: W0 3-tuple")
+def test_bucketing_nothing_gives_no_key():
+    assert bucket_and_waitlist_seqs_waiting([], False, SchedulerState()) == Bucketing(
+        None, [], [], 0, []
+    )
+
+
+@pytest.mark.rule("keys by world: W0 3-tuple", "bucket_and_waitlist_seqs_waiting and urgency")
 @given(
     running=running_sets(),
     world=st.sampled_from(["W0", "WA", "WB"]),
@@ -391,144 +445,3 @@ def test_bucketing_properties_in_every_world(
         assert b.n_buckets == len(distinct)
         if discrete:
             assert b.key[0] == min(k[0] for k in distinct)
-
-
-# ------------------------------------------------------------------ §16/§20 examples through
-# schedule()
-
-
-def test_nothing_waiting_or_running_schedules_nothing():
-    st_ = state_for("W0")
-    out = schedule([], [], st_)
-    assert out.running == [] and out.waiting == [] and out.key is None and out.offered == 0
-    assert st_.telemetry.calls == 0
-
-
-LENS_64_APART = [50, 114, 179, 243, 307, 371, 436, 500]
-
-
-@pytest.mark.parametrize("world,kw,want", [
-    ("W0", {}, 1),
-    ("WA", {"ragged_decode_supported": False}, 1),
-    ("WA", {"ragged_decode_supported": True}, 8),
-    ("WB", {"admission": REFUSE}, 1),
-    ("WB", {"admission": GRANT}, 8),
-])
-def test_eight_lengths_64_apart_split_permanently_unless_ragged(world, kw, want):
-    st_ = state_for(world, max_seqs=128, **kw)
-    out = schedule([comp(i, n) for i, n in enumerate(LENS_64_APART)], [], st_)
-    assert len(out.completion) == want
-    if want == 1:
-        assert out.completion == [0], "running only is discrete: the shortest bucket runs"
-
-
-@pytest.mark.parametrize("world,kw,n_run", [
-    ("W0", {}, 8),
-    ("WA", {"ragged_decode_supported": True}, 9),
-    ("WB", {"admission": GRANT}, 9),
-])
-def test_a_formed_cohort_and_a_newcomer_8_at_500_plus_1_at_100(world, kw, n_run):
-    assert 8 * 400 == 3200 > COALESCE_PAYBACK_STEPS
-    st_ = state_for(world, max_seqs=128, **kw)
-    running = [comp(i, 500) for i in range(8)] + [comp(8, 100)]
-    waiter = prompt(9, 300)  # a waiting request, so selection is non-discrete
-    out = schedule(running, [waiter], st_)
-    assert out.discrete is False
-    assert len(out.completion) == n_run
-    if world == "W0":
-        assert 8 not in out.completion and 8 in out.waitlisted
-    else:
-        assert 8 in out.completion
-
-
-def test_prompts_keep_their_exact_length_buckets_in_wa():
-    st_ = state_for("WA", ragged_decode_supported=True)
-    out = schedule([], [prompt(i, n) for i, n in enumerate([37, 91, 155])], st_)
-    assert out.promoted == [0, 1, 2] and len(out.prompt) == 1 and out.prompt == [0]
-    assert out.discrete is True
-
-
-def test_scheduler_runs_the_whole_admitted_batch():
-    """32 at 100 tokens + 32 at 102: coalesces within a few steps and stays whole."""
-    st_ = state_for("W0", max_seqs=128)
-    running = [comp(i, 100) for i in range(32)] + [comp(32 + i, 102) for i in range(32)]
-    waiting: list[SeqRecord] = []
-    converged = None
-    for step in range(16):
-        out = schedule(running, waiting, st_)
-        running = [replace(s, n_tokens=s.n_tokens + 1) for s in out.running]
-        waiting = out.waiting
-        if converged is None and len(running) == 64:
-            converged = step
-        if converged is not None:
-            assert len(running) == 64 and waiting == [], f"split again at step {step}"
-    assert converged is not None and converged <= 3
-
-
-def test_a_split_far_beyond_the_payback_never_merges():
-    """Negative control for the test above: 1 at 100 tokens vs 3 at 900, a gap far
-    beyond the payback bound, never runs all four together."""
-    st_ = state_for("W0", max_seqs=128)
-    running = [comp(0, 100)] + [comp(1 + i, 900) for i in range(3)]
-    waiting: list[SeqRecord] = []
-    sizes = []
-    for _ in range(6):
-        out = schedule(running, waiting, st_)
-        sizes.append(len(out.running))
-        running = [replace(s, n_tokens=s.n_tokens + 1) for s in out.running]
-        waiting = out.waiting
-    assert max(sizes) < 4
-
-
-def test_both_waiting_and_running_sorts_waiting_by_id_and_admits_up_to_max_seqs():
-    st_ = state_for("W0", max_seqs=4)
-    running = [comp(0, 10), comp(1, 10)]
-    waiting = [prompt(7, 11), prompt(5, 11), prompt(6, 11)]
-    out = schedule(running, waiting, st_)
-    assert out.held == [7], "ids 5 and 6 fill running to max_seqs 4; 7 is held"
-    assert out.promoted == [5, 6]
-    assert out.offered == 4 and out.discrete is False and out.n_buckets == 2
-    # keys 9 (ids 0, 1) and 10 (ids 5, 6): greedy is 10, but (4-2)*1 <= 2*256 coalesces to 9
-    assert [s.id for s in out.running] == [0, 1]
-    assert [s.id for s in out.waiting] == [7, 5, 6], "held first, then the waitlisted"
-
-
-def test_schedule_keeps_every_sequence_exactly_once():
-    st_ = state_for("WA", ragged_decode_supported=False, prefill_cap=1, max_seqs=5)
-    running = [comp(0, 10), comp(1, 20)]
-    waiting = [prompt(2, 7), prompt(3, 9), comp(4, 30)]
-    st_.admitted.add(4)  # a previously waitlisted completion
-    out = schedule(running, waiting, st_)
-    ids = [s.id for s in out.running] + [s.id for s in out.waiting]
-    assert sorted(ids) == [0, 1, 2, 3, 4]
-
-
-@given(
-    running=running_sets(0, 8),
-    new=st.lists(st.tuples(st.integers(1, 40), st.booleans()), max_size=5),
-    world=st.sampled_from(["W0", "WA", "WB"]),
-    grant=st.booleans(),
-    flag=st.booleans(),
-    max_seqs=st.integers(1, 10),
-    cap=st.sampled_from([None, 1, 2]),
-)
-def test_schedule_loses_and_duplicates_nothing(running, new, world, grant, flag, max_seqs, cap):
-    st_ = state_for(world, admission=GRANT if grant else REFUSE, ragged_decode_supported=flag,
-                    max_seqs=max_seqs, prefill_cap=cap)
-    waiting = [SeqRecord(100 + j, n, images=img, is_prompt=True) for j, (n, img) in enumerate(new)]
-    out = schedule(running, waiting, st_)
-    ids_in = sorted(s.id for s in running + waiting)
-    ids_out = [s.id for s in out.running] + [s.id for s in out.waiting]
-    assert sorted(ids_out) == ids_in and len(set(ids_out)) == len(ids_out)
-    assert sorted(out.completion + out.prompt) == sorted(s.id for s in out.running)
-    if ids_in:
-        assert out.running, "exactly one bucket runs whenever anything is schedulable"
-        keys = bucket_keys(
-            [s for s in running + waiting if s.id in {r.id for r in out.running}], st_
-        )
-        assert len(set(keys)) == 1
-
-
-def test_schedule_refuses_duplicate_ids():
-    with pytest.raises(ValueError, match="unique"):
-        schedule([comp(1, 5)], [prompt(1, 5)], state_for("W0"))

@@ -8,43 +8,24 @@ record against the draft-KV rules (cache-and-draft.md §7.1, §7.2, §7.4: fille
 seed = (L - 2, h_{L-2}) after a full extension, a poisoned state never seeds again, Tier A
 never seeds, a deferral empties the map, the LRU cap) and the strip policy (§5.5, §12.2). A
 backend-vs-backend comparison cannot see a recording bug (both backends share the simulator),
-hence these independent checks. Also: the progress callback, the failure record of a refused
-step, and the engine's set-up (backend, depth, accept file)."""
+hence these independent checks. Also: the progress callback and the failure record of a
+refused step."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
 
+from raggedspec.conformance.helpers import per_sequence_example
 from raggedspec.reference import masks, simulator
-from raggedspec.reference.backend import NumpyBackend
-from raggedspec.reference.errors import ScenarioError
 from raggedspec.reference.scenario import load_scenario
-from raggedspec.reference.scheduler import PrefillFloor, RaggedAdmission
-
-GRANTED = {"advance": "per-sequence", "xs_per_seq": True, "admission": "grant"}
-
-
-def accept_file(tmp_path, counts):
-    path = tmp_path / "accepts.json"
-    path.write_text(json.dumps(counts))
-    return str(path)
 
 
 def per_sequence(tmp_path, strip="eager", **extra):
     """The §16 PerSequence example (A 12, B 10; A accepts 2, B 0) with compressed layers of
     ratios 2 and 4 next to a Standard one, so the masks carry compressed columns."""
-    data = {
-        "requests": [{"prompt_len": 12, "max_new_tokens": 40},
-                     {"prompt_len": 10, "max_new_tokens": 40}],
-        "depth": 3, "steps": 4, "advance": "per-sequence", "world": "WB", "admission": "grant",
-        "xs_per_seq": True, "strip": strip, "model": {"compress_ratios": [0, 2, 4]},
-        "acceptance": {"model": "file", "path": accept_file(tmp_path, {"0": [2], "1": [0]})},
-    }
-    data.update(extra)
-    return load_scenario(data)
+    return load_scenario(per_sequence_example(tmp_path, strip=strip,
+                                              model={"compress_ratios": [0, 2, 4]}, **extra))
 
 
 def deferring(**extra):
@@ -102,7 +83,7 @@ def check_forward(rec, step, eng):
         assert rec["positions"] == pos
         assert rec["row_q0"] == (pos if sc.per_seq_kv else None)
         assert rec["lead"] == (leads if ragged else [0] * b)
-        assert width == (1 if rec["phase"] == "defer" else sc.w)
+        assert width == (1 if rec["phase"] == "defer" else sc.depth + 1)
         for r, i in enumerate(rec["ids"]):
             p = pos[r if len(pos) == b else 0]
             u = 1 if rec["phase"] == "defer" else rows[r]["u"]
@@ -139,6 +120,7 @@ def check_log(tr, eng):
     return fw
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_without_record_tensors_nothing_is_recorded(tmp_path):
     eng = simulator.TensorEngine(per_sequence(tmp_path, steps=3))
     tr = eng.run()
@@ -146,6 +128,18 @@ def test_without_record_tensors_nothing_is_recorded(tmp_path):
     assert tr.tensor_log == [] and tr.tensors == []
 
 
+@pytest.mark.rule("per-step tensor hook")
+def test_record_tensors_keeps_each_verify_forward():
+    sc = load_scenario({"batch": 2, "prompt_len": 6, "max_new_tokens": 8, "steps": 4, "depth": 2})
+    tr = simulator.run(sc, record_tensors=True)
+    assert len(tr.tensors) == 3
+    rec = tr.tensors[0]
+    assert rec["tokens"].shape == (2, 3) and rec["logits"].shape[:2] == (2, 3)
+    assert rec["hidden"].shape[:2] == (2, 3) and rec["target_k0"].shape[0] == 2
+    assert rec["positions"] == [6]
+
+
+@pytest.mark.rule("per-step tensor hook")
 @pytest.mark.parametrize("strip", ["eager", "lazy"])
 def test_each_forward_and_state_record_of_the_per_sequence_example(tmp_path, strip):
     """Forwards: prompt B (10), prompt A (12), then two ragged decodes at positions [12, 10]
@@ -184,6 +178,7 @@ def test_each_forward_and_state_record_of_the_per_sequence_example(tmp_path, str
     assert sorted(states(tr)[3]["seqs"]) == [0, 1]
 
 
+@pytest.mark.rule("per-step tensor hook")
 @pytest.mark.parametrize("per_seq_kv", [False, True])
 def test_a_deferral_feeds_each_row_at_its_own_position_and_empties_the_draft_map(per_seq_kv):
     """§16 step 4: the deferral clears the whole map and runs one plain decode, one token
@@ -204,6 +199,7 @@ def test_a_deferral_feeds_each_row_at_its_own_position_and_empties_the_draft_map
             assert sorted(states(tr)[s["step"]]["seqs"]) == sorted(r["seq"] for r in s["rows"])
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_the_masks_follow_the_window_and_each_layers_ratio():
     """A one-column sliding window and ratios 1 (a Standard layer: no compressed keys), 2 and
     3 on a cohort run with ragged prompts (In pads the shorter one): each mask is the union
@@ -218,6 +214,7 @@ def test_the_masks_follow_the_window_and_each_layers_ratio():
     assert {r["phase"] for r in fw} == {"prompt", "decode"}
 
 
+@pytest.mark.rule("Tier A never drafts in the fused path")
 def test_a_tier_a_draft_state_has_no_cache_and_never_seeds():
     """§7.2 step 3: without an MTP block the extension returns before the seed stash: every
     recorded state has filled 0, no seed, no draft KV, and is not poisoned."""
@@ -233,6 +230,7 @@ def test_a_tier_a_draft_state_has_no_cache_and_never_seeds():
                          "kv": None}
 
 
+@pytest.mark.rule("prompt steps of the simulator")
 @pytest.mark.parametrize("depth", [0, 1])
 def test_only_a_speculating_engine_keeps_draft_states(depth):
     """Depth 0 (w = 1) is the plain decoder: no draft state is ever made and every row
@@ -251,6 +249,7 @@ def test_only_a_speculating_engine_keeps_draft_states(depth):
         assert {i: d["seed_pos"] for i, d in prompt["drafts"].items()} == {0: 4, 1: 4}
 
 
+@pytest.mark.rule("draft-KV map LRU")
 def test_the_draft_map_cap_of_the_scenario_evicts_the_least_recent_state():
     """max_draft_kv_seqs 1: the prompt step checks in seq 0, then seq 1: only seq 1's state
     is left, so the state record holds a draft state for seq 1 alone (both own caches)."""
@@ -262,6 +261,7 @@ def test_the_draft_map_cap_of_the_scenario_evicts_the_least_recent_state():
     assert st["ids"] == [0, 1] and sorted(st["seqs"]) == [0, 1] and sorted(st["drafts"]) == [1]
 
 
+@pytest.mark.rule("per-step tensor hook")
 def test_the_progress_callback_gets_each_finished_step_out_of_the_total():
     """One call per engine step, idle ones included, `(steps done, scenario steps)`; none
     after the loop stops early (every request finished)."""
@@ -274,6 +274,7 @@ def test_the_progress_callback_gets_each_finished_step_out_of_the_total():
     assert calls == [(1, 9), (2, 9), (3, 9), (4, 9)]
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_each_refused_prompt_fails_its_requests_and_counts_one_error():
     """A 520-token and a 530-token prompt under max_seq_len 600: the first append needs
     capacity 1024 (512-column blocks), refused; each step's requests fail (no own cache, no
@@ -293,6 +294,7 @@ def test_each_refused_prompt_fails_its_requests_and_counts_one_error():
     assert eng.done == {0, 1}
 
 
+@pytest.mark.rule("budget and capacity near max_seq_len")
 def test_a_refused_decode_drops_the_poisoned_draft_state():
     """A 506-token prompt under max_seq_len 512: priming refuses to grow the draft KV past
     its 16 columns (528 > 512), so the state is poisoned with filled 0 and its seed stashed
@@ -317,65 +319,7 @@ def test_a_refused_decode_drops_the_poisoned_draft_state():
     check_log(tr, eng)
 
 
-def test_a_ragged_decode_row_sees_what_its_sequence_alone_would(tmp_path):
-    """The per-row offsets reach the model: row B (lead 2) of the first ragged decode has the
-    hidden states of B's own tokens run alone through a fresh cache (causal attention: a
-    position sees only its sequence's earlier tokens)."""
-    eng = simulator.TensorEngine(per_sequence(tmp_path, steps=3), record_tensors=True)
-    tr = eng.run()
-    rec = next(r for r in forwards(tr) if r["phase"] == "decode")
-    assert rec["lead"] == [0, 2]
-    for r, i in enumerate(rec["ids"]):
-        own = rec["positions"][r]
-        toks = np.array([eng.toks[i][:own] + rec["tokens"][r].tolist()], dtype=np.int64)
-        solo = eng.model.forward(toks, eng.new_cache(1), [0], None, None)
-        np.testing.assert_allclose(rec["hidden"][r], solo.hidden[0, own:], rtol=1e-9, atol=1e-9)
-
-
-class CountingBackend(NumpyBackend):
-    def __init__(self):
-        super().__init__()
-        self.forwards = 0
-
-    def forward(self, *args, **kwargs):
-        self.forwards += 1
-        return super().forward(*args, **kwargs)
-
-
-def test_the_engine_runs_on_the_backend_it_is_given():
-    be = CountingBackend()
-    eng = simulator.TensorEngine(load_scenario({"batch": 1, "prompt_len": 4, "max_new_tokens": 3,
-                                                "steps": 3}), backend=be)
-    tr = eng.run()
-    assert eng.be is be and be.forwards == sum(s["phase"] != "idle" for s in tr.steps()) == 2
-
-
-def test_an_accept_file_must_cover_every_request_of_the_scenario(tmp_path):
-    """The engine reads the accept file when it is built, with the scenario's request count
-    (a file rewritten after the scenario was loaded is checked again)."""
-    path = accept_file(tmp_path, {"0": [1], "1": [1]})
-    sc = load_scenario({"batch": 2, "prompt_len": 4, "max_new_tokens": 3, "steps": 2,
-                        "acceptance": {"model": "file", "path": path}})
-    accept_file(tmp_path, {"0": [1]})
-    with pytest.raises(ScenarioError) as err:
-        simulator.TensorEngine(sc)
-    assert str(err.value) == (
-        f"scenario key 'acceptance.path': accept-count file {path!r} has no \"default\" list "
-        "and no list for sequence(s) [1] (the scenario has 2 requests)")
-
-
-def test_a_request_stops_at_max_seq_len_tokens():
-    """A 95-token prompt under max_seq_len 100, plain decoding (w = 1): one token per step
-    until the sequence holds 100 tokens, then it is finished and the run stops."""
-    sc = load_scenario({"requests": [{"prompt_len": 95, "max_new_tokens": 100}],
-                        "max_seq_len": 100, "steps": 9, "depth": 0})
-    eng = simulator.TensorEngine(sc)
-    tr = eng.run()
-    assert [(s["phase"], s["width"]) for s in tr.steps()] == [
-        ("prompt", 95), ("decode", 95), ("decode", 96), ("decode", 97), ("decode", 98)]
-    assert len(eng.toks[0]) == 100 and eng.done == {0}
-
-
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_guard_refusal_drops_the_failed_requests_draft_states():
     """The follows guard (WA, granted per-sequence advance; §16 step 4) refuses the step after
     the first per-sequence decode before any draft state is checked out: the requests fail
@@ -396,34 +340,17 @@ def test_a_guard_refusal_drops_the_failed_requests_draft_states():
     check_log(tr, eng)
 
 
-def test_the_engine_keeps_no_periodic_acceptance_report():
-    """The engine's acceptance telemetry runs with logging off: past LOG_EVERY = 64
-    proposals no report line is kept (the trace's markers are the report)."""
-    sc = load_scenario({"batch": 4, "prompt_len": 4, "max_new_tokens": 30, "steps": 8,
-                        "depth": 3, "acceptance": "all-reject"})
-    eng = simulator.TensorEngine(sc)
+@pytest.mark.rule("per-step tensor hook")
+def test_a_ragged_decode_row_sees_what_its_sequence_alone_would(tmp_path):
+    """The per-row offsets reach the model: row B (lead 2) of the first ragged decode has the
+    hidden states of B's own tokens run alone through a fresh cache (causal attention: a
+    position sees only its sequence's earlier tokens)."""
+    eng = simulator.TensorEngine(per_sequence(tmp_path, steps=3), record_tensors=True)
     tr = eng.run()
-    assert eng.tel.total.proposed == sum(r["drafted"] for s in tr.steps() for r in s["rows"]) > 64
-    assert eng.tel.lines == []
-
-
-@pytest.mark.parametrize(
-    ("extra", "granted"),
-    [({"world": "WB"}, False), ({"world": "WB", **GRANTED}, True),
-     ({"world": "W0", **GRANTED}, False)],
-)
-def test_the_engine_sets_up_its_scheduler_from_the_scenario(extra, granted):
-    """Ragged admission (M §17) is granted only in WB with per-sequence advance granted; a
-    refusal keeps its reason; both copies (scheduler, engine) hold the one decision. The
-    scheduler state carries the scenario's world, running cap, WA prompt cap and prefill
-    floor."""
-    sc = load_scenario({"batch": 2, "prompt_len": 4, "max_new_tokens": 3, "steps": 2,
-                        "max_seqs": 5, "prefill_max_seqs": 3, "prefill_floor": 2, **extra})
-    eng = simulator.TensorEngine(sc)
-    want = RaggedAdmission(True, None) if granted else RaggedAdmission(
-        False, "per-sequence advance not granted")
-    assert eng.state.admission == want and eng.state.engine_admission == want
-    assert eng.state.world == sc.world and eng.state.max_seqs == 5 and eng.state.prefill_cap == 3
-    assert eng.state.floor == PrefillFloor(2)
-    assert simulator.TensorEngine(load_scenario({"batch": 1, "steps": 1})).state.floor == (
-        PrefillFloor(4))
+    rec = next(r for r in forwards(tr) if r["phase"] == "decode")
+    assert rec["lead"] == [0, 2]
+    for r, i in enumerate(rec["ids"]):
+        own = rec["positions"][r]
+        toks = np.array([eng.toks[i][:own] + rec["tokens"][r].tolist()], dtype=np.int64)
+        solo = eng.model.forward(toks, eng.new_cache(1), [0], None, None)
+        np.testing.assert_allclose(rec["hidden"][r], solo.hidden[0, own:], rtol=1e-9, atol=1e-9)

@@ -1,15 +1,16 @@
-"""The tensor-mode step logic of reference/simulator.py read off its outputs: the scheduler
-loop's idle and mixed steps, the prompt, decode and defer steps, the per-sequence commit under
-each strip policy (cache-and-draft.md §5.5, §12.2), the step failures with their trace error
-and message text (§13, §16 step 4), and what `record_tensors=True` logs for each forward.
-Small explicit scenarios; a `NumpyBackend` subclass observes the backend calls the engine makes
-and, where a test asks, refuses one of them, so each refusal path runs on demand."""
+"""The tensor-mode step logic of reference/simulator.py read off its outputs and the backend
+calls it makes: the per-sequence commit under each strip policy (cache-and-draft.md §5.5,
+§12.2), the step failures with their trace error and message text (§13, §16 step 4), the two
+guards, the deferral's plain decode at each row's own position, and the cohort verify at the
+shared offset. A `NumpyBackend` subclass observes the calls and, where a test asks, refuses one
+of them, so each refusal path runs on demand.
+"""
 
 import pytest
 
+from raggedspec.conformance.helpers import GRANTED
 from raggedspec.reference import policy, simulator
 from raggedspec.reference.backend import NumpyBackend
-from raggedspec.reference.xs_rolling import XsRolling
 from raggedspec.reference.errors import (
     AlignRefusal,
     CacheRefusal,
@@ -17,8 +18,7 @@ from raggedspec.reference.errors import (
     StepRefusal,
 )
 from raggedspec.reference.scenario import load_scenario
-
-GRANTED = {"advance": "per-sequence", "world": "WB", "admission": "grant", "xs_per_seq": True}
+from raggedspec.reference.xs_rolling import XsRolling
 
 
 class SpyBackend(NumpyBackend):
@@ -98,116 +98,10 @@ def steps_of(trace):
     return list(trace.steps())
 
 
-# ----------------------------------------------------------------------------- run()
+# ------------------------------------------------------- per-sequence steps and the strip policies
 
 
-def test_run_loads_a_dict_and_passes_progress_and_backend_through():
-    seen, spy = [], SpyBackend()
-    tr = simulator.run({"batch": 1, "prompt_len": 4, "steps": 3},
-                       lambda t, n: seen.append((t, n)), backend=spy)
-    assert seen == [(1, 3), (2, 3), (3, 3)]  # after each step t: (t + 1, steps)
-    assert len(spy.args("forward")) == 3  # the prompt and two decodes ran on the spy
-    assert tr.tensors == [] and tr.tensor_log == []  # record_tensors defaults to off
-
-
-def test_requests_are_admitted_in_arrival_order_not_index_order():
-    sc = load_scenario({"requests": [{"prompt_len": 4, "arrival": 2},
-                                     {"prompt_len": 5, "arrival": 0}], "steps": 3, "depth": 0})
-    st = steps_of(simulator.run(sc))
-    assert st[0]["phase"] == "prompt" and st[0]["prefill"] == [1]
-    assert [r["seq"] for r in st[0]["rows"]] == [1]
-
-
-def test_an_idle_step_is_all_zero_and_keeps_the_running_rate():
-    """No running sequence: phase idle, cohort, no instruction, zero counts and width, no
-    bucket, no prefill, no error, and the tokens-per-step rate so far (the idle step adds
-    nothing to the telemetry)."""
-    sc = load_scenario({"requests": [{"prompt_len": 4, "max_new_tokens": 2},
-                                     {"prompt_len": 4, "max_new_tokens": 2, "arrival": 6}],
-                        "steps": 8, "depth": 2, "acceptance": "all-accept"})
-    tr = simulator.run(sc)
-    st = steps_of(tr)
-    assert [s["phase"] for s in st] == ["prompt", "decode", "idle", "idle", "idle", "idle",
-                                        "prompt", "decode"]
-    rate = st[1]["tok_per_step"]
-    # the decode drafted w - u = 2 and accepted both: the telemetry counts 1 + 2 (§15) while
-    # the row commits the one token its max_new_tokens leaves
-    assert rate == 3.0 and st[1]["committed"] == 1
-    for t in (2, 3, 4, 5):
-        want = {"step": t, "phase": "idle", "advance": "cohort", "cache_instruction": None,
-                "running": 0, "waiting": 0, "buckets": 0, "groups": 0, "width": 0,
-                "padding_fraction": 0.0, "committed": 0, "tok_per_step": rate, "bucket": None,
-                "prefill": [], "error": None}
-        got = tr.step_fields(t)
-        assert got == want and list(got) == list(want)
-        assert type(got["padding_fraction"]) is float and type(got["tok_per_step"]) is float
-        assert st[t]["rows"] == [] and tr.row_array(t).shape == (0, len(policy.COL))
-
-
-def test_an_idle_step_before_any_decode_has_rate_zero():
-    sc = load_scenario({"requests": [{"prompt_len": 4, "arrival": 2}], "steps": 3, "depth": 0})
-    st = steps_of(simulator.run(sc))
-    assert [s["phase"] for s in st] == ["idle", "idle", "prompt"]
-    assert st[0]["tok_per_step"] == 0.0 and st[0]["step"] == 0 and st[1]["step"] == 1
-
-
-def test_a_mixed_step_commits_the_decode_rows_and_the_prompts_token():
-    """A fresh prompt whose key collides with a completion runs in the same step: the step's
-    committed count is the decode rows' plus one per prompt."""
-    sc = load_scenario({"requests": [{"prompt_len": 8, "max_new_tokens": 20},
-                                     {"prompt_len": 9, "max_new_tokens": 20, "arrival": 1}],
-                        "steps": 2, "depth": 2, "acceptance": "all-accept"})
-    st = steps_of(simulator.run(sc))[1]
-    assert st["phase"] == "decode" and st["prefill"] == [1]
-    assert [r["committed"] for r in st["rows"]] == [3]  # w = 3: 2 accepted + the bonus
-    assert st["committed"] == 3 + 1
-
-
-def test_a_prompt_that_reaches_max_new_tokens_ends_its_sequence():
-    """max_new_tokens 1: the prompt step's token is the last; nothing else runs."""
-    sc = load_scenario({"batch": 2, "prompt_len": 5, "max_new_tokens": 1, "steps": 4})
-    tr = simulator.run(sc)
-    assert [s["phase"] for s in tr.steps()] == ["prompt"]
-    assert tr.step_fields(0)["committed"] == 2
-
-
-# ----------------------------------------------------------------------------- rows
-
-
-def test_prompt_and_decode_rows_are_int_rows_with_null_group_and_chain_start():
-    """Rows are the schema's int array; an undrafted row (depth 0) and a prompt row carry -1
-    for group and chain start."""
-    tr = simulator.run(scenario(depth=0, steps=2))
-    for t in (0, 1):
-        rows = tr.row_array(t)
-        assert rows.dtype == policy.ROW_DTYPE
-        assert (rows[:, policy.NULL_COLS] == -1).all()
-    assert [r["group"] for r in tr.rows(1)] == [None, None]
-
-
-def test_a_row_commits_no_more_than_its_max_new_tokens():
-    """All drafts accepted (w = 4): rem = max_new_tokens - emitted; k = min(a, rem) drafts
-    and the bonus only when rem > a. rem 3 = a 3: three drafts, no bonus; rem 2 < a: two."""
-    for max_new, want in ((4, 3), (3, 2), (9, 4)):
-        tr = simulator.run(scenario(batch=1, max_new_tokens=max_new, steps=2,
-                                    acceptance="all-accept"))
-        (row,) = tr.rows(1)
-        assert (row["drafted"], row["accepted"], row["committed"]) == (3, 3, want)
-
-
-def test_the_acceptance_telemetry_is_kept_per_request():
-    eng, tr = engine(scenario(batch=2, steps=3, acceptance="all-accept"))
-    assert set(eng.tel.by_request) == {0, 1}
-    for i in (0, 1):
-        rows = [r for s in tr.steps() if s["phase"] == "decode" for r in s["rows"]
-                if r["seq"] == i]
-        assert eng.tel.by_request[i].proposed == sum(r["drafted"] for r in rows) == 6
-        assert eng.tel.by_request[i].accepted == sum(r["accepted"] for r in rows) == 6
-
-
-# ----------------------------------------------------------------------------- per-sequence step
-
-
+@pytest.mark.rule("per-step tensor hook")
 def test_a_per_sequence_step_logs_its_ragged_forward():
     """Lead [0, 2] at width 12: padding 2 / (2 * 12); the verify forward runs at the rows' own
     offsets [12, 10], row_q0 = those offsets (per_seq_kv on), leads [0, 2]."""
@@ -230,6 +124,7 @@ def test_a_per_sequence_step_logs_its_ragged_forward():
     assert eng.state.ragged_decode_supported is ok[0]
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_cohort_step_hands_clone_in_a_false_per_sequence_flag():
     spy = SpyBackend()
     engine(scenario(steps=2), backend=spy)
@@ -245,6 +140,7 @@ def kv_lens(cache):
     return [s.current_seq_len for s in cache.slots if not isinstance(s, XsRolling)]
 
 
+@pytest.mark.rule("strip policy eager / lazy / none")
 @pytest.mark.parametrize("strip, kv, pending", [
     ("eager", [16, 14], [0, 0]),  # drop the lead, set_len(own + committed)
     ("lazy", [16, 16], [0, 2]),  # K/V set_len(lead + own + committed), the lead stays pending
@@ -264,13 +160,14 @@ def test_the_per_sequence_commit_under_each_strip_policy(strip, kv, pending):
         assert {a for a in spy.args("set_lens")} == {(kv[0], 16), (kv[1], 14)}
 
 
+@pytest.mark.rule("strip policy eager / lazy / none")
 def test_the_lazy_strip_hands_the_pending_lead_to_the_next_clone_in():
     spy = SpyBackend()
     engine(per_seq_pair(strip="lazy", steps=4), backend=spy)
     assert [a[0] for a in spy.args("clone_in")] == [[0, 0], [0, 2]]
 
 
-# ----------------------------------------------------------------------------- step failures
+# ----------------------------------------------------------------------------------- step failures
 
 
 def failed_decode(tr):
@@ -285,6 +182,7 @@ def assert_failed_rows(tr, step):
     assert (tr.row_array(step["step"])[:, policy.NULL_COLS] == -1).all()
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 @pytest.mark.parametrize("sc, exc, kind", [
     (scenario(steps=3), CacheRefusal("no room"), "clone_in refused"),
     (per_seq_pair(steps=4), CacheRefusal("no room"), "capacity refused"),
@@ -303,6 +201,7 @@ def test_a_refused_clone_in_fails_the_step_before_anything_is_measured(sc, exc, 
     assert tr.summary["errors"] == 1 and len(tr) == st["step"] + 1  # nothing left to run
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_refused_row_length_resolution_is_the_left_aligned_guard():
     eng, tr = engine(per_seq_pair(), backend=SpyBackend(
         fail={"resolve_row_cache_lens": DispatchRefusal("rows disagree")}))
@@ -313,6 +212,7 @@ def test_a_refused_row_length_resolution_is_the_left_aligned_guard():
     assert tr.messages == ["left-aligned guard: rows disagree"]
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_refused_draft_chain_fails_the_step_after_grouping():
     """The refusal lands after the groups were counted (one group, key (1, 0)) and after
     clone_in consumed the pending leads (the logged state shows pending 0)."""
@@ -326,6 +226,7 @@ def test_a_refused_draft_chain_fails_the_step_after_grouping():
     assert state["step"] == 2 and [state["seqs"][i]["pending"] for i in (0, 1)] == [0, 0]
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_refused_rollback_is_the_xs_rollback_refusal():
     """Cohort, all drafts rejected: keep = 1 of w = 4, so the batch truncates by 3 (§16)."""
     spy = SpyBackend(fail={"truncate_by": StepRefusal("xs would go negative")})
@@ -336,6 +237,7 @@ def test_a_refused_rollback_is_the_xs_rollback_refusal():
     assert tr.messages == ["xs rollback refused: xs would go negative"]
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_cohort_step_that_drops_one_column_truncates_by_one():
     """w = 2, every draft rejected: keep = u + a = 1, n_drop = 1 each step, so C advances by
     exactly one column a step (§16 cohort rollback)."""
@@ -345,12 +247,14 @@ def test_a_cohort_step_that_drops_one_column_truncates_by_one():
     assert spy.args("truncate_by") == [(1,)] * 3
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_cohort_step_that_keeps_every_column_truncates_nothing():
     spy = SpyBackend()
     engine(scenario(acceptance="all-accept"), backend=spy)
     assert spy.args("truncate_by") == []
 
 
+@pytest.mark.rule("strip policy eager / lazy / none")
 @pytest.mark.parametrize("strip", ["lazy", "none"])
 def test_a_refused_set_len_is_the_per_sequence_commit_refusal(strip):
     spy = SpyBackend(fail={"set_lens": CacheRefusal("past the capacity")})
@@ -361,6 +265,7 @@ def test_a_refused_set_len_is_the_per_sequence_commit_refusal(strip):
     assert tr.messages == ["per-sequence commit refused: past the capacity"]
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_refused_prompt_forward_fails_the_prompt_step():
     """The prompt's forward refused (a capacity refusal): the prompt step records the error,
     commits nothing, and its sequences end; the run has nothing left to do."""
@@ -372,6 +277,7 @@ def test_a_refused_prompt_forward_fails_the_prompt_step():
     assert tr.messages == ["capacity refused: too long"] and tr.summary["errors"] == 1
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_the_draft_calls_write_their_warnings_into_the_trace_messages():
     spy = SpyBackend(warn={"prime_draft_kv": "primed", "draft_chain": "drafted",
                            "extend_draft_kvs": "extended"})
@@ -379,9 +285,10 @@ def test_the_draft_calls_write_their_warnings_into_the_trace_messages():
     assert tr.messages == ["primed", "drafted", "extended"]
 
 
-# ----------------------------------------------------------------------------- window guard
+# ------------------------------------------------------------------------------------ window guard
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_step_that_did_not_assemble_a_per_sequence_batch_trips_the_follows_guard(tmp_path):
     """WA, granted: step 1 assembles A and B (C = 16) and commits A 4, B 1; step 2 issues
     Nothing on the resident cache, C + w = 20 wide: cache_lens [20, 20] against token
@@ -406,6 +313,7 @@ class NotOk(SpyBackend):
         return super().plan_step_window(cache_lens, tok_lens, w)[0], False
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard():
     tr = simulator.run(per_seq_pair(), backend=NotOk())
     st = failed_decode(tr)
@@ -415,7 +323,7 @@ def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard():
         "[12, 10] and token lengths [13, 11] leave a tail outside [1, 4]"]
 
 
-# ----------------------------------------------------------------------------- defer
+# ------------------------------------------------------------------------------------------- defer
 
 
 def deferring(**kw):
@@ -429,6 +337,7 @@ def deferring(**kw):
                           "advance": "per-sequence", "xs_per_seq": True, **kw})
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_deferred_step_is_one_plain_decode_at_each_rows_own_position():
     """Each deferral clears the draft map, feeds every row its last token at its own
     position (C - lead, = row_q0 with per_seq_kv), commits exactly one token per row and
@@ -456,6 +365,7 @@ def test_a_deferred_step_is_one_plain_decode_at_each_rows_own_position():
     assert st[-1]["phase"] == "defer" and eng.dmap.entries == {}
 
 
+@pytest.mark.rule("window check, the two guards and the deferral")
 def test_a_sequence_that_finishes_on_a_deferred_step_leaves_the_batch():
     """Seq 3 gets one token from its prompt and one per deferral: with max_new_tokens 3 it
     ends on its second deferral and is in no later step."""
@@ -467,6 +377,7 @@ def test_a_sequence_that_finishes_on_a_deferred_step_leaves_the_batch():
     assert len(st) == 8 and all(s["phase"] == "defer" for s in st[4:5])
 
 
+@pytest.mark.rule("one batched decode step MtpSpeculativePipeline::step, cohort example w=4 C=10")
 def test_a_cohort_verify_runs_at_the_shared_offset_even_on_a_ragged_batch(tmp_path):
     """§16 step 7, the non-per-row route: one shared offset C and no per-row leads. WA: A and
     B decode, B ends; D (7 tokens) is prompted; A (5 cached, 3 uncached) and D are then

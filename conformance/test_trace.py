@@ -1,9 +1,11 @@
-"""The trace itself (reference/trace.py, docs/trace.md): the `Trace` container, its row arrays
-as schema row objects, the exact CSV form `write_csv` writes, and the loose reader
-`read_trace` on what other engines write (no header, no `type`, blank lines, rows without a
-bucket key, a CSV without the group and chain columns, text and negative bucket parts, error
-texts with line breaks). The strict reader and its refusals are in test_trace_reader.py;
-simulator traces read back exactly there too.
+"""The trace (reference/trace.py, docs/trace.md) and the run summary (reference/policy.py):
+the `Trace` container and its row arrays as schema row objects (-1 for a null column, 0 a real
+value), schema v1's key order and a byte-identical file for the same scenario and seed, the
+exact CSV form `write_csv` writes, the loose reader `read_trace` on simulator traces and on what
+other engines write (no header, no `type`, blank lines, rows without a bucket key, a CSV without
+the group and chain columns, text and negative bucket parts, error texts with line breaks), the
+`MTP[agg]` / `SCHED[agg]` markers and the summary's totals brute-forced from the steps. The
+strict reader is in test_trace_reader.py and test_trace_reader_csv.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ import json
 import numpy as np
 import pytest
 
+from raggedspec.conformance.helpers import GRANTED
+from raggedspec.reference import lengths, policy, simulator
+from raggedspec.reference.accounting import AcceptanceTelemetry
+from raggedspec.reference.capability import KvAdvanceLatch
+from raggedspec.reference.scenario import load_scenario
+from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 from raggedspec.reference.trace import (
     COL,
     CSV_COLUMNS,
@@ -26,6 +34,16 @@ from raggedspec.reference.trace import (
 # The header a trace read without one gets (docs/trace.md: mode "unknown"; no scenario known).
 UNKNOWN_HEADER = {"type": "header", "schema": "raggedspec-trace", "version": 1,
                   "mode": "unknown", "scenario": {}}
+# docs/trace.md's key order of a step object, a row object and a summary object
+STEP_ORDER = ["type", "step", "phase", "advance", "cache_instruction", "running", "waiting",
+              "buckets", "groups", "width", "padding_fraction", "committed", "tok_per_step", "rows"]
+ROW_ORDER = ["seq", "row", "own_len", "width", "lead", "u", "drafted", "accepted", "committed",
+             "group", "chain_start", "filled", "bucket"]
+SUMMARY_ORDER = ["type", "steps", "decode_steps", "committed", "tok_per_step", "max_spread",
+                 "mean_padding_fraction", "refusal"]
+
+
+# ----------------------------------------------------------------------------- the Trace container
 
 
 def row_array(**cols) -> np.ndarray:
@@ -36,6 +54,7 @@ def row_array(**cols) -> np.ndarray:
     return r
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_a_new_trace_is_empty_and_has_no_markers():
     tr = Trace("lengths", {"batch": 1})
     assert len(tr) == 0 and tr.summary is None and tr.tensors == [] and tr.markers() == []
@@ -47,6 +66,7 @@ def test_a_new_trace_is_empty_and_has_no_markers():
     assert tr.markers() == ["MTP[agg] a=1"]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_a_group_key_of_zero_is_a_group_and_minus_one_is_null():
     """-1 stands for null in group_u / group_start / chain_start; 0 is a real value."""
     tr = Trace("lengths", {})
@@ -59,6 +79,104 @@ def test_a_group_key_of_zero_is_a_group_and_minus_one_is_null():
     assert (got[0]["group"], got[0]["chain_start"]) == ([0, 0], 0)
     assert (got[1]["group"], got[1]["chain_start"]) == (None, None)
     assert got[0]["bucket"] == [5, False, 0]
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV", "the strict trace reader")
+def test_rows_read_as_dicts_become_the_int_row_array_with_minus_one_for_null():
+    tr = Trace("unknown", {})
+    tr.add_step({"step": 0}, [
+        {"seq": 3, "own_len": 9, "group": [2, 5], "chain_start": 7, "u": None},
+        {"seq": 4, "own_len": 6, "group": None, "chain_start": None},  # nulls, absent columns
+    ])
+    arr = tr.row_array(0)
+    assert arr.dtype == np.int64 and arr.shape == (2, len(ROW_COLUMNS))
+    want = [dict.fromkeys(ROW_COLUMNS, 0) for _ in range(2)]
+    want[0].update(seq=3, own_len=9, group_u=2, group_start=5, chain_start=7)
+    want[1].update(seq=4, own_len=6, group_u=-1, group_start=-1, chain_start=-1)
+    assert [[int(r[COL[c]]) for c in ROW_COLUMNS] for r in arr] == [
+        [w[c] for c in ROW_COLUMNS] for w in want]
+
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
+def test_prompt_and_decode_rows_are_int_rows_with_null_group_and_chain_start():
+    """Rows are the schema's int array; an undrafted row (depth 0) and a prompt row carry -1
+    for group and chain start."""
+    tr = simulator.run(load_scenario({"batch": 2, "prompt_len": 6, "max_new_tokens": 30, "steps": 2,
+                                      "depth": 0}))
+    for t in (0, 1):
+        rows = tr.row_array(t)
+        assert rows.dtype == policy.ROW_DTYPE
+        assert (rows[:, policy.NULL_COLS] == -1).all()
+    assert [r["group"] for r in tr.rows(1)] == [None, None]
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
+def test_step_fields_names_every_schema_field_in_order():
+    names = ["step", "phase", "advance", "cache_instruction", "running", "waiting", "buckets",
+             "groups", "width", "padding_fraction", "committed", "tok_per_step", "bucket",
+             "prefill", "error"]
+    fields = policy.step_fields(*range(100, 115))
+    assert list(fields.items()) == list(zip(names, range(100, 115), strict=True))
+
+
+# --------------------------------------------------------------------------------- schema v1 files
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
+def test_the_trace_is_byte_identical_for_the_same_scenario_and_seed(tmp_path):
+    sc = load_scenario(dict(GRANTED, batch=6, prompt_len=[4, 12], max_new_tokens=[10, 30],
+                            steps=40, seed=3, arrival="staggered"))
+    p1, p2, p3 = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    write_jsonl(lengths.run(sc), p1)
+    write_jsonl(lengths.run(load_scenario(sc.to_dict())), p2)
+    write_jsonl(lengths.run(load_scenario(sc.to_dict(), {"seed": 4})), p3)
+    assert p1.read_bytes() == p2.read_bytes()
+    assert p1.read_bytes() != p3.read_bytes()
+
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
+def test_the_trace_follows_schema_v1_and_round_trips(tmp_path):
+    sc = load_scenario({"batch": 3, "prompt_len": 6, "max_new_tokens": 9, "steps": 10, **GRANTED})
+    tr = simulator.run(sc)
+    path = tmp_path / "t.jsonl"
+    write_jsonl(tr, path)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    head, summary = lines[0], lines[-1]
+    assert (head["type"], head["schema"], head["version"], head["mode"]) == (
+        "header",
+        "raggedspec-trace",
+        1,
+        "tensor",
+    )
+    assert load_scenario(head["scenario"]) == sc
+    for s in lines[1:-1]:
+        assert list(s)[: len(STEP_ORDER)] == STEP_ORDER
+        for r in s["rows"]:
+            assert list(r) == ROW_ORDER and r["lead"] == r["width"] - r["own_len"]
+    assert list(summary)[:8] == SUMMARY_ORDER
+    back = read_trace(path)
+    assert list(back.lines()) == list(tr.lines())
+    assert back.markers() == tr.markers()
+
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
+def test_the_csv_has_one_line_per_step_and_row(tmp_path):
+    tr = lengths.run(load_scenario({"batch": 3, "prompt_len": 6, "max_new_tokens": 9, "steps": 10}))
+    path = tmp_path / "t.csv"
+    write_csv(tr, path)
+    text = path.read_text().splitlines()
+    assert text[0] == ",".join(CSV_COLUMNS)
+    assert len(text) - 1 == sum(len(s["rows"]) for s in tr.steps())
+    back = read_trace(path)
+    assert [r["own_len"] for s in back.steps() for r in s["rows"]] == \
+        [r["own_len"] for s in tr.steps() for r in s["rows"]]
+    first_decode = next(s for s in back.steps() if s["phase"] == "decode")
+    assert (
+        first_decode["rows"][0]["bucket"] == [6, 0, 0] or first_decode["rows"][0]["bucket"][0] == 6
+    )
 
 
 def _one_step_trace() -> Trace:
@@ -78,6 +196,7 @@ def _one_step_trace() -> Trace:
     return tr
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_csv_form_is_exactly_the_documented_columns_and_cells(tmp_path):
     """docs/trace.md "CSV": one line per (step, row), the step's fields repeated, `width` and
     `committed` the row's, an empty cell for null, the bucket and `prefill` joined with ':';
@@ -94,6 +213,7 @@ def test_the_csv_form_is_exactly_the_documented_columns_and_cells(tmp_path):
     assert path.read_bytes() == ("\n".join(want) + "\n").encode()
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_csv_form_reads_back_typed_as_the_jsonl_step(tmp_path):
     tr = _one_step_trace()
     write_csv(tr, tmp_path / "t.csv")
@@ -103,6 +223,7 @@ def test_the_csv_form_reads_back_typed_as_the_jsonl_step(tmp_path):
     assert back.rows(0) == tr.rows(0)
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_csv_cells_a_foreign_engine_writes_read_as_the_docs_say(tmp_path):
     """Empty step cells are null; an `error` text is kept as text (null when empty); bucket
     parts are ints (negative too), booleans in any case, or the text; a line break inside a
@@ -131,6 +252,7 @@ def test_csv_cells_a_foreign_engine_writes_read_as_the_docs_say(tmp_path):
     assert (r1["group"], r1["chain_start"]) == (None, None)
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_a_csv_without_the_group_and_chain_columns_reads_them_as_null(tmp_path):
     path = tmp_path / "old.csv"
     path.write_text("step,seq,own_len\n0,1,4\n0,2,6\n")
@@ -143,6 +265,10 @@ def test_a_csv_without_the_group_and_chain_columns_reads_them_as_null(tmp_path):
     ]
 
 
+# -------------------------------------------------------------------------------- the loose reader
+
+
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_the_loose_reader_reads_header_steps_and_summary_back(tmp_path):
     tr = _one_step_trace()
     tr.finish({"steps": 2, "markers": ["MTP[agg] x=1"]})
@@ -152,6 +278,7 @@ def test_the_loose_reader_reads_header_steps_and_summary_back(tmp_path):
     assert list(back.steps()) == list(tr.steps()) and back.markers() == ["MTP[agg] x=1"]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_an_engine_trace_without_header_or_type_reads_as_steps(tmp_path):
     """docs/trace.md "Traces from other engines": a line without `type` is a step; blank
     lines are skipped; a step takes its rows' bucket when it has none of its own; a step
@@ -175,6 +302,7 @@ def test_an_engine_trace_without_header_or_type_reads_as_steps(tmp_path):
     assert [s["rows"] for s in tr.steps()][0] == [{"seq": 3, "own_len": 8, "bucket": [8, 0]}]
 
 
+@pytest.mark.rule("trace schema v1, JSONL and CSV")
 def test_an_unknown_object_type_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "u.jsonl"
     path.write_text(json.dumps({"step": 0, "rows": []}) + "\n"
@@ -182,3 +310,71 @@ def test_an_unknown_object_type_is_named_by_file_and_line(tmp_path):
     with pytest.raises(ValueError) as err:
         read_trace(path)
     assert str(err.value) == f"{path}:2: unknown object type 'footer'"
+
+
+# ----------------------------------------------------------------------------- markers and summary
+
+
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
+def test_the_markers_are_the_spec_lines():
+    tr = lengths.run(load_scenario({"batch": 4, "prompt_len": 8, "max_new_tokens": 20, "steps": 12,
+                                    "acceptance": "all-accept", "depth": 3}))
+    mtp, sched = tr.markers()
+    assert mtp.startswith("MTP[agg] accept_rate=1.0000 ") and " tok_per_step=4.0000 " in mtp
+    assert sched.startswith("SCHED[agg] calls=") and "shattered_frac=" in sched
+    idle = lengths.run(load_scenario({"requests": [{"prompt_len": 4, "arrival": 50}], "steps": 3}))
+    assert [m.split(" ")[0] for m in idle.markers()] == ["MTP[agg]"]  # no SCHED line at calls = 0
+    assert [s["phase"] for s in idle.steps()] == ["idle"] * 3
+
+
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
+def test_the_summary_totals_are_brute_forced_from_a_fresh_run():
+    # a fresh (uncached) run: one prompt step, then several decode steps
+    tr = lengths.run(load_scenario(dict(batch=2, prompt_len=[3, 9], max_new_tokens=12, steps=8)))
+    steps = list(tr.steps())
+    decode = [s for s in steps if s["phase"] == "decode"]
+    assert 2 <= len(decode) < len(steps) and len(decode) != len(steps) - len(decode)
+    assert steps[-1]["committed"] < sum(s["committed"] for s in steps)  # non-degenerate
+    assert tr.summary["steps"] == len(steps)
+    assert tr.summary["decode_steps"] == len(decode)
+    assert tr.summary["committed"] == sum(s["committed"] for s in steps)
+    rows = [r for s in decode for r in s["rows"]]
+    assert tr.summary["tok_per_step"] == sum(1 + r["accepted"] for r in rows) / len(rows) > 1
+
+
+@pytest.mark.rule("MTP[agg] and SCHED[agg] markers")
+def test_an_empty_run_summarizes_to_zeros():
+    summary = policy.summarize(Trace("lengths", {}), AcceptanceTelemetry(), BucketTelemetry(),
+                               KvAdvanceLatch(False, False), 0)
+    assert {k: summary[k] for k in ("steps", "decode_steps", "committed", "tok_per_step",
+                                    "max_spread", "mean_padding_fraction", "refusal", "errors",
+                                    "shattered_steps")} == {
+        "steps": 0, "decode_steps": 0, "committed": 0, "tok_per_step": 0.0, "max_spread": 0,
+        "mean_padding_fraction": 0.0, "refusal": None, "errors": 0, "shattered_steps": 0}
+
+
+@pytest.mark.rule(
+    "window check, the two guards and the deferral",
+    "MTP[agg] and SCHED[agg] markers",
+)
+def test_deferred_steps_count_in_the_summarys_spread_and_padding():
+    """A `defer` step runs the plain decode on the batched cache, leads included, so the
+    summary's max_spread and mean_padding_fraction count it (brute force over the trace's
+    decode and defer steps). Non-degenerate: in this WA cohort run every decode step has
+    spread 0 and only the deferred steps carry the leads."""
+    sc = load_scenario(
+        dict(batch=4, prompt_len=[3, 9], max_new_tokens=25, steps=16, world="WA", xs_per_seq=True)
+    )
+    for tr in (lengths.run(sc), simulator.run(sc)):
+        steps = list(tr.steps())
+        measured = [s for s in steps if s["phase"] in ("decode", "defer")]
+
+        def spread(s):
+            return max(r["own_len"] for r in s["rows"]) - min(r["own_len"] for r in s["rows"])
+
+        assert any(s["phase"] == "defer" and s["padding_fraction"] > 0 for s in measured)
+        assert max(spread(s) for s in steps if s["phase"] == "decode") == 0
+        assert tr.summary["max_spread"] == max(spread(s) for s in measured) > 0
+        assert tr.summary["mean_padding_fraction"] == pytest.approx(
+            sum(s["padding_fraction"] for s in measured) / len(measured), abs=1e-15)
+        assert tr.summary["shattered_steps"] == sum(s["buckets"] > 1 for s in measured)

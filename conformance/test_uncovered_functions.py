@@ -39,6 +39,7 @@ def outer():
 '''
 
 
+@pytest.mark.rule("scripts/uncovered_functions.py")
 def test_a_function_whose_first_statement_never_ran_is_listed(tmp_path):
     path = tmp_path / "m.py"
     path.write_text(SOURCE)
@@ -47,6 +48,7 @@ def test_a_function_whose_first_statement_never_ran_is_listed(tmp_path):
     assert tool.never_executed(path, {3, 9, 12, 17, 18}) == []
 
 
+@pytest.mark.rule("scripts/uncovered_functions.py")
 def test_a_missing_data_file_is_refused_with_its_name(tmp_path, capsys):
     missing = tmp_path / "nope.coverage"
     assert tool.main(["--data", str(missing)]) == 2

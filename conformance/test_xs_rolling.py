@@ -1,174 +1,139 @@
-"""XsRolling: compressor history with per-row lengths (masks-and-scheduling.md §13,
-cache-and-draft.md §12.3, §17.2 `mtp_verify_rollback_restores_the_compressor_rows_exactly`).
+"""XsRolling: the compressor history of a compressed layer with per-row lengths
+(masks-and-scheduling.md §13, cache-and-draft.md §12.3, §17.2
+`mtp_verify_rollback_restores_the_compressor_rows_exactly`).
 
-Oracles: `scratch_blocks` (a per-block Python loop over the committed hidden rows, independent
-of `compress_blocks`' reshape), and hand-worked values of the §13 formulas."""
+Every test runs one body over both implementations (`over_xs`: the reference's end-anchored
+tail and the port's ring buffer, through the rows each reports), each asserting the values
+the rule states. Oracles: `scratch_blocks` (a per-block Python loop over the committed hidden
+rows, independent of any reshape) and hand-worked values of the §13 formulas. What only one
+representation has, and the port compared with the reference where a value is computed, is
+test_xs_layouts.py's; the host-side rules the slots call (the plan, the compressor, the
+rollback refusal) test_xs_plan.py's."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raggedspec.reference.cache import KvCache
+from raggedspec.conformance.helpers import over_xs, scratch_blocks, xs_fed, xs_filled, xs_state
+from raggedspec.gpu.testing import host
 from raggedspec.reference.errors import CacheRefusal
-from raggedspec.reference.xs_rolling import (
-    MTP_DEPTH_CAP,
-    XS_TAIL_MARGIN_TOKENS,
-    XsRolling,
-    compress_blocks,
-    plan_xs_advance,
-    span_groups_for,
-)
+from raggedspec.reference.xs_rolling import XS_TAIL_MARGIN_TOKENS, span_groups_for
 
 D = 3
-
-
-def scratch_blocks(h, ratio):
-    """From-scratch compression: block g = mean of rows [g*ratio, (g+1)*ratio), by loop."""
-    out = [sum(h[g * ratio + j] for j in range(ratio)) / ratio for g in range(len(h) // ratio)]
-    return np.array(out).reshape(len(out), h.shape[1]) if out else np.zeros((0, h.shape[1]))
+RATIOS = [2, 3, 4, 8, 128]
 
 
 def assert_row_matches(xs, i, h):
     """Row i's compressed rows equal the from-scratch compression of its committed rows `h`,
     and its retained history `[base, tokens)` equals `h[base:]`."""
-    assert xs.tokens[i] == len(h)
-    np.testing.assert_allclose(xs.row_comp(i), scratch_blocks(h, xs.ratio), rtol=0, atol=1e-12)
-    assert np.array_equal(xs.row_history(i), h[xs.base[i]:])
+    tokens, base, history, comp = xs_state(xs)
+    assert tokens[i] == len(h)
+    np.testing.assert_allclose(comp[i], scratch_blocks(h, xs.ratio), rtol=0, atol=1e-12)
+    assert np.array_equal(history[i], h[base[i]:])
 
 
-# --- compress_blocks / constants ---------------------------------------------------------------
-
-def test_compress_blocks_is_the_mean_of_each_complete_block():
-    x = np.arange(10, dtype=np.float64).reshape(1, 10, 1)
-    assert compress_blocks(x, 4).tolist() == [
-        [[1.5], [5.5]]
-    ]  # the incomplete block 8..9 is dropped
-    y = np.arange(2 * 3 * 8 * 2, dtype=np.float64).reshape(2, 3, 8, 2)
-    assert compress_blocks(y, 4).shape == (2, 3, 2, 2)
-    assert compress_blocks(y, 4)[1, 2, 1].tolist() == list(y[1, 2, 4:8].mean(axis=0))
-    assert compress_blocks(x, 128).shape == (1, 0, 1)
+def ones(impl, *shape):
+    return impl.x(np.ones(shape))
 
 
-def test_span_groups_is_two_for_ratio_four_only():
-    assert span_groups_for(4) == 2
-    assert [span_groups_for(r) for r in (1, 2, 8, 128)] == [1, 1, 1, 1]
-    assert XsRolling(4).span == 2 and XsRolling(128).span == 1
+# --- construction ------------------------------------------------------------------------------
 
-
-def test_mtp_depth_cap_stays_within_the_retained_rollback_margin():
-    assert MTP_DEPTH_CAP == 8 and XS_TAIL_MARGIN_TOKENS == 16
-    assert MTP_DEPTH_CAP <= XS_TAIL_MARGIN_TOKENS
-
-
-def test_xs_slot_kind_capability_and_clone():
-    xs = XsRolling(4, 2, 64, 2048)
+@pytest.mark.rule("XsRolling", "XsRolling slot construction and read-back, port")
+@over_xs
+def test_the_slot_kind_sizes_and_defaults(impl):
+    xs = impl.new(4, 2, 64, 2048)
     assert (xs.kind, xs.ratio, xs.span, xs.window, xs.max_seq_len) == ("XsRolling", 4, 2, 64, 2048)
-    assert not xs.supports_per_sequence_len(False) and xs.supports_per_sequence_len(True)
-    xs.append_rows(np.ones((1, 9, D)))
-    cp = xs.clone()
-    cp.append_rows(np.ones((1, 3, D)))
-    cp.tail[0, -1] = 5
-    assert xs.tokens == [9] and xs.tail[0, -1, 0] == 1
+    d = impl.new(4)
+    assert (d.max_seq_len, d.span, d.window, d.margin) == (4096, span_groups_for(4),
+                                                           span_groups_for(4) * 4 + 16, 16)
+    q = impl.new(4, span_groups=3, window=40, dim=5)
+    assert (q.span, q.window, q.dim) == (3, 40, 5)
+    assert impl.new(4, window=1).window == 1
+    assert impl.new(4, window=8, max_seq_len=0).max_seq_len == 0
+    assert (impl.new(4, 1, 1, 0, 0).window, impl.new(4, 1, 1, 0, 0).batch) == (1, 0)
+    for span, window, max_seq_len, batch in ((0, 8, 10, 1), (1, 0, 10, 1), (1, 8, -1, 1),
+                                             (1, 8, 10, -1)):
+        with pytest.raises(ValueError) as info:
+            impl.new(4, span, window, max_seq_len, batch)
+        assert str(info.value) == (f"span {span}, window {window}, max_seq_len {max_seq_len}, "
+                                   f"batch {batch} out of range")
 
 
-# --- plan_xs_advance: hand-worked rows ---------------------------------------------------------
-
-def test_plan_xs_advance_ratio_4_worked_rows():
-    # tok 13, base 0, W 24, t_new 5: tok' 18, blocks 3 -> 4; need_start (3+1-2)*4 = 8;
-    # off = 8 + 24 - 13 = 19; len = 16 - 8 = 8; take 1 at 3; keep_from = max(0, (2//4 - 1)*4) ->
-    # base' 0.
-    p = plan_xs_advance([13], [0], 24, 5, 4, 2, 16).rows[0]
-    assert (
-        p.tokens_after,
-        p.g_done,
-        p.g_target,
-        p.need_start,
-        p.off,
-        p.length,
-        p.take,
-        p.dest,
-        p.base_after,
-    ) == (18, 3, 4, 8, 19, 8, 1, 3, 0)
-    # tok 61, base 40, t_new 9: tok' 70; blocks 15 -> 17; need_start 56; off 56+24-61 = 19;
-    # len 68-56 = 12; take 2 at 15; keep_from = max(40, (54//4 + 1 - 2)*4 = 48) -> 48.
-    p = plan_xs_advance([61], [40], 24, 9, 4, 2, 16).rows[0]
-    assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (56, 19, 12, 2, 15, 48)
-    # no new block: tok 13 + 2 = 15 stays in block 3
-    p = plan_xs_advance([13], [0], 24, 2, 4, 2, 16).rows[0]
-    assert (p.take, p.need_start, p.off, p.length, p.tokens_after) == (0, None, None, None, 15)
-    # the first block has nothing before it: need_start clamps at 0
-    p = plan_xs_advance([0], [0], 24, 4, 4, 2, 16).rows[0]
-    assert (p.need_start, p.off, p.length, p.take) == (0, 24, 4, 1)
+@pytest.mark.rule("XsRolling", "XsRolling slot construction and read-back, port")
+@over_xs
+def test_a_slot_without_buffers_reports_empty_float64_rows_of_its_width(impl):
+    """Before the first append row i's history is `tokens_i - base_i` rows of width `dim` (0
+    when unknown) and its comp `tokens_i // ratio` rows: float64 zeros."""
+    assert impl.new(4, window=8, dim=D).dim == D
+    for dim, width in ((D, D), (None, 0)):
+        xs = impl.new(4, window=8, dim=dim)
+        assert xs_state(xs)[2][0].shape == xs_state(xs)[3][0].shape == (0, width)
+    xs = impl.new(4, batch=1, dim=3)
+    xs.tokens, xs.base = [9], [4]
+    h, c = xs.row_history(0), xs.row_comp(0)
+    assert tuple(h.shape) == (5, 3) and tuple(c.shape) == (2, 3)
+    assert h.dtype == c.dtype and host(h).dtype == np.float64 and not h.any() and not c.any()
+    q = impl.new(4, batch=1)
+    q.tokens = [2]
+    assert tuple(q.row_history(0).shape) == (2, 0) and tuple(q.row_comp(0).shape) == (0, 0)
 
 
-def test_plan_xs_advance_ratio_128_worked_row():
-    # tok 250, base 128, W 144, t_new 9: tok' 259; blocks 1 -> 2; need_start 128;
-    # off 128+144-250 = 22; len 256-128 = 128; take 1 at 1; keep_from = max(128, (243//128)*128) =
-    # 128.
-    p = plan_xs_advance([250], [128], 144, 9, 128, 1, 16).rows[0]
-    assert (p.need_start, p.off, p.length, p.take, p.dest, p.base_after) == (
-        128,
-        22,
-        128,
-        1,
-        1,
-        128,
-    )
+# --- retention and the rollback margin ---------------------------------------------------------
 
-
-def test_rows_with_equal_slices_share_one_compressor_call():
-    plan = plan_xs_advance([13, 13, 14, 2], [0, 0, 0, 0], 24, 5, 4, 2, 16)
-    # rows 0, 1: off 19, len 8, take 1; row 2: off 18; row 3: tok' 7 completes block 0 (off 22, len
-    # 4)
-    assert plan.calls == {(19, 8, 1): [0, 1], (18, 8, 1): [2], (22, 4, 1): [3]}
-
-
-def test_plan_xs_advance_refuses_a_history_gap():
-    with pytest.raises(CacheRefusal, match="compressor history gap") as e:
-        plan_xs_advance([61], [60], 24, 3, 4, 2, 16)  # block 15 needs token 56 < base 60
-    assert "56" in str(e.value) and "60" in str(e.value) and "row 0" in str(e.value)
-
-
-def test_plan_xs_advance_refuses_a_run_that_does_not_fit_the_window():
-    # W 8, ratio 4: tok' 40, keep_from (24//4 - 1)*4 = 20, run 20 > 8
-    with pytest.raises(CacheRefusal, match="does not fit the window") as e:
-        plan_xs_advance([0], [0], 8, 40, 4, 2, 16)
-    assert "20" in str(e.value) and "8" in str(e.value)
-
-
+@pytest.mark.rule("XS_TAIL_MARGIN_TOKENS and span_groups")
+@over_xs
 @pytest.mark.parametrize("ratio,prefill,base", [
     (4, 13, 0), (4, 20, 0), (4, 61, 40),           # keep_from(61) = (45//4 + 1 - 2)*4 = 40
     (128, 130, 0), (128, 250, 128), (128, 255, 128), (128, 256, 128), (128, 383, 256),
 ])
-def test_retention_keeps_the_margin_behind_the_newest_token(ratio, prefill, base):
-    xs = XsRolling(ratio)
-    xs.append_rows(np.ones((1, prefill, D)))
-    assert xs.base == [base]
-    xs.try_set_len(prefill - min(XS_TAIL_MARGIN_TOKENS, prefill))  # the margin is always retained
+def test_retention_keeps_the_margin_behind_the_newest_token(impl, ratio, prefill, base):
+    xs = impl.new(ratio)
+    xs.append_rows(ones(impl, 1, prefill, D))
+    assert xs_state(xs)[1] == [base]
+    xs.try_set_len(prefill - min(XS_TAIL_MARGIN_TOKENS, prefill))  # the margin is retained
 
 
-@given(st.sampled_from([2, 3, 4, 8, 128]), st.lists(st.integers(0, 40), min_size=1, max_size=12))
-def test_a_rollback_within_the_margin_is_never_refused(ratio, sizes):
-    xs = XsRolling(ratio)
+@pytest.mark.rule("XS_TAIL_MARGIN_TOKENS and span_groups")
+@over_xs
+@given(st.sampled_from(RATIOS), st.lists(st.integers(0, 40), min_size=1, max_size=12))
+def test_a_rollback_within_the_margin_is_never_refused(impl, ratio, sizes):
+    xs = impl.new(ratio)
     for s in sizes:
-        xs.append_rows(np.ones((1, s, 1)))
-        tok = xs.tokens[0]
-        assert xs.base[0] <= tok <= xs.base[0] + xs.window
+        xs.append_rows(ones(impl, 1, s, 1))
+        [tok], [base] = xs_state(xs)[:2]
+        assert base <= tok <= base + xs.window
         for back in range(0, min(XS_TAIL_MARGIN_TOKENS, tok) + 1):
             xs.try_set_len(tok - back)
 
 
-# --- length setters ------------------------------------------------------------------------
+@pytest.mark.rule("XsRolling", "XsRolling append and compressor, port")
+@over_xs
+def test_the_slot_retains_by_its_own_margin(impl):
+    """Margin 8, ratio 4, span 2, 40 tokens: base = (max(40 - 8, 0) // 4 + 1 - 2) * 4 = 28.
+    Ratio 2, span 1, margin 2 (window 4): 7 tokens keep history from
+    `((7 - 2) // 2 + 1 - 1) * 2 = 4`, 3 more from `((10 - 2) // 2) * 2 = 8`; the default
+    margin (16) would keep everything and not fit the window of 4."""
+    assert xs_state(xs_fed(impl, 40, window=40, margin=8))[1] == [28]
+    rng = np.random.default_rng(3)
+    xs, fed_rows = impl.new(2, 1, None, 64, 2, 3, 2), np.zeros((2, 0, 3))
+    assert (xs.window, xs.margin) == (4, 2)
+    for t, base in ((7, 4), (3, 8)):
+        x = rng.standard_normal((2, t, 3))
+        xs.append_rows(impl.x(x))
+        fed_rows = np.concatenate([fed_rows, x], axis=1)
+        assert xs_state(xs)[1] == [base, base]
+        for i in range(2):
+            assert_row_matches(xs, i, fed_rows[i])
 
-def filled(ratio, n, batch_rows=None):
-    xs = XsRolling(ratio)
-    xs.append_rows(np.arange(n * D, dtype=np.float64).reshape(1, n, D))
-    return xs
 
+# --- the length setters --------------------------------------------------------------------
 
-def test_try_set_len_refusals():
-    xs = filled(4, 61)  # base 40
+@pytest.mark.rule("XsRolling length setters", "XsRolling length setters, port",
+                  "XsRolling rollback refusal, one rule for both layouts")
+@over_xs
+def test_try_set_len_refusals(impl):
+    xs = xs_filled(impl, 4, 61)  # base 40
     with pytest.raises(CacheRefusal, match="past the 61 tokens"):
         xs.try_set_len(62)
     with pytest.raises(CacheRefusal, match="behind base 40"):
@@ -176,17 +141,22 @@ def test_try_set_len_refusals():
     with pytest.raises(CacheRefusal, match="resume point 36, behind base 40"):
         xs.try_set_len(43)  # 43 >= base, but block 10 needs token 36
     xs.try_set_len(44)
-    ragged = XsRolling.stack([filled(4, 13), filled(4, 15)], reconcile_bases=False)
-    with pytest.raises(CacheRefusal, match="non-uniform") as e:
+    ragged = impl.stack([xs_filled(impl, 4, 13), xs_filled(impl, 4, 15)])
+    with pytest.raises(CacheRefusal, match=r"^xs set_len\(12\) refused: non-uniform rows with "
+                                           r"tokens \[13, 15\]$"):
         ragged.try_set_len(12)
-    assert "13" in str(e.value) and "15" in str(e.value)
-    assert xs.tokens == [61] and ragged.tokens == [13, 15]
+    with pytest.raises(CacheRefusal, match="non-uniform"):
+        ragged.set_len(12)
+    assert xs_state(xs)[0] == [61] and xs_state(ragged)[0] == [13, 15]
+    xs.set_len(44)
+    assert_row_matches(xs, 0, np.arange(44 * D, dtype=np.float64).reshape(44, D))
 
 
-def test_set_row_lens_refusals_change_nothing():
-    a, b = filled(4, 61), filled(4, 20)
-    xs = XsRolling.stack([a, b])
-    tail = xs.tail.copy()
+@pytest.mark.rule("XsRolling length setters", "XsRolling length setters, port")
+@over_xs
+def test_set_row_lens_refusals_change_nothing(impl):
+    xs = impl.stack([xs_filled(impl, 4, 61), xs_filled(impl, 4, 20)])
+    before = xs_state(xs)
     for lens, pattern in (
         ([62, 20], "past the 61"),
         ([39, 20], "behind base 40"),
@@ -195,206 +165,289 @@ def test_set_row_lens_refusals_change_nothing():
     ):
         with pytest.raises(CacheRefusal, match=pattern):
             xs.set_row_lens(lens)
-        assert xs.tokens == [61, 20] and np.array_equal(xs.tail, tail)
-    with pytest.raises(ValueError):
-        xs.set_row_lens([61])
+        after = xs_state(xs)
+        assert after[:2] == before[:2]
+        assert all(np.array_equal(a, b) for a, b in zip(after[2], before[2], strict=True))
     xs.set_row_lens([45, 4])
-    assert xs.tokens == [45, 4] and xs.base == [40, 0] and xs.current_seq_len == 45
+    assert xs_state(xs)[:2] == ([45, 4], [40, 0]) and xs.current_seq_len == 45
 
 
-def test_the_margin_is_measured_from_the_newest_token_not_per_rollback():
-    xs = XsRolling(2)  # span 1, W 18
-    xs.append_rows(np.ones((1, 18, D)))
-    assert xs.base == [2]  # keep_from = ((18 - 16)//2 + 1 - 1)*2
+@pytest.mark.rule("XsRolling length setters", "XsRolling length setters, port",
+                  "XsRolling rollback refusal, one rule for both layouts")
+@over_xs
+def test_the_last_two_checks_on_hand_set_bases(impl):
+    """States no append reaches (bases are multiples of the ratio; tokens <= base + W), to
+    pin the two last checks: a resume point one token behind base 37, and a length past
+    base 30 + W 24. Refused, nothing changed."""
+    for hand_base, length, message in (
+        (37, 43, "xs row 0: set length 43 needs resume point 36, behind base 37 (compressor "
+                 "history gap)"),
+        (30, 55, "xs row 0: base 30 + window 24 < length 55"),
+    ):
+        xs = xs_filled(impl, 4, 61)
+        xs.base = [hand_base]
+        with pytest.raises(CacheRefusal) as e:
+            xs.set_row_lens([length])
+        assert str(e.value) == message and xs_state(xs)[0] == [61]
+
+
+@pytest.mark.rule("XsRolling length setters")
+@over_xs
+def test_the_margin_is_measured_from_the_newest_token_not_per_rollback(impl):
+    xs = impl.new(2)  # span 1, W 18
+    xs.append_rows(ones(impl, 1, 18, D))
+    assert xs_state(xs)[1] == [2]  # keep_from = ((18 - 16)//2 + 1 - 1)*2
     xs.set_len(5)          # 13 back: inside the margin
-    xs.append_rows(np.ones((1, 0, D)))
+    xs.append_rows(ones(impl, 1, 0, D))
     with pytest.raises(CacheRefusal, match="behind base 2"):
         xs.set_len(1)      # 17 back from the newest token reached: past the margin
 
 
-def test_batched_comp_length_is_the_max_row_over_ratio():
-    xs = XsRolling.stack([filled(4, n) for n in (13, 15, 16, 20, 61)])
-    assert xs.current_seq_len == 61 and xs.comp_seq_len == 61 // 4
-    xs.set_row_lens([13, 15, 16, 20, 50])
-    assert xs.current_seq_len == 50 and xs.comp_seq_len == 12
+@pytest.mark.rule("XsRolling length setters", "XsRolling length setters, port")
+@over_xs
+def test_a_rollback_past_a_row_names_the_row(impl):
+    xs = impl.stack([xs_fed(impl, 8), xs_fed(impl, 6)])
+    with pytest.raises(CacheRefusal) as e:
+        xs.set_row_lens([8, 7])
+    assert str(e.value) == "xs row 1: set length 7 is past the 6 tokens seen"
+    xs.set_row_lens([8, 5])
+    assert xs.current_seq_len == 8 and xs_state(xs)[0] == [8, 5]
 
 
-def test_append_past_max_seq_len_is_refused():
-    xs = XsRolling(4, max_seq_len=16)
-    xs.append_rows(np.ones((1, 12, D)))
-    with pytest.raises(CacheRefusal, match="above max_seq_len") as e:
-        xs.append_rows(np.ones((1, 5, D)))
-    assert "17" in str(e.value) and "16" in str(e.value) and xs.tokens == [12]
+# --- appends ---------------------------------------------------------------------------------
+
+@pytest.mark.rule("XsRolling", "XsRolling append and compressor, port")
+@over_xs
+def test_an_append_may_reach_max_seq_len_and_the_next_is_refused(impl):
+    """`max_seq_len` 8: 8 tokens are accepted; one more would hold 9, refused naming the row
+    and nothing changed."""
+    xs = xs_fed(impl, 8, max_seq_len=8)
+    before = xs_state(xs)
+    assert before[0] == [8]
+    with pytest.raises(CacheRefusal) as e:
+        xs.append_rows(ones(impl, 1, 1, D))
+    assert str(e.value) == "xs row 0 would hold 9 tokens, above max_seq_len 8"
+    assert_row_matches(xs, 0, before[2][0])
+    big = impl.new(4, max_seq_len=16)
+    big.append_rows(ones(impl, 1, 12, D))
+    with pytest.raises(CacheRefusal, match="^xs row 0 would hold 17 tokens, above max_seq_len 16"):
+        big.append_rows(ones(impl, 1, 5, D))
+    assert xs_state(big)[0] == [12]
 
 
-def test_append_refusal_leaves_the_slot_unchanged():
-    xs = filled(4, 61)
-    xs.base = [60]  # a base past the history block 15 needs
-    tail, comp = xs.tail.copy(), xs.comp.copy()
-    with pytest.raises(CacheRefusal, match="compressor history gap"):
-        xs.append_rows(np.ones((1, 3, D)))
-    assert xs.tokens == [61] and np.array_equal(xs.tail, tail) and np.array_equal(xs.comp, comp)
+@pytest.mark.rule("XsRolling", "XsRolling append and compressor, port")
+@over_xs
+def test_append_refusal_leaves_the_slot_unchanged(impl):
+    xs = xs_filled(impl, 4, 61)
+    xs.base = [60]  # a base past the history block 15 needs (token 56)
+    before = xs_state(xs)
+    with pytest.raises(CacheRefusal, match="^compressor history gap: row 0 needs token 56"):
+        xs.append_rows(ones(impl, 1, 3, D))
+    after = xs_state(xs)
+    assert after[:2] == before[:2] and np.array_equal(after[3][0], before[3][0])
 
 
-def test_reset_drops_the_history():
-    xs = filled(4, 30)
-    xs.reset()
-    assert (xs.tokens, xs.base, xs.tail, xs.comp, xs.current_seq_len) == ([0], [0], None, None, 0)
+@pytest.mark.rule("XsRolling", "XsRolling append and compressor, port")
+@over_xs
+def test_comp_holds_exactly_the_completed_blocks(impl):
+    assert tuple(xs_fed(impl, 3, window=32).comp.shape) == (1, 0, D)
+    assert tuple(xs_fed(impl, 9, window=32).comp.shape) == (1, 2, D)
+    empty = impl.new(4, window=32, batch=0)
+    empty.append_rows(impl.x(np.zeros((0, 5, D))))
+    assert xs_state(empty)[0] == [] and tuple(empty.comp.shape) == (0, 0, D)
+    assert empty.current_seq_len == 0
 
 
-# --- split / stack ---------------------------------------------------------------------------
+@pytest.mark.rule("XsRolling", "XsRolling append and compressor, port")
+@over_xs
+def test_malformed_appends_setters_and_stacks_are_refused_with_their_messages(impl):
+    xs = impl.new(4, window=32, batch=2)
+    xs.append_rows(impl.x(np.zeros((2, 4, D))))
+    cases = [
+        (lambda: xs.append_rows(impl.x(np.zeros((1, 4, D)))),
+         "append_rows needs [B=2, t_new, D], got (1, 4, 3)"),
+        (lambda: xs.append_rows(impl.x(np.zeros((2, 4)))),
+         "append_rows needs [B=2, t_new, D], got (2, 4)"),
+        (lambda: xs.append_rows(impl.x(np.zeros((2, 1, D + 1)))),
+         "hidden width 4 differs from the slot's 3"),
+        (lambda: xs.set_row_lens([4]), "1 row lengths for a batch of 2"),
+        (lambda: xs.set_row_lens([4, -1]), "row lengths [4, -1] must be >= 0"),
+        (lambda: xs.try_set_len(-1), "set_len length -1 must be >= 0"),
+        (lambda: impl.stack([]), "stack needs at least one xs slot"),
+        (lambda: impl.stack([impl.new(4, window=32), impl.new(8, window=32)]),
+         "xs slots in one layer must share ratio, span, window and margin"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == message
+    assert xs_state(xs)[0] == [4, 4]
 
-def test_split_and_stack_round_trip_with_per_row_tokens_and_base():
+
+# --- batch assembly --------------------------------------------------------------------------
+
+@pytest.mark.rule("XsRolling", "stacking slots into one batch, port")
+@over_xs
+def test_split_and_stack_round_trip_with_per_row_tokens_and_base(impl):
     rng = np.random.default_rng(3)
     hs = [rng.standard_normal((n, D)) for n in (13, 61, 0)]
     rows = []
     for h in hs:
-        xs = XsRolling(4)
+        xs = impl.new(4)
         if len(h):
-            xs.append_rows(h[None])
+            xs.append_rows(impl.x(h[None]))
         rows.append(xs)
-    batched = XsRolling.stack(rows)
-    assert batched.tokens == [13, 61, 0] and batched.base == [0, 40, 0]
-    assert batched.comp.shape == (3, 15, D)  # padded at the end to the widest
-    assert not batched.comp[0, 3:].any() and not batched.comp[2].any()
+    batched = impl.stack(rows)
+    assert xs_state(batched)[:2] == ([13, 61, 0], [0, 40, 0])
+    assert tuple(batched.comp.shape) == (3, 15, D)  # padded at the end to the widest
+    assert not host(batched.comp)[0, 3:].any() and not host(batched.comp)[2].any()
     for i, h in enumerate(hs):
         assert_row_matches(batched, i, h)
-    back = batched.split_rows()
-    for row, h in zip(back, hs, strict=False):
+    for row, h in zip(impl.split(batched), hs, strict=True):
         assert row.batch == 1
         assert_row_matches(row, 0, h)
-        assert not row.tail[
-            0, : row.window - (row.tokens[0] - row.base[0])
-        ].any()  # nothing kept behind base
 
 
-def test_stack_with_the_flag_off_reconciles_the_bases():
-    a, b = filled(4, 61), filled(4, 61)
+@pytest.mark.rule("XsRolling", "stacking slots into one batch, port")
+@over_xs
+def test_stack_with_the_flag_off_reconciles_the_bases(impl):
+    a, b = xs_filled(impl, 4, 61), xs_filled(impl, 4, 61)
     b.base = [28]
-    out = XsRolling.stack([a, b], reconcile_bases=True)
-    assert out.base == [40, 40]
-    assert not out.tail[1, : out.window - 21].any()
-    with pytest.raises(ValueError):
-        XsRolling.stack([filled(4, 13), filled(4, 15)], reconcile_bases=True)
+    out = impl.stack([a, b], reconcile_bases=True)
+    assert xs_state(out)[1] == [40, 40]
+    assert_row_matches(out, 1, np.arange(61 * D, dtype=np.float64).reshape(61, D))
+    with pytest.raises(ValueError, match=r"^reconciling xs bases needs uniform tokens, got "
+                                         r"\[13, 15\]$"):
+        impl.stack([xs_filled(impl, 4, 13), xs_filled(impl, 4, 15)], reconcile_bases=True)
+    none = impl.stack([impl.new(4, window=32), impl.new(4, window=32)], reconcile_bases=True)
+    assert xs_state(none)[:2] == ([0, 0], [0, 0]) and none.comp is None
+
+
+@pytest.mark.rule("XsRolling", "stacking slots into one batch, port")
+@over_xs
+def test_stack_refuses_rows_of_different_hidden_widths(impl):
+    a, b = impl.new(4, window=32), impl.new(4, window=32)
+    a.append_rows(impl.x(np.zeros((1, 4, 2))))
+    b.append_rows(impl.x(np.zeros((1, 4, 3))))
+    with pytest.raises(ValueError,
+                       match=r"^xs slots with hidden widths \[2, 3\] cannot be stacked$"):
+        impl.stack([a, b])
 
 
 # --- §17.2 mtp_verify_rollback_restores_the_compressor_rows_exactly ----------------------------
 
-SHAPES = [
-    (1, 1),
-    (2, 1),
-    (2, 2),
-    (3, 2),
-    (4, 1),
-    (5, 5),
-    (6, 3),
-    (8, 2),
-    (9, 9),
-]  # (w = depth+1, commit)
+SHAPES = [(1, 1), (2, 1), (2, 2), (3, 2), (4, 1), (5, 5), (6, 3), (8, 2), (9, 9)]  # (w, commit)
+SPEC_PREFILLS = [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
 
 
-@pytest.mark.parametrize(
-    "ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
-)
-def test_mtp_verify_rollback_restores_the_compressor_rows_exactly(ratio, prefills):
+@pytest.mark.rule("compressor", "mtp_verify_rollback_restores_the_compressor_rows_exactly, port")
+@over_xs
+@pytest.mark.parametrize("ratio,prefills", SPEC_PREFILLS)
+def test_mtp_verify_rollback_restores_the_compressor_rows_exactly(impl, ratio, prefills):
+    """The spec's numbers: prefill committed - 1, then 1, then a verify window of w (commit
+    of them true, the rest junk), every slot (two K/V, the xs) `set_len` back by
+    `w - commit` (truncate_cache_by), then onward decode: the compressed rows equal the
+    from-scratch compression of the committed rows; some speculative block was compressed
+    and had to be rewritten."""
     rng = np.random.default_rng(ratio)
     crossed = 0
     for committed in prefills:
         for w, commit in SHAPES:
             truth = rng.standard_normal((committed + commit + 9, D))
-            kv = [KvCache.new_normal(4096), KvCache.new_normal(4096)]
-            xs = XsRolling(ratio)
+            kv = [impl.kv(4096), impl.kv(4096)]
+            xs = impl.new(ratio)
 
             def feed(rows, xs=xs, kv=kv):
-                xs.append_rows(rows[None])
-                for slot in kv:
-                    block = rows[None, None]
-                    slot.append(block, block)
+                xs.append_rows(impl.x(rows[None]))
+                for _, append in kv:
+                    append(rows[None, None])
 
-            feed(truth[: committed - 1])                       # prefill committed - 1
-            feed(truth[committed - 1 : committed])  # then 1
-            spec = np.concatenate(
-                [truth[committed : committed + commit], rng.standard_normal((w - commit, D)) + 50]
-            )
-            before = xs.comp_seq_len
-            feed(spec)  # a verify window of w, commit of them true
-            crossed += xs.comp_seq_len > (committed + commit) // ratio
-            n_drop = w - commit
-            for slot in kv + [xs]:  # truncate_cache_by(n_drop), every slot
-                slot.set_len(max(slot.current_seq_len - n_drop, 0))
-            assert [s.current_seq_len for s in kv + [xs]] == [committed + commit] * 3
+            feed(truth[: committed - 1])
+            feed(truth[committed - 1: committed])
+            feed(np.concatenate([truth[committed: committed + commit],
+                                 rng.standard_normal((w - commit, D)) + 50]))
+            before = xs.current_seq_len // ratio
+            crossed += before > (committed + commit) // ratio
+            for slot in [s for s, _ in kv] + [xs]:  # truncate_cache_by(w - commit)
+                slot.set_len(max(slot.current_seq_len - (w - commit), 0))
+            assert [s.current_seq_len for s, _ in kv] + [xs.current_seq_len] == [
+                committed + commit] * 3
             assert_row_matches(xs, 0, truth[: committed + commit])
-            feed(truth[committed + commit :])  # onward decode over the rolled-back rows
+            feed(truth[committed + commit:])  # onward decode over the rolled-back rows
             assert_row_matches(xs, 0, truth)
-            assert before <= xs.comp_seq_len
-    assert crossed > 0  # some speculative block was compressed and had to be rewritten (D12)
+            assert before <= xs.current_seq_len // ratio
+    assert crossed > 0
 
 
-@pytest.mark.parametrize(
-    "ratio,prefills", [(4, [13, 15, 16, 20, 61]), (128, [130, 250, 255, 256, 383])]
-)
-def test_a_ragged_xs_batch_rolls_each_row_back_to_its_own_commit(ratio, prefills):
+@pytest.mark.rule("compressor", "mtp_verify_rollback_restores_the_compressor_rows_exactly, port")
+@over_xs
+@pytest.mark.parametrize("ratio,prefills", SPEC_PREFILLS)
+def test_a_ragged_xs_batch_rolls_each_row_back_to_its_own_commit(impl, ratio, prefills):
+    """The five prefills as one ragged batch: a verify window of w for every row, a per-row
+    commit (`set_row_lens`), onward decode; each row equals its from-scratch compression."""
     rng = np.random.default_rng(7 + ratio)
     for w, _ in SHAPES:
         truths = [rng.standard_normal((p + 2 * w, D)) for p in prefills]
         rows = []
-        for p, h in zip(prefills, truths, strict=False):
-            solo = XsRolling(ratio)
-            solo.append_rows(h[None, :p])
+        for p, h in zip(prefills, truths, strict=True):
+            solo = impl.new(ratio)
+            solo.append_rows(impl.x(h[None, :p]))
             rows.append(solo)
-        xs = XsRolling.stack(rows)
+        xs = impl.stack(rows)
         commits = [1 + (i * 3 + w) % w for i in range(len(prefills))]
-        block = np.stack([np.concatenate([h[p : p + c], rng.standard_normal((w - c, D)) - 40])
-                          for p, h, c in zip(prefills, truths, commits, strict=False)])
-        xs.append_rows(block)
-        # per-sequence commit
-        xs.set_row_lens([p + c for p, c in zip(prefills, commits, strict=False)])
-        assert (
-            xs.comp_seq_len == max(p + c for p, c in zip(prefills, commits, strict=False)) // ratio
-        )
-        for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
+        block = np.stack([np.concatenate([h[p: p + c], rng.standard_normal((w - c, D)) - 40])
+                          for p, h, c in zip(prefills, truths, commits, strict=True)])
+        xs.append_rows(impl.x(block))
+        xs.set_row_lens([p + c for p, c in zip(prefills, commits, strict=True)])
+        assert xs.current_seq_len == max(p + c for p, c in zip(prefills, commits, strict=True))
+        for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=True)):
             assert_row_matches(xs, i, h[: p + c])
-        # onward: every row feeds w more true rows from its own position
-        nxt = np.stack(
-            [h[p + c : p + c + w] for p, c, h in zip(prefills, commits, truths, strict=False)]
-        )
-        xs.append_rows(nxt)
-        for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=False)):
+        xs.append_rows(impl.x(np.stack([h[p + c: p + c + w] for p, c, h
+                                        in zip(prefills, commits, truths, strict=True)])))
+        for i, (p, c, h) in enumerate(zip(prefills, commits, truths, strict=True)):
             assert_row_matches(xs, i, h[: p + c + w])
 
 
-@given(st.data())
-def test_random_ragged_feeds_and_rollbacks_match_a_from_scratch_compression(data):
-    ratio = data.draw(st.sampled_from([2, 3, 4, 8, 128]))
-    b = data.draw(st.integers(1, 4))
-    prefills = data.draw(st.lists(st.integers(0, 300), min_size=b, max_size=b))
-    seed = data.draw(st.integers(0, 2**32 - 1))
+@st.composite
+def ragged_feeds(draw):
+    """`(ratio, prefills split in two parts, rounds of (t_new, per-row drops within the
+    margin), seed)`: the drops never reach behind any row's newest-minus-margin."""
+    ratio = draw(st.sampled_from(RATIOS))
+    b = draw(st.integers(1, 4))
+    prefills = draw(st.lists(st.integers(0, 300), min_size=b, max_size=b))
+    cuts = [draw(st.integers(0, p)) for p in prefills]
+    rounds = draw(st.lists(st.tuples(st.integers(0, 12), st.lists(
+        st.integers(0, XS_TAIL_MARGIN_TOKENS), min_size=b, max_size=b)), min_size=1, max_size=6))
+    return ratio, prefills, cuts, rounds, draw(st.integers(0, 2**32 - 1))
+
+
+@pytest.mark.rule("XsRolling", "XsRolling append and compressor, port")
+@over_xs
+@given(case=ragged_feeds())
+def test_random_ragged_feeds_and_rollbacks_match_a_from_scratch_compression(impl, case):
+    ratio, prefills, cuts, rounds, seed = case
     rng = np.random.default_rng(seed)
     history = [rng.standard_normal((p, 2)) for p in prefills]
     rows = []
-    for h in history:
-        solo = XsRolling(ratio)
-        cut = data.draw(st.integers(0, len(h)))
+    for h, cut in zip(history, cuts, strict=True):
+        solo = impl.new(ratio)
         for part in (h[:cut], h[cut:]):
-            solo.append_rows(part[None])
+            solo.append_rows(impl.x(part[None]))
         rows.append(solo)
-    xs = XsRolling.stack(rows)
-    floor = [
-        p - XS_TAIL_MARGIN_TOKENS for p in prefills
-    ]  # no rollback behind any newest-minus-margin
-    for _ in range(data.draw(st.integers(1, 6))):
-        t_new = data.draw(st.integers(0, 12))
-        x = rng.standard_normal((b, t_new, 2))
-        xs.append_rows(x)
-        fed = [np.concatenate([h, x[i]]) for i, h in enumerate(history)]
-        floor = [max(fl, len(f) - XS_TAIL_MARGIN_TOKENS) for fl, f in zip(floor, fed, strict=False)]
-        drops = [
-            data.draw(st.integers(0, len(f) - max(fl, 0)))
-            for f, fl in zip(fed, floor, strict=False)
-        ]
-        xs.set_row_lens([len(f) - d for f, d in zip(fed, drops, strict=False)])
-        history = [f[: len(f) - d] for f, d in zip(fed, drops, strict=False)]
-        assert xs.comp_seq_len == max(len(h) for h in history) // ratio
+    xs = impl.stack(rows)
+    floor = [p - XS_TAIL_MARGIN_TOKENS for p in prefills]
+    for t_new, drops in rounds:
+        x = rng.standard_normal((len(prefills), t_new, 2))
+        xs.append_rows(impl.x(x))
+        fed_rows = [np.concatenate([h, x[i]]) for i, h in enumerate(history)]
+        floor = [max(fl, len(f) - XS_TAIL_MARGIN_TOKENS) for fl, f in zip(floor, fed_rows,
+                                                                         strict=True)]
+        drops = [min(d, len(f) - max(fl, 0)) for d, f, fl in zip(drops, fed_rows, floor,
+                                                                 strict=True)]
+        xs.set_row_lens([len(f) - d for f, d in zip(fed_rows, drops, strict=True)])
+        history = [f[: len(f) - d] for f, d in zip(fed_rows, drops, strict=True)]
+        assert xs.current_seq_len // ratio == max(len(h) for h in history) // ratio
+        tokens, base = xs_state(xs)[:2]
         for i, h in enumerate(history):
             assert_row_matches(xs, i, h)
-            assert xs.base[i] <= xs.tokens[i] <= xs.base[i] + xs.window
+            assert base[i] <= tokens[i] <= base[i] + xs.window

@@ -4,7 +4,8 @@ Standalone (numpy and safetensors only, nothing from raggedspec): the table maps
 `"<family>/<function>"` to a callable from one case's inputs to its outputs, or raising the
 refusal's class. `python examples/vectors_consumer.py DIR --table package.module:attr`
 exits 0 when every case passed, 1 otherwise, 2 on bad usage. The table's contract, the
-comparison rules and `--require-all`: docs/vectors.md, section "examples/vectors_consumer.py".
+comparison rules, refusal matching (`--messages`), `--skip-policy` and `--require-all`:
+docs/vectors.md, section "examples/vectors_consumer.py".
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,16 +22,20 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-FORMAT, SCHEMA_VERSIONS = "raggedspec-vectors", {1}
+FORMAT, SCHEMA_VERSIONS = "raggedspec-vectors", {2}
+DTYPES = ("F64", "F32", "BF16")  # the dtype the implementation computes in (safetensors codes)
+MESSAGES = ("exact", "values", "class")
 
 
 @dataclass
 class Report:
-    """What a run found: cases passed, failures `(case folder, problem)`, functions missing."""
+    """What a run found: cases passed, failures `(case folder, problem)`, functions missing,
+    and what `skip_policy` left uncompared `(case folder, what)`."""
 
     passed: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -63,9 +69,9 @@ def _json(x):
 def rounded(want: np.ndarray, dtype: str) -> np.ndarray:
     """`want` (float64) rounded to nearest-even in `dtype`, back as float64: what an exact
     copy of a float64 input looks like in an implementation computing in `dtype`."""
-    if dtype == "float64" or want.dtype.kind != "f":
+    if dtype == "F64" or want.dtype.kind != "f":
         return want
-    if dtype == "float32":
+    if dtype == "F32":
         return want.astype(np.float32).astype(np.float64)
     mant, exp = np.frexp(want)  # bfloat16: 8 significant bits
     return np.ldexp(np.rint(mant * 256.0) / 256.0, exp)
@@ -88,15 +94,22 @@ def _close(got: np.ndarray, want: np.ndarray, tol: dict) -> str | None:
     return None
 
 
-def compare(case: dict, want_tensors: dict, got: dict, dtype: str = "float64") -> list[str]:
-    """Problems of `got` (a callable's returned outputs) against one case's expectation."""
+def compare(
+    case: dict, want_tensors: dict, got: dict, dtype: str = "F64", skip: frozenset = frozenset()
+) -> list[str]:
+    """Problems of `got` (a callable's returned outputs) against one case's expectation; the
+    outputs named in `skip` are not compared."""
     problems = []
     for key, want in case["outputs"].items():
+        if key in skip:
+            continue
         if key not in got:
             problems.append(f"output {key!r} missing")
         elif json.dumps(_json(got[key]), sort_keys=True) != json.dumps(want, sort_keys=True):
             problems.append(f"output {key!r}: got {_json(got[key])!r}, want {want!r}")
     for key, meta in case["tensor_outputs"].items():
+        if key in skip:
+            continue
         if key not in got or got[key] is None:
             problems.append(f"tensor output {key!r} missing")
             continue
@@ -116,37 +129,69 @@ def compare(case: dict, want_tensors: dict, got: dict, dtype: str = "float64") -
     return problems
 
 
+def names_values(message: str, values: list) -> bool:
+    """True when `message` names every value: an integer as a whole number (not a digit of a
+    longer number or word), a string as a substring."""
+    for v in values:
+        if isinstance(v, str):
+            if v not in message:
+                return False
+        elif not re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w]|\.\d)", message):
+            return False
+    return True
+
+
+def refusal_problems(exc: Exception, want: dict, messages: str) -> list[str]:
+    """Problems of a raised exception against the expected `raises`: the class must be
+    `want["class"]`; for a refusal, `messages` "exact" also compares the message, "values"
+    requires the message to name every one of `want["values"]`, "class" nothing more."""
+    got = f"{type(exc).__name__}: {exc}"
+    if type(exc).__name__ != want["class"]:
+        return [f"raised {got}; want {want['class']}: {want['message']}"]
+    if want["kind"] != "refusal" or messages == "class":
+        return []
+    if messages == "exact" and str(exc) != want["message"]:
+        return [f"{want['class']} message {str(exc)!r}, want {want['message']!r}"]
+    if messages == "values" and not names_values(str(exc), want["values"]):
+        return [f"{want['class']} message {str(exc)!r} does not name all of {want['values']}"]
+    return []
+
+
 def run_case(
-    folder: Path, fn: Callable[[dict], dict], dtype: str = "float64", messages: str = "exact"
-) -> list[str]:
-    """Problems of one case run through `fn` (empty: it passed)."""
+    folder: Path,
+    fn: Callable[[dict], dict],
+    dtype: str = "F64",
+    messages: str = "values",
+    skip_policy: bool = False,
+) -> tuple[list[str], list[str]]:
+    """`(problems, skipped)` of one case run through `fn`: no problem means it passed;
+    `skipped` names what `skip_policy` left uncompared (the case's `policy` entries)."""
     case, inputs = load_case(folder)
+    skip = frozenset(case["policy"]) if skip_policy else frozenset()
+    if "raises" in skip:
+        return [], ["the whole case (its refusal follows from engine policy)"]
     try:
         got = fn(inputs)
     except Exception as exc:  # noqa: BLE001 - every exception is a candidate refusal
-        want = case["raises"]
-        if want is None:
-            return [f"raised {type(exc).__name__}: {exc}"]
-        if type(exc).__name__ != want["class"]:
-            return [f"raised {type(exc).__name__}: {exc}; want {want['class']}: {want['message']}"]
-        if messages == "exact" and want["kind"] == "refusal" and str(exc) != want["message"]:
-            return [f"{want['class']} message {str(exc)!r}, want {want['message']!r}"]
-        return []
+        if case["raises"] is None:
+            return [f"raised {type(exc).__name__}: {exc}"], []
+        return refusal_problems(exc, case["raises"], messages), []
     if case["raises"] is not None:
-        return [
-            f"returned {_json(got)!r}; want {case['raises']['class']}: {case['raises']['message']}"
-        ]
+        want = case["raises"]
+        return [f"returned {_json(got)!r}; want {want['class']}: {want['message']}"], []
     want_tensors = load_file(str(folder / "outputs.safetensors")) if case["tensor_outputs"] else {}
-    return compare(case, want_tensors, got, dtype)
+    return compare(case, want_tensors, got, dtype, skip), sorted(skip)
 
 
 def run_vectors(
     root: Path,
     table: dict[str, Callable[[dict], dict]],
-    dtype: str = "float64",
-    messages: str = "exact",
+    dtype: str = "F64",
+    messages: str = "values",
+    skip_policy: bool = False,
 ) -> Report:
-    """Run every case of every manifest function the table has; missing ones are listed."""
+    """Run every case (the manifest's `case_names`) of every manifest function the table
+    has; missing functions are listed, and with `skip_policy` what was left uncompared."""
     root = Path(root)
     manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
     if manifest.get("format") != FORMAT or manifest.get("schema_version") not in SCHEMA_VERSIONS:
@@ -161,19 +206,15 @@ def run_vectors(
         if key not in table:
             report.missing.append(key)
             continue
-        folders = sorted(
-            p for p in (root / entry["family"] / entry["function"]).iterdir() if p.is_dir()
-        )
-        if len(folders) != entry["cases"]:
-            report.failed.append(
-                (key, f"{len(folders)} case folders, the manifest lists {entry['cases']}")
-            )
-        for folder in folders:
-            problems = run_case(folder, table[key], dtype, messages)
-            if problems:
-                report.failed.extend((str(folder.relative_to(root)), p) for p in problems)
-            else:
-                report.passed += 1
+        for name in entry["case_names"]:
+            folder, where = root / key / name, f"{key}/{name}"
+            if not (folder / "case.json").is_file():
+                report.failed.append((where, "the manifest lists it but it has no case.json"))
+                continue
+            problems, skipped = run_case(folder, table[key], dtype, messages, skip_policy)
+            report.failed.extend((where, p) for p in problems)
+            report.skipped.extend((where, s) for s in skipped)
+            report.passed += not problems
     return report
 
 
@@ -183,8 +224,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table", required=True, help="package.module:attr, the table or a function returning it"
     )
-    parser.add_argument("--dtype", default="float64", choices=("float64", "float32", "bfloat16"))
-    parser.add_argument("--messages", default="exact", choices=("exact", "class"))
+    parser.add_argument(
+        "--dtype", default="F64", choices=DTYPES, help="the dtype your code computes in"
+    )
+    parser.add_argument(
+        "--messages",
+        default="values",
+        choices=MESSAGES,
+        help="refusal matching: the class and the values the message names (default), the "
+        "class and the exact message, or the class only",
+    )
+    parser.add_argument(
+        "--skip-policy",
+        action="store_true",
+        help="leave uncompared the outputs (and refusals) set by the source engine's "
+        "allocation policy, e.g. buffer capacities; they are counted, never hidden",
+    )
     parser.add_argument(
         "--require-all", action="store_true", help="a missing function fails the run"
     )
@@ -202,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = run_vectors(
-            args.vectors, table() if callable(table) else table, args.dtype, args.messages
+            args.vectors,
+            table() if callable(table) else table,
+            args.dtype,
+            args.messages,
+            args.skip_policy,
         )
     except ValueError as exc:
         print(f"vectors_consumer: error: {exc}", file=sys.stderr)
@@ -214,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(report.missing)} functions missing"
         + (f": {', '.join(report.missing)}" if report.missing else "")
     )
+    if report.skipped:
+        print(f"policy left uncompared in {len(report.skipped)} places (--skip-policy)")
     return 0 if report.ok and (not args.require_all or not report.missing) else 1
 
 

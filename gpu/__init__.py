@@ -1,6 +1,6 @@
 """raggedspec's torch port of the tensor-side rules (`reference/` is the NumPy oracle).
 
-Module layout mirrors `reference/` (gpu.masks, gpu.rope, gpu.attention, gpu.dispatch,
+Module layout mirrors `reference/` (gpu.masks, gpu.rope, gpu.attention,
 gpu.cache, gpu.align, gpu.xs_rolling, gpu.model, gpu.draft); the length rules run on host
 integers through the reference's own functions. Refusals raise the same `reference.errors`
 classes. The module table and the port's conventions (device /

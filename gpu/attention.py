@@ -8,9 +8,10 @@ accumulate-in-float32 convention of fused kernels); float32 and float64 run in t
 dtype. A query row with every key masked and no sink returns 0, never NaN (as the reference).
 
 `dsv4_attention` follows the reference step for step (same refusals and messages, same
-`dsv4_mask_stats` observability): the union mask is built by broadcast comparison
-(`gpu.masks`), on the uniform path a single `[1,1,t_q,n]` mask, on the ragged path
-`ragged_union_mask` from the per-row query positions.
+`dsv4_mask_stats` observability): the integer rules (`resolve_ragged_rows`, `raw_keep_span`)
+are the reference's own, run on host integers (a device `row_q0` is read once); the union
+mask is built by broadcast comparison (`gpu.masks`), on the uniform path a single
+`[1,1,t_q,n]` mask, on the ragged path `ragged_union_mask` from the per-row query positions.
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import arange_like, neg_inf_where, on_device_of
-from raggedspec.gpu.dispatch import resolve_ragged_rows
+from raggedspec.gpu._common import arange_like, as_list, lengths, neg_inf_where, on_device_of
 from raggedspec.gpu.masks import (
     compose_caller_mask,
     compressed_validity,
     ragged_union_mask,
-    raw_keep_span,
     raw_validity,
 )
+from raggedspec.reference.dispatch import resolve_ragged_rows
 from raggedspec.reference.errors import MaskRefusal, require  # noqa: F401 (MaskRefusal re-exported)
+from raggedspec.reference.masks import raw_keep_span
 
 dsv4_mask_stats = {"uniform": 0, "ragged": 0}
 """Which mask path `dsv4_attention` built (a uniform batch must never reach "ragged")."""
@@ -139,7 +140,8 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if t_q > t_k_full:
         raise MaskRefusal(f"{t_q} query rows against only {t_k_full} keys")
     q0 = t_k_full - t_q
-    rows = resolve_ragged_rows(cfg.row_q0, q0, b)
+    given = None if cfg.row_q0 is None else as_list(lengths(cfg.row_q0, name="row_q0"))
+    rows = resolve_ragged_rows(given, q0, b)  # the reference's rule, on host integers
 
     raw_base, keep = raw_keep_span(t_q, window, t_k_full)
     rel_base = raw_base - cfg.raw_prefix

@@ -31,7 +31,6 @@ import os
 import numpy as np
 import torch
 
-from raggedspec.gpu import dispatch as gdispatch
 from raggedspec.gpu import masks as gmasks
 from raggedspec.gpu._common import arange_like, as_list, ints_on, neg_inf_where, to_device
 from raggedspec.gpu.attention import dsv4_attention as g_dsv4_attention
@@ -55,6 +54,7 @@ from raggedspec.gpu.slots import (
 )
 from raggedspec.gpu.xs_rolling import XsRolling
 from raggedspec.reference import align, dispatch, step
+from raggedspec.reference import masks as ref_masks
 from raggedspec.reference import model as ref_model
 from raggedspec.reference.backend import Backend, CloneIn
 from raggedspec.reference.cache import (
@@ -105,6 +105,11 @@ class TorchBackend(Backend):
         if t.is_floating_point():
             t = t.to(self.tdtype)
         return to_device(t, self.dev)
+
+    def _floats(self, a) -> torch.Tensor:
+        """A host array (or tensor) of K or V values as a backend tensor in the backend dtype,
+        integers included (the reference holds every slot in float64)."""
+        return self._t(a).to(self.tdtype)
 
     def _ints(self, xs) -> torch.Tensor:
         return ints_on([int(x) for x in xs], self.dev)
@@ -220,11 +225,11 @@ class TorchBackend(Backend):
     # ------------------------------------------------------------------ one K/V slot
     def kv_from_arrays(self, k, v, max_seq_len, capacity=PLAIN_CACHE_CAPACITY):
         slot = TorchKv(max_seq_len, capacity)
-        slot.append(self._t(k), self._t(v))
+        slot.append(self._floats(k), self._floats(v))
         return slot
 
     def kv_append(self, kv, k, v):
-        kv.append(self._t(k), self._t(v))
+        kv.append(self._floats(k), self._floats(v))
 
     def kv_set_len(self, kv, n):
         kv.set_len(n)
@@ -290,14 +295,14 @@ class TorchBackend(Backend):
     def union_mask(self, t_q, t_k_full, row_q0, window, ratio, t_c):
         q0 = t_k_full - t_q
         b = 1 if row_q0 is None else len(row_q0)
-        rows = gdispatch.resolve_ragged_rows(None if row_q0 is None else self._ints(row_q0), q0, b)
-        raw_base, keep = gmasks.raw_keep_span(t_q, window, t_k_full)
+        rows = dispatch.resolve_ragged_rows(None if row_q0 is None else as_list(row_q0), q0, b)
+        raw_base, keep = ref_masks.raw_keep_span(t_q, window, t_k_full)
         valid = torch.cat([gmasks.raw_validity(t_q, q0, raw_base, keep, window, device=self.dev),
                            gmasks.compressed_validity(t_q, q0, t_c, ratio, device=self.dev)], dim=1)
         if rows is None:
             return neg_inf_where(valid, self.tdtype)[None, None]
         return self._ragged_union_mask(
-            to_device(rows, self.dev), q0, valid, raw_base, keep, window, ratio, t_c
+            self._ints(rows), q0, valid, raw_base, keep, window, ratio, t_c
         )
 
     def _ragged_union_mask(self, rows, q0, valid, raw_base, keep, window, ratio, t_c):

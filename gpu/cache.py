@@ -15,14 +15,13 @@ import torch
 from raggedspec.gpu._common import (
     arange_like,
     as_list,
-    as_tensor_like,
     host_ints,
     lengths_like,
     zeros_on,
 )
 from raggedspec.reference.cache import (
-    CACHE_GROW_SIZE,
     PLAIN_CACHE_CAPACITY,
+    block_capacity,
     grown_capacity,
     set_len_refusal,
 )
@@ -107,9 +106,8 @@ class RaggedKv:
             len(ks) == len(vs) and len(ks) > 0, "from_rows needs as many K rows as V rows, >= 1"
         )
         n = [int(k.shape[1]) for k in ks]
-        if capacity is None:  # the smallest 512 + k * 512 holding the longest row
-            capacity = grown_capacity(PLAIN_CACHE_CAPACITY, 0, max(n), max(max(n), max_seq_len)
-                                      + CACHE_GROW_SIZE)
+        if capacity is None:
+            capacity = block_capacity(PLAIN_CACHE_CAPACITY, max(n))
         require(max(n) <= capacity, f"a row of {max(n)} does not fit capacity {capacity}")
         h, d, dv = ks[0].shape[0], ks[0].shape[2], vs[0].shape[2]
         kv = RaggedKv.empty(len(ks), h, d, max_seq_len, capacity, ks[0].dtype, ks[0].device, dv)
@@ -200,16 +198,6 @@ class RaggedKv:
             raise set_len_refusal(int(lens[over.nonzero()[0, 0]]), 0, self.capacity)
         self.lens = lens
 
-    def truncate_by(self, n_drop) -> None:
-        """Cohort rollback (`truncate_cache_by`): every row `sat(lens - n_drop)`; `n_drop`
-        an int or a 0-dim tensor (a count kept on the device is not read back)."""
-        if isinstance(n_drop, int) and self._host is not None:
-            self.lens = np.maximum(self._host - n_drop, 0)
-            return
-        n = as_tensor_like(n_drop, self._lens)
-        require(n.dim() == 0, f"n_drop must be a scalar, got shape {list(n.shape)}")
-        self.lens = (self.lens - n).clamp(min=0)
-
     def commit_per_sequence(self, cache_lens, committed) -> None:
         """Per-sequence commit: row i's length becomes `cache_lens[i] + committed[i]` (its
         own, never the padded width). The reference's dead-prefix strip has nothing to do
@@ -227,48 +215,3 @@ class RaggedKv:
             self.max_seq_len,
         )
 
-
-def chunk_sizes(n: int, g: int) -> list[int]:
-    """Candle's `Tensor::chunk` sizes (as `reference.align._chunk_sizes`)."""
-    if n < g:
-        return [1] * n
-    size, extra = divmod(n, g)
-    return [size + 1 if i < extra else size for i in range(g)]
-
-
-def split_rows(kv: RaggedKv, g: int) -> list[RaggedKv] | None:
-    """Chunk the rows into g pieces (views, no copy), each keeping its rows' own lengths;
-    None when the piece count is not g (as `split_draft_cache`)."""
-    require(g >= 1, f"split needs g >= 1, got {g}")
-    sizes = chunk_sizes(kv.batch, g)
-    if len(sizes) != g:
-        return None
-    out, start = [], 0
-    for s in sizes:
-        out.append(
-            RaggedKv(
-                kv.k[start : start + s],
-                kv.v[start : start + s],
-                kv.lens[start : start + s],
-                kv.max_seq_len,
-            )
-        )
-        start += s
-    return out
-
-
-def concat_rows(parts: list[RaggedKv]) -> RaggedKv:
-    """Stack row sets on dim 0, zero-padding the capacity to the widest (as `concat_kv`);
-    each row keeps its own length (no alignment). `max_seq_len` from the first part."""
-    require(len(parts) > 0, "concat_rows needs at least one part")
-    cap = max(p.capacity for p in parts)
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return t if t.shape[2] == cap else torch.nn.functional.pad(t, (0, 0, 0, cap - t.shape[2]))
-
-    return RaggedKv(
-        torch.cat([padded(p.k) for p in parts]),
-        torch.cat([padded(p.v) for p in parts]),
-        torch.cat([p.lens for p in parts]),
-        parts[0].max_seq_len,
-    )

@@ -48,11 +48,6 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def bf16_values(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16/int16) -> float32."""
-    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 class Kernels:
     """Launch gpu/kernels.cu with `mode` "cupy" (CUDA) or "emulate" (g++ on the CPU)."""
 

@@ -23,11 +23,6 @@ draft_chain_stats = {"scalar": 0, "per_row": 0}
 position) or "per_row" (`forward_step_rows`). A uniform group must never reach "per_row"."""
 
 
-def reset_draft_chain_stats() -> None:
-    for key in draft_chain_stats:
-        draft_chain_stats[key] = 0
-
-
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens `[...]` of `logits [..., V]`: the first maximal index (torch.argmax's
     documented tie rule on CPU and CUDA, as `reference.draft.argmax_token`)."""
@@ -93,7 +88,7 @@ def propose_chain_batched(
             hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
             logits = hidden @ model.lm_head
         else:
-            fused = block.fuse_checked(prev[:, None, :], toks[:, None])
+            fused = block.fuse(prev[:, None, :], toks[:, None])
             if ragged is None:
                 draft_chain_stats["scalar"] += 1
                 hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
@@ -198,7 +193,7 @@ def extend_draft_kv_rows(
         1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
     )
     nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
-    fused = block.fuse_checked(
+    fused = block.fuse(
         h.to(block.dtype), nxt
     )  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
@@ -222,5 +217,4 @@ __all__ = [
     "draft_chain_stats",
     "extend_draft_kv_rows",
     "propose_chain_batched",
-    "reset_draft_chain_stats",
 ]

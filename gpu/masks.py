@@ -1,16 +1,17 @@
-"""Masks by broadcast comparison (port of `reference.masks`).
+"""Masks by broadcast comparison (port of `reference.masks`): the ones the port's attention
+builds (the dsv4 raw and compressed validity, the ragged union mask, the caller-mask fold).
 
 Every mask is one comparison of broadcast index vectors, built on the device in one go:
 no per-row loop. Validity helpers return bool tensors; masks are additive in the requested
 float `dtype` (keep 0, kill -inf; both exact in every dtype, so masks are bit-exact across
-dtypes and against the reference). Per-row quantities (`rows`, `live`, `positions`) are
-int64 vectors; the vectorized forms take a vector wherever the reference takes one
-integer per row.
+dtypes and against the reference). Per-row query positions are int64 vectors; the
+vectorized forms take a vector wherever the reference takes one integer per row.
 
-Not ported (host-only, no tensor side): `past_kv_len` / `RaggedKvLens` (cache
-introspection), `check_flash_placeholder_mask` (a shape check); `sdpa_sliding_window`,
-`mask_must_be_applied_as_bias` and `raw_keep_span` are scalar rules, re-stated here so
-the port module is complete.
+Not ported: the integer rules (`raw_keep_span`, `sdpa_sliding_window`,
+`mask_must_be_applied_as_bias`, `check_flash_placeholder_mask`, `past_kv_len`), which the port
+calls from the reference, and the masker's causal masks (§8-§9: graph-mode length mask,
+left-padded and sliding-window causal masks), which no path of the port builds (its attention
+is dsv4's union mask).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 from raggedspec.gpu._common import (
     arange_like,
-    arange_on,
     as_list,
     as_tensor_like,
     ints_on,
@@ -30,15 +30,6 @@ from raggedspec.gpu._common import (
     zeros_on,
 )
 from raggedspec.reference.errors import MaskRefusal, require
-
-
-def raw_keep_span(t_q: int, window: int, t_k_full: int) -> tuple[int, int]:
-    """`keep = min(t_q + window - 1, t_k_full)`, `base = t_k_full - keep` (scalar rule)."""
-    require(t_q >= 0 and t_k_full >= 0, f"t_q {t_q} and t_k_full {t_k_full} must be >= 0")
-    require(t_q >= 1, f"t_q {t_q} must be >= 1: a forward with no query row reaches no key")
-    require(window >= 1, f"window {window} must be >= 1 (dsv4 passes max(sliding_window, 1))")
-    keep = min(t_q + window - 1, t_k_full)
-    return t_k_full - keep, keep
 
 
 def raw_validity(t_q: int, q0, raw_base, keep: int, window: int,
@@ -135,121 +126,3 @@ def compose_caller_mask(local: torch.Tensor, caller: torch.Tensor | None, t_q: i
         raw.shape[3] == t_k, f"raw slice [{raw_base}, {raw_base + t_k}) exceeds key axis {width}"
     )
     return local + torch.cat([raw, comp], dim=3)
-
-
-def sdpa_sliding_window(ratio: int, w: int) -> int | None:
-    """Standard (ratio 0 or 1) -> `w`; CSA/HCA -> None."""
-    require(ratio >= 0 and w >= 0, f"ratio {ratio} and window {w} must be >= 0")
-    return w if ratio <= 1 else None
-
-
-def graph_mode_length_mask(positions, cap: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Additive `[B,1,1,cap]`: slot s of row b kept iff `s <= positions[b]`."""
-    positions = lengths(positions, name="positions")
-    require(cap >= 0 and not bool((positions < 0).any()),
-            f"cap {cap} and positions {as_list(positions)} must be >= 0")
-    keep = arange_like(cap, positions)[None, :] <= positions[:, None]
-    return neg_inf_where(keep, dtype)[:, None, None, :]
-
-
-def require_graph_length_mask(mask: torch.Tensor | None) -> torch.Tensor:
-    """MaskRefusal ("graph-decode arm", "unset") when the length mask is None."""
-    if mask is None:
-        raise MaskRefusal("the graph-decode arm refuses to run: its length mask is unset (None)")
-    return mask
-
-
-def make_left_padded_causal_mask(b: int, t_q: int, past: int, live,
-                                 dtype: torch.dtype = torch.float64,
-                                 device: torch.device | str | None = None) -> torch.Tensor:
-    """Additive `[B,1,t_q,past+t_q]`: query i of row b keeps column j iff
-    `past - live_b <= j <= past + i`. MaskRefusal: `len(live) != b` ("live lengths for a
-    batch of"), any `live_b > past` ("exceeds the padded width", first such row named).
-    `live` is checked where it is; the mask is built on `device` (None: where `live` is)."""
-    require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
-    live = lengths(live, name="live")
-    require(not bool((live < 0).any()), f"live lengths {as_list(live)} must be >= 0")
-    if live.numel() != b:
-        raise MaskRefusal(f"{live.numel()} live lengths for a batch of {b}")
-    over = live > past
-    if bool(over.any()):
-        i = int(over.nonzero()[0, 0])
-        raise MaskRefusal(f"row {i} live length {int(live[i])} exceeds the padded width {past}")
-    live = to_device(live, device)
-    lead = (past - live)[:, None, None]
-    j = arange_like(past + t_q, live)[None, None, :]
-    last = past + arange_like(t_q, live)[None, :, None]
-    return neg_inf_where((j >= lead) & (j <= last), dtype)[:, None]
-
-
-def _ragged_live(b: int, past: int, per_seq_kv_lens, channel_lead) -> torch.Tensor | None:
-    """The masker's ragged source: the cache's per-seq lens; else `past - lead` when the
-    channel lead has `len == b`, some lead > 0 and none > past; else None."""
-    if per_seq_kv_lens is not None:
-        return lengths(per_seq_kv_lens, name="per_seq_kv_lens")
-    if channel_lead is not None:
-        lead = lengths(channel_lead, name="channel_lead")
-        if lead.numel() == b and bool((lead > 0).any()) and not bool((lead > past).any()):
-            return past - lead
-    return None
-
-
-def make_causal_mask_matrix(b: int, t_q: int, past: int, per_seq_kv_lens, channel_lead,
-                            flash_on_cuda: bool = False, device: torch.device | str | None = None,
-                            dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
-    """The masker's causal entry point, same order as the reference: (1) per-seq lens ->
-    left-padded; (2) channel lead (len b, some > 0, no underflow) -> left-padded; (3)
-    `t_q == 1` -> None; (4) flash on CUDA -> `[1,1]` zeros; (5) rank-2 causal."""
-    require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
-    live = _ragged_live(b, past, per_seq_kv_lens, channel_lead)
-    if live is not None:
-        return make_left_padded_causal_mask(b, t_q, past, live, dtype, device)
-    if t_q == 1:
-        return None
-    if flash_on_cuda:
-        return zeros_on((1, 1), dtype, device)
-    j = arange_on(past + t_q, device)[None, :]
-    i = arange_on(t_q, device)[:, None]
-    return neg_inf_where(j <= i + past, dtype)
-
-
-SLIDING_WINDOW_RAGGED_POLICIES = ("none", "channel")
-
-
-def make_sliding_window_causal_mask_matrix(
-    b: int,
-    t_q: int,
-    past: int,
-    per_seq_kv_lens,
-    channel_lead,
-    window: int,
-    sliding_window_ragged: str = "none",
-    flash_on_cuda: bool = False,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor | None:
-    """The sliding-window masker with the reference's policy switch ("none" | "channel");
-    same branches, refusals and window convention (`last - window < j <= last`)."""
-    require(sliding_window_ragged in SLIDING_WINDOW_RAGGED_POLICIES,
-            f"sliding_window_ragged {sliding_window_ragged!r} must be one of "
-            f"{SLIDING_WINDOW_RAGGED_POLICIES}")
-    require(window >= 1, f"window {window} must be >= 1")
-    require(b >= 0 and t_q >= 0 and past >= 0, f"b {b}, t_q {t_q}, past {past} must be >= 0")
-    j = arange_on(past + t_q, device)
-    last = past + arange_on(t_q, device)[:, None]
-    in_window = (j[None, :] <= last) & (j[None, :] > last - window)
-    if sliding_window_ragged == "channel":
-        live = _ragged_live(b, past, per_seq_kv_lens, channel_lead)
-        if live is not None:
-            dead = make_left_padded_causal_mask(b, t_q, past, on_device_of(live, j), dtype)
-            return dead + neg_inf_where(in_window, dtype)[None, None]
-    if t_q == 1:
-        return None
-    if flash_on_cuda:
-        return zeros_on((1, 1), dtype, device)
-    return neg_inf_where(in_window, dtype)
-
-
-def mask_must_be_applied_as_bias(dims) -> bool:
-    """True iff a mask exists and has rank >= 3."""
-    return dims is not None and len(dims) >= 3

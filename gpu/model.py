@@ -25,7 +25,6 @@ from raggedspec.gpu.attention import attention, dsv4_attention_in_place, is_stan
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.masks import compressed_validity
 from raggedspec.gpu.rope import RopeTable, apply_rope, rotate
-from raggedspec.reference.cache import DRAFT_CACHE_CAPACITY, PLAIN_CACHE_CAPACITY
 from raggedspec.reference.dispatch import draft_step_end_column
 from raggedspec.reference.errors import DispatchRefusal, MaskRefusal, require
 
@@ -275,32 +274,10 @@ class MtpBlock:
         self.layer = DecoderLayer(ref_block.layer, ropes, dtype, device)
         self.dtype, self.device = dtype, device
 
-    def new_draft_cache(self, batch: int, capacity: int = DRAFT_CACHE_CAPACITY) -> RaggedKv:
-        """`batch` empty draft-KV rows in one buffer (a pool; the reference makes one
-        capacity-16 cache per sequence)."""
-        cfg = self.cfg
-        return RaggedKv.empty(
-            batch, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, capacity, self.dtype, self.device
-        )
-
-    def fuse(self, h: torch.Tensor, tokens) -> torch.Tensor:
-        """`h_proj(hnorm(h)) + e_proj(enorm(embed(tokens)))`; `tokens` of shape
-        `h.shape[:-1]`. ValueError on a shape or token mismatch (as the reference)."""
-        tokens = ints_on(tokens, h.device)
-        require(
-            h.shape[-1] == self.cfg.hidden and tuple(tokens.shape) == tuple(h.shape[:-1]),
-            f"hidden {tuple(h.shape)} and tokens {tuple(tokens.shape)} disagree (hidden "
-            f"{self.cfg.hidden})",
-        )
-        require(
-            tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < self.cfg.vocab),
-            f"tokens must be in [0, {self.cfg.vocab})",
-        )
-        return self.fuse_checked(h, tokens)
-
-    def fuse_checked(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """`fuse` of tokens already known to be in range (the chain's own argmax tokens, or
-        tokens checked on the host): no device read."""
+    def fuse(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`h_proj(hnorm(h)) + e_proj(enorm(embed(tokens)))`, `tokens` of shape
+        `h.shape[:-1]` and already known to be in the vocabulary (the chain's own argmax
+        tokens, or committed tokens its callers check on the host): no device read."""
         eps = self.cfg.eps
         return (rms_norm(h, self.hnorm, eps) @ self.heads.h_proj
                 + rms_norm(self.embed[tokens], self.enorm, eps) @ self.heads.e_proj)
@@ -397,17 +374,6 @@ class TinyModel:
     @property
     def n_layers(self) -> int:
         return len(self.layers)
-
-    def new_cache(self, batch: int, capacity: int = PLAIN_CACHE_CAPACITY) -> list[RaggedKv]:
-        """One empty `RaggedKv [batch, n_kv_heads, capacity, head_dim]` per target layer."""
-        cfg = self.cfg
-        return [
-            RaggedKv.empty(
-                batch, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, capacity, self.dtype,
-                self.device,
-            )
-            for _ in self.layers
-        ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`lm_head(norm(hidden))` of the target."""

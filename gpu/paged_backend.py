@@ -46,14 +46,6 @@ class PagePool:
             self.stores[key] = PageStore(heads, dim, v_dim, self.page_size, dtype, device)
         return self.stores[key]
 
-    def moved(self) -> dict:
-        """K/V bytes written and copied by growth, summed over the stores."""
-        out = {"write": 0, "grow": 0}
-        for s in self.stores.values():
-            for key in out:
-                out[key] += s.moved[key]
-        return out
-
 
 class PagedKv(TorchKv):
     """A batched K/V slot over pages: `TorchKv`'s metadata and refusals, `kv` a

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from raggedspec.gpu._common import arange_like, float64_on, host_ints, ints_on, lengths_like
-from raggedspec.gpu.dispatch import uniform_seqlen_offset
+from raggedspec.reference.dispatch import uniform_seqlen_offset
 from raggedspec.reference.errors import require
 
 rope_path_stats = {"uniform": 0, "gathered": 0}
@@ -103,27 +103,17 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
                table: RopeTable | None = None) -> torch.Tensor:
     """Rotate `x [B,H,T,D]`: row i, token t at `offsets[i] + t` (`offsets` of length 1 or
     B). One positions table `[1 or B, T]`, one gather of cos/sin (from `table` when given,
-    else computed for exactly these positions), one broadcast rotation. A uniform vector
-    (`uniform_seqlen_offset`) builds the `[1, T]` table. ValueError for a wrong `offsets`
-    length, a negative offset, a bad `rope_dims`."""
+    else computed for exactly these positions), one broadcast rotation. The dispatch is a
+    host branch: the offsets are host integers (a device vector is read once) and the
+    reference's `uniform_seqlen_offset` picks the `[1, T]` table for a uniform vector.
+    ValueError for a wrong `offsets` length, a negative offset, a bad `rope_dims`."""
     _check_x(x, rope_dims)
     b, _, t, _ = x.shape
-    host = (
-        None
-        if isinstance(offsets, torch.Tensor)
-        else host_ints(offsets)
-    )
+    host = host_ints(offsets)
     offsets = lengths_like(offsets, x, name="offsets")
-    require(
-        offsets.numel() in (1, b), f"{offsets.numel()} offsets for a batch of {b} (need 1 or B)"
-    )
-    if host is not None:  # host offsets: every check on the host, the device only indexes
-        if host.size and host.min() < 0:
-            raise ValueError(f"offsets {host.tolist()} must be >= 0")
-        shared = int(host[0]) if host.size and (host == host[0]).all() else None
-    else:
-        require(not bool((offsets < 0).any()), f"offsets {offsets.tolist()} must be >= 0")
-        shared = uniform_seqlen_offset(offsets)
+    require(host.size in (1, b), f"{host.size} offsets for a batch of {b} (need 1 or B)")
+    require(host.min(initial=0) >= 0, f"offsets {host.tolist()} must be >= 0")
+    shared = uniform_seqlen_offset(host.tolist())
     if shared is not None:
         rope_path_stats["uniform"] += 1
         positions = (shared + arange_like(t, x))[None, :]
@@ -131,29 +121,8 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
         rope_path_stats["gathered"] += 1
         positions = offsets[:, None] + arange_like(t, x)[None, :]
     if table is not None:
-        top = int(host.max()) + t - 1 if host is not None and host.size and t else None
+        top = int(host.max()) + t - 1 if host.size and t else None
         cos, sin = table.lookup(positions, top)
     else:  # float64 on the positions' device; `rotate` casts to x.dtype
         cos, sin = rope_cos_sin(positions, rope_dims, theta)
     return rotate(x, cos[:, None], sin[:, None], rope_dims, inverse)
-
-
-def apply_rope_at_positions(x: torch.Tensor, positions, rope_dims: int, theta: float,
-                            inverse: bool = False) -> torch.Tensor:
-    """Rotate `x [B,H,T,D]` with token t at `positions[t]` for every row (compressed
-    keys). ValueError when `len(positions) != T`."""
-    _check_x(x, rope_dims)
-    positions = lengths_like(positions, x, name="positions")
-    require(
-        positions.numel() == x.shape[2], f"{positions.numel()} positions for {x.shape[2]} tokens"
-    )
-    cos, sin = rope_cos_sin(positions, rope_dims, theta)  # cast to x.dtype by `rotate`
-    return rotate(x, cos, sin, rope_dims, inverse)
-
-
-def compressed_key_positions(
-    t_c: int, ratio: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """`j * ratio` for `j < t_c` (int64): compressed row j sits at the start of its block."""
-    require(t_c >= 0 and ratio >= 1, f"t_c {t_c} must be >= 0 and ratio {ratio} >= 1")
-    return torch.arange(t_c, device=device) * ratio  # int64: the arange of an int

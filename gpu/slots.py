@@ -32,8 +32,8 @@ from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.xs_rolling import XsRolling
 from raggedspec.reference.align import drop_front_refusal, front_pad_refusal
 from raggedspec.reference.cache import (
-    CACHE_GROW_SIZE,
     PLAIN_CACHE_CAPACITY,
+    block_capacity,
     grown_capacity,
     set_len_refusal,
 )
@@ -50,7 +50,7 @@ def grow_physical(kv: RaggedKv, needed: int) -> None:
     if needed > kv.capacity and hasattr(kv, "reserve"):  # a paged layout widens its view
         kv.reserve(needed)
     elif needed > kv.capacity:
-        pad = -(-(needed - kv.capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+        pad = block_capacity(kv.capacity, needed) - kv.capacity
         kv.k = torch.nn.functional.pad(kv.k, (0, 0, 0, pad))
         kv.v = torch.nn.functional.pad(kv.v, (0, 0, 0, pad))
 
@@ -63,7 +63,7 @@ def shift_rows(
     host lengths `own + shift`."""
     after = own + shift
     # whole blocks past the buffer when a moved run ends past it (none when it fits)
-    pad = max(-(-(int(after.max(initial=0)) - k.shape[2]) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE, 0)
+    pad = block_capacity(k.shape[2], int(after.max(initial=0))) - k.shape[2]
     if pad:
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))

@@ -1,6 +1,7 @@
 """Comparison helpers for reference-vs-port conformance (in the spirit of
 `cupy.testing.numpy_cupy_allclose`): one policy, stated once (DESIGN.md "Comparison
-policy"), used by every `conformance/test_port_*.py`.
+policy"), used by every port test (`conformance/test_port_*.py`, and the topic files whose
+test bodies run on both implementations).
 
 - `assert_bit_exact`: data movement, integers, masks, positions: equal shapes, equal values
   bit for bit (-inf == -inf), compared in float64/int64 on the host.

@@ -10,28 +10,24 @@ Layout, plan, refusals, precision and what is not ported: docs/conformance.md, s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from raggedspec.gpu._common import (
     arange_like,
     arange_on,
-    as_list,
     host_ints,
-    ints_on,
-    lengths,
-    lengths_like,
     on_device_of,
     to_device,
     zeros_on,
 )
 from raggedspec.reference.errors import CacheRefusal, require
-from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS, span_groups_for  # noqa: F401
-from raggedspec.reference.xs_rolling import XsRolling as RefXsRolling
-from raggedspec.reference.xs_rolling import XsRowPlan, rollback_refusal
-from raggedspec.reference.xs_rolling import plan_xs_advance as ref_plan_xs_advance
+from raggedspec.reference.xs_rolling import (
+    XS_TAIL_MARGIN_TOKENS,
+    plan_xs_advance,
+    rollback_refusal,
+    span_groups_for,
+)
 
 
 def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:
@@ -44,137 +40,6 @@ def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def compress_blocks(x: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Mean over each complete `ratio` block along axis -2 (`[..., T, D] -> [..., T//ratio, D]`),
-    the incomplete trailing block dropped: one reshape-mean."""
-    require(
-        isinstance(x, torch.Tensor) and x.dim() >= 2,
-        f"compress_blocks needs [..., T, D], got {getattr(x, 'shape', None)}",
-    )
-    require(ratio >= 1, f"compress ratio {ratio} must be >= 1")
-    g = x.shape[-2] // ratio
-    blocks = x[..., : g * ratio, :].unflatten(-2, (g, ratio))
-    return blocks.to(_compute_dtype(x.dtype)).mean(dim=-2).to(x.dtype)
-
-
-def resumable_from(length, ratio: int, span: int) -> torch.Tensor:
-    """`max(0, length // ratio + 1 - span) * ratio` elementwise (int64)."""
-    length = torch.as_tensor(length, dtype=torch.int64)
-    require(not bool((length < 0).any()), f"length {as_list(length.reshape(-1))} must be >= 0")
-    return (torch.div(length, ratio, rounding_mode="floor") + 1 - span).clamp(min=0) * ratio
-
-
-@dataclass(frozen=True)
-class XsAdvancePlan:
-    """The reference's `XsRowPlan` fields as int64 `[B]` vectors (`need_start`, `off`,
-    `length` are -1 where `take == 0`, the reference's None); `dest = g_done`."""
-
-    tokens_after: torch.Tensor
-    g_done: torch.Tensor
-    g_target: torch.Tensor
-    need_start: torch.Tensor
-    off: torch.Tensor
-    length: torch.Tensor
-    take: torch.Tensor
-    base_after: torch.Tensor
-
-    @property
-    def dest(self) -> torch.Tensor:
-        return self.g_done
-
-    def reference_rows(self) -> list[XsRowPlan]:
-        """The plan as the reference's row objects (host lists; for conformance)."""
-        cols = [
-            as_list(t)
-            for t in (
-                self.tokens_after,
-                self.g_done,
-                self.g_target,
-                self.need_start,
-                self.off,
-                self.length,
-                self.take,
-                self.base_after,
-            )
-        ]
-        out = []
-        for tok2, gd, gt, ns, off, ln, take, b2 in zip(*cols, strict=False):
-            none = take == 0
-            out.append(
-                XsRowPlan(
-                    tok2,
-                    gd,
-                    gt,
-                    None if none else ns,
-                    None if none else off,
-                    None if none else ln,
-                    take,
-                    b2,
-                )
-            )
-        return out
-
-
-def plan_xs_advance(tokens, base, window: int, t_new: int, ratio: int, span: int,
-                    margin: int = XS_TAIL_MARGIN_TOKENS) -> XsAdvancePlan:
-    """Plan appending `t_new` rows to every row, all rows at once (the reference's formulas):
-    `tok' = tok + t_new`, `g_done = tok // ratio`, `g_target = tok' // ratio`,
-    `take = g_target - g_done`; with new blocks `need_start = max(0, g_done + 1 - span) *
-    ratio` (CacheRefusal "compressor history gap" below `base`), `off = need_start + W - tok`,
-    `length = g_target * ratio - need_start`; `keep_from = max(base, (max(tok' - margin, 0)
-    // ratio + 1 - span) * ratio)`, `base' = min(keep_from, tok')`, CacheRefusal "does not fit
-    the window" when `tok' - base' > W`. The first offending row is refused (a gap before a
-    window misfit within a row), with the reference's message; a base outside `[0, tokens]`
-    is malformed (ValueError) when its row is the first offending one, as the reference's
-    row loop finds it."""
-    tokens = lengths(tokens, name="tokens")
-    base = lengths_like(base, tokens, name="base")
-    require(
-        tokens.numel() == base.numel(), f"{tokens.numel()} token counts but {base.numel()} bases"
-    )
-    require(
-        window >= 0 and t_new >= 0 and ratio >= 1 and span >= 1 and margin >= 0,
-        f"window {window}, t_new {t_new}, ratio {ratio}, span {span}, margin {margin} out of range",
-    )
-    bad_base = (base < 0) | (base > tokens)
-    tok2 = tokens + t_new
-    g_done = torch.div(tokens, ratio, rounding_mode="floor")
-    g_target = torch.div(tok2, ratio, rounding_mode="floor")
-    take = g_target - g_done
-    new = take > 0
-    need_start = (g_done + 1 - span).clamp(min=0) * ratio
-    gap = new & (need_start < base)
-    keep_from = torch.maximum(
-        base,
-        (torch.div((tok2 - margin).clamp(min=0), ratio, rounding_mode="floor") + 1 - span) * ratio,
-    )
-    base2 = torch.minimum(keep_from, tok2)
-    misfit = tok2 - base2 > window
-    bad = bad_base | gap | misfit
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        require(
-            not bool(bad_base[i]),
-            f"row {i}: base {int(base[i])} must be in [0, tokens {int(tokens[i])}]",
-        )
-        if bool(gap[i]):
-            raise CacheRefusal(
-                f"compressor history gap: row {i} needs token {int(need_start[i])} to complete "
-                "block "
-                f"{int(g_done[i])} but its history starts at base {int(base[i])} (tokens "
-                f"{int(tokens[i])})"
-            )
-        raise CacheRefusal(
-            f"row {i}'s run of {int(tok2[i] - base2[i])} tokens (base {int(base2[i])} .. "
-            f"{int(tok2[i])}) does not "
-            f"fit the window of {window}"
-        )
-    none = torch.full_like(tokens, -1)
-    return XsAdvancePlan(tok2, g_done, g_target, torch.where(new, need_start, none),
-                         torch.where(new, need_start + window - tokens, none),
-                         torch.where(new, g_target * ratio - need_start, none), take, base2)
 
 
 class XsRolling:
@@ -236,50 +101,6 @@ class XsRolling:
             self._base_h = np.asarray(self._base.tolist(), dtype=np.int64).reshape(-1)
         return self._base_h
 
-    # --- conversion (conformance) -------------------------------------------------------
-    @staticmethod
-    def from_reference(
-        ref: RefXsRolling, dtype: torch.dtype = torch.float64, device=None
-    ) -> XsRolling:
-        """The port slot holding the reference slot's state: its end-anchored tail scattered
-        into the ring (column c -> `(tokens - W + c) mod W`, one scatter), comp copied."""
-        out = XsRolling(
-            ref.ratio, ref.span, ref.window, ref.max_seq_len, ref.batch, ref.dim, ref.margin, device
-        )
-        out.tokens = ints_on(ref.tokens, out.device).reshape(-1)
-        out.base = ints_on(ref.base, out.device).reshape(-1)
-        if ref.tail is not None:
-            tail = to_device(torch.from_numpy(np.ascontiguousarray(ref.tail)), out.device).to(dtype)
-            b, w, d = tail.shape
-            cols = torch.remainder(out.tokens[:, None] - w + arange_like(w, out.tokens), w)
-            out.ring = torch.zeros_like(tail).scatter(1, cols[:, :, None].expand(b, w, d), tail)
-            out.comp = to_device(torch.from_numpy(np.ascontiguousarray(ref.comp)), out.device).to(
-                dtype
-            )
-        return out
-
-    def materialize_tail(self) -> torch.Tensor | None:
-        """The reference's end-anchored tail `[B, W, D]`: column c of row i holds token
-        `p = tokens_i - W + c` when `p >= base_i`, else 0. One gather + one where."""
-        if self.ring is None:
-            return None
-        b, w, d = self.ring.shape
-        p = self.tokens[:, None] - w + arange_like(w, self.ring)
-        out = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(b, w, d))
-        live = (p >= self.base[:, None])[:, :, None]
-        return torch.where(live, out, out.new_zeros(()))
-
-    def to_reference(self) -> RefXsRolling:
-        """A reference slot with this state (tail materialized, comp copied; host arrays)."""
-        ref = RefXsRolling(
-            self.ratio, self.span, self.window, self.max_seq_len, self.batch, self.dim, self.margin
-        )
-        ref.tokens, ref.base = as_list(self.tokens), as_list(self.base)
-        if self.ring is not None:
-            ref.tail = self.materialize_tail().cpu().to(torch.float64).numpy()
-            ref.comp = self.comp.cpu().to(torch.float64).numpy()
-        return ref
-
     # --- lengths --------------------------------------------------------------------------
     @property
     def batch(self) -> int:
@@ -290,12 +111,9 @@ class XsRolling:
         """`max(tokens)` (0 for an empty batch)."""
         return int(self.host_tokens().max()) if self.batch else 0
 
-    @property
-    def comp_seq_len(self) -> int:
-        """`max(tokens) // ratio`."""
-        return self.current_seq_len // self.ratio
-
     def supports_per_sequence_len(self, xs_per_seq: bool = False) -> bool:
+        """The slot protocol's capability (`reference.align`, `reference.capability`): the
+        rows carry their own lengths iff the xs flag is on."""
         return bool(xs_per_seq)
 
     def row_comp(self, i: int) -> torch.Tensor:
@@ -333,7 +151,7 @@ class XsRolling:
         b, t_new, d = x_new.shape
         w, r = self.window, self.ratio
         # the plan is the reference's, on the host copies of the lengths (no device read)
-        rows = ref_plan_xs_advance(
+        rows = plan_xs_advance(
             self.host_tokens().tolist(),
             self.host_base().tolist(),
             w,
@@ -450,35 +268,5 @@ class XsRolling:
         self.try_set_len(length)
         self.set_row_lens(np.full(self.batch, int(length), dtype=np.int64))
 
-    def reset(self) -> None:
-        """tokens = base = 0; buffers dropped."""
-        self.tokens = np.zeros(self.batch, dtype=np.int64)
-        self.base = np.zeros(self.batch, dtype=np.int64)
-        self.ring = None
-        self.comp = None
 
-    def clone(self) -> XsRolling:
-        out = XsRolling(
-            self.ratio,
-            self.span,
-            self.window,
-            self.max_seq_len,
-            self.batch,
-            self.dim,
-            self.margin,
-            self.device,
-        )
-        out.tokens = (
-            self.host_tokens().copy() if self._tokens_h is not None else self.tokens.clone()
-        )
-        out.base = self.host_base().copy() if self._base_h is not None else self.base.clone()
-        out.ring = None if self.ring is None else self.ring.clone()
-        out.comp = None if self.comp is None else self.comp.clone()
-        return out
-
-    def __repr__(self) -> str:
-        return (f"XsRolling(ratio={self.ratio}, span={self.span}, window={self.window}, "
-                f"tokens={as_list(self.tokens)}, base={as_list(self.base)})")
-
-
-__all__ = ["XsRolling", "XsAdvancePlan", "plan_xs_advance", "compress_blocks", "resumable_from"]
+__all__ = ["XsRolling"]

@@ -1,8 +1,8 @@
 """Mutation testing for raggedspec (docs/mutation.md).
 
-`mutation.catalogue` holds the named semantic mutants (one small, exact source substitution
-each, with the spec row it comes from); `raggedspec.mutation.runner` applies them one at a time in a
-temporary copy of the tree, runs mutmut over the dispatch and step-arithmetic code, gates on
-the score and on `mutation/equivalent.toml`, and writes `docs/mutation.md`. Nothing here ever
-writes into the checkout's source files.
+`catalogue.toml` names one semantic mutation per bug class, read and run by `catalogue.py` in a
+private copy of the package (caught only when a test fails); `mutmut_gate.py` runs mutmut itself
+over a scope and gates each module on its score; `runner.py` is `raggedspec mutation`, one gate
+over both. Nothing here writes into the checkout's source files or keeps records between runs
+(mutmut keeps its own, in `mutants/`).
 """

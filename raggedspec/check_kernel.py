@@ -16,20 +16,25 @@ On a mismatch the first failing case is shrunk and explained: the checker recomp
 output under single changed rules (top-left causal alignment, the window started from the
 last or first query, no window, a window one key off, dead columns attended, the GQA head
 `h % Hk`) and names the one the kernel's output matches, or else probes which single key
-added to or removed from the reference's key set explains the first wrong query. Exit 0
-pass, 1 mismatch, 2 bad usage.
+added to or removed from the reference's key set explains the first wrong query. A
+mis-aligned causal diagonal is named by where its offset comes from (another row's, the
+batch's widest row's, or a fitted offset). Progress: a count of the cases on stderr. Exit 0
+pass, 1 mismatch (an exception raised by the function included, with its traceback), 2 bad
+usage or a missing package (`pip install 'raggedspec[check-kernel]'`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 from collections.abc import Callable
 
 LAYOUTS = ("varlen", "kvcache", "paged", "padded")
 """As `gpu.layouts.LAYOUTS` (repeated so that building the parser imports no torch)."""
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+LIMITS = {"--examples": (1, 1_000_000), "--head-dim": (1, 1024), "--page-size": (1, 65536),
+          "--max-query-len": (1, 2**31 - 1)}
+"""The integer flags' ranges (a larger value is refused, never reduced)."""
 
 
 class KernelUsageError(ValueError):
@@ -40,27 +45,20 @@ class KernelUsageError(ValueError):
 
 
 def load_function(spec: str) -> Callable:
-    """`pkg.mod:fn` -> the callable; KernelUsageError naming what is missing."""
+    """`pkg.mod:fn` -> the callable, imported with the working folder first on sys.path
+    (`reference.plugins`); KernelUsageError naming what is missing, PluginError when
+    importing the module raises."""
+    from raggedspec.reference.plugins import PluginSpecError, load_object
+
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise KernelUsageError(
             f"function {spec!r} must be written module:function (e.g. mypkg.attn:varlen)"
         )
     try:
-        obj = importlib.import_module(mod_name)
-    except Exception as exc:
-        raise KernelUsageError(
-            f"function {spec!r}: cannot import module {mod_name!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise KernelUsageError(
-                f"function {spec!r}: module {mod_name!r} has no attribute {attr!r}"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise KernelUsageError(f"function {spec!r} is a {type(obj).__name__}, not callable")
-    return obj
+        return load_object(spec, "kernel function")
+    except PluginSpecError as exc:
+        raise KernelUsageError(f"function {spec!r}: {exc}") from None
 
 
 def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None,
@@ -70,11 +68,12 @@ def check_signature(fn: Callable, spec: str, layout: str, page_size: int | None,
     import torch
 
     from raggedspec.gpu.layouts import to_layout
-    from raggedspec.kernel_cases import Case, build_batch
+    from raggedspec.kernel_cases import Case, build_batch, layout_call
 
     case = Case((1,), (2,), None, 1, 1, 8, page_size or (1 if layout == "paged" else None), 0,
                 sinks)
-    args, kwargs = to_layout(build_batch(case, torch.float64, "cpu"), layout, case.page_size).call()
+    arrays = to_layout(build_batch(case, torch.float64, "cpu"), layout, case.page_size)
+    args, kwargs = layout_call(fn, arrays)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -102,52 +101,63 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--layout", required=True, choices=LAYOUTS, help="the layout the function speaks"
     )
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                   help="dtype of the tensors your function receives (default float32); the "
+                        "tolerance is 16 eps(dtype) * max|ref|, 1e-12 * max|ref| for float64")
     p.add_argument("--device", default="cpu", help="torch device of the tensors (default cpu)")
     p.add_argument(
-        "--examples", type=int, default=100, help="generated batches, >= 1 (default 100)"
+        "--examples", type=int, default=100,
+        help=f"generated batches, 1..{LIMITS['--examples'][1]} (default 100)"
     )
     p.add_argument(
         "--page-size",
         type=int,
         default=None,
-        help="fix the page size (paged; kvcache then always paged); default: drawn from "
-        "1, 2, 4, 16 (kvcache: dense or paged)",
+        help="fix the page size (paged; kvcache then always paged), "
+        f"1..{LIMITS['--page-size'][1]}; default: drawn from 1, 2, 4, 16 (kvcache: dense or "
+        "paged)",
     )
-    p.add_argument("--head-dim", type=int, default=16, help="head dimension D, >= 1 (default 16)")
+    p.add_argument("--head-dim", type=int, default=16,
+                   help=f"head dimension D, 1..{LIMITS['--head-dim'][1]} (default 16)")
     p.add_argument(
         "--max-query-len",
         type=int,
         default=None,
-        help="cap each row's query length (1 for a decode-only kernel)",
+        help="cap each row's query length, >= 1 (1 for a decode-only kernel)",
     )
     p.add_argument(
         "--sinks",
         action="store_true",
         help="also draw per-head attention sinks, passed as sinks= (padded layout only)",
     )
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress count on stderr (a bar on a terminal, else a line every "
+                        "few seconds)")
     return p
 
 
-def run(args) -> int:
-    """The command: 0 pass, 1 mismatch (report on stdout), 2 bad usage (KernelUsageError)."""
-    for name, value, low in (
-        ("--examples", args.examples, 1),
-        ("--head-dim", args.head_dim, 1),
-        ("--page-size", args.page_size, 1),
-        ("--max-query-len", args.max_query_len, 1),
-    ):
-        if value is not None and value < low:
-            raise KernelUsageError(f"{name} {value} must be >= {low}")
+def check_arguments(args) -> None:
+    """KernelUsageError naming the flag, the value and what is allowed, for an integer out of
+    its range or a flag the layout cannot carry."""
+    for name, (low, high) in LIMITS.items():
+        value = getattr(args, name[2:].replace("-", "_"))
+        if value is not None and not low <= value <= high:
+            raise KernelUsageError(f"{name} {value}: must be an integer in {low}..{high}")
     if args.page_size is not None and args.layout not in ("kvcache", "paged"):
         raise KernelUsageError(
             f"--page-size {args.page_size}: the {args.layout} layout has no pages")
     if args.sinks and args.layout != "padded":
         raise KernelUsageError(f"--sinks: the {args.layout} layout has no argument for sinks "
                                f"(only padded carries them)")
+
+
+def run(args) -> int:
+    """The command: 0 pass, 1 mismatch (report on stdout), 2 bad usage (KernelUsageError)."""
+    check_arguments(args)
     import torch
 
     from raggedspec.kernel_cases import check
+    from raggedspec.progress import Progress, progress_mode
 
     try:
         torch.empty(0, device=args.device)
@@ -161,17 +171,10 @@ def run(args) -> int:
     except ValueError as exc:
         raise KernelUsageError(str(exc)) from exc
     check_signature(fn, args.function, args.layout, args.page_size, args.sinks)
-    result = check(
-        fn,
-        args.layout,
-        args.dtype,
-        args.device,
-        args.examples,
-        args.page_size,
-        args.head_dim,
-        args.max_query_len,
-        args.sinks,
-    )
+    mode = progress_mode(getattr(args, "quiet", False))
+    result = check(fn, args.layout, args.dtype, args.device, args.examples, args.page_size,
+                   args.head_dim, args.max_query_len, args.sinks,
+                   progress=lambda label, unit: Progress(label, mode, unit=unit))
     if result.passed:
         print(f"{args.function}: {result.report} ({args.dtype}, {args.device})")
         return 0

@@ -13,8 +13,9 @@ and its difference named by the rule it breaks (`check_model_explain`). Derandom
 same cases every run.
 
 Exit 0 every subject agrees; 1 a mismatch (report on stdout), or an exception raised by the
-user's factory (with its traceback); 2 bad usage, or transformers missing (the message
-names `pip install 'raggedspec[models]'`).
+user's factory (a PluginError: the command line prints its traceback and "raised by your
+factory"); 2 bad usage, or transformers missing (the message names
+`pip install 'raggedspec[models]'`).
 """
 
 from __future__ import annotations
@@ -68,15 +69,15 @@ def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] =
     """Run `examples` cases through the subject: a fixed ragged case (`first_case`), then
     derandomized generated ones (all `examples` when the fixed case failed, to find one to
     shrink); on a failure the smallest failing case found within `shrink_calls` further
-    cases is reported. A factory's exception propagates as FactoryError."""
+    cases is reported. A factory's exception propagates as PluginError."""
     from hypothesis import given
 
     from raggedspec.check_model_cases import cases, first_case
-    from raggedspec.check_model_models import FactoryError
     from raggedspec.check_model_run import run_case
+    from raggedspec.reference.plugins import PluginError
 
     note = ""
-    subject.vocab()  # builds one model first: Unsupported / FactoryError before any case
+    subject.vocab()  # builds one model first: Unsupported / PluginError before any case
     if windows != "none" and not subject.takes_window():
         note = "no sliding window: the architecture has none"
         if windows == "some":
@@ -100,7 +101,7 @@ def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] =
             progress(state["ran"])
         try:
             outcome = run_case(subject, case)
-        except FactoryError as exc:
+        except PluginError as exc:
             state["error"] = exc
             raise _Abort from exc
         state["diff"] = max(state["diff"], outcome.max_diff)
@@ -214,16 +215,12 @@ def subjects(args) -> list:
 
 
 def run(args) -> int:
-    """The command: 0 every subject agrees, 1 a mismatch or a factory's exception, 2 bad
-    usage (ModelUsageError)."""
-    from raggedspec.check_model_models import FactoryError, Unsupported
+    """The command: 0 every subject agrees, 1 a mismatch, 2 bad usage (ModelUsageError); a
+    factory's exception propagates as PluginError (the command line's exit 1)."""
+    from raggedspec.check_model_models import Unsupported
     from raggedspec.progress import Progress, progress_mode
 
-    try:
-        todo = subjects(args)
-    except FactoryError as exc:
-        print(f"{args.arch}: {exc}")
-        return 1
+    todo = subjects(args)  # a factory module raising on import: PluginError, exit 1
     families = tuple(_listed(args.family, "--family", FAMILY_NAMES, "families"))
     failed, runs = 0, [(s, f) for s in todo for f in families]
     for n, (subject, family) in enumerate(runs, start=1):
@@ -234,9 +231,6 @@ def run(args) -> int:
             result = check(subject, args.examples, (family,), args.window,
                            lambda done, b=bar: b(done, args.examples),
                            min_window=args.min_window)
-        except FactoryError as exc:
-            print(f"{name}: {exc}")
-            return 1
         except Unsupported as exc:
             raise ModelUsageError(str(exc)) from None
         finally:

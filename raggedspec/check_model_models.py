@@ -8,17 +8,14 @@ attention implementation and dtype. A built-in architecture gets `TINY` (2 layer
 its own keys from `ARCH_KEYS`; a window is set as `sliding_window` (and on every layer where
 the config lists layer types), none as every layer full attention. A factory is called with
 the keyword arguments its signature names among `attn_implementation`, `dtype`,
-`sliding_window`, `num_key_value_heads` and `seed`; an exception inside it is
-`FactoryError` ("raised by your factory", with its traceback).
+`sliding_window`, `num_key_value_heads` and `seed`; it is loaded by the one plug-in loader
+(`reference.plugins`), and an exception inside it is a `PluginError`, which the command line
+reports as "raised by your factory" with its traceback (exit 1).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
-import traceback
 import warnings
 from collections.abc import Callable
 
@@ -53,10 +50,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 IMPLS = ("eager", "sdpa", "flex_attention")
 """The attention implementations of transformers that run on a CPU."""
 SEED = 0
-
-
-class FactoryError(Exception):
-    """An exception raised inside the user's factory: the message carries its traceback."""
 
 
 class Unsupported(ValueError):
@@ -163,34 +156,15 @@ def build_tiny(arch: str, impl: str, dtype: str, kv_heads: int, window: int | No
 
 
 def load_factory(spec: str) -> Callable:
-    """`module:attr` -> the callable, importing from the working folder first (as pytest
-    does); ValueError naming what is missing."""
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ValueError(f"--arch {spec!r}: a factory is written module:function")
-    here = os.getcwd()
-    sys.path[:] = [here] + [p for p in sys.path if p not in (here, "")]
+    """`module:attr` -> the callable, through the one plug-in loader (`reference.plugins`:
+    the working folder first on sys.path); ValueError naming what is missing, PluginError
+    when importing the module raises."""
+    from raggedspec.reference.plugins import PluginSpecError, load_object
+
     try:
-        obj = importlib.import_module(mod_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and mod_name.startswith(exc.name):
-            raise ValueError(f"--arch {spec!r}: no module named {exc.name!r} (from the "
-                             f"working folder {os.getcwd()} or an installed package)") from exc
-        raise FactoryError(_raised(f"importing {mod_name!r} for --arch {spec}", exc)) from exc
-    except Exception as exc:  # noqa: BLE001 (the user's module)
-        raise FactoryError(_raised(f"importing {mod_name!r} for --arch {spec}", exc)) from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"--arch {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"--arch {spec!r} is a {type(obj).__name__}, not callable")
-    return obj
-
-
-def _raised(where: str, exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(exc)).rstrip()
-    return f"{type(exc).__name__} raised by your factory ({where}): {exc}\n{text}"
+        return load_object(spec, "factory", "a model factory is a function returning a model")
+    except PluginSpecError as exc:
+        raise ValueError(f"--arch {spec!r}: {exc}") from None
 
 
 def factory_kwargs(factory: Callable, impl: str, dtype: str, kv_heads: int,
@@ -209,15 +183,17 @@ def factory_kwargs(factory: Callable, impl: str, dtype: str, kv_heads: int,
 
 def build_from_factory(factory: Callable, spec: str, impl: str, dtype: str, kv_heads: int,
                        window: int | None):
-    """The factory's model in eval mode and `dtype`; FactoryError for its own exception."""
+    """The factory's model in eval mode and `dtype`; PluginError for its own exception."""
+    from raggedspec.reference.plugins import Plugin, PluginError
+
     kwargs = factory_kwargs(factory, impl, dtype, kv_heads, window)
     try:
         model = factory(**kwargs)
     except Exception as exc:  # noqa: BLE001 (the user's code: reported as theirs)
-        raise FactoryError(_raised(f"{spec}({', '.join(kwargs)})", exc)) from exc
+        raise PluginError(Plugin("factory", spec), f" when called with {kwargs}") from exc
     if not isinstance(model, torch.nn.Module):
-        raise FactoryError(f"your factory {spec} returned a {type(model).__name__}, not a "
-                           f"torch.nn.Module (a causal LM)")
+        raise ValueError(f"--arch {spec}: your factory returned a {type(model).__name__}, not "
+                         f"a torch.nn.Module (a causal LM)")
     return model.to(DTYPES[dtype]).eval()
 
 

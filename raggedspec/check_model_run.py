@@ -35,12 +35,8 @@ from raggedspec.check_model_explain import (
     explain_positions,
     show_layout,
 )
-from raggedspec.check_model_models import (
-    FactoryError,
-    Subject,
-    attention_modules,
-    layer_window,
-)
+from raggedspec.check_model_models import Subject, attention_modules, layer_window
+from raggedspec.reference.plugins import PluginError
 
 RTOL = {"float64": 1e-9, "float32": 1e-4}
 """Tolerance on logits, keys and values, relative to the largest magnitude of the row run
@@ -382,7 +378,7 @@ def _run(model, case: Case, plan: Plan, watch: Watch, rtol: float, diff) -> str 
         watch.clear()
         try:
             logits, cache = forward(model, step, cache)
-        except FactoryError:
+        except PluginError:
             raise
         except Exception as exc:  # noqa: BLE001 (the model failing on a batch is a finding)
             return f"{head}\nthe model raised {type(exc).__name__}: {str(exc)[:400]}"

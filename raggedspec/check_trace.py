@@ -9,7 +9,8 @@ The rules are `raggedspec.trace_rules`. When a scenario is known (the header's, 
 trace's own accept counts and arrivals (`raggedspec.trace_replay`), and the first step where
 the two differ is reported with both sides.
 
-Output: one line per violation (step, sequence, rule, expected, actual), a table of the rules
+Output: the first broken rule, then one line per violation (step, sequence, rule, expected,
+actual) in the order their faults arose (`trace_rules.Report.in_order`), a table of the rules
 with how many rows or steps each checked and how many broke it, the replay's verdict, and
 with `--json PATH` the same as JSON (written to a temporary file, then renamed). Exit 0 when
 every rule that ran holds and the replay (if it ran) matches, 1 when a rule is violated or
@@ -20,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from raggedspec.trace_rules import RULES, Rule, check_rules
+from raggedspec.trace_rules import RULE_BY_ID, RULES, Rule, check_rules
 
 if TYPE_CHECKING:  # the CLI builds its parser from this module: keep numpy out of that import
     from raggedspec.reference.scenario import Scenario
@@ -114,7 +113,7 @@ def check(trace: Trace, scenario: Scenario | None = None) -> dict:
         "steps": len(steps),
         "row_steps": sum(len(s["rows"]) for s in steps),
         "rules": rules,
-        "violations": [{**asdict(v), "line": v.line()} for v in rep.violations],
+        "violations": [{**asdict(v), "line": v.line()} for v in rep.in_order()],
         "replay": replay,
     }
 
@@ -130,6 +129,8 @@ def render(result: dict, source: str, limit: int) -> str:
     replay line and the verdict."""
     out = [f"{source}: {result['steps']} steps, {result['row_steps']} row-steps"]
     lines = [v["line"] for v in result["violations"]]
+    if lines:
+        out.append(first_broken(result["violations"]))
     shown = lines if limit <= 0 else lines[:limit]
     out += shown
     if len(shown) < len(lines):
@@ -171,18 +172,24 @@ def render(result: dict, source: str, limit: int) -> str:
     return "\n".join(out)
 
 
+def first_broken(violations: list[dict]) -> str:
+    """The line naming the first broken rule (the violations are in `Report.in_order`): the
+    rule whose fault arose earliest, which the later ones may only follow from."""
+    v = violations[0]
+    rule = RULE_BY_ID[v["rule"]]
+    where = f"step {v['step']}" + ("" if v["seq"] is None else f" seq {v['seq']}")
+    since = "" if v["origin"] in (None, v["step"]) else f" (from step {v['origin']})"
+    later = {w["rule"] for w in violations} - {v["rule"]}
+    after = (f"; {', '.join(sorted(later))} broke later and may follow from it"
+             if later else "")
+    return f"first broken rule: {rule.id} [{rule.spec}] at {where}{since}{after}"
+
+
 def write_json_atomic(data: dict, path: Path) -> None:
     """Write JSON to a temporary file beside `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from raggedspec.outputs import write_text_atomic
+
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -224,8 +231,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"trace file {args.trace} does not exist")
     if args.json is not None and args.json.resolve() == args.trace.resolve():
         raise ValueError(f"--json {args.json} is the trace itself; refusing to overwrite it")
-    if args.json is not None and args.json.is_dir():
-        raise ValueError(f"--json {args.json} is a folder; give a file path")
+    if args.json is not None:
+        from raggedspec.output_paths import writable_file
+        from raggedspec.outputs import OutputPathError
+
+        try:
+            writable_file(args.json, "--json")
+        except OutputPathError as exc:
+            raise ValueError(str(exc)) from None
     if args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be >= 0")
     scenario = None

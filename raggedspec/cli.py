@@ -1,40 +1,43 @@
 """The `raggedspec` command line: `simulate`, `drift`, `conformance`, `bench`, `mutation` and
-the other subcommands, each one entry of COMMANDS (a function that adds its parser and a
-function that runs it).
+the other subcommands, each one entry of COMMANDS (its one-line help, a function that adds its
+parser and a function that runs it).
 
-Exit codes (EXIT_CODES): 0 ok; 1 a rule of the spec refused; 2 bad input, named in one
-line; 3 an internal error (traceback saved to a file). Outputs are written atomically.
-Detail: docs/simulator.md, section "raggedspec/cli.py".
+Start-up is lazy: `raggedspec --help` builds only the list of commands, and a command builds
+only its own parser and imports only its own modules. Exit codes (`raggedspec.exits`): 0 ok;
+1 a rule refused, a check failed, or the user's plug-in raised (its traceback is printed);
+2 bad input or a missing optional package, named in one line; 3 an internal error (traceback
+saved to a file); 4 a first-run kernel check failed (preflight). Outputs are written
+atomically. Detail: docs/simulator.md, section "raggedspec/cli.py".
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raggedspec import __version__
-import raggedspec.estimate as budget
-from raggedspec.estimate import estimate, human, over_limit
-from raggedspec.outputs import OutputPathError, check_output_dir, check_output_file, staged
 from raggedspec.exits import (  # noqa: F401 (re-exported: the CLI's codes)
     EXIT_CODES,
+    EXIT_CODES_SENTENCE,
+    EXIT_FAILED,
     EXIT_INTERNAL,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_USAGE,
     UsageError,
+    missing_extra,
+    report_plugin_failure,
 )
-from raggedspec.progress import Progress, progress_mode
 
 if TYPE_CHECKING:
+    from raggedspec.progress import Progress
     from raggedspec.reference.scenario import Scenario
-
 
 
 # ----------------------------------------------------------------------------- progress
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 def progress_factory(args) -> Callable[[str], Progress]:
     """label -> a tqdm Progress: a bar on a terminal, a line every few seconds when stderr
     is not a terminal, nothing with --quiet."""
+    from raggedspec.progress import Progress, progress_mode
+
     mode = progress_mode(args.quiet)
     return lambda label: Progress(label, mode)
 
@@ -73,7 +78,8 @@ SCENARIO_FLAGS = [
                                              "profile:0.74,0.54,0.41, heterogeneous:0.2,0.9, "
                                              "all-accept, all-reject, file:PATH, "
                                              "oracle:module:callable")),
-    ("--seed", "seed", dict(type=int, help="seed (acceptance, generated lengths, model), >= 0")),
+    ("--seed", "seed", dict(type=int, help="seed (acceptance, generated lengths, model), "
+                                           "0..2**64-1")),
     ("--steps", "steps", dict(type=int, help="engine steps to simulate at most, >= 1")),
 ]
 
@@ -111,12 +117,16 @@ def add_quiet(parser: argparse.ArgumentParser) -> None:
 
 def example_names() -> list[str]:
     """The scenarios shipped in the package (`raggedspec.examples`), by file stem."""
+    import importlib.resources
+
     files = importlib.resources.files("raggedspec.examples").iterdir()
     return sorted(f.name.rsplit(".", 1)[0] for f in files if f.name.endswith((".toml", ".json")))
 
 
 def example_path(name: str) -> Path:
     """The file of the shipped scenario `name` (a real path: the package is on disk)."""
+    import importlib.resources
+
     for f in importlib.resources.files("raggedspec.examples").iterdir():
         if f.name in (f"{name}.toml", f"{name}.json"):
             return Path(str(f))
@@ -156,14 +166,19 @@ def add_simulate(sub) -> argparse.ArgumentParser:
 
 
 def add_force(parser: argparse.ArgumentParser) -> None:
+    from raggedspec import estimate as budget
+
     parser.add_argument("--force", action="store_true",
                         help="run even when the estimated trace or memory is above the "
-                             f"{human(budget.LIMIT_BYTES)} limit (the estimate is printed first)")
+                             f"{budget.human(budget.LIMIT_BYTES)} limit (the estimate is printed "
+                             "first)")
 
 
 def check_budget(sc: Scenario, mode: str, csv: bool, force: bool, command: str) -> None:
     """Print the run's estimate on stderr; UsageError when it is over the limit and not
     --force (nothing has been written yet)."""
+    from raggedspec.estimate import estimate, over_limit
+
     est = estimate(sc, mode)
     over = over_limit(est, csv)
     if over and not force:
@@ -174,6 +189,8 @@ def check_budget(sc: Scenario, mode: str, csv: bool, force: bool, command: str) 
 
 def run_simulate(args) -> int:
     from raggedspec.drift import simulate
+    from raggedspec.output_paths import writable_file
+    from raggedspec.outputs import staged
     from raggedspec.reference.scenario import load_scenario
     from raggedspec.reference.trace import write_csv, write_jsonl
 
@@ -183,11 +200,11 @@ def run_simulate(args) -> int:
         args.scenario = example_path(args.example)
     if args.scenario is not None and not args.scenario.is_file():
         raise UsageError(f"scenario file {args.scenario} does not exist")
-    out = check_output_file(args.out, "--out")
+    out = writable_file(args.out, "--out")
     csv_path = None
     if args.csv is not None:
         csv_path = args.out.with_suffix(".csv") if args.csv is True else args.csv
-        csv_path = check_output_file(csv_path, "--csv")
+        csv_path = writable_file(csv_path, "--csv")
         if csv_path.resolve() == out.resolve():
             raise UsageError(f"--csv {csv_path}: the same file as --out")
     backend = None
@@ -278,10 +295,12 @@ def check_drift_budget(args: argparse.Namespace, batches: list[int]) -> None:
     """UsageError before any work when the memory estimated for drift's three runs (held
     together) and its largest sweep run is above the limit, unless --force."""
     from raggedspec import drift
+    from raggedspec import estimate as budget
     from raggedspec.reference.scenario import load_scenario
 
     source = drift.DEFAULT_SCENARIO if args.scenario is None else args.scenario
     base = drift.override_list(scenario_overrides(args))
+    estimate, human = budget.estimate, budget.human
     memory = sum(estimate(load_scenario(source, base + drift.override_list(extra))).memory_bytes
                  for _label, extra in drift.DRIFT_RUNS)
     if batches and "requests" not in load_scenario(source, base).to_dict():
@@ -294,8 +313,9 @@ def check_drift_budget(args: argparse.Namespace, batches: list[int]) -> None:
 
 def run_drift(args) -> int:
     from raggedspec import drift
+    from raggedspec.output_paths import writable_dir
 
-    out = check_output_dir(args.out, "--out")
+    out = writable_dir(args.out, "--out")
     if args.trace:
         if args.label and len(args.label) != len(args.trace):
             raise UsageError(f"--label given {len(args.label)} times for {len(args.trace)} "
@@ -336,7 +356,6 @@ def run_drift(args) -> int:
 
 # ------------------------------------------------------------------------------- parser
 
-# name -> (add its parser, run it). Later: "conformance", "mutation", "bench".
 def add_conformance(sub) -> argparse.ArgumentParser:
     from raggedspec.conformance.runner import add_parser
     return add_parser(sub)
@@ -431,48 +450,92 @@ def run_check_trace(args) -> int:
         raise UsageError(str(exc)) from None
 
 
-def _vectors():
-    """The vectors module (numpy + safetensors), imported when the command is built."""
+def add_vectors(sub) -> argparse.ArgumentParser:
     from raggedspec import vectors
-    return vectors
+    return vectors.add_parser(sub)
 
 
-COMMANDS: dict[str, tuple[Callable, Callable]] = {
-    "simulate": (add_simulate, run_simulate),
-    "drift": (add_drift, run_drift),
-    "conformance": (add_conformance, run_conformance),
-    "bench": (add_bench, run_bench),
-    "mutation": (add_mutation, run_mutation),
-    "preflight": (add_preflight, run_preflight),
-    "check-trace": (add_check_trace, run_check_trace),
-    "check-kernel": (add_check_kernel, run_check_kernel),
-    "check-model": (add_check_model, run_check_model),
-    "vectors": (lambda sub: _vectors().add_parser(sub), lambda args: _vectors().run(args)),
+def run_vectors(args) -> int:
+    from raggedspec import vectors
+    return vectors.run(args)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its line in `raggedspec --help`, the function that adds its parser
+    (importing its module only then), the function that runs it, and the extra of
+    pyproject.toml that installs the packages it needs beyond the base install."""
+
+    help: str
+    add: Callable
+    run: Callable
+    extra: str | None = None
+    passthrough: bool = False  # options it does not know go to the tool (pytest_args)
+
+
+COMMANDS: dict[str, Command] = {
+    "simulate": Command("run one scenario and write its trace", add_simulate, run_simulate,
+                        "torch"),
+    "drift": Command("plot length drift (PNG, SVG) and write summary.json", add_drift, run_drift),
+    "conformance": Command("run the conformance suite against a backend; print a per-rule "
+                           "table", add_conformance, run_conformance, "conformance",
+                           passthrough=True),
+    "bench": Command("benchmark ragged verify attention against the live-KV bound",
+                     add_bench, run_bench, "torch"),
+    "mutation": Command("mutation testing: the named catalogue and mutmut (`raggedspec mutation "
+                        "--help` lists its options)", add_mutation, run_mutation, "mutation"),
+    "preflight": Command("first-run checks of the kernels: compile, stream, dtypes, timing",
+                         add_preflight, run_preflight, "cupy"),
+    "check-trace": Command("check a trace (e.g. your engine's) against the spec's rules",
+                           add_check_trace, run_check_trace),
+    "check-kernel": Command("check an attention kernel in a standard layout against the "
+                            "reference on generated speculative-decoding batches",
+                            add_check_kernel, run_check_kernel, "check-kernel"),
+    "check-model": Command("run generated ragged speculative-decoding steps through Hugging "
+                            "Face transformers models (or your model factory), each row "
+                            "against the row run alone", add_check_model, run_check_model,
+                            "models"),
+    "vectors": Command("write language-neutral test vectors (case.json + safetensors)",
+                       add_vectors, run_vectors, "vectors"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser: every command listed with its help line, and only `command`'s own
+    parser built (the others are stubs that import nothing)."""
     parser = argparse.ArgumentParser(
         prog="raggedspec",
         description="Executable specification of batched speculative decoding with ragged "
-                    "per-sequence KV advance: simulate a scenario, plot length drift.",
-        epilog=EXIT_CODES.capitalize() + ".")
+                    "per-sequence KV advance: simulate a scenario, plot length drift, check "
+                    "your engine's traces and kernels, run the conformance suite on your port.",
+        epilog=EXIT_CODES_SENTENCE)
     parser.add_argument("--version", action="version", version=f"raggedspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add, run in COMMANDS.values():
-        p = add(sub)
-        p.set_defaults(run=run)
+    for name, cmd in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=cmd.help)
+            continue
+        p = cmd.add(sub)
+        p.set_defaults(run=cmd.run)
         if p.epilog is None:
-            p.epilog = EXIT_CODES.capitalize() + "."
+            p.epilog = EXIT_CODES_SENTENCE
     return parser
 
 
 def input_errors() -> tuple[type[Exception], ...]:
     """The exception classes that mean bad input (exit 2, one line, no traceback)."""
-    from raggedspec.drift import TraceFormatError
-    from raggedspec.reference.scenario import ScenarioError
+    from raggedspec.outputs import OutputPathError
+    from raggedspec.reference.errors import ScenarioError
 
-    return UsageError, TraceFormatError, ScenarioError, OutputPathError
+    errors = [UsageError, ScenarioError, OutputPathError]
+    if "raggedspec.drift" in sys.modules:
+        errors.append(sys.modules["raggedspec.drift"].TraceFormatError)
+    return tuple(errors)
 
 
 def report_internal_error(command: str, exc: BaseException) -> Path | None:
@@ -491,40 +554,69 @@ def report_internal_error(command: str, exc: BaseException) -> Path | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (the console script exits with it)."""
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command, turning each kind of failure into its exit code and message."""
     from raggedspec.reference.errors import Refusal
 
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version (0) and usage errors (2)
-        return int(exc.code or 0)
     try:
         return args.run(args)
     except Refusal as exc:
         print(f"raggedspec: refused ({type(exc).__name__}): {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except input_errors() as exc:
-        msg = str(exc)
-        scenario = getattr(args, "scenario", None)
-        from_file = type(exc).__name__ == "ScenarioError" and scenario is not None
-        if from_file and str(scenario) not in msg:
-            msg = f"{scenario} (or a flag over it): {msg}"
-        print(f"raggedspec {args.command}: error: {msg}", file=sys.stderr)
+        print(f"raggedspec {args.command}: error: {usage_message(args, exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"raggedspec {args.command}: interrupted; no output file was changed",
               file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - a bug in raggedspec: exit 3, traceback to a file
-        saved = report_internal_error(args.command, exc)
-        where = (f"the traceback is saved to {saved}" if saved
-                 else "the traceback could not be saved")
-        print(f"raggedspec {args.command}: internal error (a bug in raggedspec, not in your "
-              f"input): {type(exc).__name__}: {str(exc)[:200]}; {where}; please report it",
-              file=sys.stderr)
-        return EXIT_INTERNAL
+    except Exception as exc:  # noqa: BLE001 - the plug-in's failure, a missing extra, or a bug
+        return unexpected(args.command, exc)
+
+
+def usage_message(args: argparse.Namespace, exc: Exception) -> str:
+    """The one-line message of a bad-input error, naming the scenario file it came from."""
+    msg = str(exc)
+    scenario = getattr(args, "scenario", None)
+    from_file = type(exc).__name__ == "ScenarioError" and scenario is not None
+    if from_file and str(scenario) not in msg:
+        msg = f"{scenario} (or a flag over it): {msg}"
+    return msg
+
+
+def unexpected(command: str, exc: Exception) -> int:
+    """An exception no command handled: the user's plug-in failing (exit 1, its traceback),
+    an optional package missing (exit 2, the pip line), else a bug in raggedspec (exit 3,
+    the traceback saved to a file)."""
+    if report_plugin_failure(command, exc):
+        return EXIT_FAILED
+    line = missing_extra(COMMANDS[command].extra, exc)
+    if line is not None:
+        print(f"raggedspec {command}: error: this command needs the package {exc.name!r}, "
+              f"which is not installed: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    saved = report_internal_error(command, exc)
+    where = f"the traceback is saved to {saved}" if saved else "the traceback could not be saved"
+    print(f"raggedspec {command}: internal error (a bug in raggedspec, not in your "
+          f"input): {type(exc).__name__}: {str(exc)[:200]}; {where}; please report it",
+          file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (the console script exits with it)."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    command = command_of(argv)
+    parser = build_parser(command)
+    try:
+        if command in COMMANDS and COMMANDS[command].passthrough:
+            args, rest = parser.parse_known_args(argv)
+            args.pytest_args = rest
+        else:
+            args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) and usage errors (2)
+        return int(exc.code or 0)
+    return run_command(args)
 
 
 if __name__ == "__main__":

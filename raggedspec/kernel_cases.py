@@ -5,12 +5,15 @@ kernel output with the reference.
 page size, value seed); `build_batch` gives its tensors; `run_case` sends the batch through
 the user's function in the layout and compares the live query slots with the reference
 (`raggedspec.kernel_explain.attention_under`) under the tolerance of docs/conformance.md;
-`check` runs the derandomized Hypothesis search and returns the smallest failing case's
-report. See `raggedspec.check_kernel` for the command and docs/kernels.md for the cases.
+`check` runs the derandomized Hypothesis search and then eight fixed batches
+(`explicit_cases`, what every run must reach), and returns the smallest failing case's report. See
+`raggedspec.check_kernel` for the command and docs/kernels.md for the cases.
 """
 
 from __future__ import annotations
 
+import inspect
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -19,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 
-from raggedspec.gpu.layouts import VerifyBatch, to_layout
+from raggedspec.gpu.layouts import Paged, VerifyBatch, to_layout
 from raggedspec.kernel_explain import as_float64, attention_under, explain, live_slots
 
 DTYPES = {
@@ -117,6 +120,35 @@ def cases(
                 has_sinks)
 
 
+PAGE_SIZES = (1, 2, 4, 16)
+
+
+def explicit_cases(layout: str, page_size: int | None = None, head_dim: int = 16,
+                   max_query_len: int | None = None, sinks: bool = False) -> list[Case]:
+    """Eight fixed batches run after the generated ones, so that every query length 1..8
+    (as capped), GQA ratio 1..8, both KV head counts, every page size, the window edges
+    (1, 2, depth, depth + 1, depth + 2, 64, none) and each cache shape (short, past 256, on a
+    page boundary, one before and one after it) are reached whatever the draw. Case k
+    (1..8): rows of `min(k, cap)`, 0 and 1 queries."""
+    cap = 8 if max_query_len is None else max(1, min(8, max_query_len))
+    out = []
+    for k in range(1, 9):
+        q = min(k, cap)
+        if layout == "paged":
+            ps = page_size or PAGE_SIZES[k % 4]
+        elif layout == "kvcache":
+            ps = page_size or (None if k % 2 else PAGE_SIZES[(k // 2) % 4])
+        else:
+            ps = None
+        edge = 3 * (ps or 16) + (k % 3) - 1  # a page boundary, one before, one after
+        kv = [(q + 5, 3, 4), (q + 260, 257, 300), (max(edge, q), edge, max(edge, 1)),
+              (q, 0, 1)][k % 4]
+        window = [None, 1, 2, max(q - 1, 1), q, q + 1, 64, None][k - 1]
+        out.append(Case((q, 0, min(1, cap)), kv, window, 1 if k <= 4 else 2, k, head_dim, ps,
+                        k, sinks and k % 2 == 0))
+    return out
+
+
 def build_batch(case: Case, dtype: torch.dtype, device: str) -> VerifyBatch:
     """The case's tensors: N(0, 1) values rounded to `dtype` (so the float64 reference sees
     exactly what the kernel sees); dead key columns `DEAD_K + N(0,1)`, values `DEAD_V + N`;
@@ -161,11 +193,41 @@ def show_layout(obj) -> str:
     return "\n".join(f"  {f.name} = {_show(getattr(obj, f.name))}" for f in fields(obj))
 
 
+FLASHINFER_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+"""FlashInfer's names of the paged layout's `kv_indptr`, `kv_indices`, `kv_last_page_len`."""
+
+
+def layout_call(fn: Callable, arrays) -> tuple[tuple, dict]:
+    """`fn`'s call of the layout: `arrays.call()`, except that a paged-layout function
+    whose signature names FlashInfer's `paged_kv_indptr`, `paged_kv_indices`,
+    `paged_kv_last_page_len` is given those three by those names."""
+    args, kwargs = arrays.call()
+    if not isinstance(arrays, Paged):
+        return args, kwargs
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if not names & set(FLASHINFER_NAMES):
+        return args, kwargs
+    return args[:4], {**kwargs, **dict(zip(FLASHINFER_NAMES, args[4:7], strict=True))}
+
+
+def raised_report(exc: Exception) -> str:
+    """A kernel's exception in a report: the words and its traceback from the kernel's own
+    frame on (the last 20 lines)."""
+    start = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    lines = "".join(traceback.format_exception(type(exc), exc, start)).rstrip().splitlines()
+    shown = lines[-20:] if len(lines) > 20 else lines
+    return (f"raised by your kernel function: {type(exc).__name__}: {exc}\n  "
+            + "\n  ".join(shown))
+
+
 def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> str | None:
     """None if `fn` matches the reference on this case, else the failure report."""
     batch = build_batch(case, DTYPES[dtype], device)
     arrays = to_layout(batch, layout, case.page_size, seed=case.seed)
-    args, kwargs = arrays.call()
+    args, kwargs = layout_call(fn, arrays)
     head = (
         f"q_lens {list(case.q_lens)}, kv_lens {list(case.kv_lens)}, window {case.window}, "
         f"Hq {case.kv_heads * case.group}, Hk {case.kv_heads}, D {case.head_dim}"
@@ -175,7 +237,7 @@ def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> 
     try:
         out = fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 (a kernel failing on a batch is a finding)
-        return f"{head}\nthe function raised {type(exc).__name__}: {exc}"
+        return f"{head}\n{raised_report(exc)}"
     if isinstance(out, tuple) and out:
         out = out[0]  # (out, lse) and the like
     if not isinstance(out, torch.Tensor):
@@ -207,6 +269,50 @@ class _Mismatch(AssertionError):
     pass
 
 
+def _fixed_cases(fn: Callable, layout: str, fixed: list[Case], dtype: str, device: str,
+                 meter: _Meter) -> str | None:
+    """Run the fixed cases after the search; the first failure's report (not shrunk: a
+    generated case that fails is found and shrunk first), else None."""
+    for case in fixed:
+        meter.case()
+        report = run_case(fn, layout, case, dtype, device)
+        if report is not None:
+            return f"(a fixed case, not shrunk)\n{report}"
+    return None
+
+
+class _Meter:
+    """check()'s progress: the generated cases against `examples`, then, after the first
+    mismatch, the shrinking search's count (no total). Silent without a factory."""
+
+    def __init__(self, progress: Callable | None, layout: str, examples: int) -> None:
+        self.make, self.examples, self.ran, self.first = progress, examples, 0, None
+        self.bar = None if progress is None else progress(f"check-kernel {layout}", "case")
+
+    def case(self) -> None:
+        self.ran += 1
+        if self.bar is None:
+            return
+        if self.first is None:
+            self.bar(min(self.ran, self.examples), self.examples)
+        else:
+            self.bar(self.ran - self.first, None)
+
+    def mismatch(self) -> None:
+        """The first failing case: end the count there and start the shrinking one."""
+        if self.first is not None:
+            return
+        self.first = self.ran
+        if self.bar is not None:
+            self.bar.close(f"a mismatch at case {self.ran}; shrinking it to the smallest "
+                           "failing case")
+            self.bar = self.make("shrinking", "case tried")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def check(
     fn: Callable,
     layout: str,
@@ -217,13 +323,16 @@ def check(
     head_dim: int = 16,
     max_query_len: int | None = None,
     sinks: bool = False,
+    progress: Callable | None = None,
 ) -> CheckResult:
     """Run `examples` derandomized cases of `layout` through `fn`; on a failure Hypothesis
-    shrinks it and the report is that of the smallest failing case."""
-    ran, reports = [0], []
+    shrinks it and the report is that of the smallest failing case. `progress(label, unit)`
+    gives a `raggedspec.progress.Progress` for the count of cases (none: silent)."""
+    meter, reports = _Meter(progress, layout, examples), []
+    fixed = explicit_cases(layout, page_size, head_dim, max_query_len, sinks)[: examples // 4]
 
     @settings(
-        max_examples=examples,
+        max_examples=max(1, examples - len(fixed)),
         derandomize=True,
         database=None,
         deadline=None,
@@ -235,16 +344,22 @@ def check(
     )
     @given(case=cases(layout, page_size, head_dim, max_query_len, sinks))
     def prop(case: Case) -> None:
-        ran[0] += 1
+        meter.case()
         report = run_case(fn, layout, case, dtype, device)
         if report is not None:
+            meter.mismatch()
             reports.append(report)
             raise _Mismatch(report)
 
     try:
         prop()
+        report = _fixed_cases(fn, layout, fixed, dtype, device, meter)
     except _Mismatch:
-        return CheckResult(False, ran[0], reports[-1])
+        report = reports[-1]
+    finally:
+        meter.close()
+    if report is not None:
+        return CheckResult(False, meter.ran, report)
     return CheckResult(
-        True, ran[0], f"pass: {ran[0]} generated {layout} batches match the reference"
+        True, meter.ran, f"pass: {meter.ran} generated {layout} batches match the reference"
     )

@@ -54,7 +54,7 @@ def nvrtc_unavailable() -> str | None:
     except Exception as exc:  # noqa: BLE001 - any import failure means "no NVRTC here"
         return (
             f"cuda.bindings.nvrtc is not importable ({type(exc).__name__}: {exc}); "
-            "install the 'nvrtc' extra"
+            "pip install 'raggedspec[nvrtc]'"
         )
     return None
 

@@ -91,6 +91,46 @@ def _not_causal(b, i):
     return (kp >= 0) & _window_keep(kp, qp, b.window)
 
 
+def _diagonal(offsets: Callable[[VerifyBatch], list[int]]) -> Callable:
+    """The key set with row i's query j placed at position `offsets(b)[i] + j` (the window
+    moving with it), in place of the reference's `kv_len - q_len + j`."""
+    def valid(b, i):
+        _qp, kp = _positions(b, i)
+        qp = offsets(b)[i] + np.arange(b.q_lens[i])[:, None]
+        return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window)
+
+    valid.offsets = offsets
+    return valid
+
+
+def _own_offsets(b: VerifyBatch) -> list[int]:
+    return [k - q for q, k in zip(b.q_lens, b.kv_lens, strict=True)]
+
+
+def diagonal_rules(b: VerifyBatch) -> list[tuple[str, Callable]]:
+    """`(where the kernel takes a row's causal offset from, key set)` for the offsets a
+    kernel mistakes for the row's own `kv_len - q_len`: another row's, the batch's widest
+    row's (`max kv_len` with the row's own or the longest query count), or the row's own
+    keys with the longest query count."""
+    max_k, max_q, n = max(b.kv_lens), max(b.q_lens), len(b.q_lens)
+    rules = [
+        ("the batch's widest row: max kv_len - the row's own q_len",
+         _diagonal(lambda _b: [max_k - q for q in _b.q_lens])),
+        ("the batch's widest row: max kv_len - max q_len",
+         _diagonal(lambda _b: [max_k - max_q] * n)),
+        ("the row's kv_len - the batch's max q_len",
+         _diagonal(lambda _b: [k - max_q for k in _b.kv_lens])),
+    ]
+    return rules + [
+        (f"row {r}'s offset kv_len - q_len = {b.kv_lens[r] - b.q_lens[r]} for every row",
+         _diagonal(lambda _b, r=r: [_b.kv_lens[r] - _b.q_lens[r]] * n))
+        for r in range(n) if b.q_lens[r]]
+
+
+CAUSAL_RULE = ("causal alignment is bottom-right per row: query j of a row with q_len queries "
+               "over kv_len keys sits at position kv_len - q_len + j, from the row's own lengths")
+
+
 VARIANTS: list[tuple[str, Callable, bool]] = [
     (
         "causal aligned top-left (query j of a row sees its first j + 1 keys), not bottom-right",
@@ -264,13 +304,94 @@ def _explain_pages(arrays, batch: VerifyBatch, got: np.ndarray, bound: float) ->
     return None
 
 
+def _row_output(batch: VerifyBatch, i: int, validity: Callable) -> np.ndarray:
+    """Row i's output `[Hq, q_len, D]` under the key set `validity` (reference GQA, sinks)."""
+    q, k, v = (as_float64(x)[i : i + 1] for x in (batch.q, batch.k, batch.v))
+    ql, t_q = batch.q_lens[i], batch.q.shape[2]
+    sinks = None if batch.sinks is None else as_float64(batch.sinks)
+    mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
+    return attention(q[:, :, t_q - ql :], k, v, mask, sinks)[0]
+
+
+def _offset_source(batch: VerifyBatch, i: int, d: int) -> str:
+    """Where a row-i causal offset `d` comes from, in words (the first that equals it)."""
+    max_k, max_q = max(batch.kv_lens), max(batch.q_lens)
+    others = [r for r, o in enumerate(_own_offsets(batch)) if r != i and batch.q_lens[r] and o == d]
+    if others:
+        return f"row {others[0]}'s (its kv_len - q_len)"
+    named = [(0, "0: top-left"),
+             (max_k - batch.q_lens[i], "the batch's widest row's: max kv_len - q_len"),
+             (max_k - max_q, "the batch's widest row's: max kv_len - max q_len"),
+             (batch.kv_lens[i] - max_q, "kv_len - the batch's max q_len")]
+    return next((words for value, words in named if value == d), "no other length of the batch")
+
+
+def _diagonal_words(batch: VerifyBatch, i: int, validity: Callable, d: int) -> str:
+    """Row i under a diagonal at offset `d`: where its queries sit and, for its first query
+    that changes, the keys it wrongly attends or misses (or that it attends none)."""
+    own = batch.kv_lens[i] - batch.q_lens[i]
+    want, have = reference_validity(batch, i), validity(batch, i)
+    j = next((j for j in range(batch.q_lens[i]) if (want[j] != have[j]).any()), 0)
+    head = (f"row {i} ({batch.kv_lens[i]} keys, {batch.q_lens[i]} queries): its queries sit at "
+            f"positions from {d} on, where its own lengths put them from {own} on")
+    if not have[j].any():
+        return (f"{head}; query {j} then attends no key, so its output is 0 "
+                "(as if the query attended no key)")
+    extra = [int(c) for c in np.flatnonzero(have[j] & ~want[j])]
+    missing = [int(c) for c in np.flatnonzero(want[j] & ~have[j])]
+    return f"{head}; {describe_keys(batch, i, j, extra, missing)}"
+
+
+def _diagonal_matches(batch: VerifyBatch, got: np.ndarray,
+                      bound: float) -> list[tuple[str, Callable]]:
+    """The causal offset sources (`diagonal_rules`) whose output the kernel's matches."""
+    live = live_slots(batch)
+    return [(source, validity) for source, validity in diagonal_rules(batch)
+            if np.where(live, np.abs(got - attention_under(batch, validity)), 0.0).max() <= bound]
+
+
+def _explain_diagonal(batch: VerifyBatch, ref: np.ndarray, bound: float,
+                      matches: list[tuple[str, Callable]]) -> str:
+    """The first matching causal offset source, with the first row it moves, and the others
+    that match this case equally."""
+    source, validity = matches[0]
+    alt = attention_under(batch, validity)
+    where = _first_bad(np.where(live_slots(batch), np.abs(alt - ref), 0.0), bound)
+    i = where[0] if where else 0
+    words = _diagonal_words(batch, i, validity, int(validity.offsets(batch)[i]))
+    also = "".join(f"\n  (on this case the output equally follows: the offset taken from {s})"
+                   for s, _ in matches[1:])
+    return (f"rule that differs: the causal diagonal: each row's offset is taken from "
+            f"{source}, not from the row's own lengths\n  {words}\n  the rule: {CAUSAL_RULE}"
+            + also)
+
+
+def _fit_diagonal(batch: VerifyBatch, got: np.ndarray, i: int, bound: float) -> str | None:
+    """The causal offset of row i alone that reproduces the kernel's output there (every
+    offset from -t_q to T tried), in words with where it comes from; None if none does."""
+    ql, t_q, big = batch.q_lens[i], batch.q.shape[2], batch.k.shape[2]
+    own = batch.kv_lens[i] - ql
+    mine = got[i, :, t_q - ql :]
+    for d in range(-t_q, big + 1):
+        if d == own:
+            continue
+        offsets = _own_offsets(batch)
+        offsets[i] = d
+        validity = _diagonal(lambda _b, o=offsets: o)
+        if np.abs(mine - _row_output(batch, i, validity)).max() <= bound:
+            return (f"rule that differs: the causal diagonal of row {i} is at offset {d}, which "
+                    f"is {_offset_source(batch, i, d)}, not its own kv_len - q_len = {own}\n  "
+                    f"{_diagonal_words(batch, i, validity, d)}\n  the rule: {CAUSAL_RULE}")
+    return None
+
+
 def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float,
             arrays=None) -> str:
     """The rule the kernel's output follows instead of the reference's, with the first
     (row, query) where it shows; else (paged layouts, given `arrays`) a page-table misread;
     else a one-key probe; else the plain difference."""
     live = live_slots(batch)
-    where = _first_bad(np.where(live, np.abs(got - ref), 0.0), bound)
+    where = _first_bad(np.nan_to_num(np.where(live, np.abs(got - ref), 0.0), nan=np.inf), bound)
     if where is None:
         return "no live query differs"
     i, h, s = where
@@ -286,10 +407,13 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float,
     matching = [(rule, validity, modulo) for rule, validity, modulo in VARIANTS
                 if np.where(live, np.abs(got - attention_under(batch, validity, modulo)), 0.0).max()
                 <= bound]
+    diagonals = _diagonal_matches(batch, got, bound)
     if matching:
         rule, validity, modulo = matching[0]
         also = "".join(f"\n  (on this case the output equally follows: {r})"
                        for r, _, _ in matching[1:])
+        also += "".join(f"\n  (on this case the output equally follows: the causal offset taken "
+                        f"from {src})" for src, _ in diagonals)
         alt = attention_under(batch, validity, modulo)
         i, h, s = _first_bad(np.where(live, np.abs(alt - ref), 0.0), bound) or where
         j = s - (batch.q.shape[2] - batch.q_lens[i])
@@ -304,9 +428,14 @@ def explain(batch: VerifyBatch, got: np.ndarray, ref: np.ndarray, bound: float,
         extra = [int(c) for c in np.flatnonzero(have & ~want)]
         missing = [int(c) for c in np.flatnonzero(want & ~have)]
         return f"rule that differs: {rule}\n  {describe_keys(batch, i, j, extra, missing)}{also}"
+    if diagonals:
+        return _explain_diagonal(batch, ref, bound, diagonals)
     pages = None if arrays is None else _explain_pages(arrays, batch, got, bound)
     if pages is not None:
         return pages
+    fitted = _fit_diagonal(batch, got, i, bound)
+    if fitted is not None:
+        return fitted
     probe = _probe_one_key(batch, got, i, h, s, bound)
     if probe is not None:
         return f"rule that differs: one key of the set\n  {probe}"

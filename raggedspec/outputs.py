@@ -5,7 +5,9 @@ summary.json, bench's JSON, Markdown and PNG, the conformance and mutation `--js
 through `staged`: each output is first written to a temporary file in the same folder (so
 the final rename stays on one file system and is atomic), and only when every output of the
 run is complete are they renamed over their final paths. An exception or Ctrl-C before that
-point removes the temporaries and leaves any existing file untouched.
+point removes the temporaries and leaves any existing file untouched. A temporary is created
+with mode 0666 less the umask, as `open` would create the output itself (so a renamed output
+has the mode any other new file of the user gets, not `mkstemp`'s 0600).
 
 Output paths are checked before any work (`check_output_file`, `check_output_dir`): a path
 under an existing file, a file path that is a directory, a folder that is a file, or a
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -66,6 +68,21 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
     return path
 
 
+def new_temporary(final: Path) -> Path:
+    """Create an empty, uniquely named file beside `final` and return its path. Its mode is
+    0666 less the umask (the mode `open(final, "w")` would give), so the renamed output is
+    readable by whoever the user's umask lets read new files."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    for _ in range(100):
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.partial{final.suffix}")
+        try:
+            os.close(os.open(tmp, flags, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {final}")
+
+
 class Stage:
     """The temporary paths of one `staged` block: `stage[final]` is where to write `final`."""
 
@@ -76,11 +93,7 @@ class Stage:
         final = Path(final)
         if final not in self.temps:
             final.parent.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(
-                dir=final.parent, prefix=f".{final.name}.", suffix=".partial" + final.suffix
-            )
-            os.close(fd)
-            self.temps[final] = Path(name)
+            self.temps[final] = new_temporary(final)
         return self.temps[final]
 
     def _discard(self) -> None:

@@ -2,9 +2,13 @@
 any long GPU job spends its window on them.
 
 `raggedspec preflight [--mode auto|cupy|emulate] [--out preflight.json] [--env-only]` runs
-`compile:<variant>`, `side_stream`, `reference:<dtype>` and `timing`, each `ok`, `failed` or
-`skipped` with the reason; exit 0 when none failed, 4 when one did, 2 for bad usage. The
-checks, the modes and the JSON: docs/conformance.md, section "raggedspec/preflight.py".
+`compile:<variant>`, `elementwise:<dtype>`, `side_stream`, `reference:<dtype>` and `timing` in
+that order, each `ok`, `failed` or `skipped` with the reason, and stops at the first failed
+check (the rest are listed as not run). Every variant is compiled once, by its `compile:`
+check; the later checks launch those builds again. The JSON is rewritten before each check
+(naming the one running, so a run killed at a time limit says where it was) and after it.
+Exit 0 when none failed, 4 when one did, 2 for bad usage. The checks, the modes and the JSON:
+docs/conformance.md, section "raggedspec/preflight.py".
 """
 
 from __future__ import annotations
@@ -34,15 +38,11 @@ KERNEL_VARIANTS = {
     # the CPU smoke sizes of the benchmark (2 KV heads, 4 query heads, head dim 16)
     "smoke": [(dt, 2, w, 16) for dt in ("bfloat16", "float32", "float64") for w in (2, 4)],
 }
-# One small ragged batch: a full row, a short one, a middle one, one exactly w long.
-REFERENCE_CASE = {
-    "hk": 2,
-    "g": 2,
-    "w": 2,
-    "d": 32,
-    "cap": 300,
-    "lens": (300, 17, 200, 2),
-    "seed": 9,
+# One small ragged batch: a full row, a short one, a middle one, one exactly w long. Its
+# (G, w, d) is among KERNEL_VARIANTS of the same sizes, so it launches a build already made.
+REFERENCE_CASES = {
+    "gpu": {"hk": 2, "g": 4, "w": 2, "d": 128, "cap": 300, "lens": (300, 17, 200, 2), "seed": 9},
+    "smoke": {"hk": 2, "g": 2, "w": 2, "d": 16, "cap": 300, "lens": (300, 17, 200, 2), "seed": 9},
 }
 # The headline shape of the benchmark (B = 128, L = 4096, spread 64) and its smoke stand-in.
 TIMING_CASE = {
@@ -253,7 +253,7 @@ def check_side_stream(mode: str) -> str:
         raise CheckSkipped("needs a CUDA stream: not run under the emulator (mode emulate)")
     import torch
 
-    c = REFERENCE_CASE
+    c = REFERENCE_CASES["gpu"]
     q, k, v = ragged_inputs(
         len(c["lens"]), c["hk"], c["g"], c["w"], c["d"], c["cap"], c["lens"], c["seed"]
     )
@@ -284,11 +284,11 @@ def check_side_stream(mode: str) -> str:
 
 
 def check_reference(mode: str, dtype: str) -> str:
-    """The torch entry point on `REFERENCE_CASE` in `dtype` against the float64 reference on
-    the same dtype-rounded inputs: `||out - ref|| / ||ref|| <= TOLERANCE[dtype]`."""
+    """The torch entry point on the mode's reference case in `dtype` against the float64
+    reference on the same dtype-rounded inputs: `||out - ref|| / ||ref|| <= TOLERANCE[dtype]`."""
     import torch
 
-    c = REFERENCE_CASE
+    c = REFERENCE_CASES["gpu" if mode == "cupy" else "smoke"]
     device = "cuda" if mode == "cupy" else "cpu"
     q, k, v = ragged_inputs(
         len(c["lens"]), c["hk"], c["g"], c["w"], c["d"], c["cap"], c["lens"], c["seed"]
@@ -389,15 +389,15 @@ def _cuda_kernel_ms(kern, arrays, calls: int) -> dict:
     }
 
 
-_KERN: dict[str, object] = {}
-
-
 def _kernels(mode: str):
+    """The one `Kernels(mode)` of this process: the instance the torch entry points launch
+    through (cupy_kernels keeps it per mode), so a variant the compile checks built is the
+    build every later check launches, never compiled twice."""
     from raggedspec.gpu import cupy_kernels as ck
 
-    if mode not in _KERN:
-        _KERN[mode] = ck.Kernels(mode)
-    return _KERN[mode]
+    if mode not in ck._KERNELS:
+        ck._KERNELS[mode] = ck.Kernels(mode)
+    return ck._KERNELS[mode]
 
 
 def _kernel_array(kern, a: np.ndarray, dtype: str):
@@ -429,42 +429,62 @@ def check_plan(mode: str) -> list[tuple[str, object]]:
 
 
 def run_checks(mode: str, why_not_cupy: str | None, out: Path | None, log=print) -> dict:
-    """Run `check_plan(mode)`; every check's outcome is recorded (an exception is a failure
-    with its type and message). The JSON at `out` is
-    rewritten after each check. Returns the result dict (`failed`: the failed checks' names).
-    A check raising CheckSkipped is `skipped` with its reason; any other exception `failed`."""
+    """Run `check_plan(mode)` in order and stop at the first failed check: a check raising
+    CheckSkipped is `skipped` with its reason, any other exception `failed` with its type and
+    message, and every check after a failed one is listed under `not_run`. The JSON at `out`
+    is rewritten before each check (`running`: its name) and after it. Returns the result
+    dict (`failed`: the failed check's name, or empty)."""
     result = {
         "schema": SCHEMA,
         "mode": mode,
         "environment": environment(),
         "checks": [],
         "failed": [],
+        "not_run": [],
+        "running": None,
     }
     if why_not_cupy:
         result["cupy_skipped"] = (
             f"the CuPy checks are not run here: {why_not_cupy}; the emulator runs them"
         )
         log(f"preflight: {result['cupy_skipped']}")
-    for name, thunk in check_plan(mode):
-        t0 = time.perf_counter()
-        try:
-            status, detail = "ok", thunk()
-        except CheckSkipped as why:
-            status, detail = "skipped", str(why)
-        except Exception as exc:  # noqa: BLE001 - a failed check is recorded, the rest still run
-            status, detail = "failed", f"{type(exc).__name__}: {str(exc)[:2000]}"
-            result["failed"].append(name)
-        row = {
-            "check": name,
-            "status": status,
-            "seconds": round(time.perf_counter() - t0, 3),
-            "detail": detail,
-        }
+    plan = check_plan(mode)
+    for i, (name, thunk) in enumerate(plan):
+        result["running"] = name
+        _save(result, out)
+        row = run_check(name, thunk)
         result["checks"].append(row)
-        log(f"preflight {name}: {status.upper()} ({row['seconds']:.2f} s) {detail}")
-        if out is not None:
-            _write_json(result, out)
+        result["running"] = None
+        log(f"preflight {name}: {row['status'].upper()} ({row['seconds']:.2f} s) {row['detail']}")
+        if row["status"] == "failed":
+            result["failed"].append(name)
+            result["not_run"] = [later for later, _ in plan[i + 1 :]]
+            break
+    _save(result, out)
     return result
+
+
+def run_check(name: str, thunk) -> dict:
+    """One check's row: `ok` with the thunk's detail, `skipped` (CheckSkipped: its reason) or
+    `failed` (any other exception: its type and message), and the seconds it took."""
+    t0 = time.perf_counter()
+    try:
+        status, detail = "ok", thunk()
+    except CheckSkipped as why:
+        status, detail = "skipped", str(why)
+    except Exception as exc:  # noqa: BLE001 - a failed check is recorded, then the run stops
+        status, detail = "failed", f"{type(exc).__name__}: {str(exc)[:2000]}"
+    return {
+        "check": name,
+        "status": status,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "detail": detail,
+    }
+
+
+def _save(result: dict, out: Path | None) -> None:
+    if out is not None:
+        _write_json(result, out)
 
 
 def _write_json(result: dict, path: Path) -> None:
@@ -480,8 +500,9 @@ def render_markdown(result: dict) -> str:
         f"Preflight ({result['mode']}): "
         + (
             "FAILED: " + ", ".join(result["failed"])
+            + f"; not run after it: {', '.join(result['not_run']) or 'none'}"
             if result["failed"]
-            else "every check that ran passed"
+            else "every check passed or was skipped with its reason"
         ),
         "",
         "| check | status | s | detail |",
@@ -514,7 +535,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    """The CLI's `run`: 0 every check that ran passed; 3 one failed; 2 bad usage."""
+    """The CLI's `run`: 0 every check passed (or was skipped with its reason); 4 one failed
+    (the run stopped there); 2 bad usage."""
     if args.out is not None and args.out.exists() and args.out.is_dir():
         print(
             f"raggedspec preflight: error: --out {args.out} is a folder, not a JSON file",

@@ -4,7 +4,9 @@ On a terminal the bar is redrawn in place (tqdm's own display). When stderr is n
 terminal (a log file, a CI job, a pipe) a plain line is written every few seconds instead
 (`LINE_INTERVAL_S`), so a long run is never silent and the log holds no carriage returns.
 `--quiet` turns both off. A run that ends before its step limit (every request finished or
-failed) ends with a line saying at which step it stopped.
+failed) ends with a line saying at which step it stopped. A count without a known total (a
+shrinking search) shows the count alone. Every command that can run for more than a few
+seconds reports through this class (simulate and drift by step, check-kernel by case).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ class Progress:
     in "lines" mode no carriage return reaches the stream."""
 
     def __init__(
-        self, label: str, mode: str, stream: TextIO | None = None, interval: float = LINE_INTERVAL_S
+        self, label: str, mode: str, stream: TextIO | None = None,
+        interval: float = LINE_INTERVAL_S, unit: str = "step"
     ) -> None:
         if mode not in ("tty", "lines", "off"):
             raise ValueError(f"progress mode {mode!r} must be tty, lines or off")
-        self.label, self.mode, self.interval = label, mode, interval
+        self.label, self.mode, self.interval, self.unit = label, mode, interval, unit
         self.stream = stream if stream is not None else sys.stderr
         self._bar: tqdm | None = None
 
@@ -52,15 +55,16 @@ class Progress:
     def enabled(self) -> bool:
         return self.mode != "off"
 
-    def __call__(self, done: int, total: int) -> None:
-        if self.mode == "off" or total <= 0:
+    def __call__(self, done: int, total: int | None) -> None:
+        """Show `done` of `total` (None: a count with no total)."""
+        if self.mode == "off" or (total is not None and total <= 0):
             return
         if self._bar is None:
             tty = self.mode == "tty"
             self._bar = tqdm(
                 total=total,
                 desc=self.label,
-                unit="step",
+                unit=self.unit,
                 leave=True,
                 file=self.stream if tty else _Lines(self.stream),
                 mininterval=0.1 if tty else self.interval,
@@ -68,7 +72,7 @@ class Progress:
                 dynamic_ncols=tty,
                 ncols=None if tty else 80,
             )
-        self._bar.update(min(done, total) - self._bar.n)
+        self._bar.update((done if total is None else min(done, total)) - self._bar.n)
 
     def close(self, note: str | None = None) -> None:
         """End the display. When the last progress was short of the total, also write one
@@ -78,7 +82,7 @@ class Progress:
             return
         done, total = bar.n, bar.total
         bar.close()
-        if done < total:
+        if total is not None and done < total:
             note = note or f"ended at step {done} of at most {total}"
             self.stream.write(f"{self.label}: {note}\n")
             self.stream.flush()

@@ -109,12 +109,20 @@ RULE_BY_ID = {r.id: r for r in RULES}
 
 @dataclass
 class Violation:
+    """One broken rule at one step (and sequence). `origin` is the step whose outcome broke
+    it: the step itself, or for an advance rule the earlier step the row advanced from."""
+
     step: int
     seq: object
     rule: str
     expected: object
     actual: object
     note: str = ""
+    origin: int | None = None
+
+    def order(self) -> tuple[int, int]:
+        """Where the fault arose first: by `origin`, then by the step it shows at."""
+        return (self.step if self.origin is None else self.origin, self.step)
 
     def line(self) -> str:
         r = RULE_BY_ID[self.rule]
@@ -133,13 +141,21 @@ class Report:
     checked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     violations: list[Violation] = field(default_factory=list)
 
-    def record(self, rule: str, step: int, seq, out: Outcome | None) -> None:
-        """Count one application of `rule` (none when `out` is None) and keep a violation."""
+    def record(self, rule: str, step: int, seq, out: Outcome | None,
+               origin: int | None = None) -> None:
+        """Count one application of `rule` (none when `out` is None) and keep a violation
+        (`origin`: the step whose outcome it reads, when earlier than `step`)."""
         if out is None:
             return
         self.checked[rule] += 1
         if not out.holds:
-            self.violations.append(Violation(step, seq, rule, out.expected, out.actual, out.note))
+            self.violations.append(
+                Violation(step, seq, rule, out.expected, out.actual, out.note, origin))
+
+    def in_order(self) -> list[Violation]:
+        """The violations by where their fault arose (`Violation.order`): the first broken
+        rule first, before the rules that broke only because of it at a later step."""
+        return sorted(self.violations, key=Violation.order)
 
     def violated(self, rule: str) -> int:
         return sum(v.rule == rule for v in self.violations)
@@ -401,7 +417,9 @@ ADVANCE_RULES = {
 def check_rules(steps: list[dict], depth: int | None) -> Report:
     """Apply every rule to every row and step of `steps` (schema step dicts, in order).
     A row's advance is read at its next step when that step did not fail, or failed after
-    assembling its batch (`In`, row width > 0: its lengths were read off the rows' caches)."""
+    assembling its batch (`In`, row width > 0: its lengths were read off the rows' caches).
+    An advance violation is kept with the step the row advanced from as its origin, so that
+    `Report.in_order` puts a wrong advance before what it caused at the next step."""
     rep = Report()
     last = {r["seq"]: s["step"] for s in steps for r in s["rows"]}
     before: dict = {}
@@ -416,7 +434,7 @@ def check_rules(steps: list[dict], depth: int | None) -> Report:
             b = before.pop(r["seq"], None)
             if b is not None and read and (not _failed(s) or r.get("width")):
                 for rid, rule in ADVANCE_RULES.items():
-                    rep.record(rid, s["step"], r["seq"], rule(b, s, r))
+                    rep.record(rid, s["step"], r["seq"], rule(b, s, r), b.step["step"])
         if _failed(s) or s.get("phase") not in ("decode", "defer") or s.get("advance") is None:
             continue
         keep, seen = cohort_keep(s), {}

@@ -9,19 +9,22 @@ token-oracle protocol and how a custom oracle is loaded and checked are in docs/
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from raggedspec.reference.errors import ScenarioError, require
+from raggedspec.reference.plugins import (
+    Plugin,
+    PluginError,
+    PluginSpecError,
+    cwd_first,
+    load_object,
+)
 
 U64 = np.uint64
 _C1, _C2, _C3 = U64(0x9E3779B97F4A7C15), U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)
@@ -306,49 +309,20 @@ def load_accept_file(path, n_seqs: int | None = None) -> FileStream:
     return stream
 
 
-@contextmanager
-def _cwd_on_path():
-    """The current working directory first on `sys.path` for the duration (as `python -m`
-    and `python -c` have it; a console script has its own folder there instead)."""
-    cwd = os.getcwd()
-    sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        with suppress(ValueError):
-            sys.path.remove(cwd)  # the first occurrence: the one inserted above
-
-
 def resolve_factory(factory: str):
     """The callable named by `"module:callable"`, imported with the current working directory
-    first on `sys.path` (module docstring). Raises `ScenarioError` naming `acceptance.factory`
-    and the factory when the form is wrong, the import fails, the attribute is missing or it
-    is not callable."""
+    first on `sys.path` (`reference.plugins`). Raises `ScenarioError` naming
+    `acceptance.factory` and the factory when the form is wrong, the module does not import,
+    the attribute is missing or it is not callable; `PluginError` when importing it raises."""
     where = f"scenario key 'acceptance.factory': {factory!r}"
     mod, _, attr = (factory or "").partition(":")
     if not mod or not attr:
         raise ScenarioError(f"{where} must be 'module:callable', e.g. oracle:my_module:make_oracle")
     try:
-        with _cwd_on_path():
-            module = importlib.import_module(mod)
-    except ImportError as exc:
-        raise ScenarioError(
-            f"{where}: cannot import module {mod!r} ({exc}); the module must be importable "
-            f"from the current folder {os.getcwd()!r} or from sys.path"
-        ) from None
-    except Exception as exc:  # the user's module raised while importing
-        raise ScenarioError(
-            f"{where}: importing module {mod!r} raised {type(exc).__name__}: {exc}"
-        ) from None
-    if not hasattr(module, attr):
-        raise ScenarioError(f"{where}: module {mod!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise ScenarioError(
-            f"{where}: {mod}.{attr} is not callable (it is a {type(fn).__name__}: {fn!r}); "
-            "it must be a function or class taking the Scenario and returning a TokenOracle"
-        )
-    return fn
+        return load_object(factory, "oracle", "it must be a function or class taking the "
+                                              "Scenario and returning a TokenOracle")
+    except PluginSpecError as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
 
 
 ORACLE_METHODS = ("prompt", "target", "draft")
@@ -430,15 +404,13 @@ def build_model(spec, seed: int, scenario=None) -> AcceptanceModel:
     if m == "oracle":
         factory = resolve_factory(spec.factory)
         try:
-            with _cwd_on_path():
+            with cwd_first():
                 oracle = factory(scenario)
         except ScenarioError:
             raise
-        except Exception as exc:  # the user's factory raised
-            raise ScenarioError(
-                f"scenario key 'acceptance.factory': {spec.factory!r} raised "
-                f"{type(exc).__name__} when called with the scenario: {exc}"
-            ) from None
+        except Exception as exc:  # the user's factory raised: its failure, with its traceback
+            raise PluginError(Plugin("oracle", spec.factory), " when called with the scenario") \
+                from exc
         lacking = [name for name in ORACLE_METHODS if not callable(getattr(oracle, name, None))]
         if lacking:
             raise ScenarioError(

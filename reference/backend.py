@@ -20,6 +20,13 @@ from raggedspec.reference.attention import Dsv4AttentionConfig, dsv4_attention
 from raggedspec.reference.cache import KvCache, NormalCache, PLAIN_CACHE_CAPACITY, SingleCache
 from raggedspec.reference.errors import require
 from raggedspec.reference.model import Forward, TinyModel
+from raggedspec.reference.plugins import (
+    Plugin,
+    PluginError,
+    PluginSpecError,
+    cwd_first,
+    load_object,
+)
 from raggedspec.reference.protocol import PROTOCOL, PROTOCOL_METHODS, CloneIn  # noqa: F401 (re-exported)
 from raggedspec.reference.xs_rolling import XsRolling
 
@@ -509,10 +516,11 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
     ("torch" -> `raggedspec.gpu.backend:TorchBackend`, "cupy" ->
     `raggedspec.gpu.cupy_backend:CupyBackend`, CUDA
     only: ValueError with the reason elsewhere) or a "package.module:factory" string ->
-    `factory(device=, dtype=)` (a class or a function), imported by name. A `Backend` instance
-    is returned as is. ValueError (naming the spec) for an unknown name, a module or attribute
-    that does not exist, or a factory that does not return a Backend; the backends' own
-    ValueErrors for an unsupported device or dtype (e.g. "cuda" without CUDA)."""
+    `factory(device=, dtype=)` (a class or a function), imported with the working folder
+    first on sys.path (`reference.plugins`; an exception inside it is a PluginError). A
+    `Backend` instance is returned as is. ValueError (naming the spec) for an unknown name,
+    a module or attribute that does not exist, or a factory that does not return a Backend;
+    the backends' own ValueErrors for an unsupported device or dtype (e.g. "cuda" without CUDA)."""
     if isinstance(spec, Backend):
         return spec
     kwargs = {}
@@ -526,18 +534,35 @@ def load_backend(spec=None, device: str | None = None, dtype: str | None = None)
     if named is None and (not isinstance(spec, str) or ":" not in spec):
         raise ValueError(f"unknown backend {spec!r}: expected numpy, {', '.join(NAMED_BACKENDS)} "
                          f"or package.module:factory")
-    mod_name, _, attr = (named or spec).partition(":")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as exc:
-        if named is not None:
-            raise ValueError(f"backend {spec!r} needs torch and the gpu package: {exc}") from exc
-        raise ValueError(f"backend {spec!r}: cannot import {mod_name!r} ({exc})") from exc
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ValueError(f"backend {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-    backend = factory(**kwargs)
+    backend = _named_backend(spec, named, kwargs) if named else _user_backend(spec, kwargs)
     if not isinstance(backend, Backend):
-        raise ValueError(f"backend {spec!r}: {attr} returned {type(backend).__name__}, not a "
-                         f"raggedspec.reference.backend.Backend")
+        raise ValueError(f"backend {spec!r}: {(named or spec).partition(':')[2]} returned "
+                         f"{type(backend).__name__}, not a raggedspec.reference.backend.Backend")
     return backend
+
+
+def _named_backend(spec: str, named: str, kwargs: dict):
+    """One of raggedspec's own backends (`NAMED_BACKENDS`); ValueError when its package
+    does not import (torch, the gpu package)."""
+    mod_name, _, attr = named.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except ImportError as exc:
+        extra = "cupy" if spec == "cupy" else "torch"
+        raise ValueError(f"backend {spec!r} needs torch and the gpu package: {exc} (pip install "
+                         f"'raggedspec[{extra}]')") from exc
+    return factory(**kwargs)
+
+
+def _user_backend(spec: str, kwargs: dict):
+    """The user's `module:factory` called with `kwargs`: ValueError when the name does not
+    resolve; PluginError (with the factory's exception as cause) when the factory raises."""
+    try:
+        factory = load_object(spec, "backend")
+    except PluginSpecError as exc:
+        raise ValueError(f"backend {spec!r}: {exc}") from None
+    try:
+        with cwd_first():
+            return factory(**kwargs)
+    except Exception as exc:  # the user's factory raised: its failure, with its traceback
+        raise PluginError(Plugin("backend", spec), " when called") from exc

@@ -29,16 +29,28 @@ def window_target_first_cached(length: int, retain: int) -> int:
     return over - over % WINDOW_COMPACTION
 
 
+def block_capacity(capacity, needed):
+    """The smallest `capacity + k * 512` (k >= 0) holding `needed` columns: `capacity` when
+    they fit, else grown by whole 512-column blocks covering the shortfall. The one rounding
+    of cache growth (the reference's slots, the port's buffers, the lengths mode's arrays):
+    integers give an int, NumPy arrays an array (elementwise). Never refuses."""
+    short = np.maximum(np.asarray(needed) - np.asarray(capacity), 0)
+    grown = np.asarray(capacity) + -(-short // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+    return int(grown) if grown.ndim == 0 else grown
+
+
+def _above_max_seq_len(grown: int, max_seq_len: int) -> CacheRefusal:
+    return CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {max_seq_len}")
+
+
 def grown_capacity(capacity: int, held: int, s: int, max_seq_len: int) -> int:
-    """The capacity a slot holding `held` of `capacity` columns needs for `s` more: unchanged
-    when they fit, else grown by whole 512-column blocks covering the shortfall. Refused
-    (CacheRefusal "kv-cache capacity {grown} would be above max_seq_len {max}") above
-    `max_seq_len`. Integer-only: `SingleCache.append` and the port's slots both call it."""
-    if held + s <= capacity:
-        return capacity
-    grown = capacity + -(-(held + s - capacity) // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
-    if grown > max_seq_len:
-        raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {max_seq_len}")
+    """The capacity a slot holding `held` of `capacity` columns needs for `s` more
+    (`block_capacity`): unchanged when they fit; a grown one above `max_seq_len` is refused
+    (CacheRefusal "kv-cache capacity {grown} would be above max_seq_len {max}").
+    Integer-only: `SingleCache.append` and the port's slots both call it."""
+    grown = block_capacity(capacity, held + s)
+    if grown > capacity and grown > max_seq_len:
+        raise _above_max_seq_len(grown, max_seq_len)
     return grown
 
 
@@ -46,18 +58,15 @@ def chain_capacity(capacity: int, held: int, n: int, max_seq_len: int) -> int:
     """The capacity after `n` one-column appends (a draft chain's steps) to a slot holding
     `held` of `capacity` columns: each append grows by one 512-column block when full, so the
     first append whose growth passes `max_seq_len` refuses (its CacheRefusal names that
-    capacity, not the last one's). Equal to `grown_capacity(capacity, held, n, ...)` when
-    nothing is refused. Integer-only; `n = 0` returns `capacity`."""
+    capacity, the first block past `max(max_seq_len, capacity)`, not the last one's). Equal to
+    `grown_capacity(capacity, held, n, ...)` when nothing is refused. Integer-only; `n = 0`
+    returns `capacity`."""
     require(n >= 0, f"chain length {n} must be >= 0")
-    need = held + n - capacity
-    if need <= 0:
-        return capacity
-    blocks = -(-need // CACHE_GROW_SIZE)
-    first_over = (max_seq_len - capacity) // CACHE_GROW_SIZE + 1  # first block count refused
-    if blocks >= first_over:
-        grown = capacity + max(first_over, 1) * CACHE_GROW_SIZE
-        raise CacheRefusal(f"kv-cache capacity {grown} would be above max_seq_len {max_seq_len}")
-    return capacity + blocks * CACHE_GROW_SIZE
+    grown = block_capacity(capacity, held + n)
+    if grown > capacity and grown > max_seq_len:
+        raise _above_max_seq_len(block_capacity(capacity, max(max_seq_len, capacity) + 1),
+                                 max_seq_len)
+    return grown
 
 
 def set_len_refusal(length: int, first_cached: int, capacity: int) -> CacheRefusal | None:

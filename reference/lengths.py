@@ -18,7 +18,6 @@ counters are in docs/simulator.md ("Inside the two modes"); the scheduler half i
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from raggedspec.reference.acceptance import build_model, build_oracle
@@ -475,6 +474,3 @@ def run(scenario, progress=None) -> Trace:
     """Run a scenario (a `Scenario`, dict or path) in lengths-only mode; return its Trace."""
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     return LengthsEngine(sc, progress).run()
-
-
-# ----------------------------------------------------------------------------- benchmark

@@ -5,7 +5,7 @@ world encoded as integers (`2 * len + ragged_flag`, tuple order), bucket selecti
 coalescing payback and the WA floor, urgency, and the admission of the waiting queue next to
 the running set (`admit_waiting`, a cumulative-sum expression rather than a loop over the
 waiting list). It takes exactly `reference.scheduler`'s decisions, ties included
-(conformance/test_lengths.py checks both against each other).
+(conformance/test_lengths_halves.py checks both against each other).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def admit_waiting(new: np.ndarray, room: int, cap: int | None) -> np.ndarray:
     candidates, where the candidates are every previously admitted sequence and the first
     `cap` new ones (room and the new count only grow along the queue, so once a sequence is
     refused for room every later one is too). Returns the admitted mask.
-    conformance/test_lengths.py checks it against the sequential loop."""
+    conformance/test_lengths_halves.py checks it against the sequential loop."""
     new = np.asarray(new, dtype=bool)
     cand = ~new if cap is not None else np.ones(new.shape, dtype=bool)
     if cap is not None:
@@ -67,7 +67,7 @@ class ScheduleMirror:
         return key
 
     def _schedule(self):
-        """Mirror of `scheduler.schedule` (see conformance/test_lengths.py)."""
+        """Mirror of `scheduler.schedule` (conformance/test_lengths_halves.py compares them)."""
         sc = self.sc
         running, waiting = self.running, self.waiting
         if not running and not waiting:

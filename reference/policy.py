@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from raggedspec.reference.accounting import AcceptanceTelemetry
-from raggedspec.reference.cache import CACHE_GROW_SIZE, KvCache, NormalCache
+from raggedspec.reference.cache import KvCache, NormalCache, block_capacity
 from raggedspec.reference.capability import KvAdvance, KvAdvanceLatch
 from raggedspec.reference.scenario import Scenario, model_config
 from raggedspec.reference.scheduler_telemetry import BucketTelemetry
@@ -82,10 +82,9 @@ def guard_error(kind: str, cache_lens, tok_lens, w: int) -> str:
 
 
 def grown_capacity(cap, need):
-    """`SingleCache.append`'s growth: capacity after holding `need` columns (whole 512-column
-    blocks); arrays or ints."""
-    short = np.maximum(np.asarray(need) - np.asarray(cap), 0)
-    return np.asarray(cap) + -(-short // CACHE_GROW_SIZE) * CACHE_GROW_SIZE
+    """`SingleCache.append`'s growth: capacity after holding `need` columns, an array
+    (`reference.cache.block_capacity`, the one 512-column block rounding); arrays or ints."""
+    return np.asarray(block_capacity(cap, need))
 
 
 LENGTH_PHASES = ("decode", "defer")  # steps run on the batched cache: their rows carry leads

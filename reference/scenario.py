@@ -50,6 +50,9 @@ MODEL_KEYS = (
 )
 
 MAX_LENGTH = 2**31 - 1  # lengths fit the trace's 32-bit row columns (reference.policy.ROW_DTYPE)
+MAX_SEED = 2**64 - 1  # seeds feed 64-bit splitmix64: a larger one is refused, not reduced
+MODEL_INTS = ("vocab", "hidden", "n_heads", "n_kv_heads", "head_dim", "rope_dims",
+              "sliding_window")
 
 
 def _fail(key: str, allowed: str, got: Any) -> None:
@@ -158,10 +161,6 @@ class Scenario:
     generator: dict | None = None
 
     @property
-    def w(self) -> int:
-        return self.depth + 1
-
-    @property
     def batch(self) -> int:
         return len(self.requests)
 
@@ -218,7 +217,8 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "model": ({}, "tiny model sizes: " + ", ".join(MODEL_KEYS)),
     "seed": (
         0,
-        "int >= 0: acceptance randomness, generated lengths, model weights (unless model.seed)",
+        "int in 0..=2**64-1: acceptance randomness, generated lengths, model weights (unless "
+        "model.seed)",
     ),
     "steps": (
         200,
@@ -483,7 +483,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     for k in data:
         if k not in known:
             _fail(k, "unknown key; allowed keys: " + ", ".join(FIELDS), data[k])
-    seed = _int("seed", data.get("seed", 0), 0)
+    seed = _int("seed", data.get("seed", 0), 0, MAX_SEED)
     max_seq_len = _int("max_seq_len", data.get("max_seq_len", 4096), 2, MAX_LENGTH)
     generator = None
     if "requests" in data and data["requests"] is not None:
@@ -548,10 +548,7 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     model = data.get("model") or {}
     if not isinstance(model, dict):
         _fail("model", "must be a table of " + ", ".join(MODEL_KEYS), model)
-    for k in model:
-        if k not in MODEL_KEYS:
-            _fail(f"model.{k}", "unknown key; allowed: " + ", ".join(MODEL_KEYS), model[k])
-    model = {k: (tuple(v) if isinstance(v, list) else v) for k, v in model.items()}
+    model = _model_table(model)
     floor = data.get("prefill_floor", 4)
     floor = None if floor in (None, 0) else _int("prefill_floor", floor, 0)
     steps = _int("steps", data.get("steps", 200), 1, _MAX_STEPS)
@@ -578,6 +575,27 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     model_config(sc)  # validates the model table
     check_acceptance(sc.acceptance, sc.batch)  # the file exists and parses, the factory resolves
     return sc
+
+
+def _model_table(model: dict) -> dict:
+    """The `model` table with every key known and of its type (sizes integers >= 1, `seed`
+    in 0..=2**64-1, `compress_ratios` a list of integers >= 0, `mtp` block or heads); a
+    ScenarioError names the key, the value and what is allowed."""
+    for k, v in model.items():
+        if k not in MODEL_KEYS:
+            _fail(f"model.{k}", "unknown key; allowed: " + ", ".join(MODEL_KEYS), v)
+        if k in MODEL_INTS:
+            _int(f"model.{k}", v, 1)
+        elif k == "seed":
+            _int("model.seed", v, 0, MAX_SEED)
+        elif k == "mtp":
+            _choice("model.mtp", v, ("block", "heads"))
+        elif k == "compress_ratios":
+            if not isinstance(v, (list, tuple)):
+                _fail("model.compress_ratios", "must be a list of integers >= 0", v)
+            for r in v:
+                _int("model.compress_ratios", r, 0)
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in model.items()}
 
 
 def model_config(sc: Scenario):

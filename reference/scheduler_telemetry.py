@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from raggedspec.reference.errors import require
 
@@ -42,9 +42,6 @@ class BucketTelemetry:
         self.chosen += chosen
         if buckets > 1:
             self.shattered += 1
-
-    def snapshot(self) -> BucketTelemetry:
-        return replace(self)
 
     def since(self, earlier: BucketTelemetry) -> BucketTelemetry:
         """`self - earlier`, field by field, saturating at 0 (a reset reads as no work)."""

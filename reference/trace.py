@@ -39,45 +39,6 @@ STEP_KEYS = (
     "tok_per_step",
 )
 EXTRA_STEP_KEYS = ("prefill", "error")  # schema v1 extensions (added fields, after "rows")
-SUMMARY_KEYS = (
-    "steps",
-    "decode_steps",
-    "committed",
-    "tok_per_step",
-    "max_spread",
-    "mean_padding_fraction",
-    "refusal",
-)
-CSV_COLUMNS = (
-    "step",
-    "phase",
-    "advance",
-    "cache_instruction",
-    "running",
-    "waiting",
-    "buckets",
-    "groups",
-    "padding_fraction",
-    "tok_per_step",
-    "seq",
-    "row",
-    "own_len",
-    "width",
-    "lead",
-    "u",
-    "drafted",
-    "accepted",
-    "committed",
-    "group_u",
-    "group_start",
-    "chain_start",
-    "filled",
-    "bucket",
-    "step_width",
-    "step_committed",
-    "prefill",
-    "error",
-)
 # CSV column -> step field, for the step-level columns whose names a row column already takes
 # (`width`, `committed` are the row's) or that follow the row columns.
 CSV_STEP_TAIL = {
@@ -86,6 +47,14 @@ CSV_STEP_TAIL = {
     "prefill": "prefill",
     "error": "error",
 }
+# One CSV line per (step, row): the step's scalar fields but the two a row column names, the
+# row's columns, the bucket key, then the step-level tail.
+CSV_COLUMNS = (
+    tuple(k for k in STEP_KEYS if k not in ("width", "committed"))
+    + ROW_COLUMNS
+    + ("bucket",)
+    + tuple(CSV_STEP_TAIL)
+)
 _NULLABLE = {"group_u", "group_start", "chain_start"}
 _STEP_INTS = ("running", "waiting", "buckets", "groups")
 _STEP_FLOATS = ("padding_fraction", "tok_per_step")

@@ -382,30 +382,10 @@ def _check_row(n: int, r: dict, j: int, problems: _Problems, seen: dict) -> bool
 # ------------------------------------------------------------------------------ CSV
 
 _INT_TEXT = re.compile(r"-?[0-9]+")
-_CSV_INTS = {
-    "step",
-    "running",
-    "waiting",
-    "buckets",
-    "groups",
-    "row",
-    "own_len",
-    "width",
-    "lead",
-    "u",
-    "drafted",
-    "accepted",
-    "committed",
-    "group_u",
-    "group_start",
-    "chain_start",
-    "filled",
-    "step_width",
-    "step_committed",
-    "q0",
-    "dead_cols",
-}
 _CSV_FLOATS = {"padding_fraction", "tok_per_step"}
+_CSV_TEXT = {"phase", "advance", "cache_instruction", "seq", "bucket", "prefill", "error"}
+# every other column of the schema is an integer, and so are the extensions' q0 and dead_cols
+_CSV_INTS = set(CSV_COLUMNS) - _CSV_TEXT - _CSV_FLOATS | {"q0", "dead_cols"}
 
 
 def _csv_value(col: str, text: str):

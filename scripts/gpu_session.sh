@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The device tool's command for a GPU window: `bash scripts/gpu_session.sh` (timeout_s 400: the
+# The device tool's command for a GPU window: `bash scripts/gpu_session.sh` (timeout_s 360: the
 # script's own hard deadline is 330 s, so a rerun still fits in the device time). Everything
-# lives in scripts/gpu_session.py (steps, deadline, outputs under $OUT); this wrapper only picks
-# the Python (PYTHON, default python3: on the device, the one with torch and CuPy).
+# lives in scripts/gpu_session.py (step 0, the plan, the deadline, outputs under $OUT); this
+# wrapper only moves to the checkout root and picks the Python (PYTHON, default python3: on the
+# device, the one with torch and CuPy). Nothing is installed: the package imports from here.
 #
 #   here, first:  OUT=/tmp/gpu-smoke bash scripts/gpu_session.sh --cpu-smoke
 #   options:      --deadline S, --only STEP,STEP, --out DIR (default $OUT)

@@ -2,11 +2,12 @@
 run killed part-way (the GPU run script's deadline) keeps the results of every test that
 finished. Load it with `-p junit_per_file` (this folder on PYTHONPATH) and name the folder:
 
-    python -m pytest -p junit_per_file --junit-dir out/junit conformance/test_port_masks.py
+    python -m pytest -p junit_per_file --junit-dir out/junit conformance/test_masks.py
 
 Each file `test_x.py` gives `<junit-dir>/test_x.xml`: one `<testsuite>` (tests, failures,
 errors, skipped, time) of `<testcase>`s, a failure or error with pytest's long report, a skip
-with its reason. Without `--junit-dir` the plugin does nothing.
+with its reason. Without `--junit-dir` the plugin does nothing. Under pytest-xdist (`-n N`) the
+controller writes the files from its workers' reports.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ class _PerFile:
 
 
 def pytest_configure(config) -> None:
+    """Register the writer in the session that reports: the only one, or under pytest-xdist
+    the controller (which receives every worker's reports), never in a worker."""
     folder = config.getoption("--junit-dir")
-    if folder:
+    if folder and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_PerFileHook(_PerFile(Path(folder))), "junit_per_file_writer")
 
 

@@ -1,5 +1,5 @@
 """An example "bring your own port" backend with one deliberate bug, for
-docs/conformance.md and `conformance/test_byo_port.py`.
+docs/conformance.md and `conformance/test_conformance_command.py`.
 
 The NumPy reference with a classic ragged-batch defect: its masks forget the dead prefix, so
 a front-aligned row attends the zero-filled columns in front of its own run. The suite's

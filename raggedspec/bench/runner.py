@@ -311,10 +311,7 @@ def run_case(
         ctx = res.pop("_ctx", None)
         if res["status"] in ("ok", "lossy"):
             try:
-                res["ms"] = timer(lambda s=s, ctx=ctx: s.run(case, ctx))
-                res["mask_ms"] = timer(
-                    lambda s=s: s.prepare(case), reps=max(3, timer.reps // 4), warmup=1
-                )
+                res.update(time_strategy(s, case, ctx, timer))
             except Exception as exc:  # noqa: BLE001
                 res = {
                     "status": "error",
@@ -331,6 +328,22 @@ def run_case(
         f"{n}={r.get('ms', float('nan')):.3f}ms" if "ms" in r else f"{n}={r['status']}"
         for n, r in row["strategies"].items()))
     return row
+
+
+def time_strategy(s: Strategy, case: Case, ctx, timer: Timer) -> dict:
+    """`ms` (one call, L2 flushed, median) and `mask_ms` (its prepare); for a strategy with a
+    `kernel_only` replay also `kernel_ms` (the device work alone, calls back to back) and
+    `wrapper_ms` (`ms - kernel_ms`: what the call costs beyond its kernels)."""
+    res = {"ms": timer(lambda: s.run(case, ctx))}
+    res["mask_ms"] = timer(lambda: s.prepare(case), reps=max(3, timer.reps // 4), warmup=1)
+    replay = s.kernel_only(case, ctx)
+    if replay is not None:
+        if timer.cuda:
+            res["kernel_ms"] = timer.per_call(replay, calls=10, batches=max(3, timer.reps // 4))
+        else:  # the g++ emulator: the replay is checked to run, its time means nothing
+            res["kernel_ms"] = timer.per_call(replay, calls=1, batches=1)
+        res["wrapper_ms"] = res["ms"] - res["kernel_ms"]
+    return res
 
 
 def precheck(cfg: dict, strategies: list[Strategy], reasons: dict) -> tuple[dict, list]:

@@ -56,12 +56,9 @@ def make_lens(b: int, L: int, spread: int, w: int, seed: int) -> list[int]:
 
 def capacity_for(n: int) -> int:
     """The port's capacity rule (512 columns, grown by whole 512-column blocks) for n columns."""
-    from raggedspec.reference.cache import CACHE_GROW_SIZE, PLAIN_CACHE_CAPACITY
+    from raggedspec.reference.cache import PLAIN_CACHE_CAPACITY, block_capacity
 
-    return (
-        PLAIN_CACHE_CAPACITY
-        + max(0, -(-(n - PLAIN_CACHE_CAPACITY) // CACHE_GROW_SIZE)) * CACHE_GROW_SIZE
-    )
+    return block_capacity(PLAIN_CACHE_CAPACITY, n)
 
 
 class Case:
@@ -176,6 +173,11 @@ class Strategy(abc.ABC):
         return None
 
     def prepare(self, case: Case):
+        return None
+
+    def kernel_only(self, case: Case, ctx):
+        """None, or a zero-argument callable that issues the device work of one `run` alone
+        (no wrapper around it), timed beside `run` to show the wrapper's overhead."""
         return None
 
     @abc.abstractmethod
@@ -424,6 +426,56 @@ class Cupy(Strategy):
 
     def run(self, case, ctx):
         return self._fn(case.q, case.kv.k, case.kv.v, case.lens_t)
+
+    def kernel_only(self, case, ctx):
+        """The kernel launches of one `run`, recorded with their bound buffers, replayed on
+        the stream `run` launches on: the wrapper's DLPack views, allocations, host checks and
+        row-index upload are left out (its overhead = `run`'s time minus this one's)."""
+        _, launches = recorded_launches(lambda: self.run(case, ctx))
+        stream = _launch_stream(case.device)
+
+        def replay():
+            with stream():
+                for launch in launches:
+                    launch()
+
+        return replay
+
+
+def recorded_launches(call) -> tuple[object, list]:
+    """`(call(), launches)`: every kernel launch `call` made through
+    `raggedspec.gpu.cupy_kernels.Kernels._launch` (the one place that module launches a
+    kernel), each as a zero-argument callable that launches it again with the same
+    arguments and buffers."""
+    import functools
+
+    from raggedspec.gpu import cupy_kernels as ck
+
+    real, seen = ck.Kernels._launch, []
+
+    def spy(kern, *args, **kwargs):
+        seen.append(functools.partial(real, kern, *args, **kwargs))
+        return real(kern, *args, **kwargs)
+
+    ck.Kernels._launch = spy
+    try:
+        out = call()
+    finally:
+        ck.Kernels._launch = real
+    return out, seen
+
+
+def _launch_stream(device):
+    """The context the CuPy entry point launches in: torch's current CUDA stream for CuPy;
+    nothing to enter on the CPU (the emulator)."""
+    import contextlib
+
+    if device.type != "cuda":
+        return contextlib.nullcontext
+    import cupy
+    import torch
+
+    return lambda: cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def make_strategies(names: list[str], flex_compile: str) -> list[Strategy]:

@@ -59,6 +59,33 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
+    def per_call(self, fn, calls: int = 10, batches: int = 5) -> float:
+        """Median milliseconds per call of `fn()` issued `calls` times back to back between one
+        pair of CUDA events, over `batches` batches (one warm-up batch; the L2 flushed before
+        each). While the device works on one call the host queues the next, so the host's cost
+        of issuing a call hides behind the device's: this is the device time of what `fn`
+        launches. On the CPU: `time.perf_counter` around each batch."""
+        import torch
+        for _ in range(calls):
+            fn()
+        times = []
+        for _ in range(batches):
+            if self.cuda:
+                self.flush.zero_()
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e3 / calls)
+        return statistics.median(times)
+
 
 def copy_bandwidth(device, mib: int, timer: Timer) -> dict:
     """A large device-to-device copy: bytes read + written over the median time, GB/s."""

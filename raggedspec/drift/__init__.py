@@ -18,6 +18,7 @@ from raggedspec.drift.data import (
     failures,
     measured_steps,
     no_strip_control,
+    overclaim,
     per_position_acceptance,
     pick_row_lines,
     read_trace_file,
@@ -39,6 +40,7 @@ from raggedspec.drift.figures import (
     figure_sweep,
     run_tag,
     spread_legend,
+    too_short,
     write_report,
 )
 from raggedspec.drift.runs import (
@@ -67,6 +69,7 @@ __all__ = [
     "failures",
     "measured_steps",
     "no_strip_control",
+    "overclaim",
     "per_position_acceptance",
     "pick_row_lines",
     "read_trace_file",
@@ -86,6 +89,7 @@ __all__ = [
     "figure_sweep",
     "run_tag",
     "spread_legend",
+    "too_short",
     "write_report",
     "CAPABLE",
     "DEFAULT_SCENARIO",

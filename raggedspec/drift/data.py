@@ -271,6 +271,19 @@ def no_strip_control(steps: Iterable[dict]) -> list[dict]:
     return out
 
 
+def overclaim(steps: Iterable[dict], control: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, mean excess) of a no-strip control against the run it was built from: at each
+    control step, the mean over its rows of the control's recorded length minus the row's own
+    length in `steps` (the tokens a row would claim without holding them; 0 when they agree)."""
+    own = {(int(s["step"]), int(r["seq"])): int(r["own_len"]) for s in steps for r in s["rows"]}
+    xs, ys = [], []
+    for s in control:
+        diffs = [r["own_len"] - own[(int(s["step"]), int(r["seq"]))] for r in s["rows"]]
+        xs.append(int(s["step"]))
+        ys.append(sum(diffs) / len(diffs) if diffs else 0.0)
+    return np.array(xs, dtype=np.int64), np.array(ys, dtype=float)
+
+
 def failures(steps: Iterable[dict]) -> list[tuple[int, str]]:
     """(step, message) of every step whose optional `error` field is set."""
     return [(int(s["step"]), str(s["error"])) for s in steps if s.get("error")]
@@ -372,7 +385,8 @@ class PerPosition:
 
     @property
     def p_pos(self) -> list[float | None]:
-        """The MTP marker's conditional rate accepted_at[j] / reached_at[j] (§15)."""
+        """The conditional rate accepted_at[j] / reached_at[j]: of the drafts that reached
+        position j, the fraction accepted (the acceptance log's per-position rate, §15)."""
         pairs = zip(self.accepted_beyond, self.reached_at, strict=True)
         return [a / r if r else None for a, r in pairs]
 

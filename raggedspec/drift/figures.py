@@ -1,8 +1,10 @@
 """The drift figures (PNG and SVG) and summary.json, drawn from `raggedspec.drift.data`.
 
 Every figure uses matplotlib's constrained layout and is saved with a tight bounding box, so
-titles, legends and notes are never clipped whatever the number of panels. Annotations say
-what a line shows in plain words and end with the spec section they come from.
+titles, legends and notes are never clipped whatever the number of panels. Titles, axes and
+notes speak an engine author's words: they name a behaviour, never a section of the spec,
+and explain a term where it first appears. A run that a refusal ended within a few steps is
+named in a note under the per-step figures instead of being drawn as a stub.
 """
 
 from __future__ import annotations
@@ -85,6 +87,30 @@ def run_tag(run: TraceData) -> str:
     return f"{k} failed step(s), first at step {ref[0]}"
 
 
+def too_short(run: TraceData, runs: list[TraceData]) -> bool:
+    """True for a run a refusal ended within a fifth of the longest run's measured steps: on
+    the shared step axis it would be a stub, so the per-step figures name it in a note."""
+    ref = refused_at(run.steps)
+    longest = max(len(measured_steps(r.steps)) for r in runs)
+    return bool(ref and ref[2]) and len(measured_steps(run.steps)) * 5 < longest
+
+
+def _short_notes(runs: list[TraceData]) -> list[str]:
+    longest = max((len(measured_steps(r.steps)) for r in runs), default=0)
+    return [
+        f"Not drawn: {r.label} ({run_tag(r)}), too few steps to show against {longest}; "
+        "summary.json has its values."
+        for r in runs
+        if too_short(r, runs)
+    ]
+
+
+def _notes_below(fig, notes: list[str], width: int = 110) -> None:
+    if notes:
+        text = "\n".join(textwrap.fill(n, width) for n in notes)
+        fig.supxlabel(text, fontsize=8, color="0.3", ha="center", ma="left")
+
+
 def _tagged(label: str, run: TraceData, what: str) -> str:
     tag = run_tag(run)
     return f"{label} ({what}; {tag})" if tag else f"{label} ({what})"
@@ -158,20 +184,7 @@ def figure_spread(runs: list[TraceData]):
             ax.plot(band.step, band.hi, color=f"C{i}", lw=1.8, zorder=3, **few)
             ax.plot(band.step, band.mid, color=f"C{i}", lw=1.4, ls="--", zorder=3)
         if run.control:
-            ctl = spread_band(run.control)
-            ax.plot(
-                ctl.step,
-                ctl.hi,
-                color="k",
-                lw=1.8,
-                ls=":",
-                zorder=4,
-                label="computed, not simulated: each row records the widest\nrow's length "
-                "plus its own advance (the no-strip rule\napplied to the stripped run's "
-                f"per-step advances):\nmax spread, peak {ctl.max_spread} tokens "
-                "(cache-and-draft §17.3)",
-            )
-            ax.legend(loc="upper right", fontsize=7.5)
+            _draw_control(ax, run)
         cover = rows_cover(run.steps)
         ax.set_title("\n".join(_title_lines(run, band)), fontsize=9.5)
         ax.set_xlabel("engine step (decode and deferred steps)")
@@ -196,7 +209,7 @@ def figure_spread(runs: list[TraceData]):
         if notes:
             ax.text(
                 0.03,
-                0.70 if run.control else 0.97,
+                0.74 if run.control else 0.97,
                 "\n".join(textwrap.fill(n, 52) for n in notes),
                 transform=ax.transAxes,
                 va="top",
@@ -204,7 +217,7 @@ def figure_spread(runs: list[TraceData]):
                 zorder=5,
                 bbox=dict(boxstyle="round", fc="lightyellow", ec="0.7"),
             )
-    axes[0][0].set_ylabel("own KV length − batch minimum (tokens)")
+    axes[0][0].set_ylabel("sequence's KV length − the batch's shortest (tokens)")
     axes[0][0].set_ylim(-0.5, max(axes[0][0].get_ylim()[1], 5))
     n = len(runs)
     handles, labels = spread_legend(n)
@@ -220,13 +233,29 @@ def figure_spread(runs: list[TraceData]):
     )
     fig.suptitle(
         textwrap.fill(
-            "Length drift: how far each row's own KV-cache length runs ahead of the "
-            "shortest row in its batch (each panel in its own colour)",
+            "Length drift: how far each sequence's KV-cache length runs ahead of the batch's "
+            "shortest, step by step (each panel in its own colour)",
             max(40, int((4.6 * len(runs) + 0.6) * 10)),
         ),
         fontsize=11,
     )
     return fig
+
+
+def _draw_control(ax, run: TraceData) -> None:
+    """The no-strip rule computed over the whole run (grey band, black dotted max) and where
+    the simulated run was refused (a dashed line), with a legend saying which is which."""
+    ctl = spread_band(run.control)
+    ax.fill_between(ctl.step, ctl.lo, ctl.hi, color="0.5", alpha=0.25, lw=0, zorder=1)
+    ax.plot(ctl.step, ctl.hi, color="k", lw=1.8, ls=":", zorder=4,
+            label="computed, not simulated: the no-strip rule applied\nto the stripped run's "
+            f"per-step advances, whole run\n(max; grey band: min to max), peak {ctl.max_spread} "
+            "tokens")
+    ref = refused_at(run.steps)
+    if ref is not None:
+        ax.axvline(ref[0], color="C2", lw=1.2, ls="--", zorder=2,
+                   label=f"the simulated run, refused at step {ref[0]}")
+    ax.legend(loc="upper right", fontsize=7.5)
 
 
 def figure_padding(runs: list[TraceData]):
@@ -236,6 +265,8 @@ def figure_padding(runs: list[TraceData]):
     ax = axes[0][0]
     lost = []
     for i, run in enumerate(runs):
+        if too_short(run, runs):
+            continue
         try:
             xs, ys = step_series(run.steps, "padding_fraction")
             if not len(xs):
@@ -246,6 +277,7 @@ def figure_padding(runs: list[TraceData]):
     if lost:
         _say_missing(ax, "padding fraction", MissingField("\n".join(lost)))
     ax.set_title("Padding of the batched KV cache: dead (front-padding) columns / all columns")
+    _notes_below(fig, _short_notes(runs))
     ax.set_xlabel("engine step (decode and deferred steps)")
     ax.set_ylabel("padding (fraction of columns)")
     ax.set_ylim(bottom=0)
@@ -260,12 +292,24 @@ def _constant(values: np.ndarray):
     return values[0] if len(values) and (values == values[0]).all() else None
 
 
+GROUPS_WHY = (
+    "A draft group is the rows that run one draft-model forward together: the same number u "
+    "of uncached tokens and, under cohort advance, the same chain start. Cohort advance keeps "
+    "for every row only the batch's shortest accept, so rows that accepted more carry 1 to "
+    "depth uncached tokens into the next step and split into up to depth groups. Per-sequence "
+    "advance commits each row's own accept, so every row has u = 1 and all rows draft in "
+    "one group. 0: no row drafted."
+)
+
+
 def figure_groups_buckets(runs: list[TraceData]):
-    """Draft groups (MTP-block forwards per chain step) and scheduler buckets per step. When
-    every run's bucket count is one constant value the bottom panel is dropped and a line
-    under the figure says so (a flat line explains nothing)."""
+    """Draft groups and scheduler buckets per step, with a note saying why cohort advance
+    splits the rows into several groups and per-sequence advance keeps one. When every run's
+    bucket count is one constant value the bottom panel is dropped and the note says so (a
+    flat line explains nothing)."""
+    shown = [r for r in runs if not too_short(r, runs)]
     series = {}
-    for run in runs:
+    for run in shown:
         try:
             series[run.label] = step_series(run.steps, "buckets")[1]
         except MissingField:
@@ -277,13 +321,15 @@ def figure_groups_buckets(runs: list[TraceData]):
         and len(set(consts.values())) == 1
         and all(v is not None for v in series.values())
     )
-    panels = [("groups", "draft groups per step (count)")]
+    panels = [("groups", "draft groups per step")]
     if not flat:
-        panels.append(("buckets", "scheduler buckets per step (count)"))
+        panels.append(("buckets", "scheduler buckets per step"))
     fig, axes = _new_figure(8, 6 if not flat else 4.4, len(panels), 1, sharex=True)
     for (name, what), ax in zip(panels, (a[0] for a in axes), strict=True):
         lost = []
         for i, run in enumerate(runs):
+            if run not in shown:
+                continue
             try:
                 xs, ys = step_series(run.steps, name)
                 if not len(xs):
@@ -308,31 +354,20 @@ def figure_groups_buckets(runs: list[TraceData]):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left")
-    title = (
-        "Draft groups per step: one MTP-block forward each, per chain step\n(cohort: one group per "
-        "distinct uncached tail and chain start; per-sequence: one per distinct uncached tail;\n"
-        "0: no row drafted; cache-and-draft §9.1)"
-    )
+    title = "Draft groups per step: rows that run one draft-model forward together"
     if not flat:
-        title += "\nand scheduler buckets per step (formed before one is selected)"
-    axes[0][0].set_title(title, fontsize=9.5)
+        title += "\nand scheduler buckets per step (sequences grouped by cache length; one runs)"
+    axes[0][0].set_title(title, fontsize=10)
     axes[-1][0].set_xlabel("engine step (decode and deferred steps)")
+    notes = [GROUPS_WHY]
     if flat:
         value = next(iter(consts.values()))
-        fig.supxlabel(
-            textwrap.fill(
-                f"Scheduler buckets per step are not plotted: {value:g} at every measured "
-                "step in every run"
-                + (
-                    " (every running sequence was scheduled together in one bucket)."
-                    if value == 1
-                    else "."
-                ),
-                110,
-            ),
-            fontsize=8,
-            color="0.3",
+        one = " (every running sequence was scheduled together in one bucket)" if value == 1 else ""
+        notes.append(
+            f"Scheduler buckets per step are not plotted: {value:g} at every measured step in "
+            f"every run{one}."
         )
+    _notes_below(fig, notes + _short_notes(runs))
     return fig
 
 
@@ -344,89 +379,77 @@ def _uniform_stall(stalls: dict) -> bool:
     return bool(total) and stalls.get(STALL_UNIFORM, 0) * 2 > total
 
 
+def _stall_note(label: str, b: int, v: float, f: float, uniform: bool) -> str:
+    """The note under the sweep for a point where fewer than half the row-steps drafted."""
+    head = f"{label}, B = {b}: {v:.2f} tokens per step; only {f:.0%} of row-steps drafted."
+    if not uniform:
+        return head + " Speculation stalled there (summary.json's sweep.stalls says why)."
+    rows = "the two rows" if b == 2 else f"{b} rows"
+    return head + (
+        f" {rows.capitalize()}' draft caches grew at different steps, so their buffer "
+        f"capacities differ; once {rows} reach equal lengths the engine refuses to batch "
+        "their draft caches (equal lengths are batched only with equal capacities), and they "
+        "never draft again. The engine behaves so; it is not a fault of the simulator."
+    )
+
+
+def _sweep_limits(values: list[list[float]], stalled: list[list[bool]]) -> tuple[float, float]:
+    """y limits from the points where speculation ran, so one stalled point does not squash
+    the rest of the figure (all points when every point stalled)."""
+    kept = [v for vs, ss in zip(values, stalled, strict=True)
+            for v, s in zip(vs, ss, strict=True) if not s]
+    kept = kept or [v for vs in values for v in vs]
+    lo, hi = min(kept), max(kept)
+    pad = max(0.08 * (hi - lo), 0.05)
+    return lo - 2 * pad, hi + pad
+
+
 def figure_sweep(sweep: dict):
-    """tok_per_step against batch size, one line per advance rule. Points where fewer than
-    half the decode row-steps drafted are marked; when that is because a uniform draft group
-    was refused (§9.6) the first such point gets a plain-language explanation."""
+    """tok_per_step against batch size, one line per advance rule. A point where fewer than
+    half the decode row-steps drafted is a stall: it is left out of its line (which breaks
+    there), drawn hollow, at the bottom edge when it lies below the scale, and explained in a
+    note under the figure (in plain words when a refused uniform draft group caused it)."""
     fig, axes = _new_figure(8.2, 5.6)
     ax = axes[0][0]
     batches = sweep["batch"]
-    stalled = explained = False
-    for i, (label, values) in enumerate(sweep["tok_per_step"].items()):
-        ax.plot(batches, values, **(_style(i) | {"markevery": 1}), label=label)
-        fracs = sweep.get("drafting_fraction", {}).get(label, [])
+    labels = list(sweep["tok_per_step"])
+    values = [sweep["tok_per_step"][k] for k in labels]
+    fracs = [sweep.get("drafting_fraction", {}).get(k, [1.0] * len(batches)) for k in labels]
+    stalled = [[f < 0.5 for f in fs] for fs in fracs]
+    lo, hi = _sweep_limits(values, stalled)
+    notes = []
+    for i, label in enumerate(labels):
+        line = [np.nan if s else v for v, s in zip(values[i], stalled[i], strict=True)]
+        ax.plot(batches, line, **(_style(i) | {"markevery": 1}), label=label)
         stalls = sweep.get("stalls", {}).get(label, [{}] * len(batches))
         refused = sweep.get("refused_at", {}).get(label, [None] * len(batches))
-        for b, v, f, why, ref in zip(batches, values, fracs, stalls, refused, strict=False):
+        for b, v, f, why, ref in zip(batches, values[i], fracs[i], stalls, refused, strict=False):
             if ref is not None:
-                ax.annotate(
-                    f"refused at step {ref}",
-                    (b, v),
-                    textcoords="offset points",
-                    xytext=(7, -10),
-                    fontsize=7.5,
-                    color=f"C{i}",
-                )
+                ax.annotate(f"refused at step {ref}", (b, min(max(v, lo), hi)),
+                            textcoords="offset points", xytext=(7, -10), fontsize=7.5,
+                            color=f"C{i}")
             if f >= 0.5:
                 continue
-            if _uniform_stall(why) and not explained:
-                explained = True
-                rows = "the two rows" if b == 2 else f"{b} rows"
-                text = textwrap.fill(
-                    f"B = {b}: only {f:.0%} of row-steps drafted. {rows.capitalize()}' "
-                    "draft caches grew at different steps, so their capacities differ; when "
-                    f"{rows} meet at equal lengths they form a uniform draft group, "
-                    "batch_draft_caches refuses it (equal lengths, different capacity histories) "
-                    "and they never draft again. A real arc behaviour the simulator exposes, not "
-                    "a simulator fault (cache-and-draft §9.6).",
-                    58,
-                )
-                ax.annotate(
-                    text,
-                    (b, v),
-                    xytext=(0.30, 0.05),
-                    textcoords="axes fraction",
-                    fontsize=7.5,
-                    va="bottom",
-                    color="0.15",
-                    arrowprops=dict(arrowstyle="->", color=f"C{i}", lw=1),
-                    bbox=dict(boxstyle="round", fc="lightyellow", ec="0.7"),
-                )
-            else:
-                stalled = True
-                ax.annotate(
-                    f"{f:.0%} drafted",
-                    (b, v),
-                    textcoords="offset points",
-                    xytext=(7, 2),
-                    fontsize=7.5,
-                    color=f"C{i}",
-                )
+            below = v < lo
+            ax.plot([b], [lo if below else v], marker="v" if below else "o", ms=8, mfc="white",
+                    mec=f"C{i}", mew=1.5, ls="none", clip_on=False, zorder=5)
+            ax.annotate(f"B = {b}: {v:.2f}{', below the scale' if below else ''} (note)",
+                        (b, lo if below else v), textcoords="offset points", xytext=(8, 4),
+                        fontsize=7.5, color=f"C{i}")
+            notes.append(_stall_note(label, b, v, f, _uniform_stall(why)))
+    ax.set_ylim(lo, hi)
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("batch size B (sequences running together)")
-    ax.set_ylabel(
-        "tokens committed per row per decode step\n(the MTP accounting ratio tok_per_step, "
-        "cache-and-draft §15)",
-        fontsize=9,
-    )
+    ax.set_xlabel("batch size B (sequences decoded together)")
+    ax.set_ylabel("tokens committed per sequence per decode step", fontsize=9)
     ax.set_title(
-        "Tokens per row per decode step vs batch size\n(the cohort rule rolls every row "
-        "back to the batch's shortest accept)",
+        "Tokens per sequence per decode step against batch size\n(cohort advance rolls every "
+        "row back to the batch's shortest accept;\nper-sequence advance keeps each row's own)",
         fontsize=10,
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    if stalled:
-        fig.supxlabel(
-            textwrap.fill(
-                '"x% drafted": the share of decode row-steps that drafted at all, shown where '
-                "it is below 50 %: speculation stalled there.",
-                110,
-            ),
-            fontsize=7.5,
-            color="0.3",
-        )
+    ax.legend(fontsize=8, loc="center right")
+    _notes_below(fig, notes, 120)
     return fig
 
 
@@ -437,7 +460,7 @@ def figure_per_position(runs: list[TraceData]):
     titles = (
         "Of the rows that drafted position j, the fraction\nwhose drafts 1 .. j were all accepted",
         "Of the drafts that reached position j (drafts 1 .. j−1\naccepted), the fraction accepted\n"
-        "(the MTP marker's per-position rate, cache-and-draft §15)",
+        "(the per-position rate an engine's acceptance log reports)",
     )
     lost = []
     for i, run in enumerate(runs):

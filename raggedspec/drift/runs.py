@@ -18,6 +18,7 @@ from raggedspec.drift.data import (
     as_trace_data,
     drafting_fraction,
     no_strip_control,
+    overclaim,
     refused_at,
 )
 from raggedspec.drift.figures import write_report
@@ -25,9 +26,9 @@ from raggedspec.drift.figures import write_report
 # The built-in scenario of `raggedspec drift` (keys: docs/simulator.md): 32 sequences with
 # equal prompts (so any spread is drift, not admission) and 300..600 new tokens (so the
 # running set shrinks as they finish), depth 3, geometric acceptance 0.7, the WB world, and
-# an unbounded draft-KV map (arc keeps 64: above B = 64 rows would stop drafting for that
-# reason alone, which would hide the advance rules' difference in the sweep).
-# DRIFT_RUNS add what per-sequence advance needs to be granted (the flags and ragged
+# an unbounded draft-KV map (the source engine keeps 64: above B = 64 rows would stop
+# drafting for that reason alone, which would hide the advance rules' difference in the
+# sweep). DRIFT_RUNS add what per-sequence advance needs to be granted (the flags and ragged
 # admission, cache-and-draft §13); the cohort run keeps the same settings.
 DEFAULT_SCENARIO = {
     "batch": 32,
@@ -123,21 +124,40 @@ def scenario_runs(scenario=None, overrides=None, progress=None) -> list[TraceDat
         _refusal_note(data, extra["advance"])
         world = ((data.header or {}).get("scenario") or {}).get("world")
         if extra["advance"] == "per-sequence" and world != "WB":
-            data.notes.append(
-                f"world {world}: the cache is cloned in only when the batch changes (and, "
-                "in W0, one bucket per cache length), so a stable batch skips the "
-                "per-sequence commit, which is why admission refuses; world WB admits "
-                "ragged cohorts (cache-and-draft §13)."
-            )
+            data.notes.append(_world_note(world))
         runs.append(data)
     runs[2].control = no_strip_control(runs[1].steps)
-    runs[2].notes.insert(
-        0,
-        "Simulator, strip = none: each row records the padded width as its own "
-        "length, so the rows converge (spread at most the draft depth) and soon claim "
-        "more cache than they have tokens (cache-and-draft §17.3).",
-    )
+    runs[2].notes.insert(0, _control_note(runs[1].steps, runs[2].control))
     return runs
+
+
+def _world_note(world: str) -> str:
+    """Why a per-sequence run in scheduler world W0 or WA cannot advance per sequence."""
+    split = " and puts each cache length in a bucket of its own" if world == "W0" else ""
+    return (
+        f"Scheduler world {world} hands the engine the batch's cache only when the batch "
+        f"changes{split}, so a stable batch skips the per-sequence commit, which is why "
+        "admission refuses it; world WB admits sequences of different lengths into one batch."
+    )
+
+
+def _control_note(stripped: list[dict], control: list[dict]) -> str:
+    """The negative control's note: what the simulated run did, and what the control band
+    computed from the stripped run shows over the whole run."""
+    xs, excess = overclaim(stripped, control)
+    tail = (
+        f" By step {int(xs[-1])} every row records on average {excess[-1]:.0f} tokens "
+        f"more than it holds (at most {excess.max():.0f})."
+        if len(xs)
+        else ""
+    )
+    return (
+        "Without the dead-prefix strip each row records the padded width as its own length: "
+        "the rows converge (spread at most the draft depth) and soon record more KV than "
+        "they hold tokens, which the engine's left-aligned guard refuses, so the simulated "
+        "run stops. The band is the same rule applied to the stripped run's per-step "
+        "advances, computed over the whole run." + tail
+    )
 
 
 def sweep_tok_per_step(

@@ -6,9 +6,11 @@ written as `DIR/<family>/<function>/<case>/case.json` (JSON inputs, the expected
 outputs or the expected refusal, the comparison rule and tolerance of each tensor output)
 plus `inputs.safetensors` / `outputs.safetensors` when tensors are involved.
 `DIR/manifest.json` lists every function with its spec section, case counts and content
-hash. The same arguments give a byte-identical folder: JSON is written with sorted keys,
-cases are drawn from a generator seeded by `(seed, crc32(family/function))` only, and no
-time, path or host detail is recorded. docs/vectors.md describes the format.
+hash, and each function's folder holds `schema.json`, the JSON Schema of its case files
+(`schema`, from the declarations in `shapes`). The same arguments give a byte-identical
+folder: JSON is written with sorted keys, cases are drawn from a generator seeded by
+`(seed, crc32(family/function))` only, and no time, path or host detail is recorded.
+docs/vectors.md describes the format, the hash recipe and the comparison rules.
 
 Writing is atomic: the folder is built in a temporary sibling and renamed into place. An
 existing `DIR` is replaced only when it is empty or a previous vectors folder (its manifest
@@ -18,10 +20,12 @@ says `"format": "raggedspec-vectors"`); anything else is refused, and nothing is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import hashlib
 import importlib.util
 import json
+import re
 import shutil
 import tempfile
 import zlib
@@ -36,20 +40,24 @@ from raggedspec.vectors.bookkeeping_fns import bookkeeping_functions
 from raggedspec.vectors.length_fns import length_functions
 from raggedspec.vectors.policy_fns import policy_functions
 from raggedspec.vectors.registry import Fn
+from raggedspec.vectors.schema import case_schema
+from raggedspec.vectors.shapes import SHAPES
 from raggedspec.vectors.tensor_fns import tensor_functions
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.errors import Refusal
 
 FORMAT = "raggedspec-vectors"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_CASES = 8
 # elementwise |got - want| <= atol + rtol * |want| for "close" tensor outputs, by the float
-# dtype the implementation under test computes in (infinities must match exactly)
+# dtype the implementation under test computes in (infinities must match exactly); dtypes are
+# spelled as in the safetensors header everywhere (DTYPE_CODES)
 TOLERANCE = {
-    "float64": {"rtol": 1e-12, "atol": 1e-12},
-    "float32": {"rtol": 1e-5, "atol": 1e-5},
-    "bfloat16": {"rtol": 2e-2, "atol": 2e-2},
+    "F64": {"rtol": 1e-12, "atol": 1e-12},
+    "F32": {"rtol": 1e-5, "atol": 1e-5},
+    "BF16": {"rtol": 2e-2, "atol": 2e-2},
 }
+DTYPE_CODES = {"float64": "F64", "float32": "F32", "int64": "I64", "int32": "I32", "bool": "BOOL"}
 CLOSE = {
     "rope/apply_rope",
     "attention/dsv4_attention",
@@ -57,15 +65,16 @@ CLOSE = {
 
 
 def functions() -> list[Fn]:
-    """Every vector function, in manifest order: length rules, policy rules, bookkeeping,
-    masks / RoPE / attention, K/V slots."""
-    return (
+    """Every vector function, in manifest order (length rules, policy rules, bookkeeping,
+    masks / RoPE / attention, K/V slots), each with its JSON shape from `shapes.SHAPES`."""
+    fns = (
         length_functions()
         + policy_functions()
         + bookkeeping_functions()
         + tensor_functions()
         + align_functions()
     )
+    return [dataclasses.replace(fn, **SHAPES[fn.key]) for fn in fns]
 
 
 def select(pattern: str | None) -> list[Fn]:
@@ -113,23 +122,44 @@ def _split(values: dict) -> tuple[dict, dict[str, np.ndarray]]:
 def _tensor_meta(tensors: dict[str, np.ndarray], compare: str | None = None) -> dict:
     meta = {}
     for k, a in sorted(tensors.items()):
-        meta[k] = {"dtype": str(a.dtype), "shape": list(a.shape)}
+        meta[k] = {"dtype": DTYPE_CODES[str(a.dtype)], "shape": list(a.shape)}
         if compare is not None:
             meta[k]["compare"] = compare if a.dtype.kind == "f" else "exact"
     return meta
 
 
+VALUE = re.compile(r"`([^`]+)`|(?<![\w.])(-?\d+)(?![\w]|\.\d)")
+
+
+def message_values(message: str) -> list[int | str]:
+    """The values a refusal message names, in order: each whole integer (not a digit inside
+    a word such as V4) and each `backticked` name. A consumer with its own wording matches a
+    refusal by its class and these values."""
+    return [int(n) if n else name for name, n in VALUE.findall(message)]
+
+
+def _raised(kind: str, cls: str, message: str) -> dict:
+    return {
+        "raises": {
+            "kind": kind,
+            "class": cls,
+            "message": message,
+            "values": message_values(message),
+        }
+    }
+
+
 def run_case(fn: Fn, inputs: dict, backend: object | None = None) -> dict:
     """The expected result of one case on the reference: `{"outputs", "tensors"}` or
-    `{"raises": {"kind", "class", "message"}}` (kind "refusal" for a `Refusal`, "malformed"
-    for a ValueError)."""
+    `{"raises": {"kind", "class", "message", "values"}}` (kind "refusal" for a `Refusal`,
+    "malformed" for a ValueError; `values` from `message_values`)."""
     backend = backend or NumpyBackend()
     try:
         out = fn.call(backend, dict(inputs))
     except Refusal as exc:
-        return {"raises": {"kind": "refusal", "class": type(exc).__name__, "message": str(exc)}}
+        return _raised("refusal", type(exc).__name__, str(exc))
     except ValueError as exc:
-        return {"raises": {"kind": "malformed", "class": "ValueError", "message": str(exc)}}
+        return _raised("malformed", "ValueError", str(exc))
     js, tensors = _split(out)
     return {"outputs": js, "tensors": tensors}
 
@@ -149,6 +179,7 @@ def case_files(fn: Fn, name: str, inputs: dict) -> dict[str, bytes]:
         "spec": fn.spec,
         "inputs": js_in,
         "tensor_inputs": _tensor_meta(t_in),
+        "policy": [],
     }
     files = {}
     if t_in:
@@ -157,6 +188,8 @@ def case_files(fn: Fn, name: str, inputs: dict) -> dict[str, bytes]:
         case.update(
             expect=result["raises"]["kind"], raises=result["raises"], outputs={}, tensor_outputs={}
         )
+        if name in fn.policy_cases:
+            case["policy"] = ["raises"]
     else:
         compare = "close" if fn.key in CLOSE else "exact"
         t_out = result["tensors"]
@@ -165,15 +198,30 @@ def case_files(fn: Fn, name: str, inputs: dict) -> dict[str, bytes]:
             raises=None,
             outputs=result["outputs"],
             tensor_outputs=_tensor_meta(t_out, compare),
+            policy=[k for k in fn.policy if k in result["outputs"] or k in t_out],
         )
         if t_out:
             files["outputs.safetensors"] = save(t_out)
         if compare == "close" and any(a.dtype.kind == "f" for a in t_out.values()):
             case["tolerance"] = TOLERANCE
-    files["case.json"] = (
-        json.dumps(case, indent=1, sort_keys=True, allow_nan=False, ensure_ascii=False) + "\n"
-    ).encode("utf-8")
+    files["case.json"] = _json_bytes(case)
     return files
+
+
+def _json_bytes(value) -> bytes:
+    return (
+        json.dumps(value, indent=1, sort_keys=True, allow_nan=False, ensure_ascii=False) + "\n"
+    ).encode("utf-8")
+
+
+def function_hash(files: dict[str, bytes]) -> str:
+    """A function's hash (docs/vectors.md): SHA-256 over its files sorted by their path
+    relative to the vectors folder, each contributing `path`, a NUL byte and the 32-byte
+    SHA-256 digest of its content."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(files[rel]).digest())
+    return h.hexdigest()
 
 
 def _rng(seed: int, fn: Fn) -> np.random.Generator:
@@ -188,17 +236,15 @@ def build(out: Path, fns: list[Fn], cases: int, seed: int) -> dict:
         names = [n for n, _ in listed]
         if len(set(names)) != len(names):
             raise AssertionError(f"{fn.key}: duplicate case names")
-        h, counts = hashlib.sha256(), {"outputs": 0, "refusal": 0, "malformed": 0}
+        counts = {"outputs": 0, "refusal": 0, "malformed": 0}
+        written = {f"{fn.key}/schema.json": _json_bytes(case_schema(fn, SCHEMA_VERSION))}
         for name, inputs in listed:
             files = case_files(fn, name, inputs)
-            kind = json.loads(files["case.json"])["expect"]
-            counts[kind] += 1
-            folder = out / fn.family / fn.name / name
-            folder.mkdir(parents=True)
-            for fname, data in sorted(files.items()):
-                (folder / fname).write_bytes(data)
-                rel = f"{fn.family}/{fn.name}/{name}/{fname}"
-                h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+            counts[json.loads(files["case.json"])["expect"]] += 1
+            written |= {f"{fn.key}/{name}/{fname}": data for fname, data in files.items()}
+        for rel, data in written.items():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_bytes(data)
         entries.append(
             {
                 "family": fn.family,
@@ -206,11 +252,14 @@ def build(out: Path, fns: list[Fn], cases: int, seed: int) -> dict:
                 "spec": fn.spec,
                 "reference": fn.reference,
                 "cases": len(listed),
+                "case_names": sorted(names),
                 "expect": counts,
-                "hash": h.hexdigest(),
+                "policy": list(fn.policy),
+                "schema": f"{fn.key}/schema.json",
+                "hash": function_hash(written),
             }
         )
-        digest.update(f"{fn.key}\0{h.hexdigest()}\n".encode())
+        digest.update(f"{fn.key}\0{entries[-1]['hash']}\n".encode())
     manifest = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,

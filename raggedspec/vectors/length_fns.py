@@ -75,6 +75,7 @@ def _row_cache_lens_cases(rng, n):
         example_ragged={"enabled": True, "cache_len": 12, "lead_pad": [0, 2, 5]},
         example_all_zero={"enabled": True, "cache_len": 12, "lead_pad": [0, 0]},
         example_disabled={"enabled": False, "cache_len": 12, "lead_pad": [0, 2]},
+        example_leads_0_7_0_3={"enabled": True, "cache_len": 40, "lead_pad": [0, 7, 0, 3]},
         refusal_wider_than_cache={"enabled": True, "cache_len": 4, "lead_pad": [0, 5]},
         refusal_every_row_dead={"enabled": True, "cache_len": 12, "lead_pad": [1, 2]},
     ) + generated(n, make)
@@ -91,6 +92,7 @@ def _starts_cases(rng, n, with_flag=False):
         "example_ragged": {"starts": [10, 7, 12]},
         "example_uniform": {"starts": [9, 9]},
         "example_empty": {"starts": []},
+        "example_40_33_37_40": {"starts": [40, 33, 37, 40]},
     }
     if with_flag:
         ex = {k: dict(v, enabled=True) for k, v in ex.items()}
@@ -145,6 +147,12 @@ def _chain_start_cases(rng, n):
     ) + generated(n, make)
 
 
+# cache-and-draft §9.1's examples: u = 1 at eight lengths (8 keys vs 1), and eight tails at one
+# shared length (4 keys under either flag)
+EIGHT_LENGTHS = {"uncached": [1] * 8, "cache_lens": [40, 33, 37, 31, 39, 35, 30, 38]}
+EIGHT_TAILS = {"uncached": [1, 2, 1, 3, 2, 1, 4, 1], "cache_lens": [40] * 8}
+
+
 def _group_key_cases(rng, n):
     def make(shape, i):
         c, u = _window_inputs(rng, shape, i, 4)
@@ -154,6 +162,8 @@ def _group_key_cases(rng, n):
         example_scalar={"uncached": [1, 1], "cache_lens": [40, 33], "carries_per_row": False},
         example_per_row={"uncached": [1, 1], "cache_lens": [40, 33], "carries_per_row": True},
         example_u_zero={"uncached": [0], "cache_lens": [5], "carries_per_row": False},
+        example_eight_lengths_scalar=dict(EIGHT_LENGTHS, carries_per_row=False),
+        example_eight_lengths_per_row=dict(EIGHT_LENGTHS, carries_per_row=True),
     ) + generated(n, make)
 
 
@@ -178,6 +188,13 @@ def _groups_cases(rng, n):
         example_cohort=dict(ex, per_seq_advance=False),
         example_per_sequence=dict(ex, per_seq_advance=True),
         example_may_not_draft=dict(ex, may_draft=[True, False, True], per_seq_advance=True),
+        **{
+            f"example_eight_{what}_{adv}": dict(
+                rows, may_draft=[True] * 8, w=5, per_seq_advance=adv == "per_sequence"
+            )
+            for what, rows in (("lengths", EIGHT_LENGTHS), ("tails", EIGHT_TAILS))
+            for adv in ("cohort", "per_sequence")
+        },
     ) + generated(n, make)
 
 
@@ -221,6 +238,12 @@ def _plan_cases(rng, n):
     return fixed(
         example_cohort={"uncached": [1, 1, 1], "accepted": [3, 0, 1], "w": 4},
         example_all_accept={"uncached": [1, 1], "accepted": [3, 3], "w": 4},
+        example_u_1_1_2_a_3_0_1={"uncached": [1, 1, 2], "accepted": [3, 0, 1], "w": 4},
+        example_w5_seven_rows={
+            "uncached": [1, 1, 2, 3, 5, 1, 4],
+            "accepted": [0, 4, 3, 2, 0, 1, 0],
+            "w": 5,
+        },
     ) + generated(n, make)
 
 

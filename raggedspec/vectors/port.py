@@ -7,8 +7,9 @@ through `raggedspec.gpu.backend.TorchBackend` (the same adapter as the reference
 backend), and the other rules the port implements through their `gpu.*` function, with its
 tensors read back as host values. The host-only rules the port takes from the reference
 unchanged (flags, capability, scheduler, step guards, capture offsets, accounting, the length
-rules it computes on host integers; see the port rows of docs/rules.md) are listed in
-`PORT_HOST_ONLY` and are absent from the port table.
+rules and dispatch predicates it computes on host integers; see the port rows of
+docs/rules.md), and the rules no path of the port builds (the masker's causal masks), are
+listed in `PORT_HOST_ONLY` and are absent from the port table.
 """
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ PORT_HOST_ONLY = {
     "dispatch/resolve_ragged_chain_starts",
     "dispatch/resolve_draft_leads",
     "dispatch/draft_step_end_column",
+    # the dispatch predicates and the scalar mask rules: the port's attention and RoPE call the
+    # reference's functions on host integers
+    "dispatch/resolve_ragged_rows",
+    "dispatch/uniform_seqlen_offset",
+    "masks/raw_keep_span",
+    "masks/sdpa_sliding_window",
+    "masks/mask_must_be_applied_as_bias",
+    # rules with no tensor path in the port: the masker's causal masks (the port's attention is
+    # dsv4's union mask) and the compressed keys' positions (the port's model rotates its
+    # compressed keys from its RoPE table)
+    "masks/make_left_padded_causal_mask",
+    "masks/make_causal_mask_matrix",
+    "masks/graph_mode_length_mask",
+    "rope/compressed_key_positions",
 }
 
 
@@ -90,19 +105,12 @@ def reference_table() -> dict[str, Callable[[dict], dict]]:
     return {fn.key: partial(fn.call, backend) for fn in functions()}
 
 
-def _host(x):
-    """A port result as a host value: tensors -> lists (None stays None)."""
-    return x.tolist() if hasattr(x, "tolist") else x
-
-
 def _mask(x) -> np.ndarray | None:
     return None if x is None else x.detach().cpu().double().numpy()
 
 
 def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
-    from raggedspec.gpu import dispatch as gd
     from raggedspec.gpu import masks as gm
-    from raggedspec.gpu import rope as gr
 
     def caller(i):
         import torch
@@ -119,49 +127,7 @@ def _gpu_functions() -> dict[str, Callable[[dict], dict]]:
         )
         return {"mask": _mask(out)}
 
-    return {
-        "masks/compose_caller_mask": caller,
-        "dispatch/resolve_ragged_rows": lambda i: {
-            "rows": _host(gd.resolve_ragged_rows(i["rows"], i["q0"], i["b"]))
-        },
-        "dispatch/uniform_seqlen_offset": lambda i: {
-            "offset": gd.uniform_seqlen_offset(i["offsets"])
-        },
-        "masks/raw_keep_span": lambda i: dict(
-            zip(
-                ("raw_base", "keep"),
-                gm.raw_keep_span(i["t_q"], i["window"], i["t_k_full"]),
-                strict=True,
-            )
-        ),
-        "masks/make_left_padded_causal_mask": lambda i: {
-            "mask": _mask(gm.make_left_padded_causal_mask(i["b"], i["t_q"], i["past"], i["live"]))
-        },
-        "masks/make_causal_mask_matrix": lambda i: {
-            "mask": _mask(
-                gm.make_causal_mask_matrix(
-                    i["b"],
-                    i["t_q"],
-                    i["past"],
-                    i["per_seq_kv_lens"],
-                    i["channel_lead"],
-                    i["flash_on_cuda"],
-                )
-            )
-        },
-        "masks/graph_mode_length_mask": lambda i: {
-            "mask": _mask(gm.graph_mode_length_mask(i["positions"], i["cap"]))
-        },
-        "masks/sdpa_sliding_window": lambda i: {
-            "window": gm.sdpa_sliding_window(i["ratio"], i["w"])
-        },
-        "masks/mask_must_be_applied_as_bias": lambda i: {
-            "bias": gm.mask_must_be_applied_as_bias(i["dims"])
-        },
-        "rope/compressed_key_positions": lambda i: {
-            "positions": _host(gr.compressed_key_positions(i["t_c"], i["ratio"]))
-        },
-    }
+    return {"masks/compose_caller_mask": caller}
 
 
 def port_table(device: str = "cpu", dtype: str = "float64") -> dict[str, Callable[[dict], dict]]:

@@ -18,7 +18,7 @@ the functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,7 +30,15 @@ BOUNDARY_LENGTHS = (0, 1, 2, 511, 512, 513)
 class Fn:
     """One vector function: `family/name`, its spec section (`spec`, e.g. "M §3"), the
     reference function it pins (`reference`, a dotted path named in docs/rules.md), the
-    adapter `call(backend, inputs) -> outputs` and the case list `cases(rng, n)`."""
+    adapter `call(backend, inputs) -> outputs` and the case list `cases(rng, n)`.
+
+    The JSON shape of its cases (`schema.case_schema` writes it as schema.json): `inputs` and
+    `outputs` map each JSON name to its schema (`schema.Maybe` when a case may leave it out),
+    `tensor_inputs` / `tensor_outputs` each tensor name (`k.<i>` for a numbered family) to
+    `schema.tensor(dtype, rank)`. `policy` names the outputs set by the source engine's
+    allocation policy rather than by a rule (the 512-column capacity growth), and
+    `policy_cases` the cases whose whole expectation follows from that policy; a consumer may
+    skip both."""
 
     family: str
     name: str
@@ -38,6 +46,12 @@ class Fn:
     reference: str
     call: Callable[[object, dict], dict]
     cases: Callable[[np.random.Generator, int], list[tuple[str, dict]]]
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    tensor_inputs: dict = field(default_factory=dict)
+    tensor_outputs: dict = field(default_factory=dict)
+    policy: tuple[str, ...] = ()
+    policy_cases: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
