@@ -75,27 +75,41 @@ def _has_window(arch: str) -> bool:
         return False
 
 
+MAX_PARAMS, MAX_BYTES = 3_000_000, 6 * 2**30
+"""An architecture bigger than this at the tiny size is left out, and so is one whose build
+needs more address space (one builds a multi-GB embedding whatever the config)."""
+
+
 def other_architectures() -> list[str]:
-    """Architectures beyond `NAMED` that build tiny, have a rotary embedding and run a
-    cached step in sdpa float32."""
+    """Architectures beyond `NAMED` that build tiny (at most `MAX_PARAMS` parameters, within
+    `MAX_BYTES` of address space), have a rotary embedding and run a cached step in sdpa
+    float32."""
+    import resource
+
     import torch
 
     from raggedspec.check_model import architectures
     from raggedspec.check_model_models import build_tiny
 
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (MAX_BYTES, hard))
     out = []
-    for arch in architectures():
-        if arch in NAMED or arch == "blt":  # blt builds a multi-GB hash embedding
-            continue
-        try:
-            model = build_tiny(arch, "sdpa", "float32", 2, None)
-            if not any("Rotary" in type(m).__name__ for m in model.modules()):
+    try:
+        for arch in architectures():
+            if arch in NAMED:
                 continue
-            with torch.no_grad():
-                model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True)
-        except Exception:  # noqa: BLE001 (not buildable here: not in the matrix)
-            continue
-        out.append(arch)
+            try:
+                model = build_tiny(arch, "sdpa", "float32", 2, None)
+                if sum(p.numel() for p in model.parameters()) > MAX_PARAMS or not any(
+                        "Rotary" in type(m).__name__ for m in model.modules()):
+                    continue
+                with torch.no_grad():
+                    model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True)
+            except Exception:  # noqa: BLE001 (not buildable here: not in the matrix)
+                continue
+            out.append(arch)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     return out
 
 
