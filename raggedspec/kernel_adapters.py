@@ -440,8 +440,11 @@ def torch_sdpa(backend: str | None):
 def torch_flex_compiled(q, k, v, attention_mask, position_ids, sliding_window=None,
                         softmax_scale=None, sinks=None) -> torch.Tensor:
     """The padded layout through `torch.compile(flex_attention)` with a BlockMask over the
-    layout's key set and torch's own GQA (CPU: float32, bfloat16, float16 only; every new
-    shape compiles, seconds a batch)."""
+    layout's key set and torch's own GQA (CPU: float32, bfloat16, float16 only). Every call
+    compiles afresh for its own sizes (`torch._dynamo.reset()`, `dynamic=False`): the same
+    batch always runs the same kernel (seconds a batch), never a recompile for new sizes,
+    which on a CPU fails to build (docs/third-party.md) and after 8 recompiles falls back to
+    eager flex_attention."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if sinks is not None:
@@ -453,19 +456,11 @@ def torch_flex_compiled(q, k, v, attention_mask, position_ids, sliding_window=No
 
     b, _h, t_q, _d = q.shape
     mask = create_block_mask(mask_mod, b, None, t_q, k.shape[2], device=str(q.device))
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _compiled_flex(flex_attention)(q, k, v, block_mask=mask, scale=softmax_scale,
-                                              enable_gqa=True)
-
-
-_FLEX: list = []
-
-
-def _compiled_flex(flex_attention):
-    if not _FLEX:
-        _FLEX.append(torch.compile(flex_attention))
-    return _FLEX[0]
+        return compiled(q, k, v, block_mask=mask, scale=softmax_scale, enable_gqa=True)
 
 
 TORCH_TARGETS = {

@@ -2,9 +2,10 @@
 change from call to call (the recompile with dynamic sizes), though each shape compiles on
 its own.
 
-Found by `raggedspec check-kernel --layout padded torch:flex --dtype float32` and by
-transformers' flex_attention implementation in `raggedspec check-model --impl
-flex_attention` (torch 2.13.0+cpu, gcc 12.2): every verify batch has new sizes. Expected: the
+Found by `raggedspec check-kernel --layout padded torch:flex --dtype float32` (before that
+target compiled each batch afresh) and by transformers' flex_attention implementation in
+`raggedspec check-model --impl flex_attention` (torch 2.13.0+cpu, gcc 12.2): every verify
+batch has new sizes. Expected: the
 compiled output equals eager flex_attention's. Seen: the first shape runs, and the call that
 recompiles for new sizes (the second or the third, over our runs) raises
 torch._inductor.exc.InductorError: CppCompileError (the generated kernel uses undeclared
