@@ -65,7 +65,8 @@ def pytest_collection_modifyitems(session, config, items):
 
     config.stash[RULE_MARKS] = {it.nodeid: rules_of(it) for it in items}
     whole = _collected_whole_folder(config)
-    ran_all = (whole and not config.option.keyword and not config.option.markexpr
+    ran_all = (whole and not config.option.keyword
+               and config.option.markexpr in ("", "not slow")
                and not config.getoption("deselect", None)
                and not os.environ.get("PYTEST_XDIST_WORKER"))
     for names, keep in (((GATE,), ran_all), (RULE_MAP, whole)):

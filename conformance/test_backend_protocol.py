@@ -18,10 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-import raggedspec.gpu.dispatch as gdispatch
 from raggedspec.conformance.backends import assert_close, assert_exact, assert_same_cache
 from raggedspec.gpu.backend import DTYPES, TorchBackend
-from raggedspec.gpu.testing import DEVICE
 from raggedspec.reference.attention import Dsv4AttentionConfig
 from raggedspec.reference.backend import NAMED_BACKENDS, PROTOCOL_METHODS, Backend, NumpyBackend
 from raggedspec.reference.backend import load_backend, missing_methods
@@ -432,51 +430,3 @@ def test_dsv4_attention_without_sinks_matches_the_reference():
     assert_close(be.to_numpy(be.dsv4_attention(q, k, k, None, cfg)), want, "float64", "output")
     assert_close(be.to_numpy(be.dsv4_attention(q, k, k, None, cfg, None)),
                  REF.dsv4_attention(q, k, k, None, cfg, None), "float64", "explicit None")
-
-
-# --- the port's dispatch predicates: malformed input ----------------------------------------------
-
-
-def vec(xs):
-    return torch.tensor(list(xs), dtype=torch.int64, device=DEVICE)
-
-
-@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port", "resolve_ragged_rows, port")
-@pytest.mark.parametrize("fn, kwargs, name", [
-    (gdispatch.resolve_ragged_rows, dict(rows=[3, 2], q0=3, b=2), "rows"),
-    (gdispatch.uniform_seqlen_offset, dict(offsets=[3, 3]), "offsets"),
-], ids=["resolve_ragged_rows", "uniform_seqlen_offset"])
-def test_every_length_vector_must_be_one_dimensional_and_the_error_names_it(fn, kwargs, name):
-    """The valid call passes (so only the broken parameter can refuse); a `[2, 2]` grid in
-    its place is refused naming the parameter and the shape."""
-    tensors = {k: vec(v) if isinstance(v, list) else v for k, v in kwargs.items()}
-    fn(**tensors)
-    tensors[name] = torch.tensor([[1, 2], [3, 4]], dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError) as err:
-        fn(**tensors)
-    assert str(err.value).startswith(f"{name} must be a 1-D vector, got shape [2, 2]")
-
-
-@pytest.mark.rule("resolve_ragged_rows, port")
-@pytest.mark.parametrize("args, fragments", [
-    ((None, -1, 2), ["q0 -1", "b 2", "must be >= 0"]),
-    ((None, 3, -1), ["q0 3", "b -1", "must be >= 0"]),
-    (("rows", 3, 2), ["row positions [-1, 3]", "must be >= 0"]),
-], ids=["q0", "b", "row"])
-def test_each_malformed_input_is_refused_alone_and_named(args, fragments):
-    """Each case breaks one condition (so a check joining its conditions with the wrong
-    `and`/`or` lets one through); the message carries every value it names."""
-    rows, q0, b = args
-    with pytest.raises(ValueError) as err:
-        gdispatch.resolve_ragged_rows(vec([-1, 3]) if rows == "rows" else rows, q0, b)
-    for fragment in fragments:
-        assert fragment in str(err.value), f"{fragment!r} not in {str(err.value)!r}"
-
-
-@pytest.mark.rule("uniform_seqlen_offset on the RoPE path, port", "resolve_ragged_rows, port")
-def test_inputs_on_the_boundary_of_each_check_pass():
-    """The smallest valid value of every checked quantity is accepted (a `<` that became
-    `<=` refuses it)."""
-    assert gdispatch.resolve_ragged_rows(None, 0, 0) is None
-    assert gdispatch.resolve_ragged_rows(vec([0, 0]), 0, 2) is None
-    assert gdispatch.uniform_seqlen_offset(vec([0])) == 0

@@ -586,3 +586,41 @@ def test_a_kernel_module_in_the_working_folder_is_found_by_the_console_script(tm
     done = run("check-kernel", "--layout", "varlen", "myattn:bad", "--examples", "5", cwd=work)
     assert done.returncode == 1 and "raised by your kernel function" in done.stdout
     assert "internal error" not in done.stderr
+
+
+# ---------------------------------------------------- queries that see no live key (padding)
+
+
+def sdpa_padded_nan_pads(q, k, v, attention_mask, position_ids, sliding_window=None,
+                         softmax_scale=None, sinks=None):
+    """Padded SDPA as engines often write it: every live query right, but a padding query
+    (it sees no key) left as SDPA gives it, the softmax of nothing: NaN."""
+    out = A.sdpa_padded(q, k, v, attention_mask, position_ids, sliding_window, softmax_scale,
+                        sinks)
+    pad = (position_ids < 0)[:, None, :, None].expand_as(out)  # the layout's padding queries
+    return out.masked_fill(pad, float("nan"))
+
+
+@pytest.mark.rule("raggedspec check-kernel")
+def test_a_padding_query_left_nan_fails_though_every_live_query_is_right():
+    """The generated padded batches carry padding query slots (rows with fewer queries than
+    the widest, rows not verifying); a kernel whose padding rows are NaN gets every live query
+    right and still fails, named by the rule: at the next layer that NaN is a value a masked
+    key still multiplies by 0."""
+    result = check(sdpa_padded_nan_pads, "padded", "float32", examples=20)
+    assert not result.passed
+    assert "a query that sees no live key must give a finite output (0)" in result.report
+    assert "a padding query's slot" in result.report and "0 x NaN = NaN" in result.report
+    assert check(A.sdpa_padded, "padded", "float32", examples=20).passed  # the same, zeroed
+
+
+@pytest.mark.rule("raggedspec check-kernel")
+def test_a_padding_query_is_a_row_of_zeros_for_the_port_and_the_reference():
+    """On a case whose rows have 0, 1 and 3 queries (two rows carry padding slots), the port's
+    in-place adapter and the padded SDPA adapter give finite outputs everywhere, zeros in the
+    padding slots."""
+    case = Case((0, 1, 3), (5, 9, 12), None, 1, 2, 16, None, 3)
+    assert run_case(A.port_in_place_varlen, "varlen", case, "float64", "cpu") is None
+    assert run_case(A.sdpa_padded, "padded", case, "float64", "cpu") is None
+    assert "a padding query's slot" in run_case(sdpa_padded_nan_pads, "padded", case, "float64",
+                                                "cpu")

@@ -687,3 +687,18 @@ def test_fuzzed_argument_lists(command, middle, scenario):
              else ["--steps", "12"] + (["--batches", "none"] if command == "drift" else []))
     check_run([command, *middle, *bound], scenario=scenario,
               trace=b'{"step": 1, "rows": [{"seq": 0, "own_len": 5}, {"seq": 1, "own_len": 7}]}\n')
+
+
+@pytest.mark.rule("raggedspec command line and raggedspec simulate")
+def test_naming_one_of_raggedspecs_own_classes_does_not_make_its_errors_the_users():
+    """A plug-in spec may name raggedspec's own code (`...backend:NumpyBackend`); an exception
+    raised later inside that code is still raggedspec's, not blamed on "your backend"."""
+    from raggedspec.reference import plugins
+    from raggedspec.reference.backend import load_backend
+
+    plugins.load_object("raggedspec.reference.backend:NumpyBackend", "backend")
+    with pytest.raises(ValueError) as err:
+        load_backend("numpy", dtype="float32")  # refused inside reference/backend.py
+    assert plugins.blame(err.value) is None
+    example = "raggedspec.conformance.examples.buggy_backend:BuggyBackend"
+    assert plugins.load_object(example, "backend") is not None  # an example port is a plug-in

@@ -144,7 +144,7 @@ def test_step_0_then_the_headline_then_the_conformance_then_flex(gs, tmp_path, m
         assert [head[head.index(f) + 1] for f in ("--batches", "--lengths", "--spreads")] == [
             "128", "4096", "64"]
     kernels = steps[names.index("conf_kernels_cupy")].cmd
-    assert {"conformance/test_tc_kernel.py", "conformance/test_cupy_kernels.py"} <= set(kernels)
+    assert {"conformance/test_kernels_tc.py", "conformance/test_kernels.py"} <= set(kernels)
     assert "not emulate" in kernels[kernels.index("-k") + 1]
 
 

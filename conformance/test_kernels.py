@@ -233,7 +233,7 @@ def test_dsv4_attention_in_place_equals_the_reference_on_the_front_aligned_batch
     """Window, compressed blocks and sinks (DSV4's rules), read in place: each row's window of
     live keys and its own complete blocks only. Equals the reference's `dsv4_attention` of
     the front-aligned batch with `row_q0 = lens - t_q` (as the torch port's in-place
-    attention does, test_port_attention.py). With `rows`, query row g reads KV row rows[g]."""
+    attention does, test_attention_dsv4.py). With `rows`, query row g reads KV row rows[g]."""
     t_q = data.draw(st.integers(1, 3))
     own = [n + t_q for n in data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=3))]
     ratio = data.draw(st.sampled_from([0, 4, 16]))

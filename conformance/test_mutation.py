@@ -127,9 +127,13 @@ def test_the_runner_catches_a_real_bug_and_reports_the_rest_as_they_are():
     assert (cat.PACKAGE / DISPATCH).read_text().count(UNIFORM["old"]) == 1  # never the checkout
 
 
-def test_main_refuses_an_only_that_matches_nothing(capsys):
+def test_main_refuses_an_only_that_matches_nothing_and_keeps_the_sigterm_handler(capsys):
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
     assert runner.main(["--catalogue-only", "--only", "no such entry zzz"]) == 2
     assert "--only 'no such entry zzz' matches no catalogue entry" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_main_refuses_an_output_under_a_file(tmp_path, capsys):

@@ -152,8 +152,15 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "raggedspec mutation") -> int:
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(argv, prog)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None, prog: str) -> int:
     args = build_parser(prog).parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
     if args.only and not cat.select(cat.load(), args.only):
         print(f"{prog}: error: --only {args.only!r} matches no catalogue entry", file=sys.stderr)
         return EXIT_USAGE

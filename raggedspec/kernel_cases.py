@@ -251,11 +251,24 @@ def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> 
     bound = tolerance(dtype, float(np.where(live, np.abs(ref), 0.0).max()))
     err = np.where(live, np.abs(got - ref), 0.0)
     if np.isfinite(np.where(live, got, 0.0)).all() and err.max() <= bound:
-        return None
+        return None if bool(torch.isfinite(out).all()) else f"{head}\n{pad_report(out, layout)}"
     return (
         f"{head}\nmax error {float(np.nan_to_num(err, nan=np.inf).max()):.3g}, bound {bound:.3g}\n"
         + explain(batch, got, ref, bound, arrays)
     )
+
+
+def pad_report(out: torch.Tensor, layout: str) -> str:
+    """Why a non-finite value in the kernel's output fails although every live query is right:
+    it lies in a padding query's slot (a query that sees no live key: a row's padding, or a
+    row not verifying), and at the next layer that output is read as a key's value, where a
+    masked NaN still poisons every live row (its weight 0 times NaN is NaN)."""
+    at = [int(x) for x in torch.nonzero(~torch.isfinite(out))[0]]
+    return (f"rule that differs: a query that sees no live key must give a finite output (0)\n"
+            f"  the output ({layout} layout, shape {list(out.shape)}) is {out[tuple(at)].item()} "
+            f"at {at}, a padding query's slot (every live query matches the reference); the "
+            f"next layer reads it as a value, and a masked NaN still poisons every live row "
+            f"(0 x NaN = NaN)")
 
 
 @dataclass

@@ -83,9 +83,16 @@ def import_plugin_module(mod: str, plugin: Plugin):
             f"{os.getcwd()!r} or from sys.path") from None
     except Exception as exc:  # the user's module raised while importing
         raise PluginError(plugin, " while importing") from exc
-    if getattr(module, "__file__", None):
+    if getattr(module, "__file__", None) and not _ours(module.__name__):
         _FILES[str(Path(module.__file__).resolve())] = plugin
     return module
+
+
+def _ours(name: str) -> bool:
+    """A module of raggedspec itself (its example ports excepted): naming one as a plug-in
+    does not make an exception raised in its code the user's."""
+    return (name == "raggedspec" or name.startswith("raggedspec.")) and not name.startswith(
+        "raggedspec.conformance.examples")
 
 
 def load_object(spec: str, what: str, need: str = "") -> object:

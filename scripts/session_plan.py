@@ -19,14 +19,11 @@ from pathlib import Path
 KILL_GRACE = 3.0  # SIGTERM -> SIGKILL -> reaped: what a step over its cap may take beyond it
 FINAL_RESERVE = 3.0  # the last summary, results and tarball
 DEADLINE = {"gpu": 330.0, "cpu-smoke": 180.0}
-# the per-op port tests: the test_port_*.py files, and the topic files whose test bodies run on
-# the reference and the port alike
-PORT_FILES = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "conformance").glob(
-    "test_port_*.py")) + ["test_masks.py", "test_rope.py", "test_attention.py",
-                          "test_attention_dsv4.py", "test_attention_in_place.py", "test_step.py"]
+# the per-op port tests: on the GPU the whole default suite (every topic file runs its test bodies
+# on the reference and the port alike, the port on RAGGEDSPEC_DEVICE); one topic file in the smoke
+PORT_FILES = {"gpu": [""], "cpu-smoke": ["test_masks.py"]}
 BACKEND_FILES = {"gpu": ["test_backend.py", "test_end_to_end.py"], "cpu-smoke": ["test_backend.py"]}
-SMOKE_PORT_FILES = ["test_masks.py"]
-KERNEL_FILES = ["test_cupy_kernels.py", "test_tc_kernel.py"]
+KERNEL_FILES = ["test_kernels.py", "test_kernels_tc.py"]
 # The kernels' tests on the device: the CuPy runner's only. Deselected: the emulated half and the
 # builds without a GPU (NVRTC, nvcc's PTX check): the CPU suite runs those.
 KERNEL_TESTS_KEYWORD = "not emulate and not compile_for_the_gpu and not nvrtc"
@@ -145,8 +142,8 @@ def conformance_steps(mode: str, work: Path, py: str) -> list[Step]:
         pytest_step(mode, "conf_kernels_cupy", KERNEL_FILES, work, py, 60 if gpu else 30,
                     "(4) the kernels' tests through CuPy, the tensor-core kernel's too",
                     keyword=KERNEL_TESTS_KEYWORD, keep=True, cupy=True, env=device),
-        pytest_step(mode, "conf_port_torch", PORT_FILES if gpu else SMOKE_PORT_FILES, work, py,
-                    60 if gpu else 30, "(4) the torch port's per-op conformance on the device",
+        pytest_step(mode, "conf_port_torch", PORT_FILES[mode], work, py,
+                    90 if gpu else 30, "(4) the torch port's per-op conformance on the device",
                     keep=True, env=device),
     ]
     cupy = "cupy" if gpu else "raggedspec.gpu.cupy_backend:emulated"
