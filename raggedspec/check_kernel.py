@@ -94,7 +94,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="check an attention kernel in a standard layout against "
         "the reference on generated speculative-decoding batches",
     )
-    p.add_argument("function", help="the kernel or its adapter, module:function")
+    p.add_argument("function", help="the kernel or its adapter, module:function; or a built-in "
+                                    "torch target in the padded layout: torch:sdpa, "
+                                    "torch:sdpa-math, torch:sdpa-flash, torch:sdpa-efficient, "
+                                    "torch:sdpa-cudnn (CUDA), torch:flex")
     p.add_argument(
         "--layout", required=True, choices=LAYOUTS, help="the layout the function speaks"
     )
@@ -160,7 +163,13 @@ def run(args) -> int:
         torch.empty(0, device=args.device)
     except (RuntimeError, ValueError) as exc:
         raise KernelUsageError(f"--device {args.device!r} is not usable here: {exc}") from exc
-    fn = load_function(args.function)
+    from raggedspec.kernel_adapters import torch_target
+
+    try:
+        fn = (torch_target(args.function, args.layout, args.device)
+              or load_function(args.function))
+    except ValueError as exc:
+        raise KernelUsageError(str(exc)) from exc
     check_signature(fn, args.function, args.layout, args.page_size, args.sinks)
     mode = progress_mode(getattr(args, "quiet", False))
     result = check(fn, args.layout, args.dtype, args.device, args.examples, args.page_size,

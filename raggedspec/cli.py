@@ -399,6 +399,19 @@ def run_check_kernel(args) -> int:
         raise UsageError(str(exc)) from exc
 
 
+def add_check_model(sub) -> argparse.ArgumentParser:
+    from raggedspec.check_model import add_parser  # stdlib only; transformers loads when it runs
+    return add_parser(sub)
+
+
+def run_check_model(args) -> int:
+    from raggedspec.check_model import ModelUsageError, run
+    try:
+        return run(args)
+    except ModelUsageError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def add_bench(sub) -> argparse.ArgumentParser:
     from raggedspec.bench.runner import add_parser  # stdlib-only import; torch loads when it runs
     return add_parser(sub)
@@ -478,6 +491,10 @@ COMMANDS: dict[str, Command] = {
     "check-kernel": Command("check an attention kernel in a standard layout against the "
                             "reference on generated speculative-decoding batches",
                             add_check_kernel, run_check_kernel, "check-kernel"),
+    "check-model": Command("run generated ragged speculative-decoding steps through Hugging "
+                            "Face transformers models (or your model factory), each row "
+                            "against the row run alone", add_check_model, run_check_model,
+                            "models"),
     "vectors": Command("write language-neutral test vectors (case.json + safetensors)",
                        add_vectors, run_vectors, "vectors"),
 }

@@ -32,6 +32,7 @@ class UsageError(Exception):
 EXTRA_MODULES = {
     "conformance": ("pytest", "hypothesis"),
     "check-kernel": ("torch", "hypothesis"),
+    "models": ("transformers", "torch", "hypothesis"),
     "vectors": ("safetensors",),
     "mutation": ("mutmut", "xdist", "pytest", "hypothesis"),
     "torch": ("torch",),

@@ -398,3 +398,97 @@ def flashinfer_decode(
         q_data_type=q.dtype,
     )
     return w.run(q, (k_pages, v_pages))
+
+
+# ----------------------------------------------------------------------------- torch's own
+
+
+def _padded_keep(attention_mask, position_ids, sliding_window) -> torch.Tensor:
+    """The padded layout's key set `bool [B, t_q, T]`: key positions from the mask's running
+    count, causal and windowed by position, padding queries (negative positions) see none."""
+    key_pos = attention_mask.long().cumsum(dim=1) - 1
+    qp, kp = position_ids[:, :, None], key_pos[:, None, :]
+    ok = attention_mask[:, None, :] & (kp <= qp) & (qp >= 0)
+    if sliding_window is not None:
+        ok &= kp > qp - sliding_window
+    return ok
+
+
+def torch_sdpa(backend: str | None):
+    """The padded layout through one call of torch's `scaled_dot_product_attention` with
+    torch's own GQA (`enable_gqa=True`), on `backend` (a `torch.nn.attention.SDPBackend`
+    name, forced with `sdpa_kernel`) or torch's own choice when None. Padding query slots are
+    left as torch computes them (check-kernel reads only live ones)."""
+
+    def sdpa(q, k, v, attention_mask, position_ids, sliding_window=None, softmax_scale=None,
+             sinks=None):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if sinks is not None:
+            raise ValueError("torch's scaled_dot_product_attention has no sinks argument")
+        ok = _padded_keep(attention_mask, position_ids, sliding_window)[:, None]
+        call = dict(attn_mask=ok, scale=softmax_scale, enable_gqa=True)
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, **call)
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, **call)
+
+    sdpa.__name__ = f"torch_sdpa_{(backend or 'default').lower()}"
+    return sdpa
+
+
+def torch_flex_compiled(q, k, v, attention_mask, position_ids, sliding_window=None,
+                        softmax_scale=None, sinks=None) -> torch.Tensor:
+    """The padded layout through `torch.compile(flex_attention)` with a BlockMask over the
+    layout's key set and torch's own GQA (CPU: float32, bfloat16, float16 only). Every call
+    compiles afresh for its own sizes (`torch._dynamo.reset()`, `dynamic=False`): the same
+    batch always runs the same kernel (seconds a batch), never a recompile for new sizes,
+    which on a CPU fails to build (docs/third-party.md) and after 8 recompiles falls back to
+    eager flex_attention."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if sinks is not None:
+        raise ValueError("flex_attention takes no sinks argument here")
+    ok = _padded_keep(attention_mask, position_ids, sliding_window)
+
+    def mask_mod(b, h, qi, kj):
+        return ok[b, qi, kj]
+
+    b, _h, t_q, _d = q.shape
+    mask = create_block_mask(mask_mod, b, None, t_q, k.shape[2], device=str(q.device))
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compiled(q, k, v, block_mask=mask, scale=softmax_scale, enable_gqa=True)
+
+
+TORCH_TARGETS = {
+    "torch:sdpa": lambda: torch_sdpa(None),
+    "torch:sdpa-math": lambda: torch_sdpa("MATH"),
+    "torch:sdpa-flash": lambda: torch_sdpa("FLASH_ATTENTION"),
+    "torch:sdpa-efficient": lambda: torch_sdpa("EFFICIENT_ATTENTION"),
+    "torch:sdpa-cudnn": lambda: torch_sdpa("CUDNN_ATTENTION"),
+    "torch:flex": lambda: torch_flex_compiled,
+}
+"""Built-in check-kernel targets: torch's attention in the padded layout (sdpa through its
+dispatcher or one forced backend: math and flash run on a CPU, efficient and cudnn on
+CUDA; flex_attention compiled)."""
+
+
+CUDA_ONLY = ("torch:sdpa-efficient", "torch:sdpa-cudnn")
+
+
+def torch_target(name: str, layout: str, device: str = "cpu"):
+    """The built-in torch target called `name`, or None when `name` is not one; ValueError
+    when it is one and `layout` is not the padded layout it speaks, or it is a CUDA-only
+    backend asked for on another device."""
+    if name not in TORCH_TARGETS:
+        return None
+    if name in CUDA_ONLY and not str(device).startswith("cuda"):
+        raise ValueError(f"{name}: torch runs this SDPA backend on CUDA only, not on "
+                         f"--device {device}")
+    if layout != "padded":
+        raise ValueError(f"{name} speaks the padded layout (dense [B, H, T, D] with a key mask "
+                         f"and positions): run it with --layout padded, not {layout}")
+    return TORCH_TARGETS[name]()
