@@ -284,11 +284,11 @@ def _red_tests(slots: list[_Slot], tests: set[str]) -> set[str]:
 
 def run(entries: list[Entry], jobs: int = 2, report: Callable[[Result], None] = lambda r: None,
         fallback: list[str] | None = None) -> list[Result]:
-    """Run `entries` (each: its named tests, then, if it survived them, the `fallback` tests:
-    by default the rest of the default suite), `jobs` at a time; `report` sees each final
-    result. A catch counts only if the catching test passes without the mutation (checked
-    once per test; an entry caught by a test that fails anyway runs again without that
-    test). Stale entries are not run."""
+    """Run `entries` (each: its named tests, then, if it survived them and is not a documented
+    equivalent, the `fallback` tests: by default the rest of the default suite), `jobs` at a
+    time; `report` sees each final result. A catch counts only if the catching test passes
+    without the mutation (checked once per test; an entry caught by a test that fails anyway
+    runs again without that test). Stale entries are not run."""
     _preload()
     results: dict[str, Result] = {}
     stage: dict[str, str] = {}
@@ -324,8 +324,9 @@ def run(entries: list[Entry], jobs: int = 2, report: Callable[[Result], None] = 
             for name, (status, detail) in verdicts.items():
                 if status == "caught" and detail in red:
                     continue  # again, without the test that fails anyway
-                if status == "survived" and stage[name] == "named":
-                    stage[name] = "suite"
+                if status == "survived" and stage[name] == "named" and \
+                        by_name[name].expect == "caught":
+                    stage[name] = "suite"  # a documented equivalent's proof is its named tests
                     continue
                 del stage[name]
                 shown = detail or ("no test of the suite failed" if status == "survived" else "")

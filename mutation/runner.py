@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None, prog: str = "raggedspec mutation") -> in
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return _main(argv, prog)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; the runs were stopped and their copies removed",
+              file=sys.stderr)
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
 
