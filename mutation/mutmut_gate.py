@@ -75,16 +75,21 @@ def in_scope(path: str, only: list[str], skip: list[str]) -> bool:
 def run(root: Path, only: list[str] | None, tests: list[str] | None, jobs: int,
         names: tuple[str, ...] = ()) -> float:
     """`mutmut run` in `root` with its scope set as given (None: pyproject's); returns the
-    wall seconds. mutmut's own output goes to this process's stdout."""
+    wall seconds. mutmut's own output goes to `mutants/mutmut-run.log`."""
     if subprocess.run([sys.executable, "-c", "import mutmut"], capture_output=True).returncode:
         raise MutmutUnavailable("mutmut is not installed: pip install 'raggedspec[mutation]'")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1")
     options = json.dumps({"only": only, "tests": tests, "jobs": jobs, "names": list(names)})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", BOOT, options], cwd=root, env=env)
+    proc = subprocess.run([sys.executable, "-c", BOOT, options], cwd=root, env=env,
+                          capture_output=True, text=True)
+    log = root / "mutants" / "mutmut-run.log"  # its spinner frames, kept out of the console
+    log.parent.mkdir(exist_ok=True)
+    log.write_text(proc.stdout + proc.stderr)
     if proc.returncode:
-        raise MutmutUnavailable(f"mutmut stopped with exit {proc.returncode} (its output is "
-                                "above): the unmutated tests must pass first")
+        tail = "\n".join((proc.stdout + proc.stderr).replace("\r", "\n").splitlines()[-25:])
+        raise MutmutUnavailable(f"mutmut stopped with exit {proc.returncode} ({log}; its last "
+                                f"lines below): the unmutated tests must pass first\n{tail}")
     return time.monotonic() - start
 
 
