@@ -218,3 +218,11 @@ def test_the_docs_section_is_rewritten_between_its_markers(tmp_path):
     page.write_text("no markers")
     with pytest.raises(OSError, match="no .* section"):
         runner.write_docs(page, "x")
+
+
+def test_the_progress_follows_the_last_count_mutmut_wrote(tmp_path):
+    log = tmp_path / "mutmut-run.log"
+    log.write_text("Running stats\r⠋ 12/279  🎉 10 🫥 0\r⠙ 13/279  🎉 11 🫥 0")
+    assert mg.last_count(log) == (13, 279)
+    log.write_text("Generating mutants\n    done in 644ms")
+    assert mg.last_count(log) is None

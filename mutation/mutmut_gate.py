@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,24 +74,37 @@ def in_scope(path: str, only: list[str], skip: list[str]) -> bool:
 
 
 def run(root: Path, only: list[str] | None, tests: list[str] | None, jobs: int,
-        names: tuple[str, ...] = ()) -> float:
+        names: tuple[str, ...] = (), progress=None) -> float:
     """`mutmut run` in `root` with its scope set as given (None: pyproject's); returns the
-    wall seconds. mutmut's own output goes to `mutants/mutmut-run.log`."""
+    wall seconds. mutmut's own output goes to `mutants/mutmut-run.log`; `progress(done,
+    total)` follows its mutant count as it runs."""
     if subprocess.run([sys.executable, "-c", "import mutmut"], capture_output=True).returncode:
         raise MutmutUnavailable("mutmut is not installed: pip install 'raggedspec[mutation]'")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1")
     options = json.dumps({"only": only, "tests": tests, "jobs": jobs, "names": list(names)})
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", BOOT, options], cwd=root, env=env,
-                          capture_output=True, text=True)
     log = root / "mutants" / "mutmut-run.log"  # its spinner frames, kept out of the console
     log.parent.mkdir(exist_ok=True)
-    log.write_text(proc.stdout + proc.stderr)
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", BOOT, options], cwd=root, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(2.0)
+            if progress is not None and (count := last_count(log)):
+                progress(*count)
     if proc.returncode:
-        tail = "\n".join((proc.stdout + proc.stderr).replace("\r", "\n").splitlines()[-25:])
+        tail = "\n".join(log.read_text(errors="replace").replace("\r", "\n").splitlines()[-25:])
         raise MutmutUnavailable(f"mutmut stopped with exit {proc.returncode} ({log}; its last "
                                 f"lines below): the unmutated tests must pass first\n{tail}")
     return time.monotonic() - start
+
+
+def last_count(log: Path) -> tuple[int, int] | None:
+    """The last `done/total` mutant count mutmut's spinner wrote to `log`."""
+    with log.open("rb") as f:
+        f.seek(max(0, log.stat().st_size - 4096))
+        found = re.findall(rb"(\d+)/(\d+) ", f.read())
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 from raggedspec.mutation import catalogue as cat
 from raggedspec.mutation import mutmut_gate as mg
 from raggedspec.outputs import OutputPathError, check_output_file
+from raggedspec.progress import Progress, progress_mode
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 BEGIN, END = "<!-- BEGIN generated: mutmut results -->", "<!-- END generated: mutmut results -->"
@@ -105,7 +106,11 @@ def run_mutmut(args: argparse.Namespace) -> tuple[bool, list[mg.ModuleScore], fl
                                    "mutates (pyproject's [tool.mutmut] only_mutate)")
     only = modules if scope == "gate" or wanted else None
     tests = mg.GATE_TESTS if scope == "gate" else None
-    wall = mg.run(root, only, tests, args.jobs)
+    bar = Progress("mutmut", progress_mode(False), unit="mutant")
+    try:
+        wall = mg.run(root, only, tests, args.jobs, progress=bar)
+    finally:
+        bar.close()
     got = mg.scores(root, modules)
     print(f"\nmutmut: {len(got)} module(s), {wall:.0f} s wall")
     for s in got:
