@@ -35,18 +35,12 @@ def violated(result: dict) -> dict[str, int]:
     return {r["id"]: r["violated"] for r in result["rules"] if r["violated"]}
 
 
+SMALL = dict(batch=3, prompt_len=[6, 12], max_new_tokens=[10, 20], depth=3, steps=14, seed=2,
+             acceptance="heterogeneous:0.2,0.9")
+
+
 def small_run(**changes):
-    data = {
-        "batch": 3,
-        "prompt_len": [6, 12],
-        "max_new_tokens": [10, 20],
-        "depth": 3,
-        "steps": 14,
-        "seed": 2,
-        "acceptance": "heterogeneous:0.2,0.9",
-        **changes,
-    }
-    return lengths.run(load_scenario(data))
+    return lengths.run(load_scenario({**SMALL, **changes}))
 
 
 def lines_of(trace) -> list[str]:
