@@ -20,6 +20,8 @@ import numpy as np
 
 import pytest
 
+import raggedspec
+
 from raggedspec import cli
 from raggedspec.conformance.backends import backend_under_test, reference_backend
 from raggedspec.gpu.slots import stack_xs, xs_rows
@@ -1161,7 +1163,16 @@ def assert_refused(exc: type, call, message: str) -> None:
 
 # --- the command line: in this process, as a child, through the console script ----------------
 
-ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = Path(raggedspec.__file__).parent
+"""The package folder (its reference/, gpu/, conformance/, docs/, examples/ beside each other),
+as imported: the checkout's raggedspec/ (through its links), an installed package, or mutmut's
+copy under mutants/."""
+ROOT = PACKAGE.parent
+"""The folder the package is imported from: a child process started there imports the same
+package (the commands' tests start `python -m raggedspec` there)."""
+CHECKOUT = ROOT if (ROOT / "pyproject.toml").is_file() else None
+"""The checkout (pyproject.toml, README.md, scripts/ beside the package), or None for an
+installed package."""
 TRACEBACK = "Traceback (most recent call last)"
 
 

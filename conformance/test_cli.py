@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from raggedspec import cli
 from raggedspec.conformance.helpers import (
+    CHECKOUT,
     ROOT,
     TRACEBACK,
     Tty,
@@ -81,7 +82,9 @@ def test_every_help_and_the_readme_state_every_exit_code():
     for code in ("0 ok", "1 a rule", "3 internal error", "4 preflight only", "130 interrupted",
                  "your plug-in", "pip install"):
         assert code in top, code
-    readme = (ROOT / "README.md").read_text().split("## Exit codes")[1].split("\n## ")[0]
+    if CHECKOUT is None:
+        return  # an installed package ships no README; the helps above were checked
+    readme = (CHECKOUT / "README.md").read_text().split("## Exit codes")[1].split("\n## ")[0]
     for code in ("`0`", "`1`", "`2`", "`3`", "`4`", "`130`"):
         assert code in readme
 
@@ -231,10 +234,11 @@ def test_a_missing_optional_package_exits_2_naming_the_pip_line(command, hidden,
     assert "internal error" not in err
 
 
+@pytest.mark.skipif(CHECKOUT is None, reason="an installed package ships no pyproject.toml")
 def test_the_extras_named_exist_in_pyproject():
     import tomllib
 
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+    extras = tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     from raggedspec.exits import EXTRA_MODULES
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from raggedspec.conformance.helpers import ROOT, TRACEBACK, console_script, run_module, write
+from raggedspec.conformance.helpers import PACKAGE, TRACEBACK, console_script, run_module, write
 from raggedspec.conformance.runner import E2E_RULE, NO_RULE, _examples, rule_table
 
 TABLE_RULE = "raggedspec conformance and its per-rule table"
@@ -157,7 +157,7 @@ def test_a_backend_factory_that_raises_exits_1_with_its_traceback(tmp_path):
     assert "raised by your backend 'rs_port:broken'" in done.stderr
     assert "no device found" in done.stderr and "internal error" not in done.stderr
     done = run("conformance", "--backend", "rs_port:good", "--profile", "short", "--tests",
-               ROOT / "conformance" / "test_masks.py", "-k", "union or left_padded", cwd=work)
+               PACKAGE / "conformance" / "test_masks.py", "-k", "union or left_padded", cwd=work)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from raggedspec import cli
 from raggedspec.conformance.helpers import (
-    ROOT,
+    PACKAGE,
     TRACEBACK,
     Tty,
     console_script,
@@ -344,7 +344,7 @@ def test_the_progress_bar_finishes_when_the_run_ends_early(tmp_path, monkeypatch
 def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
     from raggedspec.reference.scenario import ACCEPTANCE_MODELS, FIELDS, MODEL_KEYS
 
-    text = (ROOT / "docs" / "simulator.md").read_text()
+    text = (PACKAGE / "docs" / "simulator.md").read_text()
     for key in FIELDS:
         assert f"| `{key}` |" in text, f"scenario key {key} is not in the docs' key table"
     for key in MODEL_KEYS:
@@ -353,13 +353,13 @@ def test_the_simulator_doc_lists_every_scenario_key_model_and_flag():
         assert f"| {model} |" in text, f"acceptance model {model} is not documented"
     for flag, _key, _kw in cli.SCENARIO_FLAGS:
         assert f"`{flag}`" in text, f"flag {flag} is not documented"
-    figure = ROOT / "docs" / "img" / "drift-spread.png"
+    figure = PACKAGE / "docs" / "img" / "drift-spread.png"
     assert "(img/drift-spread.png)" in text
     assert figure.read_bytes()[:8] == PNG and figure.stat().st_size < 300_000
 
 
 def docs_oracle_example() -> str:
-    text = (ROOT / "docs" / "simulator.md").read_text()
+    text = (PACKAGE / "docs" / "simulator.md").read_text()
     m = re.search(r"```python\n(# my_module\.py\n.*?)```", text, re.S)
     assert m, "docs/simulator.md has no my_module.py example"
     return m.group(1)
