@@ -40,7 +40,7 @@ READ_METHODS = (
     "numpy",
     "nonzero",
 )
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).parent / "examples"  # the package's (a link in a checkout)
 SCENARIOS = {
     "per-sequence": EXAMPLES / "per-sequence-b128.toml",
     "cohort": EXAMPLES / "cohort-b128.toml",
