@@ -9,15 +9,12 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
 import raggedspec
 from raggedspec.cli import example_names, main
-
-ROOT = Path(raggedspec.__file__).resolve().parents[1]
-CHECKOUT = (ROOT / "pyproject.toml").is_file()
+from raggedspec.conformance.helpers import CHECKOUT, PACKAGE
 
 
 def _setuptools_is_new_enough() -> bool:
@@ -30,18 +27,18 @@ def _setuptools_is_new_enough() -> bool:
 
 @pytest.fixture(scope="module")
 def wheel_files(tmp_path_factory) -> set[str]:
-    if not CHECKOUT:
+    if CHECKOUT is None:
         pytest.skip("needs the source checkout (this is an installed package)")
     out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)]
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(CHECKOUT)]
     if _setuptools_is_new_enough():  # build with it here; else pip fetches one for the build
         cmd.insert(5, "--no-build-isolation")
-    had_build = (ROOT / "build").exists()
+    had_build = (CHECKOUT / "build").exists()
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     finally:  # an in-tree build leaves build/ behind: leave the checkout as it was
         if not had_build:
-            shutil.rmtree(ROOT / "build", ignore_errors=True)
+            shutil.rmtree(CHECKOUT / "build", ignore_errors=True)
     (wheel,) = out.glob("raggedspec-*.whl")
     with zipfile.ZipFile(wheel) as z:
         return set(z.namelist())
@@ -53,10 +50,10 @@ def test_the_wheel_carries_every_run_time_file(wheel_files):
               "raggedspec/docs/spec-rules.txt", "raggedspec/mutation/catalogue.toml",
               "raggedspec/conformance/conftest.py",
               "raggedspec/conformance/examples/buggy_backend.py"]
-    needed += [f"raggedspec/examples/{p.name}" for p in sorted((ROOT / "examples").iterdir())
+    needed += [f"raggedspec/examples/{p.name}" for p in sorted((PACKAGE / "examples").iterdir())
                if p.suffix in (".toml", ".json")]
     for pkg in ("reference", "gpu", "conformance", "mutation"):
-        needed += [f"raggedspec/{pkg}/{p.name}" for p in sorted((ROOT / pkg).glob("*.py"))]
+        needed += [f"raggedspec/{pkg}/{p.name}" for p in sorted((PACKAGE / pkg).glob("*.py"))]
     missing = [f for f in needed if f not in wheel_files]
     assert not missing, f"the wheel lacks {missing}"
 
@@ -72,7 +69,7 @@ def test_the_wheel_installs_nothing_beside_raggedspec(wheel_files):
 def test_every_shipped_example_is_offered_and_runs(tmp_path):
     names = example_names()
     assert "per-sequence-b128" in names and len(names) == len(
-        [p for p in (ROOT / "examples").iterdir() if p.suffix in (".toml", ".json")])
+        [p for p in (PACKAGE / "examples").iterdir() if p.suffix in (".toml", ".json")])
     out = tmp_path / "t.jsonl"
     assert main(["simulate", "--example", "per-sequence-b128", "--steps", "3", "--out", str(out),
                  "--quiet"]) == 0
