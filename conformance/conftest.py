@@ -32,8 +32,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 # Some tests check the suite as a whole: the protocol coverage gate (every backend protocol method
 # is called by the tests that ran) and the rule map (every modelled docs/rules.md row has a test,
 # every test of the spec's §17.2 table has one of ours).
-# Each needs a session that collected the whole conformance folder (the gate: and ran all of it);
-# elsewhere it is deselected (reported as deselected, never as a pass).
+# Each needs a session that collected the whole conformance folder (the gate: and ran all of it,
+# outside mutmut's instrumented runs); elsewhere it is deselected (reported as deselected, never
+# as a pass).
 
 GATE = "test_protocol_coverage.py::test_every_protocol_method_is_called_by_the_suite"
 RULE_MAP = ("test_rules_doc.py::test_every_modelled_rule_has_a_test",
@@ -68,7 +69,8 @@ def pytest_collection_modifyitems(session, config, items):
     ran_all = (whole and not config.option.keyword
                and config.option.markexpr in ("", "not slow")
                and not config.getoption("deselect", None)
-               and not os.environ.get("PYTEST_XDIST_WORKER"))
+               and not os.environ.get("PYTEST_XDIST_WORKER")
+               and "MUTANT_UNDER_TEST" not in os.environ)  # mutmut's runs wrap every method
     for names, keep in (((GATE,), ran_all), (RULE_MAP, whole)):
         found = [it for it in items if it.nodeid.endswith(names)]
         for it in found:
