@@ -493,3 +493,13 @@ def test_the_lengths_benchmark_command_needs_bench_and_times_both_rules(capsys):
     lines = capsys.readouterr().out.strip().splitlines()[-2:]
     assert ["'advance': 'per-sequence'" in lines[0], "'advance': 'cohort'" in lines[1]] == [
         True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.rule("raggedspec bench")
+def test_each_case_line_carries_its_count(tmp_path, capsys):
+    argv = ["--smoke", "--batches", "1,2", "--lengths", "40", "--spreads", "0", "--windows", "2",
+            "--strategies", "per_row", "--out", str(tmp_path / "b")]
+    assert runner.main(argv) == 0
+    cases = [ln for ln in capsys.readouterr().err.splitlines() if " B=" in ln]
+    assert [ln.split()[0] for ln in cases] == ["[1/2]", "[2/2]"], cases

@@ -16,6 +16,7 @@ does not pay for it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -401,6 +402,11 @@ def case_order(cfg: dict) -> list[tuple[int, int, int, int]]:
     return head + [c for c in grid if c not in head]
 
 
+def _counted(log, count: str, msg: str) -> None:
+    """A per-case progress line, with the case's count ("[3/24] ...")."""
+    log(f"{count} {msg}")
+
+
 def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
     """The whole run; writes bench.json after every case and bench.md / bench.png at the end.
     Returns the result dict."""
@@ -451,14 +457,16 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
     # cases as they finish go to bench.partial.json, so a run cut short keeps what it measured
     # and an earlier run's bench.json is replaced only by a finished one
     path, partial = out_dir / "bench.json", out_dir / "bench.partial.json"
-    for (w, b, L, spread) in case_order(cfg):
+    order = case_order(cfg)
+    for i, (w, b, L, spread) in enumerate(order):
+        case_log = functools.partial(_counted, log, f"[{i + 1}/{len(order)}]")
         if cfg.get("budget_s") is not None and time.monotonic() - t_start > cfg["budget_s"]:
             result["cases_not_run"].append(
                 {"w": w, "B": b, "L": L, "spread": spread, "reason": "time budget"}
             )
             continue
         try:
-            row = run_case(cfg, strategies, reasons, timer, w, b, L, spread, failed, log)
+            row = run_case(cfg, strategies, reasons, timer, w, b, L, spread, failed, case_log)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the case is reported, the run goes on
             row = {
                 "w": w,
@@ -467,7 +475,7 @@ def run_bench(cfg: dict, out_dir: Path, log=None) -> dict:
                 "spread": spread,
                 "error": f"{type(exc).__name__}: {str(exc)[:300]}",
             }
-            log(f"w={w} B={b} L={L} spread={spread}: case failed: {row['error']}")
+            case_log(f"w={w} B={b} L={L} spread={spread}: case failed: {row['error']}")
         if device.type == "cuda":       # the case's tensors died with run_case
             torch.cuda.empty_cache()
         result["rows"].append(row)
