@@ -144,9 +144,11 @@ def _run(cls, family, windows="none", examples=8, impl="sdpa", dtype="float64"):
 @pytest.mark.parametrize("impl, dtype", [("sdpa", "float64"), ("eager", "float32")])
 def test_a_correct_model_passes_in_each_implementation(impl, dtype):
     for family in ("crop", "mask", "refeed", "shift"):
-        result = check(Subject("llama", impl, dtype), 3, (family,))
+        seen = []
+        result = check(Subject("llama", impl, dtype), 3, (family,), progress=seen.append)
         assert result.passed, result.report
         assert result.examples == 3 and result.max_diff < (1e-12 if dtype == "float64" else 1e-4)
+        assert seen == [1, 2, 3]  # the progress reaches the count: the fixed case is the first
 
 
 SLOW = pytest.mark.slow

@@ -87,6 +87,8 @@ def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] =
 
     fixed = run_case(subject, first_case(families[0], windows, subject.kv_heads(), min_window))
     state["diff"] = fixed.max_diff
+    if progress is not None:
+        progress(1)
     generated = examples if fixed.report is not None else examples - 1
 
     @_settings(max(generated, 1))
@@ -98,7 +100,7 @@ def check(subject, examples: int = DEFAULT_EXAMPLES, families: tuple[str, ...] =
             if state["after"] > shrink_calls:
                 raise _Abort
         elif progress is not None:
-            progress(state["ran"])
+            progress(min(state["ran"] + 1, examples))  # the fixed case counts as the first
         try:
             outcome = run_case(subject, case)
         except PluginError as exc:
@@ -234,7 +236,7 @@ def run(args) -> int:
         except Unsupported as exc:
             raise ModelUsageError(str(exc)) from None
         finally:
-            bar.close(note="a case failed: shrinking it")
+            bar.close(note="a case failed; the smallest failing case found is below")
         seconds = time.monotonic() - started
         note = f"; {result.note}" if result.note else ""
         if result.passed:
