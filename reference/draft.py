@@ -474,15 +474,16 @@ def group_drafting_loop(
             f"({len(budgets)}) must have one entry per row")
     drafts: list[list[int]] = [[] for _ in range(b)]
     warned_empty = False
-    for key, rows in groups.items():
-        members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
+    for (u, second), rows in groups.items():
+        key = (u, second)
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
             if model.mtp is not None and not warned_empty:
                 warn(warnings, "no row", key=key)
                 warned_empty = True
             continue
-        chains = draft_group(model, key, members, starts, states, toks, w - key[0],
-                             per_seq_advance, warnings)
+        chains = draft_group(model, key, members, starts, states, toks, w - u, per_seq_advance,
+                             warnings)
         if chains is None:
             continue
         for slot, i in enumerate(members):
