@@ -309,7 +309,7 @@ class Kernels:
         rows_d = self._ints(rows if host_rows is None else host_rows)
         args = [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window,
                 n_split, b_kv]
-        self._launch_verify(path, dtype, args, out, sinks, nq, d, nt, shared)
+        self._launch_verify(path, dtype, (n_split, hk, b), args, out, sinks, nq, nt, shared)
         return out
 
     def _verify_rows(self, lens, rows, b: int, b_kv: int, cap: int):
@@ -376,12 +376,13 @@ class Kernels:
         static = verify_shared_bytes(nq, d, dtype, nt)
         return nt, 0, max(1, min(2048 // nt, self.sm_shared // (static + 1024)))
 
-    def _launch_verify(self, path: str, dtype: str, args: list, out, sinks, nq: int, d: int,
-                       nt: int, shared: int) -> None:
-        """The verify launches into `out`: the partial kernel of `path` over the grid
-        `(n_split, hk, b)` with `args` (q, k, v, lens, rows, compressed, t_c, ratio, b, hk,
-        cap, w, window, n_split, b_kv), then the combine (sinks folded in). No refusals."""
-        xp, n_split, b, hk, w = self.xp, args[13], args[8], args[9], args[11]
+    def _launch_verify(self, path: str, dtype: str, grid: tuple[int, int, int], args: list,
+                       out, sinks, nq: int, nt: int, shared: int) -> None:
+        """The verify launches into `out [B,H,w,D]`: the partial kernel of `path` over
+        `grid = (n_split, Hk, B)` with `args` (q, k, v, lens, rows, compressed, t_c, ratio, b,
+        hk, cap, w, window, n_split, b_kv) and its scale, then the combine (sinks folded in).
+        No refusals."""
+        xp, (n_split, hk, b), w, d = self.xp, grid, out.shape[2], out.shape[3]
         acc = ACC_NUMPY[ELEM[dtype][1]]
         parts = [xp.empty((n_split, b, hk, nq), dtype=acc),
                  xp.empty((n_split, b, hk, nq), dtype=acc),
