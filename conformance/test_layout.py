@@ -1,15 +1,19 @@
 """The package layout's import rules: every import goes through the one import name
 `raggedspec`, the reference never imports the port (`gpu`) or the tools, and the reference's
 modules import each other without a cycle, counting imports made inside functions too (a
-lazy import hides a cycle, it does not remove it).
+lazy import hides a cycle, it does not remove it); and `scripts/function_lengths.py`, which lists
+the functions longer than the project's limit, behaves as documented.
 
 The import graph is read from the source with `ast` (nothing is imported to build it).
 """
 
 from __future__ import annotations
 
-import pytest
 import ast
+import subprocess
+import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,3 +103,53 @@ def test_the_cycle_finder_finds_a_planted_cycle_and_a_lazy_import(tmp_path):
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from raggedspec.reference.acceptance import build_model\n")
     assert "reference.acceptance" in imported_modules(lazy)
+
+
+LENGTHS_SCRIPT = ROOT / "scripts" / "function_lengths.py"
+
+LONG_AND_SHORT = '''@decorator
+def short():
+    return 1
+
+
+class K:
+    def long(self):
+        x = 1
+        y = 2
+        return x + y
+
+
+def outer():
+    def inner():
+        return (
+            3
+        )
+    return inner
+'''
+
+
+def run_lengths(*args: str):
+    """`scripts/function_lengths.py` run as a user runs it: exit status, stdout, stderr."""
+    done = subprocess.run([sys.executable, str(LENGTHS_SCRIPT), *args],
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.skipif(not LENGTHS_SCRIPT.is_file(), reason="needs the checkout's scripts/")
+@pytest.mark.rule("scripts/function_lengths.py")
+def test_function_lengths_lists_the_long_functions_and_refuses_a_bad_path(tmp_path):
+    folder = tmp_path / "pkg"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "m.py").write_text(LONG_AND_SHORT)
+    # K.long spans 4 lines (def to return), outer 6, outer.inner 4, short 2 (decorator excluded)
+    code, out, _ = run_lengths("--limit", "3", str(folder))
+    m = folder / "sub" / "m.py"
+    assert code == 1
+    assert out.splitlines() == [f"{m}:K.long:4", f"{m}:outer:6", f"{m}:outer.inner:4"]
+    code, out, _ = run_lengths("--limit", "4", str(m))
+    assert (code, out.splitlines()) == (1, [f"{m}:outer:6"])
+    assert run_lengths("--limit", "6", str(folder))[0] == 0
+    missing = tmp_path / "nope"
+    code, out, err = run_lengths(str(folder), str(missing))
+    assert (code, out) == (2, "")
+    assert f"{missing}: no such file or folder" in err

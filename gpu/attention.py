@@ -118,23 +118,9 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     reads KV head `h // (H // Hk)`, as the reference); `compressed_kv` joins the raw keys
     and values rounded to their dtypes (k's, v's). `cfg` is a `Dsv4AttentionConfig` of
     this module or of the reference."""
-    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must all be rank 4")
-    b, h, t_q, d = q.shape
-    require(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d,
-            f"k {list(k.shape)} and v {list(v.shape)} must both be [B={b},Hk,t_k,D={d}]")
-    hk = k.shape[1]
-    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
-    require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
-            f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
-    if is_standard_layer(cfg.compress_ratio):
-        compressed_kv = None
-    if compressed_kv is not None:
-        require(compressed_kv.dim() == 4 and tuple(compressed_kv.shape[:2]) == (b, hk)
-                and compressed_kv.shape[3] == d,
-                f"compressed_kv {list(compressed_kv.shape)} must be [B={b},{hk},t_c,D={d}]")
+    compressed_kv = _checked_operands(q, k, v, compressed_kv, cfg)
+    b, _, t_q, _ = q.shape
     t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
-
     t_k_full = cfg.raw_prefix + k.shape[2]
     window = max(cfg.sliding_window, 1)
     if t_q > t_k_full:
@@ -142,36 +128,65 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q0 = t_k_full - t_q
     given = None if cfg.row_q0 is None else as_list(lengths(cfg.row_q0, name="row_q0"))
     rows = resolve_ragged_rows(given, q0, b)  # the reference's rule, on host integers
-
     raw_base, keep = raw_keep_span(t_q, window, t_k_full)
-    rel_base = raw_base - cfg.raw_prefix
-    if rel_base < 0:
-        raise MaskRefusal(
-            f"raw keys [{raw_base}, {cfg.raw_prefix}) reachable by the window are NOT held: "
-            f"raw_prefix {cfg.raw_prefix} > raw_base {raw_base}")
-    k_raw = k[:, :, rel_base: rel_base + keep]
-    v_raw = v[:, :, rel_base: rel_base + keep]
-
+    k_raw, v_raw = _held_window(k, v, raw_base, keep, cfg.raw_prefix)
     dev, cd = q.device, _compute_dtype(q.dtype)
     valid = torch.cat([raw_validity(t_q, q0, raw_base, keep, window, device=dev),
                        compressed_validity(t_q, q0, t_c, cfg.compress_ratio, device=dev)], dim=1)
+    local = _union_mask(rows, q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd)
+    mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
+    if compressed_kv is not None:
+        k_raw = torch.cat([k_raw, compressed_kv.to(k.dtype)], dim=2)
+        v_raw = torch.cat([v_raw, compressed_kv.to(v.dtype)], dim=2)
+    return attention(q, k_raw, v_raw, mask, sinks)
+
+
+def _checked_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      compressed_kv: torch.Tensor | None, cfg) -> torch.Tensor | None:
+    """`compressed_kv`, or None on a Standard layer (it never reads compressed keys), the
+    reference's `_checked_operands` on tensors. Refuses with ValueError: operands not rank 4,
+    `k` and `v` not `[B,Hk,t_k,D]` alike, `Hk` not dividing `H`, a negative `raw_prefix` or
+    `compress_ratio`, `compressed_kv` not `[B,Hk,t_c,D]`."""
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must all be rank 4")
+    b, h, _, d = q.shape
+    require(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d,
+            f"k {list(k.shape)} and v {list(v.shape)} must both be [B={b},Hk,t_k,D={d}]")
+    hk = k.shape[1]
+    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
+    require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
+            f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
+    if is_standard_layer(cfg.compress_ratio) or compressed_kv is None:
+        return None
+    require(compressed_kv.dim() == 4 and tuple(compressed_kv.shape[:2]) == (b, hk)
+            and compressed_kv.shape[3] == d,
+            f"compressed_kv {list(compressed_kv.shape)} must be [B={b},{hk},t_c,D={d}]")
+    return compressed_kv
+
+
+def _held_window(k: torch.Tensor, v: torch.Tensor, raw_base: int, keep: int,
+                 raw_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k, v` narrowed to the absolute columns `[raw_base, raw_base + keep)`; the given keys
+    start at absolute column `raw_prefix`. Refuses with MaskRefusal when the window reaches
+    columns before `raw_prefix` ("are NOT" held)."""
+    rel_base = raw_base - raw_prefix
+    if rel_base < 0:
+        raise MaskRefusal(
+            f"raw keys [{raw_base}, {raw_prefix}) reachable by the window are NOT held: "
+            f"raw_prefix {raw_prefix} > raw_base {raw_base}")
+    return k[:, :, rel_base: rel_base + keep], v[:, :, rel_base: rel_base + keep]
+
+
+def _union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, keep: int,
+                compress_ratio: int, t_c: int, cd: torch.dtype) -> torch.Tensor:
+    """The additive union mask before the caller's, in the compute dtype `cd`: one
+    `[1,1,t_q,n]` mask from `valid` when `rows` is None (uniform), else `ragged_union_mask`;
+    counts the path in `dsv4_mask_stats`. No refusals of its own."""
     if rows is None:
         dsv4_mask_stats["uniform"] += 1
-        local = neg_inf_where(valid, cd)[None, None]
-    else:
-        dsv4_mask_stats["ragged"] += 1
-        local = ragged_union_mask(
-            rows, q0, valid, raw_base, keep, cfg.compress_ratio, t_c, cd
-        )
-    mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
-
-    if compressed_kv is not None:
-        k_all = torch.cat([k_raw, compressed_kv.to(k.dtype)], dim=2)
-        v_all = torch.cat([v_raw, compressed_kv.to(v.dtype)], dim=2)
-    else:
-        k_all, v_all = k_raw, v_raw
-    return attention(q, k_all, v_all, mask, sinks)
-
+        return neg_inf_where(valid, cd)[None, None]
+    dsv4_mask_stats["ragged"] += 1
+    return ragged_union_mask(rows, q0, valid, raw_base, keep, compress_ratio, t_c, cd)
 
 
 def dsv4_attention_in_place(

@@ -48,6 +48,48 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def verify_dtype(q, k, v) -> str:
+    """The dtype name of `verify_attention`'s operands. Refuses with ValueError: `q` not
+    `[B,H,w,D]`, `k, v` not one `[Bkv,Hk,cap,D]` shape, the head dims or the GQA grouping
+    (`Hk` dividing `H`) disagreeing, dtypes that differ or the kernels do not take."""
+    require(q.ndim == 4 and k.ndim == 4 and tuple(k.shape) == tuple(v.shape),
+            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: "
+            "need [B,H,w,D] and [B,Hk,cap,D]")
+    h, d, hk = q.shape[1], q.shape[3], k.shape[1]
+    require(k.shape[3] == d and hk >= 1 and h % hk == 0,
+            f"q {list(q.shape)} against k {list(k.shape)}: head dim or GQA grouping disagree")
+    dtype = dtype_name(q.dtype)
+    require(dtype == dtype_name(k.dtype) == dtype_name(v.dtype),
+            f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
+    return dtype
+
+
+def refuse_short_rows(row_lens: np.ndarray, w: int) -> None:
+    """Every query row's KV row holds at least its `w` queries. Refuses with MaskRefusal
+    ("query rows against only") naming the first row's length that does not."""
+    short = np.flatnonzero(row_lens < w)
+    if short.size:
+        raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
+
+
+def check_verify_extras(compressed, t_c: int, ratio: int, sinks, kv_shape: tuple[int, int, int],
+                        h: int, dtype: str) -> None:
+    """`compressed` (when it holds `t_c > 0` keys) is `[Bkv,Hk,t_c,D]` in k's dtype with a
+    compress ratio `>= 1`, and `sinks` (when given) is `[H]` in q's dtype; `kv_shape` is
+    `(Bkv, Hk, D)`. Refuses with ValueError otherwise."""
+    b_kv, hk, d = kv_shape
+    if t_c:
+        same = tuple(compressed.shape) == (b_kv, hk, t_c, d)
+        require(same and dtype_name(compressed.dtype) == dtype,
+                f"compressed {list(compressed.shape)} must be [{b_kv},{hk},t_c,{d}] "
+                "in k's dtype")
+        require(ratio >= 1,
+                f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
+    if sinks is not None:
+        require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype,
+                f"sinks {list(sinks.shape)} must be [{h}] in q's dtype")
+
+
 class Kernels:
     """Launch gpu/kernels.cu with `mode` "cupy" (CUDA) or "emulate" (g++ on the CPU)."""
 
@@ -239,16 +281,43 @@ class Kernels:
         MaskRefusal ("query rows against only") for a row shorter than w; ValueError on shapes,
         lens past cap, `window < 1`, `ratio < 1` with compressed keys."""
         xp = self.xp
-        require(q.ndim == 4 and k.ndim == 4 and tuple(k.shape) == tuple(v.shape),
-                f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: "
-                "need [B,H,w,D] and [B,Hk,cap,D]")
+        dtype = verify_dtype(q, k, v)
         b, h, w, d = q.shape
         b_kv, hk, cap, _ = k.shape
-        require(k.shape[3] == d and hk >= 1 and h % hk == 0,
-                f"q {list(q.shape)} against k {list(k.shape)}: head dim or GQA grouping disagree")
-        dtype = dtype_name(q.dtype)
-        require(dtype == dtype_name(k.dtype) == dtype_name(v.dtype),
-                f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must agree")
+        host_lens, host_rows, rows = self._verify_rows(lens, rows, b, b_kv, cap)
+        require(window is None or window >= 1, f"window {window} must be >= 1")
+        window = cap + w if window is None else min(int(window), cap + w)   # wider: same keys
+        if host_lens is not None and host_rows is not None:
+            refuse_short_rows(host_lens[host_rows], w)
+        t_c = 0 if compressed is None else int(compressed.shape[2])
+        check_verify_extras(compressed, t_c, ratio, sinks, (b_kv, hk, d), h, dtype)
+        out = xp.empty(q.shape, dtype=q.dtype)
+        if out.size == 0:
+            return out
+        nq = (h // hk) * w
+        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
+        ck_in = None if not t_c else xp.ascontiguousarray(compressed)
+        aligned = self._aligned16([q, k, v] + ([] if ck_in is None else [ck_in]))
+        path = self._verify_path(path, aligned, nq, d, dtype, cap, t_c, w)
+        nt = self.attn_threads if nt is None else nt
+        tile, shared, per_sm = self._verify_occupancy(path, nq, d, dtype, nt)
+        if n_split is None:
+            n_split = self.n_split(b, hk, min(cap, window + w - 1) + t_c, tile, per_sm)
+        require(n_split >= 1, f"n_split {n_split} must be >= 1")
+        ck = xp.zeros(1, dtype=q.dtype) if ck_in is None else ck_in
+        lens_d = self._ints(lens if host_lens is None else host_lens)
+        rows_d = self._ints(rows if host_rows is None else host_rows)
+        args = [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window,
+                n_split, b_kv]
+        self._launch_verify(path, dtype, (n_split, hk, b), args, out, sinks, nq, nt, shared)
+        return out
+
+    def _verify_rows(self, lens, rows, b: int, b_kv: int, cap: int):
+        """`(host_lens, host_rows, rows)` of `verify_attention`: the lengths and the KV row of
+        each query row (`0..b-1` when `rows` is None) as host integers, None where given on the
+        device (then only their sizes are checked). Refuses with ValueError: `lens` not `b_kv`
+        values in `[0, cap]`, `rows` None with `b != b_kv`, `rows` not `b` indices below
+        `b_kv`."""
         host_lens = self._host_ints(lens)
         if host_lens is not None:
             bad = (host_lens < 0).any() or (host_lens > cap).any()
@@ -266,31 +335,14 @@ class Kernels:
                     f"rows {host_rows.tolist()} must be {b} indices into {b_kv} KV rows")
         else:
             require(rows.size == b, f"{rows.size} rows for {b} query rows")
-        require(window is None or window >= 1, f"window {window} must be >= 1")
-        window = cap + w if window is None else min(int(window), cap + w)   # wider: same keys
-        if host_lens is not None and host_rows is not None:
-            row_lens = host_lens[host_rows]
-            short = np.flatnonzero(row_lens < w)
-            if short.size:
-                raise MaskRefusal(f"{w} query rows against only {int(row_lens[short[0]])} keys")
-        t_c = 0 if compressed is None else int(compressed.shape[2])
-        if t_c:
-            same = tuple(compressed.shape) == (b_kv, hk, t_c, d)
-            require(same and dtype_name(compressed.dtype) == dtype,
-                    f"compressed {list(compressed.shape)} must be [{b_kv},{hk},t_c,{d}] "
-                    "in k's dtype")
-            require(ratio >= 1,
-                    f"compress ratio {ratio} must be >= 1 when there are {t_c} compressed keys")
-        if sinks is not None:
-            require(tuple(sinks.shape) == (h,) and dtype_name(sinks.dtype) == dtype,
-                    f"sinks {list(sinks.shape)} must be [{h}] in q's dtype")
-        out = xp.empty(q.shape, dtype=q.dtype)
-        if out.size == 0:
-            return out
-        nq = (h // hk) * w
-        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
-        ck_in = None if not t_c else xp.ascontiguousarray(compressed)
-        aligned = self._aligned16([q, k, v] + ([] if ck_in is None else [ck_in]))
+        return host_lens, host_rows, rows
+
+    def _verify_path(self, path: str | None, aligned: bool, nq: int, d: int, dtype: str,
+                     cap: int, t_c: int, w: int) -> str:
+        """The verify kernel to run: `path` when given, else "tc" where the operands are
+        16-byte aligned and `tc_fits`, else "simt". Refuses with ValueError a path other than
+        "tc" / "simt", and "tc" on unaligned operands, on a shape it does not take, or with
+        `max(cap, t_c) * D` or `cap + w` past its 32-bit indices."""
         path = path or ("tc" if aligned and self.tc_fits(nq, d, dtype) else "simt")
         require(path in ("tc", "simt"), f"verify path {path!r} must be 'tc' or 'simt'")
         if path == "tc":
@@ -303,7 +355,13 @@ class Kernels:
                     f"accumulator tiles)")
             require(max(cap, t_c) * d < 2**31 and cap + w < 2**31,
                     f"cap {cap} x head dim {d} is past the tensor-core kernel's 32-bit indices")
-        nt = self.attn_threads if nt is None else nt
+        return path
+
+    def _verify_occupancy(self, path: str, nq: int, d: int, dtype: str, nt: int):
+        """`(tile, shared bytes, blocks per SM)` of the verify kernel on `path` (shared is 0
+        for "simt", whose shared memory is static). Refuses with ValueError a "simt" launch
+        whose `nq` queries of head dim `d` do not fit its shared memory and accumulators (a
+        prefill belongs to the torch port)."""
         require(path == "tc" or self.fits(nq, d, dtype, nt),
                 f"{nq} queries per KV head (G * w) of head dim {d} need "
                 f"{verify_shared_bytes(nq, d, dtype, nt)} "
@@ -311,44 +369,39 @@ class Kernels:
                 "takes at most "
                 f"{SHARED_LIMIT} bytes and {MAX_QUERIES} queries (a prefill belongs to the "
                 "torch port)")
-        tile = TC_TILE if path == "tc" else nt
-        shared = tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages) if path == "tc" else 0
         if path == "tc":
+            shared = tc_shared_bytes(nq, d, self.tc_warps, self.tc_stages)
             per_sm = max(1, min(self.sm_shared // (shared + 1024), 2048 // (32 * self.tc_warps)))
-        else:
-            static = verify_shared_bytes(nq, d, dtype, nt)
-            per_sm = max(1, min(2048 // nt, self.sm_shared // (static + 1024)))
-        if n_split is None:
-            n_split = self.n_split(b, hk, min(cap, window + w - 1) + t_c, tile, per_sm)
-        require(n_split >= 1, f"n_split {n_split} must be >= 1")
+            return TC_TILE, shared, per_sm
+        static = verify_shared_bytes(nq, d, dtype, nt)
+        return nt, 0, max(1, min(2048 // nt, self.sm_shared // (static + 1024)))
+
+    def _launch_verify(self, path: str, dtype: str, grid: tuple[int, int, int], args: list,
+                       out, sinks, nq: int, nt: int, shared: int) -> None:
+        """The verify launches into `out [B,H,w,D]`: the partial kernel of `path` over
+        `grid = (n_split, Hk, B)` with `args` (q, k, v, lens, rows, compressed, t_c, ratio, b,
+        hk, cap, w, window, n_split, b_kv) and its scale, then the combine (sinks folded in).
+        No refusals."""
+        xp, (n_split, hk, b), w, d = self.xp, grid, out.shape[2], out.shape[3]
         acc = ACC_NUMPY[ELEM[dtype][1]]
-        part_m = xp.empty((n_split, b, hk, nq), dtype=acc)
-        part_l = xp.empty((n_split, b, hk, nq), dtype=acc)
-        part_acc = xp.empty((n_split, b, hk, nq, d), dtype=acc)
-        dummy = xp.zeros(1, dtype=q.dtype)
-        ck = dummy if ck_in is None else ck_in
-        lens_d = self._ints(lens if host_lens is None else host_lens)
-        rows_d = self._ints(rows if host_rows is None else host_rows)
+        parts = [xp.empty((n_split, b, hk, nq), dtype=acc),
+                 xp.empty((n_split, b, hk, nq), dtype=acc),
+                 xp.empty((n_split, b, hk, nq, d), dtype=acc)]
         if path == "tc":
             self._launch("rs_verify_attention_tc", dtype, (n_split, hk, b), 32 * self.tc_warps,
-                         [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window,
-                          n_split, b_kv,
-                          math.log2(math.e) / math.sqrt(d), part_m, part_l, part_acc],
+                         args + [math.log2(math.e) / math.sqrt(d)] + parts,
                          nq=nq, d=d, nt=nt, warps=self.tc_warps, stages=self.tc_stages,
                          shared=shared)
         else:
             self._launch("rs_verify_attention_partial", dtype, (n_split, hk, b), nt,
-                         [q, k, v, lens_d, rows_d, ck, t_c, max(ratio, 1), b, hk, cap, w, window,
-                          n_split, b_kv,
-                          1.0 / math.sqrt(d), part_m, part_l, part_acc], nq=nq, d=d, nt=nt,
+                         args + [1.0 / math.sqrt(d)] + parts, nq=nq, d=d, nt=nt,
                          warps=self.tc_warps, stages=self.tc_stages)
+        dummy = xp.zeros(1, dtype=out.dtype)
         self._launch("rs_verify_attention_combine", dtype, self._elementwise_grid(out.size),
                      self.block,
-                     [part_m, part_l, part_acc,
-                      dummy if sinks is None else xp.ascontiguousarray(sinks),
-                      int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt,
+                     parts + [dummy if sinks is None else xp.ascontiguousarray(sinks),
+                              int(sinks is not None), b, hk, w, n_split, out], nq=nq, d=d, nt=nt,
                      warps=self.tc_warps, stages=self.tc_stages)
-        return out
 
     def dsv4_attention_rows(self, q, k, v, lens, rows, compressed, compress_ratio: int,
                             sliding_window: int,

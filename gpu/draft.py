@@ -79,29 +79,39 @@ def propose_chain_batched(
         rows = host_ints(rows)
     ragged = resolve_ragged_chain_starts(starts.tolist())
     ragged = None if ragged is None else host_ints(ragged)
-    start_pos = int(starts[0])
     out = like.new_empty((g, n), dtype=torch.int64)
     prev = on_device_of(seed_hidden, like).to(model.dtype)
     for i in range(n):
-        if block is None:
-            heads = model.mtp_heads
-            hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
-            logits = hidden @ model.lm_head
-        else:
-            fused = block.fuse(prev[:, None, :], toks[:, None])
-            if ragged is None:
-                draft_chain_stats["scalar"] += 1
-                hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
-            else:
-                draft_chain_stats["per_row"] += 1
-                hidden = block.forward_step_rows(fused, ragged + i, cache, rows)[:, 0]
-            logits = block.logits(hidden)
+        hidden, logits = chain_step(model, prev, toks, int(starts[0]), ragged, i, cache, rows)
         nxt = argmax_tokens(logits)
         out[:, i] = nxt
         if trace is not None:
             trace.append(hidden.clone())
         toks, prev = nxt, hidden
     return out
+
+
+def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
+               ragged: np.ndarray | None, i: int, cache: RaggedKv | None,
+               rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `i` of `propose_chain_batched`, as `reference.draft.chain_step`: `(hidden [G,H],
+    logits [G,V])` from `prev [G,H]` and `toks [G]`; with a block at position `start_pos + i`
+    (`ragged` None, counted "scalar" in `draft_chain_stats`) or each row's `start_r + i`
+    ("per_row"), group row r being `cache` row `rows[r]`; Tier A (no block) without a position
+    or a cache. The block's refusals ("desync") propagate."""
+    block = model.mtp
+    if block is None:
+        heads = model.mtp_heads
+        hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
+        return hidden, hidden @ model.lm_head
+    fused = block.fuse(prev[:, None, :], toks[:, None])
+    if ragged is None:
+        draft_chain_stats["scalar"] += 1
+        hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
+    else:
+        draft_chain_stats["per_row"] += 1
+        hidden = block.forward_step_rows(fused, ragged + i, cache, rows)[:, 0]
+    return hidden, block.logits(hidden)
 
 
 def extend_draft_kv_rows(
@@ -129,19 +139,45 @@ def extend_draft_kv_rows(
     over `[R, max(hi - lo)]`, one masked scatter (only `j < hi - lo` lands; nothing is
     written past a row's `hi`), lengths `= hi`. The K is token-local, so no attention runs.
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
+    tokens = checked_tokens(tokens, block.cfg.vocab)
+    host_off, host_lo, host_hi, host_idx = extension_rows(off, lo, hi, rows, hidden, tokens)
+    hidden, tokens = on_device_of(hidden, kv.k), on_device_of(tokens, kv.k).long()
+    host_n = written_counts(host_lo, host_hi, write)
+    host_write = host_n > 0
+    if not host_write.any():
+        return
+    check_extension_spans(kv, host_off, host_lo, host_hi, host_write, hidden.shape[1],
+                          tokens.shape[1])
+    kv._grow_to(int(host_hi[host_write].max()))  # refused (above max_seq_len) before any change
+    held = kv.host_lens().copy()
+    held[host_idx[host_write]] = host_lo[host_write]
+    kv.lens = held
+    write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx)
+    held = held.copy()
+    held[host_idx[host_write]] = host_hi[host_write]
+    kv.lens = held
+
+
+def checked_tokens(tokens, vocab: int) -> torch.Tensor:
+    """The committed tokens `[R, L_max]` as a tensor (a host array or list is converted), range
+    checked where they were given (a tensor is read once). Refuses with ValueError a token
+    outside `[0, vocab)`."""
     if isinstance(tokens, torch.Tensor):
-        bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= block.cfg.vocab)
+        bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab)
     else:
         tokens = host_ints(tokens, flat=False)
-        bad = tokens.size and (tokens.min() < 0 or tokens.max() >= block.cfg.vocab)
+        bad = tokens.size and (tokens.min() < 0 or tokens.max() >= vocab)
         tokens = torch.from_numpy(tokens)
     if bad:  # the committed tokens, checked on the host when given there
-        raise ValueError(f"tokens must be in [0, {block.cfg.vocab})")
-    host_off, host_lo, host_hi = (
-        host_ints(off),
-        host_ints(lo),
-        host_ints(hi),
-    )  # the plan: host integers
+        raise ValueError(f"tokens must be in [0, {vocab})")
+    return tokens
+
+
+def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens: torch.Tensor):
+    """The plan `off, lo, hi` and the cache rows (`0..R-1` when `rows` is None) as host
+    integer arrays. Refuses with ValueError unless they, `hidden [R,T,H]` and `tokens [R,L]`
+    all have one entry per row."""
+    host_off, host_lo, host_hi = host_ints(off), host_ints(lo), host_ints(hi)
     host_idx = np.arange(host_lo.size) if rows is None else host_ints(rows)
     r_n = host_lo.size
     if not (
@@ -156,33 +192,50 @@ def extend_draft_kv_rows(
             f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry "
             "per row"
         )
-    hidden, tokens = on_device_of(hidden, kv.k), on_device_of(tokens, kv.k).long()
+    return host_off, host_lo, host_hi, host_idx
+
+
+def written_counts(host_lo: np.ndarray, host_hi: np.ndarray, write) -> np.ndarray:
+    """Pairs each row writes: `max(hi - lo, 0)`, 0 outside `write` (a bool `[R]`) when given.
+    Refuses (ValueError) a `write` mask without one entry per row."""
     host_n = np.maximum(host_hi - host_lo, 0)
-    if write is not None:
-        host_write = host_ints(write).astype(bool)
-        require(host_write.size == r_n, f"write mask of {host_write.size} for {r_n} rows")
-        host_n = np.where(host_write, host_n, 0)
-    host_write = host_n > 0
-    if not host_write.any():
-        return
-    t_cap = hidden.shape[1]
+    if write is None:
+        return host_n
+    host_write = host_ints(write).astype(bool)
+    require(host_write.size == host_lo.size,
+            f"write mask of {host_write.size} for {host_lo.size} rows")
+    return np.where(host_write, host_n, 0)
+
+
+def check_extension_spans(kv: RaggedKv, host_off: np.ndarray, host_lo: np.ndarray,
+                          host_hi: np.ndarray, host_write: np.ndarray, t_cap: int,
+                          l_max: int) -> None:
+    """Every writing row's span lies inside its capture (`off <= lo`, `hi <= off + T`) and its
+    tokens (`hi + 1 <= L_max`), else ValueError; its `lo` is within the pool's capacity, else
+    CacheRefusal "MTP draft KV truncate to {lo} failed" (the reference's `set_len`)."""
     outside = host_write & (
-        (host_lo < host_off) | (host_hi > host_off + t_cap) | (host_hi + 1 > tokens.shape[1])
+        (host_lo < host_off) | (host_hi > host_off + t_cap) | (host_hi + 1 > l_max)
     )
     if outside.any():
         raise ValueError(
             f"extension spans lo {host_lo.tolist()}, hi {host_hi.tolist()} lie outside the capture "
-            f"(off {host_off.tolist()}, T {t_cap}) or the tokens ({tokens.shape[1]})"
+            f"(off {host_off.tolist()}, T {t_cap}) or the tokens ({l_max})"
         )
     over = np.flatnonzero(host_write & (host_lo > kv.capacity))
     if over.size:
         bad = int(host_lo[over[0]])
         raise CacheRefusal(f"MTP draft KV truncate to {bad} failed: set_len({bad}) exceeds "
                            f"current capacity {kv.capacity} (first cached 0)")
-    kv._grow_to(int(host_hi[host_write].max()))  # refused (above max_seq_len) before any change
-    held = kv.host_lens().copy()
-    held[host_idx[host_write]] = host_lo[host_write]
-    kv.lens = held
+
+
+def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens: torch.Tensor,
+                     host_off: np.ndarray, host_lo: np.ndarray, host_n: np.ndarray,
+                     host_idx: np.ndarray) -> None:
+    """One fuse + key projection over `[R, max(n)]` and one masked scatter: row r's key for
+    the pair `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at cache row
+    `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is token-local,
+    so no attention runs). Lengths are not touched. No refusals of its own."""
+    t_cap = hidden.shape[1]
     width = int(host_n.max())
     off, lo = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_off, host_lo))
     n, idx = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_n, host_idx))
@@ -193,9 +246,7 @@ def extend_draft_kv_rows(
         1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
     )
     nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
-    fused = block.fuse(
-        h.to(block.dtype), nxt
-    )  # the committed tokens: checked by the caller
+    fused = block.fuse(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
     pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
     top = int((host_lo + np.maximum(host_n - 1, 0)).max())
@@ -207,10 +258,6 @@ def extend_draft_kv_rows(
     cc = pos[valid]
     kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.k.dtype)
     kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.v.dtype)
-    held = held.copy()
-    held[host_idx[host_write]] = host_hi[host_write]
-    kv.lens = held
-
 
 __all__ = [
     "argmax_tokens",

@@ -293,16 +293,7 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
     RuntimeError (with the compiler's output) when g++ is missing or the build fails."""
     source = SOURCE_PATH.read_text() if source is None else source
     sigs = signatures(source)
-    wrappers = []
-    for name, params in sigs.items():
-        decl = ", ".join(f"{p.ctype} {p.name}" for p in params)
-        call = ", ".join(p.name for p in params)
-        wrappers.append(
-            f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
-            f"size_t smem, {decl}) "
-            f"{{ rs_run_grid(gx, gy, gz, bx, smem, [&] {{ {name}({call}); }}); }}"
-        )
-    text = PRELUDE + defines + "\n" + source + "\n" + "\n".join(wrappers) + "\n"
+    text = PRELUDE + defines + "\n" + source + "\n" + "\n".join(entry_points(sigs)) + "\n"
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     with _LOCK:
         if key in _LIBS:
@@ -314,32 +305,7 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
             )
         lib_path = _cache_dir() / f"kernels-{key}.so"
         if not lib_path.exists():
-            # per-process names: two processes building the same text never share a file
-            src_path = lib_path.with_suffix(f".{os.getpid()}.cpp")
-            src_path.write_text(text)
-            tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-            res = subprocess.run(
-                [
-                    gxx,
-                    "-std=c++20",
-                    "-O1",
-                    "-shared",
-                    "-fPIC",
-                    "-pthread",
-                    "-Wno-narrowing",
-                    "-o",
-                    str(tmp),
-                    str(src_path),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            src_path.unlink(missing_ok=True)
-            if res.returncode != 0:
-                raise RuntimeError(
-                    f"g++ failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}"
-                )
-            os.replace(tmp, lib_path)
+            compile_library(gxx, text, lib_path, defines)
         lib = ctypes.CDLL(str(lib_path))
         lib.rs_signatures = sigs
         for name, params in sigs.items():
@@ -352,6 +318,53 @@ def build(defines: str, source: str | None = None) -> ctypes.CDLL:
             fn.restype = None
         _LIBS[key] = lib
         return lib
+
+
+def entry_points(sigs: dict) -> list[str]:
+    """One C++ `emu_<kernel>(gx, gy, gz, bx, smem, params...)` wrapper per kernel of `sigs`,
+    running the kernel over the whole grid (`rs_run_grid`). No refusals."""
+    wrappers = []
+    for name, params in sigs.items():
+        decl = ", ".join(f"{p.ctype} {p.name}" for p in params)
+        call = ", ".join(p.name for p in params)
+        wrappers.append(
+            f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
+            f"size_t smem, {decl}) "
+            f"{{ rs_run_grid(gx, gy, gz, bx, smem, [&] {{ {name}({call}); }}); }}"
+        )
+    return wrappers
+
+
+def compile_library(gxx: str, text: str, lib_path: Path, defines: str) -> None:
+    """Compile the C++ `text` with `gxx` into the shared library `lib_path`, atomically: the
+    source and the output carry the process id until the finished library is renamed into
+    place, so two processes building the same text never share a file. Refuses with
+    RuntimeError (the compiler's output, the build's `defines` named) when g++ fails."""
+    src_path = lib_path.with_suffix(f".{os.getpid()}.cpp")
+    src_path.write_text(text)
+    tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
+    res = subprocess.run(
+        [
+            gxx,
+            "-std=c++20",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wno-narrowing",
+            "-o",
+            str(tmp),
+            str(src_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    src_path.unlink(missing_ok=True)
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"g++ failed on gpu/kernels.cu ({defines.strip()}):\n{res.stderr[-4000:]}"
+        )
+    os.replace(tmp, lib_path)
 
 
 def launch(

@@ -149,14 +149,34 @@ class XsRolling:
             f"{None if self.ring is None else self.ring.shape[2]}",
         )
         b, t_new, d = x_new.shape
-        w, r = self.window, self.ratio
-        # the plan is the reference's, on the host copies of the lengths (no device read)
+        tok_after, g_done_h, take_h, base_after = self._append_plan(t_new)
+        x_new = to_device(x_new, self.device)
+        g_needed = int((g_done_h + take_h).max()) if b else 0
+        if self.ring is None:
+            self.dim = d
+            self.ring = x_new.new_zeros((b, self.window, d))
+            self.comp = x_new.new_zeros((b, 0, d))
+        if self.comp.shape[1] < g_needed:
+            self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
+        x_new = x_new.to(self.ring.dtype)
+        if b and int(take_h.max()) > 0:
+            self._compress_blocks(x_new, g_done_h, take_h)
+        self._write_ring(x_new)
+        self.tokens = tok_after
+        self.base = base_after
+
+    def _append_plan(self, t_new: int):
+        """`(tokens_after, g_done, take, base_after)` per row, host int64 arrays, for appending
+        `t_new` rows: the reference's `plan_xs_advance` on the host copies of the lengths (no
+        device read; its refusals propagate). Refuses with CacheRefusal "above max_seq_len"
+        naming the first row that would hold more tokens. Changes nothing."""
+        b = self.batch
         rows = plan_xs_advance(
             self.host_tokens().tolist(),
             self.host_base().tolist(),
-            w,
+            self.window,
             t_new,
-            r,
+            self.ratio,
             self.span,
             self.margin,
         ).rows
@@ -171,48 +191,47 @@ class XsRolling:
         g_done_h = np.fromiter((p.g_done for p in rows), np.int64, b)
         take_h = np.fromiter((p.take for p in rows), np.int64, b)
         base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
-        x_new = to_device(x_new, self.device)
-        g_needed = int((g_done_h + take_h).max()) if b else 0
-        if self.ring is None:
-            self.dim = d
-            self.ring = x_new.new_zeros((b, w, d))
-            self.comp = x_new.new_zeros((b, 0, d))
-        if self.comp.shape[1] < g_needed:
-            self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
-        x_new = x_new.to(self.ring.dtype)
-        take_max = int(take_h.max()) if b else 0
-        if take_max > 0:
-            g_done = on_device_of(torch.from_numpy(g_done_h), self.ring)
-            j = arange_like(take_max, self.ring)
-            g = g_done[:, None] + j  # [B, take_max]
-            p = (g[:, :, None] * r + arange_like(r, self.ring)).reshape(
-                b, -1
-            )  # [B, take_max * r]
-            fresh = p >= self.tokens[:, None]
-            from_new = x_new.gather(
-                1,
-                (p - self.tokens[:, None])
-                .clamp(0, max(t_new - 1, 0))[:, :, None]
-                .expand(-1, -1, d),
-            )
-            from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
-            rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
-            blocks = (
-                rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)
-            )  # [B, take_max, D]
-            valid = (j[None, :] < on_device_of(torch.from_numpy(take_h), j)[:, None])[:, :, None]
-            # every (row, g) pair is distinct: write all of them into a buffer wide enough,
-            # the pairs past a row's take with the values they had (no mask-sized index)
-            width = self.comp.shape[1]
-            room = int(g_done_h.max()) + take_max
-            comp = (
-                self.comp
-                if room <= width
-                else torch.nn.functional.pad(self.comp, (0, 0, 0, room - width))
-            )
-            at = g[:, :, None].expand(-1, -1, d)
-            comp = comp.scatter(1, at, torch.where(valid, blocks, comp.gather(1, at)))
-            self.comp = comp[:, :width]
+        return tok_after, g_done_h, take_h, base_after
+
+    def _compress_blocks(self, x_new: torch.Tensor, g_done_h: np.ndarray,
+                         take_h: np.ndarray) -> None:
+        """Row i's new compressed blocks `g_done_i + j`, `j < take_i`, in one gather + mean:
+        block g is the mean of positions `[g * ratio, (g + 1) * ratio)`, each read from `x_new`
+        when at or past the row's `tokens`, else from the ring. Written into `comp` (its width
+        kept); the pairs past a row's take keep their values. No refusals."""
+        b, t_new, d = x_new.shape
+        w, r = self.window, self.ratio
+        take_max = int(take_h.max())
+        g_done = on_device_of(torch.from_numpy(g_done_h), self.ring)
+        j = arange_like(take_max, self.ring)
+        g = g_done[:, None] + j  # [B, take_max]
+        p = (g[:, :, None] * r + arange_like(r, self.ring)).reshape(b, -1)  # [B, take_max * r]
+        fresh = p >= self.tokens[:, None]
+        from_new = x_new.gather(
+            1,
+            (p - self.tokens[:, None]).clamp(0, max(t_new - 1, 0))[:, :, None].expand(-1, -1, d),
+        )
+        from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
+        rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
+        blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)  # [B, take_max, D]
+        valid = (j[None, :] < on_device_of(torch.from_numpy(take_h), j)[:, None])[:, :, None]
+        # every (row, g) pair is distinct: write all of them into a buffer wide enough,
+        # the pairs past a row's take with the values they had (no mask-sized index)
+        width = self.comp.shape[1]
+        room = int(g_done_h.max()) + take_max
+        comp = (
+            self.comp
+            if room <= width
+            else torch.nn.functional.pad(self.comp, (0, 0, 0, room - width))
+        )
+        at = g[:, :, None].expand(-1, -1, d)
+        comp = comp.scatter(1, at, torch.where(valid, blocks, comp.gather(1, at)))
+        self.comp = comp[:, :width]
+
+    def _write_ring(self, x_new: torch.Tensor) -> None:
+        """The last `min(t_new, W)` rows of `x_new` into each row's ring at
+        `(tokens + t_new - keep + c) mod W`; `tokens` not moved. No refusals."""
+        t_new, d, w = x_new.shape[1], x_new.shape[2], self.window
         keep = min(t_new, w)
         if keep:
             cols = torch.remainder(
@@ -221,8 +240,6 @@ class XsRolling:
             self.ring = self.ring.scatter(
                 1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep :]
             )
-        self.tokens = tok_after
-        self.base = base_after
 
     # --- length setters -----------------------------------------------------------------------
     def _rollback_refusal(self, lens: np.ndarray) -> CacheRefusal | None:

@@ -133,57 +133,74 @@ def dsv4_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, compressed_kv: n
     MaskRefusal from `compose_caller_mask`. ValueError on malformed shapes.
     Not modelled: `ARC_V4_STANDARD_DENSE` (A/B-only plain SDPA for Standard layers).
     """
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    require(q.ndim == 4 and k.ndim == 4 and v.ndim == 4,
-            f"q {q.shape}, k {k.shape}, v {v.shape} must all be rank 4")
-    b, h, t_q, d = q.shape
-    require(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d,
-            f"k {k.shape} and v {v.shape} must both be [B={b},Hk,t_k,D={d}]")
-    hk = k.shape[1]
-    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
-    require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
-            f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
-    if is_standard_layer(cfg.compress_ratio):
-        compressed_kv = None  # step 1: a Standard layer never reads compressed keys
-    if compressed_kv is not None:
-        compressed_kv = np.asarray(compressed_kv, dtype=np.float64)
-        require(compressed_kv.ndim == 4 and compressed_kv.shape[:2] == (b, hk)
-                and compressed_kv.shape[3] == d,
-                f"compressed_kv {compressed_kv.shape} must be [B={b},{hk},t_c,D={d}]")
+    q, k, v, compressed_kv = _checked_operands(q, k, v, compressed_kv, cfg)
+    b, _, t_q, _ = q.shape
     t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
-
     t_k_full = cfg.raw_prefix + k.shape[2]
     window = max(cfg.sliding_window, 1)
     if t_q > t_k_full:
         raise MaskRefusal(f"{t_q} query rows against only {t_k_full} keys")
     q0 = t_k_full - t_q
     rows = resolve_ragged_rows(cfg.row_q0, q0, b)
-
     raw_base, keep = raw_keep_span(t_q, window, t_k_full)
-    rel_base = raw_base - cfg.raw_prefix
-    if rel_base < 0:
-        raise MaskRefusal(
-            f"raw keys [{raw_base}, {cfg.raw_prefix}) reachable by the window are NOT held: "
-            f"raw_prefix {cfg.raw_prefix} > raw_base {raw_base}")
-    k_raw = k[:, :, rel_base: rel_base + keep]
-    v_raw = v[:, :, rel_base: rel_base + keep]
-
+    k_raw, v_raw = _held_window(k, v, raw_base, keep, cfg.raw_prefix)
     valid = np.concatenate([raw_validity(t_q, q0, raw_base, keep, window),
                             compressed_validity(t_q, q0, t_c, cfg.compress_ratio)], axis=1)
+    local = _union_mask(rows, q0, valid, raw_base, keep, cfg.compress_ratio, t_c)
+    mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
+    if compressed_kv is not None:
+        k_raw = np.concatenate([k_raw, compressed_kv], axis=2)
+        v_raw = np.concatenate([v_raw, compressed_kv], axis=2)
+    return attention(q, k_raw, v_raw, mask, sinks)
+
+
+def _checked_operands(q, k, v, compressed_kv, cfg: Dsv4AttentionConfig):
+    """`q, k, v, compressed_kv` as float64, `compressed_kv` None on a Standard layer (spec §4
+    step 1: it never reads compressed keys). Refuses with ValueError: operands not rank 4, `k`
+    and `v` not `[B,Hk,t_k,D]` alike, `Hk` not dividing `H`, a negative `raw_prefix` or
+    `compress_ratio`, `compressed_kv` not `[B,Hk,t_c,D]`."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    require(q.ndim == 4 and k.ndim == 4 and v.ndim == 4,
+            f"q {q.shape}, k {k.shape}, v {v.shape} must all be rank 4")
+    b, h, _, d = q.shape
+    require(k.shape == v.shape and k.shape[0] == b and k.shape[3] == d,
+            f"k {k.shape} and v {v.shape} must both be [B={b},Hk,t_k,D={d}]")
+    hk = k.shape[1]
+    require(hk >= 1 and h % hk == 0, f"KV heads {hk} must divide query heads {h}")
+    require(cfg.raw_prefix >= 0 and cfg.compress_ratio >= 0,
+            f"raw_prefix {cfg.raw_prefix} and compress_ratio {cfg.compress_ratio} must be >= 0")
+    if is_standard_layer(cfg.compress_ratio) or compressed_kv is None:
+        return q, k, v, None
+    compressed_kv = np.asarray(compressed_kv, dtype=np.float64)
+    require(compressed_kv.ndim == 4 and compressed_kv.shape[:2] == (b, hk)
+            and compressed_kv.shape[3] == d,
+            f"compressed_kv {compressed_kv.shape} must be [B={b},{hk},t_c,D={d}]")
+    return q, k, v, compressed_kv
+
+
+def _held_window(k: np.ndarray, v: np.ndarray, raw_base: int, keep: int,
+                 raw_prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """`k, v` narrowed to the absolute columns `[raw_base, raw_base + keep)`; the given keys
+    start at absolute column `raw_prefix`. Refuses with MaskRefusal when the window reaches
+    columns before `raw_prefix` ("are NOT" held)."""
+    rel_base = raw_base - raw_prefix
+    if rel_base < 0:
+        raise MaskRefusal(
+            f"raw keys [{raw_base}, {raw_prefix}) reachable by the window are NOT held: "
+            f"raw_prefix {raw_prefix} > raw_base {raw_base}")
+    return k[:, :, rel_base: rel_base + keep], v[:, :, rel_base: rel_base + keep]
+
+
+def _union_mask(rows, q0: int, valid: np.ndarray, raw_base: int, keep: int,
+                compress_ratio: int, t_c: int) -> np.ndarray:
+    """The additive union mask before the caller's: one `[1,1,t_q,n]` mask from `valid` when
+    `rows` is None (uniform), else `ragged_union_mask`; counts the path in `dsv4_mask_stats`.
+    No refusals of its own."""
     if rows is None:
         dsv4_mask_stats["uniform"] += 1
-        local = np.where(valid, 0.0, -np.inf)[None, None]
-    else:
-        dsv4_mask_stats["ragged"] += 1
-        local = ragged_union_mask(rows, q0, valid, raw_base, keep, cfg.compress_ratio, t_c)
-    mask = compose_caller_mask(local, attention_mask, t_q, t_k_full, raw_base, keep, t_c)
-
-    if compressed_kv is not None:
-        k_all = np.concatenate([k_raw, compressed_kv], axis=2)
-        v_all = np.concatenate([v_raw, compressed_kv], axis=2)
-    else:
-        k_all, v_all = k_raw, v_raw
-    return attention(q, k_all, v_all, mask, sinks)
+        return np.where(valid, 0.0, -np.inf)[None, None]
+    dsv4_mask_stats["ragged"] += 1
+    return ragged_union_mask(rows, q0, valid, raw_base, keep, compress_ratio, t_c)
 
 
 def xs_history_should_reset(seqlen_offsets: Sequence[int]) -> bool:

@@ -220,12 +220,7 @@ def extend_draft_kv_row(
     if block is None:
         return True
     offsets, hidden = capture
-    hidden = np.asarray(hidden, dtype=np.float64)
-    if hidden.ndim == 2:
-        hidden = hidden[None]
-    elif hidden.ndim != 3:
-        raise StepRefusal(f"captured hidden has rank {hidden.ndim} (shape {list(hidden.shape)}); "
-                          f"expected [B,T,H] or [T,H]")
+    hidden = captured_hidden(hidden)
     if hidden.shape[0] != batch or row >= batch:
         return False
     if not offsets.describes(batch):
@@ -238,18 +233,39 @@ def extend_draft_kv_row(
     hidden = hidden[row]
     if p is not None:
         state.seed = (p, hidden[p - off].copy())
-    if hi <= lo:
-        return True
+    if hi > lo:
+        write_draft_span(state, block, hidden[lo - off: hi - off], toks, lo, hi)
+    return True
+
+
+def captured_hidden(hidden) -> np.ndarray:
+    """The capture's hidden as float64 `[B,T,H]`: a rank-2 `[T,H]` becomes `[1,T,H]` (check 4
+    of `extend_draft_kv_row`). Refuses (StepRefusal) any other rank."""
+    hidden = np.asarray(hidden, dtype=np.float64)
+    if hidden.ndim == 2:
+        return hidden[None]
+    if hidden.ndim != 3:
+        raise StepRefusal(f"captured hidden has rank {hidden.ndim} (shape {list(hidden.shape)}); "
+                          f"expected [B,T,H] or [T,H]")
+    return hidden
+
+
+def write_draft_span(state: DraftKv, block, hidden: np.ndarray, toks: Sequence[int], lo: int,
+                     hi: int) -> None:
+    """Checks 11-13 of `extend_draft_kv_row`: write the pairs `(hidden[j], toks[lo + 1 + j])`
+    at draft-KV slots `lo..hi` and set `filled = hi`; without a cache (the unreachable Tier-A
+    branch) only `filled = hi`. `hidden` holds the capture rows of slots `lo..hi`. Refuses
+    (CacheRefusal "MTP draft KV truncate to {filled} failed") when the cache cannot be cut
+    back to `filled`; the block's own refusals propagate."""
     if state.cache is None:
         state.filled = hi
-        return True
+        return
     try:
         state.cache.set_len(state.filled)
     except Refusal as exc:
         raise CacheRefusal(f"MTP draft KV truncate to {state.filled} failed: {exc}") from exc
     nxt = [int(x) for x in toks[lo + 1: hi + 1]]
-    state.filled = extend_draft_cache(block, state.cache, hidden[lo - off: hi - off], nxt, lo)
-    return True
+    state.filled = extend_draft_cache(block, state.cache, hidden, nxt, lo)
 
 
 def extend_draft_kvs(
@@ -348,21 +364,10 @@ def propose_chain_batched(
     toks = np.asarray(last_tokens, dtype=np.int64).reshape(-1)
     require(toks.shape == (g,), f"{toks.shape[0]} last tokens for a draft group of {g}")
     ragged = resolve_ragged_chain_starts(starts)
-    start_pos = starts[0]
     chains: list[list[int]] = [[] for _ in range(g)]
     prev = seed_hidden
     for i in range(n):
-        if block is None:
-            heads = model.mtp_heads
-            hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
-            logits = hidden @ model.lm_head
-        else:
-            fused = block.fuse(prev[:, None, :], toks[:, None])
-            if ragged is None:
-                hidden = block.forward_step(fused, start_pos + i, cache)[:, 0]
-            else:
-                hidden = block.forward_step_rows(fused, [s + i for s in ragged], cache)[:, 0]
-            logits = block.logits(hidden)
+        hidden, logits = chain_step(model, prev, toks, starts[0], ragged, i, cache)
         nxt = np.array([argmax_token(row) for row in logits], dtype=np.int64)
         for r in range(g):
             chains[r].append(int(nxt[r]))
@@ -370,6 +375,28 @@ def propose_chain_batched(
             trace.append(hidden.copy())
         toks, prev = nxt, hidden
     return chains
+
+
+def chain_step(model, prev: np.ndarray, toks: np.ndarray, start_pos: int,
+               ragged: Sequence[int] | None, i: int,
+               cache: KvCache | None) -> tuple[np.ndarray, np.ndarray]:
+    """Step `i` of `propose_chain_batched` (§10.2): `(hidden [G,H], logits [G,V])` from the
+    previous hidden `prev [G,H]` and tokens `toks [G]`. With a block: `fused = h_proj(hnorm(prev))
+    + e_proj(enorm(embed(toks)))` at position `start_pos + i` (`ragged` None) or at each row's
+    `start_r + i`, `logits = lm_head(norm_out(hidden))`. Tier A (no block): `hidden = h_proj(prev)
+    + e_proj(embed(toks))`, `logits = lm_head(hidden)`, no position, no cache. The block's
+    refusals ("desync") propagate."""
+    block = model.mtp
+    if block is None:
+        heads = model.mtp_heads
+        hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
+        return hidden, hidden @ model.lm_head
+    fused = block.fuse(prev[:, None, :], toks[:, None])
+    if ragged is None:
+        hidden = block.forward_step(fused, start_pos + i, cache)[:, 0]
+    else:
+        hidden = block.forward_step_rows(fused, [s + i for s in ragged], cache)[:, 0]
+    return hidden, block.logits(hidden)
 
 
 def propose_chain(model, h: np.ndarray, tok: int, depth: int, max_tokens: int, start: int,
@@ -445,61 +472,93 @@ def group_drafting_loop(
     require(len(toks) == b and len(cache_lens) == b and len(budgets) == b,
             f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
             f"({len(budgets)}) must have one entry per row")
-    block = model.mtp
     drafts: list[list[int]] = [[] for _ in range(b)]
     warned_empty = False
-    for (u, _), rows in groups.items():
-        n_draft = w - u
+    for (u, second), rows in groups.items():
+        key = (u, second)
         members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
         if not members:
-            if block is not None and not warned_empty:
-                warn(warnings, "no row", key=(u, _))
+            if model.mtp is not None and not warned_empty:
+                warn(warnings, "no row", key=key)
                 warned_empty = True
             continue
-        seed_hidden = np.stack([states[i].seed[1] for i in members])
-        lasts = [int(toks[i][-1]) for i in members]
-        g = len(members)
-        if block is None:
-            chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, None)
-            for slot, i in enumerate(members):
-                drafts[i] = chains[slot]
+        chains = draft_group(model, key, members, starts, states, toks, w - u, per_seq_advance,
+                             warnings)
+        if chains is None:
             continue
-        caches = [states[i].cache for i in members]
-        if any(c is None for c in caches):
-            warn(warnings, "no cache", key=(u, _))
-            continue
-        leads = resolve_draft_leads(per_seq_advance, starts)
-        if leads is None:
-            batched = batch_draft_caches(caches)
-            if batched is None:
-                warn(warnings, "unbatchable", key=(u, _))
-                continue
-            try:
-                batched.set_len(starts[0])
-            except Refusal as exc:
-                warn(warnings, "set_len", key=(u, _), start=starts[0], exc=exc)
-                continue
-        else:
-            try:
-                batched = front_align_draft_group(caches, starts)
-            except Refusal as exc:
-                warn(warnings, "front-align", key=(u, _), exc=exc)
-                continue
-        chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, batched)
-        pieces = split_draft_cache(batched, g)
-        if pieces is None:
-            warn(warnings, "split", key=(u, _), g=g)
-            continue
-        for slot, i in enumerate(members):
-            row_cache = pieces[slot]
-            try:
-                drop_dead_prefix(row_cache, 0 if leads is None else leads[slot])
-            except Refusal as exc:
-                warn(warnings, "strip", row=i, exc=exc)
-                states[i].poisoned = True
-                continue
-            states[i].cache = row_cache
-            states[i].filled = starts[slot] + 1
         for slot, i in enumerate(members):
             drafts[i] = chains[slot]
     return drafts
+
+
+def draft_group(model, key: tuple[int, int], members: Sequence[int], starts: Sequence[int],
+                states: Sequence[DraftKv | None], toks: Sequence[Sequence[int]], n_draft: int,
+                per_seq_advance: bool, warnings: list[str] | None) -> list[list[int]] | None:
+    """One draft group of `group_drafting_loop` (§9.3): the members' chains (member order), or
+    None when the group drafts nothing (a member without a cache, a group cache refused, a
+    batched cache that does not split back; each warns). Tier A (no block) chains without a
+    cache and writes nothing back; with a block the members' caches are written back
+    (`write_back_draft_group`). The chain's errors propagate."""
+    seed_hidden = np.stack([states[i].seed[1] for i in members])
+    lasts = [int(toks[i][-1]) for i in members]
+    if model.mtp is None:
+        return propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, None)
+    caches = [states[i].cache for i in members]
+    if any(c is None for c in caches):
+        warn(warnings, "no cache", key=key)
+        return None
+    leads = resolve_draft_leads(per_seq_advance, starts)
+    batched = group_draft_cache(caches, starts, leads, key, warnings)
+    if batched is None:
+        return None
+    chains = propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, batched)
+    pieces = split_draft_cache(batched, len(members))
+    if pieces is None:
+        warn(warnings, "split", key=key, g=len(members))
+        return None
+    write_back_draft_group(states, members, starts, pieces, leads, warnings)
+    return chains
+
+
+def group_draft_cache(caches: Sequence[KvCache], starts: Sequence[int],
+                      leads: Sequence[int] | None, key: tuple[int, int],
+                      warnings: list[str] | None) -> KvCache | None:
+    """The group's batched draft cache (§9.3), holding `max(starts)` entries: without `leads`
+    (a uniform group) `batch_draft_caches` cut to `starts[0]`, else
+    `front_align_draft_group(caches, starts)`. None, with a warning, when the caches cannot be
+    batched or a `set_len` / front-alignment refusal is raised (refusals are not re-raised)."""
+    if leads is not None:
+        try:
+            return front_align_draft_group(caches, starts)
+        except Refusal as exc:
+            warn(warnings, "front-align", key=key, exc=exc)
+            return None
+    batched = batch_draft_caches(caches)
+    if batched is None:
+        warn(warnings, "unbatchable", key=key)
+        return None
+    try:
+        batched.set_len(starts[0])
+    except Refusal as exc:
+        warn(warnings, "set_len", key=key, start=starts[0], exc=exc)
+        return None
+    return batched
+
+
+def write_back_draft_group(states: Sequence[DraftKv | None], members: Sequence[int],
+                           starts: Sequence[int], pieces: Sequence[KvCache],
+                           leads: Sequence[int] | None, warnings: list[str] | None) -> None:
+    """Each member takes its piece of the split group cache (§9.3): its dead prefix (`leads[slot]`,
+    0 for a uniform group) dropped **before** `filled = chain_start + 1` (only the chain's first
+    entry, real context, is committed). A strip refusal warns, poisons that row and leaves its
+    state as it was; other rows are unaffected."""
+    for slot, i in enumerate(members):
+        row_cache = pieces[slot]
+        try:
+            drop_dead_prefix(row_cache, 0 if leads is None else leads[slot])
+        except Refusal as exc:
+            warn(warnings, "strip", row=i, exc=exc)
+            states[i].poisoned = True
+            continue
+        states[i].cache = row_cache
+        states[i].filled = starts[slot] + 1

@@ -8,6 +8,11 @@ seeded and integer, so the same scenario always yields the same requests. The ad
 its flags and refusal chain, and what is refused as malformed are in docs/simulator.md ("Inside
 the two modes"); a malformed scenario raises `ScenarioError` (`reference.errors`) naming the
 key and the allowed values.
+
+The `acceptance` key is parsed in `reference.scenario_acceptance`, the requests in
+`reference.scenario_requests`, each value checked by `reference.scenario_values`; their public
+names (`AcceptanceSpec`, `parse_acceptance`, `Request`, `generate_requests`, ...) are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -18,24 +23,34 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from raggedspec.reference.acceptance import load_accept_file, resolve_factory
 from raggedspec.reference.errors import ScenarioError
+from raggedspec.reference.scenario_acceptance import (  # the acceptance names, re-exported
+    ACCEPTANCE_MODELS as ACCEPTANCE_MODELS,
+    PROB_MODELS as PROB_MODELS,
+    AcceptanceSpec,
+    acceptance_table,
+    check_acceptance,
+    parse_acceptance,
+)
+from raggedspec.reference.scenario_requests import (  # the request names, re-exported
+    ARRIVALS as ARRIVALS,
+    Request,
+    generate_requests as generate_requests,
+    scenario_requests,
+)
+from raggedspec.reference.scenario_values import (
+    boolean,
+    choice,
+    fail,
+    integer,
+    optional_int,
+)
 
 MAX_DEPTH = 8
 ADVANCES = ("cohort", "per-sequence")
 WORLDS = ("W0", "WA", "WB")
 ADMISSIONS = ("refuse", "grant")
 STRIPS = ("eager", "lazy", "none")
-ARRIVALS = ("all-at-once", "staggered")
-ACCEPTANCE_MODELS = (
-    "geometric",
-    "profile",
-    "heterogeneous",
-    "all-accept",
-    "all-reject",
-    "file",
-    "oracle",
-)
 MODEL_KEYS = (
     "vocab",
     "hidden",
@@ -55,86 +70,7 @@ MODEL_INTS = ("vocab", "hidden", "n_heads", "n_kv_heads", "head_dim", "rope_dims
               "sliding_window")
 
 
-def _fail(key: str, allowed: str, got: Any) -> None:
-    raise ScenarioError(f"scenario key '{key}': {allowed}, got {got!r}")
-
-
-def _int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
-    """`value` as an int in `lo..=hi` (no upper bound when `hi` is None)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(key, f"must be an integer{_range(lo, hi)}", value)
-    if value < lo or (hi is not None and value > hi):
-        _fail(key, f"must be an integer{_range(lo, hi)}", value)
-    return int(value)
-
-
-def _range(lo: int, hi: int | None) -> str:
-    return f" >= {lo}" if hi is None else f" in {lo}..={hi}"
-
-
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        _fail(key, f"must be one of {', '.join(allowed)}", value)
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        _fail(key, "must be true or false", value)
-    return value
-
-
-def _int_range(key: str, value: Any, lo: int) -> tuple[int, int]:
-    """An int or an inclusive [lo, hi] pair, each >= lo."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 2:
-            _fail(key, f"must be an integer >= {lo} or an inclusive [low, high] pair", value)
-        a, b = _int(key, value[0], lo), _int(key, value[1], lo)
-        if a > b:
-            _fail(key, "range [low, high] must have low <= high", value)
-        return a, b
-    v = _int(key, value, lo)
-    return v, v
-
-
-def _prob(key: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0.0 <= float(value) <= 1.0
-    ):
-        _fail(key, "must be a probability in [0, 1]", value)
-    return float(value)
-
-
 # ----------------------------------------------------------------------------- dataclasses
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request: `prompt_len >= 1` prompt tokens, at most `max_new_tokens >= 1` generated
-    tokens, arriving at engine step `arrival >= 0`; `may_draft` (default true) is
-    `seq_may_draft` of its sampler (false = a sampled, non-greedy request, §9.2)."""
-
-    prompt_len: int
-    max_new_tokens: int
-    arrival: int = 0
-    may_draft: bool = True
-
-
-@dataclass(frozen=True)
-class AcceptanceSpec:
-    """Which acceptance model decides the accept counts (reference/acceptance.py).
-    `p`: geometric -> one probability; profile -> per draft position; heterogeneous -> per
-    sequence (cycled by id); `p_range`: heterogeneous alternative (per-sequence probability
-    drawn in [lo, hi]); `path`: the file model's JSON; `factory`: "module:callable" returning a
-    `TokenOracle` (the oracle model)."""
-
-    model: str = "geometric"
-    p: tuple[float, ...] = (0.7,)
-    p_range: tuple[float, float] | None = None
-    path: str | None = None
-    factory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -226,145 +162,10 @@ FIELDS: dict[str, tuple[Any, str]] = {
     ),
 }
 
-_GENERATOR_KEYS = ("batch", "prompt_len", "max_new_tokens", "arrival", "stagger")
-_MAX_STEPS = 10_000_000
+MAX_STEPS = 10_000_000
 
 
 # ----------------------------------------------------------------------------- parsing
-
-
-PROB_MODELS = ("geometric", "profile", "heterogeneous")
-
-
-def parse_acceptance(value: Any) -> AcceptanceSpec:
-    """A string shorthand (`geometric:0.7`, `profile:0.74,0.54,0.41`, `heterogeneous:0.2,0.9`,
-    `all-accept`, `all-reject`, `file:PATH`, `oracle:module:callable`) or a table.
-
-    Probabilities are never made up: `profile` needs 1..=8 of them, `heterogeneous` at least
-    two (one per class of sequences, cycled by id; for one probability use `geometric`) or a
-    `p_range` (not both); `geometric` takes exactly one, and a bare `geometric` (no colon, no
-    `p`) is the documented default 0.7. An empty list after the colon (`profile:`) and an
-    argument to a model that takes none (`all-accept:0.5`) are refused. This only parses:
-    `load_scenario` then checks the file and the factory (`check_acceptance`)."""
-    key = "acceptance"
-    if isinstance(value, AcceptanceSpec):
-        return value
-    if isinstance(value, str):
-        name, colon, arg = value.partition(":")
-        table: dict[str, Any] = {"model": name}
-        if name in PROB_MODELS:
-            if colon and not arg.strip():
-                _fail(key, f"'{name}:' needs its probabilities after the colon, e.g. "
-                      f"{_EXAMPLE[name]}", value)
-            if arg:
-                try:
-                    table["p"] = [float(x) for x in arg.split(",")]
-                except ValueError:
-                    _fail(
-                        key,
-                        f"probabilities must be comma-separated numbers, e.g. {_EXAMPLE[name]}",
-                        value,
-                    )
-        elif name == "file":
-            table["path"] = arg
-        elif name == "oracle":
-            table["factory"] = arg
-        elif colon and name in ACCEPTANCE_MODELS:
-            _fail(key, f"'{name}' takes no argument", value)
-        value = table
-    if not isinstance(value, dict):
-        _fail(key, "must be a string like geometric:0.7 or a table {model, p, ...}", value)
-    unknown = set(value) - {"model", "p", "p_range", "path", "factory"}
-    if unknown:
-        _fail(
-            f"acceptance.{sorted(unknown)[0]}",
-            "unknown key; allowed: model, p, p_range, path, factory",
-            value[sorted(unknown)[0]],
-        )
-    model = _choice("acceptance.model", value.get("model", "geometric"), ACCEPTANCE_MODELS)
-    p = value.get("p")
-    if p is not None and not isinstance(p, (list, tuple)):
-        p = [p]
-    p = list(p) if p else []
-    p_range = value.get("p_range")
-    if model not in PROB_MODELS:
-        # p is not used by this model; a table's p is ignored rather than refused, because
-        # headers written before this rule carried the default p = [0.7] for every model
-        probs: tuple[float, ...] = ()
-    elif model == "geometric":
-        probs = tuple(_prob("acceptance.p", x) for x in (p or [0.7]))
-        if len(probs) != 1:
-            _fail("acceptance.p", "geometric takes exactly one probability, e.g. geometric:0.7", p)
-    elif model == "profile":
-        probs = tuple(_prob("acceptance.p", x) for x in p)
-        if not 1 <= len(probs) <= 8:
-            _fail(
-                "acceptance.p",
-                "profile needs 1..=8 per-position probabilities (one per draft position, the "
-                "last repeats), e.g. profile:0.74,0.54,0.41",
-                p,
-            )
-    else:
-        probs = tuple(_prob("acceptance.p", x) for x in p)
-        if p_range is None and len(probs) < 2:
-            _fail(
-                "acceptance.p",
-                "heterogeneous needs at least two probabilities (sequence i gets p[i mod n]; "
-                "for one probability for every sequence use geometric:p), e.g. "
-                "heterogeneous:0.2,0.9, or "
-                "a p_range = [low, high]",
-                p,
-            )
-        if p_range is not None and probs:
-            _fail("acceptance.p", "heterogeneous takes either p (a list) or p_range, not both", p)
-    if p_range is not None:
-        if model != "heterogeneous" or not isinstance(p_range, (list, tuple)) or len(p_range) != 2:
-            _fail(
-                "acceptance.p_range",
-                "only for heterogeneous: a [low, high] pair of probabilities",
-                p_range,
-            )
-        p_range = (_prob("acceptance.p_range", p_range[0]), _prob("acceptance.p_range", p_range[1]))
-        if p_range[0] > p_range[1]:
-            _fail("acceptance.p_range", "must have low <= high", list(p_range))
-    path = value.get("path")
-    if model == "file" and not (isinstance(path, str) and path):
-        _fail("acceptance.path", "the file model needs a JSON path", path)
-    factory = value.get("factory")
-    if model == "oracle" and not (isinstance(factory, str) and ":" in factory):
-        _fail("acceptance.factory", "the oracle model needs 'module:callable'", factory)
-    return AcceptanceSpec(model, probs, p_range, path if model == "file" else None,
-                          factory if model == "oracle" else None)
-
-
-_EXAMPLE = {"geometric": "geometric:0.7", "profile": "profile:0.74,0.54,0.41",
-            "heterogeneous": "heterogeneous:0.2,0.9"}
-
-
-def acceptance_table(spec: AcceptanceSpec) -> dict:
-    """The table form of an AcceptanceSpec (only the keys its model uses; lists, not
-    tuples): `parse_acceptance(acceptance_table(spec)) == spec`."""
-    out: dict[str, Any] = {"model": spec.model}
-    if spec.p:
-        out["p"] = list(spec.p)
-    if spec.p_range is not None:
-        out["p_range"] = list(spec.p_range)
-    if spec.path is not None:
-        out["path"] = spec.path
-    if spec.factory is not None:
-        out["factory"] = spec.factory
-    return out
-
-
-def check_acceptance(spec: AcceptanceSpec, n_seqs: int) -> None:
-    """What can only be checked outside the parser: the file model's file exists and holds
-    valid accept counts (covering every one of the `n_seqs` sequences when it has no
-    default), and the oracle's factory imports and is callable. Raises ScenarioError naming
-    `acceptance.path` / `acceptance.factory` and the bad value (reference.acceptance)."""
-    if spec.model == "file":
-        load_accept_file(spec.path, n_seqs)
-    elif spec.model == "oracle":
-        resolve_factory(spec.factory)
 
 
 def _parse_override_value(text: str) -> Any:
@@ -387,7 +188,7 @@ def _apply_overrides(data: dict, overrides) -> dict:
         items = []
         for o in overrides:
             if not isinstance(o, str) or "=" not in o:
-                _fail("overrides", "each override must be 'key=value'", o)
+                fail("overrides", "each override must be 'key=value'", o)
             k, _, v = o.partition("=")
             items.append((k.strip(), _parse_override_value(v.strip())))
     out = dict(data)
@@ -403,7 +204,7 @@ def _apply_overrides(data: dict, overrides) -> dict:
             table = acceptance_table(parse_acceptance(table))
         table = dict(table or {})
         if len(parts) != 2:
-            _fail(k, "overrides reach at most one table level (table.key)", v)
+            fail(k, "overrides reach at most one table level (table.key)", v)
         table[parts[1]] = v
         out[parts[0]] = table
     return out
@@ -436,42 +237,6 @@ def _read(source) -> dict:
         ) from exc
 
 
-def _splitmix(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
-def _draw(seed: int, i: int, salt: int, lo: int, hi: int) -> int:
-    """An integer in [lo, hi] from (seed, i, salt): seeded, platform independent. With `sm`
-    the splitmix64 output function (64-bit wrapping), `lo + sm(sm(sm(seed ^ salt) ^ i)) %
-    (hi - lo + 1)`."""
-    if lo == hi:
-        return lo
-    return lo + _splitmix(_splitmix(_splitmix(seed ^ salt) ^ i)) % (hi - lo + 1)
-
-
-def generate_requests(gen: dict, seed: int) -> tuple[Request, ...]:
-    """The generator's requests: request i has prompt length and max_new_tokens drawn
-    uniformly from their inclusive ranges (seeded by (seed, i): `_draw` with salt 0x5052
-    and 0x4D4E); arrival 0 for all-at-once, `i * stagger` for staggered."""
-    b = gen["batch"]
-    plo, phi = gen["prompt_len"]
-    mlo, mhi = gen["max_new_tokens"]
-    out = []
-    for i in range(b):
-        arrival = 0 if gen["arrival"] == "all-at-once" else i * gen["stagger"]
-        out.append(
-            Request(_draw(seed, i, 0x5052, plo, phi), _draw(seed, i, 0x4D4E, mlo, mhi), arrival)
-        )
-    return tuple(out)
-
-
-def _opt_int(key: str, value: Any, lo: int) -> int | None:
-    return None if value is None else _int(key, value, lo)
-
-
 def load_scenario(source=None, overrides=None) -> Scenario:
     """Load a scenario from a TOML/JSON path, a dict, a `Scenario` or None (all defaults),
     apply `overrides`, fill defaults and validate. Raises ScenarioError naming the key and its
@@ -482,90 +247,34 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     known = set(FIELDS)
     for k in data:
         if k not in known:
-            _fail(k, "unknown key; allowed keys: " + ", ".join(FIELDS), data[k])
-    seed = _int("seed", data.get("seed", 0), 0, MAX_SEED)
-    max_seq_len = _int("max_seq_len", data.get("max_seq_len", 4096), 2, MAX_LENGTH)
-    generator = None
-    if "requests" in data and data["requests"] is not None:
-        clash = [k for k in _GENERATOR_KEYS if k in data]
-        if clash:
-            _fail(clash[0], "cannot be combined with an explicit requests list", data[clash[0]])
-        reqs = data["requests"]
-        if not isinstance(reqs, list) or not reqs:
-            _fail(
-                "requests",
-                "must be a non-empty list of {prompt_len, max_new_tokens, arrival}",
-                reqs,
-            )
-        parsed = []
-        for i, r in enumerate(reqs):
-            if not isinstance(r, dict):
-                _fail(
-                    f"requests[{i}]",
-                    "must be a table {prompt_len, max_new_tokens, arrival, may_draft}",
-                    r,
-                )
-            extra = set(r) - {"prompt_len", "max_new_tokens", "arrival", "may_draft"}
-            if extra:
-                _fail(
-                    f"requests[{i}].{sorted(extra)[0]}",
-                    "unknown key; allowed: prompt_len, max_new_tokens, arrival, may_draft",
-                    r[sorted(extra)[0]],
-                )
-            parsed.append(Request(
-                _int(f"requests[{i}].prompt_len", r.get("prompt_len"), 1, max_seq_len - 1),
-                _int(f"requests[{i}].max_new_tokens", r.get("max_new_tokens", 256), 1),
-                _int(f"requests[{i}].arrival", r.get("arrival", 0), 0),
-                _bool(f"requests[{i}].may_draft", r.get("may_draft", True))))
-        requests = tuple(parsed)
-    else:
-        gen = {
-            "batch": _int("batch", data.get("batch", 8), 1, 1 << 20),
-            "prompt_len": _int_range("prompt_len", data.get("prompt_len", 16), 1),
-            "max_new_tokens": _int_range("max_new_tokens", data.get("max_new_tokens", 256), 1),
-            "arrival": _choice("arrival", data.get("arrival", "all-at-once"), ARRIVALS),
-            "stagger": _int("stagger", data.get("stagger", 1), 1),
-        }
-        if gen["prompt_len"][1] > max_seq_len - 1:
-            _fail(
-                "prompt_len",
-                f"must be at most max_seq_len - 1 = {max_seq_len - 1}",
-                data.get("prompt_len", 16),
-            )
-        requests = generate_requests(gen, seed)
-        generator = {k: (list(v) if isinstance(v, tuple) else v) for k, v in gen.items()}
-    depth = _int("depth", data.get("depth", 3), 0, MAX_DEPTH)
-    advance = _choice("advance", data.get("advance", "cohort"), ADVANCES)
-    per_seq_kv = data.get("per_seq_kv", advance == "per-sequence")
-    per_seq_kv = _bool("per_seq_kv", per_seq_kv)
-    if per_seq_kv != (advance == "per-sequence"):
-        _fail(
-            "per_seq_kv",
-            f"is the ARC_MTP_PER_SEQ_KV request and must equal (advance == 'per-sequence') "
-            f"= {advance == 'per-sequence'}",
-            per_seq_kv,
-        )
+            fail(k, "unknown key; allowed keys: " + ", ".join(FIELDS), data[k])
+    seed = integer("seed", data.get("seed", 0), 0, MAX_SEED)
+    max_seq_len = integer("max_seq_len", data.get("max_seq_len", 4096), 2, MAX_LENGTH)
+    requests, generator = scenario_requests(data, max_seq_len, seed)
+    depth = integer("depth", data.get("depth", 3), 0, MAX_DEPTH)
+    advance = choice("advance", data.get("advance", "cohort"), ADVANCES)
+    per_seq_kv = per_seq_kv_flag(data, advance)
     model = data.get("model") or {}
     if not isinstance(model, dict):
-        _fail("model", "must be a table of " + ", ".join(MODEL_KEYS), model)
+        fail("model", "must be a table of " + ", ".join(MODEL_KEYS), model)
     model = _model_table(model)
     floor = data.get("prefill_floor", 4)
-    floor = None if floor in (None, 0) else _int("prefill_floor", floor, 0)
-    steps = _int("steps", data.get("steps", 200), 1, _MAX_STEPS)
+    floor = None if floor in (None, 0) else integer("prefill_floor", floor, 0)
+    steps = integer("steps", data.get("steps", 200), 1, MAX_STEPS)
     sc = Scenario(
         requests=requests,
         depth=depth,
         max_seq_len=max_seq_len,
         advance=advance,
-        world=_choice("world", data.get("world", "W0"), WORLDS),
-        admission=_choice("admission", data.get("admission", "refuse"), ADMISSIONS),
-        strip=_choice("strip", data.get("strip", "eager"), STRIPS),
+        world=choice("world", data.get("world", "W0"), WORLDS),
+        admission=choice("admission", data.get("admission", "refuse"), ADMISSIONS),
+        strip=choice("strip", data.get("strip", "eager"), STRIPS),
         per_seq_kv=per_seq_kv,
-        xs_per_seq=_bool("xs_per_seq", data.get("xs_per_seq", False)),
-        max_seqs=_opt_int("max_seqs", data.get("max_seqs"), 1),
-        max_draft_kv_seqs=_opt_int("max_draft_kv_seqs", data.get("max_draft_kv_seqs", 64), 1),
+        xs_per_seq=boolean("xs_per_seq", data.get("xs_per_seq", False)),
+        max_seqs=optional_int("max_seqs", data.get("max_seqs"), 1),
+        max_draft_kv_seqs=optional_int("max_draft_kv_seqs", data.get("max_draft_kv_seqs", 64), 1),
         prefill_floor=floor,
-        prefill_max_seqs=_opt_int("prefill_max_seqs", data.get("prefill_max_seqs"), 1),
+        prefill_max_seqs=optional_int("prefill_max_seqs", data.get("prefill_max_seqs"), 1),
         acceptance=parse_acceptance(data.get("acceptance", "geometric:0.7")),
         model=model,
         seed=seed,
@@ -577,24 +286,38 @@ def load_scenario(source=None, overrides=None) -> Scenario:
     return sc
 
 
+def per_seq_kv_flag(data: dict, advance: str) -> bool:
+    """The `per_seq_kv` key (default: `advance == "per-sequence"`): the ARC_MTP_PER_SEQ_KV
+    request, a bool. Refuses anything else, and a flag that disagrees with `advance`."""
+    per_seq_kv = boolean("per_seq_kv", data.get("per_seq_kv", advance == "per-sequence"))
+    if per_seq_kv != (advance == "per-sequence"):
+        fail(
+            "per_seq_kv",
+            f"is the ARC_MTP_PER_SEQ_KV request and must equal (advance == 'per-sequence') "
+            f"= {advance == 'per-sequence'}",
+            per_seq_kv,
+        )
+    return per_seq_kv
+
+
 def _model_table(model: dict) -> dict:
     """The `model` table with every key known and of its type (sizes integers >= 1, `seed`
     in 0..=2**64-1, `compress_ratios` a list of integers >= 0, `mtp` block or heads); a
     ScenarioError names the key, the value and what is allowed."""
     for k, v in model.items():
         if k not in MODEL_KEYS:
-            _fail(f"model.{k}", "unknown key; allowed: " + ", ".join(MODEL_KEYS), v)
+            fail(f"model.{k}", "unknown key; allowed: " + ", ".join(MODEL_KEYS), v)
         if k in MODEL_INTS:
-            _int(f"model.{k}", v, 1)
+            integer(f"model.{k}", v, 1)
         elif k == "seed":
-            _int("model.seed", v, 0, MAX_SEED)
+            integer("model.seed", v, 0, MAX_SEED)
         elif k == "mtp":
-            _choice("model.mtp", v, ("block", "heads"))
+            choice("model.mtp", v, ("block", "heads"))
         elif k == "compress_ratios":
             if not isinstance(v, (list, tuple)):
-                _fail("model.compress_ratios", "must be a list of integers >= 0", v)
+                fail("model.compress_ratios", "must be a list of integers >= 0", v)
             for r in v:
-                _int("model.compress_ratios", r, 0)
+                integer("model.compress_ratios", r, 0)
     return {k: (tuple(v) if isinstance(v, list) else v) for k, v in model.items()}
 
 

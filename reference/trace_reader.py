@@ -412,18 +412,17 @@ def _bucket_part(text: str):
 
 
 def _read_csv(path: Path, problems: _Problems) -> tuple[Trace, list[int]]:
+    """A CSV trace (one line per row, the step's fields repeated on each) and the first line of
+    each step. Problems are collected, never raised: a header without `step`, `seq` and
+    `own_len`, a line with another cell count, a step that is not an integer >= 0 (those lines
+    are skipped), step fields that differ within a step, steps that do not strictly increase,
+    a `seq` twice in one step."""
     trace = Trace("unknown", None)  # a CSV has no header: mode "unknown", no scenario
     lines: list[int] = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
-        try:
-            head = next(reader)
-        except StopIteration:
-            problems.add(1, "empty CSV file (no header line)")
-            return trace, lines
-        missing = [c for c in ("step", "seq", "own_len") if c not in head]
-        if missing:
-            problems.add(1, "CSV header lacks the required column(s) " + ", ".join(missing))
+        head = _csv_header(reader, problems)
+        if head is None:
             return trace, lines
         cur: tuple[int, int, dict] | None = None  # (step, first line, fields)
         rows: list[dict] = []
@@ -443,41 +442,66 @@ def _read_csv(path: Path, problems: _Problems) -> tuple[Trace, list[int]]:
                 problems.field(n, "step", rec["step"], "must be an integer >= 0")
                 continue
             if cur is not None and step == cur[0]:
-                for k in fields.keys() | cur[2].keys():
-                    if fields.get(k) != cur[2].get(k):
-                        problems.field(
-                            n,
-                            _csv_column(k),
-                            rec[_csv_column(k)],
-                            f"must equal the step's value on its first line {cur[1]} "
-                            f"({_show(cur[2].get(k))})",
-                        )
+                _check_same_step(fields, cur, rec, n, problems)
             else:
                 if cur is not None:
                     trace.add_step(cur[2], rows)
                     lines.append(cur[1])
-                if last is not None and step <= last[0]:
-                    problems.field(
-                        n,
-                        "step",
-                        step,
-                        f"must be greater than the previous step {last[0]} "
-                        f"(line {last[1]}): steps strictly increase",
-                    )
+                _check_step_order(step, last, n, problems)
                 cur, rows, seen = (step, n, fields), [], {}
                 last = (step, n)
-            seq = row.get("seq")
-            if seq is not None and _key(seq) in seen:
-                problems.field(
-                    n, "seq", seq, f"must be unique in its step, line {seen[_key(seq)]} has it too"
-                )
-            seen.setdefault(_key(seq), n)
+            _check_unique_seq(row.get("seq"), seen, n, problems)
             row["bucket"] = fields.get("bucket")
             rows.append(row)
         if cur is not None:
             trace.add_step(cur[2], rows)
             lines.append(cur[1])
     return trace, lines
+
+
+def _csv_header(reader, problems: _Problems) -> list[str] | None:
+    """The CSV's header line, or None (a problem on line 1) when the file is empty or the
+    header lacks a required column (`step`, `seq`, `own_len`)."""
+    try:
+        head = next(reader)
+    except StopIteration:
+        problems.add(1, "empty CSV file (no header line)")
+        return None
+    missing = [c for c in ("step", "seq", "own_len") if c not in head]
+    if missing:
+        problems.add(1, "CSV header lacks the required column(s) " + ", ".join(missing))
+        return None
+    return head
+
+
+def _check_same_step(fields: dict, cur: tuple[int, int, dict], rec: dict, n: int,
+                     problems: _Problems) -> None:
+    """Line `n` repeats the step fields of its step's first line `cur[1]`: a problem per field
+    that differs, naming its CSV column and the first line's value."""
+    for k in fields.keys() | cur[2].keys():
+        if fields.get(k) != cur[2].get(k):
+            problems.field(n, _csv_column(k), rec[_csv_column(k)],
+                           f"must equal the step's value on its first line {cur[1]} "
+                           f"({_show(cur[2].get(k))})")
+
+
+def _check_step_order(step: int, last: tuple[int, int] | None, n: int,
+                      problems: _Problems) -> None:
+    """A new step on line `n` is greater than the previous step `last = (step, line)`, else a
+    problem (steps strictly increase)."""
+    if last is not None and step <= last[0]:
+        problems.field(n, "step", step, f"must be greater than the previous step {last[0]} "
+                       f"(line {last[1]}): steps strictly increase")
+
+
+def _check_unique_seq(seq, seen: dict, n: int, problems: _Problems) -> None:
+    """`seq` appears once per step: a problem when `seen` (key -> first line) has it already;
+    records line `n` for a new one."""
+    if seq is not None and _key(seq) in seen:
+        problems.field(
+            n, "seq", seq, f"must be unique in its step, line {seen[_key(seq)]} has it too"
+        )
+    seen.setdefault(_key(seq), n)
 
 
 def _csv_column(field: str) -> str:
