@@ -9,7 +9,7 @@ of them, so each refusal path runs on demand.
 import pytest
 
 from raggedspec.conformance.helpers import GRANTED
-from raggedspec.reference import policy, simulator
+from raggedspec.reference import dispatch, policy, simulator, step
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.errors import (
     AlignRefusal,
@@ -42,10 +42,6 @@ class SpyBackend(NumpyBackend):
         ci = super().clone_in(caches, pending_leads, xs_per_seq, per_sequence)
         self.calls.append(("clone_in ->", (ci.ragged_decode_supported,)))
         return ci
-
-    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
-        self._hook("resolve_row_cache_lens", enabled, cache_len, list(lead_pad))
-        return super().resolve_row_cache_lens(enabled, cache_len, lead_pad)
 
     def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, psa, warnings=None):
         self._hook("draft_chain", warnings=warnings)
@@ -202,9 +198,14 @@ def test_a_refused_clone_in_fails_the_step_before_anything_is_measured(sc, exc, 
 
 
 @pytest.mark.rule("window check, the two guards and the deferral")
-def test_a_refused_row_length_resolution_is_the_left_aligned_guard():
-    eng, tr = engine(per_seq_pair(), backend=SpyBackend(
-        fail={"resolve_row_cache_lens": DispatchRefusal("rows disagree")}))
+def test_a_refused_row_length_resolution_is_the_left_aligned_guard(monkeypatch):
+    """The step plan's row lengths (`resolve_row_cache_lens`) refused: the step fails before
+    its window is measured."""
+    def refuse(*_args):
+        raise DispatchRefusal("rows disagree")
+
+    monkeypatch.setattr(dispatch, "resolve_row_cache_lens", refuse)
+    eng, tr = engine(per_seq_pair(), backend=SpyBackend())
     st = failed_decode(tr)
     assert (st["advance"], st["width"], st["padding_fraction"], st["error"]) == (
         "per-sequence", 12, 2 / 24, "left-aligned guard")
@@ -308,14 +309,13 @@ def test_a_step_that_did_not_assemble_a_per_sequence_batch_trips_the_follows_gua
         "w 4); the resident batched cache is C + w wide"]
 
 
-class NotOk(SpyBackend):
-    def plan_step_window(self, cache_lens, tok_lens, w):
-        return super().plan_step_window(cache_lens, tok_lens, w)[0], False
-
-
 @pytest.mark.rule("window check, the two guards and the deferral")
-def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard():
-    tr = simulator.run(per_seq_pair(), backend=NotOk())
+def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard(monkeypatch):
+    """The step plan's window check says not ok on a step carrying per-row lengths."""
+    window = step.plan_step_window
+    monkeypatch.setattr(step, "plan_step_window",
+                        lambda *a: step.StepWindow(window(*a).uncached, False))
+    tr = simulator.run(per_seq_pair(), backend=SpyBackend())
     st = failed_decode(tr)
     assert st["error"] == "left-aligned guard"
     assert tr.messages == [
