@@ -112,3 +112,20 @@ def test_the_per_row_commit_follows_the_strip_policy(strip, strip_lead, kv_len, 
     assert (c.strip_lead.tolist(), c.kv_len.tolist(), c.pending.tolist()) == (
         strip_lead, kv_len, pending)
     assert np.array_equal(c.committed, [4, 4])
+
+
+@pytest.mark.rule("backend protocol: every tensor-side op is one method")
+def test_the_torch_port_uploads_the_plans_rows_as_they_are():
+    """`upload_plan`: every per-row field of the plan on the device with the host values;
+    the fields the plan lacks stay None."""
+    pytest.importorskip("torch")
+    from raggedspec.gpu.backend import TorchBackend
+
+    p = per_seq_pair()
+    dev = TorchBackend("cpu").upload_plan(p)
+    assert dev.host is p
+    for name in ("lead", "cache_lens", "tok_lens", "u", "budgets", "offsets", "row_q0",
+                 "chain_start"):
+        assert getattr(dev, name).tolist() == getattr(p, name).tolist(), name
+    bare = TorchBackend("cpu").upload_plan(per_seq_pair(per_seq_kv=False, may_draft=None))
+    assert bare.row_q0 is None and bare.chain_start is None and bare.u.tolist() == [1, 1]

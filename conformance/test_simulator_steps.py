@@ -60,13 +60,13 @@ class SpyBackend(NumpyBackend):
         self._hook("truncate_by", n_drop)
         super().truncate_by(cache, n_drop)
 
-    def set_lens(self, cache, kv_len, xs_len):
-        self._hook("set_lens", kv_len, xs_len)
-        super().set_lens(cache, kv_len, xs_len)
+    def commit(self, cache, strip_lead, kv_len, xs_len):
+        self._hook("commit", strip_lead, kv_len, xs_len)
+        super().commit(cache, strip_lead, kv_len, xs_len)
 
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
         self._hook("forward", tokens.shape)
-        return super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture)
+        return super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture, plan)
 
     def args(self, name):
         return [a for n, a in self.calls if n == name]
@@ -153,7 +153,7 @@ def test_the_per_sequence_commit_under_each_strip_policy(strip, kv, pending):
         assert set(xs_lens(eng.caches[i])) == {[16, 14][i]}
     assert [eng.pending[i] for i in (0, 1)] == pending
     if strip != "eager":
-        assert {a for a in spy.args("set_lens")} == {(kv[0], 16), (kv[1], 14)}
+        assert {a for a in spy.args("commit")} == {(0, kv[0], 16), (0, kv[1], 14)}
 
 
 @pytest.mark.rule("strip policy eager / lazy / none")
@@ -258,7 +258,7 @@ def test_a_cohort_step_that_keeps_every_column_truncates_nothing():
 @pytest.mark.rule("strip policy eager / lazy / none")
 @pytest.mark.parametrize("strip", ["lazy", "none"])
 def test_a_refused_set_len_is_the_per_sequence_commit_refusal(strip):
-    spy = SpyBackend(fail={"set_lens": CacheRefusal("past the capacity")})
+    spy = SpyBackend(fail={"commit": CacheRefusal("past the capacity")})
     eng, tr = engine(per_seq_pair(strip=strip), backend=spy)
     st = failed_decode(tr)
     assert st["error"] == "per-sequence commit refused"

@@ -131,7 +131,8 @@ class TensorEngine:
     def _forward(self, tokens, cache, offsets, row_q0, lead_pad, capture=None, phase="decode",
                  t=0, ids=(), device_plan=None):
         try:
-            fwd = self.be.forward(self.model, tokens, cache, offsets, row_q0, lead_pad, capture)
+            fwd = self.be.forward(self.model, tokens, cache, offsets, row_q0, lead_pad, capture,
+                                  plan=device_plan)
             self.be.xs_append(cache, fwd.hidden)
         except Refusal as exc:
             raise _StepFailed(ERR_CAPACITY, str(exc)) from exc
@@ -346,7 +347,7 @@ class TensorEngine:
         plan = self._plan(ids, batched, lead, assembled, post_out, rows, res)
         if plan.guard == "defer":
             return self._defer(ids, batched, plan, rows, res, t)
-        device_plan = None
+        device_plan = self.be.upload_plan(plan)
         drafts, states = self._draft(ids, plan, rows, res)
         capture, targets = self._verify(ids, batched, plan, device_plan, drafts, t)
         commit = self._accept(ids, plan, drafts, targets, rows)
@@ -356,7 +357,7 @@ class TensorEngine:
         self._hand_back(ids, batched, plan.lead.tolist())
         if plan.per_seq:
             for r, i in enumerate(ids):
-                self._commit(i, device_plan, commit, r)
+                self._commit(i, commit, r)
         self._finish_rows(ids, rows)
 
     def _assemble(self, ids, go_in: bool):
@@ -488,16 +489,12 @@ class TensorEngine:
             if self._terminal(i):
                 self.done.add(i)
 
-    def _commit(self, i: int, device_plan, commit: CommitPlan, r: int) -> None:
+    def _commit(self, i: int, commit: CommitPlan, r: int) -> None:
         """The per-sequence commit after Out (§12.2) under the strip policy (§5.5): the
         plan's strip lead and slot lengths for row r."""
         try:
-            lead, kv_len, xs_len = (int(commit.strip_lead[r]), int(commit.kv_len[r]),
-                                    int(commit.xs_len[r]))
-            if self.sc.strip == "eager":
-                self.be.commit_per_sequence(self.caches[i], lead, xs_len, 0)
-            else:
-                self.be.set_lens(self.caches[i], kv_len, xs_len)
+            self.be.commit(self.caches[i], int(commit.strip_lead[r]), int(commit.kv_len[r]),
+                           int(commit.xs_len[r]))
         except Refusal as exc:
             raise _StepFailed(ERR_COMMIT, str(exc)) from exc
         self.pending[i] = int(commit.pending[r])
