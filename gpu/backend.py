@@ -337,7 +337,8 @@ class TorchBackend(Backend):
         comp_start = self._prepare_slots(model, kvs, c, rows, lead_np, b, t)
         own = kvs[0].own
         if self._plain_layout(offs_np, own, comp_start):
-            fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture)
+            fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture,
+                                device_offsets=None if plan is None else plan.offsets)
         else:
             dev_offs = plan.offsets if plan is not None else self._ints(offs)
             fwd = self._forward_general(model, ints_on(tokens, self.dev), [s.kv for s in kvs],

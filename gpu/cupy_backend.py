@@ -111,9 +111,12 @@ class CupyBackend(TorchBackend):
                         None if sinks is None else a(sinks.to(q.dtype)))
         return self._tensor(out, q.dtype)
 
-    def _rope(self, x, offsets, rope_dims, theta, inverse=False, table=None):
-        """`gpu.rope.apply_rope` by `rs_rope` (angles computed in the kernel; `table` unused)."""
+    def _rope(self, x, offsets, rope_dims, theta, inverse=False, table=None, dev_offsets=None):
+        """`gpu.rope.apply_rope` by `rs_rope` (angles computed in the kernel; `table` unused;
+        `dev_offsets`, the same offsets already on the device, read when given)."""
         _check_x(x, rope_dims)
+        if dev_offsets is not None and dev_offsets.numel() == len(host_ints(offsets)):
+            offsets = dev_offsets
         offs = self._arr(lengths(offsets, device=x.device, name="offsets"))   # stays on the device
         out = self._run(self.kernels.rope, self._arr(x), offs, rope_dims, theta, inverse)
         return self._tensor(out, x.dtype)

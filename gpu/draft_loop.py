@@ -218,9 +218,9 @@ def extend_draft_kvs(
             state.poisoned = True
             warn(warnings, "misaligned", row=row, why=why)
     if q.seed_rows:  # the new seeds: one gather
-        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)]
-        for j, (state, p) in enumerate(q.seed_states):  # host records: views of the one gather
-            state.seed = (p, got[j])
+        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)].unbind(0)  # one view op
+        for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
+            state.seed = (p, seed)
     if q.trunc_idx:  # the reference's set_len(filled): lengths only
         held = store.kv.host_lens().copy()
         held[np.asarray(q.trunc_idx, dtype=np.int64)] = q.trunc_len

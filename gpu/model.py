@@ -216,13 +216,15 @@ class DecoderLayer:
         live = (arange_like(t_c, kv.k)[None, :] < n[:, None])[:, None, :, None]
         return torch.where(live, blocks, blocks.new_zeros(()))
 
-    def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None,
+                dev_offsets=None) -> torch.Tensor:
         """Run the layer on `x [B,T,H]` whose row r sits in `kv` row `rows[r]` (every row
         of `kv` when `rows` is None): RoPE at `offsets[r] + t` (`offsets` of length 1 or B;
         default the rows' own lengths, which it must equal: the caller checks), append K
         (== V) at each row's own offset, attend (`dsv4_attention_rows`), inverse-rotate,
         project, add, then the MLP. A compressed layer needs `rows` None (ValueError before
-        anything is appended)."""
+        anything is appended). `dev_offsets`: the same RoPE offsets already on the device
+        (the step plan's), read instead of an upload."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
@@ -240,12 +242,14 @@ class DecoderLayer:
         table = self.ropes.get(self.theta, int(offs.max()) + t)
         h = rms_norm(x, self.attn_norm, eps)
         q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(1, 2), self.q_norm, eps)
-        q = self.rope(q, offs, cfg.rope_dims, self.theta, table=table)
-        k = self.rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table)
+        q = self.rope(q, offs, cfg.rope_dims, self.theta, table=table, dev_offsets=dev_offsets)
+        k = self.rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table,
+                      dev_offsets=dev_offsets)
         kv.append(k, k, rows=rows)
         comp = self.compressed_keys(kv) if self.ratio else None
         o = self.attend(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
-        o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
+        o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table,
+                      dev_offsets=dev_offsets)
         x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ self.wo
         m = rms_norm(x, self.mlp_norm, eps)
         return x + silu(m @ self.w_up) @ self.w_down
@@ -379,7 +383,8 @@ class TinyModel:
         """`lm_head(norm(hidden))` of the target."""
         return rms_norm(hidden, self.norm, self.cfg.eps) @ self.lm_head
 
-    def forward(self, tokens, cache: list[RaggedKv], seqlen_offsets=None, capture=None) -> Forward:
+    def forward(self, tokens, cache: list[RaggedKv], seqlen_offsets=None, capture=None,
+                device_offsets=None) -> Forward:
         """Run `tokens [B,T]` through every target layer over the in-place `cache` (layer i
         uses `cache[i]`; extra entries are ignored); every row's new K/V land at its own
         offset and every layer's lengths grow by T.
@@ -389,6 +394,8 @@ class TinyModel:
         `seqlen_offsets` (length 1 or B), when given, must equal those lengths (the
         reference's "disagrees with the layout"). After the last layer the pre-norm hidden
         is stored with `capture.store_rows(lens, hidden)` when a capture is given.
+        `device_offsets`: the rows' lengths already on the device (the step plan's), which
+        the layers' RoPE reads instead of uploading them.
         Refusals: those of the layers (CacheRefusal on growth, MaskRefusal)."""
         host_tokens = host_ints(tokens, flat=False)
         require(host_tokens.ndim == 2 and host_tokens.size > 0,
@@ -424,7 +431,7 @@ class TinyModel:
         lens = lens.tolist()
         x = self.embed[tokens]
         for layer, kv in zip(self.layers, cache, strict=False):
-            x = layer.forward(x, kv)
+            x = layer.forward(x, kv, dev_offsets=device_offsets)
         if capture is not None:
             capture.store_rows(lens, x.clone())
         return Forward(self.logits(x), x)

@@ -40,17 +40,9 @@ class DevicePlan:
 
 def upload(plan: StepPlan, device) -> DevicePlan:
     """One host-to-device transfer of the plan's per-row arrays (packed into one int64
-    buffer, split on the device). Refuses nothing."""
+    buffer, split on the device by one `split`). Refuses nothing."""
     parts = [getattr(plan, name) for name in ROW_FIELDS]
     present = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts if p is not None]
     packed = torch.from_numpy(np.concatenate(present) if present else np.zeros(0, np.int64))
-    flat = packed.to(device)
-    views, at = [], 0
-    for p in parts:
-        if p is None:
-            views.append(None)
-            continue
-        n = int(np.asarray(p).size)
-        views.append(flat[at:at + n])
-        at += n
-    return DevicePlan(plan, *views)
+    views = iter(packed.to(device).split([p.size for p in present]))
+    return DevicePlan(plan, *(None if p is None else next(views) for p in parts))
