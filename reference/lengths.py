@@ -4,11 +4,13 @@ It takes exactly the decisions of the tensor mode (`reference.simulator`), which
 real cache, model and draft-chain functions, but keeps only what decides control flow: per
 sequence its token count, the length, capacity and pending lead of its own target cache, its
 draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
-resident batched cache (width, capacity, leads); the scheduler's urgency and order. The step
-rules of `reference.step` (window, budget, clamp, both advance rules) are called once per step
-on the batch's arrays; the only Python loops on the step path are over draft groups (at most w
-per step) and scheduler buckets. The trace is identical, integer for integer, to the tensor
-mode's (conformance/test_lengths.py).
+resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
+decode step is the step plan (`reference.plan`: `plan_step` before verify, `plan_commit`
+after it), the same two functions the tensor mode calls, on the batch's arrays, plus the
+mirrors of what the tensors would refuse (capacity growth, the draft-KV map, the group
+chains); the only Python loops on the step path are over draft groups (at most w per step),
+the plan's row rules and scheduler buckets. The trace is identical, integer for integer, to
+the tensor mode's (conformance/test_lengths.py).
 
 What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
 counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is

@@ -1,11 +1,13 @@
 """Tensor-mode step simulator: the engine loop driving the tensor-side rules through a backend.
 
-The simulator owns the control flow; every tensor-side operation is one method of a backend
+The simulator owns the control flow and every integer decision: each decode step is planned
+by `reference.plan` (`plan_step`, then `plan_commit` after verify: the same two functions the
+lengths engine runs) and its tensor work is one method of a backend per operation
 (`raggedspec.reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode
-step
-runs cache-and-draft.md §16 in order, through the backend; control flow never reads a float, so
-two backends take the same path on the same scenario. The step in detail, the shared choices
+`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes), which
+gets the plan once (`upload_plan`). A step reads plan -> draft -> verify -> accept -> commit ->
+extend the draft KVs (cache-and-draft.md §16); control flow never reads a float, so two
+backends take the same path on the same scenario. The step in detail, the shared choices
 (`reference.policy`) and what `record_tensors=True` records are in docs/simulator.md ("Inside
 the two modes").
 """
