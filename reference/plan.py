@@ -94,20 +94,18 @@ class CommitPlan:
 def _row_lens(per_seq: bool, width: int, lead: np.ndarray):
     """`resolve_row_cache_lens` and its refusal, as (lens or None, refusal or None)."""
     try:
-        lens = dispatch.resolve_row_cache_lens(per_seq, width, lead.tolist())
+        return dispatch.resolve_row_cache_lens(per_seq, width, lead), None
     except DispatchRefusal as exc:
         return None, (ERR_GUARD_LEFT, str(exc))
-    return (None if lens is None else _i64(lens)), None
 
 
 def plan_drafts(plan: StepPlan, may_draft, w: int) -> None:
     """Fill `plan`'s draft groups, each row's group key and chain start (§9.1; `may_draft`
     each row's permission). Needs an ok window (every row `cache_len + u >= 2`)."""
-    b = plan.batch
-    u, c = plan.u.tolist(), plan.cache_lens.tolist()
-    plan.chain_start = _i64([dispatch.chain_start_of(c[r], u[r]) for r in range(b)])
-    plan.groups = dispatch.draft_groups(u, c, list(may_draft), w, plan.per_seq)
-    plan.group_key = np.full((b, 2), -1, dtype=np.int64)
+    plan.chain_start = dispatch.chain_start_of(plan.cache_lens, plan.u)
+    plan.groups = dispatch.draft_groups(plan.u, plan.cache_lens, np.asarray(may_draft), w,
+                                        plan.per_seq)
+    plan.group_key = np.full((plan.batch, 2), -1, dtype=np.int64)
     for key, rows in plan.groups.items():
         plan.group_key[rows] = key
 
@@ -126,10 +124,9 @@ def plan_step(width: int, lead, tok_lens, *, per_seq: bool, advance: KvAdvance, 
     cache_lens = lens if ragged else np.full(lead.shape[0], width, dtype=np.int64)
     window = step.plan_step_window(cache_lens, toks, w)
     offsets = cache_lens if ragged else _i64([width])
-    q0 = dispatch.ragged_row_q0(offsets.tolist(), per_seq_kv)
     plan = StepPlan(width, lead, per_seq, ragged, cache_lens, toks, window.uncached, window.ok,
                     step.token_budget(max_seq_len, toks), offsets,
-                    None if q0 is None else _i64(q0), lead if ragged else None)
+                    dispatch.ragged_row_q0(offsets, per_seq_kv), lead if ragged else None)
     if refusal is not None:
         plan.refusal = refusal
     elif not plan.ok:
