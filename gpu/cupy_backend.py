@@ -94,7 +94,7 @@ class CupyBackend(TorchBackend):
             layer.rope = self._rope
         return model
 
-    def _attend(self, q, kv, rows, comp, ratio, window, sinks=None):
+    def _attend(self, q, kv, rows, comp, ratio, window, sinks=None, dev_rows=None):
         """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (every KV head in place;
         query head h reads KV head `h // (H / Hk)`).
         A forward with more queries than the verify kernel takes (a prefill: G * t_q over
@@ -102,7 +102,7 @@ class CupyBackend(TorchBackend):
         h, t_q, d = q.shape[1], q.shape[2], q.shape[3]
         if not self.kernels.fits((h // kv.k.shape[1]) * t_q, d, DTYPE_NAMES[q.dtype]):
             self.prefill_fallbacks += 1
-            return dsv4_attention_rows(q, kv, rows, comp, ratio, window, sinks)
+            return dsv4_attention_rows(q, kv, rows, comp, ratio, window, sinks, dev_rows)
         self.kernel_attentions += 1
         a = self._arr
         out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), kv.host_lens(),
