@@ -81,7 +81,7 @@ class Mismatch(AssertionError):
 TENSOR_RULES = (
     ("rope_positions", "RoPE positions and rotation, backend"),
     ("mask", "dead-prefix union mask, backend"),
-    ("row_q0", "ragged_row_q0, backend"),
+    ("row_q0", "the step plan, made once for both engines"),
     ("draft", "prompt priming, the draft group loop and the MTP step, backend"),
     ("cache", "one verify step through the target-cache rules, backend"),
     ("hidden", "dsv4_attention, backend"),

@@ -1,5 +1,5 @@
 """The target forward and the MTP step through the backend protocol (`forward`, `mtp_step`,
-with `clone_in`, `set_lens` and the K/V slot methods around them) on the torch backend against
+with `clone_in`, `commit` and the K/V slot methods around them) on the torch backend against
 the NumPy reference backend, on the explicit cases the per-method properties of
 test_backend.py do not reach: every malformed-input refusal of the forward with the reference's
 text, decided before the cache changes; the port's own refusals; tokens read as int64; the
@@ -53,7 +53,7 @@ def refused_with(exc, fn, *args):
     return str(info.value)
 
 
-# --- clone-in and set_lens around a step ----------------------------------------------------------
+# --- clone-in and commit around a step ------------------------------------------------------------
 
 
 @pytest.mark.rule("one verify step through the target-cache rules, backend",
@@ -81,17 +81,17 @@ def test_clone_in_aligns_first_under_per_sequence(be):
 @pytest.mark.rule("K/V append, growth and set_len, backend",
                   "one verify step through the target-cache rules, backend")
 @pytest.mark.parametrize("kv_len, xs_len", [(7, 6), (7, 8)])
-def test_set_lens_sets_kv_and_xs_slots_to_their_own_lengths(kv_len, xs_len):
-    """C §5.5: every K/V slot `set_len(kv_len)`, every XsRolling slot `set_len(xs_len)`, on
-    both backends alike."""
+def test_commit_sets_kv_and_xs_slots_to_their_own_lengths(kv_len, xs_len):
+    """C §5.5: a commit with no strip sets every K/V slot `set_len(kv_len)`, every XsRolling
+    slot `set_len(xs_len)`, on both backends alike."""
     views = []
     for be in BOTH:
         cache = own(be, ModelConfig(), 9)
-        be.set_lens(cache, kv_len, xs_len)
+        be.commit(cache, 0, kv_len, xs_len)
         views.append(be.materialize(cache))
     assert views[1]["len"] == kv_len and [k.shape[2] for k, _ in views[1]["kv"]] == [kv_len] * 2
     assert [x["tokens"] for x in views[1]["xs"]] == [[xs_len]]
-    assert_same_cache(*views, "float64", "after set_lens")
+    assert_same_cache(*views, "float64", "after the commit")
 
 
 # --- the forward: malformed input -----------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_mtp_steps_on_a_uniform_kv_slot_match_the_reference():
         got = {be.name: be.to_numpy(be.mtp_step(model_of(be, MTP), fused, pos, kvs[be.name]))
                for be in BOTH}
         assert_close(got["torch"], got["numpy"], "float64", f"hidden of the {t}-token step")
-        assert_exact(PORT.kv_len(kvs["torch"]), n, "slot length")
+        assert_exact(PORT.cache_len(kvs["torch"]), n, "slot length")
         assert_same_cache(PORT.materialize(kvs["torch"]), REF.materialize(kvs["numpy"]),
                           "float64", f"slot after the {t}-token step")
 

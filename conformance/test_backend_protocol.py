@@ -76,7 +76,7 @@ def test_missing_methods_names_what_a_subclass_leaves_to_the_base():
     assert missing_methods(One()) == [m for m in PROTOCOL_METHODS if m != "cache_len"]
     assert missing_methods(NumpyBackend()) == missing_methods(TorchBackend("cpu")) == []
     assert missing_methods(object()) == list(PROTOCOL_METHODS)
-    assert len(PROTOCOL_METHODS) >= 40
+    assert 20 <= len(PROTOCOL_METHODS) <= 30
 
 
 @pytest.mark.rule("backend protocol: every tensor-side op is one method")
@@ -288,19 +288,6 @@ def test_apply_rope_rotates_forward_by_default(be):
     assert np.allclose(be.to_numpy(be.apply_rope(fwd, [4], 4, 10000.0, inverse=True)), x,
                        atol=1e-12)
     assert not np.allclose(fwd, x)
-
-
-@pytest.mark.rule("verify's first mismatch and the budget clamp, backend")
-@BOTH
-def test_the_row_vector_adapters_read_rows_pairwise(be):
-    """The per-row adapters pair the rows of their two vectors (zip, not strict): a longer
-    vector's extra rows are not read. Values: C §11.1 first mismatch, §11.2 clamp
-    (`a + 1 > budget -> budget - 1`), C §1 chain start `C + u - 2`."""
-    assert be.verify_accept([[1, 2], [3]], [[1, 2]]) == [2]
-    assert be.budget_clamp([3, 3], [2]) == [1]
-    assert be.chain_starts([5, 6], [1]) == [4]
-    assert be.draft_group_keys([1, 2], [5], False) == REF.draft_group_keys([1], [5], False)
-    assert len(be.draft_group_keys([1, 2], [5], False)) == 1
 
 
 # --- the torch backend's own choices and refusals -------------------------------------------------

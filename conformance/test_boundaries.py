@@ -56,6 +56,7 @@ from raggedspec.reference.cache import CACHE_GROW_SIZE, DRAFT_CACHE_CAPACITY
 from raggedspec.reference.draft import MAX_DRAFT_KV_SEQS, DraftKv, DraftKvMap
 from raggedspec.reference.errors import Refusal
 from raggedspec.reference.model import ModelConfig
+from raggedspec.reference.plan import plan_commit
 from raggedspec.reference.scenario import load_scenario
 
 REF = reference_backend()
@@ -142,7 +143,7 @@ def test_append_at_every_allocation_boundary_matches_the_reference(n, t, capacit
     assert_exact(rm["capacity"], [want], "reference capacity")
     assert_exact(pm["capacity"], rm["capacity"], "capacity")
     assert_exact(pm["len"], rm["len"], "length")
-    assert_exact(be.kv_len(p_kv), n + t if r[0] == "ok" else n, "length after the append")
+    assert_exact(be.cache_len(p_kv), n + t if r[0] == "ok" else n, "length after the append")
     assert_exact(np.asarray(pm["kv"][0][0]), rm["kv"][0][0], "K")
 
 
@@ -286,9 +287,10 @@ def test_long_prompts_end_to_end_in_low_precision(dtype, case):
 
 
 class ClampProbe(NumpyBackend):
-    """The reference, counting the rows `budget_clamp` cut (`bound`) and, of those, the rows
+    """The reference, counting the rows the budget clamp cut (`bound`) and, of those, the rows
     cut on a step whose rows have different `u` and draft different numbers of tokens
-    (`bound_ragged_u`; the step's `u` from `plan_step_window`, its drafts from `verify_accept`)."""
+    (`bound_ragged_u`; the step's `u` from its plan, its drafts from `draft_chain`).
+    `run(sc)` runs the tensor mode on it, watching the step plan's commit."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,22 +299,29 @@ class ClampProbe(NumpyBackend):
         self.u: list[int] = []
         self.drafted: list[int] = []
 
-    def plan_step_window(self, cache_lens, tok_lens, w):
-        u, ok = super().plan_step_window(cache_lens, tok_lens, w)
-        self.u = list(u)
-        return u, ok
+    def upload_plan(self, plan):
+        self.u, self.drafted = plan.u.tolist(), [0] * plan.batch
+        return super().upload_plan(plan)
 
-    def verify_accept(self, proposed, targets):
-        self.drafted = [len(p) for p in proposed]
-        return super().verify_accept(proposed, targets)
+    def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, psa,
+                    warnings=None):
+        chains = super().draft_chain(model, groups, states, toks, cache_lens, budgets, w, psa,
+                                     warnings)
+        self.drafted = [w - u if c else 0 for u, c in zip(self.u, chains, strict=True)]
+        return chains
 
-    def budget_clamp(self, accepted, budgets):
-        out = super().budget_clamp(accepted, budgets)
-        cut = sum(a != o for a, o in zip(accepted, out, strict=True))
+    def _commit_plan(self, plan, verified, remaining, w, strip):
+        out = plan_commit(plan, verified, remaining, w, strip)
+        cut = sum(a != o for a, o in zip(verified, out.accepted.tolist(), strict=True))
         self.bound += cut
         if len(set(self.u)) > 1 and len(set(self.drafted)) > 1:
             self.bound_ragged_u += cut
         return out
+
+    def run(self, sc, **kw):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(simulator, "plan_commit", self._commit_plan)
+            return simulator.run(sc, backend=self, **kw)
 
 
 def port_matches_the_clamped_reference(sc, count: str, label: str, seen: str) -> ClampProbe:
@@ -320,7 +329,7 @@ def port_matches_the_clamped_reference(sc, count: str, label: str, seen: str) ->
     probe's `count` cuts (`target`, `event` when any, inside a Hypothesis example), compare
     the port's run with it, and return the probe."""
     probe = ClampProbe()
-    ref = simulator.run(sc, record_tensors=True, backend=probe)
+    ref = probe.run(sc, record_tensors=True)
     if currently_in_test_context():  # a Hypothesis example (the fixed examples run alone too)
         target(float(getattr(probe, count)), label=label)
         if getattr(probe, count):
@@ -385,7 +394,7 @@ def test_under_per_sequence_advance_every_decode_row_has_one_uncached_token(max_
     the cohort rule (below)."""
     sc = per_sequence_clamp_scenario(max_seq_len, plens, depth, acceptance, seed)
     probe = ClampProbe()
-    trace = simulator.run(sc, backend=probe)
+    trace = probe.run(sc)
     ran = [s for s in trace.steps() if s["phase"] == "decode" and not s["error"]]
     event(f"decode steps that ran: {min(len(ran), 3)}{'+' if len(ran) >= 3 else ''}")
     assert {r["u"] for s in ran for r in s["rows"]} <= {1}

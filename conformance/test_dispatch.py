@@ -504,3 +504,50 @@ def test_the_zero_boundaries_are_well_formed():
     assert CaptureOffsets([0]).row(0) == 0
     assert resolve_row_cache_lens(True, 0, [0]) is None
     assert resolve_row_offsets([0, 5], 0) == [0, 5] and resolve_row_offsets([None, 0], 3) == [3, 0]
+
+
+# --- the row rules on arrays (the step plan calls them on the batch's NumPy rows) ------------
+
+
+@pytest.mark.rule("resolve_row_cache_lens", "ragged_row_q0")
+def test_the_row_length_rules_give_arrays_for_arrays_and_lists_for_lists():
+    leads = np.array([0, 7, 0, 3])
+    got = resolve_row_cache_lens(True, 40, leads)
+    assert isinstance(got, np.ndarray) and got.tolist() == [40, 33, 40, 37]
+    listed = resolve_row_cache_lens(True, 40, [0, 7, 0, 3])
+    assert type(listed) is list and listed == [40, 33, 40, 37]
+    assert resolve_row_cache_lens(True, 40, np.zeros(3, dtype=np.int64)) is None
+    with pytest.raises(DispatchRefusal, match=re.escape("row 1's lead pad 41 is wider")):
+        resolve_row_cache_lens(True, 40, np.array([0, 41, 50]))
+    with pytest.raises(ValueError, match=re.escape("lead_pad [0, -1] must be >= 0")):
+        resolve_row_cache_lens(True, 40, np.array([0, -1]))
+    q0 = ragged_row_q0(np.array([12, 10]), True)
+    assert isinstance(q0, np.ndarray) and q0.dtype == np.int64 and q0.tolist() == [12, 10]
+    assert type(ragged_row_q0((12, 10), True)) is list
+    assert ragged_row_q0(np.array([1]), False) is None
+
+
+@pytest.mark.rule("chain_start_of", "draft_group_key", "draft_groups")
+def test_the_draft_rules_give_arrays_for_arrays_with_the_scalar_values():
+    """C §9.1 on rows: chain starts `C + u - 2` and keys per row, ints for ints; a malformed
+    row is refused with its own values (the first in row order)."""
+    c, u = np.array([12, 10, 9]), np.array([1, 1, 2])
+    starts = chain_start_of(c, u)
+    assert isinstance(starts, np.ndarray) and starts.tolist() == [11, 9, 9]
+    assert type(chain_start_of(12, 1)) is int and chain_start_of(12, 1) == 11
+    ku, ks = draft_group_key(u, c, True)
+    assert ku is u and ks.tolist() == [0, 0, 0]
+    assert draft_group_key(u, c, False)[1].tolist() == [11, 9, 9]
+    key = draft_group_key(1, 12, True)
+    assert key == (1, 0) and type(key[1]) is int
+    with pytest.raises(ValueError, match=re.escape("cache_len 0 + u 1 < 2 has no chain start")):
+        chain_start_of(np.array([5, 0, 1]), np.array([1, 1, 0]))
+    with pytest.raises(ValueError, match=re.escape("cache_len -2 and u 1 must be >= 0")):
+        chain_start_of(np.array([5, -2]), np.array([1, 1]))
+    with pytest.raises(ValueError, match=re.escape("u -1 must be >= 0")):
+        draft_group_key(np.array([1, -1]), c[:2], True)
+    may = np.array([True, True, True])
+    assert draft_groups(u, c, may, 4, True) == {(1, 0): [0, 1], (2, 0): [2]}
+    assert draft_groups(u, c, may, 4, False) == {(1, 9): [1], (1, 11): [0], (2, 9): [2]}
+    assert draft_groups(u, c, np.array([False, True, False]), 4, False) == {(1, 9): [1]}
+    assert draft_groups(u, c, may, 2, True) == {(1, 0): [0, 1]}  # u == w has no draft slot

@@ -449,12 +449,13 @@ def chain_twice(n1: int, n2: int, seed: int) -> None:
         assert want == propose_chain_batched(rm, seed_h, [last], n, [start], twin)
         assert PORT_BE.propose_chain(pm, to_port(seed_h), [last], n, [start], p_kv) == want
         start += n
-        assert len(want[0]) == n and REF_BE.kv_len(r_kv) == start == PORT_BE.kv_len(p_kv)
+        assert len(want[0]) == n and REF_BE.cache_len(r_kv) == start == PORT_BE.cache_len(p_kv)
         same_kv(p_kv, r_kv, "draft KV")
     empty = np.zeros((0, H))
     assert PORT_BE.propose_chain(pm, empty, [], 3, [], p_kv) == [] == \
         REF_BE.propose_chain(rm, empty, [], 3, [], r_kv)
-    assert_exact(PORT_BE.kv_len(p_kv), REF_BE.kv_len(r_kv), "draft KV length after an empty group")
+    assert_exact(PORT_BE.cache_len(p_kv), REF_BE.cache_len(r_kv),
+                 "draft KV length after an empty group")
 
 
 @pytest.mark.rule("propose_chain on the backend's draft cache, port",
@@ -490,7 +491,7 @@ def test_propose_chain_on_a_kv_slot_matches_the_reference(n, held, capacity, max
     seed = rng.standard_normal((2, H))
     got = PORT_BE.propose_chain(pm, seed, [3, 9], n, [held, held], pk)
     assert_exact(got, REF_BE.propose_chain(rm, seed, [3, 9], n, [held, held], rk), "chains")
-    assert_exact(PORT_BE.kv_len(pk), held + n, "slot length")
+    assert_exact(PORT_BE.cache_len(pk), held + n, "slot length")
     same_kv(pk, rk, "slot after the chain")
 
 

@@ -92,7 +92,7 @@ def extend_both(make, offsets, hidden, toks, batch, why=EXTEND_MISALIGNED):
 
 def summary(states):
     return [(s.filled, s.poisoned, None if s.seed is None else s.seed[0],
-             None if s.cache is None else PORT.kv_len(s.cache)) for s in states]
+             None if s.cache is None else PORT.cache_len(s.cache)) for s in states]
 
 
 # --- extend_draft_kvs and prime_draft_kv on both backends ---------------------------------------
@@ -186,7 +186,7 @@ def test_the_rows_after_a_row_without_a_state_are_extended():
     hidden = hidden_of(3, 2, H)
     ps, warnings = extend_both(lambda be, m: [None] + two_primed(be, m), [4], hidden,
                                [toks_of(7, r) for r in range(3)], 3)
-    assert warnings == [] and [(s.filled, s.seed[0], PORT.kv_len(s.cache)) for s in ps[1:]] == \
+    assert warnings == [] and [(s.filled, s.seed[0], PORT.cache_len(s.cache)) for s in ps[1:]] == \
         [(6, 5, 6)] * 2
     for r in (1, 2):
         assert_close(PORT.to_numpy(ps[r].seed[1]), hidden[r, 1], "float64", f"row {r} seed")
@@ -248,7 +248,7 @@ def test_a_refused_truncate_poisons_that_row_only_and_stays_poisoned():
     ps, warnings = extend_both(make, [20, 4], hidden, toks, 2)
     assert warnings == [failed(0, "MTP draft KV truncate to 20 failed: set_len(20) exceeds "
                                   "current capacity 16 (first cached 0)")]
-    assert [(s.filled, s.poisoned, PORT.kv_len(s.cache)) for s in ps] == [(20, True, 0),
+    assert [(s.filled, s.poisoned, PORT.cache_len(s.cache)) for s in ps] == [(20, True, 0),
                                                                           (6, False, 6)]
 
     def twice(be, model):

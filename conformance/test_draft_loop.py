@@ -19,6 +19,7 @@ from raggedspec.conformance.helpers import StepSpy, assert_same_draft_states, dr
 from raggedspec.conformance.helpers import built_model, primed_state, ref_draft_kv
 from raggedspec.conformance.strategies import write_back_groups
 from raggedspec.gpu.backend import TorchBackend
+from raggedspec.reference import dispatch
 from raggedspec.gpu.testing import DEVICE, assert_bit_exact, assert_same_refusal, outcome, to_port
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.cache import KvCache
@@ -392,7 +393,7 @@ def run_both(plan, w, per_seq, cfg=None, edit=None):
         if edit is not None:
             edit(be, states)
         lens = [c for c, _ in plan]
-        groups = REF.draft_groups([1] * len(plan), lens, [True] * len(plan), w, per_seq)
+        groups = dispatch.draft_groups([1] * len(plan), lens, [True] * len(plan), w, per_seq)
         warnings: list = []
         drafts = be.draft_chain(model, groups, states, toks, lens, [9] * len(plan), w, per_seq,
                                 warnings)
@@ -502,7 +503,7 @@ def test_draft_kvs_that_are_not_rows_of_one_pool_are_refused():
     pm = models()[0]
     states, toks = states_for(PORT, pm, [(3, True), (3, True)])
     states[1] = states_for(TorchBackend(dtype="float64"), pm, [(3, True)])[0][0]
-    groups = REF.draft_groups([1, 1], [3, 3], [True, True], 3, False)
+    groups = dispatch.draft_groups([1, 1], [3, 3], [True, True], 3, False)
     with pytest.raises(ValueError) as info:
         PORT.draft_chain(pm, groups, states, toks, [3, 3], [9, 9], 3, False)
     assert str(info.value) == (
@@ -524,7 +525,7 @@ def test_a_uniform_group_with_ragged_starts_is_refused_and_its_rows_keep_their_l
         out.append((str(info.value), states))
     (pm, ps), (rm, rs) = out
     assert pm == rm and "MTP draft KV desync" in pm
-    assert [(s.filled, s.seed[0], PORT.kv_len(s.cache)) for s in ps] == [(3, 2, 3), (5, 4, 3)]
+    assert [(s.filled, s.seed[0], PORT.cache_len(s.cache)) for s in ps] == [(3, 2, 3), (5, 4, 3)]
     assert_same_draft_states(PORT, REF, ps, rs)
 
 

@@ -204,8 +204,8 @@ class _ForgetsTheDeadPrefix(NumpyBackend):
 
     name = "numpy-forgets-dead-prefix"
 
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
-        return super().forward(model, tokens, cache, offsets, None, lead_pad, capture)
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
+        return super().forward(model, tokens, cache, offsets, None, lead_pad, capture, plan)
 
 
 class _RoundsHidden(NumpyBackend):
@@ -214,8 +214,8 @@ class _RoundsHidden(NumpyBackend):
 
     name = "numpy-rounds-hidden"
 
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
-        fwd = super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture)
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
+        fwd = super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture, plan)
         fwd.hidden *= 1 + 1e-9
         return fwd
 
@@ -238,8 +238,8 @@ def test_the_comparison_catches_a_length_recorded_with_its_padding():
     re-converging rows of DESIGN.md) changes the integer trace, which the comparison names."""
 
     class PaddedCommit(NumpyBackend):
-        def commit_per_sequence(self, cache, lead, own, committed):
-            super().commit_per_sequence(cache, 0, lead + own, committed)
+        def commit(self, cache, strip_lead, kv_len, xs_len):
+            super().commit(cache, 0, strip_lead + kv_len, strip_lead + xs_len)
 
     with pytest.raises(Mismatch, match="integer trace line"):
         compare_runs(*run_both(FIXED[1], PaddedCommit())[:2], "float64")

@@ -1,10 +1,12 @@
 """The torch port's host work per decode step does not grow with the batch.
 
-`raggedspec.host_work` counts the blocking tensor->host reads (and aten ops) inside each
-decode step of the tensor-mode simulation on the torch backend. A read per row (a length
-checked by reading the device, a message built from a device vector, a per-row slot object)
-makes the count grow with B; on a GPU each read is a device synchronisation. The budget of 32
-reads per step is the documented target (docs/benchmarks.md "Host work per decode step").
+`raggedspec.host_work` counts, inside each decode step of the tensor-mode simulation on the
+torch backend, the blocking tensor->host reads, the host->tensor uploads and the aten ops,
+split into model compute and bookkeeping. A read, an upload or a bookkeeping op per row (a
+length checked by reading the device, a per-row length vector uploaded, a per-row view of a
+seed) makes the count grow with B; on a GPU each read is a device synchronisation, each
+upload a transfer and each op a launch. The targets (docs/benchmarks.md "Host work per decode
+step") are at most 3 reads, 4 uploads and 100 bookkeeping ops per step.
 """
 
 import pytest
@@ -12,21 +14,41 @@ import pytest
 from raggedspec.host_work import count_decode_steps
 
 READ_BUDGET = 32
+TARGETS = {"reads_per_step": 3, "uploads_per_step": 4, "bookkeeping_ops_per_step": 100}
+METRICS = ("reads_per_step", "uploads_per_step", "bookkeeping_ops_per_step")
+
+
+def counts(advance: str) -> dict[int, dict]:
+    return {b: count_decode_steps(b, advance, steps=4) for b in (2, 8, 16)}
 
 
 @pytest.mark.rule("host work per decode step, port")
-@pytest.mark.parametrize("advance", [pytest.param("per-sequence", marks=pytest.mark.slow),
-                                     "cohort"])
-def test_host_reads_per_decode_step_are_flat_in_the_batch(advance):
-    small, large = (count_decode_steps(b, advance, steps=4) for b in (2, 16))
-    assert large["reads_per_step"] <= small["reads_per_step"], (small, large)
-    assert large["reads_per_step"] <= READ_BUDGET, large
-    assert large["ops_per_step"] <= 1.5 * small["ops_per_step"], (small, large)
+@pytest.mark.parametrize("advance", ["per-sequence", "cohort"])
+def test_host_reads_uploads_and_bookkeeping_per_decode_step_are_flat_in_the_batch(advance):
+    """Nothing may grow from B = 8 to B = 16: both batches are ragged and draft in every
+    group there is (at most w), so a per-row read, upload or op shows as growth. B = 2 is
+    smaller on both counts (fewer groups, uniform rows take the shared RoPE table, no
+    upload), so it bounds the total ops only."""
+    c = counts(advance)
+    for m in METRICS:
+        assert c[16][m] <= c[8][m], (m, c[8], c[16])
+    assert c[16]["reads_per_step"] <= READ_BUDGET, c[16]
+    assert c[16]["ops_per_step"] <= 1.5 * c[2]["ops_per_step"], (c[2], c[16])
 
 
 @pytest.mark.rule("host work per decode step, port")
-def test_the_counter_sees_a_read_per_row():
-    """Negative control: a step path that reads one length per row is counted as such."""
+@pytest.mark.xfail(strict=True, reason=(
+    "targets not met yet: at B = 16, steps = 4, 5 reads, 33 uploads and 165-181 "
+    "bookkeeping ops per decode step (docs/benchmarks.md)"))
+def test_host_work_per_decode_step_meets_the_targets():
+    c = count_decode_steps(16, "cohort", steps=4)
+    assert all(c[m] <= cap for m, cap in TARGETS.items()), c
+
+
+@pytest.mark.rule("host work per decode step, port")
+def test_the_counter_sees_a_read_an_upload_and_an_op_per_row():
+    """Negative control: a step path that reads one length per row, uploads one per row and
+    indexes one row at a time is counted as such, all of it bookkeeping."""
     import torch
 
     from raggedspec.gpu.slots import TorchKv
@@ -34,10 +56,13 @@ def test_the_counter_sees_a_read_per_row():
 
     counter = host_work._Counter()
     lens = torch.arange(16)
-    with host_work._wrapped_reads(counter), counter:
+    with host_work._wrapped_reads(counter), host_work._wrapped_uploads(counter), counter:
         counter.on = True
         for i in range(16):
             int(lens[i])
+            torch.as_tensor([i])
         TorchKv(4096).check_append(1)  # host integers only: no read
         counter.on = False
     assert sum(counter.reads.values()) == 16 and counter.reads["__int__"] == 16
+    assert counter.uploads == {"as_tensor": 16}
+    assert counter.model_ops == 0 and counter.ops >= 32

@@ -31,6 +31,7 @@ from raggedspec.reference.lengths_draft import (
     DraftMirror,
 )
 from raggedspec.reference.lengths_scheduler import ScheduleMirror, admit_waiting
+from raggedspec.reference.plan import StepPlan, plan_drafts
 from raggedspec.reference.policy import NCOL
 from raggedspec.reference.scheduler import (
     COALESCE_PAYBACK_STEPS,
@@ -148,8 +149,11 @@ def test_tier_a_extends_nothing():
 def draft(e, u, cache_lens, budget, psa):
     n = len(u)
     drafts, rows, res = np.zeros(n, dtype=np.int64), np.zeros((n, NCOL), dtype=np.int64), {}
-    ok = e._draft(np.arange(n), np.asarray(u), np.asarray(cache_lens), np.asarray(budget),
-                  psa, drafts, rows, res)
+    c, u = np.asarray(cache_lens, dtype=np.int64), np.asarray(u, dtype=np.int64)
+    plan = StepPlan(int(c.max()), c.max() - c, psa, False, c, c + u, u, True,
+                    np.asarray(budget, dtype=np.int64), c, None, None)
+    plan_drafts(plan, e.may[:n].tolist(), e.w)
+    ok = e._draft(np.arange(n), plan, drafts, rows, res)
     return ok, drafts, rows, res
 
 

@@ -308,9 +308,10 @@ def test_every_rope_of_a_layer_reads_the_shared_table_of_its_theta():
     layer = small_table_layer(MODEL.layers[0])
     seen = []
 
-    def spy(x, offsets, rope_dims, theta, inverse=False, table=None):
+    def spy(x, offsets, rope_dims, theta, inverse=False, table=None, dev_offsets=None):
         seen.append((inverse, table))
-        return apply_rope(x, offsets, rope_dims, theta, inverse=inverse, table=table)
+        return apply_rope(x, offsets, rope_dims, theta, inverse=inverse, table=table,
+                          dev_offsets=dev_offsets)
 
     layer.rope = spy
     hist = [rng.standard_normal((1, n, 16)) for n in (5, 3)]

@@ -495,7 +495,7 @@ def test_strips_rollbacks_commits_and_alignment_move_no_kv_bytes(monkeypatch):
     rows = be.clone_out(ci.batched, 3)
     for i, c in enumerate(rows):
         if i:
-            be.commit_per_sequence(c, ci.lead_pad[i], 3, 1)
+            be.commit(c, ci.lead_pad[i], 4, 4)
         else:
             be.strip_dead_prefix(c.slots[0], ci.lead_pad[i])
     again = be.clone_in(rows, [0, 0, 0], False, True)

@@ -588,7 +588,6 @@ def test_fixed_scenarios_match_the_reference_on_pages(case):
 @pytest.mark.rule("paged KV: every row's view through its block table")
 @pytest.mark.parametrize("name", ["test_append_growth_and_set_len_match_the_reference",
                                   "test_front_align_concat_split_and_strip_match_the_reference",
-                                  "test_cohort_and_per_sequence_advance_match_the_reference",
                                   "test_a_ragged_verify_step_matches_the_reference"])
 def test_per_method_conformance_on_pages(name, monkeypatch):
     """A subset of `test_backend.py` with the paged backend under test."""

@@ -9,7 +9,7 @@ of them, so each refusal path runs on demand.
 import pytest
 
 from raggedspec.conformance.helpers import GRANTED
-from raggedspec.reference import policy, simulator
+from raggedspec.reference import dispatch, policy, simulator, step
 from raggedspec.reference.backend import NumpyBackend
 from raggedspec.reference.errors import (
     AlignRefusal,
@@ -43,10 +43,6 @@ class SpyBackend(NumpyBackend):
         self.calls.append(("clone_in ->", (ci.ragged_decode_supported,)))
         return ci
 
-    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
-        self._hook("resolve_row_cache_lens", enabled, cache_len, list(lead_pad))
-        return super().resolve_row_cache_lens(enabled, cache_len, lead_pad)
-
     def draft_chain(self, model, groups, states, toks, cache_lens, budgets, w, psa, warnings=None):
         self._hook("draft_chain", warnings=warnings)
         return super().draft_chain(model, groups, states, toks, cache_lens, budgets, w, psa,
@@ -64,13 +60,13 @@ class SpyBackend(NumpyBackend):
         self._hook("truncate_by", n_drop)
         super().truncate_by(cache, n_drop)
 
-    def set_lens(self, cache, kv_len, xs_len):
-        self._hook("set_lens", kv_len, xs_len)
-        super().set_lens(cache, kv_len, xs_len)
+    def commit(self, cache, strip_lead, kv_len, xs_len):
+        self._hook("commit", strip_lead, kv_len, xs_len)
+        super().commit(cache, strip_lead, kv_len, xs_len)
 
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
         self._hook("forward", tokens.shape)
-        return super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture)
+        return super().forward(model, tokens, cache, offsets, row_q0, lead_pad, capture, plan)
 
     def args(self, name):
         return [a for n, a in self.calls if n == name]
@@ -157,7 +153,7 @@ def test_the_per_sequence_commit_under_each_strip_policy(strip, kv, pending):
         assert set(xs_lens(eng.caches[i])) == {[16, 14][i]}
     assert [eng.pending[i] for i in (0, 1)] == pending
     if strip != "eager":
-        assert {a for a in spy.args("set_lens")} == {(kv[0], 16), (kv[1], 14)}
+        assert {a for a in spy.args("commit")} == {(0, kv[0], 16), (0, kv[1], 14)}
 
 
 @pytest.mark.rule("strip policy eager / lazy / none")
@@ -202,9 +198,14 @@ def test_a_refused_clone_in_fails_the_step_before_anything_is_measured(sc, exc, 
 
 
 @pytest.mark.rule("window check, the two guards and the deferral")
-def test_a_refused_row_length_resolution_is_the_left_aligned_guard():
-    eng, tr = engine(per_seq_pair(), backend=SpyBackend(
-        fail={"resolve_row_cache_lens": DispatchRefusal("rows disagree")}))
+def test_a_refused_row_length_resolution_is_the_left_aligned_guard(monkeypatch):
+    """The step plan's row lengths (`resolve_row_cache_lens`) refused: the step fails before
+    its window is measured."""
+    def refuse(*_args):
+        raise DispatchRefusal("rows disagree")
+
+    monkeypatch.setattr(dispatch, "resolve_row_cache_lens", refuse)
+    eng, tr = engine(per_seq_pair(), backend=SpyBackend())
     st = failed_decode(tr)
     assert (st["advance"], st["width"], st["padding_fraction"], st["error"]) == (
         "per-sequence", 12, 2 / 24, "left-aligned guard")
@@ -257,7 +258,7 @@ def test_a_cohort_step_that_keeps_every_column_truncates_nothing():
 @pytest.mark.rule("strip policy eager / lazy / none")
 @pytest.mark.parametrize("strip", ["lazy", "none"])
 def test_a_refused_set_len_is_the_per_sequence_commit_refusal(strip):
-    spy = SpyBackend(fail={"set_lens": CacheRefusal("past the capacity")})
+    spy = SpyBackend(fail={"commit": CacheRefusal("past the capacity")})
     eng, tr = engine(per_seq_pair(strip=strip), backend=spy)
     st = failed_decode(tr)
     assert st["error"] == "per-sequence commit refused"
@@ -308,14 +309,13 @@ def test_a_step_that_did_not_assemble_a_per_sequence_batch_trips_the_follows_gua
         "w 4); the resident batched cache is C + w wide"]
 
 
-class NotOk(SpyBackend):
-    def plan_step_window(self, cache_lens, tok_lens, w):
-        return super().plan_step_window(cache_lens, tok_lens, w)[0], False
-
-
 @pytest.mark.rule("window check, the two guards and the deferral")
-def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard():
-    tr = simulator.run(per_seq_pair(), backend=NotOk())
+def test_a_per_row_step_whose_window_is_not_ok_trips_the_left_aligned_guard(monkeypatch):
+    """The step plan's window check says not ok on a step carrying per-row lengths."""
+    window = step.plan_step_window
+    monkeypatch.setattr(step, "plan_step_window",
+                        lambda *a: step.StepWindow(window(*a).uncached, False))
+    tr = simulator.run(per_seq_pair(), backend=SpyBackend())
     st = failed_decode(tr)
     assert st["error"] == "left-aligned guard"
     assert tr.messages == [

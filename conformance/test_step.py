@@ -19,10 +19,8 @@ from hypothesis import strategies as st
 
 from raggedspec.conformance.helpers import (
     assert_refused,
-    each_implementation,
     malformed_cases,
     sim_propose_and_verify,
-    step_backend,
     target_next,
 )
 from raggedspec.reference.capability import KvAdvance
@@ -40,6 +38,7 @@ from raggedspec.reference.step import (
     window_verify_row,
 )
 from raggedspec.reference.xs_rolling import MTP_DEPTH_CAP, XS_TAIL_MARGIN_TOKENS
+from raggedspec.vectors.length_fns import RULES
 
 
 # --- flags / small rules ------------------------------------------------------------------------
@@ -246,17 +245,15 @@ def test_budget_clamp_property(a, budget):
     assert got == (a if a + 1 <= budget else max(budget - 1, 0))
 
 
-# --- the step arithmetic on both backends --------------------------------------------------------
+# --- the step arithmetic as the vectors call it ------------------------------------------------
 
 
-@each_implementation
-@pytest.mark.rule("plan_step_window, token_budget, backend",
-                  "verify's first mismatch and the budget clamp, backend",
-                  "cohort and per-sequence advance arithmetic, backend")
-def test_the_step_arithmetic_of_the_spec_examples_on_each_backend(impl):
-    """The protocol's length methods give the spec's values on the reference and on the port;
-    the budget clamp is per row (rows of different `u` have different budgets)."""
-    be = step_backend(impl)
+@pytest.mark.rule("the step plan, made once for both engines")
+def test_the_step_arithmetic_of_the_spec_examples_through_the_vectors_adapters():
+    """The length rules the step plan calls, through the vectors' row adapters
+    (`LengthRules`): the spec's values; the budget clamp is per row (rows of different `u`
+    have different budgets)."""
+    be = RULES
     assert be.plan_step_window([40, 33, 37], [41, 34, 38], 4) == ([1, 1, 1], True)
     assert be.plan_step_window([40, 40, 40], [41, 34, 38], 4) == ([1, 0, 0], False)
     assert be.token_budget(100, [98, 120, 100]) == [2, 0, 0]
@@ -266,6 +263,17 @@ def test_the_step_arithmetic_of_the_spec_examples_on_each_backend(impl):
     assert be.plan_batch_step([1, 1, 2], [3, 0, 1], 4) == (1, 3, [4, 1, 3])
     assert be.plan_per_sequence_step([1, 2, 1, 4], [3, 1, 0, 0], 5) == (
         [4, 3, 1, 4], [1, 2, 4, 1], [1, 1, 1, 1])
+
+
+@pytest.mark.rule("the step plan, made once for both engines")
+def test_the_row_vector_adapters_read_rows_pairwise():
+    """The per-row adapters pair the rows of their two vectors (zip, not strict): a longer
+    vector's extra rows are not read. Values: C §11.1 first mismatch, §11.2 clamp
+    (`a + 1 > budget -> budget - 1`), C §1 chain start `C + u - 2`."""
+    assert RULES.verify_accept([[1, 2], [3]], [[1, 2]]) == [2]
+    assert RULES.budget_clamp([3, 3], [2]) == [1]
+    assert RULES.chain_starts([5, 6], [1]) == [4]
+    assert RULES.draft_group_keys([1, 2], [5], False) == [(1, 4)]
 
 
 # --- the rules on arrays (the lengths mode calls them on the batch's NumPy rows) ---------------

@@ -41,6 +41,7 @@ from raggedspec.gpu.draft_store import DraftStore, PoolKv
 from raggedspec.gpu.model import Forward as PortForward
 from raggedspec.gpu.model import TinyModel as PortModel
 from raggedspec.gpu.model import rms_norm, silu
+from raggedspec.gpu.plan import upload
 from raggedspec.gpu.rope import apply_rope, rotate
 from raggedspec.gpu.slots import (
     NORMAL,
@@ -134,6 +135,9 @@ class TorchBackend(Backend):
             stores[hd] = DraftStore(hd[1], self.tdtype, self.dev, hd[0])
         return PoolKv(stores[hd], model.cfg.max_seq_len, DRAFT_CACHE_CAPACITY)
 
+    def upload_plan(self, plan):
+        return upload(plan, self.dev)
+
     def cache_len(self, cache):
         return cache.current_seq_len
 
@@ -210,12 +214,8 @@ class TorchBackend(Backend):
     def truncate_by(self, cache, n_drop):
         step.truncate_cache_by(cache, n_drop)
 
-    def commit_per_sequence(self, cache, lead, own, committed):
-        step.commit_per_sequence(cache, lead, own, committed)
-
-    def set_lens(self, cache, kv_len, xs_len):
-        for slot in cache.slots:
-            slot.set_len(xs_len if slot.kind == XS else kv_len)
+    def commit(self, cache, strip_lead, kv_len, xs_len):
+        step.commit_row(cache, strip_lead, kv_len, xs_len)
 
     def xs_append(self, cache, hidden):
         for slot in cache.slots:
@@ -233,9 +233,6 @@ class TorchBackend(Backend):
 
     def kv_set_len(self, kv, n):
         kv.set_len(n)
-
-    def kv_len(self, kv):
-        return kv.current
 
     def front_align(self, kvs):
         return align.front_align_batch([NormalCache([kv]) for kv in kvs], xs_per_seq=False)
@@ -316,7 +313,7 @@ class TorchBackend(Backend):
                                 None if sinks is None else self._t(sinks))
 
     # ------------------------------------------------------------------ model
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
         """`TinyModel.forward` on the in-place layout. The reference's arguments say which
         front-aligned columns each row treats as dead: for the attention `C - row_q0_i` on
         the ragged path (0 on the scalar path), for the compressed keys `lead_pad_i`. Rows
@@ -326,7 +323,36 @@ class TorchBackend(Backend):
         offsets or the compressed-key start differ from the own lengths (a ragged batch
         decoded without per-row masks), the same layers run with those (`_forward_general`).
         Refusals, before any slot changes and in the reference's order: the tokens' shape and
-        vocabulary range, the slot count, the offset and lead counts, a row's layout."""
+        vocabulary range, the slot count, the offset and lead counts, a row's layout. With a
+        `plan` (`gpu.plan.DevicePlan`) the general path reads its device `offsets` instead of
+        uploading them."""
+        tokens, offs, offs_np, lead_np = self._check_forward(model, tokens, cache, offsets,
+                                                             lead_pad)
+        b, t = tokens.shape
+        kvs = cache.slots[:model.n_layers]
+        for slot in kvs:  # the reference's first append refuses before anything changes
+            slot.check_append(t)
+        c = cache.current_seq_len
+        rows = dispatch.resolve_ragged_rows(row_q0, c, b)
+        comp_start = self._prepare_slots(model, kvs, c, rows, lead_np, b, t)
+        own = kvs[0].own
+        if self._plain_layout(offs_np, own, comp_start):
+            fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture,
+                                device_offsets=None if plan is None else plan.offsets)
+        else:
+            dev_offs = plan.offsets if plan is not None else self._ints(offs)
+            fwd = self._forward_general(model, ints_on(tokens, self.dev), [s.kv for s in kvs],
+                                        dev_offs, to_device(torch.from_numpy(comp_start),
+                                                            self.dev))
+            if capture is not None:
+                capture.store_rows(offs, fwd.hidden.clone())
+        for slot in kvs:
+            slot.current += t
+        return fwd
+
+    def _check_forward(self, model, tokens, cache, offsets, lead_pad):
+        """`forward`'s refusals, in the reference's order (tokens, vocabulary, slots, offset
+        and lead counts, each row's layout); the tokens and offsets as host arrays."""
         tokens = np.asarray(tokens, dtype=np.int64)
         require(
             tokens.ndim == 2 and tokens.size > 0, f"tokens {tokens.shape} must be [B,T], B, T >= 1"
@@ -353,10 +379,12 @@ class TorchBackend(Backend):
                 f"row {i}: seqlen offset {off} disagrees with the layout (cache {c}, lead "
                 f"{leads[i]})",
             )
-        kvs = cache.slots[:n]
-        for slot in kvs:  # the reference's first append refuses before anything changes
-            slot.check_append(t)
-        rows = dispatch.resolve_ragged_rows(row_q0, c, b)
+        return tokens, offs, offs_np, lead_np
+
+    def _prepare_slots(self, model, kvs, c, rows, lead_np, b, t) -> np.ndarray:
+        """Bake each row's extra attention-dead columns (`C - row_q0_i`), materialize an
+        empty cache, grow every slot for t more columns; the compressed keys' start column
+        per row (host ints)."""
         attn_dead = (
             np.zeros(b, dtype=np.int64) if rows is None else c - np.asarray(rows, dtype=np.int64)
         )
@@ -377,18 +405,7 @@ class TorchBackend(Backend):
         for slot in kvs:
             slot.grow_meta(t)
             grow_physical(slot.kv, int(slot.own.max()) + t)
-        own = first.own
-        toks = ints_on(tokens, self.dev)
-        if self._plain_layout(offs_np, own, comp_start):
-            fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture)
-        else:
-            fwd = self._forward_general(model, toks, [s.kv for s in kvs], self._ints(offs),
-                                        to_device(torch.from_numpy(comp_start), self.dev))
-            if capture is not None:
-                capture.store_rows(offs, fwd.hidden.clone())
-        for slot in kvs:
-            slot.current += t
-        return fwd
+        return comp_start
 
     @staticmethod
     def _plain_layout(offsets: np.ndarray, own: np.ndarray, comp_start: np.ndarray) -> bool:
@@ -521,53 +538,6 @@ class TorchBackend(Backend):
 
     def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
         extend_draft_kvs(self, states, capture, toks, batch, model, warnings, why=PRIME_MISALIGNED)
-
-    # ------------------------------------------------------------------ length vectors
-    # Host integers in, host integers out: the reference's rule functions themselves (the
-    # lengths are host integers once per step; no device twin of these rules exists).
-    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
-        return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
-
-    def ragged_row_q0(self, offsets, per_seq_kv):
-        return dispatch.ragged_row_q0(offsets, per_seq_kv)
-
-    def plan_step_window(self, cache_lens, tok_lens, w):
-        sw = step.plan_step_window(cache_lens, tok_lens, w)
-        return list(sw.uncached), sw.ok
-
-    def token_budget(self, max_seq_len, tok_lens):
-        return [step.token_budget(max_seq_len, n) for n in tok_lens]
-
-    def draft_groups(self, uncached, cache_lens, may_draft, w, per_seq_advance):
-        return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
-
-    def draft_group_keys(self, uncached, cache_lens, carries_per_row):
-        return [
-            dispatch.draft_group_key(u, c, carries_per_row)
-            for u, c in zip(uncached, cache_lens, strict=False)
-        ]
-
-    def chain_starts(self, cache_lens, uncached):
-        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached, strict=False)]
-
-    def verify_accept(self, proposed, targets):
-        return [
-            len(step.verify_proposed(p, t).accepted)
-            for p, t in zip(proposed, targets, strict=False)
-        ]
-
-    def budget_clamp(self, accepted, budgets):
-        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]
-
-    def plan_batch_step(self, uncached, accepted, w):
-        plan = step.plan_batch_step(uncached, accepted, w)
-        return plan.keep, plan.n_drop, list(plan.next_uncached)
-
-    def plan_per_sequence_step(self, uncached, accepted, w):
-        plan = step.plan_per_sequence_step(uncached, accepted, w)
-        return list(plan.committed), list(plan.dropped), list(plan.next_uncached)
-
-
 
 
 __all__ = ["DTYPES", "TorchBackend"]

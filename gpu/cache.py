@@ -140,14 +140,16 @@ class RaggedKv:
         self.v = torch.nn.functional.pad(self.v, (0, 0, 0, pad))
 
     def append(
-        self, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor | None = None
+        self, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor | None = None,
+        dev_rows: torch.Tensor | None = None,
     ) -> None:
         """Write `k_new, v_new [B', H, t, *]` at each row's own offset `lens[i]` (one scatter
         per buffer) and advance `lens` by t. `rows` (int64 `[B']`, distinct) restricts the
-        append to a subset of rows (a draft group), in place in the shared buffers.
+        append to a subset of rows (a draft group), in place in the shared buffers;
+        `dev_rows`, the same rows already on the device, is read instead of an upload.
         Refusals: capacity growth above `max_seq_len` (CacheRefusal), before any write."""
         idx = arange_like(self.batch, self.k) if rows is None \
-            else lengths_like(rows, self.k, name="rows")
+            else dev_rows if dev_rows is not None else lengths_like(rows, self.k, name="rows")
         require(k_new.dim() == 4 and v_new.dim() == 4 and k_new.shape[0] == idx.numel()
                 and k_new.shape[:3] == v_new.shape[:3] and k_new.shape[1] == self.k.shape[1]
                 and k_new.shape[3] == self.k.shape[3] and v_new.shape[3] == self.v.shape[3],

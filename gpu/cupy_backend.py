@@ -94,7 +94,7 @@ class CupyBackend(TorchBackend):
             layer.rope = self._rope
         return model
 
-    def _attend(self, q, kv, rows, comp, ratio, window, sinks=None):
+    def _attend(self, q, kv, rows, comp, ratio, window, sinks=None, dev_rows=None):
         """`gpu.model.dsv4_attention_rows` by `rs_verify_attention_*` (every KV head in place;
         query head h reads KV head `h // (H / Hk)`).
         A forward with more queries than the verify kernel takes (a prefill: G * t_q over
@@ -102,7 +102,7 @@ class CupyBackend(TorchBackend):
         h, t_q, d = q.shape[1], q.shape[2], q.shape[3]
         if not self.kernels.fits((h // kv.k.shape[1]) * t_q, d, DTYPE_NAMES[q.dtype]):
             self.prefill_fallbacks += 1
-            return dsv4_attention_rows(q, kv, rows, comp, ratio, window, sinks)
+            return dsv4_attention_rows(q, kv, rows, comp, ratio, window, sinks, dev_rows)
         self.kernel_attentions += 1
         a = self._arr
         out = self._run(self.kernels.dsv4_attention_rows, a(q), a(kv.k), a(kv.v), kv.host_lens(),
@@ -111,9 +111,12 @@ class CupyBackend(TorchBackend):
                         None if sinks is None else a(sinks.to(q.dtype)))
         return self._tensor(out, q.dtype)
 
-    def _rope(self, x, offsets, rope_dims, theta, inverse=False, table=None):
-        """`gpu.rope.apply_rope` by `rs_rope` (angles computed in the kernel; `table` unused)."""
+    def _rope(self, x, offsets, rope_dims, theta, inverse=False, table=None, dev_offsets=None):
+        """`gpu.rope.apply_rope` by `rs_rope` (angles computed in the kernel; `table` unused;
+        `dev_offsets`, the same offsets already on the device, read when given)."""
         _check_x(x, rope_dims)
+        if dev_offsets is not None and dev_offsets.numel() == len(host_ints(offsets)):
+            offsets = dev_offsets
         offs = self._arr(lengths(offsets, device=x.device, name="offsets"))   # stays on the device
         out = self._run(self.kernels.rope, self._arr(x), offs, rope_dims, theta, inverse)
         return self._tensor(out, x.dtype)

@@ -57,75 +57,105 @@ def draft_group_loop(
         f"states ({b}), toks ({len(toks)}), cache_lens ({len(cache_lens)}) and budgets "
         f"({len(budgets)}) must have one entry per row",
     )
-    block = model.mtp
     drafts: list[list[int]] = [[] for _ in range(b)]
     warned_empty = False
     pending = []  # (members, chain tokens on the device) per drafted group
-    for (u, _), rows in groups.items():  # groups: at most w of them (one per uncached count)
-        n_draft = w - u
-        members, starts = draft_group_members(rows, states, cache_lens, budgets, u)
+    for key, rows in groups.items():  # groups: at most w of them (one per uncached count)
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
         if not members:
-            if block is not None and not warned_empty:
-                warn(warnings, "no row", key=(u, _))
+            if model.mtp is not None and not warned_empty:
+                warn(warnings, "no row", key=key)
                 warned_empty = True
             continue
-        seed_hidden = torch.stack([states[i].seed[1] for i in members])  # per-sequence records
-        lasts = [int(toks[i][-1]) for i in members]
-        g = len(members)
-        if block is None:
-            chains = be.propose_chain(model, seed_hidden, lasts, n_draft, starts, None)
+        group = _Group(key, w - key[0], members, starts)
+        chains = _draft_one_group(be, model, group, states, toks, per_seq_advance, warnings)
+        if chains is None:
+            continue
+        if model.mtp is None:  # the heads' chain: host tokens already
             for slot, i in enumerate(members):
                 drafts[i] = chains[slot]
             continue
-        caches = [states[i].cache for i in members]
-        if any(c is None for c in caches):
-            warn(warnings, "no cache", key=(u, _))
-            continue
-        require(
-            all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
-            "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)",
-        )
-        leads = dispatch.resolve_draft_leads(per_seq_advance, starts)
-        aligned = leads is not None
-        leads = leads if aligned else [0] * g
-        plan = _draft_group_plan(caches, starts, aligned, n_draft, (u, _), warnings)
-        if plan is None:
-            continue
-        entry, cap = plan
-        store = caches[0].store
-        idx = np.fromiter((c.idx for c in caches), np.int64, g)
-        store.reserve(max(max(starts), entry) + n_draft)
-        before = store.kv.host_lens()
-        # the alignment is lengths only: each row its own start (ragged), or the batched
-        # set_len(starts[0]) (uniform path; ragged starts there refuse "desync" in the chain)
-        aligned_lens = before.copy()
-        aligned_lens[idx] = starts if aligned else entry
-        store.kv.lens = aligned_lens
-        try:
-            chains = propose_chain_batched(
-                model, seed_hidden, lasts, n_draft, starts, store.kv, rows=idx
-            )
-        except Refusal:
-            store.kv.lens = (
-                before  # the reference refused on a batched copy: the rows are untouched
-            )
-            raise
-        for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
-            c = caches[slot]
-            c.materialized = True
-            c.capacity = cap - leads[slot]  # split (batched metadata) + strip of the row's lead
-            c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
-            states[i].filled = starts[slot] + 1
         pending.append((members, chains))
-    if pending:  # every group's chain tokens in one device read
-        flat = torch.cat([c.reshape(-1) for _, c in pending]).tolist()
-        at = 0
-        for members, c in pending:
-            n = c.shape[1]
-            for i in members:
-                drafts[i] = flat[at : at + n]
-                at += n
+    _read_chains(pending, drafts)
     return drafts
+
+
+@dataclass
+class _Group:
+    """One draft group: its key, chain length, members (row indices) and chain starts."""
+
+    key: tuple
+    n_draft: int
+    members: list
+    starts: list
+
+
+def _read_chains(pending: list, drafts: list) -> None:
+    """Every drafted group's chain tokens in one device read, into `drafts` by row."""
+    if not pending:
+        return
+    flat = torch.cat([c.reshape(-1) for _, c in pending]).tolist()
+    at = 0
+    for members, c in pending:
+        n = c.shape[1]
+        for i in members:
+            drafts[i] = flat[at : at + n]
+            at += n
+
+
+def _draft_one_group(be, model, group: _Group, states, toks, per_seq_advance, warnings):
+    """One group's chain: the heads' host chains (no MTP block), None when the group is
+    skipped (warned), else its chain tokens on the device with the rows' draft-KV metadata
+    written back (host integers, no tensor)."""
+    members, starts, n_draft, key = group.members, group.starts, group.n_draft, group.key
+    seed_hidden = torch.stack([states[i].seed[1] for i in members])  # per-sequence records
+    lasts = [int(toks[i][-1]) for i in members]
+    g = len(members)
+    if model.mtp is None:
+        return be.propose_chain(model, seed_hidden, lasts, n_draft, starts, None)
+    caches = [states[i].cache for i in members]
+    if any(c is None for c in caches):
+        warn(warnings, "no cache", key=key)
+        return None
+    require(
+        all(isinstance(c, PoolKv) and c.store is caches[0].store for c in caches),
+        "draft KV caches must be rows of one DraftStore (the backend's new_draft_cache)",
+    )
+    leads = dispatch.resolve_draft_leads(per_seq_advance, starts)
+    aligned = leads is not None
+    leads = leads if aligned else [0] * g
+    plan = _draft_group_plan(caches, starts, aligned, n_draft, key, warnings)
+    if plan is None:
+        return None
+    entry, cap = plan
+    chains = _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry)
+    for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
+        c = caches[slot]
+        c.materialized = True
+        c.capacity = cap - leads[slot]  # split (batched metadata) + strip of the row's lead
+        c.current = starts[slot] + n_draft  # == store.kv.lens[c.idx]
+        states[i].filled = starts[slot] + 1
+    return chains
+
+
+def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry):
+    """The chain on the pool rows: their lengths set to the chain starts (each row its own
+    start when aligned, else the batched `set_len(starts[0])`; ragged starts there refuse
+    "desync" in the chain), then `propose_chain_batched`; a refusal leaves the rows as they
+    were (the reference refused on a batched copy)."""
+    store = caches[0].store
+    idx = np.fromiter((c.idx for c in caches), np.int64, len(caches))
+    store.reserve(max(max(starts), entry) + n_draft)
+    before = store.kv.host_lens()
+    aligned_lens = before.copy()
+    aligned_lens[idx] = starts if aligned else entry
+    store.kv.lens = aligned_lens
+    try:
+        return propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv,
+                                     rows=idx)
+    except Refusal:
+        store.kv.lens = before
+        raise
 
 
 def _draft_group_plan(caches, starts, aligned, n, key, warnings):
@@ -174,53 +204,69 @@ def extend_draft_kvs(
     (one fuse + key projection, one masked scatter into the pool rows; the MTP layer's
     K is token-local, so the reference's discarded attention output is not computed)."""
     block = None if capture is None else model.mtp
-    hidden = offsets = None
-    batch_fail = None  # a capture-wide outcome: an exception (every row poisoned) or False
-    if block is not None:
-        offsets, hidden = capture
-        hidden = be._t(hidden)
-        if hidden.dim() == 2:
-            hidden = hidden[None]
-        if hidden.dim() != 3:
-            batch_fail = StepRefusal(
-                f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
-                f"expected [B,T,H] or [T,H]"
-            )
-        elif hidden.shape[0] != batch or not offsets.describes(batch):
-            batch_fail = False
+    offsets, hidden, batch_fail = _capture_of(be, capture, block, batch)
     q = _Queued()
-    store = None
     for row in range(batch):  # host: per-state integer checks and metadata, no tensor touched
         state = states[row]
         if state is None:
             continue
-        ok, err = True, None
-        if state.poisoned:
-            ok = False
-        elif block is None:
-            ok = True
-        elif isinstance(batch_fail, Exception):
-            err = batch_fail
-        else:
-            if batch_fail is False:
-                ok = False
-            else:
-                try:
-                    ok = _extend_plan(state, offsets, toks[row], row, hidden.shape[1], q)
-                except Refusal as exc:
-                    err = exc
-                if isinstance(state.cache, PoolKv):
-                    store = state.cache.store
+        ok, err = _extend_row(state, block, batch_fail, offsets, toks[row], row, hidden, q)
         if err is not None:
             state.poisoned = True
             warn(warnings, "extension", row=row, exc=err)
         elif not ok:
             state.poisoned = True
             warn(warnings, "misaligned", row=row, why=why)
+    _extend_tensors(be, block, hidden, toks, q)
+
+
+def _capture_of(be, capture, block, batch):
+    """The capture's (offsets, hidden `[B,T,H]`, capture-wide outcome): None, an exception
+    (every row poisoned with it) or False (every row misaligned)."""
+    if block is None:
+        return None, None, None
+    offsets, hidden = capture
+    hidden = be._t(hidden)
+    if hidden.dim() == 2:
+        hidden = hidden[None]
+    if hidden.dim() != 3:
+        return offsets, hidden, StepRefusal(
+            f"captured hidden has rank {hidden.dim()} (shape {list(hidden.shape)}); "
+            f"expected [B,T,H] or [T,H]"
+        )
+    if hidden.shape[0] != batch or not offsets.describes(batch):
+        return offsets, hidden, False
+    return offsets, hidden, None
+
+
+def _extend_row(state, block, batch_fail, offsets, toks, row, hidden, q):
+    """One row's checks on host integers: (ok, refusal or None); its work queued on `q`."""
+    if state.poisoned:
+        return False, None
+    if block is None:
+        return True, None
+    if isinstance(batch_fail, Exception):
+        return True, batch_fail
+    if batch_fail is False:
+        return False, None
+    try:
+        ok = _extend_plan(state, offsets, toks, row, hidden.shape[1], q)
+    except Refusal as exc:
+        return True, exc
+    finally:
+        if isinstance(state.cache, PoolKv):
+            q.store = state.cache.store
+    return ok, None
+
+
+def _extend_tensors(be, block, hidden, toks, q) -> None:
+    """The queued tensor work: one gather of the new seeds (one view per row by one
+    `unbind`), the truncated lengths, one `extend_draft_kv_rows`."""
     if q.seed_rows:  # the new seeds: one gather
-        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)]
-        for j, (state, p) in enumerate(q.seed_states):  # host records: views of the one gather
-            state.seed = (p, got[j])
+        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)].unbind(0)  # one view op
+        for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
+            state.seed = (p, seed)
+    store = q.store
     if q.trunc_idx:  # the reference's set_len(filled): lengths only
         held = store.kv.host_lens().copy()
         held[np.asarray(q.trunc_idx, dtype=np.int64)] = q.trunc_len
@@ -250,6 +296,7 @@ class _Queued:
     w_off: list = field(default_factory=list)
     w_lo: list = field(default_factory=list)
     w_hi: list = field(default_factory=list)
+    store: object = None
 
 
 def _extend_plan(state, offsets, toks, row: int, t: int, q: _Queued) -> bool:

@@ -25,7 +25,7 @@ from raggedspec.gpu.attention import attention, dsv4_attention_in_place, is_stan
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.masks import compressed_validity
 from raggedspec.gpu.rope import RopeTable, apply_rope, rotate
-from raggedspec.reference.dispatch import draft_step_end_column
+from raggedspec.reference.dispatch import draft_step_end_column, uniform_seqlen_offset
 from raggedspec.reference.errors import DispatchRefusal, MaskRefusal, require
 
 
@@ -93,7 +93,8 @@ def _gather_columns(buf: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -
 
 def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torch.Tensor | None,
                         compress_ratio: int, sliding_window: int,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None,
+                        dev_rows: torch.Tensor | None = None) -> torch.Tensor:
     """`dsv4_attention_in_place` for the rows `rows` (an int64 index vector into `kv`, one
     per query row) of a shared buffer, or for every row when `rows` is None (then it IS
     `gpu.attention.dsv4_attention_in_place`). Row r's raw window is gathered from
@@ -101,12 +102,13 @@ def dsv4_attention_rows(q: torch.Tensor, kv: RaggedKv, rows, compressed_kv: torc
     `qp - window < kp <= qp`; compressed block b valid iff `b < floor((qp + 1) / ratio)`.
     Only the window columns of the addressed rows are read (no copy of a row's history).
     `kv` holds Hk KV heads dividing H (query head h reads KV head `h // (H // Hk)`), and
-    `compressed_kv` is `[G,Hk,t_c,D]`. Refusal: MaskRefusal "query rows against only" for a
-    row shorter than `t_q`; ValueError on shapes that disagree."""
+    `compressed_kv` is `[G,Hk,t_c,D]`. `dev_rows`: the same rows already on the device, read
+    instead of an upload. Refusal: MaskRefusal "query rows against only" for a row shorter
+    than `t_q`; ValueError on shapes that disagree."""
     if rows is None:
         return dsv4_attention_in_place(q, kv, compressed_kv, compress_ratio, sliding_window, sinks)
     host_rows = host_ints(rows)
-    rows = lengths_like(rows, kv.k, name="rows")
+    rows = dev_rows if dev_rows is not None else lengths_like(rows, kv.k, name="rows")
     if not (
         q.dim() == 4
         and q.shape[1] % kv.k.shape[1] == 0
@@ -216,13 +218,15 @@ class DecoderLayer:
         live = (arange_like(t_c, kv.k)[None, :] < n[:, None])[:, None, :, None]
         return torch.where(live, blocks, blocks.new_zeros(()))
 
-    def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None,
+                dev_offsets=None) -> torch.Tensor:
         """Run the layer on `x [B,T,H]` whose row r sits in `kv` row `rows[r]` (every row
         of `kv` when `rows` is None): RoPE at `offsets[r] + t` (`offsets` of length 1 or B;
         default the rows' own lengths, which it must equal: the caller checks), append K
         (== V) at each row's own offset, attend (`dsv4_attention_rows`), inverse-rotate,
         project, add, then the MLP. A compressed layer needs `rows` None (ValueError before
-        anything is appended)."""
+        anything is appended). `dev_offsets`: the same RoPE offsets already on the device
+        (the step plan's), read instead of an upload."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
@@ -237,15 +241,21 @@ class DecoderLayer:
         if isinstance(offs, torch.Tensor):
             offs = host_ints(offs)
         offs = np.asarray(offs, dtype=np.int64).reshape(-1)
+        if dev_offsets is None and uniform_seqlen_offset(offs.tolist()) is None:
+            dev_offsets = lengths_like(offs, x, name="offsets")  # once for q, k and o
+        dev_rows = None if rows is None else lengths_like(rows, kv.k, name="rows")
         table = self.ropes.get(self.theta, int(offs.max()) + t)
         h = rms_norm(x, self.attn_norm, eps)
         q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(1, 2), self.q_norm, eps)
-        q = self.rope(q, offs, cfg.rope_dims, self.theta, table=table)
-        k = self.rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table)
-        kv.append(k, k, rows=rows)
+        q = self.rope(q, offs, cfg.rope_dims, self.theta, table=table, dev_offsets=dev_offsets)
+        k = self.rope(self.key(x), offs, cfg.rope_dims, self.theta, table=table,
+                      dev_offsets=dev_offsets)
+        kv.append(k, k, rows=rows, dev_rows=dev_rows)
         comp = self.compressed_keys(kv) if self.ratio else None
-        o = self.attend(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks)
-        o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table)
+        o = self.attend(q, kv, rows, comp, self.ratio, cfg.sliding_window, self.sinks,
+                        dev_rows=dev_rows)
+        o = self.rope(o, offs, cfg.rope_dims, self.theta, inverse=True, table=table,
+                      dev_offsets=dev_offsets)
         x = x + o.transpose(1, 2).reshape(b, t, nh * hd) @ self.wo
         m = rms_norm(x, self.mlp_norm, eps)
         return x + silu(m @ self.w_up) @ self.w_down
@@ -379,7 +389,8 @@ class TinyModel:
         """`lm_head(norm(hidden))` of the target."""
         return rms_norm(hidden, self.norm, self.cfg.eps) @ self.lm_head
 
-    def forward(self, tokens, cache: list[RaggedKv], seqlen_offsets=None, capture=None) -> Forward:
+    def forward(self, tokens, cache: list[RaggedKv], seqlen_offsets=None, capture=None,
+                device_offsets=None) -> Forward:
         """Run `tokens [B,T]` through every target layer over the in-place `cache` (layer i
         uses `cache[i]`; extra entries are ignored); every row's new K/V land at its own
         offset and every layer's lengths grow by T.
@@ -389,6 +400,8 @@ class TinyModel:
         `seqlen_offsets` (length 1 or B), when given, must equal those lengths (the
         reference's "disagrees with the layout"). After the last layer the pre-norm hidden
         is stored with `capture.store_rows(lens, hidden)` when a capture is given.
+        `device_offsets`: the rows' lengths already on the device (the step plan's), which
+        the layers' RoPE reads instead of uploading them.
         Refusals: those of the layers (CacheRefusal on growth, MaskRefusal)."""
         host_tokens = host_ints(tokens, flat=False)
         require(host_tokens.ndim == 2 and host_tokens.size > 0,
@@ -424,7 +437,7 @@ class TinyModel:
         lens = lens.tolist()
         x = self.embed[tokens]
         for layer, kv in zip(self.layers, cache, strict=False):
-            x = layer.forward(x, kv)
+            x = layer.forward(x, kv, dev_offsets=device_offsets)
         if capture is not None:
             capture.store_rows(lens, x.clone())
         return Forward(self.logits(x), x)

@@ -182,10 +182,11 @@ class PagedRaggedKv:
     def v(self) -> torch.Tensor:
         return self._gather_view()[1]
 
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows=None) -> None:
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows=None, dev_rows=None) -> None:
         """Write `k_new, v_new [B', H, t, *]` at each row's view column `lens_i` and advance
         the lengths by t: pages allocated as needed; a page this batch does not own gets a
-        copy of its live prefix first. `rows` (host ints, distinct) restricts it to rows."""
+        copy of its live prefix first. `rows` (host ints, distinct) restricts it to rows
+        (`dev_rows`, the same on the device, is not needed: the pages are chosen on the host)."""
         idx = np.arange(self.batch) if rows is None else np.asarray(
             rows.tolist() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).ravel()
         require(k_new.dim() == 4 and k_new.shape[0] == idx.size

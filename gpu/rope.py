@@ -100,17 +100,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dims: int
 
 
 def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: bool = False,
-               table: RopeTable | None = None) -> torch.Tensor:
+               table: RopeTable | None = None, dev_offsets: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Rotate `x [B,H,T,D]`: row i, token t at `offsets[i] + t` (`offsets` of length 1 or
     B). One positions table `[1 or B, T]`, one gather of cos/sin (from `table` when given,
     else computed for exactly these positions), one broadcast rotation. The dispatch is a
     host branch: the offsets are host integers (a device vector is read once) and the
-    reference's `uniform_seqlen_offset` picks the `[1, T]` table for a uniform vector.
+    reference's `uniform_seqlen_offset` picks the `[1, T]` table for a uniform vector. Only
+    a ragged vector is needed on the device: `dev_offsets` (the same values, already there,
+    e.g. the step plan's) when given, else one upload.
     ValueError for a wrong `offsets` length, a negative offset, a bad `rope_dims`."""
     _check_x(x, rope_dims)
     b, _, t, _ = x.shape
     host = host_ints(offsets)
-    offsets = lengths_like(offsets, x, name="offsets")
     require(host.size in (1, b), f"{host.size} offsets for a batch of {b} (need 1 or B)")
     require(host.min(initial=0) >= 0, f"offsets {host.tolist()} must be >= 0")
     shared = uniform_seqlen_offset(host.tolist())
@@ -119,7 +121,9 @@ def apply_rope(x: torch.Tensor, offsets, rope_dims: int, theta: float, inverse: 
         positions = (shared + arange_like(t, x))[None, :]
     else:
         rope_path_stats["gathered"] += 1
-        positions = offsets[:, None] + arange_like(t, x)[None, :]
+        if dev_offsets is None or dev_offsets.numel() != host.size:
+            dev_offsets = lengths_like(offsets, x, name="offsets")
+        positions = dev_offsets[:, None] + arange_like(t, x)[None, :]
     if table is not None:
         top = int(host.max()) + t - 1 if host.size and t else None
         cos, sin = table.lookup(positions, top)

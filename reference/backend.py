@@ -52,31 +52,41 @@ class Backend:
     # ------------------------------------------------------------------ construction, read-back
     def build_model(self, cfg):
         """The tiny model for `cfg` (`reference.model.ModelConfig`), same weights as the
-        reference's `TinyModel(cfg)`."""
+        reference's `TinyModel(cfg)`. Plan fields: none (once per run)."""
         self._missing("build_model")
 
     def new_target_cache(self, cfg, max_seq_len: int, batch: int):
         """An empty target cache of `batch` rows: one K/V slot per layer of `cfg` (capacity
-        512), then one XsRolling slot per compressed layer."""
+        512), then one XsRolling slot per compressed layer.
+        Plan fields: none (a prompt step's cache)."""
         self._missing("new_target_cache")
 
     def new_draft_cache(self, model):
-        """An empty draft KV (capacity 16) for `model`'s MTP block; None without a block."""
+        """An empty draft KV (capacity 16) for `model`'s MTP block; None without a block.
+        Plan fields: none."""
         self._missing("new_draft_cache")
 
+    def upload_plan(self, plan):
+        """The step plan (`reference.plan.StepPlan`) in the backend's form, once per decode
+        step, before the verify forward; what it returns is handed to `forward` as `plan`.
+        Plan fields: a port reads whichever it keeps on the device (the reference keeps the
+        host plan as is)."""
+        self._missing("upload_plan")
+
     def cache_len(self, cache) -> int:
-        """A target cache's `current_seq_len` (layer 0, dead prefix included)."""
+        """The `current_seq_len` of a target cache (layer 0, dead prefix included) or of one
+        K/V slot. Plan fields: none (the plan's `width` is read from it)."""
         self._missing("cache_len")
 
     def to_numpy(self, x) -> np.ndarray:
-        """A backend tensor as a host array (floats as float64)."""
+        """A backend tensor as a host array (floats as float64). Plan fields: none (read-back)."""
         self._missing("to_numpy")
 
     def materialize(self, obj) -> dict:
         """The reference's view of a target cache or a K/V slot, as host arrays:
         `{"len", "kv": [(k, v) per K/V slot, front-aligned current data], "xs": [{"tokens",
         "base", "comp": [per row], "history": [per row]} per XsRolling slot]}` for a target
-        cache, `{"len", "kv": [(k, v)]}` for a K/V slot."""
+        cache, `{"len", "kv": [(k, v)]}` for a K/V slot. Plan fields: none (read-back)."""
         self._missing("materialize")
 
     # ------------------------------------------------------------------ target cache rules
@@ -84,28 +94,31 @@ class Backend:
         self, caches: list, pending_leads: list[int], xs_per_seq: bool, per_sequence: bool
     ) -> CloneIn:
         """`clone_in_cache_reporting_lead` (C §5.4): strip pending leads, front-align under
-        PerSequence (the leads are returned: a port may keep them as offsets), stack."""
+        PerSequence (the leads are returned: a port may keep them as offsets), stack.
+        Plan fields: none; it produces the leads the plan reads (`lead`)."""
         self._missing("clone_in")
 
     def clone_out(self, batched, b: int) -> list:
-        """`clone_out_cache` (C §5.3): b per-sequence caches, each with the batched length."""
+        """`clone_out_cache` (C §5.3): b per-sequence caches, each with the batched length.
+        Plan fields: none (`b` is the plan's batch)."""
         self._missing("clone_out")
 
     def truncate_by(self, cache, n_drop: int) -> None:
-        """`truncate_cache_by` (C §12.3): every slot `sat(len - n_drop)`; StepRefusal."""
+        """`truncate_cache_by` (C §12.3): every slot `sat(len - n_drop)`; StepRefusal.
+        Plan fields: `CommitPlan.n_drop`."""
         self._missing("truncate_by")
 
-    def commit_per_sequence(self, cache, lead: int, own: int, committed: int) -> None:
-        """`commit_per_sequence` (C §12.2): strip the dead prefix, `set_len(own + committed)`."""
-        self._missing("commit_per_sequence")
-
-    def set_lens(self, cache, kv_len: int, xs_len: int) -> None:
-        """The lazy / none strip policies (C §5.5): every K/V slot `set_len(kv_len)`, every
-        XsRolling slot `set_len(xs_len)`, in slot order; CacheRefusal."""
-        self._missing("set_lens")
+    def commit(self, cache, strip_lead: int, kv_len: int, xs_len: int) -> None:
+        """The per-sequence commit of one row's own cache after Out (C §12.2) under the strip
+        policy (C §5.5; `step.commit_row`): slot by slot, drop a `strip_lead`-column dead
+        prefix, then `set_len(kv_len)` on a K/V slot, `set_len(xs_len)` on an XsRolling
+        slot; StepRefusal naming the slot. Plan fields (`CommitPlan`, row r): `strip_lead`,
+        `kv_len`, `xs_len`."""
+        self._missing("commit")
 
     def xs_append(self, cache, hidden) -> None:
-        """Feed `hidden [B,T,H]` to every XsRolling slot (`append_rows`); CacheRefusal."""
+        """Feed `hidden [B,T,H]` to every XsRolling slot (`append_rows`); CacheRefusal.
+        Plan fields: none (the forward's hidden)."""
         self._missing("xs_append")
 
     # ------------------------------------------------------------------ one K/V slot
@@ -113,63 +126,62 @@ class Backend:
         self, k: np.ndarray, v: np.ndarray, max_seq_len: int, capacity: int = PLAIN_CACHE_CAPACITY
     ):
         """A K/V slot holding `k, v [B,H,n,D]` at the shared length n (capacity grown by 512
-        blocks as appending them would)."""
+        blocks as appending them would). Plan fields: none."""
         self._missing("kv_from_arrays")
 
     def kv_append(self, kv, k: np.ndarray, v: np.ndarray) -> None:
-        """`SingleCache.append` of both halves at the shared length (C §3); CacheRefusal."""
+        """`SingleCache.append` of both halves at the shared length (C §3); CacheRefusal.
+        Plan fields: none."""
         self._missing("kv_append")
 
     def kv_set_len(self, kv, n: int) -> None:
-        """`KvCache.set_len` (C §3); CacheRefusal past the capacity."""
+        """`KvCache.set_len` (C §3); CacheRefusal past the capacity. Plan fields: none."""
         self._missing("kv_set_len")
-
-    def kv_len(self, kv) -> int:
-        """`current_seq_len`."""
-        self._missing("kv_len")
 
     def front_align(self, kvs: list) -> list[int]:
         """`front_align_batch` of one-slot sequences (C §4.5): every row padded to
-        `max(len)` in place; the leads (a port: offsets, no data motion)."""
+        `max(len)` in place; the leads (a port: offsets, no data motion). Plan fields: none."""
         self._missing("front_align")
 
     def strip_dead_prefix(self, kv, lead: int) -> None:
-        """`drop_dead_prefix` (C §4.4); CacheRefusal."""
+        """`drop_dead_prefix` (C §4.4); CacheRefusal. Plan fields: none."""
         self._missing("strip_dead_prefix")
 
     def concat(self, kvs: list):
-        """`concat_kv` (C §5.2 step 5): rows stacked, capacity of the widest."""
+        """`concat_kv` (C §5.2 step 5): rows stacked, capacity of the widest. Plan fields: none."""
         self._missing("concat")
 
     def split(self, kv, g: int) -> list | None:
-        """`split_draft_cache` (C §9.8): g pieces with the batched length, None if not g."""
+        """`split_draft_cache` (C §9.8): g pieces with the batched length, None if not g.
+        Plan fields: none (g from the plan's groups)."""
         self._missing("split")
 
     def front_align_draft_group(self, kvs: list, starts: list[int]):
-        """`front_align_draft_group` (C §9.7); AlignRefusal / CacheRefusal."""
+        """`front_align_draft_group` (C §9.7); AlignRefusal / CacheRefusal.
+        Plan fields: `chain_start` of the group's rows."""
         self._missing("front_align_draft_group")
 
     # ------------------------------------------------------------------ masks, positions, attention
     def rope_positions(self, offsets: Sequence[int], b: int, t: int) -> np.ndarray:
         """RoPE positions `[B, T]`: row i, token j at `offsets[i] + j` (`offsets` of length
-        1 or B), as host int64."""
+        1 or B), as host int64. Plan fields: `offsets`."""
         self._missing("rope_positions")
 
     def apply_rope(
         self, x, offsets: Sequence[int], rope_dims: int, theta: float, inverse: bool = False
     ):
-        """`apply_rope` (M §11) on a backend tensor `x [B,H,T,D]`."""
+        """`apply_rope` (M §11) on a backend tensor `x [B,H,T,D]`. Plan fields: `offsets`."""
         self._missing("apply_rope")
 
     def union_mask(self, t_q: int, t_k_full: int, row_q0, window: int, ratio: int, t_c: int):
         """The additive mask `dsv4_attention` builds (M §4 steps 5-7, §5) for queries at
         `q0 = t_k_full - t_q`: `[1,1,t_q,keep+t_c]` on the uniform path, `[B,1,t_q,keep+t_c]`
         from `ragged_union_mask` when `row_q0` is ragged; DispatchRefusal as
-        `resolve_ragged_rows`."""
+        `resolve_ragged_rows`. Plan fields: `row_q0` (and `width` + the window as `t_k_full`)."""
         self._missing("union_mask")
 
     def dsv4_attention(self, q, k, v, compressed_kv, cfg: Dsv4AttentionConfig, sinks=None):
-        """`dsv4_attention` (M §4) on backend tensors (no caller mask)."""
+        """`dsv4_attention` (M §4) on backend tensors (no caller mask). Plan fields: none."""
         self._missing("dsv4_attention")
 
     # ------------------------------------------------------------------ model and draft
@@ -182,23 +194,28 @@ class Backend:
         row_q0,
         lead_pad,
         capture=None,
+        plan=None,
     ) -> Forward:
         """The target forward (`TinyModel.forward`): `tokens [B,T]` appended to the batched
         `cache`; `Forward(logits, hidden)` as backend tensors; the pre-norm hidden stored in
         `capture` (a `reference.dispatch.MtpHiddenCapture`). Refusals of the append and of
-        `dsv4_attention`."""
+        `dsv4_attention`. Plan fields: `offsets`, `row_q0`, `fwd_lead` (also given as host
+        lists; `plan` is `upload_plan`'s result on a verify step, None on a prompt or a
+        deferral step)."""
         self._missing("forward")
 
     def mtp_step(self, model, fused, start_pos: Sequence[int], kv):
         """One MTP decoder step `forward_tokens_rows` (C §10.1) on `fused [G,T,H]` over the
-        draft K/V slot `kv`; the pre-norm hidden. DispatchRefusal ("desync")."""
+        draft K/V slot `kv`; the pre-norm hidden. DispatchRefusal ("desync").
+        Plan fields: `chain_start` (as `start_pos`)."""
         self._missing("mtp_step")
 
     def propose_chain(
         self, model, seed_hidden, last_tokens, n: int, chain_starts: Sequence[int], kv
     ) -> list[list[int]]:
         """`propose_chain_batched` (C §10.2): n greedy tokens per row, one batched MTP step
-        each (per-row positions for a ragged group)."""
+        each (per-row positions for a ragged group).
+        Plan fields: `chain_start` of the group's rows."""
         self._missing("propose_chain")
 
     def draft_chain(
@@ -213,84 +230,22 @@ class Backend:
         per_seq_advance: bool,
         warnings: list | None = None,
     ) -> list[list[int]]:
-        """`group_drafting_loop` (C §9.3): one batched chain per draft group, written back."""
+        """`group_drafting_loop` (C §9.3): one batched chain per draft group, written back.
+        Plan fields: `groups`, `cache_lens`, `budgets`, `per_seq`."""
         self._missing("draft_chain")
 
     def extend_draft_kvs(
         self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None
     ) -> None:
-        """`extend_draft_kvs` (C §7.2, §16 step 10)."""
+        """`extend_draft_kvs` (C §7.2, §16 step 10).
+        Plan fields: none (the forward's capture holds the offsets)."""
         self._missing("extend_draft_kvs")
 
     def prime_draft_kv(
         self, states: list, capture, toks: list, batch: int, model, warnings: list | None = None
     ) -> None:
-        """`prime_draft_kv` (C §7.4)."""
+        """`prime_draft_kv` (C §7.4). Plan fields: none (a prompt step)."""
         self._missing("prime_draft_kv")
-
-    # ------------------------------------------------------------------ length vectors (host ints
-    # out)
-    def resolve_row_cache_lens(
-        self, enabled: bool, cache_len: int, lead_pad: list[int]
-    ) -> list[int] | None:
-        """`resolve_row_cache_lens` (C §8.2); DispatchRefusal."""
-        self._missing("resolve_row_cache_lens")
-
-    def ragged_row_q0(self, offsets: list[int], per_seq_kv: bool) -> list[int] | None:
-        """`ragged_row_q0` (M §12)."""
-        self._missing("ragged_row_q0")
-
-    def plan_step_window(
-        self, cache_lens: list[int], tok_lens: list[int], w: int
-    ) -> tuple[list[int], bool]:
-        """`plan_step_window` (C §8.1): `(uncached, ok)`."""
-        self._missing("plan_step_window")
-
-    def token_budget(self, max_seq_len: int, tok_lens: list[int]) -> list[int]:
-        """`token_budget` per row (C §11.2)."""
-        self._missing("token_budget")
-
-    def draft_groups(
-        self,
-        uncached: list[int],
-        cache_lens: list[int],
-        may_draft: list[bool],
-        w: int,
-        per_seq_advance: bool,
-    ) -> dict[tuple[int, int], list[int]]:
-        """`draft_groups` (C §9.1): `{(u, s): [rows]}`, keys ascending, rows ascending."""
-        self._missing("draft_groups")
-
-    def draft_group_keys(
-        self, uncached: list[int], cache_lens: list[int], carries_per_row: bool
-    ) -> list[tuple[int, int]]:
-        """`draft_group_key` of every row (C §9.1)."""
-        self._missing("draft_group_keys")
-
-    def chain_starts(self, cache_lens: list[int], uncached: list[int]) -> list[int]:
-        """`chain_start_of` of every row (C §1): `C_i + u_i - 2`."""
-        self._missing("chain_starts")
-
-    def verify_accept(self, proposed: list[list[int]], targets: list[list[int]]) -> list[int]:
-        """Verify's first mismatch per row (C §11.1): how many proposals `verify_proposed`
-        accepts."""
-        self._missing("verify_accept")
-
-    def budget_clamp(self, accepted: list[int], budgets: list[int]) -> list[int]:
-        """`budget_clamp` per row (C §11.2)."""
-        self._missing("budget_clamp")
-
-    def plan_batch_step(
-        self, uncached: list[int], accepted: list[int], w: int
-    ) -> tuple[int, int, list[int]]:
-        """Cohort advance (C §12.1): `(keep, n_drop, next_uncached)`."""
-        self._missing("plan_batch_step")
-
-    def plan_per_sequence_step(
-        self, uncached: list[int], accepted: list[int], w: int
-    ) -> tuple[list[int], list[int], list[int]]:
-        """Per-sequence advance (C §12.2): `(committed, dropped, next_uncached)`."""
-        self._missing("plan_per_sequence_step")
 
 
 def missing_methods(backend) -> list[str]:
@@ -339,6 +294,9 @@ class NumpyBackend(Backend):
     def new_draft_cache(self, model):
         return None if model.mtp is None else model.mtp.new_draft_cache()
 
+    def upload_plan(self, plan):
+        return plan
+
     def cache_len(self, cache):
         return cache.current_seq_len
 
@@ -366,12 +324,8 @@ class NumpyBackend(Backend):
     def truncate_by(self, cache, n_drop):
         step.truncate_cache_by(cache, n_drop)
 
-    def commit_per_sequence(self, cache, lead, own, committed):
-        step.commit_per_sequence(cache, lead, own, committed)
-
-    def set_lens(self, cache, kv_len, xs_len):
-        for slot in cache.slots:
-            slot.set_len(xs_len if isinstance(slot, XsRolling) else kv_len)
+    def commit(self, cache, strip_lead, kv_len, xs_len):
+        step.commit_row(cache, strip_lead, kv_len, xs_len)
 
     def xs_append(self, cache, hidden):
         for slot in cache.slots:
@@ -389,9 +343,6 @@ class NumpyBackend(Backend):
 
     def kv_set_len(self, kv, n):
         kv.set_len(n)
-
-    def kv_len(self, kv):
-        return kv.current_seq_len
 
     def front_align(self, kvs):
         return align.front_align_batch([NormalCache([kv]) for kv in kvs], xs_per_seq=False)
@@ -433,7 +384,7 @@ class NumpyBackend(Backend):
         return dsv4_attention(q, k, v, compressed_kv, None, cfg, sinks=sinks)
 
     # model and draft
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
         return model.forward(tokens, cache, offsets, row_q0, lead_pad, capture)
 
     def mtp_step(self, model, fused, start_pos, kv):
@@ -454,49 +405,6 @@ class NumpyBackend(Backend):
 
     def prime_draft_kv(self, states, capture, toks, batch, model, warnings=None):
         draft.prime_draft_kv(states, capture, toks, batch, model, warnings)
-
-    # length vectors
-    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
-        return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
-
-    def ragged_row_q0(self, offsets, per_seq_kv):
-        return dispatch.ragged_row_q0(offsets, per_seq_kv)
-
-    def plan_step_window(self, cache_lens, tok_lens, w):
-        sw = step.plan_step_window(cache_lens, tok_lens, w)
-        return list(sw.uncached), sw.ok
-
-    def token_budget(self, max_seq_len, tok_lens):
-        return [step.token_budget(max_seq_len, n) for n in tok_lens]
-
-    def draft_groups(self, uncached, cache_lens, may_draft, w, per_seq_advance):
-        return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
-
-    def draft_group_keys(self, uncached, cache_lens, carries_per_row):
-        return [
-            dispatch.draft_group_key(u, c, carries_per_row)
-            for u, c in zip(uncached, cache_lens, strict=False)
-        ]
-
-    def chain_starts(self, cache_lens, uncached):
-        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached, strict=False)]
-
-    def verify_accept(self, proposed, targets):
-        return [
-            len(step.verify_proposed(p, t).accepted)
-            for p, t in zip(proposed, targets, strict=False)
-        ]
-
-    def budget_clamp(self, accepted, budgets):
-        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]
-
-    def plan_batch_step(self, uncached, accepted, w):
-        plan = step.plan_batch_step(uncached, accepted, w)
-        return plan.keep, plan.n_drop, list(plan.next_uncached)
-
-    def plan_per_sequence_step(self, uncached, accepted, w):
-        plan = step.plan_per_sequence_step(uncached, accepted, w)
-        return list(plan.committed), list(plan.dropped), list(plan.next_uncached)
 
 
 # ----------------------------------------------------------------------------- selection

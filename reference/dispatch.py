@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from raggedspec.reference.errors import DispatchRefusal, require
 
 
@@ -163,33 +165,35 @@ class MtpHiddenCapture:
 # --- §8.2 per-row cache lengths -----------------------------------------------------------
 
 
-def resolve_row_cache_lens(
-    enabled: bool, cache_len: int, lead_pad: Sequence[int]
-) -> list[int] | None:
+def resolve_row_cache_lens(enabled: bool, cache_len: int, lead_pad):
     """Each row's own committed-KV length `C - lead_i`, or None for the scalar dispatch
     (cache-and-draft.md §8.2).
 
     None when `not enabled` or every lead is 0 (empty counts as all-zero). Refuses (in this
     order) a lead wider than C ("wider than" ... "disagree") and a batch in which no lead is
     0 ("every row carries a dead prefix", nobody at the "shared end column"): a left-aligned
-    cohort always has its widest row at column C.
+    cohort always has its widest row at column C. A list of leads gives a list; an array
+    gives an array (one expression over the rows).
     """
     require(cache_len >= 0, f"cache_len {cache_len} must be >= 0")
-    leads = [int(pad) for pad in lead_pad]
-    require(all(pad >= 0 for pad in leads), f"lead_pad {leads} must be >= 0")
-    if not enabled or all(pad == 0 for pad in leads):
+    leads = _rows(lead_pad)
+    if (leads < 0).any():
+        raise ValueError(f"lead_pad {leads.tolist()} must be >= 0")
+    if not enabled or not leads.any():
         return None
-    wide = [(i, pad) for i, pad in enumerate(leads) if pad > cache_len]
-    if wide:
-        i, pad = wide[0]
+    wide = np.flatnonzero(leads > cache_len)
+    if wide.size:
+        i = int(wide[0])
         raise DispatchRefusal(
-            f"row {i}'s lead pad {pad} is wider than the batched cache_len {cache_len}: "
-            f"lead_pad {leads} and the cache disagree")
-    if min(leads) != 0:
+            f"row {i}'s lead pad {int(leads[i])} is wider than the batched cache_len "
+            f"{cache_len}: lead_pad {leads.tolist()} and the cache disagree")
+    if leads.min() != 0:
         raise DispatchRefusal(
-            f"every row carries a dead prefix (lead_pad {leads}, cache_len {cache_len}): "
-            f"no row ends at the shared end column, so this is not a left-aligned cohort")
-    return [cache_len - pad for pad in leads]
+            f"every row carries a dead prefix (lead_pad {leads.tolist()}, cache_len "
+            f"{cache_len}): no row ends at the shared end column, so this is not a "
+            f"left-aligned cohort")
+    lens = cache_len - leads
+    return lens if isinstance(lead_pad, np.ndarray) else lens.tolist()
 
 
 # --- §9 draft groups -----------------------------------------------------------------------
@@ -223,16 +227,40 @@ def resolve_draft_leads(enabled: bool, starts: Sequence[int]) -> list[int] | Non
     return [top - v for v in vals]
 
 
-def chain_start_of(cache_len: int, u: int) -> int:
+def _rows(values) -> np.ndarray:
+    """Per-row integers (a sequence, an array or one int) as int64."""
+    return np.asarray(values, dtype=np.int64)  # pragma: no mutate (dtype None: the same ints)
+
+
+def _first(mask: np.ndarray) -> int:
+    """The index of the first true entry of `mask` (any shape, read flat)."""
+    return int(np.flatnonzero(mask)[0])
+
+
+def _at(values: np.ndarray, i: int) -> int:
+    """Entry i of `values` (any shape, read flat) as an int."""
+    return int(values.ravel()[i])
+
+
+def chain_start_of(cache_len, u):
     """`C_i + u - 2 = L - 2`: the absolute position of the pair `(h_{L-2}, tok_{L-1})` whose
     target hidden seeds the chain (§1, §9.1). Malformed (ValueError) when `C_i + u < 2`,
-    which `plan_step_window` already excludes."""
-    require(cache_len >= 0 and u >= 0, f"cache_len {cache_len} and u {u} must be >= 0")
-    require(cache_len + u >= 2, f"cache_len {cache_len} + u {u} < 2 has no chain start")
-    return cache_len + u - 2
+    which `plan_step_window` already excludes. Ints give an int; arrays (one entry per row)
+    give the rows' starts as an array, a malformed row refused with its own values."""
+    c, n = _rows(cache_len), _rows(u)
+    negative = (c < 0) | (n < 0)
+    if negative.any():
+        i = _first(negative)
+        raise ValueError(f"cache_len {_at(c, i)} and u {_at(n, i)} must be >= 0")
+    short = c + n < 2
+    if short.any():
+        i = _first(short)
+        raise ValueError(f"cache_len {_at(c, i)} + u {_at(n, i)} < 2 has no chain start")
+    start = c + n - 2
+    return start if isinstance(cache_len, np.ndarray) else int(start)
 
 
-def draft_group_key(u: int, cache_len: int, carries_per_row: bool) -> tuple[int, int]:
+def draft_group_key(u, cache_len, carries_per_row: bool):
     """`(u, 0)` when the chain carries per-row positions, else `(u, chain_start_of(C_i, u))`
     (§9.1). The flag is load-bearing: the scalar chain runs at one start, so dropping the
     start from the scalar key would silently starve rows whose seed sits elsewhere.
@@ -241,10 +269,14 @@ def draft_group_key(u: int, cache_len: int, carries_per_row: bool) -> tuple[int,
     not-ok before any group is formed, and the key's expression is defined for it (`(0, 0)`
     per-row, `(0, chain_start_of(C_i, 0))` scalar, itself ValueError when `C_i < 2`).
     Callers rely on that: `draft_groups` keys every row with u < w, and the port
-    conformance and zero-boundary tests call the key with u = 0. ValueError on u < 0."""
+    conformance and zero-boundary tests call the key with u = 0. ValueError on u < 0.
+    Ints give a pair of ints; arrays (one entry per row) a pair of arrays."""
     if carries_per_row:
-        require(u >= 0, f"u {u} must be >= 0")
-        return (u, 0)
+        n = _rows(u)
+        negative = n < 0
+        if negative.any():
+            raise ValueError(f"u {_at(n, _first(negative))} must be >= 0")
+        return (u, np.zeros_like(n) if isinstance(u, np.ndarray) else 0)
     return (u, chain_start_of(cache_len, u))
 
 
@@ -255,19 +287,27 @@ def draft_groups(uncached: Sequence[int], cache_lens: Sequence[int], may_draft: 
     Row i is included iff `u_i < w` and `may_draft[i]`, keyed by
     `draft_group_key(u_i, cache_lens[i], per_seq_advance)`. Keys ascending, rows ascending.
     Invariant: per-row keys give at most `w` (= depth + 1) groups at any batch size; scalar
-    keys put only rows with one chain start in a group. Malformed: unequal lengths.
+    keys put only rows with one chain start in a group. Malformed: unequal lengths. Lists or
+    arrays in; the keys are keyed on the included rows at once (one expression).
     """
     n = len(uncached)
     require(len(cache_lens) == n and len(may_draft) == n,
             f"uncached ({n}), cache_lens ({len(cache_lens)}) and may_draft ({len(may_draft)}) "
             f"must have one entry per row")
     require(w >= 1, f"window w {w} must be >= 1")
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in range(n):
-        u = int(uncached[i])
-        if u < w and may_draft[i]:
-            groups.setdefault(draft_group_key(u, int(cache_lens[i]), per_seq_advance), []).append(i)
-    return {k: groups[k] for k in sorted(groups)}
+    u = _rows(uncached)
+    rows = np.flatnonzero((u < w) & (_rows(may_draft) != 0))
+    if rows.size == 0:
+        return {}
+    lens = _rows(cache_lens)
+    key_u, key_s = draft_group_key(u[rows], lens[rows], per_seq_advance)
+    order = np.lexsort((rows, key_s, key_u))
+    key_u, key_s, rows = key_u[order], key_s[order], rows[order]
+    cut = np.flatnonzero((key_u[1:] != key_u[:-1]) | (key_s[1:] != key_s[:-1])) + 1
+    starts = np.concatenate(([0], cut))
+    parts = np.split(rows, cut)
+    return {(int(key_u[i]), int(key_s[i])): parts[j].tolist()
+            for j, i in enumerate(starts.tolist())}
 
 
 # --- §10.1 / masks §12 -----------------------------------------------------------------------
@@ -297,8 +337,13 @@ def draft_step_end_column(start_pos: Sequence[int], b: int, cached: int) -> int:
     return end
 
 
-def ragged_row_q0(offsets: Sequence[int], per_seq_kv: bool) -> list[int] | None:
+def ragged_row_q0(offsets, per_seq_kv: bool):
     """`Dsv4AttentionConfig::row_q0`: the seqlen offsets when `ARC_MTP_PER_SEQ_KV` is on
     (latched; `per_seq_kv`), else None (masks §12). A uniform vector is passed through here;
-    `resolve_ragged_rows` filters it back to None. Refuses nothing."""
-    return [int(o) for o in offsets] if per_seq_kv else None
+    `resolve_ragged_rows` filters it back to None. Refuses nothing. A list gives a list of
+    ints; an array gives an int64 array."""
+    if not per_seq_kv:
+        return None
+    if isinstance(offsets, np.ndarray):
+        return offsets.astype(np.int64)
+    return [int(o) for o in offsets]

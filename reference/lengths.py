@@ -4,11 +4,13 @@ It takes exactly the decisions of the tensor mode (`reference.simulator`), which
 real cache, model and draft-chain functions, but keeps only what decides control flow: per
 sequence its token count, the length, capacity and pending lead of its own target cache, its
 draft-KV state (length, capacity, filled, seed position, poisoned, LRU stamp); the pipeline's
-resident batched cache (width, capacity, leads); the scheduler's urgency and order. The step
-rules of `reference.step` (window, budget, clamp, both advance rules) are called once per step
-on the batch's arrays; the only Python loops on the step path are over draft groups (at most w
-per step) and scheduler buckets. The trace is identical, integer for integer, to the tensor
-mode's (conformance/test_lengths.py).
+resident batched cache (width, capacity, leads); the scheduler's urgency and order. Every
+decode step is the step plan (`reference.plan`: `plan_step` before verify, `plan_commit`
+after it), the same two functions the tensor mode calls, on the batch's arrays, plus the
+mirrors of what the tensors would refuse (capacity growth, the draft-KV map, the group
+chains); the only Python loops on the step path are over draft groups (at most w per step),
+the plan's row rules and scheduler buckets. The trace is identical, integer for integer, to
+the tensor mode's (conformance/test_lengths.py).
 
 What it keeps per row, the spec sections it follows, the shared choices and its draft-stall
 counters are in docs/simulator.md ("Inside the two modes"); the scheduler half is
@@ -30,16 +32,19 @@ from raggedspec.reference.policy import (
     ERR_CHAIN,
     ERR_CLONE_IN,
     ERR_XS_ROLLBACK,
-    GUARD_ERRORS,
     NCOL,
     NULL_COLS,
     ROW_DTYPE,
     advance_latch,
+    decode_phase,
     fill_rows,
     grown_capacity,
+    idle_fields,
+    phase_fields,
+    prompt_phase,
     ragged_capable,
-    step_fields,
     summarize,
+    with_prompt_error,
 )
 from raggedspec.reference.scenario import Scenario, load_scenario, model_config
 from raggedspec.reference.lengths_draft import (
@@ -51,9 +56,8 @@ from raggedspec.reference.lengths_draft import (
 from raggedspec.reference.lengths_scheduler import ScheduleMirror
 from raggedspec.reference.scheduler_telemetry import BucketTelemetry
 from raggedspec.reference.scheduler import engine_cache_instruction
-from raggedspec.reference.step import (budget_clamp, mtp_window, per_seq_advance, plan_batch_step,
-                                       plan_per_sequence_step, plan_step_window, token_budget,
-                                       verify_proposed, window_guard)
+from raggedspec.reference.plan import CommitPlan, StepPlan, plan_commit, plan_step
+from raggedspec.reference.step import mtp_window, per_seq_advance, verify_proposed
 from raggedspec.reference.trace import Trace
 
 
@@ -153,82 +157,38 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
                 break
             out = self._schedule()
             if out is None:
-                trace.add_step(
-                    step_fields(
-                        t,
-                        "idle",
-                        "cohort",
-                        None,
-                        0,
-                        len(self.waiting),
-                        0,
-                        0,
-                        0,
-                        0.0,
-                        0,
-                        self._tps(),
-                        None,
-                        [],
-                        None,
-                    ),
-                    np.zeros((0, NCOL), ROW_DTYPE),
-                )
-                self._tick(t)
-                continue
-            chosen, key, n_buckets = out
-            bucket = self._key_tuple(key)
-            comp = chosen[~self.is_prompt[chosen]]
-            prom = chosen[self.is_prompt[chosen]]
-            fields, committed = None, 0
-            if comp.shape[0]:
-                fields, rows = self._decode(comp)
-                committed = int(rows[:, COL["committed"]].sum())
-                self.last_completion = comp.tolist()
-            if prom.shape[0]:
-                prow, perr = self._prompt(prom)
-                committed += int(prow[:, COL["committed"]].sum())
-                self.last_completion = []
-                if fields is None:
-                    fields = {
-                        "phase": "prompt",
-                        "advance": "cohort",
-                        "instr": "Reset",
-                        "width": int(self.P[prom[0]]),
-                        "pad": 0.0,
-                        "groups": 0,
-                        "error": perr,
-                    }
-                    rows = prow
-                elif perr is not None:
-                    fields["error"] = (
-                        perr if fields["error"] is None else fields["error"] + "; " + perr
-                    )
-            self.running = chosen[~self.done[chosen]].tolist()
-            trace.add_step(
-                step_fields(
-                    t,
-                    fields["phase"],
-                    fields["advance"],
-                    fields["instr"],
-                    int(chosen.shape[0]),
-                    len(self.waiting),
-                    n_buckets,
-                    fields["groups"],
-                    fields["width"],
-                    fields["pad"],
-                    committed,
-                    self._tps(),
-                    bucket,
-                    prom.tolist(),
-                    fields["error"],
-                ),
-                rows,
-            )
+                trace.add_step(idle_fields(t, len(self.waiting), self._tps()),
+                               np.zeros((0, NCOL), ROW_DTYPE))
+            else:
+                self._scheduled_step(out, t, trace)
             self._tick(t)
         self._fill_telemetry()
         trace.finish(summarize(trace, self.tel, self.sched, self.latch, self.errors))
         trace.draft_stalls = dict(self.stalls)
         return trace
+
+    def _scheduled_step(self, out, t: int, trace: Trace) -> None:
+        """One scheduled step: its decode half (completion), then its prompt half."""
+        chosen, key, n_buckets = out
+        bucket = self._key_tuple(key)
+        comp = chosen[~self.is_prompt[chosen]]
+        prom = chosen[self.is_prompt[chosen]]
+        fields, committed = None, 0
+        if comp.shape[0]:
+            fields, rows = self._decode(comp)
+            committed = int(rows[:, COL["committed"]].sum())
+            self.last_completion = comp.tolist()
+        if prom.shape[0]:
+            prow, perr = self._prompt(prom)
+            committed += int(prow[:, COL["committed"]].sum())
+            self.last_completion = []
+            if fields is None:
+                fields, rows = prompt_phase(int(self.P[prom[0]]), perr), prow
+            else:
+                with_prompt_error(fields, perr)
+        self.running = chosen[~self.done[chosen]].tolist()
+        trace.add_step(phase_fields(t, fields, int(chosen.shape[0]), len(self.waiting), n_buckets,
+                                    committed, self._tps(), bucket, prom.tolist()), rows)
 
     def _tick(self, t: int) -> None:
         if self.progress is not None:
@@ -277,78 +237,95 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
 
     # ------------------------------------------------------------------ decode step (§16)
     def _decode(self, ids: np.ndarray):
-        sc, w, b = self.sc, self.w, ids.shape[0]
+        """One decode step, top to bottom: assemble -> plan -> draft -> accept -> commit ->
+        extend the draft KVs -> hand the rows back; each refusal fails the step."""
+        b = ids.shape[0]
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
         fill_rows(rows, seq=ids, row=np.arange(b))
         rows[:, NULL_COLS] = -1
-        res = {"phase": "decode", "advance": "cohort", "width": 0, "pad": 0.0, "groups": 0,
-               "error": None}  # "instr" is set on both branches below
+        res = decode_phase()
         pre, post = engine_cache_instruction(
-            sc.world, "completion", ids.tolist(), self.last_completion, False, self.granted
+            self.sc.world, "completion", ids.tolist(), self.last_completion, False, self.granted
         )
-        if pre.kind == "In":
-            res["instr"] = "In"
-            self.stored[ids] -= self.pending[ids]
-            self.tcap[ids] -= self.pending[ids]
-            self.pending[ids] = 0
-            own = self.stored[ids]
-            c = int(own.max())
-            mismatch = bool((own != own[0]).any())
-            self.ragged_supported = self.can
-            if self.per_seq or self.can:  # front-align (lead 0 everywhere when uniform)
-                lead = c - own
-                padded = np.maximum(self.tcap[ids], c)  # the longest row's own is <= its cap
-                refused = (lead > 0) & (padded > self.max)
-                if refused.any():
-                    # PerSequence: front_align_batch's refusal propagates; otherwise
-                    # front_align_would_succeed is false and ensure_uniform refuses
-                    return self._decode_fail(
-                        res, rows, ids, ERR_CAPACITY if self.per_seq else ERR_CLONE_IN
-                    )
-                self.tcap[ids] = padded
-                self.stored[ids] = c
-            elif mismatch:
-                return self._decode_fail(res, rows, ids, ERR_CLONE_IN)
-            else:
-                lead = _zeros(b)
-            bc, bcap = c, int(self.tcap[ids].max())
+        res["instr"] = pre.kind if pre.kind == "In" else "Nothing"
+        assembled = self._assemble(ids) if pre.kind == "In" else self.resident[1:]
+        if isinstance(assembled, str):
+            return self._decode_fail(res, rows, ids, assembled)
+        bc, bcap, lead = assembled
+        plan = self._plan(ids, bc, lead, pre.kind == "In", post.kind == "Out", rows, res)
+        if plan.refusal is not None:
+            return self._decode_fail(res, rows, ids, plan.refusal[0])
+        if plan.guard == "defer":
+            return self._defer(res, rows, ids, bc, bcap, lead)
+        drafts = _zeros(b)
+        if self.mtp:
+            self._checkout(ids)
+            if not self._draft(ids, plan, drafts, rows, res):
+                return self._decode_fail(res, rows, ids, ERR_CHAIN)
+        need = bc + self.w
+        grown = int(grown_capacity(bcap, need))
+        if (need > bcap and grown > self.max) or (
+                self.has_xs and (bc - lead + self.w > self.max).any()):
+            return self._decode_fail(res, rows, ids, ERR_CAPACITY)
+        commit = self._commit_tokens(ids, plan, drafts, rows)
+        if commit.n_drop > 0 and self.has_xs and (lead > 0).any():
+            return self._decode_fail(res, rows, ids, ERR_XS_ROLLBACK)
+        if self.mtp:  # extend draft KVs (§16 step 10), account (§15)
+            self._extend(ids, plan.cache_lens, self.w)
+            self._checkin(ids)
+            self._account(b, drafts, commit.accepted)
+        self._hand_back(ids, plan, commit, grown)
+        rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0)  # no MTP: none in
+        self._finish(ids)
+        return res, rows
+
+    def _assemble(self, ids: np.ndarray):
+        """Pre-op In (clone_in): strip the pending leads and front-align the rows; returns
+        (width, capacity, leads) or the refusal's kind."""
+        self.stored[ids] -= self.pending[ids]
+        self.tcap[ids] -= self.pending[ids]
+        self.pending[ids] = 0
+        own = self.stored[ids]
+        c = int(own.max())
+        mismatch = bool((own != own[0]).any())
+        self.ragged_supported = self.can
+        if self.per_seq or self.can:  # front-align (lead 0 everywhere when uniform)
+            lead = c - own
+            padded = np.maximum(self.tcap[ids], c)  # the longest row's own is <= its cap
+            if ((lead > 0) & (padded > self.max)).any():
+                # PerSequence: front_align_batch's refusal propagates; otherwise
+                # front_align_would_succeed is false and ensure_uniform refuses
+                return ERR_CAPACITY if self.per_seq else ERR_CLONE_IN
+            self.tcap[ids] = padded
+            self.stored[ids] = c
+        elif mismatch:
+            return ERR_CLONE_IN
         else:
-            res["instr"] = "Nothing"
-            _, bc, bcap, lead = self.resident
+            lead = _zeros(ids.shape[0])
+        return c, int(self.tcap[ids].max()), lead
+
+    def _plan(self, ids, bc: int, lead, assembled: bool, post_out: bool, rows, res) -> StepPlan:
+        """The step plan (`reference.plan.plan_step`) and the rows' planned columns."""
+        b = ids.shape[0]
         res["width"] = bc
         fill_rows(rows, own_len=bc - lead, width=bc, lead=lead)
         res["pad"] = float(lead.sum() / (b * bc))  # bc >= 1: a row holds at least its prompt
         # the per-row step needs the batch assembled here (In), so its leads are this step's
-        psa = per_seq_advance(pre.kind == "In", post.kind == "Out", self.kv)
+        psa = per_seq_advance(assembled, post_out, self.kv)
         res["advance"] = "per-sequence" if psa else "cohort"
-        row_lens = (bc - lead) if (psa and (lead > 0).any()) else None
-        cache_lens = row_lens if row_lens is not None else _zeros(b) + bc
-        L = self.L[ids]
-        window = plan_step_window(cache_lens, L, w)
-        u = window.uncached
-        rows[:, COL["u"]] = u
-        ok = window.ok
-        if not ok:
-            what = window_guard(row_lens is not None, self.kv)
-            if what in GUARD_ERRORS:
-                return self._decode_fail(res, rows, ids, GUARD_ERRORS[what])
-            return self._defer(res, rows, ids, bc, bcap, lead)
-        budget = token_budget(self.max, L)
-        drafts = _zeros(b)
-        if self.mtp:
-            self._checkout(ids)
-            if not self._draft(ids, u, cache_lens, budget, psa, drafts, rows, res):
-                return self._decode_fail(res, rows, ids, ERR_CHAIN)
-        need = bc + w
-        grown = int(grown_capacity(bcap, need))
-        if (need > bcap and grown > self.max) or (self.has_xs and (bc - lead + w > self.max).any()):
-            return self._decode_fail(res, rows, ids, ERR_CAPACITY)
-        bcap = grown
-        # accept (§11.2)
+        plan = plan_step(bc, lead, self.L[ids], per_seq=psa, advance=self.kv, w=self.w,
+                         max_seq_len=self.max, per_seq_kv=self.sc.per_seq_kv,
+                         may_draft=self.may[ids] if self.mtp else None)
+        if plan.refusal is None or plan.guard is not None:
+            rows[:, COL["u"]] = plan.u
+        return plan
+
+    def _commit_tokens(self, ids, plan: StepPlan, drafts, rows) -> CommitPlan:
+        """Accept (§11.2) and the commit plan; each row's token count grows by its commit."""
+        L = plan.tok_lens
         a = self._accept(ids, L, drafts)
-        a = budget_clamp(a, budget)
-        rem = self.M[ids] - (L - self.P[ids])
-        e = np.minimum(a, rem) + ((rem > a) & (budget > a))
+        commit = plan_commit(plan, a, self.M[ids] - (L - self.P[ids]), self.w, self.sc.strip)
+        a, e = commit.accepted, commit.committed
         if self.tokens_mode:
             for r, i in enumerate(ids.tolist()):
                 prop, targets = self._pending_tokens.pop(i)
@@ -356,37 +333,18 @@ class LengthsEngine(ScheduleMirror, DraftMirror):
                 self.toks[i] += prop[:k] + ([targets[int(a[r])]] if e[r] > k else [])
         self.L[ids] = L + e
         fill_rows(rows, drafted=drafts, accepted=a, committed=e)
-        # advance (§12)
-        if not psa:
-            n_drop = plan_batch_step(u, a, w).n_drop
-            if n_drop > 0 and self.has_xs and (lead > 0).any():
-                return self._decode_fail(res, rows, ids, ERR_XS_ROLLBACK)
-            bc_after = bc + w - n_drop
-        else:
-            committed = plan_per_sequence_step(u, a, w).committed
-            bc_after = bc + w
-        # extend draft KVs (§16 step 10), account (§15)
-        if self.mtp:
-            self._extend(ids, cache_lens, w)
-            self._checkin(ids)
-            self._account(b, drafts, a)
-        # post-op Out: clone_out_cache
-        self.stored[ids], self.tcap[ids], self.pending[ids] = bc_after, bcap, lead
-        self.resident = (tuple(ids.tolist()), bc_after, bcap, lead)
-        if psa:
-            strip = self.sc.strip
-            if strip == "eager":
-                self.stored[ids] = cache_lens + committed
+        return commit
+
+    def _hand_back(self, ids, plan: StepPlan, commit: CommitPlan, bcap: int) -> None:
+        """Post-op Out (clone_out_cache), then the per-sequence commit under the strip policy."""
+        lead = plan.lead
+        self.stored[ids], self.tcap[ids], self.pending[ids] = commit.width_after, bcap, lead
+        self.resident = (tuple(ids.tolist()), commit.width_after, bcap, lead)
+        if plan.per_seq:
+            self.stored[ids] = commit.kv_len
+            self.pending[ids] = commit.pending
+            if self.sc.strip == "eager":
                 self.tcap[ids] = bcap - lead
-                self.pending[ids] = 0
-            elif strip == "lazy":
-                self.stored[ids] = lead + cache_lens + committed
-            else:
-                self.stored[ids] = bc + committed
-                self.pending[ids] = 0
-        rows[:, COL["filled"]] = np.where(self.d_in[ids], self.d_filled[ids], 0)  # no MTP: none in
-        self._finish(ids)
-        return res, rows
 
     def _decode_fail(self, res, rows, ids, kind):
         res["error"] = self._fail(ids, kind)

@@ -72,59 +72,68 @@ class DraftMirror:
         self.d_filled[ids[good]] = hi[good]
         self.d_pois[ids[(~ok) | bad]] = True
 
-    def _draft(self, ids, u, cache_lens, budget, psa, drafts, rows, res):
-        """The group drafting loop (§9.3) on lengths: fills `drafts`, the rows' group and
-        chain start; returns False when the chain fails the step (a capacity refusal)."""
-        w = self.w
-        cand = (u < w) & self.may[ids]
-        if not cand.any():
+    def _draft(self, ids, plan, drafts, rows, res):
+        """The group drafting loop (§9.3) over the plan's groups, on lengths: fills `drafts`,
+        the rows' group and chain start; returns False when the chain fails the step (a
+        capacity refusal)."""
+        if not plan.groups:
             return True
-        start = cache_lens + u - 2
-        key2 = np.where(psa, 0, start)
-        gcode = u * (1 << 40) + key2
-        codes = np.unique(gcode[cand])
-        res["groups"] = int(codes.shape[0])
-        elig_all = (cand & (budget > 0) & ~self.d_pois[ids] & (self.d_seed[ids] >= 0)
-                    & (self.d_seed[ids] == start) & (self.d_filled[ids] >= start))
+        res["groups"] = len(plan.groups)
+        start = plan.chain_start
+        cand = plan.group_key[:, 0] >= 0
+        seed = self.d_seed[ids]
+        elig_all = (cand & (plan.budgets > 0) & ~self.d_pois[ids] & (seed >= 0)
+                    & (seed == start) & (self.d_filled[ids] >= start))
         self.stalls[STALL_INELIGIBLE] += int((cand & ~elig_all).sum())
-        for code in codes.tolist():
-            gu = code >> 40
-            n_draft = w - gu
-            members = np.flatnonzero(elig_all & (gcode == code))
+        for key, members in plan.groups.items():
+            members = np.asarray(members, dtype=np.int64)
+            members = members[elig_all[members]]
             if members.shape[0] == 0:
                 continue
-            mids = ids[members]
             st = start[members]
-            top = int(st.max())
-            ragged = psa and bool((st != top).any())
-            if not ragged:
-                cur, cap = self.d_cur[mids], self.d_cap[mids]
-                if members.shape[0] > 1 and ((cur != cur[0]).any() or (cap != cap[0]).any()):
-                    self.stalls[STALL_UNIFORM] += members.shape[0]
-                    continue
-                if st[0] > cap[0]:
-                    self.stalls[STALL_UNIFORM] += members.shape[0]
-                    continue
-                bcur, bcap = int(st[0]), int(cap[0])
-            else:
-                lead = top - st
-                if (st > self.d_cur[mids]).any() or \
-                        (np.where(lead > 0, np.maximum(self.d_cap[mids], top), 0) > self.max).any():
-                    self.stalls[STALL_RAGGED] += members.shape[0]
-                    continue
-                bcur = bcap = top
-            for _ in range(n_draft):
-                if bcur + 1 > bcap:
-                    bcap = int(grown_capacity(bcap, bcur + 1))
-                    if bcap > self.max:
-                        return False
-                bcur += 1
-            lead = top - st  # zeros unless ragged: a uniform group shares one chain start
-            self.d_cur[mids] = bcur - lead
-            self.d_cap[mids] = bcap - lead
-            self.d_filled[mids] = st + 1
-            drafts[members] = n_draft
-            rows[members, COL["group_u"]] = gu
-            rows[members, COL["group_start"]] = code & ((1 << 40) - 1)
+            span = self._group_span(ids[members], st, plan.per_seq)
+            if span is None:
+                continue
+            if not self._draft_group(ids[members], st, span, self.w - key[0]):
+                return False
+            drafts[members] = self.w - key[0]
+            rows[members, COL["group_u"]] = key[0]
+            rows[members, COL["group_start"]] = key[1]
             rows[members, COL["chain_start"]] = st
+        return True
+
+    def _group_span(self, mids, st, per_seq: bool):
+        """The batched draft cache's (length, capacity) for one group (§9.5 uniform, §9.7
+        ragged), or None when the group is refused (counted as a stall)."""
+        top = int(st.max())
+        if per_seq and bool((st != top).any()):
+            lead = top - st
+            if (st > self.d_cur[mids]).any() or \
+                    (np.where(lead > 0, np.maximum(self.d_cap[mids], top), 0) > self.max).any():
+                self.stalls[STALL_RAGGED] += mids.shape[0]
+                return None
+            return top, top
+        cur, cap = self.d_cur[mids], self.d_cap[mids]
+        if mids.shape[0] > 1 and ((cur != cur[0]).any() or (cap != cap[0]).any()):
+            self.stalls[STALL_UNIFORM] += mids.shape[0]
+            return None
+        if st[0] > cap[0]:
+            self.stalls[STALL_UNIFORM] += mids.shape[0]
+            return None
+        return int(st[0]), int(cap[0])
+
+    def _draft_group(self, mids, st, span, n_draft: int) -> bool:
+        """Run one group's chain of `n_draft` steps on lengths; False on a capacity refusal."""
+        bcur, bcap = span
+        top = int(st.max())
+        for _ in range(n_draft):
+            if bcur + 1 > bcap:
+                bcap = int(grown_capacity(bcap, bcur + 1))
+                if bcap > self.max:
+                    return False
+            bcur += 1
+        lead = top - st  # zeros unless ragged: a uniform group shares one chain start
+        self.d_cur[mids] = bcur - lead
+        self.d_cap[mids] = bcap - lead
+        self.d_filled[mids] = st + 1
         return True

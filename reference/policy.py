@@ -164,3 +164,35 @@ def fill_rows(rows: np.ndarray, which=slice(None), **values) -> None:
     raises KeyError naming it."""
     for name, value in values.items():
         rows[which, COL[name]] = value
+
+
+def idle_fields(t: int, waiting: int, tps: float) -> dict:
+    """The trace fields of a step that ran nothing (every waiting request deferred)."""
+    return step_fields(t, "idle", "cohort", None, 0, waiting, 0, 0, 0, 0.0, 0, tps, None, [], None)
+
+
+def prompt_phase(width: int, error: str | None) -> dict:
+    """The phase fields of a step that ran only a prompt (`width` its longest prompt)."""
+    return {"phase": "prompt", "advance": "cohort", "instr": "Reset", "width": width,
+            "pad": 0.0, "groups": 0, "error": error}
+
+
+def decode_phase(instr: str | None = None) -> dict:
+    """The phase fields a decode step starts from (`instr` its pre-op cache instruction)."""
+    return {"phase": "decode", "advance": "cohort", "instr": instr, "width": 0, "pad": 0.0,
+            "groups": 0, "error": None}
+
+
+def with_prompt_error(fields: dict, error: str | None) -> dict:
+    """A decode step's phase fields with the prompt's error (if any) appended."""
+    if error is not None:
+        fields["error"] = error if fields["error"] is None else fields["error"] + "; " + error
+    return fields
+
+
+def phase_fields(t: int, fields: dict, chosen: int, waiting: int, n_buckets: int,
+                 committed: int, tps: float, bucket, prefill: list) -> dict:
+    """A scheduled step's trace fields from its phase fields and the scheduler's counts."""
+    return step_fields(t, fields["phase"], fields["advance"], fields["instr"], chosen, waiting,
+                       n_buckets, fields["groups"], fields["width"], fields["pad"], committed,
+                       tps, bucket, prefill, fields["error"])

@@ -1,6 +1,11 @@
 """The backend protocol's table: every method a backend implements, by section, and what
 `clone_in` returns. `reference.backend.Backend` is the protocol itself; the conformance runner
-checks a backend against `PROTOCOL` and names what is missing."""
+checks a backend against `PROTOCOL` and names what is missing.
+
+Every method touches tensors: the step's integer decisions (window, budgets, leads, offsets,
+`row_q0`, draft groups, accepted counts, commit lengths) are the step plan's
+(`reference.plan`), computed by the simulator with the reference's own rules and handed to
+the backend once per step (`upload_plan`)."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ PROTOCOL = {
         "build_model",
         "new_target_cache",
         "new_draft_cache",
+        "upload_plan",
         "cache_len",
         "to_numpy",
         "materialize",
@@ -32,15 +38,13 @@ PROTOCOL = {
         "clone_in",
         "clone_out",
         "truncate_by",
-        "commit_per_sequence",
-        "set_lens",
+        "commit",
         "xs_append",
     ),
     "K/V slot": (
         "kv_from_arrays",
         "kv_append",
         "kv_set_len",
-        "kv_len",
         "front_align",
         "strip_dead_prefix",
         "concat",
@@ -55,19 +59,6 @@ PROTOCOL = {
         "draft_chain",
         "extend_draft_kvs",
         "prime_draft_kv",
-    ),
-    "length vectors": (
-        "resolve_row_cache_lens",
-        "ragged_row_q0",
-        "plan_step_window",
-        "token_budget",
-        "draft_groups",
-        "draft_group_keys",
-        "chain_starts",
-        "verify_accept",
-        "budget_clamp",
-        "plan_batch_step",
-        "plan_per_sequence_step",
     ),
 }
 PROTOCOL_METHODS = tuple(m for group in PROTOCOL.values() for m in group)

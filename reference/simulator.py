@@ -1,11 +1,13 @@
 """Tensor-mode step simulator: the engine loop driving the tensor-side rules through a backend.
 
-The simulator owns the control flow; every tensor-side operation is one method of a backend
+The simulator owns the control flow and every integer decision: each decode step is planned
+by `reference.plan` (`plan_step`, then `plan_commit` after verify: the same two functions the
+lengths engine runs) and its tensor work is one method of a backend per operation
 (`raggedspec.reference.backend`: `NumpyBackend` = the `reference/` functions, the default;
-`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes). Each decode
-step
-runs cache-and-draft.md §16 in order, through the backend; control flow never reads a float, so
-two backends take the same path on the same scenario. The step in detail, the shared choices
+`raggedspec.gpu.backend.TorchBackend` = the torch port; any `Backend` a caller passes), which
+gets the plan once (`upload_plan`). A step reads plan -> draft -> verify -> accept -> commit ->
+extend the draft KVs (cache-and-draft.md §16); control flow never reads a float, so two
+backends take the same path on the same scenario. The step in detail, the shared choices
 (`reference.policy`) and what `record_tensors=True` records are in docs/simulator.md ("Inside
 the two modes").
 """
@@ -17,27 +19,30 @@ import numpy as np
 from raggedspec.reference.acceptance import build_model, build_oracle
 from raggedspec.reference.accounting import AcceptanceTelemetry, from_fused_verify
 from raggedspec.reference.backend import Backend, load_backend
+from raggedspec.reference import dispatch
 from raggedspec.reference.capability import KvAdvance
 from raggedspec.reference.dispatch import MtpHiddenCapture
 from raggedspec.reference.draft import DraftKv, DraftKvMap
-from raggedspec.reference.errors import CacheRefusal, DispatchRefusal, Refusal, StepRefusal
+from raggedspec.reference.errors import CacheRefusal, Refusal, StepRefusal
+from raggedspec.reference.plan import CommitPlan, StepPlan, defer_offsets, plan_commit, plan_step
 from raggedspec.reference.policy import (
     COL,
     ERR_CAPACITY,
     ERR_CHAIN,
     ERR_CLONE_IN,
     ERR_COMMIT,
-    ERR_GUARD_LEFT,
     ERR_XS_ROLLBACK,
-    GUARD_ERRORS,
     NCOL,
     NULL_COLS,
     ROW_DTYPE,
     advance_latch,
+    decode_phase,
     fill_rows,
-    guard_error,
-    step_fields,
+    idle_fields,
+    phase_fields,
+    prompt_phase,
     summarize,
+    with_prompt_error,
 )
 from raggedspec.reference.scenario import Scenario, load_scenario, model_config
 from raggedspec.reference.scheduler import (
@@ -49,7 +54,7 @@ from raggedspec.reference.scheduler import (
     install_admission,
     schedule,
 )
-from raggedspec.reference.step import mtp_window, per_seq_advance, window_guard
+from raggedspec.reference.step import mtp_window, per_seq_advance, verify_proposed
 from raggedspec.reference.trace import Trace
 
 
@@ -125,11 +130,11 @@ class TensorEngine:
         """The V4-shaped target cache: K/V slots, then one XsRolling slot per compressed layer."""
         return self.be.new_target_cache(self.cfg, self.sc.max_seq_len, batch)
 
-    def _forward(
-        self, tokens, cache, offsets, row_q0, lead_pad, capture=None, phase="decode", t=0, ids=()
-    ):
+    def _forward(self, tokens, cache, offsets, row_q0, lead_pad, capture=None, phase="decode",
+                 t=0, ids=(), device_plan=None):
         try:
-            fwd = self.be.forward(self.model, tokens, cache, offsets, row_q0, lead_pad, capture)
+            fwd = self.be.forward(self.model, tokens, cache, offsets, row_q0, lead_pad, capture,
+                                  plan=device_plan)
             self.be.xs_append(cache, fwd.hidden)
         except Refusal as exc:
             raise _StepFailed(ERR_CAPACITY, str(exc)) from exc
@@ -224,87 +229,43 @@ class TensorEngine:
             if nxt >= sc.batch and not running and not waiting:
                 break
             out = schedule(running, waiting, self.state)
-            if not out.running:
-                trace.add_step(
-                    step_fields(
-                        t,
-                        "idle",
-                        "cohort",
-                        None,
-                        0,
-                        len(out.waiting),
-                        0,
-                        0,
-                        0,
-                        0.0,
-                        0,
-                        self._tps(),
-                        None,
-                        [],
-                        None,
-                    ),
-                    np.zeros((0, NCOL), ROW_DTYPE),
-                )
-                running, waiting = [], self._refresh(out.waiting)
-                self._tick(t)
-                continue
-            bucket = list(out.key)
-            fields, rows, committed = None, np.zeros((0, NCOL), ROW_DTYPE), 0
-            if out.completion:
-                pre, post = engine_cache_instruction(sc.world, "completion", out.completion,
-                                                     self.state.last_completion_ids, False,
-                                                     self.state.engine_admission.granted)
-                self.state.last_completion_ids = list(out.completion)
-                fields, rows = self._decode(
-                    out.completion, pre.kind == "In", post.kind == "Out", t, trace
-                )
-                committed += int(rows[:, COL["committed"]].sum())
-            if out.prompt:
-                prow, perr = self._prompt(out.prompt, t)
-                self.state.last_completion_ids = []
-                committed += int(prow[:, COL["committed"]].sum())
-                if fields is None:
-                    fields = {
-                        "phase": "prompt",
-                        "advance": "cohort",
-                        "instr": "Reset",
-                        "width": sc.requests[out.prompt[0]].prompt_len,
-                        "pad": 0.0,
-                        "groups": 0,
-                        "error": perr,
-                    }
-                    rows = prow
-                elif perr is not None:
-                    fields["error"] = (
-                        perr if fields["error"] is None else fields["error"] + "; " + perr
-                    )
-            trace.add_step(
-                step_fields(
-                    t,
-                    fields["phase"],
-                    fields["advance"],
-                    fields["instr"],
-                    out.chosen,
-                    len(out.waiting),
-                    out.n_buckets,
-                    fields["groups"],
-                    fields["width"],
-                    fields["pad"],
-                    committed,
-                    self._tps(),
-                    bucket,
-                    list(out.prompt),
-                    fields["error"],
-                ),
-                rows,
-            )
-            self._record_state(t, list(out.completion) + list(out.prompt))
+            if out.running:
+                self._scheduled_step(out, t, trace)
+            else:
+                trace.add_step(idle_fields(t, len(out.waiting), self._tps()),
+                               np.zeros((0, NCOL), ROW_DTYPE))
             running = self._refresh([s for s in out.running if s.id not in self.done])
             waiting = self._refresh(out.waiting)
             self._tick(t)
         trace.finish(summarize(trace, self.tel, self.state.telemetry, self.latch, self.errors))
         trace.messages = self.messages
         return trace
+
+    def _scheduled_step(self, out, t: int, trace: Trace) -> None:
+        """One scheduled step: its decode half (completion), then its prompt half."""
+        sc = self.sc
+        fields, rows, committed = None, np.zeros((0, NCOL), ROW_DTYPE), 0
+        if out.completion:
+            pre, post = engine_cache_instruction(sc.world, "completion", out.completion,
+                                                 self.state.last_completion_ids, False,
+                                                 self.state.engine_admission.granted)
+            self.state.last_completion_ids = list(out.completion)
+            fields, rows = self._decode(
+                out.completion, pre.kind == "In", post.kind == "Out", t, trace
+            )
+            committed += int(rows[:, COL["committed"]].sum())
+        if out.prompt:
+            prow, perr = self._prompt(out.prompt, t)
+            self.state.last_completion_ids = []
+            committed += int(prow[:, COL["committed"]].sum())
+            if fields is None:
+                fields, rows = prompt_phase(sc.requests[out.prompt[0]].prompt_len, perr), prow
+            else:
+                with_prompt_error(fields, perr)
+        trace.add_step(phase_fields(t, fields, out.chosen, len(out.waiting), out.n_buckets,
+                                    committed, self._tps(), list(out.key), list(out.prompt)),
+                       rows)
+        self._record_state(t, list(out.completion) + list(out.prompt))
 
     def _refresh(self, recs: list[SeqRecord]) -> list[SeqRecord]:
         """Sequences with their lengths after the step (ids and order unchanged)."""
@@ -371,17 +332,9 @@ class TensorEngine:
         rows = np.zeros((b, NCOL), dtype=ROW_DTYPE)
         fill_rows(rows, seq=ids, row=np.arange(b))
         rows[:, NULL_COLS] = -1
-        res = {
-            "phase": "decode",
-            "advance": "cohort",
-            "instr": "In" if go_in else "Nothing",
-            "width": 0,
-            "pad": 0.0,
-            "groups": 0,
-            "error": None,
-        }
+        res = decode_phase("In" if go_in else "Nothing")
         try:
-            self._decode_inner(ids, go_in, post_out, rows, res, t, trace)
+            self._decode_inner(ids, go_in, post_out, rows, res, t)
         except _StepFailed as exc:
             res["error"] = self._fail(ids, exc)
             fill_rows(rows, drafted=0, accepted=0, committed=0)
@@ -389,185 +342,178 @@ class TensorEngine:
             rows[:, COL["filled"]] = 0
         return res, rows
 
-    def _decode_inner(self, ids, go_in, post_out, rows, res, t, trace):
-        sc, w, b, be = self.sc, self.w, len(ids), self.be
-        if go_in:
-            try:
-                ci = be.clone_in([self.caches[i] for i in ids], [self.pending[i] for i in ids],
-                                 sc.xs_per_seq, self.per_seq)
-            except Refusal as exc:
-                kind = (
-                    ERR_CAPACITY if self.per_seq and isinstance(exc, CacheRefusal) else ERR_CLONE_IN
-                )
-                raise _StepFailed(kind, str(exc)) from exc
-            for i in ids:
-                self.pending[i] = 0
-            self.state.ragged_decode_supported = ci.ragged_decode_supported
-            batched, lead = ci.batched, [int(x) for x in ci.lead_pad]
-            mtp_lead = lead
-            assembled = True
-        else:
+    def _decode_inner(self, ids, go_in, post_out, rows, res, t):
+        """One decode step, top to bottom: plan -> draft -> verify -> accept -> commit ->
+        extend the draft KVs -> hand the rows back."""
+        batched, lead, assembled = self._assemble(ids, go_in)
+        plan = self._plan(ids, batched, lead, assembled, post_out, rows, res)
+        if plan.guard == "defer":
+            return self._defer(ids, batched, plan, rows, res, t)
+        device_plan = self.be.upload_plan(plan)
+        drafts, states = self._draft(ids, plan, rows, res)
+        capture, targets = self._verify(ids, batched, plan, device_plan, drafts, t)
+        commit = self._accept(ids, plan, drafts, targets, rows)
+        self._advance(batched, commit)
+        if self.mtp:
+            self._extend(ids, states, capture, drafts, commit)
+        self._hand_back(ids, batched, plan.lead.tolist())
+        if plan.per_seq:
+            for r, i in enumerate(ids):
+                self._commit(i, commit, r)
+        self._finish_rows(ids, rows)
+
+    def _assemble(self, ids, go_in: bool):
+        """Pre-op In: clone the rows' caches into one batch (their leads returned); Nothing:
+        the resident batch. Returns (batched cache, leads, assembled here)."""
+        if not go_in:
             _, batched, lead = self.resident
-            mtp_lead = [0] * b
-            assembled = False
-        c = be.cache_len(batched)
+            return batched, lead, False
+        try:
+            ci = self.be.clone_in([self.caches[i] for i in ids], [self.pending[i] for i in ids],
+                                  self.sc.xs_per_seq, self.per_seq)
+        except Refusal as exc:
+            kind = ERR_CAPACITY if self.per_seq and isinstance(exc, CacheRefusal) else ERR_CLONE_IN
+            raise _StepFailed(kind, str(exc)) from exc
+        for i in ids:
+            self.pending[i] = 0
+        self.state.ragged_decode_supported = ci.ragged_decode_supported
+        return ci.batched, [int(x) for x in ci.lead_pad], True
+
+    def _plan(self, ids, batched, lead, assembled, post_out, rows, res) -> StepPlan:
+        """The step plan (`reference.plan.plan_step`) and the rows' planned columns; a
+        refused plan fails the step."""
+        sc, b = self.sc, len(ids)
+        c = self.be.cache_len(batched)
         res["width"] = c
         la = np.array(lead, dtype=np.int64)
         fill_rows(rows, own_len=c - la, width=c, lead=la)
         res["pad"] = float(la.sum() / (b * c)) if c else 0.0
         psa = per_seq_advance(assembled, post_out, self.kv)
         res["advance"] = "per-sequence" if psa else "cohort"
+        plan = plan_step(c, la, [len(self.toks[i]) for i in ids], per_seq=psa, advance=self.kv,
+                         w=self.w, max_seq_len=sc.max_seq_len, per_seq_kv=sc.per_seq_kv,
+                         may_draft=[sc.requests[i].may_draft for i in ids] if self.mtp else None)
+        if plan.refusal is not None and plan.guard is None:  # refused before the window
+            raise _StepFailed(*plan.refusal)
+        rows[:, COL["u"]] = plan.u
+        if plan.refusal is not None:
+            raise _StepFailed(*plan.refusal)
+        return plan
+
+    def _draft(self, ids, plan: StepPlan, rows, res):
+        """The draft chains of the plan's groups (§9.3) and each drafting row's proposal."""
+        drafts: list[list[int]] = [[] for _ in ids]
+        if not self.mtp:
+            return drafts, None
+        states = [self.dmap.checkout_draft_kv(i) for i in ids]
+        res["groups"] = len(plan.groups)
         try:
-            row_lens = be.resolve_row_cache_lens(psa, c, mtp_lead)
-        except DispatchRefusal as exc:
-            raise _StepFailed(ERR_GUARD_LEFT, str(exc)) from exc
-        cache_lens = row_lens if row_lens is not None else [c] * b
-        tok_lens = [len(self.toks[i]) for i in ids]
-        u, ok = be.plan_step_window(cache_lens, tok_lens, w)
-        rows[:, COL["u"]] = u
-        if not ok:
-            what = window_guard(row_lens is not None, self.kv)
-            if what in GUARD_ERRORS:
-                raise _StepFailed(GUARD_ERRORS[what], guard_error(what, cache_lens, tok_lens, w))
-            return self._defer(ids, batched, lead, rows, res, t)
-        budgets = be.token_budget(sc.max_seq_len, tok_lens)
-        drafts: list[list[int]] = [[] for _ in range(b)]
-        states = None
-        if self.mtp:
-            states = [self.dmap.checkout_draft_kv(i) for i in ids]
-            may = [sc.requests[i].may_draft for i in ids]
-            groups = be.draft_groups(u, cache_lens, may, w, psa)
-            res["groups"] = len(groups)
-            try:
-                chains = be.draft_chain(
-                    self.model,
-                    groups,
-                    states,
-                    [self.toks[i] for i in ids],
-                    cache_lens,
-                    budgets,
-                    w,
-                    psa,
-                    self.messages,
-                )
-            except Refusal as exc:
-                raise _StepFailed(ERR_CHAIN, str(exc)) from exc
-            drew = [r for r in range(b) if chains[r]]
-            if drew:
-                keys = be.draft_group_keys([u[r] for r in drew], [cache_lens[r] for r in drew], psa)
-                starts = be.chain_starts([cache_lens[r] for r in drew], [u[r] for r in drew])
-                for r, key, start in zip(drew, keys, starts, strict=False):
-                    drafts[r] = self.oracle.draft(ids[r], self.toks[ids[r]], w - u[r])
-                    rows[r, [COL["group_u"], COL["group_start"]]] = key
-                    rows[r, COL["chain_start"]] = start
+            chains = self.be.draft_chain(self.model, plan.groups, states,
+                                         [self.toks[i] for i in ids], plan.cache_lens.tolist(),
+                                         plan.budgets.tolist(), self.w, plan.per_seq,
+                                         self.messages)
+        except Refusal as exc:
+            raise _StepFailed(ERR_CHAIN, str(exc)) from exc
+        for r, i in enumerate(ids):
+            if chains[r]:
+                drafts[r] = self.oracle.draft(i, self.toks[i], self.w - int(plan.u[r]))
+                rows[r, [COL["group_u"], COL["group_start"]]] = plan.group_key[r]
+                rows[r, COL["chain_start"]] = plan.chain_start[r]
+        return drafts, states
+
+    def _verify(self, ids, batched, plan: StepPlan, device_plan, drafts, t: int):
+        """The verify forward over each row's window (its uncached tail, its drafts, padded
+        to w), then the target's token at each draft position."""
         windows = []
         for r, i in enumerate(ids):
-            win = self.toks[i][cache_lens[r]:] + drafts[r]
-            windows.append(win + [win[-1]] * (w - len(win)))
-        offsets = list(cache_lens) if row_lens is not None else [c]
-        row_q0 = be.ragged_row_q0(offsets, sc.per_seq_kv)
+            win = self.toks[i][int(plan.cache_lens[r]):] + drafts[r]
+            windows.append(win + [win[-1]] * (self.w - len(win)))
         capture = MtpHiddenCapture()
         capture.arm()
-        self._forward(np.array(windows, dtype=np.int64), batched, offsets, row_q0,
-                      mtp_lead if row_lens is not None else None, capture, "decode", t, ids)
-        proposed, targets = [], []
-        for r, i in enumerate(ids):
-            ctx, prop = self.toks[i], drafts[r]
-            proposed.append(prop)
-            targets.append([self.oracle.target(i, ctx + prop[:j]) for j in range(len(prop) + 1)])
-        verified = be.verify_accept(
-            proposed, [tg[: len(p)] for p, tg in zip(proposed, targets, strict=False)]
-        )
-        acc = be.budget_clamp(verified, budgets)
-        emitted = []
-        for r, i in enumerate(ids):
-            prop, a, req = proposed[r], acc[r], sc.requests[i]
-            rem = req.max_new_tokens - (len(self.toks[i]) - req.prompt_len)
-            k = min(a, rem)
-            emitted.append(prop[:k] + ([targets[r][a]] if rem > a and budgets[r] > a else []))
+        row_q0 = None if plan.row_q0 is None else plan.row_q0.tolist()
+        lead = None if plan.fwd_lead is None else plan.fwd_lead.tolist()
+        self._forward(np.array(windows, dtype=np.int64), batched, plan.offsets.tolist(), row_q0,
+                      lead, capture, "decode", t, ids, device_plan)
+        targets = [[self.oracle.target(i, self.toks[i] + drafts[r][:j])
+                    for j in range(len(drafts[r]) + 1)] for r, i in enumerate(ids)]
+        return capture, targets
+
+    def _accept(self, ids, plan: StepPlan, drafts, targets, rows) -> CommitPlan:
+        """Greedy verify (§11.1), then the commit plan (`plan_commit`); each row's tokens
+        grow by its accepted drafts and the bonus or correction."""
+        verified = [len(verify_proposed(p, tg[: len(p)]).accepted)
+                    for p, tg in zip(drafts, targets, strict=False)]
+        reqs = [self.sc.requests[i] for i in ids]
+        remaining = [q.max_new_tokens - (len(self.toks[i]) - q.prompt_len)
+                     for i, q in zip(ids, reqs, strict=False)]
+        commit = plan_commit(plan, verified, remaining, self.w, self.sc.strip)
         rows[:, COL["drafted"]] = [len(d) for d in drafts]
-        rows[:, COL["accepted"]] = acc
-        rows[:, COL["committed"]] = [len(e) for e in emitted]
+        rows[:, COL["accepted"]] = commit.accepted
+        rows[:, COL["committed"]] = commit.committed
         for r, i in enumerate(ids):
-            self.toks[i] += emitted[r]
-        if not psa:
-            _keep, n_drop, _next = be.plan_batch_step(u, acc, w)
-            if n_drop > 0:
-                try:
-                    be.truncate_by(batched, n_drop)
-                except StepRefusal as exc:
-                    raise _StepFailed(ERR_XS_ROLLBACK, str(exc)) from exc
-        else:
-            committed = be.plan_per_sequence_step(u, acc, w)[0]
-        if self.mtp:
-            be.extend_draft_kvs(
-                states, capture.take(), [self.toks[i] for i in ids], b, self.model, self.messages
-            )
-            for i, st in zip(ids, states, strict=False):
-                self.dmap.checkin(i, st)
-            stats = [from_fused_verify(len(drafts[r]), acc[r]) for r in range(b)]
-            for i, s in zip(ids, stats, strict=False):
-                self.tel.record_step(i, s)
-            self.tel.record_batch(b, stats)
-        pieces = be.clone_out(batched, b)
-        for r, i in enumerate(ids):
-            self.caches[i] = pieces[r]
-            self.pending[i] = lead[r]
-        self.resident = (list(ids), batched, lead)
-        if psa:
-            for r, i in enumerate(ids):
-                self._commit(i, lead[r], cache_lens[r], committed[r], c)
-        rows[:, COL["filled"]] = [self._filled(i) for i in ids]
-        for i in ids:
-            if self._terminal(i):
-                self.done.add(i)
+            a, e = int(commit.accepted[r]), int(commit.committed[r])
+            k = min(a, e)
+            self.toks[i] += drafts[r][:k] + ([targets[r][a]] if e > k else [])
+        return commit
 
-    def _commit(self, i: int, lead: int, own: int, committed: int, c: int) -> None:
-        """The per-sequence commit after Out (§12.2) under the strip policy (§5.5)."""
-        cache = self.caches[i]
-        try:
-            if self.sc.strip == "eager":
-                self.be.commit_per_sequence(cache, lead, own, committed)
-                self.pending[i] = 0
-                return
-            kv_len = lead + own + committed if self.sc.strip == "lazy" else c + committed
-            self.be.set_lens(cache, kv_len, own + committed)
-            if self.sc.strip == "none":
-                self.pending[i] = 0
-        except Refusal as exc:
-            raise _StepFailed(ERR_COMMIT, str(exc)) from exc
+    def _advance(self, batched, commit: CommitPlan) -> None:
+        """The cohort rollback (§12.3) of the plan's `n_drop` columns."""
+        if commit.n_drop > 0:
+            try:
+                self.be.truncate_by(batched, commit.n_drop)
+            except StepRefusal as exc:
+                raise _StepFailed(ERR_XS_ROLLBACK, str(exc)) from exc
 
-    def _defer(self, ids, batched, lead, rows, res, t=0):
-        """§16 step 4 deferral: clear the whole draft map, one plain decode step."""
-        res["phase"] = "defer"
-        self.dmap.clear_draft_kv()
-        c = self.be.cache_len(batched)
-        offsets = [c - pad for pad in lead]
-        tokens = np.array([[self.toks[i][-1]] for i in ids], dtype=np.int64)
-        self._forward(
-            tokens,
-            batched,
-            offsets,
-            self.be.ragged_row_q0(offsets, self.sc.per_seq_kv),
-            lead,
-            None,
-            "defer",
-            t,
-            ids,
-        )
-        for i in ids:
-            self.toks[i].append(self.oracle.target(i, self.toks[i]))
-        rows[:, COL["committed"]] = 1
+    def _extend(self, ids, states, capture, drafts, commit: CommitPlan) -> None:
+        """Extend the draft KVs from the verify forward's hidden (§16 step 10), check them
+        back in, and count the step's acceptance (§15)."""
+        b = len(ids)
+        self.be.extend_draft_kvs(states, capture.take(), [self.toks[i] for i in ids], b,
+                                 self.model, self.messages)
+        for i, st in zip(ids, states, strict=False):
+            self.dmap.checkin(i, st)
+        stats = [from_fused_verify(len(drafts[r]), int(commit.accepted[r])) for r in range(b)]
+        for i, s in zip(ids, stats, strict=False):
+            self.tel.record_step(i, s)
+        self.tel.record_batch(b, stats)
+
+    def _hand_back(self, ids, batched, lead: list[int]) -> None:
+        """Post-op Out: each row gets its own copy of the batch, its lead pending."""
         pieces = self.be.clone_out(batched, len(ids))
         for r, i in enumerate(ids):
             self.caches[i] = pieces[r]
             self.pending[i] = lead[r]
         self.resident = (list(ids), batched, lead)
+
+    def _finish_rows(self, ids, rows) -> None:
         rows[:, COL["filled"]] = [self._filled(i) for i in ids]
         for i in ids:
             if self._terminal(i):
                 self.done.add(i)
 
+    def _commit(self, i: int, commit: CommitPlan, r: int) -> None:
+        """The per-sequence commit after Out (§12.2) under the strip policy (§5.5): the
+        plan's strip lead and slot lengths for row r."""
+        try:
+            self.be.commit(self.caches[i], int(commit.strip_lead[r]), int(commit.kv_len[r]),
+                           int(commit.xs_len[r]))
+        except Refusal as exc:
+            raise _StepFailed(ERR_COMMIT, str(exc)) from exc
+        self.pending[i] = int(commit.pending[r])
+
+    def _defer(self, ids, batched, plan: StepPlan, rows, res, t=0):
+        """§16 step 4 deferral: clear the whole draft map, one plain decode step."""
+        res["phase"] = "defer"
+        self.dmap.clear_draft_kv()
+        offsets = defer_offsets(plan).tolist()
+        tokens = np.array([[self.toks[i][-1]] for i in ids], dtype=np.int64)
+        row_q0 = dispatch.ragged_row_q0(offsets, self.sc.per_seq_kv)
+        self._forward(tokens, batched, offsets, row_q0, plan.lead.tolist(), None, "defer", t, ids)
+        for i in ids:
+            self.toks[i].append(self.oracle.target(i, self.toks[i]))
+        rows[:, COL["committed"]] = 1
+        self._hand_back(ids, batched, plan.lead.tolist())
+        self._finish_rows(ids, rows)
 
 def run(scenario, progress=None, record_tensors: bool = False, backend=None) -> Trace:
     """Run a scenario (a `Scenario`, dict or path) in tensor mode on `backend` (a `Backend`,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raggedspec.reference.align import drop_dead_prefix
+from raggedspec.reference.align import XS, drop_dead_prefix
 from raggedspec.reference.cache import NormalCache
 from raggedspec.reference.capability import KvAdvance
 from raggedspec.reference.errors import CacheRefusal, StepRefusal, require
@@ -226,13 +226,25 @@ def commit_per_sequence(cache, lead: int, cache_len: int, committed: int) -> Non
     "set_len({target}) refused" (both StepRefusal)."""
     require(lead >= 0 and cache_len >= 0 and committed >= 0,
             f"lead {lead}, cache_len {cache_len}, committed {committed} must be >= 0")
-    target = cache_len + committed
+    commit_row(cache, lead, cache_len + committed, cache_len + committed)
+
+
+def commit_row(cache, strip_lead: int, kv_len: int, xs_len: int) -> None:
+    """One row's commit under a strip policy (§5.5, §12.2): slot by slot, first
+    `drop_dead_prefix(slot, strip_lead)`, then `set_len(xs_len)` on an XsRolling slot and
+    `set_len(kv_len)` on any other. Eager is `(lead, own + c, own + c)`, lazy
+    `(0, lead + own + c, own + c)`, none `(0, C + c, own + c)`. A strip failure refuses
+    "stripping the {lead}-column dead prefix failed on slot i"; a length failure refuses
+    "set_len({target}) refused on slot i" (both StepRefusal)."""
+    require(strip_lead >= 0 and kv_len >= 0 and xs_len >= 0,
+            f"strip_lead {strip_lead}, kv_len {kv_len}, xs_len {xs_len} must be >= 0")
     for i, slot in enumerate(cache.slots):
+        target = xs_len if slot.kind == XS else kv_len
         try:
-            drop_dead_prefix(slot, lead)
+            drop_dead_prefix(slot, strip_lead)
         except CacheRefusal as err:
-            raise StepRefusal(
-                f"stripping the {lead}-column dead prefix failed on slot {i}: {err}") from err
+            raise StepRefusal(f"stripping the {strip_lead}-column dead prefix failed on slot "
+                              f"{i}: {err}") from err
         try:
             slot.set_len(target)
         except CacheRefusal as err:

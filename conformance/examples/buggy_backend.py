@@ -25,9 +25,9 @@ class BuggyBackend(NumpyBackend):
         b = 1 if row_q0 is None or len(set(row_q0)) == 1 else len(row_q0)
         return np.broadcast_to(mask, (b,) + mask.shape[1:]).copy()
 
-    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None):
+    def forward(self, model, tokens, cache, offsets, row_q0, lead_pad, capture=None, plan=None):
         return super().forward(
-            model, tokens, cache, offsets, None, lead_pad, capture
+            model, tokens, cache, offsets, None, lead_pad, capture, plan
         )  # BUG: the same
 
 

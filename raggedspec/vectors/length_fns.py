@@ -2,9 +2,9 @@
 the step window, accept / advance and the budget clamp.
 
 Each `Fn` (see `registry`) pairs an adapter with its cases: the spec's worked examples and
-refusals, then generated ragged / uniform / empty / boundary batches. Adapters of rules in
-the backend protocol (`resolve_row_cache_lens`, `plan_step_window`, `draft_groups`, ...) go
-through the backend they are given, so a port's backend runs them unchanged.
+refusals, then generated ragged / uniform / empty / boundary batches. These are host rules
+of the step plan (`reference.plan`): no backend implements them, so their adapters call the
+reference's functions (`LengthRules`) whatever backend they are given.
 """
 
 from __future__ import annotations
@@ -12,6 +12,53 @@ from __future__ import annotations
 from raggedspec.vectors.registry import Fn, fixed, generated, leads, lengths, plain
 from raggedspec.reference import dispatch, step
 from raggedspec.reference.capability import KvAdvance
+
+class LengthRules:
+    """The length rules as the vectors call them: host integers in, host integers out, each
+    the reference's rule function over the rows (lists and tuples, as the case files store
+    them). The step plan (`reference.plan`) calls the same functions; no backend does."""
+
+    def resolve_row_cache_lens(self, enabled, cache_len, lead_pad):
+        return dispatch.resolve_row_cache_lens(enabled, cache_len, lead_pad)
+
+    def ragged_row_q0(self, offsets, per_seq_kv):
+        return dispatch.ragged_row_q0(offsets, per_seq_kv)
+
+    def plan_step_window(self, cache_lens, tok_lens, w):
+        sw = step.plan_step_window(cache_lens, tok_lens, w)
+        return list(sw.uncached), sw.ok
+
+    def token_budget(self, max_seq_len, tok_lens):
+        return [step.token_budget(max_seq_len, n) for n in tok_lens]
+
+    def draft_groups(self, uncached, cache_lens, may_draft, w, per_seq_advance):
+        return dispatch.draft_groups(uncached, cache_lens, may_draft, w, per_seq_advance)
+
+    def draft_group_keys(self, uncached, cache_lens, carries_per_row):
+        return [dispatch.draft_group_key(u, c, carries_per_row)
+                for u, c in zip(uncached, cache_lens, strict=False)]
+
+    def chain_starts(self, cache_lens, uncached):
+        return [dispatch.chain_start_of(c, u) for c, u in zip(cache_lens, uncached, strict=False)]
+
+    def verify_accept(self, proposed, targets):
+        return [len(step.verify_proposed(p, t).accepted)
+                for p, t in zip(proposed, targets, strict=False)]
+
+    def budget_clamp(self, accepted, budgets):
+        return [step.budget_clamp(a, b) for a, b in zip(accepted, budgets, strict=False)]
+
+    def plan_batch_step(self, uncached, accepted, w):
+        plan = step.plan_batch_step(uncached, accepted, w)
+        return plan.keep, plan.n_drop, list(plan.next_uncached)
+
+    def plan_per_sequence_step(self, uncached, accepted, w):
+        plan = step.plan_per_sequence_step(uncached, accepted, w)
+        return list(plan.committed), list(plan.dropped), list(plan.next_uncached)
+
+
+RULES = LengthRules()
+
 
 # ------------------------------------------------------------------------------ dispatch
 
@@ -199,7 +246,7 @@ def _groups_cases(rng, n):
 
 
 def _draft_groups(b, inp):
-    groups = b.draft_groups(
+    groups = RULES.draft_groups(
         inp["uncached"], inp["cache_lens"], inp["may_draft"], inp["w"], inp["per_seq_advance"]
     )
     return {
@@ -293,10 +340,10 @@ def _budget_cases(rng, n):
 
 
 def _budget_clamp(b, inp):
-    budgets = b.token_budget(inp["max_seq_len"], inp["tok_lens"])
+    budgets = RULES.token_budget(inp["max_seq_len"], inp["tok_lens"])
     return {
         "budgets": [int(x) for x in budgets],
-        "accepted": [int(x) for x in b.budget_clamp(inp["accepted"], budgets)],
+        "accepted": [int(x) for x in RULES.budget_clamp(inp["accepted"], budgets)],
     }
 
 
@@ -384,7 +431,7 @@ def length_functions() -> list[Fn]:
             "C §8.2",
             "reference.dispatch.resolve_row_cache_lens",
             lambda b, i: {
-                "row_cache_lens": b.resolve_row_cache_lens(
+                "row_cache_lens": RULES.resolve_row_cache_lens(
                     i["enabled"], i["cache_len"], i["lead_pad"]
                 )
             },
@@ -411,7 +458,7 @@ def length_functions() -> list[Fn]:
             "ragged_row_q0",
             "M §12",
             "reference.dispatch.ragged_row_q0",
-            lambda b, i: {"row_q0": b.ragged_row_q0(i["offsets"], i["per_seq_kv"])},
+            lambda b, i: {"row_q0": RULES.ragged_row_q0(i["offsets"], i["per_seq_kv"])},
             _row_q0_cases,
         ),
         Fn(
@@ -427,7 +474,7 @@ def length_functions() -> list[Fn]:
             "chain_starts",
             "C §9.1",
             "reference.dispatch.chain_start_of",
-            lambda b, i: {"starts": b.chain_starts(i["cache_lens"], i["uncached"])},
+            lambda b, i: {"starts": RULES.chain_starts(i["cache_lens"], i["uncached"])},
             _chain_start_cases,
         ),
         Fn(
@@ -438,7 +485,7 @@ def length_functions() -> list[Fn]:
             lambda b, i: {
                 "keys": [
                     list(k)
-                    for k in b.draft_group_keys(
+                    for k in RULES.draft_group_keys(
                         i["uncached"], i["cache_lens"], i["carries_per_row"]
                     )
                 ]
@@ -469,7 +516,7 @@ def length_functions() -> list[Fn]:
             lambda b, i: dict(
                 zip(
                     ("uncached", "ok"),
-                    b.plan_step_window(i["cache_lens"], i["tok_lens"], i["w"]),
+                    RULES.plan_step_window(i["cache_lens"], i["tok_lens"], i["w"]),
                     strict=True,
                 )
             ),
@@ -488,7 +535,7 @@ def length_functions() -> list[Fn]:
             "verify_accept",
             "C §11.1",
             "reference.step.verify_proposed",
-            lambda b, i: {"accepted": b.verify_accept(i["proposed"], i["targets"])},
+            lambda b, i: {"accepted": RULES.verify_accept(i["proposed"], i["targets"])},
             _verify_cases,
         ),
         Fn(
@@ -523,7 +570,7 @@ def length_functions() -> list[Fn]:
             lambda b, i: dict(
                 zip(
                     ("keep", "n_drop", "next_uncached"),
-                    b.plan_batch_step(i["uncached"], i["accepted"], i["w"]),
+                    RULES.plan_batch_step(i["uncached"], i["accepted"], i["w"]),
                     strict=True,
                 )
             ),
@@ -537,7 +584,7 @@ def length_functions() -> list[Fn]:
             lambda b, i: dict(
                 zip(
                     ("committed", "dropped", "next_uncached"),
-                    b.plan_per_sequence_step(i["uncached"], i["accepted"], i["w"]),
+                    RULES.plan_per_sequence_step(i["uncached"], i["accepted"], i["w"]),
                     strict=True,
                 )
             ),

@@ -24,16 +24,6 @@ from raggedspec.reference.backend import NumpyBackend
 
 # functions whose adapter calls only backend protocol methods: a port backend runs them as is
 PROTOCOL = {
-    "dispatch/resolve_row_cache_lens",
-    "dispatch/ragged_row_q0",
-    "draft/chain_starts",
-    "draft/draft_group_keys",
-    "draft/draft_groups",
-    "step/plan_step_window",
-    "step/verify_accept",
-    "step/budget_clamp",
-    "step/plan_batch_step",
-    "step/plan_per_sequence_step",
     "masks/union_mask",
     "rope/rope_positions",
     "rope/apply_rope",
@@ -75,7 +65,17 @@ PORT_HOST_ONLY = {
     "accounting/record_batch",
     "scheduler/engine_cache_instruction",
     # length rules the port computes on host integers once per step, with the reference's
-    # own functions (no device twin)
+    # own functions (no device twin): the step plan's rules
+    "dispatch/resolve_row_cache_lens",
+    "dispatch/ragged_row_q0",
+    "draft/chain_starts",
+    "draft/draft_group_keys",
+    "draft/draft_groups",
+    "step/plan_step_window",
+    "step/verify_accept",
+    "step/budget_clamp",
+    "step/plan_batch_step",
+    "step/plan_per_sequence_step",
     "step/verify_proposed",
     "step/window_verify_row",
     "step/n_cache_positions_to_drop",
