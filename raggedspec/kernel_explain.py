@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -59,21 +60,17 @@ def _top_left(b, i):
     return (kp >= 0) & (kp <= j) & _window_keep(kp, j, b.window)
 
 
-def _window_from(which: int):
-    def valid(b, i):
-        qp, kp = _positions(b, i)
-        anchor = qp[which] if len(qp) else qp
-        return (kp >= 0) & (kp <= qp) & _window_keep(kp, anchor, b.window)
-
-    return valid
+def _window_from(b: VerifyBatch, i: int, which: int) -> np.ndarray:
+    """Row i's key set with every query's window started from the row's query `which` (0:
+    the first, -1: the last) in place of its own."""
+    qp, kp = _positions(b, i)
+    return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp[which], b.window)
 
 
-def _window_shift(shift: int):
-    def valid(b, i):
-        qp, kp = _positions(b, i)
-        return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window, shift)
-
-    return valid
+def _window_shift(b: VerifyBatch, i: int, shift: int) -> np.ndarray:
+    """Row i's key set with the window's first key moved by `shift` (-1: one key more)."""
+    qp, kp = _positions(b, i)
+    return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window, shift)
 
 
 def _no_window(b, i):
@@ -137,11 +134,13 @@ VARIANTS: list[tuple[str, Callable, bool]] = [
         _top_left,
         False,
     ),
-    ("the window starts from the row's last query for every query", _window_from(-1), False),
-    ("the window starts from the row's first query for every query", _window_from(0), False),
+    ("the window starts from the row's last query for every query",
+     partial(_window_from, which=-1), False),
+    ("the window starts from the row's first query for every query",
+     partial(_window_from, which=0), False),
     ("no sliding window", _no_window, False),
-    ("the window keeps one key too many", _window_shift(-1), False),
-    ("the window keeps one key too few", _window_shift(1), False),
+    ("the window keeps one key too many", partial(_window_shift, shift=-1), False),
+    ("the window keeps one key too few", partial(_window_shift, shift=1), False),
     ("the dead prefix is attended (cache_leftpad / the key mask ignored)", _dead_visible, False),
     ("not causal (keys after the query are attended)", _not_causal, False),
     ("query head h reads KV head h % Hk, not h // (Hq / Hk)", reference_validity, True),
