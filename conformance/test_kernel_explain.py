@@ -76,3 +76,92 @@ def test_a_window_rule_is_named_with_the_first_query_it_moves(keep, rule, where)
     report = run_case(masked_padded(keep), "padded", WINDOW_CASE, "float32", "cpu")
     assert report is not None
     assert explanation(report) == [f"rule that differs: {rule}", f"  {where}"], report
+
+
+# ------------------------------------------------------------------------- page-table misreads
+
+
+def paged_reading(misread):
+    """sdpa_paged reading `misread(kv_indices, num_pages)` as the page list."""
+    def fn(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, *rest, **kw):
+        read = misread(kv_indices.long(), k_pages.shape[0]).to(kv_indices.dtype)
+        return A.sdpa_paged(q, k_pages, v_pages, qo_indptr, kv_indptr, read, *rest, **kw)
+    return fn
+
+
+def kvcache_reading(misread):
+    """sdpa_kvcache (paged) reading `misread(block_table, num_blocks)` as the block table."""
+    def fn(q, k_cache, v_cache, *, block_table, **kw):
+        read = misread(block_table.long(), k_cache.shape[0]).to(block_table.dtype)
+        return A.sdpa_kvcache(q, k_cache, v_cache, block_table=read, **kw)
+    return fn
+
+
+def row_pages(arrays, i: int) -> list[int]:
+    """Row i's page ids, read from the layout's table by the layout's docs."""
+    if hasattr(arrays, "kv_indices"):
+        ptr = arrays.kv_indptr.tolist()
+        return arrays.kv_indices[ptr[i]: ptr[i + 1]].tolist()
+    n = int(arrays.cache_seqlens[i])
+    return arrays.block_table[i, : -(-n // arrays.k_cache.shape[1])].tolist()
+
+
+def case_arrays(case: Case, layout: str):
+    from raggedspec.gpu.layouts import to_layout
+    from raggedspec.kernel_cases import build_batch
+
+    return to_layout(build_batch(case, torch.float32, "cpu"), layout, case.page_size,
+                     seed=case.seed)
+
+
+# Rows of 0, 1 and 2 queries over 4, 4 and 6 keys in pages of 2 (2, 2 and 3 pages and one spare:
+# 8 pages): row 0 verifies nothing, so row 1 is the first row a misread shows on, at its page 0.
+PAGES_CASE = Case((0, 1, 2), (4, 4, 6), None, 1, 1, 16, 2, 3)
+LATE, EARLY = (lambda t, n: torch.roll(t, -1, -1)), (lambda t, n: torch.roll(t, 1, -1))
+HIGH, LOW = (lambda t, n: (t + 1) % n), (lambda t, n: (t - 1) % n)
+
+
+@pytest.mark.parametrize("layout, reading, misread, rule, read_of", [
+    ("paged", paged_reading, LATE, "each kv_indices entry is read one entry late",
+     lambda pages, a: pages(1)[1]),
+    ("paged", paged_reading, EARLY, "each kv_indices entry is read one entry early",
+     lambda pages, a: pages(0)[-1]),
+    ("paged", paged_reading, HIGH, "each page id is read one too high",
+     lambda pages, a: (pages(1)[0] + 1) % 8),
+    ("paged", paged_reading, LOW, "each page id is read one too low",
+     lambda pages, a: (pages(1)[0] - 1) % 8),
+    ("kvcache", kvcache_reading, LATE, "each block_table entry is read one column late",
+     lambda pages, a: pages(1)[1]),
+    ("kvcache", kvcache_reading, EARLY, "each block_table entry is read one column early",
+     lambda pages, a: int(a.block_table[1, -1])),
+    ("kvcache", kvcache_reading, HIGH, "each page id is read one too high",
+     lambda pages, a: (pages(1)[0] + 1) % 8),
+    ("kvcache", kvcache_reading, LOW, "each page id is read one too low",
+     lambda pages, a: (pages(1)[0] - 1) % 8),
+], ids=["paged_late", "paged_early", "paged_high", "paged_low", "kvcache_late",
+        "kvcache_early", "kvcache_high", "kvcache_low"])
+def test_a_page_table_misread_is_named_with_the_row_and_page_it_moves(layout, reading, misread,
+                                                                    rule, read_of):
+    """docs/kernels.md: the page list read one entry late or early, or each page id one off,
+    named with the first verifying row it changes, its page 0's id and the id read instead."""
+    arrays = case_arrays(PAGES_CASE, layout)
+    pages = lambda i: row_pages(arrays, i)  # noqa: E731
+    report = run_case(reading(misread), layout, PAGES_CASE, "float32", "cpu")
+    assert report is not None
+    assert explanation(report) == [
+        f"rule that differs: page table: {rule}",
+        f"  row 1 (4 keys): its page 0 is page id {pages(1)[0]}, the output is that of reading "
+        f"{read_of(pages, arrays)} (its pages {pages(1)})"], report
+
+
+@pytest.mark.parametrize("keys, shown", [(8, lambda p: f"{p}"), (9, lambda p: f"{p[:8]} ...")])
+def test_a_long_page_list_is_cut_after_eight_pages(keys, shown):
+    """A row's pages are listed up to 8, then `...` (pages of 1 key, each id read one too
+    high)."""
+    case = Case((1,), (keys,), None, 1, 1, 16, 1, 3)
+    pages = row_pages(case_arrays(case, "paged"), 0)
+    report = run_case(paged_reading(HIGH), "paged", case, "float32", "cpu")
+    assert report is not None
+    assert explanation(report)[1] == (  # keys + 1 pages: one spare
+        f"  row 0 ({keys} keys): its page 0 is page id {pages[0]}, the output is that of "
+        f"reading {(pages[0] + 1) % (keys + 1)} (its pages {shown(pages)})"), report

@@ -101,7 +101,7 @@ def _diagonal(offsets: Callable[[VerifyBatch], list[int]]) -> Callable:
 
 
 def _own_offsets(b: VerifyBatch) -> list[int]:
-    return [k - q for q, k in zip(b.q_lens, b.kv_lens, strict=True)]
+    return [int(k) for k in np.subtract(b.kv_lens, b.q_lens)]
 
 
 def diagonal_rules(b: VerifyBatch) -> list[tuple[str, Callable]]:
@@ -295,7 +295,7 @@ def _explain_pages(arrays, batch: VerifyBatch, got: np.ndarray, bound: float) ->
         for i, n in enumerate(batch.kv_lens):
             own, read = _row_pages(arrays, i, n), _row_pages(alt, i, n)
             if batch.q_lens[i] and own != read:
-                k = next(p for p, (a, b) in enumerate(zip(own, read, strict=True)) if a != b)
+                k = next(p for p in range(len(own)) if own[p] != read[p])  # same length
                 return (f"rule that differs: page table: {rule}\n  row {i} ({n} keys): its "
                         f"page {k} is page id {own[k]}, the output is that of reading {read[k]} "
                         f"(its pages {own[:8]}{' ...' if len(own) > 8 else ''})")
