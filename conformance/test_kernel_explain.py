@@ -22,24 +22,30 @@ def explanation(report: str) -> list[str]:
     return lines[next(n for n, line in enumerate(lines) if line.startswith("max error")) + 1:]
 
 
-def masked_padded(keep):
+def masked_padded(keep, heads=None):
     """The padded layout's SDPA (`sdpa_padded`, sinks included) with the key set
     `keep(qp [B, t_q, 1], kp [B, 1, T], window) -> bool` in place of the causal window
-    (qp: query positions, -1 on padding slots; kp: key positions, negative on padding)."""
+    (qp: query positions, -1 on padding slots; kp: key positions, negative on padding), in
+    the query heads `heads` (None: all of them)."""
     def fn(q, k, v, attention_mask, position_ids, sliding_window=None, softmax_scale=None,
            sinks=None):
         key_pos = attention_mask.long().cumsum(dim=1) - 1
         qp, kp = position_ids[:, :, None], key_pos[:, None, :]
-        ok = attention_mask[:, None, :] & (qp >= 0) & keep(qp, kp, sliding_window)
-        heads = A.kv_head_index(q.shape[1], k.shape[1], q.device)
-        kk, vv = k[:, heads], v[:, heads]
-        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ok[:, None],
-                                             scale=softmax_scale)
+        live = (attention_mask[:, None, :] & (qp >= 0))[:, None]
+        ok = live & causal(qp, kp, sliding_window)[:, None]
+        if heads is None:
+            ok = live & keep(qp, kp, sliding_window)[:, None]
+        else:
+            ok = ok.expand(-1, q.shape[1], -1, -1).clone()
+            ok[:, heads] = (live & keep(qp, kp, sliding_window)[:, None])
+        hk = A.kv_head_index(q.shape[1], k.shape[1], q.device)
+        kk, vv = k[:, hk], v[:, hk]
+        out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ok, scale=softmax_scale)
         if sinks is not None:
             logits = (q @ kk.transpose(-1, -2)) * (softmax_scale or q.shape[-1] ** -0.5)
-            lse = logits.masked_fill(~ok[:, None], float("-inf")).logsumexp(-1, keepdim=True)
+            lse = logits.masked_fill(~ok, float("-inf")).logsumexp(-1, keepdim=True)
             out = out * torch.sigmoid(lse - sinks[None, :, None, None])
-        return torch.where(ok.any(dim=2)[:, None, :, None], out, torch.zeros_like(out))
+        return torch.where(ok.any(dim=3, keepdim=True), out, torch.zeros_like(out))
     return fn
 
 
@@ -165,3 +171,27 @@ def test_a_long_page_list_is_cut_after_eight_pages(keys, shown):
     assert explanation(report)[1] == (  # keys + 1 pages: one spare
         f"  row 0 ({keys} keys): its page 0 is page id {pages[0]}, the output is that of "
         f"reading {(pages[0] + 1) % (keys + 1)} (its pages {shown(pages)})"), report
+
+
+# ------------------------------------------------------------------------- one key of the set
+
+# Hq 4 over Hk 2: query head 2 reads KV head 2 // 2 = 1 (the bug is planted there alone).
+EXTRA_CASE = Case((1, 3, 4), (4, 6, 8), 1, 2, 2, 16, None, 5)
+MISSING_CASE = Case((1, 2, 3), (3, 5, 6), None, 2, 2, 16, None, 5)
+
+
+@pytest.mark.parametrize("case, keep, where", [
+    (EXTRA_CASE, lambda qp, kp, w: causal(qp, kp, w) | (kp == qp + 2),
+     "row 1, query 0 (position 3): attends key 5, which causality excludes (the query is at 3)"),
+    (MISSING_CASE, lambda qp, kp, w: causal(qp, kp, w) & (kp != 0),
+     "row 0, query 0 (position 2): does not attend key 0, which it should (every key up to "
+     "the query)"),
+], ids=["extra", "missing"])
+def test_one_key_added_or_removed_is_named(case, keep, where):
+    """docs/kernels.md step 4: a kernel whose query head 2 attends one key more (the key two
+    after the query; window 1, so row 1's query 0 at 3 sees key 3 alone and key 5 besides) or
+    one key fewer (each row's key 0) than the reference, which no rule of the list explains,
+    is named by that key."""
+    report = run_case(masked_padded(keep, heads=[2]), "padded", case, "float64", "cpu")
+    assert report is not None
+    assert explanation(report) == ["rule that differs: one key of the set", f"  {where}"], report

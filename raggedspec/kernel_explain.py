@@ -248,7 +248,8 @@ def _probe_one_key(
         keys[c] = not keys[c]
         if not keys.any():
             continue
-        p = np.where(keys, np.exp(logits - logits[keys].max()), 0.0)
+        e = np.exp(logits - logits[keys].max())  # pragma: no mutate (shift: keeps exp finite)
+        p = np.where(keys, e, 0.0)
         if np.abs(p @ v / p.sum() - got[i, h, s]).max() <= bound:
             return describe_keys(batch, i, j, [c] if keys[c] else [], [] if keys[c] else [c])
     return None
