@@ -195,3 +195,98 @@ def test_one_key_added_or_removed_is_named(case, keep, where):
     report = run_case(masked_padded(keep, heads=[2]), "padded", case, "float64", "cpu")
     assert report is not None
     assert explanation(report) == ["rule that differs: one key of the set", f"  {where}"], report
+
+
+# ------------------------------------------------------------------------- the causal diagonal
+
+
+def offset_padded(offset_of):
+    """A padded kernel that puts row b's query j at `offset_of(q_lens, kv_lens, b) + j` (its
+    window moving with it) in place of its own `kv_len - q_len + j`."""
+    def keep(qp, kp, w):
+        q_lens, kv_lens = (qp >= 0).sum(dim=1)[:, 0], kp.amax(dim=2)[:, 0] + 1
+        q, k = q_lens.tolist(), kv_lens.tolist()
+        moved = [offset_of(q, k, b) - (k[b] - q[b]) for b in range(len(q))]
+        return causal(qp + torch.tensor(moved)[:, None, None], kp, w)
+    return masked_padded(keep)
+
+
+RULE = ("  the rule: causal alignment is bottom-right per row: query j of a row with q_len queries "
+        "over kv_len keys sits at position kv_len - q_len + j, from the row's own lengths")
+# Rows of 3, 1 and 2 queries over 8, 10 and 16 keys (own offsets 5, 9, 14; max kv_len 16, max
+# q_len 3), window 8: row 1's query sits at 9 and sees keys 2..9; put at d it sees keys
+# d - 7..d (those of 0..9), a different set for every d from -3 to 16.
+FIT_CASE = Case((3, 1, 2), (8, 10, 16), 8, 1, 1, 8, None, 11)
+HEAD = "row 1 (10 keys, 1 queries): its queries sit at positions from {d} on, where its own "\
+       "lengths put them from 9 on; "
+KEYS = "row 1, query 0 (position 9): "
+MISS = "does not attend keys {}, which it should (keys 2..9)"
+EXTRA01 = "attends keys 0, 1 (2 keys), which its window of 8 excludes (keys 2..9)"
+
+
+@pytest.mark.parametrize("d, source, words", [
+    (5, "row 0's (its kv_len - q_len)", f"{KEYS}{EXTRA01}; " + MISS.format("6, 7, 8, 9 (4 keys)")),
+    (14, "row 2's (its kv_len - q_len)", KEYS + MISS.format("2, 3, 4, 5, 6 (5 keys)")),
+    (0, "0: top-left", f"{KEYS}attends key 0, which its window of 8 excludes (keys 2..9); "
+     + MISS.format("2, 3, 4, 5, 6, 7, ... (8 keys)")),
+    (15, "the batch's widest row's: max kv_len - q_len",
+     KEYS + MISS.format("2, 3, 4, 5, 6, 7 (6 keys)")),
+    (13, "the batch's widest row's: max kv_len - max q_len",
+     KEYS + MISS.format("2, 3, 4, 5 (4 keys)")),
+    (7, "kv_len - the batch's max q_len", f"{KEYS}{EXTRA01}; " + MISS.format("8, 9 (2 keys)")),
+    (1, "no other length of the batch",
+     f"{KEYS}{EXTRA01}; " + MISS.format("2, 3, 4, 5, 6, 7, ... (8 keys)")),
+    (-3, "no other length of the batch",  # -t_q: the lowest offset tried
+     "query 0 then attends no key, so its output is 0 (as if the query attended no key)"),
+], ids=lambda x: str(x) if isinstance(x, int) else None)
+def test_one_rows_causal_offset_is_named_by_where_it_comes_from(d, source, words):
+    """docs/kernels.md step 3: row 1 alone put at offset d is found by trying every offset,
+    and d is named by the first length of the batch it equals (another row's offset, 0, the
+    widest row's with the row's or the longest query count, the row's keys less the longest
+    query count), with the keys its query then attends or misses."""
+    fn = offset_padded(lambda q, k, b: d if b == 1 else k[b] - q[b])
+    report = run_case(fn, "padded", FIT_CASE, "float64", "cpu")
+    assert report is not None
+    assert explanation(report) == [
+        f"rule that differs: the causal diagonal of row 1 is at offset {d}, which is {source}, "
+        "not its own kv_len - q_len = 9", "  " + HEAD.format(d=d) + words, RULE], report
+
+
+def test_an_offset_past_the_widest_row_is_not_tried():
+    """Offsets are tried from -t_q to T (the widest row's kv_len, 16): row 2 put at 17 (keys
+    10..15 and 11..15, no other offset's) is left to the plain difference."""
+    fn = offset_padded(lambda q, k, b: 17 if b == 2 else k[b] - q[b])
+    report = run_case(fn, "padded", FIT_CASE, "float64", "cpu")
+    assert report is not None
+    assert explanation(report)[0].endswith("no single changed rule or one-key change explains it")
+
+
+def test_a_fitted_offset_keeps_the_sinks():
+    """With sinks, the row recomputed at the fitted offset keeps them (else it matches no
+    offset)."""
+    case = Case(FIT_CASE.q_lens, FIT_CASE.kv_lens, 8, 1, 1, 8, None, 11, sinks=True)
+    fn = offset_padded(lambda q, k, b: 5 if b == 1 else k[b] - q[b])
+    report = run_case(fn, "padded", case, "float64", "cpu")
+    assert report is not None
+    assert explanation(report)[0] == ("rule that differs: the causal diagonal of row 1 is at "
+                                      "offset 5, which is row 0's (its kv_len - q_len), not its "
+                                      "own kv_len - q_len = 9"), report
+
+
+def test_every_offset_source_that_matches_is_listed():
+    """Rows of 1 query over 4 and 9 keys, window 2, every row put at the widest row's offset
+    8: that is max kv_len - q_len, max kv_len - max q_len and row 1's own offset alike; row 0's
+    query at 8 then sees none of its 4 keys."""
+    case = Case((1, 1), (4, 9), 2, 1, 1, 8, None, 2)
+    fn = offset_padded(lambda q, k, b: max(k) - q[b])
+    report = run_case(fn, "padded", case, "float64", "cpu")
+    assert report is not None
+    also = "  (on this case the output equally follows: the offset taken from "
+    assert explanation(report) == [
+        "rule that differs: the causal diagonal: each row's offset is taken from the batch's "
+        "widest row: max kv_len - the row's own q_len, not from the row's own lengths",
+        "  row 0 (4 keys, 1 queries): its queries sit at positions from 8 on, where its own "
+        "lengths put them from 3 on; query 0 then attends no key, so its output is 0 (as if the "
+        "query attended no key)", RULE,
+        also + "the batch's widest row: max kv_len - max q_len)",
+        also + "row 1's offset kv_len - q_len = 8 for every row)"], report

@@ -306,7 +306,7 @@ def _explain_pages(arrays, batch: VerifyBatch, got: np.ndarray, bound: float) ->
 
 def _row_output(batch: VerifyBatch, i: int, validity: Callable) -> np.ndarray:
     """Row i's output `[Hq, q_len, D]` under the key set `validity` (reference GQA, sinks)."""
-    q, k, v = (as_float64(x)[i : i + 1] for x in (batch.q, batch.k, batch.v))
+    q, k, v = (as_float64(x)[i][np.newaxis] for x in (batch.q, batch.k, batch.v))
     ql, t_q = batch.q_lens[i], batch.q.shape[2]
     sinks = None if batch.sinks is None else as_float64(batch.sinks)
     mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
@@ -327,11 +327,13 @@ def _offset_source(batch: VerifyBatch, i: int, d: int) -> str:
 
 
 def _diagonal_words(batch: VerifyBatch, i: int, validity: Callable, d: int) -> str:
-    """Row i under a diagonal at offset `d`: where its queries sit and, for its first query
-    that changes, the keys it wrongly attends or misses (or that it attends none)."""
+    """Row i under a diagonal at offset `d`: where its queries sit and, for its query 0, the
+    keys it wrongly attends or misses (or that it attends none). Query 0 is where the row
+    first changes: its key set at `d` differs from the one at the row's own offset whenever
+    any query's does (the two end at different keys, or the row has that one query)."""
     own = batch.kv_lens[i] - batch.q_lens[i]
     want, have = reference_validity(batch, i), validity(batch, i)
-    j = next((j for j in range(batch.q_lens[i]) if (want[j] != have[j]).any()), 0)
+    j = 0
     head = (f"row {i} ({batch.kv_lens[i]} keys, {batch.q_lens[i]} queries): its queries sit at "
             f"positions from {d} on, where its own lengths put them from {own} on")
     if not have[j].any():
