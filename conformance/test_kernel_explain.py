@@ -290,3 +290,70 @@ def test_every_offset_source_that_matches_is_listed():
         "query attended no key)", RULE,
         also + "the batch's widest row: max kv_len - max q_len)",
         also + "row 1's offset kv_len - q_len = 8 for every row)"], report
+
+
+# ------------------------------------------------------------------------- sinks, raises, NaN
+
+
+@pytest.mark.parametrize("group, tail", [(8, "]"), (9, ", ...]")])
+def test_dropped_sinks_are_shown_by_their_first_eight_values(group, tail):
+    """A padded kernel that leaves the sinks out: the report shows the batch's sinks (8 query
+    heads in full, more cut after 8, each to 3 decimals) and the first query it changes."""
+    from raggedspec.kernel_cases import build_batch
+
+    case = Case((1,), (3,), None, 1, group, 8, None, 1, sinks=True)
+    sinks = build_batch(case, torch.float64, "cpu").sinks.tolist()
+    shown = ", ".join(f"{round(x, 3)}" for x in sinks[:8])
+    report = run_case(lambda *a, sinks=None, **kw: A.sdpa_padded(*a, **kw), "padded", case,
+                      "float64", "cpu")
+    assert report is not None
+    assert explanation(report) == [
+        "rule that differs: the attention sinks are dropped from the softmax denominator",
+        f"  sinks [{shown}{tail}: row 0, query 0, head 0 is the softmax over its keys alone",
+    ], report
+
+
+def ping(n: int, words: str):
+    if n:
+        pong(n - 1, words)
+    raise ValueError(words)
+
+
+def pong(n: int, words: str):
+    ping(n, words)
+
+
+def test_a_raising_kernel_is_shown_with_its_own_traceback():
+    """The report names the exception and shows its traceback from the kernel's own frame
+    on, ending at the exception's words (no blank line after them, even when they end in one)."""
+    def shallow(*args, **kw):
+        raise ValueError("bad head dim\n")
+
+    report = run_case(shallow, "varlen", WINDOW_CASE, "float32", "cpu")
+    lines = report.splitlines()
+    at = lines.index("raised by your kernel function: ValueError: bad head dim")
+    assert lines[at + 2] == "  Traceback (most recent call last):", report
+    assert lines[at + 3].startswith('    File "') and lines[at + 3].endswith(", in shallow")
+    assert report.endswith("\n  ValueError: bad head dim"), report
+
+
+def test_a_deep_traceback_is_cut_to_its_last_twenty_lines():
+    report = run_case(lambda *a, **kw: ping(30, "too deep"), "varlen", WINDOW_CASE, "float32",
+                      "cpu")
+    lines = report.splitlines()
+    at = lines.index("raised by your kernel function: ValueError: too deep")
+    shown = lines[at + 1:]
+    assert len(shown) == 20 and all(line.startswith("  ") for line in shown), report
+    assert shown[-1] == "  ValueError: too deep" and "in ping" in shown[-3], report
+
+
+def test_a_nan_padding_slot_is_named_by_its_first_index():
+    """Every padding query slot NaN: the report names the first, row 0's (it verifies
+    nothing, so all its slots are padding) element [0, 0, 0, 0]."""
+    def nan_pads(q, k, v, attention_mask, position_ids, *rest, **kw):
+        out = A.sdpa_padded(q, k, v, attention_mask, position_ids, *rest, **kw)
+        return out.masked_fill((position_ids < 0)[:, None, :, None], float("nan"))
+
+    case = Case((0, 1, 3), (5, 9, 12), None, 1, 2, 8, None, 3)
+    report = run_case(nan_pads, "padded", case, "float64", "cpu")
+    assert report is not None and "is nan at [0, 0, 0, 0], a padding query's slot" in report
