@@ -6,6 +6,8 @@ sinks), so every number in an expected line follows from the case by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -357,3 +359,33 @@ def test_a_nan_padding_slot_is_named_by_its_first_index():
     case = Case((0, 1, 3), (5, 9, 12), None, 1, 2, 8, None, 3)
     report = run_case(nan_pads, "padded", case, "float64", "cpu")
     assert report is not None and "is nan at [0, 0, 0, 0], a padding query's slot" in report
+
+
+# ------------------------------------------------------------------------- the tolerance
+
+
+def test_an_output_exactly_that_of_a_rule_matches_it_at_zero_tolerance():
+    """The tolerance is inclusive: with a bound of 0, a float64 output that is exactly the
+    reference's under a page list read late, or with row 1 put at row 0's offset, is named
+    by that rule."""
+    from raggedspec.gpu.layouts import from_layout
+    from raggedspec.kernel_cases import build_batch
+    from raggedspec.kernel_explain import attention_under, explain
+
+    arrays = case_arrays(Case((1, 2), (4, 6), None, 1, 1, 8, 2, 3), "paged")
+    batch = from_layout(arrays)
+    late = from_layout(replace(arrays, kv_indices=LATE(arrays.kv_indices, None)))
+    got = attention_under(late)
+    assert explain(batch, got, attention_under(batch), 0.0, arrays).startswith(
+        "rule that differs: page table: each kv_indices entry is read one entry late")
+
+    batch = build_batch(FIT_CASE, torch.float64, "cpu")
+
+    def row1_at_5(b, i):
+        qp = torch.arange(b.q_lens[i])[:, None] + (5 if i == 1 else b.kv_lens[i] - b.q_lens[i])
+        kp = torch.arange(b.k.shape[2])[None, :] - b.leads[i]
+        return ((kp >= 0) & causal(qp, kp, b.window)).numpy()
+
+    report = explain(batch, attention_under(batch, row1_at_5), attention_under(batch), 0.0)
+    assert report.startswith("rule that differs: the causal diagonal of row 1 is at offset 5, "
+                             "which is row 0's"), report

@@ -240,7 +240,7 @@ def _probe_one_key(
     t_q = batch.q.shape[2]
     j = s - (t_q - batch.q_lens[i])
     base = reference_validity(batch, i)[j]
-    kvh = int(_heads(batch.q.shape[1], batch.k.shape[1], False)[h])
+    kvh = h // (batch.q.shape[1] // batch.k.shape[1])  # the reference's GQA head
     q, k, v = as_float64(batch.q)[i, h, s], as_float64(batch.k)[i, kvh], as_float64(batch.v)[i, kvh]
     logits = k @ q / np.sqrt(q.shape[0])
     for c in range(len(base)):
