@@ -389,3 +389,27 @@ def test_an_output_exactly_that_of_a_rule_matches_it_at_zero_tolerance():
     report = explain(batch, attention_under(batch, row1_at_5), attention_under(batch), 0.0)
     assert report.startswith("rule that differs: the causal diagonal of row 1 is at offset 5, "
                              "which is row 0's"), report
+
+
+def test_a_rule_within_the_bound_of_the_reference_still_names_the_first_row():
+    """An output 1.8 times as far from the reference as the widest-row offset's (which is
+    itself within the bound of the reference) follows that rule: the report names it, on
+    row 0 (rows of 1 query over 4 and 9 keys, window 2, both put at 8)."""
+    import numpy as np
+
+    from raggedspec.kernel_cases import build_batch
+    from raggedspec.kernel_explain import attention_under, explain
+
+    batch = build_batch(Case((1, 1), (4, 9), 2, 1, 1, 8, None, 2), torch.float64, "cpu")
+
+    def at_8(b, i):
+        kp = np.arange(b.k.shape[2])[None, :] - b.leads[i]
+        return (kp >= 0) & (kp <= 8) & (kp > 8 - 2)
+
+    ref, alt = attention_under(batch), attention_under(batch, at_8)
+    bound = float(np.abs(alt - ref).max())
+    report = explain(batch, alt + 0.8 * (alt - ref), ref, bound)
+    assert report.startswith(
+        "rule that differs: the causal diagonal: each row's offset is taken from the batch's "
+        "widest row: max kv_len - the row's own q_len, not from the row's own lengths\n"
+        "  row 0 (4 keys, 1 queries): its queries sit at positions from 8 on"), report
