@@ -34,12 +34,13 @@ def masked_padded(keep, heads=None):
         key_pos = attention_mask.long().cumsum(dim=1) - 1
         qp, kp = position_ids[:, :, None], key_pos[:, None, :]
         live = (attention_mask[:, None, :] & (qp >= 0))[:, None]
-        ok = live & causal(qp, kp, sliding_window)[:, None]
+        planted = live & keep(qp, kp, sliding_window)[:, None]
         if heads is None:
-            ok = live & keep(qp, kp, sliding_window)[:, None]
+            ok = planted
         else:
-            ok = ok.expand(-1, q.shape[1], -1, -1).clone()
-            ok[:, heads] = (live & keep(qp, kp, sliding_window)[:, None])
+            ok = (live & causal(qp, kp, sliding_window)[:, None]).expand(-1, q.shape[1], -1, -1)
+            ok = ok.clone()
+            ok[:, heads] = planted
         hk = A.kv_head_index(q.shape[1], k.shape[1], q.device)
         kk, vv = k[:, hk], v[:, hk]
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ok, scale=softmax_scale)
@@ -52,10 +53,12 @@ def masked_padded(keep, heads=None):
 
 
 def causal(qp, kp, w, shift=0):
+    """The reference's key set by position (the window's first key moved by `shift`)."""
     return (kp <= qp) & ((kp > qp - w + shift) if w is not None else True)
 
 
 def first_query(qp):
+    """Each row's first query position `[B, 1, 1]` (padding slots, -1, passed over)."""
     return torch.where(qp >= 0, qp, qp.max() + 1).amin(dim=1, keepdim=True)
 
 
