@@ -369,8 +369,8 @@ def test_a_nan_padding_slot_is_named_by_its_first_index():
 
 def test_an_output_exactly_that_of_a_rule_matches_it_at_zero_tolerance():
     """The tolerance is inclusive: with a bound of 0, a float64 output that is exactly the
-    reference's under a page list read late, or with row 1 put at row 0's offset, is named
-    by that rule."""
+    reference's under a page list read late, with row 1 put at row 0's offset, or with one
+    key left out, is named by that rule."""
     from raggedspec.gpu.layouts import from_layout
     from raggedspec.kernel_cases import build_batch
     from raggedspec.kernel_explain import attention_under, explain
@@ -392,6 +392,16 @@ def test_an_output_exactly_that_of_a_rule_matches_it_at_zero_tolerance():
     report = explain(batch, attention_under(batch, row1_at_5), attention_under(batch), 0.0)
     assert report.startswith("rule that differs: the causal diagonal of row 1 is at offset 5, "
                              "which is row 0's"), report
+
+    # one query over keys 0 and 1 answering with key 1's value alone (exactly: one key's
+    # softmax weight is 1): key 0 missing, found by the probe at zero tolerance too
+    batch = build_batch(Case((1,), (2,), None, 1, 1, 8, None, 4), torch.float64, "cpu")
+    ref = attention_under(batch)
+    got = ref.copy()
+    got[0, 0, 0] = batch.v[0, 0, 1].numpy()
+    assert explain(batch, got, ref, 0.0) == (
+        "rule that differs: one key of the set\n  row 0, query 0 (position 1): does not attend "
+        "key 0, which it should (every key up to the query)")
 
 
 def test_a_rule_within_the_bound_of_the_reference_still_names_the_first_row():
