@@ -89,6 +89,23 @@ def test_a_window_rule_is_named_with_the_first_query_it_moves(keep, rule, where)
     assert explanation(report) == [f"rule that differs: {rule}", f"  {where}"], report
 
 
+
+def test_the_modulo_gqa_head_is_named_with_the_heads_it_reads():
+    """A kernel reading KV head h % Hk (Hq 4 over Hk 2): query head 1 reads KV head 1, where
+    the reference's h // (Hq / Hk) reads 0."""
+    def modulo_heads(q, k, v, *rest, **kw):
+        heads = torch.arange(q.shape[1]) % k.shape[1]
+        return A.sdpa_padded(q, k[:, heads], v[:, heads], *rest, **kw)
+
+    case = Case((2, 1), (5, 2), 2, 2, 2, 16, None, 7)
+    report = run_case(modulo_heads, "padded", case, "float64", "cpu")
+    assert report is not None
+    assert explanation(report) == [
+        "rule that differs: query head h reads KV head h % Hk, not h // (Hq / Hk)",
+        "  row 0, query 0: query head 1 reads KV head 1; with 4 query heads over 2 KV heads it "
+        "reads 0"], report
+
+
 # ------------------------------------------------------------------------- page-table misreads
 
 

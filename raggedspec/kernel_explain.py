@@ -149,10 +149,6 @@ VARIANTS: list[tuple[str, Callable, bool]] = [
 head `h % Hk`)."""
 
 
-def _heads(hq: int, hk: int, modulo: bool) -> np.ndarray:
-    return np.arange(hq) % hk if modulo else np.arange(hq) // (hq // hk)
-
-
 def as_float64(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float64).numpy()
 
@@ -175,7 +171,7 @@ def attention_under(
         mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
         ki, vi = k[i : i + 1], v[i : i + 1]
         if modulo_heads:
-            heads = _heads(hq, k.shape[1], True)
+            heads = np.arange(hq) % k.shape[1]  # the misread GQA head h % Hk
             ki, vi = ki[:, heads], vi[:, heads]
         out[i, :, t_q - ql :] = attention(q[i : i + 1, :, t_q - ql :], ki, vi, mask, sinks)[0]
     return out
