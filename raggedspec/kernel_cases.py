@@ -216,11 +216,10 @@ def layout_call(fn: Callable, arrays) -> tuple[tuple, dict]:
 def raised_report(exc: Exception) -> str:
     """A kernel's exception in a report: the words and its traceback from the kernel's own
     frame on (the last 20 lines)."""
-    start = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    lines = "".join(traceback.format_exception(type(exc), exc, start)).rstrip().splitlines()
-    shown = lines[-20:] if len(lines) > 20 else lines
+    own = exc.with_traceback(exc.__traceback__.tb_next)  # raised: a traceback from run_case on
+    lines = "".join(traceback.format_exception(own)).rstrip().splitlines()
     return (f"raised by your kernel function: {type(exc).__name__}: {exc}\n  "
-            + "\n  ".join(shown))
+            + "\n  ".join(lines[-20:]))
 
 
 def run_case(fn: Callable, layout: str, case: Case, dtype: str, device: str) -> str | None:

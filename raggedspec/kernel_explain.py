@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -59,21 +60,17 @@ def _top_left(b, i):
     return (kp >= 0) & (kp <= j) & _window_keep(kp, j, b.window)
 
 
-def _window_from(which: int):
-    def valid(b, i):
-        qp, kp = _positions(b, i)
-        anchor = qp[which] if len(qp) else qp
-        return (kp >= 0) & (kp <= qp) & _window_keep(kp, anchor, b.window)
-
-    return valid
+def _window_from(b: VerifyBatch, i: int, which: int) -> np.ndarray:
+    """Row i's key set with every query's window started from the row's query `which` (0:
+    the first, -1: the last) in place of its own."""
+    qp, kp = _positions(b, i)
+    return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp[which], b.window)
 
 
-def _window_shift(shift: int):
-    def valid(b, i):
-        qp, kp = _positions(b, i)
-        return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window, shift)
-
-    return valid
+def _window_shift(b: VerifyBatch, i: int, shift: int) -> np.ndarray:
+    """Row i's key set with the window's first key moved by `shift` (-1: one key more)."""
+    qp, kp = _positions(b, i)
+    return (kp >= 0) & (kp <= qp) & _window_keep(kp, qp, b.window, shift)
 
 
 def _no_window(b, i):
@@ -104,7 +101,7 @@ def _diagonal(offsets: Callable[[VerifyBatch], list[int]]) -> Callable:
 
 
 def _own_offsets(b: VerifyBatch) -> list[int]:
-    return [k - q for q, k in zip(b.q_lens, b.kv_lens, strict=True)]
+    return [int(k) for k in np.subtract(b.kv_lens, b.q_lens)]
 
 
 def diagonal_rules(b: VerifyBatch) -> list[tuple[str, Callable]]:
@@ -137,21 +134,19 @@ VARIANTS: list[tuple[str, Callable, bool]] = [
         _top_left,
         False,
     ),
-    ("the window starts from the row's last query for every query", _window_from(-1), False),
-    ("the window starts from the row's first query for every query", _window_from(0), False),
+    ("the window starts from the row's last query for every query",
+     partial(_window_from, which=-1), False),
+    ("the window starts from the row's first query for every query",
+     partial(_window_from, which=0), False),
     ("no sliding window", _no_window, False),
-    ("the window keeps one key too many", _window_shift(-1), False),
-    ("the window keeps one key too few", _window_shift(1), False),
+    ("the window keeps one key too many", partial(_window_shift, shift=-1), False),
+    ("the window keeps one key too few", partial(_window_shift, shift=1), False),
     ("the dead prefix is attended (cache_leftpad / the key mask ignored)", _dead_visible, False),
     ("not causal (keys after the query are attended)", _not_causal, False),
     ("query head h reads KV head h % Hk, not h // (Hq / Hk)", reference_validity, True),
 ]
 """(rule as the kernel seems to apply it, row key set `(batch, i) -> bool [q_len, T]`, GQA
 head `h % Hk`)."""
-
-
-def _heads(hq: int, hk: int, modulo: bool) -> np.ndarray:
-    return np.arange(hq) % hk if modulo else np.arange(hq) // (hq // hk)
 
 
 def as_float64(x: torch.Tensor) -> np.ndarray:
@@ -176,7 +171,7 @@ def attention_under(
         mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
         ki, vi = k[i : i + 1], v[i : i + 1]
         if modulo_heads:
-            heads = _heads(hq, k.shape[1], True)
+            heads = np.arange(hq) % k.shape[1]  # the misread GQA head h % Hk
             ki, vi = ki[:, heads], vi[:, heads]
         out[i, :, t_q - ql :] = attention(q[i : i + 1, :, t_q - ql :], ki, vi, mask, sinks)[0]
     return out
@@ -241,7 +236,7 @@ def _probe_one_key(
     t_q = batch.q.shape[2]
     j = s - (t_q - batch.q_lens[i])
     base = reference_validity(batch, i)[j]
-    kvh = int(_heads(batch.q.shape[1], batch.k.shape[1], False)[h])
+    kvh = h // (batch.q.shape[1] // batch.k.shape[1])  # the reference's GQA head
     q, k, v = as_float64(batch.q)[i, h, s], as_float64(batch.k)[i, kvh], as_float64(batch.v)[i, kvh]
     logits = k @ q / np.sqrt(q.shape[0])
     for c in range(len(base)):
@@ -249,7 +244,8 @@ def _probe_one_key(
         keys[c] = not keys[c]
         if not keys.any():
             continue
-        p = np.where(keys, np.exp(logits - logits[keys].max()), 0.0)
+        e = np.exp(logits - logits[keys].max())  # pragma: no mutate (shift: keeps exp finite)
+        p = np.where(keys, e, 0.0)
         if np.abs(p @ v / p.sum() - got[i, h, s]).max() <= bound:
             return describe_keys(batch, i, j, [c] if keys[c] else [], [] if keys[c] else [c])
     return None
@@ -296,7 +292,7 @@ def _explain_pages(arrays, batch: VerifyBatch, got: np.ndarray, bound: float) ->
         for i, n in enumerate(batch.kv_lens):
             own, read = _row_pages(arrays, i, n), _row_pages(alt, i, n)
             if batch.q_lens[i] and own != read:
-                k = next(p for p, (a, b) in enumerate(zip(own, read, strict=True)) if a != b)
+                k = next(p for p in range(len(own)) if own[p] != read[p])  # same length
                 return (f"rule that differs: page table: {rule}\n  row {i} ({n} keys): its "
                         f"page {k} is page id {own[k]}, the output is that of reading {read[k]} "
                         f"(its pages {own[:8]}{' ...' if len(own) > 8 else ''})")
@@ -306,7 +302,7 @@ def _explain_pages(arrays, batch: VerifyBatch, got: np.ndarray, bound: float) ->
 
 def _row_output(batch: VerifyBatch, i: int, validity: Callable) -> np.ndarray:
     """Row i's output `[Hq, q_len, D]` under the key set `validity` (reference GQA, sinks)."""
-    q, k, v = (as_float64(x)[i : i + 1] for x in (batch.q, batch.k, batch.v))
+    q, k, v = (as_float64(x)[i][np.newaxis] for x in (batch.q, batch.k, batch.v))
     ql, t_q = batch.q_lens[i], batch.q.shape[2]
     sinks = None if batch.sinks is None else as_float64(batch.sinks)
     mask = np.where(validity(batch, i), 0.0, -np.inf)[None, None]
@@ -327,11 +323,13 @@ def _offset_source(batch: VerifyBatch, i: int, d: int) -> str:
 
 
 def _diagonal_words(batch: VerifyBatch, i: int, validity: Callable, d: int) -> str:
-    """Row i under a diagonal at offset `d`: where its queries sit and, for its first query
-    that changes, the keys it wrongly attends or misses (or that it attends none)."""
+    """Row i under a diagonal at offset `d`: where its queries sit and, for its query 0, the
+    keys it wrongly attends or misses (or that it attends none). Query 0 is where the row
+    first changes: its key set at `d` differs from the one at the row's own offset whenever
+    any query's does (the two end at different keys, or the row has that one query)."""
     own = batch.kv_lens[i] - batch.q_lens[i]
     want, have = reference_validity(batch, i), validity(batch, i)
-    j = next((j for j in range(batch.q_lens[i]) if (want[j] != have[j]).any()), 0)
+    j = 0
     head = (f"row {i} ({batch.kv_lens[i]} keys, {batch.q_lens[i]} queries): its queries sit at "
             f"positions from {d} on, where its own lengths put them from {own} on")
     if not have[j].any():
