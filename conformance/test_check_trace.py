@@ -10,6 +10,7 @@ and advance rule, eager and lazy strip) is clean and its replay matches.
 
 from __future__ import annotations
 
+import errno
 import json
 import tempfile
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 
 from raggedspec import trace_bugs
-from raggedspec.check_trace import check, exit_code
+from raggedspec.check_trace import check, exit_code, render
 from raggedspec.conformance.helpers import run_cli as cli
 from raggedspec.conformance.strategies import simulator_scenarios
 from raggedspec.trace_rules import RULES
@@ -492,6 +493,7 @@ def test_a_replay_that_diverges_while_no_rule_fires_exits_1(tmp_path):
     assert data["violations"] == [] and data["replay"]["diverged"] is True
     assert code == 1 and data["exit"] == 1 and "replay: diverged at step" in out
     assert "first broken rule" not in out
+    assert out.splitlines()[-1].endswith("none violated; the replay diverged")
 
 
 @pytest.mark.rule("raggedspec check-trace")
@@ -543,3 +545,102 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_check(tmp_path
     code, out, err = cli("check-trace", path, "--json", "/proc/nope/r.json")
     assert code == 2 and out == "" and "--json /proc/nope/r.json" in err
     assert "cannot write there" in err
+
+
+# ------------------------------------------------------------------------ the report's shape
+
+# One step of 130 rows, each with lead 1 where width 12 - own_len 10 = 2 is due: more
+# violations than the default --limit prints.
+MANY_LEADS = [decode_step(0, [{"seq": i, "own_len": 10, "width": 12, "lead": 1}
+                              for i in range(130)], "cohort")]
+
+
+def violation_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("step ")]
+
+
+@pytest.mark.rule("raggedspec check-trace")
+@pytest.mark.parametrize("argv, shown", [(["--limit", "0"], None), (["--limit", "1"], 1),
+                                         ([], 100)], ids=["0 all", "1", "default 100"])
+def test_limit_prints_at_most_n_violation_lines_then_how_many_more(tmp_path, argv, shown):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in MANY_LEADS])
+    total = len(check(read_trace_strict(path))["violations"])
+    shown = total if shown is None else shown
+    assert total > 100
+    code, out, _ = cli("check-trace", path, *argv)
+    assert code == 1 and len(violation_lines(out)) == shown
+    more = f"... and {total - shown} more violation(s) (--limit 0 shows all; --json has all)"
+    assert (more in out) == (shown < total), out[-300:]
+
+
+BROKEN_ONCE_EACH = [decode_step(0, [
+    {"seq": 0, "own_len": 10, "width": 12, "lead": 1, "accepted": 0, "committed": 2},
+    {"seq": 1, "own_len": 11, "width": 12, "lead": 1},
+], advance="cohort")]  # lead, uniform-no-lead and commit, each broken once at step 0
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_verdict_counts_violations_and_broken_rules_and_names_the_later_ones():
+    result = check(_as_trace(BROKEN_ONCE_EACH))
+    lines = render(result, "t.jsonl", 0).splitlines()
+    broken = {v["rule"] for v in result["violations"]}
+    assert len(broken) == 3 and len(result["violations"]) == 3
+    assert lines[-1] == "violated: 3 violation(s) of 3 rule(s)"
+    first = result["violations"][0]["rule"]
+    later = ", ".join(sorted(broken - {first}))
+    assert lines[1].startswith(f"first broken rule: {first} [")
+    assert lines[1].endswith(f"; {later} broke later and may follow from it")
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_clean_verdict_counts_the_rules_of_the_table_that_ran(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_jsonl(small_run(**GRANTED), path)
+    code, out, _ = cli("check-trace", path)
+    lines = out.splitlines()
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("rule "))) + 1:-2]
+    ran = [ln for ln in table if "not run" not in ln]
+    assert code == 0 and len(table) == len(RULES) and 0 < len(ran) < len(RULES)
+    assert lines[-1] == f"clean: {len(ran)} of {len(RULES)} rules ran, none violated"
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_each_usage_refusal_names_the_flag_or_file(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    for argv, words in [
+        ([tmp_path / "nope.jsonl"], f"trace file {tmp_path / 'nope.jsonl'} does not exist"),
+        ([path, "--scenario", tmp_path / "nope.toml"],
+         f"scenario file {tmp_path / 'nope.toml'} does not exist"),
+        ([path, "--limit", "-1"], "--limit -1: must be >= 0"),
+    ]:
+        code, out, err = cli("check-trace", *argv)
+        assert code == 2 and out == "" and words in err, err
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_json_has_the_documented_fields_and_is_announced_on_stderr(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    target = tmp_path / "r.json"
+    code, out, err = cli("check-trace", path, "--json", target)
+    data = json.loads(target.read_text())
+    assert set(data) == {"schema", "version", "trace", "exit", "steps", "row_steps", "rules",
+                         "violations", "replay"}
+    assert (data["schema"], data["version"], data["trace"], data["exit"]) == (
+        "raggedspec-check-trace", 1, str(path), code)
+    assert f"wrote {target}" in err and "wrote" not in out
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_json_that_fails_to_write_after_the_check_is_bad_usage(tmp_path, monkeypatch):
+    """The folder was writable when checked, before the work; the disk filled up since."""
+    import raggedspec.outputs
+
+    def disk_full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(s) for s in UNIFORM_ADVANCE])
+    monkeypatch.setattr(raggedspec.outputs, "write_text_atomic", disk_full)
+    code, _, err = cli("check-trace", path, "--json", tmp_path / "r.json")
+    assert code == 2
+    assert f"--json {tmp_path / 'r.json'}: cannot write it (No space left on device)" in err
+
