@@ -644,3 +644,19 @@ def test_a_json_that_fails_to_write_after_the_check_is_bad_usage(tmp_path, monke
     assert code == 2
     assert f"--json {tmp_path / 'r.json'}: cannot write it (No space left on device)" in err
 
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_usage_in_docs_trace_check_md_is_what_help_prints(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
+    shown = doc.split("## Usage\n")[1].split("```\n")[1]
+    code, out, _ = cli("check-trace", "--help")
+    assert code == 0 and " ".join(out.split("Exit codes:")[0].split()) == " ".join(shown.split())
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_command_list_shows_check_trace_alike_when_its_parser_is_built():
+    """`raggedspec --help check-trace` builds check-trace's parser, `raggedspec --help` only
+    lists the commands: both list check-trace with the same line."""
+    plain, built = cli("--help"), cli("--help", "check-trace")
+    assert plain[0] == built[0] == 0 and built[1] == plain[1]
