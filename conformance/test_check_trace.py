@@ -645,6 +645,87 @@ def test_a_json_that_fails_to_write_after_the_check_is_bad_usage(tmp_path, monke
     assert f"--json {tmp_path / 'r.json'}: cannot write it (No space left on device)" in err
 
 
+
+def docs_needs() -> dict[str, list[str]]:
+    """Each rule's `needs` column of the table in docs/trace-check.md."""
+    doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
+    rows = [ln.split(" | ") for ln in doc.splitlines() if ln.startswith("| `")]
+    return {r[0].strip("|` "): [n.strip("` |") for n in r[3].split(", ")]
+            for r in rows if len(r) == 4}
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_a_rule_not_run_names_every_field_it_needs_that_the_trace_lacks(tmp_path):
+    """A trace of sequence lengths only, with no scenario: no rule runs, and each says it
+    lacks every field of its `needs` in the docs' table, depth as a scenario to give."""
+    path = write_lines(tmp_path / "min.jsonl",
+                       [json.dumps({"step": t, "rows": [{"seq": 0, "own_len": 8 + t}]})
+                        for t in range(2)])
+    needs = docs_needs()
+    rules = check(read_trace_strict(path))["rules"]
+    assert {r["id"] for r in rules} == set(needs) and not any(r["ran"] for r in rules)
+    for r in rules:
+        reasons = r["not_run_because"].split(", ")
+        fields = [n for n in needs[r["id"]] if n != "depth"]
+        assert reasons[: len(fields)] == [f"`{n}`" for n in fields], r
+        if "depth" in needs[r["id"]]:
+            assert reasons[-1].startswith("depth (") and reasons[-1].endswith(" or --scenario)")
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_fields_present_on_other_rows_or_steps_than_a_rule_needs_them_together():
+    """`dead_cols` and `lead` each on one row, `phase` and `advance` on one step: present,
+    but on no row or step together where their rule applies."""
+    steps = [decode_step(0, [{"seq": 0, "own_len": 10, "dead_cols": 0},
+                             {"seq": 1, "own_len": 10, "lead": 0}]),
+             {"step": 1, "rows": [{"seq": 0, "own_len": 11}, {"seq": 1, "own_len": 11}]}]
+    rules = {r["id"]: r for r in check(_as_trace(steps))["rules"]}
+    for rule in ("dead-cols", "cohort-advance"):
+        assert rules[rule]["not_run_because"] == "no row or step it applies to", rules[rule]
+    assert rules["lead"]["not_run_because"] == "`rows[].width`"
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_an_empty_header_scenario_is_no_scenario(tmp_path):
+    head = {"type": "header", "schema": "raggedspec-trace", "version": 1, "scenario": {}}
+    path = write_lines(tmp_path / "h.jsonl",
+                       [json.dumps(head), *(json.dumps(s) for s in UNIFORM_ADVANCE)])
+    code, out, _ = cli("check-trace", path)
+    assert code == 1 and "replay: not run: no scenario" in out
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_the_json_rules_violations_and_replay_have_the_documented_fields(tmp_path):
+    """docs/trace-check.md's JSON: each rule with its id, spec rule and invariant as the table
+    gives them; the divergence with the line printed for it."""
+    tr = small_run(**GRANTED)
+    path = tmp_path / "t.jsonl"
+    write_jsonl(tr, path)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["scenario"]["prompt_len"] = [30, 40]  # the replay parts from the trace at once
+    rows = json.loads(lines[1])
+    rows["rows"][0]["lead"] += 1  # and one lead is off
+    write_lines(path, [json.dumps(header), json.dumps(rows), *lines[2:]])
+    code, out, _ = cli("check-trace", path, "--json", tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
+    assert code == 1 and [r["id"] for r in data["rules"]] == [r.id for r in RULES]
+    for r in data["rules"]:
+        assert set(r) == {"id", "rule", "invariant", "ran", "checked", "violated",
+                          "not_run_because"}
+        assert f"| `{r['id']}` | {r['rule']} | {r['invariant']} |" in doc
+        assert (r["not_run_because"] is None) == r["ran"] == (r["checked"] > 0)
+    assert all(set(v) == {"step", "seq", "rule", "expected", "actual", "note", "origin", "line"}
+               for v in data["violations"]) and data["violations"]
+    assert all(v["line"] in out.splitlines() for v in data["violations"])
+    replay = data["replay"]
+    assert set(replay) == {"ran", "steps_compared", "diverged", "divergence"}
+    assert replay["ran"] is True and replay["diverged"] is True
+    assert f"replay: diverged at {replay['divergence']['line']} " in out
+    steps = list(tr.steps())
+    assert (data["steps"], data["row_steps"]) == (len(steps), sum(len(s["rows"]) for s in steps))
+
 @pytest.mark.rule("raggedspec check-trace")
 def test_the_usage_in_docs_trace_check_md_is_what_help_prints(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
