@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from raggedspec import kernel_adapters as A
 from raggedspec.kernel_cases import Case, check, run_case
 from raggedspec.cli import main
+from raggedspec.conformance.helpers import run_cli
 
 BUILT_IN = [
     ("varlen", A.sdpa_varlen, 20),
@@ -286,6 +287,7 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
         ),
         (["--layout", "varlen", "math:pi"], "math.pi is not callable (it is a float"),
         (["--layout", "varlen", "sdpa_varlen"], "must be written module:function"),
+        (["--layout", "varlen", "torch:sdpa"], "run it with --layout padded, not varlen"),
         (
             ["--layout", "paged", "raggedspec.kernel_adapters:sdpa_varlen"],
             "unexpected keyword argument 'page_size'",
@@ -682,6 +684,23 @@ def test_the_range_a_refusal_names_is_the_range_accepted(flag, capsys):
     for value in ends:
         extra = [] if flag == "--examples" else ["--examples", "2"]
         assert main([*argv, flag, str(value), *extra]) == 0, capsys.readouterr()
+
+
+@pytest.mark.rule("raggedspec check-kernel")
+def test_the_usage_in_docs_kernels_md_is_what_help_prints(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    doc = (Path(__file__).parent.parent / "docs" / "kernels.md").read_text()
+    shown = doc.split("## Usage\n")[1].split("```\n")[1]
+    code, out, _ = run_cli("check-kernel", "--help")
+    assert code == 0 and " ".join(out.split("Exit codes:")[0].split()) == " ".join(shown.split())
+
+
+@pytest.mark.rule("raggedspec check-kernel")
+def test_the_command_list_shows_check_kernel_alike_when_its_parser_is_built():
+    """`raggedspec --help check-kernel` builds check-kernel's parser, `raggedspec --help` only
+    lists the commands: both list check-kernel with the same line."""
+    plain, built = run_cli("--help"), run_cli("--help", "check-kernel")
+    assert plain[0] == built[0] == 0 and built[1] == plain[1]
 
 
 @pytest.mark.slow

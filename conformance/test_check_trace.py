@@ -456,8 +456,11 @@ def test_the_replay_does_not_run_on_ids_it_cannot_match():
     mixed = [decode_step(0, [{"seq": 0, "own_len": 4}, {"seq": "b", "own_len": 4}])]
     assert "mixes integer and string" in check(_as_trace(mixed), sc)["replay"]["reason"]
     beyond = [decode_step(0, [{"seq": 5, "own_len": 4}])]
-    reason = check(_as_trace(beyond), sc)["replay"]["reason"]
+    result = check(_as_trace(beyond), sc)
+    reason = result["replay"]["reason"]
     assert reason == "seq 5 (first at step 0) has no request in the scenario (2 requests)"
+    assert result["replay"]["ran"] is False and exit_code(result) == 0
+    assert f"replay: not run: {reason}" in render(result, "t.jsonl", 0).splitlines()
 
 
 @pytest.mark.rule("the spec's rules applied to a trace")
@@ -670,6 +673,11 @@ def test_a_rule_not_run_names_every_field_it_needs_that_the_trace_lacks(tmp_path
         assert reasons[: len(fields)] == [f"`{n}`" for n in fields], r
         if "depth" in needs[r["id"]]:
             assert reasons[-1].startswith("depth (") and reasons[-1].endswith(" or --scenario)")
+    # given a scenario, the depth is known: only the fields are lacking
+    with_depth = check(read_trace_strict(path), load_scenario({"batch": 1}))["rules"]
+    for r in with_depth:
+        fields = [f"`{n}`" for n in needs[r["id"]] if n != "depth"]
+        assert r["not_run_because"] == ", ".join(fields), r
 
 
 @pytest.mark.rule("raggedspec check-trace")
