@@ -687,6 +687,45 @@ def test_the_range_a_refusal_names_is_the_range_accepted(flag, capsys):
 
 
 @pytest.mark.rule("raggedspec check-kernel")
+def test_the_defaults_the_help_states_are_those_the_check_receives(monkeypatch):
+    """Each `(default X)` of a flag's help is what the check gets without the flag; no page
+    size is fixed, no query length capped, no sinks drawn."""
+    import argparse
+    import types
+
+    from raggedspec import cli, kernel_cases
+
+    seen = {}
+
+    def recording_check(fn, layout, dtype, device, examples, page_size, head_dim,
+                        max_query_len, sinks, progress=None):
+        seen.update(dtype=dtype, device=device, examples=examples, page_size=page_size,
+                    head_dim=head_dim, max_query_len=max_query_len, sinks=sinks)
+        return types.SimpleNamespace(passed=True, examples=examples, report="pass")
+
+    monkeypatch.setattr(kernel_cases, "check", recording_check)
+    code, out, _ = run_cli("check-kernel", "--layout", "varlen",
+                           "raggedspec.kernel_adapters:sdpa_varlen")
+    sub = next(a for a in cli.build_parser("check-kernel")._actions
+               if isinstance(a, argparse._SubParsersAction)).choices["check-kernel"]
+    stated = {a.dest: a.help.split("(default ")[1].split(")")[0]
+              for a in sub._actions if a.help and "(default " in a.help}
+    assert set(stated) == {"dtype", "device", "examples", "head_dim"}
+    assert code == 0 and {k: str(seen[k]) for k in stated} == stated
+    assert (seen["page_size"], seen["max_query_len"], seen["sinks"]) == (None, None, False)
+    assert out.rstrip().endswith(f"({stated['dtype']}, {stated['device']})")
+
+
+@pytest.mark.rule("raggedspec check-kernel")
+def test_the_progress_counts_cases(capsys):
+    argv = ["check-kernel", "--layout", "varlen",
+            "raggedspec.conformance.test_check_kernel:torch_is_causal_varlen", "--examples", "30"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "case/s" in err and "case tried" in err and "step" not in err, err
+
+
+@pytest.mark.rule("raggedspec check-kernel")
 def test_the_usage_in_docs_kernels_md_is_what_help_prints(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     doc = (Path(__file__).parent.parent / "docs" / "kernels.md").read_text()

@@ -112,7 +112,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--page-size",
         type=int,
-        default=None,
         help="fix the page size (paged; kvcache then always paged), "
         f"1..{LIMITS['--page-size'][1]}; default: drawn from 1, 2, 4, 16 (kvcache: dense or "
         "paged)",
@@ -122,7 +121,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-query-len",
         type=int,
-        default=None,
         help="cap each row's query length, >= 1 (1 for a decode-only kernel)",
     )
     p.add_argument(
