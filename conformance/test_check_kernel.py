@@ -284,6 +284,7 @@ def test_command_pass_and_mismatch_exit_codes(capsys):
         ),
         (["--layout", "varlen", "math:pi"], "math.pi is not callable (it is a float"),
         (["--layout", "varlen", "sdpa_varlen"], "must be written module:function"),
+        (["--layout", "varlen", "torch:sdpa"], "run it with --layout padded, not varlen"),
         (
             ["--layout", "paged", "raggedspec.kernel_adapters:sdpa_varlen"],
             "unexpected keyword argument 'page_size'",

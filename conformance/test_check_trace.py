@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 
 from raggedspec import trace_bugs
-from raggedspec.check_trace import check, exit_code
+from raggedspec.check_trace import check, exit_code, render
 from raggedspec.conformance.helpers import run_cli as cli
 from raggedspec.conformance.strategies import simulator_scenarios
 from raggedspec.trace_rules import RULES
@@ -455,8 +455,11 @@ def test_the_replay_does_not_run_on_ids_it_cannot_match():
     mixed = [decode_step(0, [{"seq": 0, "own_len": 4}, {"seq": "b", "own_len": 4}])]
     assert "mixes integer and string" in check(_as_trace(mixed), sc)["replay"]["reason"]
     beyond = [decode_step(0, [{"seq": 5, "own_len": 4}])]
-    reason = check(_as_trace(beyond), sc)["replay"]["reason"]
+    result = check(_as_trace(beyond), sc)
+    reason = result["replay"]["reason"]
     assert reason == "seq 5 (first at step 0) has no request in the scenario (2 requests)"
+    assert result["replay"]["ran"] is False and exit_code(result) == 0
+    assert f"replay: not run: {reason}" in render(result, "t.jsonl", 0).splitlines()
 
 
 @pytest.mark.rule("the spec's rules applied to a trace")
@@ -492,6 +495,7 @@ def test_a_replay_that_diverges_while_no_rule_fires_exits_1(tmp_path):
     assert data["violations"] == [] and data["replay"]["diverged"] is True
     assert code == 1 and data["exit"] == 1 and "replay: diverged at step" in out
     assert "first broken rule" not in out
+    assert out.splitlines()[-1].endswith("none violated; the replay diverged")
 
 
 @pytest.mark.rule("raggedspec check-trace")
@@ -543,3 +547,4 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_check(tmp_path
     code, out, err = cli("check-trace", path, "--json", "/proc/nope/r.json")
     assert code == 2 and out == "" and "--json /proc/nope/r.json" in err
     assert "cannot write there" in err
+

