@@ -74,15 +74,15 @@ def propose_chain_batched(
     require(first.size == g, f"{first.size} last tokens for a draft group of {g}")
     if first.size and (first.min() < 0 or first.max() >= model.cfg.vocab):
         raise ValueError(f"tokens must be in [0, {model.cfg.vocab})")
-    toks = on_device_of(torch.from_numpy(first), like)
-    if rows is not None:
-        rows = host_ints(rows)
+    rows = None if rows is None else host_ints(rows)
     ragged = resolve_ragged_chain_starts(starts.tolist())
     ragged = None if ragged is None else host_ints(ragged)
+    toks, *dev = chain_upload(like, first, rows, ragged)
     out = like.new_empty((g, n), dtype=torch.int64)
     prev = on_device_of(seed_hidden, like).to(model.dtype)
     for i in range(n):
-        hidden, logits = chain_step(model, prev, toks, int(starts[0]), ragged, i, cache, rows)
+        hidden, logits = chain_step(model, prev, toks, int(starts[0]), ragged, i, cache, rows,
+                                    dev)
         nxt = argmax_tokens(logits)
         out[:, i] = nxt
         if trace is not None:
@@ -91,14 +91,24 @@ def propose_chain_batched(
     return out
 
 
+def chain_upload(like: torch.Tensor, *parts: np.ndarray | None) -> list[torch.Tensor | None]:
+    """The host integer vectors `parts` on the device of `like` in one upload (None stays
+    None). Refuses nothing."""
+    present = [p for p in parts if p is not None]
+    views = iter(on_device_of(torch.from_numpy(np.concatenate(present)), like)
+                 .split([p.size for p in present]))
+    return [None if p is None else next(views) for p in parts]
+
+
 def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
                ragged: np.ndarray | None, i: int, cache: RaggedKv | None,
-               rows) -> tuple[torch.Tensor, torch.Tensor]:
+               rows, dev=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `i` of `propose_chain_batched`, as `reference.draft.chain_step`: `(hidden [G,H],
     logits [G,V])` from `prev [G,H]` and `toks [G]`; with a block at position `start_pos + i`
     (`ragged` None, counted "scalar" in `draft_chain_stats`) or each row's `start_r + i`
     ("per_row"), group row r being `cache` row `rows[r]`; Tier A (no block) without a position
-    or a cache. The block's refusals ("desync") propagate."""
+    or a cache. `dev`: `rows` and `ragged` already on the device (or None each). The block's
+    refusals ("desync") propagate."""
     block = model.mtp
     if block is None:
         heads = model.mtp_heads
@@ -107,10 +117,11 @@ def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
     fused = block.fuse(prev[:, None, :], toks[:, None])
     if ragged is None:
         draft_chain_stats["scalar"] += 1
-        hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
+        hidden = block.forward_step(fused, start_pos + i, cache, rows, dev[0])[:, 0]
     else:
         draft_chain_stats["per_row"] += 1
-        hidden = block.forward_step_rows(fused, ragged + i, cache, rows)[:, 0]
+        pos = None if dev[1] is None else dev[1] + i
+        hidden = block.forward_step_rows(fused, ragged + i, cache, rows, dev[0], pos)[:, 0]
     return hidden, block.logits(hidden)
 
 

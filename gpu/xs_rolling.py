@@ -17,7 +17,6 @@ from raggedspec.gpu._common import (
     arange_like,
     arange_on,
     host_ints,
-    on_device_of,
     to_device,
     zeros_on,
 )
@@ -30,12 +29,18 @@ from raggedspec.reference.xs_rolling import (
 )
 
 
-def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:
-    """A length vector as (device tensor, host copy or None when only the device has it)."""
+def _device_and_host(value, device) -> tuple[torch.Tensor | None, np.ndarray | None]:
+    """A length vector as (device tensor, host copy): the host copy None when only the device
+    has it, the device tensor None when only the host has it (uploaded to `device` on the
+    first read, `_on_device`)."""
     if isinstance(value, torch.Tensor):
         return value, None
-    host = np.array(value, dtype=np.int64).reshape(-1)
-    return to_device(torch.from_numpy(host.copy()), device), host
+    return None, np.array(value, dtype=np.int64).reshape(-1)
+
+
+def _on_device(host: np.ndarray, device) -> torch.Tensor:
+    """Host lengths uploaded to `device` (one transfer)."""
+    return to_device(torch.from_numpy(host.copy()), device)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,6 +80,8 @@ class XsRolling:
     # --- host copies of the row lengths ----------------------------------------------------
     @property
     def tokens(self) -> torch.Tensor:
+        if self._tokens is None:  # set from host integers: uploaded on the first read
+            self._tokens = _on_device(self._tokens_h, self.device)
         return self._tokens
 
     @tokens.setter
@@ -83,6 +90,8 @@ class XsRolling:
 
     @property
     def base(self) -> torch.Tensor:
+        if self._base is None:
+            self._base = _on_device(self._base_h, self.device)
         return self._base
 
     @base.setter
@@ -104,7 +113,7 @@ class XsRolling:
     # --- lengths --------------------------------------------------------------------------
     @property
     def batch(self) -> int:
-        return self.tokens.numel()
+        return self.tokens.numel() if self._tokens_h is None else self._tokens_h.size
 
     @property
     def current_seq_len(self) -> int:
@@ -159,8 +168,11 @@ class XsRolling:
         if self.comp.shape[1] < g_needed:
             self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
         x_new = x_new.to(self.ring.dtype)
+        # the rows' lengths and their blocks to compress: one upload
+        self._tokens, g_done, take = _on_device(
+            np.stack([self.host_tokens(), g_done_h, take_h]), self.device).unbind(0)
         if b and int(take_h.max()) > 0:
-            self._compress_blocks(x_new, g_done_h, take_h)
+            self._compress_blocks(x_new, g_done_h, take_h, g_done, take)
         self._write_ring(x_new)
         self.tokens = tok_after
         self.base = base_after
@@ -193,16 +205,16 @@ class XsRolling:
         base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
         return tok_after, g_done_h, take_h, base_after
 
-    def _compress_blocks(self, x_new: torch.Tensor, g_done_h: np.ndarray,
-                         take_h: np.ndarray) -> None:
+    def _compress_blocks(self, x_new: torch.Tensor, g_done_h: np.ndarray, take_h: np.ndarray,
+                         g_done: torch.Tensor, take: torch.Tensor) -> None:
         """Row i's new compressed blocks `g_done_i + j`, `j < take_i`, in one gather + mean:
         block g is the mean of positions `[g * ratio, (g + 1) * ratio)`, each read from `x_new`
         when at or past the row's `tokens`, else from the ring. Written into `comp` (its width
-        kept); the pairs past a row's take keep their values. No refusals."""
+        kept); the pairs past a row's take keep their values. `g_done`, `take`: the host
+        arrays' values already on the device. No refusals."""
         b, t_new, d = x_new.shape
         w, r = self.window, self.ratio
         take_max = int(take_h.max())
-        g_done = on_device_of(torch.from_numpy(g_done_h), self.ring)
         j = arange_like(take_max, self.ring)
         g = g_done[:, None] + j  # [B, take_max]
         p = (g[:, :, None] * r + arange_like(r, self.ring)).reshape(b, -1)  # [B, take_max * r]
@@ -214,7 +226,7 @@ class XsRolling:
         from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
         rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
         blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)  # [B, take_max, D]
-        valid = (j[None, :] < on_device_of(torch.from_numpy(take_h), j)[:, None])[:, :, None]
+        valid = (j[None, :] < take[:, None])[:, :, None]
         # every (row, g) pair is distinct: write all of them into a buffer wide enough,
         # the pairs past a row's take with the values they had (no mask-sized index)
         width = self.comp.shape[1]
