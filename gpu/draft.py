@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import arange_like, host_ints, on_device_of
+from raggedspec.gpu._common import host_ints, on_device_of
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.rope import rotate
 from raggedspec.reference.dispatch import resolve_ragged_chain_starts
@@ -147,12 +147,13 @@ def extend_draft_kv_rows(
     `hi <= off + T`, `hi <= L - 1`). First each writing row's length is set to `lo` (the
     reference's `set_len(filled)`, `filled == lo` for a contiguous row; CacheRefusal "MTP
     draft KV truncate to {lo} failed" past the capacity), then one fuse + key projection
-    over `[R, max(hi - lo)]`, one masked scatter (only `j < hi - lo` lands; nothing is
-    written past a row's `hi`), lengths `= hi`. The K is token-local, so no attention runs.
+    over `[R, max(hi - lo)]`, one scatter of the written pairs (only `j < hi - lo` lands;
+    nothing is written past a row's `hi`; indices from the host, one upload), lengths
+    `= hi`. The K is token-local, so no attention runs.
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
     tokens = checked_tokens(tokens, block.cfg.vocab)
     host_off, host_lo, host_hi, host_idx = extension_rows(off, lo, hi, rows, hidden, tokens)
-    hidden, tokens = on_device_of(hidden, kv.k), on_device_of(tokens, kv.k).long()
+    hidden = on_device_of(hidden, kv.k)
     host_n = written_counts(host_lo, host_hi, write)
     host_write = host_n > 0
     if not host_write.any():
@@ -169,22 +170,21 @@ def extend_draft_kv_rows(
     kv.lens = held
 
 
-def checked_tokens(tokens, vocab: int) -> torch.Tensor:
-    """The committed tokens `[R, L_max]` as a tensor (a host array or list is converted), range
-    checked where they were given (a tensor is read once). Refuses with ValueError a token
-    outside `[0, vocab)`."""
+def checked_tokens(tokens, vocab: int) -> torch.Tensor | np.ndarray:
+    """The committed tokens `[R, L_max]`: a tensor as given, host tokens (an array or list) as
+    a host int64 array; range checked where they were given (a tensor is read once). Refuses
+    with ValueError a token outside `[0, vocab)`."""
     if isinstance(tokens, torch.Tensor):
         bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab)
     else:
         tokens = host_ints(tokens, flat=False)
         bad = tokens.size and (tokens.min() < 0 or tokens.max() >= vocab)
-        tokens = torch.from_numpy(tokens)
     if bad:  # the committed tokens, checked on the host when given there
         raise ValueError(f"tokens must be in [0, {vocab})")
     return tokens
 
 
-def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens: torch.Tensor):
+def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens):
     """The plan `off, lo, hi` and the cache rows (`0..R-1` when `rows` is None) as host
     integer arrays. Refuses with ValueError unless they, `hidden [R,T,H]` and `tokens [R,L]`
     all have one entry per row."""
@@ -195,7 +195,7 @@ def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens: torch.Tensor
         host_off.size == r_n == host_hi.size == host_idx.size
         and hidden.dim() == 3
         and hidden.shape[0] == r_n
-        and tokens.dim() == 2
+        and tokens.ndim == 2
         and tokens.shape[0] == r_n
     ):
         raise ValueError(
@@ -239,36 +239,40 @@ def check_extension_spans(kv: RaggedKv, host_off: np.ndarray, host_lo: np.ndarra
                            f"current capacity {kv.capacity} (first cached 0)")
 
 
-def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens: torch.Tensor,
+def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
                      host_off: np.ndarray, host_lo: np.ndarray, host_n: np.ndarray,
                      host_idx: np.ndarray) -> None:
-    """One fuse + key projection over `[R, max(n)]` and one masked scatter: row r's key for
-    the pair `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at cache row
-    `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is token-local,
-    so no attention runs). Lengths are not touched. No refusals of its own."""
-    t_cap = hidden.shape[1]
+    """One fuse + key projection over `[R, max(n)]` and one scatter of the written pairs: row
+    r's key for the pair `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at
+    cache row `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is
+    token-local, so no attention runs). Every index is computed on the host and uploaded in
+    one transfer (host `tokens` are gathered there too); no index has a data-dependent size
+    on the device. Lengths are not touched. No refusals of its own."""
+    r_n, t_cap = hidden.shape[:2]
     width = int(host_n.max())
-    off, lo = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_off, host_lo))
-    n, idx = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_n, host_idx))
-    j = arange_like(width, kv.k)[None, :]
-    valid = j < n[:, None]                                                         # [R, width]
-    src = (lo - off)[:, None] + j
-    h = hidden.gather(
-        1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
-    )
-    nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
+    j = np.arange(width, dtype=np.int64)[None, :]
+    valid = j < host_n[:, None]                                                    # [R, width]
+    pos = np.where(valid, host_lo[:, None] + j, 0)
+    cols = np.clip(host_lo[:, None] + 1 + j, 0, tokens.shape[1] - 1)
+    host_tok = not isinstance(tokens, torch.Tensor)
+    flat = np.flatnonzero(valid)
+    src, pos_d, flat_d, rr, cc, tok = chain_upload(kv.k, *(x.reshape(-1) for x in (
+        np.clip((host_lo - host_off)[:, None] + j, 0, t_cap - 1), pos, flat,
+        np.repeat(host_idx, host_n), pos.reshape(-1)[flat],
+        tokens[np.arange(r_n)[:, None], cols] if host_tok else cols)))
+    h = hidden.gather(1, src.view(r_n, width)[:, :, None].expand(-1, -1, hidden.shape[2]))
+    tok = tok.view(r_n, width)
+    nxt = tok if host_tok else on_device_of(tokens, kv.k).long().gather(1, tok)
     fused = block.fuse(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
-    pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
     top = int((host_lo + np.maximum(host_n - 1, 0)).max())
-    cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos, top)
+    cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos_d.view(r_n, width), top)
     k = rotate(  # [R, width, Hk, hd]
         layer.key(fused).transpose(1, 2), cos[:, :, None], sin[:, :, None], cfg.rope_dims
-    )
-    rr = idx[:, None].expand(-1, width)[valid]
-    cc = pos[valid]
-    kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.k.dtype)
-    kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.v.dtype)
+    ).flatten(0, 1)[flat_d]
+    kv.k.permute(0, 2, 1, 3)[rr, cc] = k.to(kv.k.dtype)
+    kv.v.permute(0, 2, 1, 3)[rr, cc] = k.to(kv.v.dtype)
+
 
 __all__ = [
     "argmax_tokens",
