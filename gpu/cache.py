@@ -77,6 +77,11 @@ class RaggedKv:
             self._host = np.array(value, dtype=np.int64).reshape(-1)
             self._dev = None
 
+    def pending_upload(self) -> np.ndarray | None:
+        """The host lengths while their device copy is not made yet (uploaded on the next
+        read of `lens`, or given by `adopt_device_lens`); None once it exists."""
+        return self._host if self._dev is None else None
+
     def adopt_device_lens(self, host: np.ndarray, dev: torch.Tensor) -> None:
         """`dev` (the integers `host`, already on the device: a slice of the step plan's
         upload, never written in place here) becomes the device copy when the lengths are

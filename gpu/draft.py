@@ -77,7 +77,10 @@ def propose_chain_batched(
     rows = None if rows is None else host_ints(rows)
     ragged = resolve_ragged_chain_starts(starts.tolist())
     ragged = None if ragged is None else host_ints(ragged)
-    toks, *dev = chain_upload(like, first, rows, ragged)
+    held = None if cache is None else cache.pending_upload()
+    toks, *dev, dev_held = chain_upload(like, first, rows, ragged, held)
+    if dev_held is not None:  # the pool's lengths, in the same upload
+        cache.adopt_device_lens(held, dev_held)
     out = like.new_empty((g, n), dtype=torch.int64)
     prev = on_device_of(seed_hidden, like).to(model.dtype)
     for i in range(n):

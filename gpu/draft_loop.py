@@ -261,9 +261,13 @@ def _extend_row(state, block, batch_fail, offsets, toks, row, hidden, q):
 
 def _extend_tensors(be, block, hidden, toks, q) -> None:
     """The queued tensor work: one gather of the new seeds (one view per row by one
-    `unbind`), the truncated lengths, one `extend_draft_kv_rows`."""
-    if q.seed_rows:  # the new seeds: one gather
-        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)].unbind(0)  # one view op
+    `unbind`), the truncated lengths, one `extend_draft_kv_rows`. The seeds' and the written
+    rows' capture indices travel in one upload."""
+    n_s = len(q.seed_rows)
+    if n_s or q.w_rows:
+        at = be._ints(q.seed_rows + q.seed_cols + q.w_rows)
+    if n_s:  # the new seeds: one gather
+        got = hidden[at[:n_s], at[n_s : 2 * n_s]].unbind(0)  # one view op
         for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
             state.seed = (p, seed)
     store = q.store
@@ -276,7 +280,7 @@ def _extend_tensors(be, block, hidden, toks, q) -> None:
         tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
         for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
             tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
-        extend_draft_kv_rows(block, store.kv, hidden[be._ints(q.w_rows)], q.w_off, q.w_lo,
+        extend_draft_kv_rows(block, store.kv, hidden[at[2 * n_s :]], q.w_off, q.w_lo,
                              q.w_hi, tok, rows=q.w_idx)
 
 
