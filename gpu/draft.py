@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import host_ints, on_device_of
+from raggedspec.gpu._common import host_ints, on_device_of, upload_ints
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.rope import rotate
 from raggedspec.reference.dispatch import resolve_ragged_chain_starts
@@ -78,7 +78,7 @@ def propose_chain_batched(
     ragged = resolve_ragged_chain_starts(starts.tolist())
     ragged = None if ragged is None else host_ints(ragged)
     held = None if cache is None else cache.pending_upload()
-    toks, *dev, dev_held = chain_upload(like, first, rows, ragged, held)
+    toks, *dev, dev_held = upload_ints(like, first, rows, ragged, held)
     if dev_held is not None:  # the pool's lengths, in the same upload
         cache.adopt_device_lens(held, dev_held)
     out = like.new_empty((g, n), dtype=torch.int64)
@@ -92,15 +92,6 @@ def propose_chain_batched(
             trace.append(hidden.clone())
         toks, prev = nxt, hidden
     return out
-
-
-def chain_upload(like: torch.Tensor, *parts: np.ndarray | None) -> list[torch.Tensor | None]:
-    """The host integer vectors `parts` on the device of `like` in one upload (None stays
-    None). Refuses nothing."""
-    present = [p for p in parts if p is not None]
-    views = iter(on_device_of(torch.from_numpy(np.concatenate(present)), like)
-                 .split([p.size for p in present]))
-    return [None if p is None else next(views) for p in parts]
 
 
 def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
@@ -259,7 +250,7 @@ def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
     cols = np.clip(host_lo[:, None] + 1 + j, 0, tokens.shape[1] - 1)
     host_tok = not isinstance(tokens, torch.Tensor)
     flat = np.flatnonzero(valid)
-    src, pos_d, flat_d, rr, cc, tok = chain_upload(kv.k, *(x.reshape(-1) for x in (
+    src, pos_d, flat_d, rr, cc, tok = upload_ints(kv.k, *(x.reshape(-1) for x in (
         np.clip((host_lo - host_off)[:, None] + j, 0, t_cap - 1), pos, flat,
         np.repeat(host_idx, host_n), pos.reshape(-1)[flat],
         tokens[np.arange(r_n)[:, None], cols] if host_tok else cols)))
