@@ -81,24 +81,24 @@ def propose_chain_batched(
     toks, *dev, dev_held = upload_ints(like, first, rows, ragged, held)
     if dev_held is not None:  # the pool's lengths, in the same upload
         cache.adopt_device_lens(held, dev_held)
-    out = like.new_empty((g, n), dtype=torch.int64)
-    prev = on_device_of(seed_hidden, like).to(model.dtype)
+    out = []  # each step's tokens [G, 1]: one cat at the end
+    prev, toks = on_device_of(seed_hidden, like).to(model.dtype)[:, None], toks[:, None]
     for i in range(n):
         hidden, logits = chain_step(model, prev, toks, int(starts[0]), ragged, i, cache, rows,
                                     dev)
-        nxt = argmax_tokens(logits)
-        out[:, i] = nxt
+        toks, prev = argmax_tokens(logits), hidden
+        out.append(toks)
         if trace is not None:
-            trace.append(hidden.clone())
-        toks, prev = nxt, hidden
-    return out
+            trace.append(hidden[:, 0].clone())
+    return torch.cat(out, dim=1)
 
 
 def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
                ragged: np.ndarray | None, i: int, cache: RaggedKv | None,
                rows, dev=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `i` of `propose_chain_batched`, as `reference.draft.chain_step`: `(hidden [G,H],
-    logits [G,V])` from `prev [G,H]` and `toks [G]`; with a block at position `start_pos + i`
+    """Step `i` of `propose_chain_batched`, as `reference.draft.chain_step`: `(hidden [G,1,H],
+    logits [G,1,V])` from `prev [G,1,H]` and `toks [G,1]` (one token per row: the chain
+    keeps that shape from step to step, no reshaping); with a block at position `start_pos + i`
     (`ragged` None, counted "scalar" in `draft_chain_stats`) or each row's `start_r + i`
     ("per_row"), group row r being `cache` row `rows[r]`; Tier A (no block) without a position
     or a cache. `dev`: `rows` and `ragged` already on the device (or None each). The block's
@@ -106,16 +106,16 @@ def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
     block = model.mtp
     if block is None:
         heads = model.mtp_heads
-        hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
-        return hidden, hidden @ model.lm_head
-    fused = block.fuse(prev[:, None, :], toks[:, None])
+        hidden = prev[:, 0] @ heads.h_proj + model.embed[toks[:, 0]] @ heads.e_proj
+        return hidden[:, None], (hidden @ model.lm_head)[:, None]
+    fused = block.fuse(prev, toks)
     if ragged is None:
         draft_chain_stats["scalar"] += 1
-        hidden = block.forward_step(fused, start_pos + i, cache, rows, dev[0])[:, 0]
+        hidden = block.forward_step(fused, start_pos + i, cache, rows, dev[0])
     else:
         draft_chain_stats["per_row"] += 1
         pos = None if dev[1] is None else dev[1] + i
-        hidden = block.forward_step_rows(fused, ragged + i, cache, rows, dev[0], pos)[:, 0]
+        hidden = block.forward_step_rows(fused, ragged + i, cache, rows, dev[0], pos)
     return hidden, block.logits(hidden)
 
 
