@@ -129,6 +129,7 @@ def extend_draft_kv_rows(
     tokens: torch.Tensor,
     rows=None,
     write=None,
+    hidden_rows=None,
 ) -> None:
     """Write the pairs `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` into draft-KV
     row `rows[r]` (row r when `rows` is None) at positions `lo_r + j`, `j < hi_r - lo_r`,
@@ -143,10 +144,13 @@ def extend_draft_kv_rows(
     draft KV truncate to {lo} failed" past the capacity), then one fuse + key projection
     over `[R, max(hi - lo)]`, one scatter of the written pairs (only `j < hi - lo` lands;
     nothing is written past a row's `hi`; indices from the host, one upload), lengths
-    `= hi`. The K is token-local, so no attention runs.
+    `= hi`. The K is token-local, so no attention runs. `hidden_rows` (ints `[R]`): row r's
+    capture is `hidden[hidden_rows[r]]` of a wider `hidden [N, T, H]` (read with the pairs,
+    no copy of the rows first); a row outside `[0, N)` is refused (ValueError).
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
     tokens = checked_tokens(tokens, block.cfg.vocab)
-    host_off, host_lo, host_hi, host_idx = extension_rows(off, lo, hi, rows, hidden, tokens)
+    host_off, host_lo, host_hi, host_idx, host_cap = extension_rows(off, lo, hi, rows, hidden,
+                                                                    tokens, hidden_rows)
     hidden = on_device_of(hidden, kv.k)
     host_n = written_counts(host_lo, host_hi, write)
     host_write = host_n > 0
@@ -158,7 +162,7 @@ def extend_draft_kv_rows(
     held = kv.host_lens().copy()
     held[host_idx[host_write]] = host_lo[host_write]
     kv.lens = held
-    write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx)
+    write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx, host_cap)
     held = held.copy()
     held[host_idx[host_write]] = host_hi[host_write]
     kv.lens = held
@@ -178,17 +182,20 @@ def checked_tokens(tokens, vocab: int) -> torch.Tensor | np.ndarray:
     return tokens
 
 
-def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens):
-    """The plan `off, lo, hi` and the cache rows (`0..R-1` when `rows` is None) as host
-    integer arrays. Refuses with ValueError unless they, `hidden [R,T,H]` and `tokens [R,L]`
-    all have one entry per row."""
+def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens, hidden_rows=None):
+    """The plan `off, lo, hi`, the cache rows (`0..R-1` when `rows` is None) and the capture
+    rows (`0..R-1` when `hidden_rows` is None) as host integer arrays. Refuses with
+    ValueError unless they, `hidden [R,T,H]` (`[N,T,H]` holding every capture row) and
+    `tokens [R,L]` all have one entry per row."""
     host_off, host_lo, host_hi = host_ints(off), host_ints(lo), host_ints(hi)
-    host_idx = np.arange(host_lo.size) if rows is None else host_ints(rows)
     r_n = host_lo.size
+    host_idx = np.arange(r_n) if rows is None else host_ints(rows)
+    host_cap = np.arange(r_n) if hidden_rows is None else host_ints(hidden_rows)
+    n_cap = hidden.shape[0] if hidden.dim() == 3 else -1
     if not (
-        host_off.size == r_n == host_hi.size == host_idx.size
-        and hidden.dim() == 3
-        and hidden.shape[0] == r_n
+        host_off.size == r_n == host_hi.size == host_idx.size == host_cap.size
+        and (n_cap == r_n if hidden_rows is None else
+             not host_cap.size or (host_cap.min() >= 0 and host_cap.max() < n_cap))
         and tokens.ndim == 2
         and tokens.shape[0] == r_n
     ):
@@ -197,7 +204,7 @@ def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens):
             f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry "
             "per row"
         )
-    return host_off, host_lo, host_hi, host_idx
+    return host_off, host_lo, host_hi, host_idx, host_cap
 
 
 def written_counts(host_lo: np.ndarray, host_hi: np.ndarray, write) -> np.ndarray:
@@ -235,14 +242,14 @@ def check_extension_spans(kv: RaggedKv, host_off: np.ndarray, host_lo: np.ndarra
 
 def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
                      host_off: np.ndarray, host_lo: np.ndarray, host_n: np.ndarray,
-                     host_idx: np.ndarray) -> None:
+                     host_idx: np.ndarray, host_cap: np.ndarray) -> None:
     """One fuse + key projection over `[R, max(n)]` and one scatter of the written pairs: row
-    r's key for the pair `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at
+    r's key for the pair `(hidden[host_cap[r], lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at
     cache row `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is
     token-local, so no attention runs). Every index is computed on the host and uploaded in
     one transfer (host `tokens` are gathered there too); no index has a data-dependent size
     on the device. Lengths are not touched. No refusals of its own."""
-    r_n, t_cap = hidden.shape[:2]
+    r_n, t_cap = host_lo.size, hidden.shape[1]
     width = int(host_n.max())
     j = np.arange(width, dtype=np.int64)[None, :]
     valid = j < host_n[:, None]                                                    # [R, width]
@@ -251,10 +258,11 @@ def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
     host_tok = not isinstance(tokens, torch.Tensor)
     flat = np.flatnonzero(valid)
     src, pos_d, flat_d, rr, cc, tok = upload_ints(kv.k, *(x.reshape(-1) for x in (
-        np.clip((host_lo - host_off)[:, None] + j, 0, t_cap - 1), pos, flat,
+        host_cap[:, None] * t_cap + np.clip((host_lo - host_off)[:, None] + j, 0, t_cap - 1),
+        pos, flat,
         np.repeat(host_idx, host_n), pos.reshape(-1)[flat],
         tokens[np.arange(r_n)[:, None], cols] if host_tok else cols)))
-    h = hidden.gather(1, src.view(r_n, width)[:, :, None].expand(-1, -1, hidden.shape[2]))
+    h = hidden.reshape(-1, hidden.shape[2]).index_select(0, src).view(r_n, width, -1)
     tok = tok.view(r_n, width)
     nxt = tok if host_tok else on_device_of(tokens, kv.k).long().gather(1, tok)
     fused = block.fuse(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
@@ -264,8 +272,8 @@ def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
     k = rotate(  # [R, width, Hk, hd]
         layer.key(fused).transpose(1, 2), cos[:, :, None], sin[:, :, None], cfg.rope_dims
     ).flatten(0, 1)[flat_d]
-    kv.k.permute(0, 2, 1, 3)[rr, cc] = k.to(kv.k.dtype)
-    kv.v.permute(0, 2, 1, 3)[rr, cc] = k.to(kv.v.dtype)
+    kv.k[rr, :, cc] = k.to(kv.k.dtype)  # [V, Hk, hd] at (row, every head, column)
+    kv.v[rr, :, cc] = k.to(kv.v.dtype)
 
 
 __all__ = [
