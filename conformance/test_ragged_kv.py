@@ -114,40 +114,6 @@ def test_lengths_from_host_integers_are_kept_on_the_host_and_a_device_vector_is_
     assert none.host_lens().dtype == np.int64 and none.host_lens().size == 0
 
 
-def uploads(fn) -> int:
-    """The host->device uploads `fn()` makes (raggedspec.host_work's counter)."""
-    counter = host_work._Counter()
-    with host_work._wrapped_uploads(counter), counter:
-        counter.on = True
-        fn()
-        counter.on = False
-    return sum(counter.uploads.values())
-
-
-@pytest.mark.rule("RaggedKv construction, lengths and copies, port layout")
-def test_host_lengths_are_uploaded_once_on_the_first_read_and_a_device_copy_can_be_adopted():
-    """Lengths set from host integers twice before any read are uploaded once, on the read;
-    a device vector of the same values is adopted instead of an upload, one of other values
-    (or once a device copy exists) is not."""
-    kv = kv_of([3, 1])
-
-    def set_twice():
-        kv.lens = [2, 1]
-        kv.lens = [3, 2]
-
-    assert uploads(set_twice) == 0 and kv.pending_upload().tolist() == [3, 2]
-    assert uploads(lambda: kv.lens) == 1 and kv.lens.tolist() == [3, 2]
-    assert uploads(lambda: kv.lens) == 0 and kv.pending_upload() is None
-    kv.lens = [4, 2]
-    kv.adopt_device_lens(np.array([4, 3]), torch.tensor([4, 3]))  # other values: not taken
-    assert kv.pending_upload().tolist() == [4, 2]
-    given = torch.tensor([4, 2])
-    kv.adopt_device_lens(np.array([4, 2]), given)
-    assert uploads(lambda: kv.lens) == 0 and kv.lens is given
-    kv.adopt_device_lens(np.array([4, 2]), torch.tensor([4, 2]))  # a copy exists: kept
-    assert kv.lens is given and kv.host_lens().tolist() == [4, 2]
-
-
 # --- empty, from_rows, clone -------------------------------------------------------------------
 
 
