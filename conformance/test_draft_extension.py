@@ -320,11 +320,12 @@ def pool(n_rows: int, held: int = 2) -> RaggedKv:
     return draft_pool([rng.standard_normal((held, HD)) for _ in range(n_rows)])
 
 
-def extend(kv, off, lo, hi, tokens, hidden=None, rows=None, write=None, block=None):
+def extend(kv, off, lo, hi, tokens, hidden=None, rows=None, write=None, block=None,
+           hidden_rows=None):
     if hidden is None:
         hidden = to_port(np.random.default_rng(2).standard_normal((len(lo), 6, H)))
     port.extend_draft_kv_rows(block or models()[0].mtp, kv, hidden, off, lo, hi, tokens, rows,
-                              write)
+                              write, hidden_rows)
 
 
 def toks(r_n: int, width: int = 8) -> torch.Tensor:
@@ -335,6 +336,27 @@ def refuses(exc, text, fn, *args, **kwargs):
     with pytest.raises(exc) as info:
         fn(*args, **kwargs)
     assert str(info.value) == text
+
+
+@pytest.mark.rule("extend_draft_kv_row tensor side, port")
+def test_extend_draft_kv_rows_reads_the_capture_rows_it_is_given():
+    """`hidden_rows` picks each row's capture from a wider hidden: the same keys and lengths
+    as the rows copied out first; a capture row outside the hidden is refused before any
+    change."""
+    rng = np.random.default_rng(5)
+    wide = to_port(rng.standard_normal((4, 6, H)))
+    spans = (torch.tensor([4, 2]), torch.tensor([4, 2]), torch.tensor([6, 5]))
+    picked, copied = pool(2, held=4), pool(2, held=4)
+    extend(picked, *spans, toks(2), wide, hidden_rows=[3, 1])
+    extend(copied, *spans, toks(2), wide[[3, 1]])
+    assert picked.lens.tolist() == copied.lens.tolist() == [6, 5]
+    assert_bit_exact(picked.k, copied.k, "K")
+    assert_bit_exact(picked.v, copied.v, "V")
+    before = picked.clone()
+    refuses(ValueError, f"hidden (4, 6, {H}), tokens (2, 8), off/lo/hi/rows (2, 2, 2, 2) must "
+            "all have one entry per row", extend, picked, *spans, toks(2), wide,
+            hidden_rows=[4, 1])
+    assert picked.lens.tolist() == [6, 5] and torch.equal(picked.k, before.k)
 
 
 @pytest.mark.rule("extend_draft_kv_row tensor side, port")

@@ -100,3 +100,12 @@ def zeros_on(shape: tuple[int, ...], dtype: torch.dtype,
 def as_tensor_like(x, like: torch.Tensor) -> torch.Tensor:
     """`x` as a tensor with the dtype and on the device of `like`."""
     return torch.as_tensor(x, device=like.device).to(like.dtype)
+
+
+def upload_ints(like: torch.Tensor, *parts) -> list:
+    """The host int64 vectors `parts` on the device of `like` in one upload (one packed
+    transfer, split there); a None part stays None. Refuses nothing."""
+    present = [p for p in parts if p is not None]
+    packed = torch.from_numpy(np.concatenate(present) if present else np.zeros(0, np.int64))
+    views = iter(on_device_of(packed, like).split([p.size for p in present]))
+    return [None if p is None else next(views) for p in parts]

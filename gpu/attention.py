@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import arange_like, as_list, lengths, neg_inf_where, on_device_of
+from raggedspec.gpu._common import arange_like, as_list, lengths, neg_inf_where
 from raggedspec.gpu.masks import (
     compose_caller_mask,
     compressed_validity,
@@ -235,15 +235,15 @@ def dsv4_attention_in_place(
     cols = (lens - keep)[:, None] + arange_like(keep, lens)[None, :]                # [B, keep]
     index = cols.clamp(min=0)[:, None, :, None].expand(b, hk, keep, d)
     k_raw, v_raw = kv.k.gather(2, index), kv.v.gather(2, index)
-    qp = (lens - t_q)[:, None] + arange_like(t_q, lens)[None, :]                     # [B, t_q]
+    q0 = lens - t_q
+    qp = q0[:, None] + arange_like(t_q, lens)[None, :]                               # [B, t_q]
     kp = cols[:, None, :]
     raw = (kp >= 0) & (kp <= qp[:, :, None]) & (kp > qp[:, :, None] - window)
     if is_standard_layer(compress_ratio) or compressed_kv is None:
         valid, k_all, v_all = raw, k_raw, v_raw
     else:
-        comp = on_device_of(
-            compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio), raw
-        )
+        comp = compressed_validity(t_q, host - t_q, compressed_kv.shape[2], compress_ratio,
+                                   dev_q0=q0)
         valid = torch.cat([raw, comp], dim=2)
         k_all = torch.cat([k_raw, compressed_kv.to(k_raw.dtype)], dim=2)
         v_all = torch.cat([v_raw, compressed_kv.to(v_raw.dtype)], dim=2)

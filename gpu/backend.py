@@ -336,6 +336,10 @@ class TorchBackend(Backend):
         rows = dispatch.resolve_ragged_rows(row_q0, c, b)
         comp_start = self._prepare_slots(model, kvs, c, rows, lead_np, b, t)
         own = kvs[0].own
+        for slot in kvs if plan is not None else ():  # the plan's lengths: no upload
+            adopt = getattr(slot.kv, "adopt_device_lens", None)
+            if adopt is not None:
+                adopt(plan.host.cache_lens, plan.cache_lens)
         if self._plain_layout(offs_np, own, comp_start):
             fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture,
                                 device_offsets=None if plan is None else plan.offsets)

@@ -36,7 +36,7 @@ class RaggedKv:
     set from host integers, also on the host (`host_lens()`): the step path decides growth,
     windows and refusals on the host copy, so it reads the device only when a length was
     computed there (then once, and the copy is kept). Assigning `lens` a tensor forgets the
-    host copy; assigning host integers keeps both."""
+    host copy; assigning host integers keeps them on the host, uploaded on the first read."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, lens, max_seq_len: int) -> None:
         """Lengths given as host integers (a list or NumPy array) are checked on the host and
@@ -63,21 +63,37 @@ class RaggedKv:
 
     @property
     def lens(self) -> torch.Tensor:
-        return self._lens
+        """The device lengths; set from host integers, they are uploaded on the first read
+        (lengths set again before any read are never uploaded)."""
+        if self._dev is None:
+            self._dev = torch.from_numpy(self._host.copy()).to(self.k.device)
+        return self._dev
 
     @lens.setter
     def lens(self, value) -> None:
         if isinstance(value, torch.Tensor):
-            self._lens, self._host = value, None
+            self._dev, self._host = value, None
         else:
             self._host = np.array(value, dtype=np.int64).reshape(-1)
-            self._lens = torch.from_numpy(self._host.copy()).to(self.k.device)
+            self._dev = None
+
+    def pending_upload(self) -> np.ndarray | None:
+        """The host lengths while their device copy is not made yet (uploaded on the next
+        read of `lens`, or given by `adopt_device_lens`); None once it exists."""
+        return self._host if self._dev is None else None
+
+    def adopt_device_lens(self, host: np.ndarray, dev: torch.Tensor) -> None:
+        """`dev` (the integers `host`, already on the device: a slice of the step plan's
+        upload, never written in place here) becomes the device copy when the lengths are
+        known on the host, equal to `host` and not uploaded yet; otherwise nothing changes."""
+        if self._dev is None and self._host is not None and np.array_equal(self._host, host):
+            self._dev = dev
 
     def host_lens(self) -> np.ndarray:
         """The lengths as host integers (read from the device once if they were computed
         there). The caller must not modify the array."""
         if self._host is None:
-            self._host = host_ints(self._lens)
+            self._host = host_ints(self._dev)
         return self._host
 
     def set_row_len(self, row: int, n: int) -> None:
@@ -162,18 +178,18 @@ class RaggedKv:
         host_rows = np.arange(self.batch) if rows is None else \
             None if isinstance(rows, torch.Tensor) else host_ints(rows)
         known = self._host is not None and host_rows is not None
-        start = self._lens[idx]
+        start = self.lens[idx]
         self._grow_to((int(self._host[host_rows].max()) if known else int(start.max())) + t)
         cols = start[:, None] + arange_like(t, self.k)[None, :]      # [B', t]
         r = idx[:, None].expand(-1, t)
         # one advanced-index write per buffer: [B', t] (row, column) pairs, all heads at once
         self.k.permute(0, 2, 1, 3)[r, cols] = k_new.to(self.k.dtype).permute(0, 2, 1, 3)
         self.v.permute(0, 2, 1, 3)[r, cols] = v_new.to(self.v.dtype).permute(0, 2, 1, 3)
-        lens = self._lens.index_add(0, idx, torch.full_like(idx, t))
+        lens = self.lens.index_add(0, idx, torch.full_like(idx, t))
         if known:
             host = self._host.copy()
             host[host_rows] += t  # the rows are distinct
-            self._lens, self._host = lens, host
+            self._dev, self._host = lens, host
         else:
             self.lens = lens
 
@@ -213,7 +229,7 @@ class RaggedKv:
         return RaggedKv(
             self.k.clone(),
             self.v.clone(),
-            self._lens.clone() if self._host is None else self._host,
+            self._dev.clone() if self._host is None else self._host,
             self.max_seq_len,
         )
 

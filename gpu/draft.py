@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raggedspec.gpu._common import arange_like, host_ints, on_device_of
+from raggedspec.gpu._common import host_ints, on_device_of, upload_ints
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.rope import rotate
 from raggedspec.reference.dispatch import resolve_ragged_chain_starts
@@ -74,43 +74,48 @@ def propose_chain_batched(
     require(first.size == g, f"{first.size} last tokens for a draft group of {g}")
     if first.size and (first.min() < 0 or first.max() >= model.cfg.vocab):
         raise ValueError(f"tokens must be in [0, {model.cfg.vocab})")
-    toks = on_device_of(torch.from_numpy(first), like)
-    if rows is not None:
-        rows = host_ints(rows)
+    rows = None if rows is None else host_ints(rows)
     ragged = resolve_ragged_chain_starts(starts.tolist())
     ragged = None if ragged is None else host_ints(ragged)
-    out = like.new_empty((g, n), dtype=torch.int64)
-    prev = on_device_of(seed_hidden, like).to(model.dtype)
+    held = None if cache is None else cache.pending_upload()
+    toks, *dev, dev_held = upload_ints(like, first, rows, ragged, held)
+    if dev_held is not None:  # the pool's lengths, in the same upload
+        cache.adopt_device_lens(held, dev_held)
+    out = []  # each step's tokens [G, 1]: one cat at the end
+    prev, toks = on_device_of(seed_hidden, like).to(model.dtype)[:, None], toks[:, None]
     for i in range(n):
-        hidden, logits = chain_step(model, prev, toks, int(starts[0]), ragged, i, cache, rows)
-        nxt = argmax_tokens(logits)
-        out[:, i] = nxt
+        hidden, logits = chain_step(model, prev, toks, int(starts[0]), ragged, i, cache, rows,
+                                    dev)
+        toks, prev = argmax_tokens(logits), hidden
+        out.append(toks)
         if trace is not None:
-            trace.append(hidden.clone())
-        toks, prev = nxt, hidden
-    return out
+            trace.append(hidden[:, 0].clone())
+    return torch.cat(out, dim=1)
 
 
 def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
                ragged: np.ndarray | None, i: int, cache: RaggedKv | None,
-               rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step `i` of `propose_chain_batched`, as `reference.draft.chain_step`: `(hidden [G,H],
-    logits [G,V])` from `prev [G,H]` and `toks [G]`; with a block at position `start_pos + i`
+               rows, dev=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `i` of `propose_chain_batched`, as `reference.draft.chain_step`: `(hidden [G,1,H],
+    logits [G,1,V])` from `prev [G,1,H]` and `toks [G,1]` (one token per row: the chain
+    keeps that shape from step to step, no reshaping); with a block at position `start_pos + i`
     (`ragged` None, counted "scalar" in `draft_chain_stats`) or each row's `start_r + i`
     ("per_row"), group row r being `cache` row `rows[r]`; Tier A (no block) without a position
-    or a cache. The block's refusals ("desync") propagate."""
+    or a cache. `dev`: `rows` and `ragged` already on the device (or None each). The block's
+    refusals ("desync") propagate."""
     block = model.mtp
     if block is None:
         heads = model.mtp_heads
-        hidden = prev @ heads.h_proj + model.embed[toks] @ heads.e_proj
-        return hidden, hidden @ model.lm_head
-    fused = block.fuse(prev[:, None, :], toks[:, None])
+        hidden = prev[:, 0] @ heads.h_proj + model.embed[toks[:, 0]] @ heads.e_proj
+        return hidden[:, None], (hidden @ model.lm_head)[:, None]
+    fused = block.fuse(prev, toks)
     if ragged is None:
         draft_chain_stats["scalar"] += 1
-        hidden = block.forward_step(fused, start_pos + i, cache, rows)[:, 0]
+        hidden = block.forward_step(fused, start_pos + i, cache, rows, dev[0])
     else:
         draft_chain_stats["per_row"] += 1
-        hidden = block.forward_step_rows(fused, ragged + i, cache, rows)[:, 0]
+        pos = None if dev[1] is None else dev[1] + i
+        hidden = block.forward_step_rows(fused, ragged + i, cache, rows, dev[0], pos)
     return hidden, block.logits(hidden)
 
 
@@ -124,6 +129,7 @@ def extend_draft_kv_rows(
     tokens: torch.Tensor,
     rows=None,
     write=None,
+    hidden_rows=None,
 ) -> None:
     """Write the pairs `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` into draft-KV
     row `rows[r]` (row r when `rows` is None) at positions `lo_r + j`, `j < hi_r - lo_r`,
@@ -136,12 +142,16 @@ def extend_draft_kv_rows(
     `hi <= off + T`, `hi <= L - 1`). First each writing row's length is set to `lo` (the
     reference's `set_len(filled)`, `filled == lo` for a contiguous row; CacheRefusal "MTP
     draft KV truncate to {lo} failed" past the capacity), then one fuse + key projection
-    over `[R, max(hi - lo)]`, one masked scatter (only `j < hi - lo` lands; nothing is
-    written past a row's `hi`), lengths `= hi`. The K is token-local, so no attention runs.
+    over `[R, max(hi - lo)]`, one scatter of the written pairs (only `j < hi - lo` lands;
+    nothing is written past a row's `hi`; indices from the host, one upload), lengths
+    `= hi`. The K is token-local, so no attention runs. `hidden_rows` (ints `[R]`): row r's
+    capture is `hidden[hidden_rows[r]]` of a wider `hidden [N, T, H]` (read with the pairs,
+    no copy of the rows first); a row outside `[0, N)` is refused (ValueError).
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
     tokens = checked_tokens(tokens, block.cfg.vocab)
-    host_off, host_lo, host_hi, host_idx = extension_rows(off, lo, hi, rows, hidden, tokens)
-    hidden, tokens = on_device_of(hidden, kv.k), on_device_of(tokens, kv.k).long()
+    host_off, host_lo, host_hi, host_idx, host_cap = extension_rows(off, lo, hi, rows, hidden,
+                                                                    tokens, hidden_rows)
+    hidden = on_device_of(hidden, kv.k)
     host_n = written_counts(host_lo, host_hi, write)
     host_write = host_n > 0
     if not host_write.any():
@@ -152,39 +162,41 @@ def extend_draft_kv_rows(
     held = kv.host_lens().copy()
     held[host_idx[host_write]] = host_lo[host_write]
     kv.lens = held
-    write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx)
+    write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx, host_cap)
     held = held.copy()
     held[host_idx[host_write]] = host_hi[host_write]
     kv.lens = held
 
 
-def checked_tokens(tokens, vocab: int) -> torch.Tensor:
-    """The committed tokens `[R, L_max]` as a tensor (a host array or list is converted), range
-    checked where they were given (a tensor is read once). Refuses with ValueError a token
-    outside `[0, vocab)`."""
+def checked_tokens(tokens, vocab: int) -> torch.Tensor | np.ndarray:
+    """The committed tokens `[R, L_max]`: a tensor as given, host tokens (an array or list) as
+    a host int64 array; range checked where they were given (a tensor is read once). Refuses
+    with ValueError a token outside `[0, vocab)`."""
     if isinstance(tokens, torch.Tensor):
         bad = tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab)
     else:
         tokens = host_ints(tokens, flat=False)
         bad = tokens.size and (tokens.min() < 0 or tokens.max() >= vocab)
-        tokens = torch.from_numpy(tokens)
     if bad:  # the committed tokens, checked on the host when given there
         raise ValueError(f"tokens must be in [0, {vocab})")
     return tokens
 
 
-def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens: torch.Tensor):
-    """The plan `off, lo, hi` and the cache rows (`0..R-1` when `rows` is None) as host
-    integer arrays. Refuses with ValueError unless they, `hidden [R,T,H]` and `tokens [R,L]`
-    all have one entry per row."""
+def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens, hidden_rows=None):
+    """The plan `off, lo, hi`, the cache rows (`0..R-1` when `rows` is None) and the capture
+    rows (`0..R-1` when `hidden_rows` is None) as host integer arrays. Refuses with
+    ValueError unless they, `hidden [R,T,H]` (`[N,T,H]` holding every capture row) and
+    `tokens [R,L]` all have one entry per row."""
     host_off, host_lo, host_hi = host_ints(off), host_ints(lo), host_ints(hi)
-    host_idx = np.arange(host_lo.size) if rows is None else host_ints(rows)
     r_n = host_lo.size
+    host_idx = np.arange(r_n) if rows is None else host_ints(rows)
+    host_cap = np.arange(r_n) if hidden_rows is None else host_ints(hidden_rows)
+    n_cap = hidden.shape[0] if hidden.dim() == 3 else -1
     if not (
-        host_off.size == r_n == host_hi.size == host_idx.size
-        and hidden.dim() == 3
-        and hidden.shape[0] == r_n
-        and tokens.dim() == 2
+        host_off.size == r_n == host_hi.size == host_idx.size == host_cap.size
+        and (n_cap == r_n if hidden_rows is None else
+             not host_cap.size or (host_cap.min() >= 0 and host_cap.max() < n_cap))
+        and tokens.ndim == 2
         and tokens.shape[0] == r_n
     ):
         raise ValueError(
@@ -192,7 +204,7 @@ def extension_rows(off, lo, hi, rows, hidden: torch.Tensor, tokens: torch.Tensor
             f"({host_off.size}, {r_n}, {host_hi.size}, {host_idx.size}) must all have one entry "
             "per row"
         )
-    return host_off, host_lo, host_hi, host_idx
+    return host_off, host_lo, host_hi, host_idx, host_cap
 
 
 def written_counts(host_lo: np.ndarray, host_hi: np.ndarray, write) -> np.ndarray:
@@ -228,36 +240,41 @@ def check_extension_spans(kv: RaggedKv, host_off: np.ndarray, host_lo: np.ndarra
                            f"current capacity {kv.capacity} (first cached 0)")
 
 
-def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens: torch.Tensor,
+def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
                      host_off: np.ndarray, host_lo: np.ndarray, host_n: np.ndarray,
-                     host_idx: np.ndarray) -> None:
-    """One fuse + key projection over `[R, max(n)]` and one masked scatter: row r's key for
-    the pair `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at cache row
-    `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is token-local,
-    so no attention runs). Lengths are not touched. No refusals of its own."""
-    t_cap = hidden.shape[1]
+                     host_idx: np.ndarray, host_cap: np.ndarray) -> None:
+    """One fuse + key projection over `[R, max(n)]` and one scatter of the written pairs: row
+    r's key for the pair `(hidden[host_cap[r], lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at
+    cache row `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is
+    token-local, so no attention runs). Every index is computed on the host and uploaded in
+    one transfer (host `tokens` are gathered there too); no index has a data-dependent size
+    on the device. Lengths are not touched. No refusals of its own."""
+    r_n, t_cap = host_lo.size, hidden.shape[1]
     width = int(host_n.max())
-    off, lo = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_off, host_lo))
-    n, idx = (on_device_of(torch.from_numpy(x), kv.k) for x in (host_n, host_idx))
-    j = arange_like(width, kv.k)[None, :]
-    valid = j < n[:, None]                                                         # [R, width]
-    src = (lo - off)[:, None] + j
-    h = hidden.gather(
-        1, src.clamp(min=0, max=t_cap - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
-    )
-    nxt = tokens.gather(1, (lo[:, None] + 1 + j).clamp(min=0, max=tokens.shape[1] - 1))
+    j = np.arange(width, dtype=np.int64)[None, :]
+    valid = j < host_n[:, None]                                                    # [R, width]
+    pos = np.where(valid, host_lo[:, None] + j, 0)
+    cols = np.clip(host_lo[:, None] + 1 + j, 0, tokens.shape[1] - 1)
+    host_tok = not isinstance(tokens, torch.Tensor)
+    flat = np.flatnonzero(valid)
+    src, pos_d, flat_d, rr, cc, tok = upload_ints(kv.k, *(x.reshape(-1) for x in (
+        host_cap[:, None] * t_cap + np.clip((host_lo - host_off)[:, None] + j, 0, t_cap - 1),
+        pos, flat,
+        np.repeat(host_idx, host_n), pos.reshape(-1)[flat],
+        tokens[np.arange(r_n)[:, None], cols] if host_tok else cols)))
+    h = hidden.reshape(-1, hidden.shape[2]).index_select(0, src).view(r_n, width, -1)
+    tok = tok.view(r_n, width)
+    nxt = tok if host_tok else on_device_of(tokens, kv.k).long().gather(1, tok)
     fused = block.fuse(h.to(block.dtype), nxt)  # the committed tokens: checked by the caller
     layer, cfg = block.layer, block.cfg
-    pos = torch.where(valid, lo[:, None] + j, torch.zeros_like(j))                 # [R, width]
     top = int((host_lo + np.maximum(host_n - 1, 0)).max())
-    cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos, top)
+    cos, sin = layer.ropes.get(layer.theta, top + 1).lookup(pos_d.view(r_n, width), top)
     k = rotate(  # [R, width, Hk, hd]
         layer.key(fused).transpose(1, 2), cos[:, :, None], sin[:, :, None], cfg.rope_dims
-    )
-    rr = idx[:, None].expand(-1, width)[valid]
-    cc = pos[valid]
-    kv.k.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.k.dtype)
-    kv.v.permute(0, 2, 1, 3)[rr, cc] = k[valid].to(kv.v.dtype)
+    ).flatten(0, 1)[flat_d]
+    kv.k[rr, :, cc] = k.to(kv.k.dtype)  # [V, Hk, hd] at (row, every head, column)
+    kv.v[rr, :, cc] = k.to(kv.v.dtype)
+
 
 __all__ = [
     "argmax_tokens",

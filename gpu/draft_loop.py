@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from raggedspec.gpu._common import upload_ints
 from raggedspec.gpu.draft import extend_draft_kv_rows, propose_chain_batched
 from raggedspec.gpu.draft_store import PoolKv
 from raggedspec.reference import dispatch
@@ -261,9 +262,12 @@ def _extend_row(state, block, batch_fail, offsets, toks, row, hidden, q):
 
 def _extend_tensors(be, block, hidden, toks, q) -> None:
     """The queued tensor work: one gather of the new seeds (one view per row by one
-    `unbind`), the truncated lengths, one `extend_draft_kv_rows`."""
+    `unbind`), the truncated lengths, one `extend_draft_kv_rows` (reading the written rows
+    of the capture itself)."""
     if q.seed_rows:  # the new seeds: one gather
-        got = hidden[be._ints(q.seed_rows), be._ints(q.seed_cols)].unbind(0)  # one view op
+        seed_rows, seed_cols = upload_ints(hidden, *(np.asarray(x, dtype=np.int64) for x in
+                                                     (q.seed_rows, q.seed_cols)))
+        got = hidden[seed_rows, seed_cols].unbind(0)  # one view op
         for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
             state.seed = (p, seed)
     store = q.store
@@ -276,8 +280,8 @@ def _extend_tensors(be, block, hidden, toks, q) -> None:
         tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
         for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
             tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
-        extend_draft_kv_rows(block, store.kv, hidden[be._ints(q.w_rows)], q.w_off, q.w_lo,
-                             q.w_hi, tok, rows=q.w_idx)
+        extend_draft_kv_rows(block, store.kv, hidden, q.w_off, q.w_lo, q.w_hi, tok,
+                             rows=q.w_idx, hidden_rows=q.w_rows)
 
 
 @dataclass

@@ -49,11 +49,14 @@ def raw_validity(t_q: int, q0, raw_base, keep: int, window: int,
 
 
 def compressed_validity(t_q: int, q0, t_c: int, ratio: int,
-                        device: torch.device | str | None = None) -> torch.Tensor:
+                        device: torch.device | str | None = None,
+                        dev_q0: torch.Tensor | None = None) -> torch.Tensor:
     """`bool [t_q, t_c]` (or `[B, t_q, t_c]` for a `[B]` vector `q0`): block b valid iff
-    `b < floor((q0 + r + 1) / ratio)`. ValueError on `ratio < 1` with `t_c > 0`."""
+    `b < floor((q0 + r + 1) / ratio)`. `dev_q0`: the host `q0`'s values already on the device
+    (checked on the host, read instead of an upload; `device` None then). ValueError on
+    `ratio < 1` with `t_c > 0`."""
     host = None if isinstance(q0, torch.Tensor) else np.asarray(q0, dtype=np.int64)
-    q0 = ints_on(q0)  # checked where it is (a host value on the CPU), then moved
+    q0 = ints_on(q0) if dev_q0 is None else dev_q0  # checked where it is, then moved
     negative = bool((host < 0).any()) if host is not None else bool((q0 < 0).any())
     if t_q < 0 or t_c < 0 or negative:
         raise ValueError(f"t_q {t_q}, q0 {as_list(q0.reshape(-1))}, t_c {t_c} must be >= 0")

@@ -219,14 +219,15 @@ class DecoderLayer:
         return torch.where(live, blocks, blocks.new_zeros(()))
 
     def forward(self, x: torch.Tensor, kv: RaggedKv, offsets=None, rows=None,
-                dev_offsets=None) -> torch.Tensor:
+                dev_offsets=None, dev_rows=None) -> torch.Tensor:
         """Run the layer on `x [B,T,H]` whose row r sits in `kv` row `rows[r]` (every row
         of `kv` when `rows` is None): RoPE at `offsets[r] + t` (`offsets` of length 1 or B;
         default the rows' own lengths, which it must equal: the caller checks), append K
         (== V) at each row's own offset, attend (`dsv4_attention_rows`), inverse-rotate,
         project, add, then the MLP. A compressed layer needs `rows` None (ValueError before
-        anything is appended). `dev_offsets`: the same RoPE offsets already on the device
-        (the step plan's), read instead of an upload."""
+        anything is appended). `dev_offsets`, `dev_rows`: the same RoPE offsets and rows
+        already on the device (the step plan's, the draft chain's), read instead of an
+        upload."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, hd, eps = cfg.n_heads, cfg.head_dim, cfg.eps
@@ -243,7 +244,8 @@ class DecoderLayer:
         offs = np.asarray(offs, dtype=np.int64).reshape(-1)
         if dev_offsets is None and uniform_seqlen_offset(offs.tolist()) is None:
             dev_offsets = lengths_like(offs, x, name="offsets")  # once for q, k and o
-        dev_rows = None if rows is None else lengths_like(rows, kv.k, name="rows")
+        if dev_rows is None and rows is not None:
+            dev_rows = lengths_like(rows, kv.k, name="rows")
         table = self.ropes.get(self.theta, int(offs.max()) + t)
         h = rms_norm(x, self.attn_norm, eps)
         q = rms_norm((h @ self.wq).reshape(b, t, nh, hd).transpose(1, 2), self.q_norm, eps)
@@ -297,7 +299,8 @@ class MtpBlock:
         return rms_norm(hidden, self.norm_out, self.cfg.eps) @ self.lm_head
 
     def forward_tokens_rows(
-        self, fused: torch.Tensor, start_pos, cache: RaggedKv, rows=None
+        self, fused: torch.Tensor, start_pos, cache: RaggedKv, rows=None, dev_rows=None,
+        dev_pos=None,
     ) -> torch.Tensor:
         """One MTP decoder-layer step on `fused [G,T,H]` (row r in `cache` row `rows[r]`,
         or row r when `rows` is None) at absolute positions `start_pos[r] + t` (or the one
@@ -310,7 +313,9 @@ class MtpBlock:
         front-aligned layout cannot express it), a row whose own held length is not its
         own start (DispatchRefusal "MTP draft KV desync: draft row {r} holds {n} entries but
         its step starts at absolute position {s}"): in this layout a row's length is its
-        write offset, so such a row would be written and rotated at different positions."""
+        write offset, so such a row would be written and rotated at different positions.
+        `dev_rows`, `dev_pos`: `rows` and `start_pos` already on the device (read instead of
+        an upload)."""
         require(fused.dim() == 3 and fused.shape[2] == self.cfg.hidden,
                 f"fused {tuple(fused.shape)} must be [G,T,{self.cfg.hidden}]")
         g = fused.shape[0]
@@ -328,7 +333,8 @@ class MtpBlock:
                 "starts at "
                 f"absolute position {int(pos[r if pos.size > 1 else 0])} (start_pos {pos.tolist()})"
             )
-        return self.layer.forward(fused, cache, rows=rows)  # offsets: the held lengths (== pos)
+        # offsets: the held lengths (== pos)
+        return self.layer.forward(fused, cache, rows=rows, dev_offsets=dev_pos, dev_rows=dev_rows)
 
     def forward_tokens(
         self, fused: torch.Tensor, start: int, cache: RaggedKv, rows=None
@@ -337,16 +343,17 @@ class MtpBlock:
         return self.forward_tokens_rows(fused, [int(start)], cache, rows)
 
     def forward_step(
-        self, fused: torch.Tensor, pos: int, cache: RaggedKv, rows=None
+        self, fused: torch.Tensor, pos: int, cache: RaggedKv, rows=None, dev_rows=None
     ) -> torch.Tensor:
         """The scalar chain step (one shared position: the `[1, T]` RoPE table)."""
-        return self.forward_tokens(fused, pos, cache, rows)
+        return self.forward_tokens_rows(fused, [int(pos)], cache, rows, dev_rows)
 
     def forward_step_rows(
-        self, fused: torch.Tensor, positions, cache: RaggedKv, rows=None
+        self, fused: torch.Tensor, positions, cache: RaggedKv, rows=None, dev_rows=None,
+        dev_pos=None,
     ) -> torch.Tensor:
         """The ragged chain step (per-row positions: the gathered `[G, T]` RoPE table)."""
-        return self.forward_tokens_rows(fused, positions, cache, rows)
+        return self.forward_tokens_rows(fused, positions, cache, rows, dev_rows, dev_pos)
 
 
 @dataclass

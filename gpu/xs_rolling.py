@@ -14,11 +14,10 @@ import numpy as np
 import torch
 
 from raggedspec.gpu._common import (
-    arange_like,
     arange_on,
     host_ints,
-    on_device_of,
     to_device,
+    upload_ints,
     zeros_on,
 )
 from raggedspec.reference.errors import CacheRefusal, require
@@ -30,12 +29,18 @@ from raggedspec.reference.xs_rolling import (
 )
 
 
-def _device_and_host(value, device) -> tuple[torch.Tensor, np.ndarray | None]:
-    """A length vector as (device tensor, host copy or None when only the device has it)."""
+def _device_and_host(value, device) -> tuple[torch.Tensor | None, np.ndarray | None]:
+    """A length vector as (device tensor, host copy): the host copy None when only the device
+    has it, the device tensor None when only the host has it (uploaded to `device` on the
+    first read, `_on_device`)."""
     if isinstance(value, torch.Tensor):
         return value, None
-    host = np.array(value, dtype=np.int64).reshape(-1)
-    return to_device(torch.from_numpy(host.copy()), device), host
+    return None, np.array(value, dtype=np.int64).reshape(-1)
+
+
+def _on_device(host: np.ndarray, device) -> torch.Tensor:
+    """Host lengths uploaded to `device` (one transfer)."""
+    return to_device(torch.from_numpy(host.copy()), device)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,6 +80,8 @@ class XsRolling:
     # --- host copies of the row lengths ----------------------------------------------------
     @property
     def tokens(self) -> torch.Tensor:
+        if self._tokens is None:  # set from host integers: uploaded on the first read
+            self._tokens = _on_device(self._tokens_h, self.device)
         return self._tokens
 
     @tokens.setter
@@ -83,6 +90,8 @@ class XsRolling:
 
     @property
     def base(self) -> torch.Tensor:
+        if self._base is None:
+            self._base = _on_device(self._base_h, self.device)
         return self._base
 
     @base.setter
@@ -104,7 +113,7 @@ class XsRolling:
     # --- lengths --------------------------------------------------------------------------
     @property
     def batch(self) -> int:
-        return self.tokens.numel()
+        return self.tokens.numel() if self._tokens_h is None else self._tokens_h.size
 
     @property
     def current_seq_len(self) -> int:
@@ -159,9 +168,15 @@ class XsRolling:
         if self.comp.shape[1] < g_needed:
             self.comp = torch.nn.functional.pad(self.comp, (0, 0, 0, g_needed - self.comp.shape[1]))
         x_new = x_new.to(self.ring.dtype)
-        if b and int(take_h.max()) > 0:
-            self._compress_blocks(x_new, g_done_h, take_h)
-        self._write_ring(x_new)
+        compress = bool(b) and int(take_h.max()) > 0
+        keep = min(t_new, self.window)
+        # every index the append needs, computed on the host: one upload
+        idx = upload_ints(self.ring, *(self._block_indices(t_new, g_done_h, take_h)
+                                       if compress else (None,) * 3), self._ring_indices(t_new))
+        if compress:
+            self._compress_blocks(x_new, int(take_h.max()), *idx[:3])
+        if keep:
+            self._write_ring(x_new, keep, idx[3])
         self.tokens = tok_after
         self.base = base_after
 
@@ -193,53 +208,51 @@ class XsRolling:
         base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
         return tok_after, g_done_h, take_h, base_after
 
-    def _compress_blocks(self, x_new: torch.Tensor, g_done_h: np.ndarray,
-                         take_h: np.ndarray) -> None:
+    def _block_indices(self, t_new: int, g_done_h: np.ndarray, take_h: np.ndarray):
+        """Host indices of `_compress_blocks`: `src [B * take_max * ratio]` each block
+        position's row in `cat(x_new rows, ring rows)` (position p of row i from `x_new` when
+        `p >= tokens_i`, else from the ring at `p mod W`), `sel` the `(row, j)` pairs with
+        `j < take_i` (flat in `[B, take_max]`) and `dst` their rows in the flattened `comp`
+        (`i * width + g_done_i + j`). No refusals."""
+        b, w, r = self.batch, self.window, self.ratio
+        tok, rows = self.host_tokens()[:, None], np.arange(b, dtype=np.int64)[:, None]
+        j = np.arange(int(take_h.max()), dtype=np.int64)
+        g = g_done_h[:, None] + j                                               # [B, take_max]
+        p = (g[:, :, None] * r + np.arange(r)).reshape(b, -1)              # [B, take_max * r]
+        src = np.where(p >= tok, rows * t_new + np.clip(p - tok, 0, max(t_new - 1, 0)),
+                       b * t_new + rows * w + p % w)
+        valid = j[None, :] < take_h[:, None]
+        return src.reshape(-1), np.flatnonzero(valid), (rows * self.comp.shape[1] + g)[valid]
+
+    def _ring_indices(self, t_new: int) -> np.ndarray:
+        """Host indices of `_write_ring`: row i's last `keep = min(t_new, W)` new rows land at
+        `i * W + (tokens_i + t_new - keep + c) mod W` of the flattened ring. No refusals."""
+        b, w = self.batch, self.window
+        keep = min(t_new, w)
+        cols = (self.host_tokens()[:, None] + (t_new - keep) + np.arange(keep)) % w
+        return (np.arange(b, dtype=np.int64)[:, None] * w + cols).reshape(-1)
+
+    def _compress_blocks(self, x_new: torch.Tensor, take_max: int, src: torch.Tensor,
+                         sel: torch.Tensor, dst: torch.Tensor) -> None:
         """Row i's new compressed blocks `g_done_i + j`, `j < take_i`, in one gather + mean:
         block g is the mean of positions `[g * ratio, (g + 1) * ratio)`, each read from `x_new`
-        when at or past the row's `tokens`, else from the ring. Written into `comp` (its width
-        kept); the pairs past a row's take keep their values. No refusals."""
+        when at or past the row's `tokens`, else from the ring (`src`, `sel`, `dst`: the device
+        copies of `_block_indices`). Written into `comp` (its width kept); every other block
+        keeps its value. No refusals."""
         b, t_new, d = x_new.shape
-        w, r = self.window, self.ratio
-        take_max = int(take_h.max())
-        g_done = on_device_of(torch.from_numpy(g_done_h), self.ring)
-        j = arange_like(take_max, self.ring)
-        g = g_done[:, None] + j  # [B, take_max]
-        p = (g[:, :, None] * r + arange_like(r, self.ring)).reshape(b, -1)  # [B, take_max * r]
-        fresh = p >= self.tokens[:, None]
-        from_new = x_new.gather(
-            1,
-            (p - self.tokens[:, None]).clamp(0, max(t_new - 1, 0))[:, :, None].expand(-1, -1, d),
-        )
-        from_ring = self.ring.gather(1, torch.remainder(p, w)[:, :, None].expand(-1, -1, d))
-        rows = torch.where(fresh[:, :, None], from_new, from_ring).reshape(b, take_max, r, d)
+        source = torch.cat([x_new.reshape(b * t_new, d), self.ring.reshape(-1, d)])
+        rows = source.index_select(0, src).view(b, take_max, self.ratio, d)
         blocks = rows.to(_compute_dtype(rows.dtype)).mean(dim=2).to(rows.dtype)  # [B, take_max, D]
-        valid = (j[None, :] < on_device_of(torch.from_numpy(take_h), j)[:, None])[:, :, None]
-        # every (row, g) pair is distinct: write all of them into a buffer wide enough,
-        # the pairs past a row's take with the values they had (no mask-sized index)
         width = self.comp.shape[1]
-        room = int(g_done_h.max()) + take_max
-        comp = (
-            self.comp
-            if room <= width
-            else torch.nn.functional.pad(self.comp, (0, 0, 0, room - width))
-        )
-        at = g[:, :, None].expand(-1, -1, d)
-        comp = comp.scatter(1, at, torch.where(valid, blocks, comp.gather(1, at)))
-        self.comp = comp[:, :width]
+        self.comp = self.comp.reshape(b * width, d).index_copy(
+            0, dst, blocks.reshape(b * take_max, d).index_select(0, sel)).view(b, width, d)
 
-    def _write_ring(self, x_new: torch.Tensor) -> None:
-        """The last `min(t_new, W)` rows of `x_new` into each row's ring at
-        `(tokens + t_new - keep + c) mod W`; `tokens` not moved. No refusals."""
-        t_new, d, w = x_new.shape[1], x_new.shape[2], self.window
-        keep = min(t_new, w)
-        if keep:
-            cols = torch.remainder(
-                self.tokens[:, None] + (t_new - keep) + arange_like(keep, self.ring), w
-            )
-            self.ring = self.ring.scatter(
-                1, cols[:, :, None].expand(-1, -1, d), x_new[:, t_new - keep :]
-            )
+    def _write_ring(self, x_new: torch.Tensor, keep: int, at: torch.Tensor) -> None:
+        """The last `keep` rows of `x_new` into each row's ring at the flattened ring rows `at`
+        (`_ring_indices`, on the device); `tokens` not moved. No refusals."""
+        b, t_new, d = x_new.shape
+        self.ring = self.ring.reshape(-1, d).index_copy(
+            0, at, x_new[:, t_new - keep :].reshape(b * keep, d)).view(b, self.window, d)
 
     # --- length setters -----------------------------------------------------------------------
     def _rollback_refusal(self, lens: np.ndarray) -> CacheRefusal | None:
