@@ -4,13 +4,15 @@ field named and both sides given (docs/trace-check.md, "Replay")."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from raggedspec.check_trace import check, exit_code
 from raggedspec.reference import lengths
 from raggedspec.reference.scenario import load_scenario
 from raggedspec.reference.trace import Trace
-from raggedspec.trace_replay import Divergence, first_divergence
+from raggedspec.trace_replay import Divergence, first_divergence, replay_scenario
 
 # Three requests of one prompt length, prefilled together at step 0 in index order (so
 # string ids given in that order name the same requests); the run ends before `steps`.
@@ -182,3 +184,100 @@ def test_a_request_the_trace_never_ran_shows_as_its_index():
     div, compared, _ = first_divergence(edited(tr, forget_seq_2), sc)
     assert div == Divergence(0, None, "rows[].seq", [0, 1], [0, 1, 2])
     assert compared == 0
+
+
+def as_trace(steps: list[dict]) -> Trace:
+    tr = Trace("unknown", None)
+    for s in steps:
+        tr.add_step({k: v for k, v in s.items() if k != "rows"}, s.get("rows", []))
+    return tr
+
+
+def arriving_at(sc, arrival: int):
+    return replace(sc, requests=tuple(replace(r, arrival=arrival) for r in sc.requests))
+
+
+# seq 1 is prefilled at step 0, seq 0 at step 2 after the completion forward (not in its
+# rows), seq 2 first runs in the rows of step 4; step 3 failed, so its accepts are not the
+# sequences' (their requests failed with it).
+HAND = [
+    {"step": 0, "phase": "prompt", "prefill": [1], "rows": [{"seq": 1, "own_len": 8}]},
+    {"step": 2, "phase": "decode", "prefill": [0],
+     "rows": [{"seq": 1, "own_len": 8, "drafted": 3, "accepted": 2}]},
+    {"step": 3, "phase": "decode", "error": "left-aligned guard",
+     "rows": [{"seq": 0, "own_len": 8, "drafted": 3, "accepted": 1},
+              {"seq": 1, "own_len": 11, "drafted": 3, "accepted": 3}]},
+    {"step": 4, "phase": "decode",
+     "rows": [{"seq": 0, "own_len": 8, "drafted": 2, "accepted": 1},
+              {"seq": 1, "own_len": 11, "drafted": 0, "accepted": 0},
+              {"seq": 2, "own_len": 8}]},
+    {"step": 9, "phase": "idle", "rows": []},
+]
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_the_replayed_scenario_takes_the_traces_arrivals_accepts_and_length():
+    sc = arriving_at(load_scenario({"batch": 4, "prompt_len": 8, "steps": 4}), 6)
+    tr = as_trace(HAND)
+    sc2, accepts = replay_scenario(tr, sc, {q: q for q in range(4)})
+    assert [r.arrival for r in sc2.requests] == [2, 0, 4, 6]
+    assert accepts == {1: [2], 0: [1]}
+    assert sc2.steps == 10  # the trace's last step is 9
+    assert load_scenario(sc2.to_dict()).requests == sc2.requests
+    longer = replace(sc, steps=40)
+    assert replay_scenario(tr, longer, {q: q for q in range(4)})[0].steps == 40
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_an_empty_trace_replays_the_scenarios_own_steps():
+    sc = load_scenario({"batch": 2, "steps": 1})
+    sc2, accepts = replay_scenario(as_trace([]), sc, {})
+    assert (sc2.steps, accepts) == (1, {})
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_a_later_scenario_arrival_gives_way_to_the_traces_prefill():
+    """W0, all at once: one request is prefilled on a decode step, after the completion
+    forward, and is not in that step's rows. Its scenario arrival set later than that, the
+    replay still matches (but for the bucket counts, which count it waiting): the arrival is
+    the step the trace first shows it."""
+    sc = load_scenario(dict(batch=3, prompt_len=[6, 12], max_new_tokens=[4, 8], depth=2,
+                            steps=20, seed=0, world="W0", arrival="all-at-once"))
+    tr = lengths.run(sc)
+    steps = list(tr.steps())
+    late = {q for s in steps if s["phase"] == "decode"
+            for q in set(s.get("prefill") or []) - {r["seq"] for r in s["rows"]}}
+    assert late  # the scenario shows the case
+    later = replace(sc, requests=tuple(replace(r, arrival=5) if q in late else r
+                                       for q, r in enumerate(sc.requests)))
+
+    def no_buckets(steps):  # the buckets count requests waiting, which a trace does not show
+        for s in steps:
+            del s["buckets"]
+
+    assert first_divergence(edited(tr, no_buckets), later) == (None, len(tr), None)
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_an_id_only_prefilled_or_equal_to_the_batch_has_no_request():
+    sc = load_scenario({"batch": 3})
+    only_prefilled = as_trace([{"step": 0, "phase": "prompt", "prefill": [3], "rows": []}])
+    assert first_divergence(only_prefilled, sc) == (
+        None, 0, "seq 3 (first at step 0) has no request in the scenario (3 requests)")
+    after_a_repeat = as_trace([{"step": 1, "phase": "prompt", "prefill": [0],
+                                "rows": [{"seq": 0, "own_len": 5}, {"seq": 3, "own_len": 5}]}])
+    assert first_divergence(after_a_repeat, sc) == (
+        None, 0, "seq 3 (first at step 1) has no request in the scenario (3 requests)")
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_draft_group_keys_given_as_tuples_compare_equal_to_lists():
+    tr, sc = level_run()
+
+    def tuples(steps):
+        for s in steps:
+            for r in s["rows"]:
+                if r.get("group") is not None:
+                    r["group"] = tuple(r["group"])
+
+    assert first_divergence(edited(tr, tuples), sc) == (None, len(tr), None)
