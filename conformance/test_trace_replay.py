@@ -281,3 +281,20 @@ def test_draft_group_keys_given_as_tuples_compare_equal_to_lists():
                     r["group"] = tuple(r["group"])
 
     assert first_divergence(edited(tr, tuples), sc) == (None, len(tr), None)
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_without_drafted_counts_the_replay_accepts_nothing():
+    """A trace that does not say what a row drafted gives the replay no accept counts: every
+    verify accepts 0, which is this run's own (its drafts are never accepted)."""
+    sc = load_scenario({**LEVEL, "acceptance": "geometric:0.0"})
+    tr = lengths.run(sc)
+    assert all(r["accepted"] == 0 for s in tr.steps() for r in s["rows"])
+    assert any(r["drafted"] for s in tr.steps() for r in s["rows"])
+
+    def no_drafted(steps):
+        for s in steps:
+            for r in s["rows"]:
+                del r["drafted"]
+
+    assert first_divergence(edited(tr, no_drafted), sc) == (None, len(tr), None)

