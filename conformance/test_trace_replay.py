@@ -54,6 +54,16 @@ def test_ids_the_scenario_has_no_request_for_compare_no_step():
     div, compared, why = first_divergence(tr, small)
     assert (div, compared) == (None, 0)
     assert why == "seq 2 (first at step 0) has no request in the scenario (2 requests)"
+    res = check(tr, small)
+    assert res["replay"] == {"ran": False, "reason": why} and exit_code(res) == 0
+
+
+@pytest.mark.rule("raggedspec check-trace")
+def test_an_empty_header_scenario_is_no_scenario():
+    tr, _ = level_run()
+    tr.header["scenario"] = {}
+    assert check(tr)["replay"] == {
+        "ran": False, "reason": "no scenario (none in the header; give --scenario)"}
 
 
 @pytest.mark.rule("the spec's rules applied to a trace")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from raggedspec.check_trace import check, exit_code
+from raggedspec.reference.scenario import load_scenario
 from raggedspec.reference.trace import Trace
 from raggedspec.trace_rules import check_rules
 
@@ -193,3 +194,29 @@ def test_the_lines_of_dead_cols_accepted_le_drafted_and_accepted_prefix():
         "step 0 seq 2: accepted-prefix [verify_proposed (C §11.1)]: expected accepted_pos "
         "[1, 0, 0] (accepted 1), actual accepted_pos [0, 1, 0]",
     ]
+
+
+# ------------------------------------------------------ the rule table: ran, or why not
+
+def rule_entry(res: dict, rule: str) -> dict:
+    return next(r for r in res["rules"] if r["id"] == rule)
+
+
+@RULED
+def test_the_group_count_says_it_needs_a_scenario_for_the_depth():
+    steps = [step(0, [{"seq": 0, "own_len": 10}], advance="per-sequence", groups=2)]
+    entry = rule_entry(result(steps), "group-count")
+    assert (entry["ran"], entry["checked"]) == (False, 0)
+    assert entry["not_run_because"] == "depth (a scenario: the header's or --scenario)"
+    assert entry["invariant"] == "at most depth + 1 draft groups on a per-sequence step"
+    tr = Trace("unknown", None)
+    for s in steps:
+        tr.add_step({k: v for k, v in s.items() if k != "rows"}, s["rows"])
+    sc = load_scenario({"batch": 1, "depth": 2})
+    entry = rule_entry(check(tr, sc), "group-count")
+    assert (entry["ran"], entry["checked"], entry["not_run_because"]) == (True, 1, None)
+    cohort = Trace("unknown", None)
+    cohort.add_step({k: v for k, v in steps[0].items() if k != "rows"} | {"advance": "cohort"},
+                    steps[0]["rows"])
+    entry = rule_entry(check(cohort, sc), "group-count")
+    assert (entry["ran"], entry["not_run_because"]) == (False, "no row or step it applies to")
