@@ -308,3 +308,17 @@ def test_without_drafted_counts_the_replay_accepts_nothing():
                 del r["drafted"]
 
     assert first_divergence(edited(tr, no_drafted), sc) == (None, len(tr), None)
+
+
+@pytest.mark.rule("the spec's rules applied to a trace")
+def test_a_trace_without_phases_still_gives_the_replay_its_accepts():
+    """docs/trace-check.md: the replay takes each sequence's drafted row-steps' accepts; a
+    trace need not say each step's phase (only `step`, `rows[].seq`, `rows[].own_len` are
+    required), and its drafted rows are still its verifies."""
+    tr, sc = level_run()
+
+    def drop(steps):
+        for s in steps:
+            del s["phase"]
+
+    assert first_divergence(edited(tr, drop), sc) == (None, len(tr), None)
