@@ -11,7 +11,8 @@ groups and chain starts, scheduler buckets, errors), and the first difference is
 with both sides.
 
 Sequence ids: integer ids are the scenario's request indices; string ids are matched to the
-requests in the order they first appear. A trace field that is absent is not compared.
+requests in the order they first appear. A trace field that is absent is not compared; a
+trace without `phase` gives the accept counts of every row that drafted.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ class TraceAcceptance:
     def accepted(
         self, ids: np.ndarray, lengths: np.ndarray, drafts: np.ndarray, k: np.ndarray
     ) -> np.ndarray:
-        out = np.zeros(len(ids), dtype=np.int64)
-        for j, (i, d, n) in enumerate(zip(ids.tolist(), drafts.tolist(), k.tolist(), strict=True)):
-            seq = self.accepts.get(i, [])
-            out[j] = min(seq[n], d) if n < len(seq) else 0
+        out = np.zeros(len(ids), dtype=np.int64)  # pragma: no mutate (the engine stores ints)
+        for j, i in enumerate(ids.tolist()):
+            seq, n = self.accepts.get(i, []), int(k[j])
+            out[j] = min(seq[n], int(drafts[j])) if n < len(seq) else 0
         return out
 
 
@@ -103,7 +104,8 @@ def replay_scenario(
         for r in trace.rows(i):
             q = index[r["seq"]]
             first.setdefault(q, f["step"])
-            if f.get("phase") == "decode" and not f.get("error") and (r.get("drafted") or 0) > 0:
+            verify = f.get("phase") in ("decode", None)  # a trace without phases: its drafts
+            if verify and not f.get("error") and (r.get("drafted") or 0) > 0:
                 accepts.setdefault(q, []).append(int(r.get("accepted") or 0))
     reqs = tuple(
         replace(r, arrival=min(r.arrival, first.get(q, r.arrival)))

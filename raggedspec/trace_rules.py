@@ -232,7 +232,8 @@ def rule_accepted_prefix(s: dict, r: dict, last: dict) -> Outcome | None:
         return None
     bits, a = r["accepted_pos"], r["accepted"]
     if r.get("drafted") is not None and len(bits) != r["drafted"]:
-        return Outcome(False, f"{r['drafted']} entries (drafted)", f"{len(bits)} entries")
+        return Outcome(  # pragma: no mutate (None for False: both fail the rule)
+            False, f"{r['drafted']} entries (drafted)", f"{len(bits)} entries")
     want = [1] * a + [0] * (len(bits) - a)
     return Outcome(bits == want, f"accepted_pos {want} (accepted {a})", f"accepted_pos {bits}")
 
@@ -243,8 +244,9 @@ def rule_commit(s: dict, r: dict, last: dict) -> Outcome | None:
     if _failed(s) or s.get("phase") != "decode" or not _has(r, "accepted", "committed"):
         return None
     want, got = r["accepted"] + 1, r["committed"]
-    ok = got == want or (got < want and last.get(r["seq"]) == s["step"])
-    note = "" if ok or got > want else "the sequence runs again later, so it did not finish"
+    short = got < want  # pragma: no mutate (<= is the same: got == want holds before it counts)
+    ok = got == want or (short and last.get(r["seq"]) == s["step"])
+    note = "the sequence runs again later, so it did not finish" if short else ""
     return Outcome(ok, f"committed {want} (accepted {r['accepted']} + 1)", f"committed {got}", note)
 
 
@@ -342,12 +344,13 @@ STEP_RULES = {"uniform-no-lead": rule_uniform_no_lead, "group-count": rule_group
 @dataclass
 class Before:
     """A row at the decode or defer step it last ran (one that did not fail); `keep` is
-    the step's cohort keep (None when unknown), `seen` the first advance observed from it."""
+    the step's cohort keep (None when unknown), `seen` the first advance observed from it
+    (shared by the step's rows: empty until one of them runs again)."""
 
     step: dict
     row: dict
     keep: int | None
-    seen: dict
+    seen: list
 
 
 def cohort_keep(s: dict) -> int | None:
@@ -361,7 +364,7 @@ def cohort_keep(s: dict) -> int | None:
     return None
 
 
-def rule_per_sequence_advance(b: Before, s: dict, r: dict) -> Outcome | None:
+def rule_per_sequence_advance(b: Before, r: dict) -> Outcome | None:
     """After a per-sequence decode step a row's next own_len is its own_len there plus
     `u + accepted` (or `committed` when u / accepted are absent)."""
     ps, pr = b.step, b.row
@@ -381,7 +384,7 @@ def rule_per_sequence_advance(b: Before, s: dict, r: dict) -> Outcome | None:
     )
 
 
-def rule_cohort_advance(b: Before, s: dict, r: dict) -> Outcome | None:
+def rule_cohort_advance(b: Before, r: dict) -> Outcome | None:
     """After a cohort decode step every row's own_len grows by the step's keep (min over
     rows of u + accepted); after a defer step by 1. Without u / accepted: every row of the
     step by the same amount as the first row seen again."""
@@ -397,10 +400,12 @@ def rule_cohort_advance(b: Before, s: dict, r: dict) -> Outcome | None:
             f"{pr['own_len']} at step {ps['step']} + {b.keep}, {how})",
             f"own_len {r['own_len']}",
         )
-    first = b.seen.setdefault("first", (r["seq"], got))
+    if not b.seen:
+        b.seen.append((r["seq"], got))
+    first_seq, first_got = b.seen[0]
     return Outcome(
-        got == first[1],
-        f"advance {first[1]} (as seq {first[0]} after step {ps['step']})",
+        got == first_got,
+        f"advance {first_got} (as seq {first_seq} after step {ps['step']})",
         f"advance {got}",
     )
 
@@ -434,10 +439,10 @@ def check_rules(steps: list[dict], depth: int | None) -> Report:
             b = before.pop(r["seq"], None)
             if b is not None and read and (not _failed(s) or r.get("width")):
                 for rid, rule in ADVANCE_RULES.items():
-                    rep.record(rid, s["step"], r["seq"], rule(b, s, r), b.step["step"])
+                    rep.record(rid, s["step"], r["seq"], rule(b, r), b.step["step"])
         if _failed(s) or s.get("phase") not in ("decode", "defer") or s.get("advance") is None:
             continue
-        keep, seen = cohort_keep(s), {}
+        keep, seen = cohort_keep(s), []
         for r in s["rows"]:
             before[r["seq"]] = Before(s, r, keep, seen)
     return rep
