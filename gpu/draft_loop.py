@@ -261,27 +261,40 @@ def _extend_row(state, block, batch_fail, offsets, toks, row, hidden, q):
 
 
 def _extend_tensors(be, block, hidden, toks, q) -> None:
-    """The queued tensor work: one gather of the new seeds (one view per row by one
-    `unbind`), the truncated lengths, one `extend_draft_kv_rows` (reading the written rows
-    of the capture itself)."""
-    if q.seed_rows:  # the new seeds: one gather
-        seed_rows, seed_cols = upload_ints(hidden, *(np.asarray(x, dtype=np.int64) for x in
-                                                     (q.seed_rows, q.seed_cols)))
-        got = hidden[seed_rows, seed_cols].unbind(0)  # one view op
-        for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
-            state.seed = (p, seed)
+    """The queued tensor work: the truncated lengths, one `extend_draft_kv_rows` (reading the
+    written rows of the capture itself) whose transfer carries the new seeds' indices, then
+    one gather of the new seeds (one view per row by one `unbind`). The seeds are set even
+    when the extension refuses (their indices then uploaded on their own), as before it."""
+    seeds = None
+    if q.seed_rows:
+        seeds = [np.asarray(x, dtype=np.int64) for x in (q.seed_rows, q.seed_cols)]
+    carried = None
+    try:
+        carried = _extend_writes(block, hidden, toks, q, seeds or ())
+    finally:
+        if seeds is not None:
+            seed_rows, seed_cols = carried or upload_ints(hidden, *seeds)
+            got = hidden[seed_rows, seed_cols].unbind(0)  # one view op
+            for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
+                state.seed = (p, seed)
+
+
+def _extend_writes(block, hidden, toks, q, riders):
+    """The truncated lengths and the pairs' write; the `riders`' device copies (None when
+    nothing was written)."""
     store = q.store
     if q.trunc_idx:  # the reference's set_len(filled): lengths only
         held = store.kv.host_lens().copy()
         held[np.asarray(q.trunc_idx, dtype=np.int64)] = q.trunc_len
         store.kv.lens = held
-    if q.w_rows:
-        store.reserve(max(q.w_hi))
-        tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
-        for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
-            tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
-        extend_draft_kv_rows(block, store.kv, hidden, q.w_off, q.w_lo, q.w_hi, tok,
-                             rows=q.w_idx, hidden_rows=q.w_rows)
+    if not q.w_rows:
+        return None
+    store.reserve(max(q.w_hi))
+    tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
+    for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
+        tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
+    return extend_draft_kv_rows(block, store.kv, hidden, q.w_off, q.w_lo, q.w_hi, tok,
+                                rows=q.w_idx, hidden_rows=q.w_rows, riders=riders)
 
 
 @dataclass
