@@ -61,6 +61,8 @@ def draft_group_loop(
     drafts: list[list[int]] = [[] for _ in range(b)]
     warned_empty = False
     pending = []  # (members, chain tokens on the device) per drafted group
+    staged = _stage_chains(model, groups, states, toks, cache_lens, budgets, w,
+                           per_seq_advance)
     for key, rows in groups.items():  # groups: at most w of them (one per uncached count)
         members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
         if not members:
@@ -68,7 +70,7 @@ def draft_group_loop(
                 warn(warnings, "no row", key=key)
                 warned_empty = True
             continue
-        group = _Group(key, w - key[0], members, starts)
+        group = _Group(key, w - key[0], members, starts, staged.get(key))
         chains = _draft_one_group(be, model, group, states, toks, per_seq_advance, warnings)
         if chains is None:
             continue
@@ -89,6 +91,39 @@ class _Group:
     n_draft: int
     members: list
     starts: list
+    staged: tuple | None = None
+
+
+def _stage_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_advance):
+    """Every group's chain vectors (`propose_chain_batched`'s last tokens, pool rows, ragged
+    starts and the pool's lengths on entry) predicted on the host before the first chain,
+    as if each group drafts, and uploaded in one transfer: `{key: (host, device)}`. A chain
+    uses its group's only where they equal its own (a skipped group changes the lengths
+    the next one sees). Empty with fewer than two such groups or without host lengths."""
+    lens, store, host = None, None, {}
+    for key, rows in groups.items() if model.mtp is not None else ():
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
+        caches = [states[i].cache for i in members]
+        n = w - key[0]
+        if not members or n <= 0 or not all(isinstance(c, PoolKv) for c in caches):
+            continue
+        store = store or caches[0].store
+        lens = store.kv.known_host_lens() if lens is None else lens
+        if lens is None or any(c.store is not store for c in caches):
+            return {}
+        idx = np.fromiter((c.idx for c in caches), np.int64, len(caches))
+        aligned = dispatch.resolve_draft_leads(per_seq_advance, starts) is not None
+        lens = lens.copy()
+        lens[idx] = starts if aligned else starts[0]
+        ragged = dispatch.resolve_ragged_chain_starts(starts)
+        host[key] = [np.fromiter((int(toks[i][-1]) for i in members), np.int64, len(members)),
+                     idx, None if ragged is None else np.asarray(ragged, np.int64), lens]
+        lens = lens.copy()
+        lens[idx] += n
+    if len(host) < 2:
+        return {}
+    dev = iter(upload_ints(model.embed, *(v for vs in host.values() for v in vs)))
+    return {key: (vs, [next(dev) for _ in vs]) for key, vs in host.items()}
 
 
 def _read_chains(pending: list, drafts: list) -> None:
@@ -129,7 +164,8 @@ def _draft_one_group(be, model, group: _Group, states, toks, per_seq_advance, wa
     if plan is None:
         return None
     entry, cap = plan
-    chains = _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry)
+    chains = _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry,
+                        group.staged)
     for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
         c = caches[slot]
         c.materialized = True
@@ -139,11 +175,12 @@ def _draft_one_group(be, model, group: _Group, states, toks, per_seq_advance, wa
     return chains
 
 
-def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry):
+def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry,
+               staged=None):
     """The chain on the pool rows: their lengths set to the chain starts (each row its own
     start when aligned, else the batched `set_len(starts[0])`; ragged starts there refuse
     "desync" in the chain), then `propose_chain_batched`; a refusal leaves the rows as they
-    were (the reference refused on a batched copy)."""
+    were (the reference refused on a batched copy). `staged`: `_stage_chains`'s vectors."""
     store = caches[0].store
     idx = np.fromiter((c.idx for c in caches), np.int64, len(caches))
     store.reserve(max(max(starts), entry) + n_draft)
@@ -153,7 +190,7 @@ def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entr
     store.kv.lens = aligned_lens
     try:
         return propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv,
-                                     rows=idx)
+                                     rows=idx, staged=staged)
     except Refusal:
         store.kv.lens = before
         raise
