@@ -5,11 +5,12 @@
 ragged alignment's refusals its `reference.align.draft_group_target` (both integer-only, the
 same functions the reference's loop calls); the reference's batch / set_len / split / strip
 become host metadata (decided before any tensor changes) plus the rows' lengths set to their
-chain starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
-every group's tokens come back in one read. `extend_draft_kvs` is `extend_draft_kv_row` for a
-whole batch: the checks and metadata per row on host integers (the span is the reference's
-`extension_span`), then one gather of the new
-seeds and one `gpu.draft.extend_draft_kv_rows`.
+chain starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool
+rows, every group's chain vectors go up in one transfer before the first chain
+(`_stage_chains`), and every group's tokens come back in one read. `extend_draft_kvs` is
+`extend_draft_kv_row` for a whole batch: the checks and metadata per row on host integers
+(the span is the reference's `extension_span`), then one `gpu.draft.extend_draft_kv_rows`
+whose transfer carries the new seeds' indices, and one gather of the seeds.
 """
 
 from __future__ import annotations
