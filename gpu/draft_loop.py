@@ -101,6 +101,20 @@ def _stage_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_a
     as if each group drafts, and uploaded in one transfer: `{key: (host, device)}`. A chain
     uses its group's only where they equal its own (a skipped group changes the lengths
     the next one sees). Empty with fewer than two such groups or without host lengths."""
+    try:
+        host = _predict_chains(model, groups, states, toks, cache_lens, budgets, w,
+                               per_seq_advance)
+    except (ValueError, IndexError):  # the chain itself refuses it, in its own order
+        return {}
+    if len(host) < 2:
+        return {}
+    dev = iter(upload_ints(model.embed, *(v for vs in host.values() for v in vs)))
+    return {key: (vs, [next(dev) for _ in vs]) for key, vs in host.items()}
+
+
+def _predict_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_advance):
+    """`_stage_chains`'s host vectors per group key (empty where a group's pool differs
+    or the pool's lengths are not on the host); the rules' ValueErrors propagate."""
     lens, store, host = None, None, {}
     for key, rows in groups.items() if model.mtp is not None else ():
         members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
@@ -108,7 +122,7 @@ def _stage_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_a
         n = w - key[0]
         if not members or n <= 0 or not all(isinstance(c, PoolKv) for c in caches):
             continue
-        store = store or caches[0].store
+        store = caches[0].store if store is None else store
         lens = store.kv.known_host_lens() if lens is None else lens
         if lens is None or any(c.store is not store for c in caches):
             return {}
@@ -121,10 +135,7 @@ def _stage_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_a
                      idx, None if ragged is None else np.asarray(ragged, np.int64), lens]
         lens = lens.copy()
         lens[idx] += n
-    if len(host) < 2:
-        return {}
-    dev = iter(upload_ints(model.embed, *(v for vs in host.values() for v in vs)))
-    return {key: (vs, [next(dev) for _ in vs]) for key, vs in host.items()}
+    return host
 
 
 def _read_chains(pending: list, drafts: list) -> None:
