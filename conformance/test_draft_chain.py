@@ -502,3 +502,38 @@ def test_propose_chain_without_a_block_matches_the_reference():
     seed = np.random.default_rng(5).standard_normal((2, H))
     assert_exact(PORT_BE.propose_chain(pm, seed, [1, 2], 3, [4, 6], None),
                  REF_BE.propose_chain(rm, seed, [1, 2], 3, [4, 6], None), "heads-only chains")
+
+
+@pytest.mark.rule("propose_chain_batched, port")
+@pytest.mark.parametrize("stale", [None, 0, 1, 2, 3])
+def test_a_chain_given_staged_vectors_drafts_as_one_that_uploads_its_own(stale):
+    """`staged` (the draft loop's one transfer for every group) is used only where each
+    vector equals the call's own: with staged vectors equal to the call's the chain is the
+    plain one; with one vector stale (last tokens, rows, ragged starts, pool lengths) the
+    call uploads its own, so the chain, the pool's lengths and its K are the plain ones."""
+    rng = np.random.default_rng(7)
+    ks = [rng.standard_normal((m, HD)) for m in (6, 5, 7)]
+    seeds, lasts, rows, starts = rng.standard_normal((2, H)), [3, 5], [2, 0], [4, 3]
+
+    def run(staged_of):
+        pool = draft_pool(ks)
+        align_rows(pool, rows, starts)
+        own = [np.asarray(x, dtype=np.int64) for x in (lasts, rows, starts)]
+        own.append(pool.pending_upload().copy())
+        staged = None if staged_of is None else staged_of(own)
+        got = port.propose_chain_batched(PORT, to_port(seeds), lasts, 2, starts, pool,
+                                         rows=rows, staged=staged)
+        return host(got).tolist(), pool.host_lens().tolist(), host(pool.k)
+
+    plain = run(None)
+
+    def staged_of(own):
+        hosts = [v.copy() for v in own]
+        if stale is not None:
+            hosts[stale][0] += 1
+        # the device side: the equal host vectors' values, or a stale one's (never used)
+        return hosts, [torch.as_tensor(v, device=DEVICE) for v in hosts]
+
+    got = run(staged_of)
+    assert got[0] == plain[0] and got[1] == plain[1]
+    assert_bit_exact(got[2], plain[2], "pool K")

@@ -451,3 +451,34 @@ def test_random_ragged_feeds_and_rollbacks_match_a_from_scratch_compression(impl
         for i, h in enumerate(history):
             assert_row_matches(xs, i, h)
             assert base[i] <= tokens[i] <= base[i] + xs.window
+
+
+@pytest.mark.rule("XsRolling append and compressor, port")
+@pytest.mark.parametrize("change", ["none", "rollback", "other count"])
+def test_a_port_append_uses_staged_indices_only_for_the_lengths_they_were_computed_for(change):
+    """`append_indices` / `stage` (the verify forward's one transfer) leave the append as it
+    is: staged for this append, the slot ends as one that uploads its own; staged before a
+    rollback, or for another token count, the append computes its own and ends the same."""
+    import torch
+
+    from raggedspec.gpu.xs_rolling import XsRolling
+
+    rng = np.random.default_rng(5)
+    first, nxt = rng.standard_normal((2, 7, 3)), rng.standard_normal((2, 3, 3))
+
+    def slot(stage: bool):
+        xs = XsRolling(2, 1, None, 64, 2, 3, 2)
+        xs.append_rows(torch.from_numpy(first))
+        if stage:
+            idx = xs.append_indices(2 if change == "other count" else 3)
+            xs.stage(2 if change == "other count" else 3,
+                     [None if v is None else torch.from_numpy(v) for v in idx])
+        if change == "rollback":
+            xs.set_row_lens([5, 6])
+        xs.append_rows(torch.from_numpy(nxt))
+        return xs_state(xs)
+
+    staged, plain = slot(True), slot(False)
+    assert staged[:2] == plain[:2]
+    for got, want in zip(staged[2] + staged[3], plain[2] + plain[3], strict=True):
+        assert np.array_equal(got, want)

@@ -32,7 +32,14 @@ import numpy as np
 import torch
 
 from raggedspec.gpu import masks as gmasks
-from raggedspec.gpu._common import arange_like, as_list, ints_on, neg_inf_where, to_device
+from raggedspec.gpu._common import (
+    arange_like,
+    as_list,
+    ints_on,
+    neg_inf_where,
+    to_device,
+    upload_ints,
+)
 from raggedspec.gpu.attention import dsv4_attention as g_dsv4_attention
 from raggedspec.gpu.cache import RaggedKv
 from raggedspec.gpu.draft import propose_chain_batched
@@ -340,19 +347,34 @@ class TorchBackend(Backend):
             adopt = getattr(slot.kv, "adopt_device_lens", None)
             if adopt is not None:
                 adopt(plan.host.cache_lens, plan.cache_lens)
+        dev_tokens = None if plan is None else self._upload_step_ints(model, cache, tokens)
         if self._plain_layout(offs_np, own, comp_start):
             fwd = model.forward(tokens, [s.kv for s in kvs], offs, capture,
-                                device_offsets=None if plan is None else plan.offsets)
+                                device_offsets=None if plan is None else plan.offsets,
+                                device_tokens=dev_tokens)
         else:
             dev_offs = plan.offsets if plan is not None else self._ints(offs)
-            fwd = self._forward_general(model, ints_on(tokens, self.dev), [s.kv for s in kvs],
-                                        dev_offs, to_device(torch.from_numpy(comp_start),
-                                                            self.dev))
+            fwd = self._forward_general(model, ints_on(tokens, self.dev) if dev_tokens is None
+                                        else dev_tokens, [s.kv for s in kvs], dev_offs,
+                                        to_device(torch.from_numpy(comp_start), self.dev))
             if capture is not None:
                 capture.store_rows(offs, fwd.hidden.clone())
         for slot in kvs:
             slot.current += t
         return fwd
+
+    def _upload_step_ints(self, model, cache, tokens: np.ndarray) -> torch.Tensor:
+        """The verify tokens `[B,T]` on the device, in one transfer with the index vectors of
+        every XsRolling slot's coming append (`XsRolling.append_indices`, staged on the slot
+        for `xs_append`). Refuses nothing."""
+        xs = [s for s in cache.slots if s.kind == XS]
+        staged = [(s, s.append_indices(tokens.shape[1])) for s in xs]
+        staged = [(s, idx) for s, idx in staged if idx is not None]
+        dev_tok, *dev = upload_ints(model.embed, tokens.reshape(-1),
+                                    *(v for _, idx in staged for v in idx))
+        for k, (slot, idx) in enumerate(staged):
+            slot.stage(tokens.shape[1], dev[k * len(idx):(k + 1) * len(idx)])
+        return dev_tok.view(tokens.shape)
 
     def _check_forward(self, model, tokens, cache, offsets, lead_pad):
         """`forward`'s refusals, in the reference's order (tokens, vocabulary, slots, offset

@@ -89,6 +89,11 @@ class RaggedKv:
         if self._dev is None and self._host is not None and np.array_equal(self._host, host):
             self._dev = dev
 
+    def known_host_lens(self) -> np.ndarray | None:
+        """The lengths as host integers when the host knows them (no device read), else None.
+        The caller must not modify the array."""
+        return self._host
+
     def host_lens(self) -> np.ndarray:
         """The lengths as host integers (read from the device once if they were computed
         there). The caller must not modify the array."""

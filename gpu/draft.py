@@ -42,6 +42,7 @@ def propose_chain_batched(
     cache: RaggedKv | None,
     trace: list | None = None,
     rows=None,
+    staged=None,
 ) -> torch.Tensor:
     """Draft `n` greedy tokens for each of G rows: one batched MTP step per chain step.
 
@@ -54,7 +55,8 @@ def propose_chain_batched(
     -> next; `toks := next`, `prev := hidden` (pre-norm). Tier A (no block):
     `hidden = h_proj(prev) + e_proj(embed(tok))`, `logits = lm_head(hidden)`, no cache.
     Invariant: on entry every group row holds its own start (else DispatchRefusal
-    "desync"), after step i `start + i + 1`. `trace` receives each step's hidden `[G,H]`."""
+    "desync"), after step i `start + i + 1`. `trace` receives each step's hidden `[G,H]`;
+    `staged` the step's vectors uploaded earlier, used where equal (`staged_or_upload`)."""
     require(seed_hidden.dim() == 2, f"seed_hidden {tuple(seed_hidden.shape)} must be [G,H]")
     require(n >= 0, f"chain length {n} must be >= 0")
     g = seed_hidden.shape[0]
@@ -78,7 +80,7 @@ def propose_chain_batched(
     ragged = resolve_ragged_chain_starts(starts.tolist())
     ragged = None if ragged is None else host_ints(ragged)
     held = None if cache is None else cache.pending_upload()
-    toks, *dev, dev_held = upload_ints(like, first, rows, ragged, held)
+    toks, *dev, dev_held = staged_or_upload(like, [first, rows, ragged, held], staged)
     if dev_held is not None:  # the pool's lengths, in the same upload
         cache.adopt_device_lens(held, dev_held)
     out = []  # each step's tokens [G, 1]: one cat at the end
@@ -91,6 +93,18 @@ def propose_chain_batched(
         if trace is not None:
             trace.append(hidden[:, 0].clone())
     return torch.cat(out, dim=1)
+
+
+def staged_or_upload(like: torch.Tensor, host: list, staged) -> list:
+    """The device copies of the host int64 vectors `host` (None entries stay None): those of
+    `staged = (host vectors, device vectors)` when every vector equals its staged one, else
+    one upload of `host`. Refuses nothing."""
+    if staged is not None and len(staged[0]) == len(host) and all(
+            (a is None and b is None) or (a is not None and b is not None
+                                          and np.array_equal(a, b))
+            for a, b in zip(host, staged[0], strict=True)):
+        return list(staged[1])
+    return upload_ints(like, *host)
 
 
 def chain_step(model, prev: torch.Tensor, toks: torch.Tensor, start_pos: int,
@@ -130,7 +144,8 @@ def extend_draft_kv_rows(
     rows=None,
     write=None,
     hidden_rows=None,
-) -> None:
+    riders=(),
+) -> list | None:
     """Write the pairs `(hidden[r, lo_r - off_r + j], tokens[r, lo_r + 1 + j])` into draft-KV
     row `rows[r]` (row r when `rows` is None) at positions `lo_r + j`, `j < hi_r - lo_r`,
     for every row at once; rows with `hi <= lo`, or outside `write` when given (a bool `[R]`,
@@ -147,6 +162,8 @@ def extend_draft_kv_rows(
     `= hi`. The K is token-local, so no attention runs. `hidden_rows` (ints `[R]`): row r's
     capture is `hidden[hidden_rows[r]]` of a wider `hidden [N, T, H]` (read with the pairs,
     no copy of the rows first); a row outside `[0, N)` is refused (ValueError).
+    `riders`: further host int64 vectors uploaded in the pairs' transfer; returns their
+    device copies, or None when nothing is written (nothing uploaded).
     Capacity growth: by whole 512-column blocks, refused above `max_seq_len`."""
     tokens = checked_tokens(tokens, block.cfg.vocab)
     host_off, host_lo, host_hi, host_idx, host_cap = extension_rows(off, lo, hi, rows, hidden,
@@ -155,17 +172,19 @@ def extend_draft_kv_rows(
     host_n = written_counts(host_lo, host_hi, write)
     host_write = host_n > 0
     if not host_write.any():
-        return
+        return None
     check_extension_spans(kv, host_off, host_lo, host_hi, host_write, hidden.shape[1],
                           tokens.shape[1])
     kv._grow_to(int(host_hi[host_write].max()))  # refused (above max_seq_len) before any change
     held = kv.host_lens().copy()
     held[host_idx[host_write]] = host_lo[host_write]
     kv.lens = held
-    write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx, host_cap)
+    carried = write_draft_keys(block, kv, hidden, tokens, host_off, host_lo, host_n, host_idx,
+                               host_cap, riders)
     held = held.copy()
     held[host_idx[host_write]] = host_hi[host_write]
     kv.lens = held
+    return carried
 
 
 def checked_tokens(tokens, vocab: int) -> torch.Tensor | np.ndarray:
@@ -242,13 +261,14 @@ def check_extension_spans(kv: RaggedKv, host_off: np.ndarray, host_lo: np.ndarra
 
 def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
                      host_off: np.ndarray, host_lo: np.ndarray, host_n: np.ndarray,
-                     host_idx: np.ndarray, host_cap: np.ndarray) -> None:
+                     host_idx: np.ndarray, host_cap: np.ndarray, riders=()) -> list:
     """One fuse + key projection over `[R, max(n)]` and one scatter of the written pairs: row
     r's key for the pair `(hidden[host_cap[r], lo_r - off_r + j], tokens[r, lo_r + 1 + j])` lands at
     cache row `host_idx[r]`, column `lo_r + j`, for `j < n_r` only (K and V alike: the K is
     token-local, so no attention runs). Every index is computed on the host and uploaded in
     one transfer (host `tokens` are gathered there too); no index has a data-dependent size
-    on the device. Lengths are not touched. No refusals of its own."""
+    on the device. Lengths are not touched. `riders` (host int64 vectors) travel in the same
+    transfer; their device copies are returned. No refusals of its own."""
     r_n, t_cap = host_lo.size, hidden.shape[1]
     width = int(host_n.max())
     j = np.arange(width, dtype=np.int64)[None, :]
@@ -257,11 +277,11 @@ def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
     cols = np.clip(host_lo[:, None] + 1 + j, 0, tokens.shape[1] - 1)
     host_tok = not isinstance(tokens, torch.Tensor)
     flat = np.flatnonzero(valid)
-    src, pos_d, flat_d, rr, cc, tok = upload_ints(kv.k, *(x.reshape(-1) for x in (
+    src, pos_d, flat_d, rr, cc, tok, *carried = upload_ints(kv.k, *(x.reshape(-1) for x in (
         host_cap[:, None] * t_cap + np.clip((host_lo - host_off)[:, None] + j, 0, t_cap - 1),
         pos, flat,
         np.repeat(host_idx, host_n), pos.reshape(-1)[flat],
-        tokens[np.arange(r_n)[:, None], cols] if host_tok else cols)))
+        tokens[np.arange(r_n)[:, None], cols] if host_tok else cols)), *riders)
     h = hidden.reshape(-1, hidden.shape[2]).index_select(0, src).view(r_n, width, -1)
     tok = tok.view(r_n, width)
     nxt = tok if host_tok else on_device_of(tokens, kv.k).long().gather(1, tok)
@@ -274,6 +294,7 @@ def write_draft_keys(block, kv: RaggedKv, hidden: torch.Tensor, tokens,
     ).flatten(0, 1)[flat_d]
     kv.k[rr, :, cc] = k.to(kv.k.dtype)  # [V, Hk, hd] at (row, every head, column)
     kv.v[rr, :, cc] = k.to(kv.v.dtype)
+    return carried
 
 
 __all__ = [

@@ -5,11 +5,12 @@
 ragged alignment's refusals its `reference.align.draft_group_target` (both integer-only, the
 same functions the reference's loop calls); the reference's batch / set_len / split / strip
 become host metadata (decided before any tensor changes) plus the rows' lengths set to their
-chain starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool rows, and
-every group's tokens come back in one read. `extend_draft_kvs` is `extend_draft_kv_row` for a
-whole batch: the checks and metadata per row on host integers (the span is the reference's
-`extension_span`), then one gather of the new
-seeds and one `gpu.draft.extend_draft_kv_rows`.
+chain starts; the chain is one `gpu.draft.propose_chain_batched` per group on the pool
+rows, every group's chain vectors go up in one transfer before the first chain
+(`_stage_chains`), and every group's tokens come back in one read. `extend_draft_kvs` is
+`extend_draft_kv_row` for a whole batch: the checks and metadata per row on host integers
+(the span is the reference's `extension_span`), then one `gpu.draft.extend_draft_kv_rows`
+whose transfer carries the new seeds' indices, and one gather of the seeds.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def draft_group_loop(
     drafts: list[list[int]] = [[] for _ in range(b)]
     warned_empty = False
     pending = []  # (members, chain tokens on the device) per drafted group
+    staged = _stage_chains(model, groups, states, toks, cache_lens, budgets, w,
+                           per_seq_advance)
     for key, rows in groups.items():  # groups: at most w of them (one per uncached count)
         members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
         if not members:
@@ -68,7 +71,7 @@ def draft_group_loop(
                 warn(warnings, "no row", key=key)
                 warned_empty = True
             continue
-        group = _Group(key, w - key[0], members, starts)
+        group = _Group(key, w - key[0], members, starts, staged.get(key))
         chains = _draft_one_group(be, model, group, states, toks, per_seq_advance, warnings)
         if chains is None:
             continue
@@ -89,6 +92,50 @@ class _Group:
     n_draft: int
     members: list
     starts: list
+    staged: tuple | None = None
+
+
+def _stage_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_advance):
+    """Every group's chain vectors (`propose_chain_batched`'s last tokens, pool rows, ragged
+    starts and the pool's lengths on entry) predicted on the host before the first chain,
+    as if each group drafts, and uploaded in one transfer: `{key: (host, device)}`. A chain
+    uses its group's only where they equal its own (a skipped group changes the lengths
+    the next one sees). Empty with fewer than two such groups or without host lengths."""
+    try:
+        host = _predict_chains(model, groups, states, toks, cache_lens, budgets, w,
+                               per_seq_advance)
+    except (ValueError, IndexError):  # the chain itself refuses it, in its own order
+        return {}
+    if len(host) < 2:
+        return {}
+    dev = iter(upload_ints(model.embed, *(v for vs in host.values() for v in vs)))
+    return {key: (vs, [next(dev) for _ in vs]) for key, vs in host.items()}
+
+
+def _predict_chains(model, groups, states, toks, cache_lens, budgets, w, per_seq_advance):
+    """`_stage_chains`'s host vectors per group key (empty where a group's pool differs
+    or the pool's lengths are not on the host); the rules' ValueErrors propagate."""
+    lens, store, host = None, None, {}
+    for key, rows in groups.items() if model.mtp is not None else ():
+        members, starts = draft_group_members(rows, states, cache_lens, budgets, key[0])
+        caches = [states[i].cache for i in members]
+        n = w - key[0]
+        if not members or n <= 0 or not all(isinstance(c, PoolKv) for c in caches):
+            continue
+        store = caches[0].store if store is None else store
+        lens = store.kv.known_host_lens() if lens is None else lens
+        if lens is None or any(c.store is not store for c in caches):
+            return {}
+        idx = np.fromiter((c.idx for c in caches), np.int64, len(caches))
+        aligned = dispatch.resolve_draft_leads(per_seq_advance, starts) is not None
+        lens = lens.copy()
+        lens[idx] = starts if aligned else starts[0]
+        ragged = dispatch.resolve_ragged_chain_starts(starts)
+        host[key] = [np.fromiter((int(toks[i][-1]) for i in members), np.int64, len(members)),
+                     idx, None if ragged is None else np.asarray(ragged, np.int64), lens]
+        lens = lens.copy()
+        lens[idx] += n
+    return host
 
 
 def _read_chains(pending: list, drafts: list) -> None:
@@ -129,7 +176,8 @@ def _draft_one_group(be, model, group: _Group, states, toks, per_seq_advance, wa
     if plan is None:
         return None
     entry, cap = plan
-    chains = _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry)
+    chains = _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry,
+                        group.staged)
     for slot, i in enumerate(members):  # host write-back: per-state metadata, no tensor
         c = caches[slot]
         c.materialized = True
@@ -139,11 +187,12 @@ def _draft_one_group(be, model, group: _Group, states, toks, per_seq_advance, wa
     return chains
 
 
-def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry):
+def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entry,
+               staged=None):
     """The chain on the pool rows: their lengths set to the chain starts (each row its own
     start when aligned, else the batched `set_len(starts[0])`; ragged starts there refuse
     "desync" in the chain), then `propose_chain_batched`; a refusal leaves the rows as they
-    were (the reference refused on a batched copy)."""
+    were (the reference refused on a batched copy). `staged`: `_stage_chains`'s vectors."""
     store = caches[0].store
     idx = np.fromiter((c.idx for c in caches), np.int64, len(caches))
     store.reserve(max(max(starts), entry) + n_draft)
@@ -153,7 +202,7 @@ def _run_chain(model, caches, seed_hidden, lasts, n_draft, starts, aligned, entr
     store.kv.lens = aligned_lens
     try:
         return propose_chain_batched(model, seed_hidden, lasts, n_draft, starts, store.kv,
-                                     rows=idx)
+                                     rows=idx, staged=staged)
     except Refusal:
         store.kv.lens = before
         raise
@@ -261,27 +310,40 @@ def _extend_row(state, block, batch_fail, offsets, toks, row, hidden, q):
 
 
 def _extend_tensors(be, block, hidden, toks, q) -> None:
-    """The queued tensor work: one gather of the new seeds (one view per row by one
-    `unbind`), the truncated lengths, one `extend_draft_kv_rows` (reading the written rows
-    of the capture itself)."""
-    if q.seed_rows:  # the new seeds: one gather
-        seed_rows, seed_cols = upload_ints(hidden, *(np.asarray(x, dtype=np.int64) for x in
-                                                     (q.seed_rows, q.seed_cols)))
-        got = hidden[seed_rows, seed_cols].unbind(0)  # one view op
-        for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
-            state.seed = (p, seed)
+    """The queued tensor work: the truncated lengths, one `extend_draft_kv_rows` (reading the
+    written rows of the capture itself) whose transfer carries the new seeds' indices, then
+    one gather of the new seeds (one view per row by one `unbind`). The seeds are set even
+    when the extension refuses (their indices then uploaded on their own), as before it."""
+    seeds = None
+    if q.seed_rows:
+        seeds = [np.asarray(x, dtype=np.int64) for x in (q.seed_rows, q.seed_cols)]
+    carried = None
+    try:
+        carried = _extend_writes(block, hidden, toks, q, seeds or ())
+    finally:
+        if seeds is not None:
+            seed_rows, seed_cols = carried or upload_ints(hidden, *seeds)
+            got = hidden[seed_rows, seed_cols].unbind(0)  # one view op
+            for (state, p), seed in zip(q.seed_states, got, strict=True):  # host records
+                state.seed = (p, seed)
+
+
+def _extend_writes(block, hidden, toks, q, riders):
+    """The truncated lengths and the pairs' write; the `riders`' device copies (None when
+    nothing was written)."""
     store = q.store
     if q.trunc_idx:  # the reference's set_len(filled): lengths only
         held = store.kv.host_lens().copy()
         held[np.asarray(q.trunc_idx, dtype=np.int64)] = q.trunc_len
         store.kv.lens = held
-    if q.w_rows:
-        store.reserve(max(q.w_hi))
-        tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
-        for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
-            tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
-        extend_draft_kv_rows(block, store.kv, hidden, q.w_off, q.w_lo, q.w_hi, tok,
-                             rows=q.w_idx, hidden_rows=q.w_rows)
+    if not q.w_rows:
+        return None
+    store.reserve(max(q.w_hi))
+    tok = np.zeros((len(q.w_rows), max(q.w_hi) + 1), dtype=np.int64)
+    for r, (row, lo, hi) in enumerate(zip(q.w_rows, q.w_lo, q.w_hi, strict=True)):
+        tok[r, lo + 1 : hi + 1] = toks[row][lo + 1 : hi + 1]  # host packing of the tokens
+    return extend_draft_kv_rows(block, store.kv, hidden, q.w_off, q.w_lo, q.w_hi, tok,
+                                rows=q.w_idx, hidden_rows=q.w_rows, riders=riders)
 
 
 @dataclass

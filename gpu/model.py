@@ -397,7 +397,7 @@ class TinyModel:
         return rms_norm(hidden, self.norm, self.cfg.eps) @ self.lm_head
 
     def forward(self, tokens, cache: list[RaggedKv], seqlen_offsets=None, capture=None,
-                device_offsets=None) -> Forward:
+                device_offsets=None, device_tokens=None) -> Forward:
         """Run `tokens [B,T]` through every target layer over the in-place `cache` (layer i
         uses `cache[i]`; extra entries are ignored); every row's new K/V land at its own
         offset and every layer's lengths grow by T.
@@ -408,7 +408,8 @@ class TinyModel:
         reference's "disagrees with the layout"). After the last layer the pre-norm hidden
         is stored with `capture.store_rows(lens, hidden)` when a capture is given.
         `device_offsets`: the rows' lengths already on the device (the step plan's), which
-        the layers' RoPE reads instead of uploading them.
+        the layers' RoPE reads instead of uploading them; `device_tokens` the tokens already
+        there (no upload of their own).
         Refusals: those of the layers (CacheRefusal on growth, MaskRefusal)."""
         host_tokens = host_ints(tokens, flat=False)
         require(host_tokens.ndim == 2 and host_tokens.size > 0,
@@ -418,7 +419,7 @@ class TinyModel:
                 f"tokens must be in [0, {self.cfg.vocab}), got [{int(host_tokens.min())}, "
                 f"{int(host_tokens.max())}]"
             )
-        tokens = ints_on(tokens, self.device)
+        tokens = ints_on(tokens, self.device) if device_tokens is None else device_tokens
         b, _ = tokens.shape
         require(
             len(cache) >= self.n_layers, f"cache has {len(cache)} layers for {self.n_layers} layers"

@@ -20,7 +20,7 @@ from raggedspec.gpu._common import (
     upload_ints,
     zeros_on,
 )
-from raggedspec.reference.errors import CacheRefusal, require
+from raggedspec.reference.errors import CacheRefusal, Refusal, require
 from raggedspec.reference.xs_rolling import (
     XS_TAIL_MARGIN_TOKENS,
     plan_xs_advance,
@@ -76,6 +76,7 @@ class XsRolling:
         self.base = np.zeros(batch, dtype=np.int64)
         self.ring: torch.Tensor | None = None
         self.comp: torch.Tensor | None = None
+        self._staged = None  # `stage`'s device indices for the next append
 
     # --- host copies of the row lengths ----------------------------------------------------
     @property
@@ -159,6 +160,7 @@ class XsRolling:
         )
         b, t_new, d = x_new.shape
         tok_after, g_done_h, take_h, base_after = self._append_plan(t_new)
+        idx = self._take_staged(t_new)  # before `comp` grows: the width it was staged at
         x_new = to_device(x_new, self.device)
         g_needed = int((g_done_h + take_h).max()) if b else 0
         if self.ring is None:
@@ -170,15 +172,55 @@ class XsRolling:
         x_new = x_new.to(self.ring.dtype)
         compress = bool(b) and int(take_h.max()) > 0
         keep = min(t_new, self.window)
-        # every index the append needs, computed on the host: one upload
-        idx = upload_ints(self.ring, *(self._block_indices(t_new, g_done_h, take_h)
-                                       if compress else (None,) * 3), self._ring_indices(t_new))
+        # every index the append needs, computed on the host: one upload (or staged)
+        if idx is None:
+            idx = upload_ints(self.ring, *self._append_indices(t_new, g_done_h, take_h))
         if compress:
             self._compress_blocks(x_new, int(take_h.max()), *idx[:3])
         if keep:
             self._write_ring(x_new, keep, idx[3])
         self.tokens = tok_after
         self.base = base_after
+
+    def append_indices(self, t_new: int) -> list | None:
+        """The host index vectors the next `append_rows` of `t_new` rows needs (four int64
+        arrays, None where unused), or None where that append would refuse or has no ring
+        yet: a caller uploads them with its own transfer and hands the device copies to
+        `stage`. Changes nothing."""
+        if self.ring is None:
+            return None
+        try:
+            _, g_done_h, take_h, _ = self._append_plan(t_new)
+        except (Refusal, ValueError):
+            return None  # the append itself refuses, later, in its own order
+        return self._append_indices(t_new, g_done_h, take_h)
+
+    def stage(self, t_new: int, device_indices: list) -> None:
+        """Keep `append_indices(t_new)`'s device copies for the next `append_rows`, which uses
+        them while the slot's lengths and widths are those they were computed from (else it
+        uploads its own). Refuses nothing."""
+        self._staged = (t_new, self.host_tokens().copy(), self.host_base().copy(),
+                        self.comp.shape[1], list(device_indices))
+
+    def _take_staged(self, t_new: int) -> list | None:
+        """The staged device indices when they were computed for this append (dropped
+        either way)."""
+        staged, self._staged = getattr(self, "_staged", None), None
+        if staged is None or self.ring is None:
+            return None
+        n, tok, base, width, dev = staged
+        same = (n == t_new and width == self.comp.shape[1]
+                and np.array_equal(tok, self.host_tokens())
+                and np.array_equal(base, self.host_base()))
+        return dev if same else None
+
+    def _append_indices(self, t_new: int, g_done_h: np.ndarray, take_h: np.ndarray) -> list:
+        """`_block_indices` (None each when no row takes a block) and `_ring_indices`."""
+        g_needed = int((g_done_h + take_h).max()) if self.batch else 0
+        width = max(0 if self.comp is None else self.comp.shape[1], g_needed)
+        compress = bool(self.batch) and int(take_h.max()) > 0
+        blocks = self._block_indices(t_new, g_done_h, take_h, width) if compress else (None,) * 3
+        return [*blocks, self._ring_indices(t_new)]
 
     def _append_plan(self, t_new: int):
         """`(tokens_after, g_done, take, base_after)` per row, host int64 arrays, for appending
@@ -208,12 +250,13 @@ class XsRolling:
         base_after = np.fromiter((p.base_after for p in rows), np.int64, b)
         return tok_after, g_done_h, take_h, base_after
 
-    def _block_indices(self, t_new: int, g_done_h: np.ndarray, take_h: np.ndarray):
+    def _block_indices(self, t_new: int, g_done_h: np.ndarray, take_h: np.ndarray,
+                       width: int):
         """Host indices of `_compress_blocks`: `src [B * take_max * ratio]` each block
         position's row in `cat(x_new rows, ring rows)` (position p of row i from `x_new` when
         `p >= tokens_i`, else from the ring at `p mod W`), `sel` the `(row, j)` pairs with
         `j < take_i` (flat in `[B, take_max]`) and `dst` their rows in the flattened `comp`
-        (`i * width + g_done_i + j`). No refusals."""
+        (`i * width + g_done_i + j`, `width` that of `comp` at the append). No refusals."""
         b, w, r = self.batch, self.window, self.ratio
         tok, rows = self.host_tokens()[:, None], np.arange(b, dtype=np.int64)[:, None]
         j = np.arange(int(take_h.max()), dtype=np.int64)
@@ -222,7 +265,7 @@ class XsRolling:
         src = np.where(p >= tok, rows * t_new + np.clip(p - tok, 0, max(t_new - 1, 0)),
                        b * t_new + rows * w + p % w)
         valid = j[None, :] < take_h[:, None]
-        return src.reshape(-1), np.flatnonzero(valid), (rows * self.comp.shape[1] + g)[valid]
+        return src.reshape(-1), np.flatnonzero(valid), (rows * width + g)[valid]
 
     def _ring_indices(self, t_new: int) -> np.ndarray:
         """Host indices of `_write_ring`: row i's last `keep = min(t_new, W)` new rows land at
