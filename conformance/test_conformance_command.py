@@ -17,13 +17,13 @@ from raggedspec.conformance.runner import E2E_RULE, NO_RULE, _examples, rule_tab
 
 TABLE_RULE = "raggedspec conformance and its per-rule table"
 SUBSET = ["--tests", "conformance/test_backend.py", "conformance/test_end_to_end.py", "-k",
-          "union_mask or advance or verify_first or generated_scenario or per_sequence_example"]
+          "union_mask or rope_positions or verify_first or generated_scenario or per_sequence_example"]
 MASKS = ["--backend", "numpy", "--profile", "short", "--tests", "conformance/test_masks.py",
          "-k", "union or left_padded"]
 MASK = "dead-prefix union mask, backend"
 E2E = "end to end: the same scenario on two backends"
 EXAMPLE = "the spec's worked examples end to end"
-ADVANCE = "cohort and per-sequence advance arithmetic, backend"
+ROPE = "RoPE positions and rotation, backend"
 
 
 def table(stdout: str) -> dict[str, tuple[int, str]]:
@@ -99,13 +99,13 @@ def test_the_suite_names_the_rule_an_example_port_breaks():
     rows = table(bad.stdout)
     assert "backend buggy-example (cpu, float64)" in bad.stdout
     assert rows[MASK][1] == "FAIL" and rows[E2E][1] == "FAIL" and rows[EXAMPLE][1] == "FAIL"
-    assert rows[ADVANCE] == (60, "pass")  # the mutmut profile: 60 examples
+    assert rows[ROPE] == (60, "pass")  # the mutmut profile: 60 examples
     assert ("Falsifying example" in bad.stdout or "@reproduce_failure" in bad.stdout
             or "Mismatch" in bad.stdout)
     good = run_module("conformance", "--backend", "numpy", "--profile", "mutmut", *SUBSET)
     assert good.returncode == 0, good.stdout[-3000:]
     rows = table(good.stdout)
-    assert rows[MASK][1] == rows[E2E][1] == rows[EXAMPLE][1] == rows[ADVANCE][1] == "pass"
+    assert rows[MASK][1] == rows[E2E][1] == rows[EXAMPLE][1] == rows[ROPE][1] == "pass"
 
 
 @pytest.mark.slow

@@ -168,9 +168,9 @@ def test_float64_forward_matches_the_reference(case):
         appended: list = []
         original = RaggedKv.append
 
-        def spy(kv, k_new, v_new, rows=None, *, log=appended, original=original):
+        def spy(kv, k_new, v_new, rows=None, *, log=appended, original=original, **kw):
             log.append((k_new.clone(), v_new.clone()))
-            return original(kv, k_new, v_new, rows)
+            return original(kv, k_new, v_new, rows, **kw)
 
         with mock.patch.object(RaggedKv, "append", spy):
             got = pm.forward(to_port(new), cache, seqlen_offsets=torch.tensor(own))

@@ -558,7 +558,7 @@ def test_every_operation_on_pages_leaves_the_reference_view(lens, d, page, seed,
             committed = data.draw(st.integers(0, room), label="committed")
             if data.draw(st.booleans(), label="commit"):
                 for be_, c in ((be, port[i]), (DENSE, dense[i]), (REF, ref[i])):
-                    be_.commit_per_sequence(c, lead, own, committed)
+                    be_.commit(c, lead, own + committed, own + committed)
                 _same(port[i], ref[i], f"step {step} row {i} committed {committed}")
             elif lead:
                 for be_, c in ((be, port[i]), (DENSE, dense[i]), (REF, ref[i])):
