@@ -17,7 +17,8 @@ from raggedspec.conformance.runner import E2E_RULE, NO_RULE, _examples, rule_tab
 
 TABLE_RULE = "raggedspec conformance and its per-rule table"
 SUBSET = ["--tests", "conformance/test_backend.py", "conformance/test_end_to_end.py", "-k",
-          "union_mask or rope_positions or verify_first or generated_scenario or per_sequence_example"]
+          "union_mask or rope_positions or verify_first or generated_scenario "
+          "or per_sequence_example"]
 MASKS = ["--backend", "numpy", "--profile", "short", "--tests", "conformance/test_masks.py",
          "-k", "union or left_padded"]
 MASK = "dead-prefix union mask, backend"
