@@ -19,18 +19,9 @@ import ast
 import sys
 from pathlib import Path
 
+from uncovered_functions import functions  # the same walk: nested functions and methods
+
 DEFAULT_PATHS = ("raggedspec/reference", "raggedspec/gpu")
-
-
-def functions(tree: ast.AST, prefix: str = ""):
-    """`(qualified name, node)` for every function in `tree`, nested ones and methods included."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            name = f"{prefix}{node.name}"
-            yield name, node
-            yield from functions(node, f"{name}.")
-        elif isinstance(node, ast.ClassDef):
-            yield from functions(node, f"{prefix}{node.name}.")
 
 
 def length(node: ast.FunctionDef) -> int:
