@@ -29,6 +29,7 @@ from raggedspec.gpu.masks import (
     ragged_union_mask,
     raw_validity,
 )
+from raggedspec.reference.attention import held_window, key_geometry
 from raggedspec.reference.dispatch import resolve_ragged_rows
 from raggedspec.reference.errors import MaskRefusal, require  # noqa: F401 (MaskRefusal re-exported)
 from raggedspec.reference.masks import raw_keep_span
@@ -121,15 +122,11 @@ def dsv4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     compressed_kv = _checked_operands(q, k, v, compressed_kv, cfg)
     b, _, t_q, _ = q.shape
     t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
-    t_k_full = cfg.raw_prefix + k.shape[2]
-    window = max(cfg.sliding_window, 1)
-    if t_q > t_k_full:
-        raise MaskRefusal(f"{t_q} query rows against only {t_k_full} keys")
-    q0 = t_k_full - t_q
+    t_k_full, window, q0 = key_geometry(t_q, k.shape[2], cfg)
     given = None if cfg.row_q0 is None else as_list(lengths(cfg.row_q0, name="row_q0"))
     rows = resolve_ragged_rows(given, q0, b)  # the reference's rule, on host integers
     raw_base, keep = raw_keep_span(t_q, window, t_k_full)
-    k_raw, v_raw = _held_window(k, v, raw_base, keep, cfg.raw_prefix)
+    k_raw, v_raw = held_window(k, v, raw_base, keep, cfg.raw_prefix)
     dev, cd = q.device, _compute_dtype(q.dtype)
     valid = torch.cat([raw_validity(t_q, q0, raw_base, keep, window, device=dev),
                        compressed_validity(t_q, q0, t_c, cfg.compress_ratio, device=dev)], dim=1)
@@ -162,19 +159,6 @@ def _checked_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and compressed_kv.shape[3] == d,
             f"compressed_kv {list(compressed_kv.shape)} must be [B={b},{hk},t_c,D={d}]")
     return compressed_kv
-
-
-def _held_window(k: torch.Tensor, v: torch.Tensor, raw_base: int, keep: int,
-                 raw_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`k, v` narrowed to the absolute columns `[raw_base, raw_base + keep)`; the given keys
-    start at absolute column `raw_prefix`. Refuses with MaskRefusal when the window reaches
-    columns before `raw_prefix` ("are NOT" held)."""
-    rel_base = raw_base - raw_prefix
-    if rel_base < 0:
-        raise MaskRefusal(
-            f"raw keys [{raw_base}, {raw_prefix}) reachable by the window are NOT held: "
-            f"raw_prefix {raw_prefix} > raw_base {raw_base}")
-    return k[:, :, rel_base: rel_base + keep], v[:, :, rel_base: rel_base + keep]
 
 
 def _union_mask(rows, q0: int, valid: torch.Tensor, raw_base: int, keep: int,

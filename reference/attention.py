@@ -136,14 +136,10 @@ def dsv4_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, compressed_kv: n
     q, k, v, compressed_kv = _checked_operands(q, k, v, compressed_kv, cfg)
     b, _, t_q, _ = q.shape
     t_c = 0 if compressed_kv is None else compressed_kv.shape[2]
-    t_k_full = cfg.raw_prefix + k.shape[2]
-    window = max(cfg.sliding_window, 1)
-    if t_q > t_k_full:
-        raise MaskRefusal(f"{t_q} query rows against only {t_k_full} keys")
-    q0 = t_k_full - t_q
+    t_k_full, window, q0 = key_geometry(t_q, k.shape[2], cfg)
     rows = resolve_ragged_rows(cfg.row_q0, q0, b)
     raw_base, keep = raw_keep_span(t_q, window, t_k_full)
-    k_raw, v_raw = _held_window(k, v, raw_base, keep, cfg.raw_prefix)
+    k_raw, v_raw = held_window(k, v, raw_base, keep, cfg.raw_prefix)
     valid = np.concatenate([raw_validity(t_q, q0, raw_base, keep, window),
                             compressed_validity(t_q, q0, t_c, cfg.compress_ratio)], axis=1)
     local = _union_mask(rows, q0, valid, raw_base, keep, cfg.compress_ratio, t_c)
@@ -178,11 +174,22 @@ def _checked_operands(q, k, v, compressed_kv, cfg: Dsv4AttentionConfig):
     return q, k, v, compressed_kv
 
 
-def _held_window(k: np.ndarray, v: np.ndarray, raw_base: int, keep: int,
-                 raw_prefix: int) -> tuple[np.ndarray, np.ndarray]:
-    """`k, v` narrowed to the absolute columns `[raw_base, raw_base + keep)`; the given keys
-    start at absolute column `raw_prefix`. Refuses with MaskRefusal when the window reaches
-    columns before `raw_prefix` ("are NOT" held)."""
+def key_geometry(t_q: int, t_k: int, cfg) -> tuple[int, int, int]:
+    """`(t_k_full, window, q0)` of a call with `t_q` queries and `t_k` given raw keys after
+    `cfg.raw_prefix` unheld ones: the full key count, the window (at least 1) and the first
+    query's absolute position `t_k_full - t_q`. Refuses with MaskRefusal when `t_q >
+    t_k_full` ("query rows against only ... keys"). The port calls it too."""
+    t_k_full = cfg.raw_prefix + t_k
+    if t_q > t_k_full:
+        raise MaskRefusal(f"{t_q} query rows against only {t_k_full} keys")
+    return t_k_full, max(cfg.sliding_window, 1), t_k_full - t_q
+
+
+def held_window(k, v, raw_base: int, keep: int, raw_prefix: int):
+    """`k, v` (`[B,H,T,D]` arrays or tensors) narrowed to the absolute columns `[raw_base,
+    raw_base + keep)`; the given keys start at absolute column `raw_prefix`. Refuses with
+    MaskRefusal when the window reaches columns before `raw_prefix` ("are NOT" held). The
+    port calls it too."""
     rel_base = raw_base - raw_prefix
     if rel_base < 0:
         raise MaskRefusal(
