@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -166,20 +165,3 @@ def test_the_progress_counts_cases(capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "case/s" in err and "case tried" in err and "step" not in err, err
-
-
-@pytest.mark.rule("raggedspec check-kernel")
-def test_the_usage_in_docs_kernels_md_is_what_help_prints(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "100")
-    doc = (Path(__file__).parent.parent / "docs" / "kernels.md").read_text()
-    shown = doc.split("## Usage\n")[1].split("```\n")[1]
-    code, out, _ = run_cli("check-kernel", "--help")
-    assert code == 0 and " ".join(out.split("Exit codes:")[0].split()) == " ".join(shown.split())
-
-
-@pytest.mark.rule("raggedspec check-kernel")
-def test_the_command_list_shows_check_kernel_alike_when_its_parser_is_built():
-    """`raggedspec --help check-kernel` builds check-kernel's parser, `raggedspec --help` only
-    lists the commands: both list check-kernel with the same line."""
-    plain, built = run_cli("--help"), run_cli("--help", "check-kernel")
-    assert plain[0] == built[0] == 0 and built[1] == plain[1]

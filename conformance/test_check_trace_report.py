@@ -211,19 +211,3 @@ def test_the_json_rules_violations_and_replay_have_the_documented_fields(tmp_pat
     assert f"replay: diverged at {replay['divergence']['line']} " in out
     steps = list(tr.steps())
     assert (data["steps"], data["row_steps"]) == (len(steps), sum(len(s["rows"]) for s in steps))
-
-@pytest.mark.rule("raggedspec check-trace")
-def test_the_usage_in_docs_trace_check_md_is_what_help_prints(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "100")
-    doc = (Path(__file__).parent.parent / "docs" / "trace-check.md").read_text()
-    shown = doc.split("## Usage\n")[1].split("```\n")[1]
-    code, out, _ = cli("check-trace", "--help")
-    assert code == 0 and " ".join(out.split("Exit codes:")[0].split()) == " ".join(shown.split())
-
-
-@pytest.mark.rule("raggedspec check-trace")
-def test_the_command_list_shows_check_trace_alike_when_its_parser_is_built():
-    """`raggedspec --help check-trace` builds check-trace's parser, `raggedspec --help` only
-    lists the commands: both list check-trace with the same line."""
-    plain, built = cli("--help"), cli("--help", "check-trace")
-    assert plain[0] == built[0] == 0 and built[1] == plain[1]

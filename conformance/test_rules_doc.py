@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+from raggedspec.conformance.helpers import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "docs" / "rules.md"
 SPEC_NAMES = ROOT / "docs" / "spec-rules.txt"
@@ -287,3 +289,28 @@ def test_every_section_17_2_test_is_mapped_to_a_row(request):
         if len(hits) != 1:
             unmatched.append(name)
     assert not unmatched and len(raw) == len(SECTION_17_2_TESTS), f"§17.2 changed: {unmatched}"
+
+
+COMMAND_DOCS = [
+    pytest.param("check-kernel", "kernels.md", marks=pytest.mark.rule("raggedspec check-kernel"),
+                 id="check-kernel"),
+    pytest.param("check-trace", "trace-check.md", marks=pytest.mark.rule("raggedspec check-trace"),
+                 id="check-trace"),
+]
+
+
+@pytest.mark.parametrize("command, page", COMMAND_DOCS)
+def test_the_usage_in_a_commands_docs_is_what_help_prints(monkeypatch, command, page):
+    monkeypatch.setenv("COLUMNS", "100")
+    doc = (Path(__file__).parent.parent / "docs" / page).read_text()
+    shown = doc.split("## Usage\n")[1].split("```\n")[1]
+    code, out, _ = run_cli(command, "--help")
+    assert code == 0 and " ".join(out.split("Exit codes:")[0].split()) == " ".join(shown.split())
+
+
+@pytest.mark.parametrize("command, page", COMMAND_DOCS)
+def test_the_command_list_shows_a_command_alike_when_its_parser_is_built(command, page):
+    """`raggedspec --help COMMAND` builds that command's parser, `raggedspec --help` only
+    lists the commands: both list the command with the same line."""
+    plain, built = run_cli("--help"), run_cli("--help", command)
+    assert plain[0] == built[0] == 0 and built[1] == plain[1]
