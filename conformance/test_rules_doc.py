@@ -1,7 +1,7 @@
 """docs/rules.md is the map rule -> function -> invariant, and each test names the rows it pins
 with `@pytest.mark.rule(...)`. These tests keep both honest: every function the table names
 exists, every rule the spec names is listed, every test carries a marker naming a row, and every
-modelled row has a test."""
+modelled row has a test. The commands' docs pages show the usage their `--help` prints."""
 
 import pytest
 import importlib
