@@ -137,7 +137,7 @@ def test_per_position_acceptance_separates_profiles_the_aggregate_cannot():
     alt = drift.per_position_acceptance(steps_with_accepts([(3, 2), (3, 0)] * 50))
     assert alt.accepted_beyond == [50, 50, 0] and alt.reached_at == [100, 50, 50]
     assert alt.p_pos == [0.5, 1.0, 0.0]
-    # The brief's p_j (accepted beyond j / drafted beyond j) does not separate them at j=0.
+    # The plain ratio p_j (accepted beyond j / drafted beyond j) does not separate them at j=0.
     assert one.p[0] == 1.0 and alt.p[0] == 0.5
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device tool's command for a GPU window: `bash scripts/gpu_session.sh` (timeout_s 360: the
-# script's own hard deadline is 330 s, so a rerun still fits in the device time). Everything
+# The command for a session on a GPU machine: `bash scripts/gpu_session.sh` (allow it 360 s: the
+# script's own hard deadline is 330 s, so a rerun still fits in a short session). Everything
 # lives in scripts/gpu_session.py (step 0, the plan, the deadline, outputs under $OUT); this
 # wrapper only moves to the checkout root and picks the Python (PYTHON, default python3: on the
 # device, the one with torch and CuPy). Nothing is installed: the package imports from here.
